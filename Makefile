@@ -1,0 +1,52 @@
+# proxyaudit front door. The two commands a newcomer needs:
+#   make demo   - real local cluster (etcd, kube-apiserver, 3 kube-proxies), one drifted node, the findings
+#   make test   - unit tests and end-to-end tests on the real local cluster (root, Linux)
+GO       ?= go
+BIN      ?= bin
+TIMEOUT  ?= 45m
+# Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
+E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
+
+.PHONY: all build test unit e2e demo bench lint fmt deps cluster-binaries clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN)/ ./cmd/...
+
+## test: unit + end-to-end tests (the README's test command; .ci/run calls it)
+test: deps cluster-binaries
+	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) ./...
+
+## unit: fast tests only, no local cluster
+unit:
+	$(GO) test -short -count=1 ./...
+
+## e2e: end-to-end tests only, on the real local cluster
+e2e: deps cluster-binaries
+	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) -run 'E2E' ./...
+
+## demo: bring up the local cluster, drift one node, show the findings
+demo: deps build cluster-binaries
+	$(BIN)/localcluster demo --out demo-out
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+## deps: Debian packages the local cluster needs (root; no-op when present)
+deps:
+	@deploy/install-deps.sh
+
+## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd from Go modules
+cluster-binaries:
+	@deploy/k8s-tools/build.sh >/dev/null
+
+clean:
+	rm -rf $(BIN) demo-out

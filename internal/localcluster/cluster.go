@@ -1,0 +1,578 @@
+// Package localcluster runs a real Kubernetes control plane (etcd and
+// kube-apiserver built from the pinned k8s.io/kubernetes module) and real
+// kube-proxy processes, one per network namespace, on this machine. It is the
+// ground truth for proxyaudit's end-to-end tests and for `make demo`.
+//
+// Everything it creates carries the "pa-" prefix (network namespaces, links)
+// or the PROXYAUDIT_LOCALCLUSTER environment marker (processes), so that a run
+// after a crash removes what a previous run left and tests can assert that
+// nothing is left. Only one cluster runs on a machine at a time: Start takes a
+// machine-wide file lock and holds it until Stop.
+//
+// Addresses: the API server is advertised on 198.18.0.1 (a host-only veth);
+// node i gets a veth pair 198.18.0.(4i+1) (host) / 198.18.0.(4i+2) (node);
+// services use 198.19.0.0/16 and pods 198.18.128.0/17. All of it is in the
+// 198.18.0.0/15 benchmarking range and no traffic leaves the machine.
+package localcluster
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+)
+
+// Fixed addresses and ports of the local cluster.
+const (
+	APIServerIP   = "198.18.0.1"
+	APIServerPort = 6443
+	ServiceCIDR   = "198.19.0.0/16"
+	PodCIDR       = "198.18.128.0/17"
+	// KubernetesServiceIP is the cluster IP of default/kubernetes, the first
+	// address of ServiceCIDR.
+	KubernetesServiceIP = "198.19.0.1"
+	// VMHostIP is how a QEMU user-mode guest reaches the host (IPVS tests).
+	VMHostIP = "198.18.64.2"
+
+	etcdClientURL = "http://127.0.0.1:32379"
+	etcdPeerURL   = "http://127.0.0.1:32380"
+	apiLink       = "pa-api"
+	namePrefix    = "pa-"
+	lockPath      = "/run/lock/proxyaudit-localcluster.lock"
+	maxNodes      = 60
+)
+
+// Mode is the proxy mode kube-proxy runs in on a node.
+type Mode string
+
+// Proxy modes the local cluster can run (IPVS needs a VM; see the ipvs tests).
+const (
+	ModeIPTables Mode = "iptables"
+	ModeNFTables Mode = "nftables"
+)
+
+// NodeSpec describes a node to add.
+type NodeSpec struct {
+	Name string
+	Mode Mode
+	// Zone is the topology.kubernetes.io/zone label; empty means none.
+	Zone string
+	// LegacyIPTables makes kube-proxy (iptables mode) use the legacy
+	// x_tables backend instead of nf_tables.
+	LegacyIPTables bool
+}
+
+// Config configures Start.
+type Config struct {
+	// BinDir holds kube-apiserver, kube-proxy and etcd. Empty means
+	// build or reuse the cached ones (EnsureBinaries).
+	BinDir string
+	// Logf receives progress lines; nil discards them.
+	Logf func(format string, args ...any)
+	// KeepWorkDir leaves logs and configs on disk after Stop.
+	KeepWorkDir bool
+}
+
+// Cluster is a running local control plane with its nodes.
+type Cluster struct {
+	// Client is an admin client for the API server.
+	Client kubernetes.Interface
+	// RESTConfig is the admin configuration behind Client.
+	RESTConfig *rest.Config
+	// Dir is the work directory (logs, kubeconfigs, certificates).
+	Dir string
+	// AdminKubeconfig is a kubeconfig file for the admin user.
+	AdminKubeconfig string
+
+	cfg             Config
+	bin             string
+	pki             pki
+	adminToken      string
+	proxyKubeconfig string
+	lock            *os.File
+	etcd, apiserver *process
+
+	mu    sync.Mutex
+	nodes map[string]*Node
+}
+
+// Node is one simulated node: a network namespace running kube-proxy.
+type Node struct {
+	Name   string
+	Mode   Mode
+	Zone   string
+	Index  int
+	NetNS  string
+	HostIP string // host end of the node's veth
+	IP     string // the node's InternalIP
+	Legacy bool
+
+	c     *Cluster
+	mu    sync.Mutex
+	proxy *process
+}
+
+func (c *Cluster) logf(format string, args ...any) {
+	if c.cfg.Logf != nil {
+		c.cfg.Logf(format, args...)
+	}
+}
+
+// Start brings up etcd and kube-apiserver. It waits for the machine-wide
+// lock, removes anything a crashed run left behind, and returns once the API
+// server is ready. On error everything started so far is torn down.
+func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
+	if err := CanRun(); err != nil {
+		return nil, err
+	}
+	c = &Cluster{cfg: cfg, nodes: map[string]*Node{}}
+	if err := c.takeLock(ctx); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			c.Stop()
+			c = nil
+		}
+	}()
+	if err := CleanupStale(ctx); err != nil {
+		return c, fmt.Errorf("clean up a previous run: %w", err)
+	}
+	c.bin = cfg.BinDir
+	if c.bin == "" {
+		if c.bin, err = EnsureBinaries(ctx, c.logf); err != nil {
+			return c, err
+		}
+	}
+	if c.Dir, err = os.MkdirTemp("", "proxyaudit-localcluster-"); err != nil {
+		return c, err
+	}
+	c.logf("local cluster work dir %s", c.Dir)
+	// A host-only veth pair holds the API server's advertised address.
+	for _, argv := range [][]string{
+		{"ip", "link", "add", apiLink, "type", "veth", "peer", "name", apiLink + "-peer"},
+		{"ip", "addr", "add", APIServerIP + "/32", "dev", apiLink},
+		{"ip", "link", "set", apiLink, "up"},
+		{"ip", "link", "set", apiLink + "-peer", "up"},
+	} {
+		if _, err := run(ctx, argv...); err != nil {
+			return c, err
+		}
+	}
+	ips := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(APIServerIP), net.ParseIP(KubernetesServiceIP), net.ParseIP(VMHostIP)}
+	if c.pki, err = writePKI(c.Dir, ips); err != nil {
+		return c, fmt.Errorf("write certificates: %w", err)
+	}
+	c.adminToken = randomToken()
+	proxyToken := randomToken()
+	tokens := fmt.Sprintf("%s,admin,1,system:masters\n%s,system:kube-proxy,2,\n", c.adminToken, proxyToken)
+	if err := os.WriteFile(filepath.Join(c.Dir, "tokens.csv"), []byte(tokens), 0o600); err != nil {
+		return c, err
+	}
+	c.AdminKubeconfig = filepath.Join(c.Dir, "admin.kubeconfig")
+	if err := writeKubeconfig(c.AdminKubeconfig, "https://127.0.0.1:6443", c.pki.CACert, c.adminToken); err != nil {
+		return c, err
+	}
+	c.proxyKubeconfig = filepath.Join(c.Dir, "kube-proxy.kubeconfig")
+	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, proxyToken); err != nil {
+		return c, err
+	}
+	if err := c.startEtcd(ctx); err != nil {
+		return c, err
+	}
+	if err := c.startAPIServer(ctx); err != nil {
+		return c, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) takeLock(ctx context.Context) error {
+	if err := os.MkdirAll(filepath.Dir(lockPath), 0o755); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return fmt.Errorf("open lock %s: %w", lockPath, err)
+	}
+	logged := false
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			c.lock = f
+			return nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			f.Close()
+			return fmt.Errorf("lock %s: %w", lockPath, err)
+		}
+		if !logged {
+			c.logf("another local cluster is running on this machine; waiting for %s", lockPath)
+			logged = true
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return fmt.Errorf("waiting for %s: %w", lockPath, ctx.Err())
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+func (c *Cluster) startEtcd(ctx context.Context) error {
+	var err error
+	c.etcd, err = startProcess("etcd", filepath.Join(c.Dir, "etcd.log"), []string{
+		filepath.Join(c.bin, "etcd"),
+		"--name=default",
+		"--data-dir=" + filepath.Join(c.Dir, "etcd"),
+		"--listen-client-urls=" + etcdClientURL,
+		"--advertise-client-urls=" + etcdClientURL,
+		"--listen-peer-urls=" + etcdPeerURL,
+		"--initial-advertise-peer-urls=" + etcdPeerURL,
+		"--initial-cluster=default=" + etcdPeerURL,
+		"--unsafe-no-fsync",
+		"--log-level=warn",
+	})
+	if err != nil {
+		return err
+	}
+	hc := &http.Client{Timeout: time.Second}
+	return c.waitProcess(ctx, c.etcd, 60*time.Second, "etcd healthy", func() bool {
+		resp, err := hc.Get(etcdClientURL + "/health")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+}
+
+func (c *Cluster) startAPIServer(ctx context.Context) error {
+	var err error
+	c.apiserver, err = startProcess("kube-apiserver", filepath.Join(c.Dir, "kube-apiserver.log"), []string{
+		filepath.Join(c.bin, "kube-apiserver"),
+		"--etcd-servers=" + etcdClientURL,
+		"--bind-address=0.0.0.0",
+		fmt.Sprintf("--secure-port=%d", APIServerPort),
+		"--advertise-address=" + APIServerIP,
+		"--tls-cert-file=" + c.pki.ServingCert,
+		"--tls-private-key-file=" + c.pki.ServingKey,
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-account-key-file=" + c.pki.SAPub,
+		"--service-account-signing-key-file=" + c.pki.SAKey,
+		"--token-auth-file=" + filepath.Join(c.Dir, "tokens.csv"),
+		"--authorization-mode=Node,RBAC",
+		"--service-cluster-ip-range=" + ServiceCIDR,
+		"--cert-dir=" + filepath.Join(c.Dir, "certs"),
+		"--profiling=false",
+	})
+	if err != nil {
+		return err
+	}
+	c.RESTConfig = &rest.Config{
+		Host:            "https://127.0.0.1:6443",
+		BearerToken:     c.adminToken,
+		TLSClientConfig: rest.TLSClientConfig{CAFile: c.pki.CACert},
+		QPS:             200,
+		Burst:           400,
+	}
+	if c.Client, err = kubernetes.NewForConfig(c.RESTConfig); err != nil {
+		return err
+	}
+	caPEM, err := os.ReadFile(c.pki.CACert)
+	if err != nil {
+		return err
+	}
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: certPool(caPEM)}}}
+	ready := func() bool {
+		req, _ := http.NewRequest("GET", "https://127.0.0.1:6443/readyz", nil)
+		req.Header.Set("Authorization", "Bearer "+c.adminToken)
+		resp, err := hc.Do(req)
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	}
+	if err := c.waitProcess(ctx, c.apiserver, 120*time.Second, "kube-apiserver ready", ready); err != nil {
+		return err
+	}
+	// kube-proxy programs default/kubernetes; wait until it exists so that
+	// "rules present" has something to look for.
+	return c.waitProcess(ctx, c.apiserver, 60*time.Second, "default/kubernetes service", func() bool {
+		_, err := c.Client.CoreV1().Services("default").Get(ctx, "kubernetes", metav1.GetOptions{})
+		return err == nil
+	})
+}
+
+// waitProcess polls cond until it holds, the process exits (an error that
+// quotes the end of its log), or the timeout passes.
+func (c *Cluster) waitProcess(ctx context.Context, p *process, timeout time.Duration, what string, cond func() bool) error {
+	start := time.Now()
+	deadline := start.Add(timeout)
+	for !cond() {
+		if p != nil && p.exited() {
+			return fmt.Errorf("%s exited while waiting for %s: %v; last log lines:\n%s", p.name, what, p.err, tailFile(p.log.Name(), 15))
+		}
+		if time.Now().After(deadline) {
+			msg := fmt.Sprintf("timed out after %s waiting for %s", timeout, what)
+			if p != nil {
+				msg += "; last log lines of " + p.name + ":\n" + tailFile(p.log.Name(), 15)
+			}
+			return errors.New(msg)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	c.logf("%s after %s", what, time.Since(start).Round(time.Millisecond))
+	return nil
+}
+
+// AddNode creates the node's namespace and veth pair, registers the Node
+// object (zone label, InternalIP) and starts kube-proxy, returning once
+// kube-proxy has programmed default/kubernetes.
+func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
+	if spec.Mode != ModeIPTables && spec.Mode != ModeNFTables {
+		return nil, fmt.Errorf("node %s: unsupported mode %q (want iptables or nftables)", spec.Name, spec.Mode)
+	}
+	c.mu.Lock()
+	if _, dup := c.nodes[spec.Name]; dup {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("node %s already exists", spec.Name)
+	}
+	idx := len(c.nodes) + 1
+	if idx > maxNodes {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("at most %d nodes", maxNodes)
+	}
+	n := &Node{
+		Name: spec.Name, Mode: spec.Mode, Zone: spec.Zone, Index: idx, Legacy: spec.LegacyIPTables,
+		NetNS:  namePrefix + spec.Name,
+		HostIP: fmt.Sprintf("198.18.0.%d", 4*idx+1),
+		IP:     fmt.Sprintf("198.18.0.%d", 4*idx+2),
+		c:      c,
+	}
+	c.nodes[spec.Name] = n
+	c.mu.Unlock()
+
+	hostLink, nodeLink := fmt.Sprintf("pa-h%d", idx), fmt.Sprintf("pa-n%d", idx)
+	for _, argv := range [][]string{
+		{"ip", "netns", "add", n.NetNS},
+		{"ip", "link", "add", hostLink, "type", "veth", "peer", "name", nodeLink},
+		{"ip", "link", "set", nodeLink, "netns", n.NetNS},
+		{"ip", "-n", n.NetNS, "link", "set", nodeLink, "name", "eth0"},
+		{"ip", "addr", "add", n.HostIP + "/30", "dev", hostLink},
+		{"ip", "link", "set", hostLink, "up"},
+		{"ip", "-n", n.NetNS, "addr", "add", n.IP + "/30", "dev", "eth0"},
+		{"ip", "-n", n.NetNS, "link", "set", "eth0", "up"},
+		{"ip", "-n", n.NetNS, "link", "set", "lo", "up"},
+		{"ip", "-n", n.NetNS, "route", "add", "default", "via", n.HostIP},
+	} {
+		if _, err := run(ctx, argv...); err != nil {
+			return nil, fmt.Errorf("node %s network: %w", n.Name, err)
+		}
+	}
+	if err := c.registerNode(ctx, n); err != nil {
+		return nil, err
+	}
+	if err := n.StartProxy(ctx); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
+	labels := map[string]string{"kubernetes.io/hostname": n.Name, "kubernetes.io/os": "linux"}
+	if n.Zone != "" {
+		labels["topology.kubernetes.io/zone"] = n.Zone
+	}
+	obj := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, Labels: labels}}
+	created, err := c.Client.CoreV1().Nodes().Create(ctx, obj, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		created, err = c.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("create Node %s: %w", n.Name, err)
+	}
+	// kube-proxy waits for the node's addresses before it programs anything.
+	created.Status.Addresses = []corev1.NodeAddress{
+		{Type: corev1.NodeInternalIP, Address: n.IP},
+		{Type: corev1.NodeHostName, Address: n.Name},
+	}
+	created.Status.Conditions = []corev1.NodeCondition{{
+		Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "LocalCluster",
+		LastHeartbeatTime: metav1.Now(), LastTransitionTime: metav1.Now(),
+	}}
+	if _, err := c.Client.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("set status of Node %s: %w", n.Name, err)
+	}
+	return nil
+}
+
+// Node returns the named node, or nil.
+func (c *Cluster) Node(name string) *Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes[name]
+}
+
+// Nodes returns every node, sorted by name.
+func (c *Cluster) Nodes() []*Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]*Node, 0, len(c.nodes))
+	for _, n := range c.nodes {
+		out = append(out, n)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// Stop tears everything down: kube-proxies, the API server, etcd, network
+// namespaces, links and (unless KeepWorkDir) the work directory, then
+// releases the lock. It is safe to call more than once.
+func (c *Cluster) Stop() error {
+	if c == nil {
+		return nil
+	}
+	for _, n := range c.Nodes() {
+		n.mu.Lock()
+		n.proxy.stop(5 * time.Second)
+		n.mu.Unlock()
+	}
+	c.apiserver.stop(10 * time.Second)
+	c.etcd.stop(10 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := CleanupStale(ctx)
+	if c.Dir != "" && !c.cfg.KeepWorkDir {
+		os.RemoveAll(c.Dir)
+	}
+	if c.lock != nil {
+		syscall.Flock(int(c.lock.Fd()), syscall.LOCK_UN)
+		c.lock.Close()
+		c.lock = nil
+	}
+	return err
+}
+
+// CanRun reports why this machine cannot run a local cluster, or nil.
+func CanRun() error {
+	if os.Geteuid() != 0 {
+		return errors.New("the local cluster needs root (network namespaces, iptables)")
+	}
+	for _, tool := range []string{"ip", "iptables", "iptables-save", "nft"} {
+		if _, err := lookPath(tool); err != nil {
+			return fmt.Errorf("%s is not installed (Debian packages: iproute2 iptables nftables)", tool)
+		}
+	}
+	return nil
+}
+
+// CleanupStale removes every process, network namespace and link a local
+// cluster may have left behind. Call it only while holding the lock (Start
+// does) or when no cluster runs.
+func CleanupStale(ctx context.Context) error {
+	var errs []error
+	if err := killMarked(); err != nil {
+		errs = append(errs, err)
+	}
+	for _, ns := range ourNetNS() {
+		if _, err := run(ctx, "ip", "netns", "del", ns); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, l := range ourLinks() {
+		// Deleting one end of a veth removes its peer: ignore "not found".
+		if out, err := run(ctx, "ip", "link", "del", l); err != nil && !strings.Contains(out, "Cannot find device") {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Leftovers lists what a local cluster left on the machine: processes,
+// network namespaces and links. Empty means clean.
+func Leftovers() []string {
+	var out []string
+	for _, pid := range markedPIDs() {
+		if pidAlive(pid) {
+			cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+			out = append(out, fmt.Sprintf("process %d: %s", pid, strings.ReplaceAll(strings.TrimRight(string(cmd), "\x00"), "\x00", " ")))
+		}
+	}
+	for _, ns := range ourNetNS() {
+		out = append(out, "network namespace "+ns)
+	}
+	for _, l := range ourLinks() {
+		out = append(out, "link "+l)
+	}
+	return out
+}
+
+func ourNetNS() []string {
+	entries, _ := os.ReadDir("/run/netns")
+	var out []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), namePrefix) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+func ourLinks() []string {
+	ifs, _ := net.Interfaces()
+	var out []string
+	for _, i := range ifs {
+		if strings.HasPrefix(i.Name, namePrefix) {
+			out = append(out, i.Name)
+		}
+	}
+	return out
+}
+
+func randomToken() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func writeKubeconfig(path, server, caFile, token string) error {
+	cfg := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: %s
+    certificate-authority: %s
+users:
+- name: user
+  user:
+    token: %s
+contexts:
+- name: local
+  context: {cluster: local, user: user}
+current-context: local
+`, server, caFile, token)
+	return os.WriteFile(path, []byte(cfg), 0o600)
+}

@@ -1,0 +1,197 @@
+package localcluster
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Undo reverses a fault.
+type Undo func(ctx context.Context) error
+
+// HangInformer drops both directions of the node's traffic with the API
+// server inside its namespace. kube-proxy keeps running and its /livez stays
+// 200, but it sees no more changes: the field failure behind stale rules.
+// (Dropping only OUTPUT still lets some watch data in.)
+func (n *Node) HangInformer(ctx context.Context) (Undo, error) {
+	port := strconv.Itoa(APIServerPort)
+	rules := [][]string{
+		{"OUTPUT", "-d", APIServerIP, "-p", "tcp", "--dport", port, "-j", "DROP"},
+		{"INPUT", "-s", APIServerIP, "-p", "tcp", "--sport", port, "-j", "DROP"},
+	}
+	return n.insertFilterRules(ctx, rules)
+}
+
+// DropAPIConnection drops only kube-proxy's established connection to the API
+// server (matched on its local port), in both directions. Unlike
+// HangInformer, a restarted kube-proxy opens a new connection and recovers:
+// this is the dead-HTTP/2-connection failure that a restart cures.
+func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
+	pid := n.ProxyPID()
+	if pid == 0 {
+		return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
+	}
+	out, err := n.Exec(ctx, "ss", "-tnpH", "state", "established", "( dport = :"+strconv.Itoa(APIServerPort)+" )")
+	if err != nil {
+		return nil, err
+	}
+	var rules [][]string
+	for _, line := range strings.Split(out, "\n") {
+		if !strings.Contains(line, "pid="+strconv.Itoa(pid)+",") {
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) < 4 {
+			continue
+		}
+		local := f[2] // Recv-Q Send-Q Local Peer (state omitted with a filter)
+		i := strings.LastIndexByte(local, ':')
+		if i < 0 {
+			continue
+		}
+		lport := local[i+1:]
+		rules = append(rules,
+			[]string{"OUTPUT", "-p", "tcp", "--sport", lport, "-d", APIServerIP, "--dport", strconv.Itoa(APIServerPort), "-j", "DROP"},
+			[]string{"INPUT", "-p", "tcp", "-s", APIServerIP, "--sport", strconv.Itoa(APIServerPort), "--dport", lport, "-j", "DROP"})
+	}
+	if len(rules) == 0 {
+		return nil, fmt.Errorf("no established API connection of kube-proxy (pid %d) on %s:\n%s", pid, n.Name, out)
+	}
+	return n.insertFilterRules(ctx, rules)
+}
+
+// insertFilterRules inserts DROP rules in the filter table (nf_tables
+// backend, which coexists with either kube-proxy backend) and returns their
+// removal.
+func (n *Node) insertFilterRules(ctx context.Context, rules [][]string) (Undo, error) {
+	var done [][]string
+	undo := func(ctx context.Context) error {
+		var errs []error
+		for _, r := range done {
+			if _, err := n.Exec(ctx, append([]string{"iptables", "-w", "5", "-D"}, r...)...); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		return errors.Join(errs...)
+	}
+	for _, r := range rules {
+		if _, err := n.Exec(ctx, append([]string{"iptables", "-w", "5", "-I"}, r...)...); err != nil {
+			_ = undo(ctx)
+			return nil, err
+		}
+		done = append(done, r)
+	}
+	return undo, nil
+}
+
+// Freeze stops kube-proxy with SIGSTOP; the Undo thaws it with SIGCONT.
+func (n *Node) Freeze(ctx context.Context) (Undo, error) {
+	pid := n.ProxyPID()
+	if pid == 0 {
+		return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return nil, fmt.Errorf("freeze kube-proxy on %s: %w", n.Name, err)
+	}
+	// Signal delivery is asynchronous: return once the process is stopped.
+	if err := n.c.waitProcess(ctx, nil, 10*time.Second, "kube-proxy stopped on "+n.Name, func() bool { return procState(pid) == 'T' }); err != nil {
+		_ = syscall.Kill(pid, syscall.SIGCONT)
+		return nil, err
+	}
+	return func(context.Context) error { return syscall.Kill(pid, syscall.SIGCONT) }, nil
+}
+
+// FlushRules removes the node's kube-proxy NAT rules the way an operator's
+// `iptables -t nat -F` (or `nft flush table ip kube-proxy`) does. A live
+// kube-proxy restores them on a later sync; there is nothing to undo.
+func (n *Node) FlushRules(ctx context.Context) error {
+	if n.Mode == ModeNFTables {
+		_, err := n.Exec(ctx, "nft", "flush", "table", "ip", "kube-proxy")
+		return err
+	}
+	_, err := n.Exec(ctx, n.iptables(""), "-w", "5", "-t", "nat", "-F")
+	return err
+}
+
+// TamperEndpoint rewrites the DNAT of one endpoint rule from `from` to `to`
+// (both "ip:port"), as a hand edit or corruption would, leaving every other
+// rule alone. kube-proxy repairs it only when it next rewrites that service.
+func (n *Node) TamperEndpoint(ctx context.Context, from, to string) error {
+	if n.Mode == ModeNFTables {
+		return n.tamperNFT(ctx, from, to)
+	}
+	save, err := n.Exec(ctx, n.iptables("-save"), "-t", "nat")
+	if err != nil {
+		return err
+	}
+	var chain string
+	for _, line := range strings.Split(save, "\n") {
+		if strings.HasPrefix(line, "-A KUBE-SEP-") && strings.Contains(line, "--to-destination "+from) {
+			chain = strings.Fields(line)[1]
+			break
+		}
+	}
+	if chain == "" {
+		return fmt.Errorf("no KUBE-SEP rule DNATs to %s on %s", from, n.Name)
+	}
+	// Rewrite that one chain: declaring it in a --noflush restore replaces
+	// its rules and touches nothing else.
+	var b strings.Builder
+	b.WriteString("*nat\n:" + chain + " - [0:0]\n")
+	for _, line := range strings.Split(save, "\n") {
+		if strings.HasPrefix(line, "-A "+chain+" ") {
+			b.WriteString(strings.ReplaceAll(line, "--to-destination "+from, "--to-destination "+to) + "\n")
+		}
+	}
+	b.WriteString("COMMIT\n")
+	return n.restore(ctx, b.String())
+}
+
+func (n *Node) restore(ctx context.Context, input string) error {
+	argv := []string{"sh", "-c", `printf '%s' "$1" | ` + n.iptables("-restore") + ` -w 5 --noflush`, "sh", input}
+	_, err := n.Exec(ctx, argv...)
+	return err
+}
+
+// tamperNFT replaces the rule in kube-proxy's table that DNATs to `from`,
+// editing the listed rule's JSON and submitting it with `nft -j -f -` (chain
+// names such as service-X-ns/name/tcp/p cannot be written in nft syntax).
+func (n *Node) tamperNFT(ctx context.Context, from, to string) error {
+	out, err := n.Exec(ctx, "nft", "-j", "-a", "list", "table", "ip", "kube-proxy")
+	if err != nil {
+		return err
+	}
+	var doc struct {
+		Nftables []map[string]json.RawMessage `json:"nftables"`
+	}
+	if err := json.Unmarshal([]byte(out), &doc); err != nil {
+		return fmt.Errorf("parse nft JSON: %w", err)
+	}
+	host, port, _ := strings.Cut(from, ":")
+	toHost, toPort, _ := strings.Cut(to, ":")
+	// The two shapes kube-proxy writes: a numgen map of [ip, port] pairs, or
+	// an endpoint chain's {"addr": ip, "port": port}.
+	replacer := strings.NewReplacer(
+		`["`+host+`", `+port+`]`, `["`+toHost+`", `+toPort+`]`,
+		`"addr": "`+host+`", "port": `+port, `"addr": "`+toHost+`", "port": `+toPort,
+	)
+	for _, obj := range doc.Nftables {
+		raw, ok := obj["rule"]
+		if !ok || !strings.Contains(string(raw), `"dnat"`) {
+			continue
+		}
+		edited := replacer.Replace(string(raw))
+		if edited == string(raw) {
+			continue
+		}
+		cmd := `{"nftables": [{"replace": {"rule": ` + edited + `}}]}`
+		_, err := n.Exec(ctx, "sh", "-c", `printf '%s' "$1" | nft -j -f -`, "sh", cmd)
+		return err
+	}
+	return fmt.Errorf("no nftables rule DNATs to %s on %s", from, n.Name)
+}

@@ -1,0 +1,179 @@
+package localcluster
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// Exec runs argv inside the node's network namespace.
+func (n *Node) Exec(ctx context.Context, argv ...string) (string, error) {
+	return run(ctx, append([]string{"ip", "netns", "exec", n.NetNS}, argv...)...)
+}
+
+// iptables returns the iptables binary name for the node's backend with the
+// given suffix ("", "-save", "-restore").
+func (n *Node) iptables(suffix string) string {
+	if n.Legacy {
+		return "iptables-legacy" + suffix
+	}
+	return "iptables" + suffix
+}
+
+// Rules returns the node's kube-proxy rules as the tools an SRE would run
+// print them: `iptables-save -t nat` in iptables mode, `nft -j list table ip
+// kube-proxy` in nftables mode.
+func (n *Node) Rules(ctx context.Context) (string, error) {
+	if n.Mode == ModeNFTables {
+		return n.Exec(ctx, "nft", "-j", "list", "table", "ip", "kube-proxy")
+	}
+	return n.Exec(ctx, n.iptables("-save"), "-t", "nat")
+}
+
+// StartProxy starts kube-proxy on the node (again) and waits until it has
+// programmed default/kubernetes.
+func (n *Node) StartProxy(ctx context.Context) error {
+	n.mu.Lock()
+	if n.proxy != nil && !n.proxy.exited() {
+		n.mu.Unlock()
+		return fmt.Errorf("kube-proxy already runs on %s", n.Name)
+	}
+	argv := []string{"ip", "netns", "exec", n.NetNS}
+	if n.Legacy {
+		dir, err := n.c.legacyBin()
+		if err != nil {
+			n.mu.Unlock()
+			return err
+		}
+		argv = append(argv, "env", "PATH="+dir+":"+os.Getenv("PATH"))
+	}
+	argv = append(argv,
+		filepath.Join(n.c.bin, "kube-proxy"),
+		"--kubeconfig="+n.c.proxyKubeconfig,
+		"--proxy-mode="+string(n.Mode),
+		"--hostname-override="+n.Name,
+		"--conntrack-max-per-core=0",
+		"--cluster-cidr="+PodCIDR,
+		"--healthz-bind-address=0.0.0.0:10256",
+		"--metrics-bind-address=127.0.0.1:10249",
+		"--v=2",
+	)
+	p, err := startProcess("kube-proxy["+n.Name+"]", filepath.Join(n.c.Dir, "kube-proxy-"+n.Name+".log"), argv)
+	if err != nil {
+		n.mu.Unlock()
+		return err
+	}
+	n.proxy = p
+	n.mu.Unlock()
+	return n.c.waitProcess(ctx, p, 60*time.Second, "kube-proxy rules on "+n.Name, func() bool {
+		rules, err := n.Rules(ctx)
+		return err == nil && n.RoutesTo(rules, fmt.Sprintf("%s:%d", APIServerIP, APIServerPort))
+	})
+}
+
+// RoutesTo reports whether rules (as returned by Rules) DNAT to ip:port. It
+// is a coarse text check for the harness's own waits, not the audit: in
+// iptables mode a DNAT rule must name it; kube-proxy 1.36 in nftables mode
+// DNATs from the service chain through a numgen map of [ip, port] pairs, or
+// from a per-endpoint chain when it needs one (session affinity).
+func (n *Node) RoutesTo(rules, ipPort string) bool {
+	if n.Mode == ModeNFTables {
+		ip, port, _ := strings.Cut(ipPort, ":")
+		return strings.Contains(rules, `{"concat": ["`+ip+`", `+port+`]}`) ||
+			strings.Contains(rules, `"addr": "`+ip+`", "port": `+port)
+	}
+	return strings.Contains(rules, "-j DNAT --to-destination "+ipPort)
+}
+
+// StopProxy stops the node's kube-proxy (SIGTERM, then SIGKILL). Its rules
+// stay in the kernel, as they do when a real kube-proxy pod is deleted.
+func (n *Node) StopProxy() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.proxy.stop(5 * time.Second)
+}
+
+// RestartProxy stops kube-proxy and starts a new one, as deleting the
+// kube-proxy pod of a DaemonSet does.
+func (n *Node) RestartProxy(ctx context.Context) error {
+	n.StopProxy()
+	return n.StartProxy(ctx)
+}
+
+// ProxyPID returns the pid of the node's kube-proxy, or 0.
+func (n *Node) ProxyPID() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.proxy == nil || n.proxy.exited() {
+		return 0
+	}
+	return n.proxy.cmd.Process.Pid
+}
+
+// ProxyLog returns the path of the node's kube-proxy log.
+func (n *Node) ProxyLog() string {
+	return filepath.Join(n.c.Dir, "kube-proxy-"+n.Name+".log")
+}
+
+// Livez returns the HTTP status of kube-proxy's :10256/livez, as a kubelet
+// liveness probe would see it.
+func (n *Node) Livez(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+n.IP+":10256/livez", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	resp.Body.Close()
+	return resp.StatusCode, nil
+}
+
+// WaitRules polls the node's rules until cond holds or timeout passes; the
+// error includes the last rules seen.
+func (n *Node) WaitRules(ctx context.Context, timeout time.Duration, what string, cond func(rules string) bool) error {
+	var last string
+	err := n.c.waitProcess(ctx, nil, timeout, what+" on "+n.Name, func() bool {
+		r, err := n.Rules(ctx)
+		if err != nil {
+			return false
+		}
+		last = r
+		return cond(r)
+	})
+	if err != nil {
+		if len(last) > 4000 {
+			last = last[:4000] + "…(cut)"
+		}
+		return fmt.Errorf("%w; last rules:\n%s", err, last)
+	}
+	return nil
+}
+
+// legacyBin makes a directory whose iptables* entries are the legacy
+// x_tables backend, so that a kube-proxy with it first on PATH programs
+// legacy rules.
+func (c *Cluster) legacyBin() (string, error) {
+	dir := filepath.Join(c.Dir, "legacy-bin")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	multi, err := lookPath("xtables-legacy-multi")
+	if err != nil {
+		return "", fmt.Errorf("legacy iptables backend: %w", err)
+	}
+	for _, name := range []string{"iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore"} {
+		link := filepath.Join(dir, name)
+		if _, err := os.Lstat(link); err == nil {
+			continue
+		}
+		if err := os.Symlink(multi, link); err != nil {
+			return "", err
+		}
+	}
+	return dir, nil
+}

@@ -1,0 +1,125 @@
+package localcluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// EnsureNamespace creates the namespace if it does not exist.
+func (c *Cluster) EnsureNamespace(ctx context.Context, name string) error {
+	_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace %s: %w", name, err)
+	}
+	return nil
+}
+
+// CreateService creates svc (and its namespace) and returns it with the
+// cluster IP and node ports the API server allocated.
+func (c *Cluster) CreateService(ctx context.Context, svc *corev1.Service) (*corev1.Service, error) {
+	if err := c.EnsureNamespace(ctx, svc.Namespace); err != nil {
+		return nil, err
+	}
+	out, err := c.Client.CoreV1().Services(svc.Namespace).Create(ctx, svc, metav1.CreateOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("create service %s/%s: %w", svc.Namespace, svc.Name, err)
+	}
+	if len(svc.Status.LoadBalancer.Ingress) > 0 {
+		out.Status.LoadBalancer = svc.Status.LoadBalancer
+		if out, err = c.Client.CoreV1().Services(svc.Namespace).UpdateStatus(ctx, out, metav1.UpdateOptions{}); err != nil {
+			return nil, fmt.Errorf("set load-balancer status of %s/%s: %w", svc.Namespace, svc.Name, err)
+		}
+	}
+	return out, nil
+}
+
+// ApplySlice creates the EndpointSlice or replaces its endpoints and ports.
+// The slice must carry the kubernetes.io/service-name label; no controller
+// runs here, so tests own every slice and its churn.
+func (c *Cluster) ApplySlice(ctx context.Context, s *discoveryv1.EndpointSlice) error {
+	api := c.Client.DiscoveryV1().EndpointSlices(s.Namespace)
+	cur, err := api.Get(ctx, s.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		_, err = api.Create(ctx, s, metav1.CreateOptions{})
+	} else if err == nil {
+		cur.Endpoints, cur.Ports, cur.Labels = s.Endpoints, s.Ports, s.Labels
+		_, err = api.Update(ctx, cur, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("apply EndpointSlice %s/%s: %w", s.Namespace, s.Name, err)
+	}
+	return nil
+}
+
+// Slice builds an IPv4 EndpointSlice for service svc with one named port and
+// the given ready endpoints.
+func Slice(svc *corev1.Service, name, portName string, port int32, proto corev1.Protocol, ips ...string) *discoveryv1.EndpointSlice {
+	s := &discoveryv1.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name, Namespace: svc.Namespace,
+			Labels: map[string]string{discoveryv1.LabelServiceName: svc.Name, discoveryv1.LabelManagedBy: "proxyaudit-tests"},
+		},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &port, Protocol: &proto}},
+	}
+	for _, ip := range ips {
+		s.Endpoints = append(s.Endpoints, ReadyEndpoint(ip, ""))
+	}
+	return s
+}
+
+// ReadyEndpoint is a ready, serving endpoint on the given node (may be empty).
+func ReadyEndpoint(ip, node string) discoveryv1.Endpoint {
+	t := true
+	e := discoveryv1.Endpoint{
+		Addresses:  []string{ip},
+		Conditions: discoveryv1.EndpointConditions{Ready: &t, Serving: &t, Terminating: new(bool)},
+	}
+	if node != "" {
+		e.NodeName = &node
+	}
+	return e
+}
+
+// DumpClusterJSON returns Services, EndpointSlices and Nodes as one v1 List,
+// the shape of `kubectl get services,endpointslices,nodes -A -o json`.
+func (c *Cluster) DumpClusterJSON(ctx context.Context) ([]byte, error) {
+	var items []any
+	svcs, err := c.Client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("list services: %w", err)
+	}
+	for i := range svcs.Items {
+		s := svcs.Items[i]
+		s.APIVersion, s.Kind = "v1", "Service"
+		s.ManagedFields = nil
+		items = append(items, s)
+	}
+	slices, err := c.Client.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("list endpointslices: %w", err)
+	}
+	for i := range slices.Items {
+		s := slices.Items[i]
+		s.APIVersion, s.Kind = "discovery.k8s.io/v1", "EndpointSlice"
+		s.ManagedFields = nil
+		items = append(items, s)
+	}
+	nodes, err := c.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("list nodes: %w", err)
+	}
+	for i := range nodes.Items {
+		n := nodes.Items[i]
+		n.APIVersion, n.Kind = "v1", "Node"
+		n.ManagedFields = nil
+		items = append(items, n)
+	}
+	return json.MarshalIndent(map[string]any{"apiVersion": "v1", "kind": "List", "metadata": map[string]any{"resourceVersion": ""}, "items": items}, "", "    ")
+}

@@ -1,0 +1,96 @@
+package localcluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// RequireEnv, when set to "1" (make test sets it under CI=true), turns the
+// loud skip of end-to-end tests on a machine that cannot run them into a
+// failure, so a CI run can never pass without them.
+const RequireEnv = "PROXYAUDIT_E2E_REQUIRE"
+
+var shared struct {
+	once    sync.Once
+	nodes   []NodeSpec
+	cluster *Cluster
+	err     error
+	skip    string
+}
+
+// Main is a TestMain for packages with end-to-end tests. The shared cluster
+// with the given nodes starts on the first Shared call (so unit tests in the
+// same package do not wait for it) and is torn down after the tests, which
+// then fail if anything of the cluster is left on the machine.
+func Main(m *testing.M, nodes ...NodeSpec) {
+	shared.nodes = nodes
+	if err := CanRun(); err != nil {
+		shared.skip = err.Error()
+		banner := fmt.Sprintf("\n*** END-TO-END TESTS SKIPPED: %v ***\n*** they need a real local cluster; run `make test` as root on Linux ***\n\n", err)
+		fmt.Fprint(os.Stderr, banner)
+		if os.Getenv(RequireEnv) == "1" {
+			fmt.Fprintf(os.Stderr, "%s=1: refusing to pass without end-to-end tests\n", RequireEnv)
+			os.Exit(1)
+		}
+	}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-sig
+		fmt.Fprintln(os.Stderr, "interrupted: tearing down the local cluster")
+		shared.cluster.Stop()
+		os.Exit(130)
+	}()
+	code := m.Run()
+	if shared.cluster != nil {
+		if err := shared.cluster.Stop(); err != nil {
+			fmt.Fprintf(os.Stderr, "tear down local cluster: %v\n", err)
+			code = 1
+		}
+		if left := Leftovers(); len(left) > 0 {
+			fmt.Fprintf(os.Stderr, "local cluster left these behind:\n  %s\n", strings.Join(left, "\n  "))
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// Shared returns the package's shared cluster, starting it on first use, or
+// skips the test with the reason the machine cannot run it.
+func Shared(t testing.TB) *Cluster {
+	t.Helper()
+	if shared.skip != "" {
+		t.Skipf("END-TO-END TEST SKIPPED: %s", shared.skip)
+	}
+	if testing.Short() {
+		t.Skip("end-to-end test skipped in -short mode (make unit); make test runs it")
+	}
+	shared.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+		defer cancel()
+		logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "localcluster: "+format+"\n", args...) }
+		c, err := Start(ctx, Config{Logf: logf})
+		if err != nil {
+			shared.err = err
+			return
+		}
+		shared.cluster = c
+		for _, spec := range shared.nodes {
+			if _, err := c.AddNode(ctx, spec); err != nil {
+				shared.err = err
+				return
+			}
+		}
+	})
+	if shared.err != nil {
+		t.Fatalf("local cluster: %v", shared.err)
+	}
+	return shared.cluster
+}
