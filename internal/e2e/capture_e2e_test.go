@@ -1,0 +1,126 @@
+package e2e
+
+import (
+	"context"
+	"flag"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+var capture = flag.Bool("capture", false, "rewrite audit/testdata/capture from a live cluster")
+
+func TestMain(m *testing.M) { localcluster.Main(m, Nodes...) }
+
+// TestE2ECaptureFixtures captures the fixtures under audit/testdata/capture
+// from genuine kube-proxies: clean (the whole matrix), drift (two nodes with
+// hung informers after endpoint and service changes) and large (more than
+// 1,000 endpoints, kube-proxy drops rule comments). Run with -capture.
+func TestE2ECaptureFixtures(t *testing.T) {
+	if !*capture {
+		t.Skip("fixture capture runs only with -capture (make fixtures)")
+	}
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(root, "audit", "testdata", "capture")
+	os.RemoveAll(out)
+
+	if err := Apply(ctx, c, Matrix()); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
+		t.Fatal(err)
+	}
+	if err := Capture(ctx, c, filepath.Join(out, "clean")); err != nil {
+		t.Fatal(err)
+	}
+
+	// Drift: ipt-b and nft-b lose the API, then the cluster changes.
+	var undo []localcluster.Undo
+	for _, name := range []string{"ipt-b", "nft-b"} {
+		u, err := c.Node(name).HangInformer(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		undo = append(undo, u)
+	}
+	if err := Drift(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := Capture(ctx, c, filepath.Join(out, "drift")); err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range undo {
+		if err := u(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := WaitSynced(ctx, c, 3, c.Nodes()); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := Apply(ctx, c, []Entry{Bulk(1001)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitSynced(ctx, c, 4, c.Nodes()); err != nil {
+		t.Fatal(err)
+	}
+	if err := Capture(ctx, c, filepath.Join(out, "large")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Drift changes the cluster in every way a stale node can miss: an endpoint
+// replaced, one removed, one added, a service deleted and one created.
+func Drift(ctx context.Context, c *localcluster.Cluster) error {
+	for _, e := range Matrix() {
+		switch e.Service.Name {
+		case "multi": // .3 replaced by .4
+			s := e.Slices[0]
+			s.Endpoints[2] = ep("198.18.128.4", "ready", "", "")
+			if err := c.ApplySlice(ctx, s); err != nil {
+				return err
+			}
+		case "nodeport": // scaled down: .11 gone
+			s := e.Slices[0]
+			s.Endpoints = s.Endpoints[:1]
+			if err := c.ApplySlice(ctx, s); err != nil {
+				return err
+			}
+		case "two-slices": // scaled up: .77 added
+			s := e.Slices[1]
+			s.Endpoints = append(s.Endpoints, ep("198.18.128.77", "ready", "", ""))
+			if err := c.ApplySlice(ctx, s); err != nil {
+				return err
+			}
+		case "affinity": // deleted
+			if err := c.Client.CoreV1().Services(Namespace).Delete(ctx, "affinity", metav1.DeleteOptions{}); err != nil {
+				return err
+			}
+			if err := c.Client.DiscoveryV1().EndpointSlices(Namespace).Delete(ctx, "affinity-1", metav1.DeleteOptions{}); err != nil {
+				return err
+			}
+		}
+	}
+	created := Entry{Service: service("created", nil, svcPort("http", 80, corev1.ProtocolTCP))}
+	created.Slices = append(created.Slices, Sentinel(0).Slices[0])
+	created.Slices[0].Name = "created-1"
+	created.Slices[0].Labels["kubernetes.io/service-name"] = "created"
+	created.Slices[0].Endpoints = []discoveryv1.Endpoint{ep("198.18.128.95", "ready", "", "")}
+	return Apply(ctx, c, []Entry{created})
+}
