@@ -1,0 +1,247 @@
+package audit
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+)
+
+// LabelServiceProxyName marks services that another proxy implements;
+// kube-proxy writes no rules for them.
+const LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
+
+// State is the cluster as the audit needs it: services, their endpoints and
+// the nodes' topology, reduced from API objects at the door.
+type State struct {
+	Services []Service
+	Nodes    map[string]NodeInfo
+}
+
+// NodeInfo is what the audit needs of a Node.
+type NodeInfo struct {
+	Zone string
+}
+
+// Service is one Service with the endpoints of all its EndpointSlices.
+type Service struct {
+	Namespace, Name string
+	// Skip is why kube-proxy writes no rules for it (headless, ExternalName,
+	// service-proxy-name), or empty.
+	Skip        string
+	ClusterIPs  []netip.Addr
+	ExternalIPs []netip.Addr
+	LBIPs       []netip.Addr
+	Ports       []corev1.ServicePort
+	ITPLocal    bool
+	ETPLocal    bool
+	Affinity    bool
+	Slices      []Slice
+}
+
+// Slice is one EndpointSlice reduced to what kube-proxy reads.
+type Slice struct {
+	Family    int
+	Ports     []SlicePort
+	Endpoints []SliceEndpoint
+}
+
+// SlicePort is a named port of an EndpointSlice.
+type SlicePort struct {
+	Name     string
+	Protocol string
+	Port     uint16
+}
+
+// SliceEndpoint is one endpoint with its conditions and hints.
+type SliceEndpoint struct {
+	Addr                        netip.Addr
+	Ready, Serving, Terminating bool
+	NodeName                    string
+	ZoneHints, NodeHints        []string
+}
+
+// ErrNotAList is returned for cluster input that is not a v1 List.
+var ErrNotAList = errors.New(`cluster input is not a v1 List (expected the output of "kubectl get services,endpointslices,nodes -A -o json")`)
+
+// ParseClusterList reads `kubectl get services,endpointslices,nodes -A -o
+// json` output (a v1 List). Items of other kinds are ignored.
+func ParseClusterList(data []byte) (*State, error) {
+	data = bytes.TrimSpace(data)
+	if len(data) == 0 {
+		return nil, fmt.Errorf("cluster input is empty: %w", ErrNotAList)
+	}
+	var list struct {
+		Kind  string            `json:"kind"`
+		Items []json.RawMessage `json:"items"`
+	}
+	if err := json.Unmarshal(data, &list); err != nil {
+		return nil, fmt.Errorf("cluster input: %v: %w", err, ErrNotAList)
+	}
+	if list.Kind != "List" && list.Kind != "ServiceList" && list.Kind != "EndpointSliceList" && list.Kind != "NodeList" {
+		return nil, fmt.Errorf("cluster input has kind %q: %w", list.Kind, ErrNotAList)
+	}
+	var (
+		svcs   []corev1.Service
+		slices []discoveryv1.EndpointSlice
+		nodes  []corev1.Node
+	)
+	for i, raw := range list.Items {
+		var meta struct{ Kind string }
+		if err := json.Unmarshal(raw, &meta); err != nil {
+			return nil, fmt.Errorf("cluster input item %d: %w", i, err)
+		}
+		var err error
+		switch meta.Kind {
+		case "Service":
+			var s corev1.Service
+			err = json.Unmarshal(raw, &s)
+			svcs = append(svcs, s)
+		case "EndpointSlice":
+			var s discoveryv1.EndpointSlice
+			err = json.Unmarshal(raw, &s)
+			slices = append(slices, s)
+		case "Node":
+			var n corev1.Node
+			err = json.Unmarshal(raw, &n)
+			nodes = append(nodes, n)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("cluster input item %d (%s): %w", i, meta.Kind, err)
+		}
+	}
+	return FromAPI(svcs, slices, nodes), nil
+}
+
+// FromAPI reduces API objects to the audit's State.
+func FromAPI(services []corev1.Service, slices []discoveryv1.EndpointSlice, nodes []corev1.Node) *State {
+	st := &State{Nodes: map[string]NodeInfo{}}
+	for _, n := range nodes {
+		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone]}
+	}
+	bySvc := map[[2]string][]Slice{}
+	for i := range slices {
+		s := &slices[i]
+		name := s.Labels[discoveryv1.LabelServiceName]
+		if name == "" {
+			continue
+		}
+		var fam int
+		switch s.AddressType {
+		case discoveryv1.AddressTypeIPv4:
+			fam = 4
+		case discoveryv1.AddressTypeIPv6:
+			fam = 6
+		default:
+			continue // FQDN slices are not proxied
+		}
+		rs := Slice{Family: fam}
+		for _, p := range s.Ports {
+			if p.Port == nil {
+				continue
+			}
+			sp := SlicePort{Protocol: "TCP", Port: uint16(*p.Port)}
+			if p.Name != nil {
+				sp.Name = *p.Name
+			}
+			if p.Protocol != nil {
+				sp.Protocol = string(*p.Protocol)
+			}
+			rs.Ports = append(rs.Ports, sp)
+		}
+		for _, e := range s.Endpoints {
+			if len(e.Addresses) == 0 {
+				continue
+			}
+			addr, err := netip.ParseAddr(e.Addresses[0])
+			if err != nil {
+				continue
+			}
+			c := e.Conditions
+			se := SliceEndpoint{
+				Addr:        addr.Unmap(),
+				Ready:       c.Ready == nil || *c.Ready,
+				Serving:     c.Serving == nil || *c.Serving,
+				Terminating: c.Terminating != nil && *c.Terminating,
+			}
+			if e.NodeName != nil {
+				se.NodeName = *e.NodeName
+			}
+			if e.Hints != nil {
+				for _, z := range e.Hints.ForZones {
+					se.ZoneHints = append(se.ZoneHints, z.Name)
+				}
+				for _, n := range e.Hints.ForNodes {
+					se.NodeHints = append(se.NodeHints, n.Name)
+				}
+			}
+			rs.Endpoints = append(rs.Endpoints, se)
+		}
+		k := [2]string{s.Namespace, name}
+		bySvc[k] = append(bySvc[k], rs)
+	}
+	for i := range services {
+		s := &services[i]
+		rs := Service{
+			Namespace: s.Namespace, Name: s.Name,
+			Ports:    s.Spec.Ports,
+			ITPLocal: s.Spec.InternalTrafficPolicy != nil && *s.Spec.InternalTrafficPolicy == corev1.ServiceInternalTrafficPolicyLocal,
+			ETPLocal: s.Spec.ExternalTrafficPolicy == corev1.ServiceExternalTrafficPolicyLocal &&
+				(s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer),
+			Affinity: s.Spec.SessionAffinity == corev1.ServiceAffinityClientIP,
+			Slices:   bySvc[[2]string{s.Namespace, s.Name}],
+		}
+		switch {
+		case s.Spec.Type == corev1.ServiceTypeExternalName:
+			rs.Skip = "ExternalName service"
+		case s.Labels[LabelServiceProxyName] != "":
+			rs.Skip = "implemented by proxy " + s.Labels[LabelServiceProxyName]
+		case s.Spec.ClusterIP == corev1.ClusterIPNone || s.Spec.ClusterIP == "":
+			rs.Skip = "headless service"
+		}
+		ips := s.Spec.ClusterIPs
+		if len(ips) == 0 && s.Spec.ClusterIP != "" {
+			ips = []string{s.Spec.ClusterIP}
+		}
+		rs.ClusterIPs = parseAddrs(ips)
+		rs.ExternalIPs = parseAddrs(s.Spec.ExternalIPs)
+		for _, ing := range s.Status.LoadBalancer.Ingress {
+			// An ingress in Proxy mode is handled by the load balancer, not the node.
+			if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == corev1.LoadBalancerIPModeProxy) {
+				continue
+			}
+			rs.LBIPs = append(rs.LBIPs, parseAddrs([]string{ing.IP})...)
+		}
+		st.Services = append(st.Services, rs)
+	}
+	sort.Slice(st.Services, func(i, j int) bool {
+		a, b := st.Services[i], st.Services[j]
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		return a.Name < b.Name
+	})
+	return st
+}
+
+func parseAddrs(ss []string) []netip.Addr {
+	var out []netip.Addr
+	for _, s := range ss {
+		if a, err := netip.ParseAddr(s); err == nil {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
+}
+
+func family(a netip.Addr) int {
+	if a.Is4() {
+		return 4
+	}
+	return 6
+}

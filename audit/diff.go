@@ -1,0 +1,215 @@
+package audit
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"strings"
+)
+
+// Kind classifies a finding.
+type Kind string
+
+// Finding kinds.
+const (
+	// StaleEndpoint: the node routes to an address the cluster no longer
+	// lists for that service port and scope.
+	StaleEndpoint Kind = "StaleEndpoint"
+	// MissingEndpoint: an endpoint the node should route to is absent.
+	MissingEndpoint Kind = "MissingEndpoint"
+	// StaleService: the node has rules for a frontend no service has.
+	StaleService Kind = "StaleService"
+	// MissingService: a frontend the node should have is absent.
+	MissingService Kind = "MissingService"
+	// NoRules: the node has no kube-proxy service rules at all (flushed).
+	NoRules Kind = "NoRules"
+)
+
+// Finding is one way a node's rules differ from the cluster. The JSON field
+// names are a public contract (CLI and aggregator API).
+type Finding struct {
+	Node     string `json:"node"`
+	Service  string `json:"service"`
+	Port     string `json:"port"`
+	Protocol string `json:"protocol"`
+	Scope    Scope  `json:"scope"`
+	Kind     Kind   `json:"kind"`
+	Endpoint string `json:"endpoint"`
+	Detail   string `json:"detail"`
+}
+
+func (f Finding) key() string {
+	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
+}
+
+// SortFindings orders findings by node, service, port, protocol, scope,
+// kind and endpoint.
+func SortFindings(fs []Finding) {
+	sort.SliceStable(fs, func(i, j int) bool { return fs[i].key() < fs[j].key() })
+}
+
+type expIndex struct {
+	port *ExpectedPort
+	fe   ExpectedFrontend
+}
+
+// Diff compares what a node should have with what its rules hold and
+// returns the differences, sorted and without duplicates. Each endpoint
+// difference is reported once per service port and scope, however many
+// frontends (cluster IP, node port, load-balancer IP) lead to it.
+func Diff(exp Expected, obs *Observed) []Finding {
+	fams := map[int]bool{}
+	for _, f := range obs.Families {
+		fams[f] = true
+	}
+	idx := map[FrontendKey]expIndex{}
+	nodePorts := map[FrontendKey]expIndex{}
+	wantAny := false
+	for i := range exp.Ports {
+		p := &exp.Ports[i]
+		if !fams[p.Family] {
+			continue
+		}
+		for _, fe := range p.Frontends {
+			idx[fe.FrontendKey] = expIndex{p, fe}
+			if fe.NodePort {
+				nodePorts[fe.FrontendKey] = expIndex{p, fe}
+			}
+			if len(p.Endpoints[fe.Scope]) > 0 {
+				wantAny = true
+			}
+		}
+	}
+	if obs.NoRules {
+		if !wantAny {
+			return nil
+		}
+		return []Finding{{Node: exp.Node, Kind: NoRules,
+			Detail: fmt.Sprintf("no kube-proxy service rules at all (%s mode): the table was flushed or kube-proxy never programmed it; every service through this node fails", obs.Mode)}}
+	}
+
+	var out []Finding
+	seen := map[string]bool{}
+	emit := func(f Finding) {
+		f.Node = exp.Node
+		if k := f.key(); !seen[k] {
+			seen[k] = true
+			out = append(out, f)
+		}
+	}
+	matched := map[FrontendKey]bool{}
+	for _, of := range obs.Frontends {
+		key := of.FrontendKey
+		e, ok := idx[key]
+		if !ok && obs.Mode == ModeIPVS {
+			// IPVS has a virtual server per node address for a node port.
+			if np, ok2 := nodePorts[FrontendKey{NodePort: true, Protocol: key.Protocol, Port: key.Port}]; ok2 {
+				e, ok, key = np, true, np.fe.FrontendKey
+			}
+		}
+		if !ok {
+			emit(staleService(of))
+			continue
+		}
+		matched[key] = true
+		scope := e.fe.Scope
+		want := e.port.Endpoints[scope]
+		got := map[netip.AddrPort]Endpoint{}
+		for _, ep := range of.Endpoints {
+			got[ep.Addr] = ep
+		}
+		base := Finding{Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Scope: scope}
+		wantSet := map[netip.AddrPort]bool{}
+		for _, a := range want {
+			wantSet[a] = true
+			if _, ok := got[a]; !ok {
+				f := base
+				f.Kind, f.Endpoint = MissingEndpoint, a.String()
+				f.Detail = fmt.Sprintf("%s %s should route to %s but the rules behind %s do not", e.fe.Kind, e.fe.FrontendKey, a, of.Chain)
+				emit(f)
+			}
+		}
+		for _, ep := range of.Endpoints {
+			if wantSet[ep.Addr] {
+				continue
+			}
+			f := base
+			f.Kind, f.Endpoint = StaleEndpoint, ep.Addr.String()
+			f.Detail = fmt.Sprintf("%s %s routes to %s via %s, which the cluster no longer lists for %s (%s scope)", e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name, scope)
+			if ep.Weight == 0 {
+				f.Detail += "; IPVS weight 0 (graceful termination leftover)"
+			}
+			emit(f)
+		}
+	}
+	for key, e := range idx {
+		if matched[key] {
+			continue
+		}
+		if obs.Mode == ModeIPVS && key.NodePort && matchedNodePort(matched, key) {
+			continue
+		}
+		want := e.port.Endpoints[e.fe.Scope]
+		f := Finding{Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Scope: e.fe.Scope, Kind: MissingService}
+		switch {
+		case len(want) > 0:
+			f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", e.fe.Kind, key, joinAddrs(want))
+			emit(f)
+		case e.fe.Kind == KindClusterIP && e.fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[key]:
+			f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", e.fe.Kind, key)
+			emit(f)
+		}
+	}
+	SortFindings(out)
+	return out
+}
+
+func matchedNodePort(matched map[FrontendKey]bool, key FrontendKey) bool {
+	return matched[key]
+}
+
+func staleService(of ObservedFrontend) Finding {
+	f := Finding{Protocol: of.Protocol, Scope: of.Scope, Kind: StaleService}
+	if of.Name != "" {
+		svc, port, _ := strings.Cut(of.Name, ":")
+		f.Service, f.Port = svc, port
+	}
+	eps := make([]netip.AddrPort, len(of.Endpoints))
+	for i, e := range of.Endpoints {
+		eps[i] = e.Addr
+	}
+	target := "no endpoints"
+	if len(eps) > 0 {
+		target = joinAddrs(eps)
+	}
+	f.Detail = fmt.Sprintf("rules for %s (%s) route to %s, but no service has that frontend any more", of.FrontendKey, of.Chain, target)
+	return f
+}
+
+// Summary counts findings by kind and nodes with findings.
+type Summary struct {
+	Nodes         int          `json:"nodes"`
+	NodesInSync   int          `json:"nodesInSync"`
+	NodesDrifted  int          `json:"nodesDrifted"`
+	Findings      int          `json:"findings"`
+	ByKind        map[Kind]int `json:"byKind"`
+	DriftedByNode []string     `json:"driftedNodes"`
+}
+
+// Summarize counts findings over the audited nodes.
+func Summarize(nodes []string, fs []Finding) Summary {
+	s := Summary{Nodes: len(nodes), Findings: len(fs), ByKind: map[Kind]int{}, DriftedByNode: []string{}}
+	drifted := map[string]bool{}
+	for _, f := range fs {
+		s.ByKind[f.Kind]++
+		drifted[f.Node] = true
+	}
+	for _, n := range nodes {
+		if drifted[n] {
+			s.DriftedByNode = append(s.DriftedByNode, n)
+		}
+	}
+	s.NodesDrifted = len(s.DriftedByNode)
+	s.NodesInSync = s.Nodes - s.NodesDrifted
+	return s
+}

@@ -1,0 +1,184 @@
+package audit
+
+import (
+	"net/netip"
+	"slices"
+	"sort"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+// ExpectedFor computes what kube-proxy 1.36 on the named node should have
+// programmed, mirroring its endpoint selection: ready endpoints, falling back
+// to serving+terminating ones; internal and external traffic policy Local;
+// topology hints (same zone, same node) used only when every ready endpoint
+// carries them and one matches; one port per IP family.
+func ExpectedFor(st *State, node string) Expected {
+	exp := Expected{Node: node}
+	zone := st.Nodes[node].Zone
+	for i := range st.Services {
+		svc := &st.Services[i]
+		if svc.Skip != "" {
+			continue
+		}
+		for _, sp := range svc.Ports {
+			for _, cip := range svc.ClusterIPs {
+				exp.Ports = append(exp.Ports, expectedPort(svc, sp, family(cip), cip, node, zone))
+			}
+		}
+	}
+	return exp
+}
+
+// categorized endpoint, as kube-proxy sees it.
+type cep struct {
+	addr                        netip.AddrPort
+	ready, serving, terminating bool
+	local                       bool
+	zoneHints, nodeHints        []string
+}
+
+func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.Addr, node, zone string) ExpectedPort {
+	proto := string(sp.Protocol)
+	if proto == "" {
+		proto = "TCP"
+	}
+	ep := ExpectedPort{
+		Name:      ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name},
+		Protocol:  proto,
+		Family:    fam,
+		Affinity:  svc.Affinity,
+		Endpoints: map[Scope][]netip.AddrPort{},
+	}
+	internal := ScopeCluster
+	if svc.ITPLocal {
+		internal = ScopeLocal
+	}
+	external := ScopeCluster
+	if svc.ETPLocal {
+		external = ScopeLocal
+	}
+	port := uint16(sp.Port)
+	ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: clusterIP, Protocol: proto, Port: port}, KindClusterIP, internal})
+	for _, ip := range svc.ExternalIPs {
+		if family(ip) == fam {
+			ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: ip, Protocol: proto, Port: port}, KindExternalIP, external})
+		}
+	}
+	for _, ip := range svc.LBIPs {
+		if family(ip) == fam {
+			ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: ip, Protocol: proto, Port: port}, KindLoadBalancer, external})
+		}
+	}
+	if sp.NodePort != 0 {
+		ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{NodePort: true, Protocol: proto, Port: uint16(sp.NodePort)}, KindNodePort, external})
+	}
+	externallyAccessible := sp.NodePort != 0 || len(svc.LBIPs) > 0 || len(svc.ExternalIPs) > 0
+	usesCluster := !svc.ITPLocal || externallyAccessible
+	usesLocal := svc.ITPLocal || (svc.ETPLocal && externallyAccessible)
+
+	// Endpoints of this port across slices of this family; an endpoint seen
+	// twice keeps the non-terminating copy, as kube-proxy's cache does.
+	byAddr := map[netip.AddrPort]cep{}
+	for _, sl := range svc.Slices {
+		if sl.Family != fam {
+			continue
+		}
+		var num uint16
+		found := false
+		for _, p := range sl.Ports {
+			if p.Name == sp.Name && p.Protocol == proto {
+				num, found = p.Port, true
+				break
+			}
+		}
+		if !found {
+			continue
+		}
+		for _, e := range sl.Endpoints {
+			c := cep{
+				addr:  netip.AddrPortFrom(e.Addr, num),
+				ready: e.Ready, serving: e.Serving, terminating: e.Terminating,
+				local: e.NodeName != "" && e.NodeName == node, zoneHints: e.ZoneHints, nodeHints: e.NodeHints,
+			}
+			if _, ok := byAddr[c.addr]; !ok || !c.terminating {
+				byAddr[c.addr] = c
+			}
+		}
+	}
+	all := make([]cep, 0, len(byAddr))
+	for _, c := range byAddr {
+		all = append(all, c)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].addr.Compare(all[j].addr) < 0 })
+
+	if usesCluster {
+		mode := topologyMode(all, node, zone)
+		cl := filter(all, func(c cep) bool { return c.ready && availableForTopology(c, mode, node, zone) })
+		if len(cl) == 0 {
+			cl = filter(all, func(c cep) bool { return c.serving && c.terminating })
+		}
+		ep.Endpoints[ScopeCluster] = cl
+	}
+	if usesLocal {
+		loc := filter(all, func(c cep) bool { return c.local && c.ready })
+		if len(loc) == 0 {
+			loc = filter(all, func(c cep) bool { return c.local && c.serving && c.terminating })
+		}
+		ep.Endpoints[ScopeLocal] = loc
+	}
+	return ep
+}
+
+func filter(all []cep, keep func(cep) bool) []netip.AddrPort {
+	out := []netip.AddrPort{}
+	for _, c := range all {
+		if keep(c) {
+			out = append(out, c.addr)
+		}
+	}
+	return out
+}
+
+// topologyMode is kube-proxy's rule for using hints: same-node hints when
+// every ready endpoint has node hints and one names this node; else
+// same-zone hints when every ready endpoint has zone hints and one names this
+// node's zone; else none.
+func topologyMode(all []cep, node, zone string) string {
+	hasReady, allNode, forNode, allZone, forZone := false, true, false, true, false
+	for _, c := range all {
+		if !c.ready {
+			continue
+		}
+		hasReady = true
+		if len(c.nodeHints) == 0 {
+			allNode = false
+		} else if slices.Contains(c.nodeHints, node) {
+			forNode = true
+		}
+		if len(c.zoneHints) == 0 {
+			allZone = false
+		} else if slices.Contains(c.zoneHints, zone) {
+			forZone = true
+		}
+	}
+	switch {
+	case !hasReady:
+		return ""
+	case allNode && forNode:
+		return "node"
+	case allZone && forZone:
+		return "zone"
+	}
+	return ""
+}
+
+func availableForTopology(c cep, mode, node, zone string) bool {
+	switch mode {
+	case "node":
+		return slices.Contains(c.nodeHints, node)
+	case "zone":
+		return slices.Contains(c.zoneHints, zone)
+	}
+	return true
+}
