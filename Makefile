@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo bench lint fmt deps cluster-binaries clean
+.PHONY: all build test unit e2e demo fixtures bench lint fmt deps cluster-binaries clean
 
 all: build
 
@@ -29,6 +29,11 @@ e2e: deps cluster-binaries
 ## demo: bring up the local cluster, drift one node, show the findings
 demo: deps build cluster-binaries
 	$(BIN)/localcluster demo --out demo-out
+
+## fixtures: recapture audit/testdata/capture from genuine kube-proxies (review the diff)
+fixtures: deps cluster-binaries
+	$(GO) test -count=1 -run TestE2ECaptureFixtures ./internal/e2e -capture
+	$(GO) test -count=1 ./audit -update
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...

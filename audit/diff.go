@@ -142,30 +142,31 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			emit(f)
 		}
 	}
-	for key, e := range idx {
-		if matched[key] {
+	// Missing frontends, in the expected model's order so that the first
+	// frontend named in a deduplicated finding is deterministic.
+	for i := range exp.Ports {
+		p := &exp.Ports[i]
+		if !fams[p.Family] {
 			continue
 		}
-		if obs.Mode == ModeIPVS && key.NodePort && matchedNodePort(matched, key) {
-			continue
-		}
-		want := e.port.Endpoints[e.fe.Scope]
-		f := Finding{Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Scope: e.fe.Scope, Kind: MissingService}
-		switch {
-		case len(want) > 0:
-			f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", e.fe.Kind, key, joinAddrs(want))
-			emit(f)
-		case e.fe.Kind == KindClusterIP && e.fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[key]:
-			f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", e.fe.Kind, key)
-			emit(f)
+		for _, fe := range p.Frontends {
+			if matched[fe.FrontendKey] {
+				continue
+			}
+			want := p.Endpoints[fe.Scope]
+			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Scope: fe.Scope, Kind: MissingService}
+			switch {
+			case len(want) > 0:
+				f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", fe.Kind, fe.FrontendKey, joinAddrs(want))
+				emit(f)
+			case fe.Kind == KindClusterIP && fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[fe.FrontendKey]:
+				f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", fe.Kind, fe.FrontendKey)
+				emit(f)
+			}
 		}
 	}
 	SortFindings(out)
 	return out
-}
-
-func matchedNodePort(matched map[FrontendKey]bool, key FrontendKey) bool {
-	return matched[key]
 }
 
 func staleService(of ObservedFrontend) Finding {

@@ -1,0 +1,284 @@
+// Command proxyaudit finds Kubernetes nodes whose kube-proxy rules have
+// drifted from the cluster's Services and EndpointSlices.
+//
+//	proxyaudit diff --cluster cluster.json --rules NODE=FILE [--rules NODE=FILE …] [-o table|json|markdown]
+//	proxyaudit version
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime/debug"
+	"sort"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// Exit codes: no findings, findings, usage or input error.
+const (
+	exitClean    = 0
+	exitFindings = 1
+	exitUsage    = 2
+)
+
+// maxInputBytes bounds one input file; larger inputs are refused.
+const maxInputBytes = 1 << 30
+
+const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from the cluster.
+
+Usage:
+  proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [-o table|json|markdown]
+  proxyaudit version
+
+diff compares each node's rule dump with what kube-proxy should have programmed there.
+  --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
+  --rules NODE=FILE one per node; any of:
+                      iptables-save -t nat            (iptables mode, either backend)
+                      nft -j list table ip kube-proxy (nftables mode)
+                      ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode)
+                   the format is detected from the content
+  -o FORMAT        table (default), json, or markdown
+
+Exit status: 0 no findings, 1 findings, 2 usage or input error.
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	switch args[0] {
+	case "diff":
+		return runDiff(args[1:], stdout, stderr)
+	case "version":
+		fmt.Fprintln(stdout, versionString())
+		return exitClean
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return exitClean
+	}
+	fmt.Fprintf(stderr, "proxyaudit: unknown command %q\n\n%s", args[0], usage)
+	return exitUsage
+}
+
+func versionString() string {
+	v := "(devel)"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		if bi.Main.Version != "" {
+			v = bi.Main.Version
+		}
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				v += " " + s.Value
+			}
+		}
+	}
+	return "proxyaudit " + v
+}
+
+type rulesFlag []string
+
+func (r *rulesFlag) String() string     { return strings.Join(*r, ",") }
+func (r *rulesFlag) Set(v string) error { *r = append(*r, v); return nil }
+
+// Report is the JSON output of diff; its field names are a public contract.
+type Report struct {
+	Findings []audit.Finding `json:"findings"`
+	Summary  audit.Summary   `json:"summary"`
+}
+
+func runDiff(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("diff", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+	cluster := fs.String("cluster", "", "cluster state: kubectl get services,endpointslices,nodes -A -o json")
+	var rules rulesFlag
+	fs.Var(&rules, "rules", "NODE=FILE, a node's rule dump (repeatable)")
+	format := fs.String("o", "table", "output format: table, json or markdown")
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "proxyaudit diff: "+format+"\n", a...)
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		return fail("unexpected argument %q (node dumps go in --rules NODE=FILE)", fs.Arg(0))
+	}
+	if *cluster == "" {
+		return fail("--cluster is required: save it with kubectl get services,endpointslices,nodes -A -o json > cluster.json")
+	}
+	if len(rules) == 0 {
+		return fail("at least one --rules NODE=FILE is required (e.g. --rules node-1=node-1.rules from iptables-save -t nat)")
+	}
+	if *format != "table" && *format != "json" && *format != "markdown" {
+		return fail("-o %q: choose table, json or markdown", *format)
+	}
+	data, err := readBounded(*cluster)
+	if err != nil {
+		return fail("--cluster: %v", err)
+	}
+	st, err := audit.ParseClusterList(data)
+	if err != nil {
+		return fail("--cluster %s: %v", *cluster, err)
+	}
+	var nodes []string
+	var findings []audit.Finding
+	seen := map[string]bool{}
+	for _, r := range rules {
+		node, path, ok := strings.Cut(r, "=")
+		if !ok || node == "" || path == "" {
+			return fail("--rules %q: want NODE=FILE", r)
+		}
+		if seen[node] {
+			return fail("--rules: node %s given twice", node)
+		}
+		seen[node] = true
+		if _, known := st.Nodes[node]; !known && len(st.Nodes) > 0 {
+			return fail("--rules %s: no Node %q in the cluster input (known: %s)", r, node, knownNodes(st))
+		}
+		f, err := os.Open(path)
+		if err != nil {
+			return fail("--rules %s: %v", node, err)
+		}
+		obs, err := audit.ParseRules(io.LimitReader(f, maxInputBytes))
+		f.Close()
+		if err != nil {
+			return fail("--rules %s (%s): %v", node, path, err)
+		}
+		nodes = append(nodes, node)
+		findings = append(findings, audit.Diff(audit.ExpectedFor(st, node), obs)...)
+	}
+	sort.Strings(nodes)
+	audit.SortFindings(findings)
+	rep := Report{Findings: findings, Summary: audit.Summarize(nodes, findings)}
+	if rep.Findings == nil {
+		rep.Findings = []audit.Finding{}
+	}
+	switch *format {
+	case "json":
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			fmt.Fprintln(stderr, "proxyaudit diff:", err)
+			return exitUsage
+		}
+	case "markdown":
+		writeMarkdown(stdout, rep, nodes)
+	default:
+		writeTable(stdout, rep, nodes)
+	}
+	if len(findings) > 0 {
+		return exitFindings
+	}
+	return exitClean
+}
+
+func readBounded(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, maxInputBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > maxInputBytes {
+		return nil, errors.New("larger than 1 GiB: not a cluster dump")
+	}
+	return data, nil
+}
+
+func knownNodes(st *audit.State) string {
+	var ns []string
+	for n := range st.Nodes {
+		ns = append(ns, n)
+	}
+	sort.Strings(ns)
+	if len(ns) > 8 {
+		ns = append(ns[:8], "…")
+	}
+	return strings.Join(ns, ", ")
+}
+
+func svcPort(f audit.Finding) string {
+	s := f.Service
+	if s == "" {
+		s = "(unknown service)"
+	}
+	if f.Port != "" {
+		s += ":" + f.Port
+	}
+	return s + "/" + f.Protocol
+}
+
+// writeTable groups findings by node, then service, for a person at a glance.
+func writeTable(w io.Writer, rep Report, nodes []string) {
+	s := rep.Summary
+	fmt.Fprintf(w, "%d node(s) audited: %d in sync, %d drifted, %d finding(s)\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
+	byNode := map[string][]audit.Finding{}
+	for _, f := range rep.Findings {
+		byNode[f.Node] = append(byNode[f.Node], f)
+	}
+	for _, n := range nodes {
+		fs := byNode[n]
+		if len(fs) == 0 {
+			fmt.Fprintf(w, "\n%s: in sync\n", n)
+			continue
+		}
+		fmt.Fprintf(w, "\n%s: %d finding(s)\n", n, len(fs))
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "  SERVICE\tSCOPE\tKIND\tENDPOINT\tDETAIL")
+		prev := ""
+		for _, f := range fs {
+			sp := svcPort(f)
+			if f.Kind == audit.NoRules {
+				sp = "(all services)"
+			}
+			shown := sp
+			if sp == prev {
+				shown = `  "`
+			}
+			prev = sp
+			ep := f.Endpoint
+			if ep == "" {
+				ep = "-"
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\n", shown, orDash(string(f.Scope)), f.Kind, ep, f.Detail)
+		}
+		tw.Flush()
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func writeMarkdown(w io.Writer, rep Report, nodes []string) {
+	s := rep.Summary
+	fmt.Fprintf(w, "### proxyaudit: %d node(s), %d in sync, %d drifted, %d finding(s)\n\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
+	if len(rep.Findings) == 0 {
+		fmt.Fprintln(w, "Every audited node's kube-proxy rules match the cluster.")
+		return
+	}
+	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	esc := strings.NewReplacer("|", `\|`, "\n", " ")
+	for _, f := range rep.Findings {
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", esc.Replace(f.Node), esc.Replace(svcPort(f)), orDash(string(f.Scope)), f.Kind, orDash(f.Endpoint), esc.Replace(f.Detail))
+	}
+}

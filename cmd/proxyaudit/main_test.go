@@ -1,0 +1,70 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"strings"
+	"testing"
+)
+
+const drift = "../../audit/testdata/capture/drift/"
+
+func TestDiffExitCodesAndJSONContract(t *testing.T) {
+	var out, errb bytes.Buffer
+	code := run([]string{"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules", "--rules", "nft-b=" + drift + "nft-b.rules", "-o", "json"}, &out, &errb)
+	if code != exitFindings {
+		t.Fatalf("exit %d, want 1; stderr: %s", code, errb.String())
+	}
+	var rep map[string]json.RawMessage
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatal(err)
+	}
+	var fs []map[string]any
+	json.Unmarshal(rep["findings"], &fs)
+	if len(fs) != 11 {
+		t.Fatalf("want the 11 drift findings of nft-b, got %d", len(fs))
+	}
+	for _, k := range []string{"node", "service", "port", "protocol", "scope", "kind", "endpoint", "detail"} {
+		if _, ok := fs[0][k]; !ok {
+			t.Errorf("finding lacks JSON field %q (public contract)", k)
+		}
+	}
+	out.Reset()
+	if code := run([]string{"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules"}, &out, &errb); code != exitClean {
+		t.Fatalf("healthy node: exit %d, want 0:\n%s", code, out.String())
+	}
+	if !strings.Contains(out.String(), "ipt-a: in sync") {
+		t.Errorf("table output: %s", out.String())
+	}
+}
+
+func TestDiffBadInput(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, data string) string {
+		p := dir + "/" + name
+		os.WriteFile(p, []byte(data), 0o644)
+		return p
+	}
+	cases := map[string][]string{
+		"no args":         {"diff"},
+		"empty rules":     {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("empty", "")},
+		"binary rules":    {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("bin", "\x00\x01\x02garbage")},
+		"truncated nft":   {"diff", "--cluster", drift + "cluster.json", "--rules", "nft-a=" + write("trunc", `{"nftables": [{"table": {"fam`)},
+		"bad iptables":    {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("ipt", "*nat\n-A KUBE-SERVICES -d 1.2.3.4/32 -p tcp --dport notaport -j X\nCOMMIT\n")},
+		"not a list":      {"diff", "--cluster", write("c.json", `{"kind":"Pod"}`), "--rules", "ipt-a=" + drift + "ipt-a.rules"},
+		"unknown node":    {"diff", "--cluster", drift + "cluster.json", "--rules", "nope=" + drift + "ipt-a.rules"},
+		"missing file":    {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=/nonexistent"},
+		"bad format flag": {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules", "-o", "xml"},
+		"huge line":       {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("long", "*nat\n-A "+strings.Repeat("x", 100<<10)+"\n")},
+	}
+	for name, args := range cases {
+		var out, errb bytes.Buffer
+		if code := run(args, &out, &errb); code != exitUsage {
+			t.Errorf("%s: exit %d, want 2", name, code)
+		}
+		if name != "no args" && !strings.Contains(errb.String(), "proxyaudit diff:") {
+			t.Errorf("%s: error does not say what failed: %q", name, errb.String())
+		}
+	}
+}
