@@ -1,0 +1,96 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+// TestE2ELiveDiff builds the service matrix on the real cluster, hangs the
+// informers of ipt-b and nft-b, drifts the cluster and audits every node's
+// live rules: exact findings on the hung nodes, none elsewhere.
+func TestE2ELiveDiff(t *testing.T) {
+	if *capture {
+		t.Skip("capture run")
+	}
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if err := Apply(ctx, c, Matrix()); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
+		t.Fatal(err)
+	}
+	auditAll := func() map[string][]audit.Finding {
+		data, err := c.DumpClusterJSON(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := audit.ParseClusterList(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string][]audit.Finding{}
+		for _, n := range c.Nodes() {
+			rules, err := NodeRules(ctx, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			obs, err := audit.ParseRules(strings.NewReader(rules))
+			if err != nil {
+				t.Fatalf("%s: %v", n.Name, err)
+			}
+			out[n.Name] = audit.Diff(audit.ExpectedFor(st, n.Name), obs)
+		}
+		return out
+	}
+	for node, fs := range auditAll() {
+		if len(fs) > 0 {
+			t.Fatalf("healthy %s has findings: %+v", node, fs)
+		}
+	}
+	for _, name := range []string{"ipt-b", "nft-b"} {
+		undo, err := c.Node(name).HangInformer(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer undo(context.Background())
+	}
+	if err := Drift(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		"StaleService matrix/affinity:http ",
+		"MissingService matrix/created:http ",
+		"MissingEndpoint matrix/multi:dns 198.18.128.4:5353",
+		"StaleEndpoint matrix/multi:dns 198.18.128.3:5353",
+		"MissingEndpoint matrix/multi:http 198.18.128.4:8080",
+		"StaleEndpoint matrix/multi:http 198.18.128.3:8080",
+		"MissingEndpoint matrix/multi:metrics 198.18.128.4:9090",
+		"StaleEndpoint matrix/multi:metrics 198.18.128.3:9090",
+		"StaleEndpoint matrix/nodeport:http 198.18.128.11:8080",
+		"MissingEndpoint matrix/two-slices:http 198.18.128.77:8080",
+		"MissingService matrix/zz-sentinel-2:http ",
+	}
+	for node, fs := range auditAll() {
+		var got []string
+		for _, f := range fs {
+			got = append(got, string(f.Kind)+" "+f.Service+":"+f.Port+" "+f.Endpoint)
+		}
+		hung := node == "ipt-b" || node == "nft-b"
+		if !hung && len(got) > 0 {
+			t.Errorf("false findings on healthy %s: %q", node, got)
+		}
+		if hung && strings.Join(got, "\n") != strings.Join(want, "\n") {
+			t.Errorf("%s findings:\n%s\nwant:\n%s", node, strings.Join(got, "\n"), strings.Join(want, "\n"))
+		}
+	}
+}
