@@ -205,8 +205,12 @@ func demo(ctx context.Context, o demoOptions) error {
 			return fmt.Errorf("proxyaudit diff: %w", err)
 		}
 	}
+	if !o.hold {
+		fmt.Println("\nRe-run with `bin/localcluster demo --hold` to keep the cluster up and inspect the nodes by hand.")
+		return nil
+	}
 	fmt.Printf(`
-Where to look (while the cluster runs, e.g. with --hold):
+Where to look:
   ip netns exec pa-%[1]s iptables-save -t nat | grep -E 'KUBE-(SVC|SEP)'   # the stale node
   ip netns exec pa-node-a iptables-save -t nat | grep -E 'KUBE-(SVC|SEP)' # a healthy node
   ip netns exec pa-node-c nft list table ip kube-proxy                    # the nftables node
@@ -214,10 +218,8 @@ Where to look (while the cluster runs, e.g. with --hold):
   KUBECONFIG=%[3]s kubectl get endpointslices -A
   logs: %[4]s
 `, hung.Name, hung.IP, c.AdminKubeconfig, c.Dir)
-	if o.hold {
-		fmt.Println("\nThe cluster keeps running; press Ctrl-C to tear it down.")
-		<-ctx.Done()
-	}
+	fmt.Println("\nThe cluster keeps running; press Ctrl-C to tear it down.")
+	<-ctx.Done()
 	return nil
 }
 

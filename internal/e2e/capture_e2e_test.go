@@ -117,10 +117,10 @@ func Drift(ctx context.Context, c *localcluster.Cluster) error {
 			}
 		}
 	}
-	created := Entry{Service: service("created", nil, svcPort("http", 80, corev1.ProtocolTCP))}
-	created.Slices = append(created.Slices, Sentinel(0).Slices[0])
-	created.Slices[0].Name = "created-1"
-	created.Slices[0].Labels["kubernetes.io/service-name"] = "created"
-	created.Slices[0].Endpoints = []discoveryv1.Endpoint{ep("198.18.128.95", "ready", "", "")}
+	created := Entry{
+		Service: service("created", nil, svcPort("http", 80, corev1.ProtocolTCP)),
+		Slices: []*discoveryv1.EndpointSlice{slice("created", "created-1",
+			[]discoveryv1.EndpointPort{epPort("http", 8080, corev1.ProtocolTCP)}, ep("198.18.128.95", "ready", "", ""))},
+	}
 	return Apply(ctx, c, []Entry{created})
 }

@@ -123,8 +123,6 @@ func waitAll(t *testing.T, ctx context.Context, nodes []*Node, what string, cond
 	}
 }
 
-func routesTo(n *Node, rules, ipPort string) bool { return n.RoutesTo(rules, ipPort) }
-
 func TestE2EServiceRulesAppearOnEveryMode(t *testing.T) {
 	c := Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -141,7 +139,7 @@ func TestE2EServiceRulesAppearOnEveryMode(t *testing.T) {
 	}
 	vip := svc.Spec.ClusterIP
 	waitAll(t, ctx, c.Nodes(), "web endpoints", func(n *Node, r string) bool {
-		ok := routesTo(n, r, "198.18.128.10:8080") && routesTo(n, r, "198.18.128.11:8080")
+		ok := n.RoutesTo(r, "198.18.128.10:8080") && n.RoutesTo(r, "198.18.128.11:8080")
 		if n.Mode == ModeNFTables {
 			return ok && strings.Contains(r, `"name": "service-`) && strings.Contains(r, vip)
 		}
@@ -168,7 +166,7 @@ func TestE2EHungInformerLeavesStaleRulesWithGreenLivez(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitAll(t, ctx, c.Nodes(), "dns endpoints", func(n *Node, r string) bool {
-		return routesTo(n, r, "198.18.128.20:53") && routesTo(n, r, "198.18.128.21:53")
+		return n.RoutesTo(r, "198.18.128.20:53") && n.RoutesTo(r, "198.18.128.21:53")
 	})
 
 	for _, hung := range []*Node{c.Node("ipt-b"), c.Node("nft-a")} {
@@ -190,7 +188,7 @@ func TestE2EHungInformerLeavesStaleRulesWithGreenLivez(t *testing.T) {
 				}
 			}
 			waitAll(t, ctx, healthy, "dns endpoints updated", func(n *Node, r string) bool {
-				return routesTo(n, r, repl) && !routesTo(n, r, old)
+				return n.RoutesTo(r, repl) && !n.RoutesTo(r, old)
 			})
 			// The healthy nodes have converged, so a working kube-proxy on the
 			// hung node would have too; watch it for a few sync periods.
@@ -199,7 +197,7 @@ func TestE2EHungInformerLeavesStaleRulesWithGreenLivez(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if !routesTo(hung, r, old) || routesTo(hung, r, repl) {
+				if !hung.RoutesTo(r, old) || hung.RoutesTo(r, repl) {
 					t.Fatalf("%s picked up the change despite the hung informer:\n%s", hung.Name, r)
 				}
 			}
@@ -215,7 +213,7 @@ func TestE2EHungInformerLeavesStaleRulesWithGreenLivez(t *testing.T) {
 			// After the drop is lifted kube-proxy recovers on its own (HTTP/2
 			// health checks close the dead connection) within about a minute.
 			if err := hung.WaitRules(ctx, 3*time.Minute, "recovery", func(r string) bool {
-				return routesTo(hung, r, repl) && !routesTo(hung, r, old)
+				return hung.RoutesTo(r, repl) && !hung.RoutesTo(r, old)
 			}); err != nil {
 				t.Fatal(err)
 			}
@@ -224,7 +222,7 @@ func TestE2EHungInformerLeavesStaleRulesWithGreenLivez(t *testing.T) {
 				t.Fatal(err)
 			}
 			waitAll(t, ctx, c.Nodes(), "dns endpoints restored", func(n *Node, r string) bool {
-				return routesTo(n, r, old) && !routesTo(n, r, repl)
+				return n.RoutesTo(r, old) && !n.RoutesTo(r, repl)
 			})
 		})
 	}
@@ -244,7 +242,7 @@ func TestE2EFaultInjectors(t *testing.T) {
 	if err := c.ApplySlice(ctx, Slice(svc, "api-1", "https", 8443, corev1.ProtocolTCP, "198.18.128.30")); err != nil {
 		t.Fatal(err)
 	}
-	waitAll(t, ctx, c.Nodes(), "api endpoint", func(n *Node, r string) bool { return routesTo(n, r, "198.18.128.30:8443") })
+	waitAll(t, ctx, c.Nodes(), "api endpoint", func(n *Node, r string) bool { return n.RoutesTo(r, "198.18.128.30:8443") })
 
 	for _, n := range []*Node{c.Node("ipt-a"), c.Node("nft-a")} {
 		t.Run("tamper/"+n.Name, func(t *testing.T) {
@@ -252,7 +250,7 @@ func TestE2EFaultInjectors(t *testing.T) {
 				t.Fatal(err)
 			}
 			r, _ := n.Rules(ctx)
-			if routesTo(n, r, "198.18.128.30:8443") || !routesTo(n, r, "198.18.200.1:8443") {
+			if n.RoutesTo(r, "198.18.128.30:8443") || !n.RoutesTo(r, "198.18.200.1:8443") {
 				t.Fatalf("tamper did not rewrite the DNAT:\n%s", r)
 			}
 		})
@@ -261,7 +259,7 @@ func TestE2EFaultInjectors(t *testing.T) {
 				t.Fatal(err)
 			}
 			r, _ := n.Rules(ctx)
-			if routesTo(n, r, "198.18.128.30:8443") || routesTo(n, r, APIServerIP+":6443") {
+			if n.RoutesTo(r, "198.18.128.30:8443") || n.RoutesTo(r, APIServerIP+":6443") {
 				t.Fatalf("flush left service rules:\n%s", r)
 			}
 			pid := n.ProxyPID()
@@ -271,7 +269,7 @@ func TestE2EFaultInjectors(t *testing.T) {
 			if n.ProxyPID() == pid {
 				t.Fatal("restart kept the same kube-proxy process")
 			}
-			if err := n.WaitRules(ctx, time.Minute, "rules restored", func(r string) bool { return routesTo(n, r, "198.18.128.30:8443") }); err != nil {
+			if err := n.WaitRules(ctx, time.Minute, "rules restored", func(r string) bool { return n.RoutesTo(r, "198.18.128.30:8443") }); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -299,8 +297,8 @@ func TestE2EFaultInjectors(t *testing.T) {
 		if err := c.ApplySlice(ctx, Slice(svc, "api-1", "https", 8443, corev1.ProtocolTCP, "198.18.128.31")); err != nil {
 			t.Fatal(err)
 		}
-		waitAll(t, ctx, []*Node{c.Node("ipt-b")}, "endpoint moved", func(n *Node, r string) bool { return routesTo(n, r, "198.18.128.31:8443") })
-		if r, _ := n.Rules(ctx); routesTo(n, r, "198.18.128.31:8443") {
+		waitAll(t, ctx, []*Node{c.Node("ipt-b")}, "endpoint moved", func(n *Node, r string) bool { return n.RoutesTo(r, "198.18.128.31:8443") })
+		if r, _ := n.Rules(ctx); n.RoutesTo(r, "198.18.128.31:8443") {
 			t.Fatalf("kube-proxy with a dropped connection saw the change")
 		}
 		// A restart opens a new connection and converges: the repair
@@ -308,7 +306,7 @@ func TestE2EFaultInjectors(t *testing.T) {
 		if err := n.RestartProxy(ctx); err != nil {
 			t.Fatal(err)
 		}
-		if err := n.WaitRules(ctx, time.Minute, "converged after restart", func(r string) bool { return routesTo(n, r, "198.18.128.31:8443") }); err != nil {
+		if err := n.WaitRules(ctx, time.Minute, "converged after restart", func(r string) bool { return n.RoutesTo(r, "198.18.128.31:8443") }); err != nil {
 			t.Fatal(err)
 		}
 	})
