@@ -2,41 +2,79 @@ package audit
 
 import (
 	"bytes"
+	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 )
 
-func seedRules(f *testing.F) {
-	paths, _ := filepath.Glob("testdata/capture/clean/*.rules")
-	ipvs, _ := filepath.Glob("testdata/ipvs/ipvs-a.*")
-	for _, p := range append(paths, ipvs...) {
-		if strings.HasSuffix(p, ".findings.json") {
-			continue // golden output, not a rule dump
-		}
+// seeds adds the rule dumps matching glob, whole and cut down to their
+// first lines (small inputs keep the fuzzer fast), plus extra.
+func seeds(f *testing.F, glob string, extra ...string) {
+	paths, _ := filepath.Glob(glob)
+	for _, p := range paths {
 		data, err := os.ReadFile(p)
-		if err == nil {
-			f.Add(data)
+		if err != nil {
+			continue
+		}
+		f.Add(data)
+		if len(data) > 2048 {
+			cut := data[:2048]
+			if i := bytes.LastIndexByte(cut, '\n'); i > 0 {
+				cut = cut[:i+1]
+			}
+			f.Add(cut)
 		}
 	}
-	f.Add([]byte("*nat\n-A KUBE-SERVICES -d 1.2.3.4/32 -p tcp --dport 80 -j KUBE-SVC-X\nCOMMIT\n"))
-	f.Add([]byte(`{"nftables": []}`))
-	f.Add([]byte("-A -t 1.2.3.4:80 -s rr\n-a -t 1.2.3.4:80 -r 5.6.7.8:80 -m -w 1\n"))
+	for _, e := range extra {
+		f.Add([]byte(e))
+	}
 }
 
-// FuzzParseRules: no input makes a reader panic, and whatever parses can be
-// diffed.
-func FuzzParseRules(f *testing.F) {
-	seedRules(f)
+// fuzzReader checks one reader: no panic, an error or a model whose
+// invariants hold, and a diff that does not panic either.
+func fuzzReader(f *testing.F, parse func(io.Reader) (*Observed, error)) {
 	st := &State{Nodes: map[string]NodeInfo{}}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		obs, err := ParseRules(bytes.NewReader(data))
+		obs, err := parse(bytes.NewReader(data))
 		if err != nil {
+			if obs != nil {
+				t.Fatal("a model returned with an error")
+			}
 			return
+		}
+		for i := 1; i < len(obs.Frontends); i++ {
+			if !obs.Frontends[i-1].FrontendKey.less(obs.Frontends[i].FrontendKey) {
+				t.Fatalf("frontends not sorted and unique at %d", i)
+			}
 		}
 		_ = Diff(ExpectedFor(st, "n"), obs)
 	})
+}
+
+func FuzzParseIPTables(f *testing.F) {
+	seeds(f, "testdata/capture/clean/ipt-*.rules",
+		"*nat\n-A KUBE-SERVICES -d 1.2.3.4/32 -p tcp --dport 80 -j KUBE-SVC-X\n-A KUBE-SVC-X -j KUBE-SEP-Y\n-A KUBE-SEP-Y -p tcp -j DNAT --to-destination 5.6.7.8:80\nCOMMIT\n",
+		"*nat\n:KUBE-SEP-AAAAAAAAAAAAAAAA - [0:0]\n-A KUBE-SEP-AAAAAAAAAAAAAAAA -j DNAT --to-destination [fd00::1]:80\n")
+	fuzzReader(f, ParseIPTables)
+}
+
+func FuzzParseNFTables(f *testing.F) {
+	seeds(f, "testdata/capture/clean/nft-*.rules", `{"nftables": []}`, `{"nftables": [{"map": {"family": "ip", "table": "kube-proxy", "name": "service-ips", "elem": [[{"concat": ["1.2.3.4", "tcp", 80]}, {"goto": {"target": "service-X"}}]]}}]}`)
+	fuzzReader(f, ParseNFTables)
+}
+
+func FuzzParseIPVS(f *testing.F) {
+	seeds(f, "testdata/ipvs/ipvs-a.save")
+	seeds(f, "testdata/ipvs/ipvs-a.list", "-A -t 1.2.3.4:80 -s rr\n-a -t 1.2.3.4:80 -r 5.6.7.8:80 -m -w 1\n")
+	fuzzReader(f, ParseIPVS)
+}
+
+// FuzzParseRules: format detection routes every input to a reader without
+// panicking.
+func FuzzParseRules(f *testing.F) {
+	seeds(f, "testdata/capture/clean/*.rules", "*nat\nCOMMIT\n", `{"nftables": []}`, "IP Virtual Server version 1.2.1 (size=4096)\n")
+	fuzzReader(f, ParseRules)
 }
 
 // FuzzParseClusterList: malformed cluster dumps give errors, never panics.

@@ -2,6 +2,7 @@ package audit
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"net/netip"
@@ -12,28 +13,186 @@ import (
 // MaxLineBytes bounds one line of rule text; longer lines are an error.
 const MaxLineBytes = 64 << 10
 
-// iptRule is the part of an iptables rule the audit reads.
+// iptRule is the part of an iptables rule the audit reads, for the few
+// chains it parses in full (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-EXT-…,
+// KUBE-FW-… and the filter table's REJECTs).
 type iptRule struct {
 	dst      netip.Addr
 	proto    string
 	dport    uint16
 	jump     string
-	toDest   netip.AddrPort
 	comment  string
 	cond     bool // matches on source or address type: not an unconditional jump
 	hasDport bool
 }
+
+// chainKey is a chain name as a map key that costs no allocation; iptables
+// limits chain names to 28 bytes.
+type chainKey [32]byte
+
+func keyOf(b []byte) (chainKey, bool) {
+	var k chainKey
+	if len(b) == 0 || len(b) > len(k) {
+		return k, false
+	}
+	copy(k[:], b)
+	return k, true
+}
+
+func keyString(s string) chainKey {
+	k, _ := keyOf([]byte(s))
+	return k
+}
+
+func (k chainKey) String() string {
+	n := bytes.IndexByte(k[:], 0)
+	if n < 0 {
+		n = len(k)
+	}
+	return string(k[:n])
+}
+
+// sepID names an endpoint chain compactly: kube-proxy's names are
+// "KUBE-SEP-" plus 16 base32 characters (80 bits), decoded exactly into a
+// and b. Any other name gets a sequence number with b's top bit set.
+type sepID struct {
+	a uint64
+	b uint32
+}
+
+const sepOther = 1 << 31
+
+type sepSlot struct {
+	b   uint32
+	idx int32
+}
+
+func (p *iptables) addMoreDNAT(id sepID, ap netip.AddrPort) {
+	if p.moreDNAT == nil {
+		p.moreDNAT = map[sepID][]netip.AddrPort{}
+	}
+	p.moreDNAT[id] = append(p.moreDNAT[id], ap)
+}
+
+func (p *iptables) lookupDNAT(id sepID) (int32, bool) {
+	if s, ok := p.dnat[id.a]; ok && s.b == id.b {
+		return s.idx, true
+	}
+	i, ok := p.collide[id]
+	return i, ok
+}
+
+// iptables holds what one pass over iptables-save output keeps: the few
+// dispatch chains in full, each service policy chain as its jumps to
+// endpoint chains, and each endpoint chain as its DNAT target.
+type iptables struct {
+	rules  map[chainKey][]iptRule
+	policy map[chainKey][]sepID
+	// iptables-save prints a chain's rules together, so consecutive jumps
+	// of one policy chain collect in cur before one map write.
+	curKey chainKey
+	cur    []sepID
+	// declaredSEPs counts ":KUBE-SEP-…" declarations, which precede the
+	// rules, to size dnat once.
+	declaredSEPs int
+	// dnat maps an endpoint chain to the index of its DNAT target in
+	// targets, keyed by the ID's first 64 bits: small slots and a fast hash
+	// keep a 100k-entry map cache-friendly. IDs that share those bits with
+	// another live in collide.
+	dnat       map[uint64]sepSlot
+	collide    map[sepID]int32
+	targets    []netip.AddrPort
+	moreDNAT   map[sepID][]netip.AddrPort // a second DNAT in one chain: never kube-proxy's, kept anyway
+	otherIDs   map[string]sepID
+	otherNames []string
+	filterSvc  []iptRule
+}
+
+// sepIDOf returns the ID of endpoint chain name (with its "KUBE-SEP-").
+func (p *iptables) sepIDOf(name []byte) sepID {
+	if id, ok := canonicalSEP(name[len(prefixSEP):]); ok {
+		return id
+	}
+	if id, ok := p.otherIDs[string(name)]; ok {
+		return id
+	}
+	if p.otherIDs == nil {
+		p.otherIDs = map[string]sepID{}
+	}
+	id := sepID{a: uint64(len(p.otherNames)), b: sepOther}
+	p.otherIDs[string(name)] = id
+	p.otherNames = append(p.otherNames, string(name))
+	return id
+}
+
+func canonicalSEP(h []byte) (sepID, bool) {
+	if len(h) != 16 {
+		return sepID{}, false
+	}
+	var id sepID
+	for i, c := range h {
+		var v byte
+		switch {
+		case c >= 'A' && c <= 'Z':
+			v = c - 'A'
+		case c >= '2' && c <= '7':
+			v = c - '2' + 26
+		default:
+			return sepID{}, false
+		}
+		if i < 12 {
+			id.a = id.a<<5 | uint64(v)
+		} else {
+			id.b = id.b<<5 | uint32(v)
+		}
+	}
+	return id, true
+}
+
+const base32Alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+func (p *iptables) sepName(id sepID) string {
+	if id.b&sepOther != 0 {
+		return p.otherNames[id.a]
+	}
+	var b [25]byte
+	copy(b[:], prefixSEP)
+	for i := 11; i >= 0; i-- {
+		b[9+i] = base32Alphabet[id.a&31]
+		id.a >>= 5
+	}
+	for i := 3; i >= 0; i-- {
+		b[21+i] = base32Alphabet[id.b&31]
+		id.b >>= 5
+	}
+	return string(b[:])
+}
+
+var (
+	prefixSEP  = []byte("KUBE-SEP-")
+	prefixSVC  = []byte("KUBE-SVC-")
+	prefixSVL  = []byte("KUBE-SVL-")
+	jumpSEP    = []byte(" -j KUBE-SEP-")
+	toDest     = []byte(" --to-destination ")
+	commitLine = []byte("COMMIT")
+)
 
 // ParseIPTables reads iptables-save output (nf_tables or legacy backend;
 // the nat table, optionally the filter table) into the observed model,
 // following jumps from KUBE-SERVICES and KUBE-NODEPORTS. Chains no frontend
 // reaches (leftovers of a partial sync) do not count. Comments are used only
 // for display names.
+//
+// It is one pass over the lines with no allocation for the rules that make
+// up the bulk of a large ruleset (endpoint chains and the service chains'
+// jumps to them); only the dispatch chains are tokenized.
 func ParseIPTables(r io.Reader) (*Observed, error) {
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), MaxLineBytes)
-	nat := map[string][]iptRule{}
-	var filterSvc []iptRule
+	sc.Buffer(make([]byte, 0, 256<<10), MaxLineBytes)
+	p := &iptables{
+		rules:  map[chainKey][]iptRule{},
+		policy: map[chainKey][]sepID{},
+	}
 	table := ""
 	sawNat, sawFilter := false, false
 	lineNo := 0
@@ -56,15 +215,12 @@ func ParseIPTables(r io.Reader) (*Observed, error) {
 			if table == "" {
 				return nil, fmt.Errorf("line %d: chain declaration outside a table (expected a \"*nat\" line first)", lineNo)
 			}
-			if table == "nat" {
-				name, _, _ := strings.Cut(string(line[1:]), " ")
-				if _, ok := nat[name]; !ok {
-					nat[name] = nil
-				}
+			if bytes.HasPrefix(line[1:], prefixSEP) {
+				p.declaredSEPs++
 			}
 			continue
 		}
-		if string(line) == "COMMIT" {
+		if bytes.Equal(line, commitLine) {
 			table = ""
 			continue
 		}
@@ -74,32 +230,8 @@ func ParseIPTables(r io.Reader) (*Observed, error) {
 		if table == "" {
 			return nil, fmt.Errorf("line %d: rule outside a table (expected a \"*nat\" line first)", lineNo)
 		}
-		rest := line[3:]
-		sp := indexByte(rest, ' ')
-		chain := string(rest)
-		if sp >= 0 {
-			chain = string(rest[:sp])
-		}
-		if !strings.HasPrefix(chain, "KUBE-") {
-			continue
-		}
-		wantNat := table == "nat" && (chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS" || isServiceChain(chain))
-		wantFilter := table == "filter" && (chain == "KUBE-SERVICES" || chain == "KUBE-EXTERNAL-SERVICES")
-		if !wantNat && !wantFilter {
-			continue
-		}
-		var args []byte
-		if sp >= 0 {
-			args = rest[sp+1:]
-		}
-		rule, err := parseIPTRule(args)
-		if err != nil {
+		if err := p.rule(table, line[3:]); err != nil {
 			return nil, fmt.Errorf("line %d: %v", lineNo, err)
-		}
-		if wantNat {
-			nat[chain] = append(nat[chain], rule)
-		} else {
-			filterSvc = append(filterSvc, rule)
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -111,44 +243,148 @@ func ParseIPTables(r io.Reader) (*Observed, error) {
 	if !sawNat && !sawFilter {
 		return nil, fmt.Errorf("no \"*nat\" table in the input: not iptables-save output (run iptables-save -t nat)")
 	}
-	return resolveIPTables(nat, filterSvc, sawFilter), nil
+	return p.resolve(sawFilter), nil
 }
 
-func isServiceChain(c string) bool {
-	return strings.HasPrefix(c, "KUBE-SVC-") || strings.HasPrefix(c, "KUBE-SVL-") || strings.HasPrefix(c, "KUBE-EXT-") ||
-		strings.HasPrefix(c, "KUBE-FW-") || strings.HasPrefix(c, "KUBE-SEP-")
+// rule takes one rule (the text after "-A ").
+func (p *iptables) rule(table string, rest []byte) error {
+	if !bytes.HasPrefix(rest, []byte("KUBE-")) {
+		return nil
+	}
+	sp := bytes.IndexByte(rest, ' ')
+	if sp < 0 {
+		return nil // a rule with no options does nothing the audit reads
+	}
+	name, args := rest[:sp], rest[sp:]
+	if table == "nat" {
+		switch {
+		case bytes.HasPrefix(name, prefixSEP):
+			i := bytes.Index(args, toDest)
+			if i < 0 {
+				return nil // the masquerade rule
+			}
+			v := args[i+len(toDest):]
+			if j := bytes.IndexByte(v, ' '); j >= 0 {
+				v = v[:j]
+			}
+			ap, ok := parseIPv4Port(v)
+			if !ok {
+				var err error
+				if ap, err = netip.ParseAddrPort(string(v)); err != nil {
+					return fmt.Errorf("bad DNAT target %q", clip(v))
+				}
+				ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+			}
+			if p.dnat == nil {
+				p.dnat = make(map[uint64]sepSlot, p.declaredSEPs)
+				p.targets = make([]netip.AddrPort, 0, p.declaredSEPs)
+			}
+			id := p.sepIDOf(name)
+			idx := int32(len(p.targets))
+			switch slot, taken := p.dnat[id.a]; {
+			case !taken:
+				p.dnat[id.a] = sepSlot{id.b, idx}
+			case slot.b == id.b:
+				p.addMoreDNAT(id, ap)
+				return nil
+			default:
+				if _, dup := p.collide[id]; dup {
+					p.addMoreDNAT(id, ap)
+					return nil
+				}
+				if p.collide == nil {
+					p.collide = map[sepID]int32{}
+				}
+				p.collide[id] = idx
+			}
+			p.targets = append(p.targets, ap)
+			return nil
+		case bytes.HasPrefix(name, prefixSVC), bytes.HasPrefix(name, prefixSVL):
+			// The jump is the last option: check the tail before searching.
+			var target []byte
+			if i := bytes.LastIndexByte(args, ' '); i >= 4 && bytes.HasSuffix(args[:i], []byte(" -j")) {
+				target = args[i+1:]
+			} else if i := bytes.LastIndex(args, jumpSEP); i >= 0 {
+				target = args[i+4:]
+				if j := bytes.IndexByte(target, ' '); j >= 0 {
+					target = target[:j]
+				}
+			}
+			if !bytes.HasPrefix(target, prefixSEP) {
+				return nil // the masquerade rule
+			}
+			k, ok := keyOf(name)
+			if !ok {
+				return fmt.Errorf("chain name %q is longer than iptables allows", clip(name))
+			}
+			tk := p.sepIDOf(target)
+			if k != p.curKey {
+				p.flushPolicy()
+				p.curKey, p.cur = k, p.policy[k]
+			}
+			p.cur = append(p.cur, tk)
+			return nil
+		}
+	}
+	wantNat := table == "nat" && (string(name) == "KUBE-SERVICES" || string(name) == "KUBE-NODEPORTS" ||
+		bytes.HasPrefix(name, []byte("KUBE-EXT-")) || bytes.HasPrefix(name, []byte("KUBE-FW-")))
+	wantFilter := table == "filter" && (string(name) == "KUBE-SERVICES" || string(name) == "KUBE-EXTERNAL-SERVICES")
+	if !wantNat && !wantFilter {
+		return nil
+	}
+	r, err := parseIPTRule(args)
+	if err != nil {
+		return err
+	}
+	if wantFilter {
+		p.filterSvc = append(p.filterSvc, r)
+		return nil
+	}
+	k, _ := keyOf(name)
+	p.rules[k] = append(p.rules[k], r)
+	return nil
 }
 
-func resolveIPTables(nat map[string][]iptRule, filterSvc []iptRule, sawFilter bool) *Observed {
+func (p *iptables) flushPolicy() {
+	if len(p.cur) > 0 {
+		p.policy[p.curKey] = p.cur
+	}
+	p.curKey, p.cur = chainKey{}, nil
+}
+
+func (p *iptables) resolve(sawFilter bool) *Observed {
+	p.flushPolicy()
 	o := &Observed{Mode: ModeIPTables}
 	fams := map[int]bool{}
 	add := func(key FrontendKey, r iptRule) {
-		scope, policy := iptPolicy(nat, r.jump, 0)
+		scope, policy := p.policyOf(r.jump, 0)
 		if policy == "" {
 			return
 		}
 		f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: commentName(r.comment)}
-		seen := map[netip.AddrPort]bool{}
-		for _, pr := range nat[policy] {
-			if !strings.HasPrefix(pr.jump, "KUBE-SEP-") {
-				continue
+		seps := p.policy[keyString(policy)]
+		f.Endpoints = make([]Endpoint, 0, len(seps))
+		for _, sep := range seps {
+			ti, ok := p.lookupDNAT(sep)
+			if !ok {
+				continue // an endpoint chain without DNAT routes nothing
 			}
-			for _, sr := range nat[pr.jump] {
-				if sr.jump == "DNAT" && sr.toDest.IsValid() && !seen[sr.toDest] {
-					seen[sr.toDest] = true
-					f.Endpoints = append(f.Endpoints, Endpoint{Addr: sr.toDest, Weight: -1, Chain: pr.jump})
-				}
+			ap := p.targets[ti]
+			name := p.sepName(sep)
+			f.Endpoints = append(f.Endpoints, Endpoint{Addr: ap, Weight: -1, Chain: name})
+			for _, more := range p.moreDNAT[sep] {
+				f.Endpoints = append(f.Endpoints, Endpoint{Addr: more, Weight: -1, Chain: name})
 			}
 		}
 		o.Frontends = append(o.Frontends, f)
 	}
-	for _, r := range nat["KUBE-SERVICES"] {
+	for _, r := range p.rules[keyString("KUBE-SERVICES")] {
 		if r.dst.IsValid() && r.hasDport && r.proto != "" {
 			fams[family(r.dst)] = true
 			add(FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}, r)
 		}
 	}
-	for _, r := range nat["KUBE-NODEPORTS"] {
+	for _, r := range p.rules[keyString("KUBE-NODEPORTS")] {
 		if r.hasDport && r.proto != "" {
 			add(FrontendKey{NodePort: true, Protocol: r.proto, Port: r.dport}, r)
 		}
@@ -156,7 +392,7 @@ func resolveIPTables(nat map[string][]iptRule, filterSvc []iptRule, sawFilter bo
 	if sawFilter {
 		o.RejectsKnown = true
 		o.Rejects = map[FrontendKey]bool{}
-		for _, r := range filterSvc {
+		for _, r := range p.filterSvc {
 			if r.jump == "REJECT" && r.dst.IsValid() && r.hasDport {
 				o.Rejects[FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}] = true
 			}
@@ -177,7 +413,7 @@ func resolveIPTables(nat map[string][]iptRule, filterSvc []iptRule, sawFilter bo
 // endpoint: KUBE-SVC (cluster) or KUBE-SVL (local). KUBE-FW filters and then
 // jumps to KUBE-EXT; KUBE-EXT short-circuits local and pod traffic to
 // KUBE-SVC and ends with an unconditional jump to its policy chain.
-func iptPolicy(nat map[string][]iptRule, chain string, depth int) (Scope, string) {
+func (p *iptables) policyOf(chain string, depth int) (Scope, string) {
 	if depth > 4 {
 		return "", ""
 	}
@@ -187,12 +423,12 @@ func iptPolicy(nat map[string][]iptRule, chain string, depth int) (Scope, string
 	case strings.HasPrefix(chain, "KUBE-SVL-"):
 		return ScopeLocal, chain
 	case strings.HasPrefix(chain, "KUBE-FW-"), strings.HasPrefix(chain, "KUBE-EXT-"):
-		rules := nat[chain]
+		rules := p.rules[keyString(chain)]
 		for i := len(rules) - 1; i >= 0; i-- {
 			r := rules[i]
 			if strings.HasPrefix(r.jump, "KUBE-EXT-") || strings.HasPrefix(r.jump, "KUBE-SVC-") || strings.HasPrefix(r.jump, "KUBE-SVL-") {
 				if !r.cond || strings.HasPrefix(chain, "KUBE-FW-") {
-					return iptPolicy(nat, r.jump, depth+1)
+					return p.policyOf(r.jump, depth+1)
 				}
 			}
 		}
@@ -216,133 +452,158 @@ func parseIPTRule(b []byte) (iptRule, error) {
 	var r iptRule
 	negate := false
 	for len(b) > 0 {
-		var tok string
+		var tok []byte
 		tok, b = nextToken(b)
-		if tok == "" {
+		if len(tok) == 0 {
 			continue
 		}
-		if tok == "!" {
+		if len(tok) == 1 && tok[0] == '!' {
 			negate = true
 			continue
 		}
 		neg := negate
 		negate = false
-		needArg := func() (string, error) {
-			var v string
+		var v []byte
+		switch string(tok) {
+		case "-d", "--destination", "-p", "--protocol", "--dport", "--destination-port", "-j", "--jump", "-g", "--goto",
+			"--comment", "-s", "--source", "--src-type":
 			v, b = nextToken(b)
-			if v == "" {
-				return "", fmt.Errorf("option %s without a value", tok)
+			if len(v) == 0 {
+				return r, fmt.Errorf("option %s without a value", tok)
 			}
-			return v, nil
+		default:
+			continue
 		}
-		switch tok {
+		switch string(tok) {
 		case "-d", "--destination":
-			v, err := needArg()
-			if err != nil {
-				return r, err
-			}
 			if neg {
 				r.cond = true
 				continue
 			}
-			if p, err := netip.ParsePrefix(v); err == nil {
+			if p, err := netip.ParsePrefix(string(v)); err == nil {
 				if p.Bits() == p.Addr().BitLen() {
 					r.dst = p.Addr()
 				} else {
 					r.cond = true
 				}
-			} else if a, err := netip.ParseAddr(v); err == nil {
+			} else if a, err := netip.ParseAddr(string(v)); err == nil {
 				r.dst = a
 			} else {
-				return r, fmt.Errorf("bad destination %q", v)
+				return r, fmt.Errorf("bad destination %q", clip(v))
 			}
 		case "-p", "--protocol":
-			v, err := needArg()
-			if err != nil {
-				return r, err
-			}
-			r.proto = strings.ToUpper(v)
+			r.proto = protoName(v)
 		case "--dport", "--destination-port":
-			v, err := needArg()
+			n, err := strconv.ParseUint(string(v), 10, 16)
 			if err != nil {
-				return r, err
-			}
-			n, err := strconv.ParseUint(v, 10, 16)
-			if err != nil {
-				return r, fmt.Errorf("bad destination port %q", v)
+				return r, fmt.Errorf("bad destination port %q", clip(v))
 			}
 			r.dport, r.hasDport = uint16(n), true
 		case "-j", "--jump", "-g", "--goto":
-			v, err := needArg()
-			if err != nil {
-				return r, err
-			}
-			r.jump = v
-		case "--to-destination":
-			v, err := needArg()
-			if err != nil {
-				return r, err
-			}
-			ap, err := netip.ParseAddrPort(v)
-			if err != nil {
-				return r, fmt.Errorf("bad DNAT target %q", v)
-			}
-			r.toDest = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+			r.jump = string(v)
 		case "--comment":
-			v, err := needArg()
-			if err != nil {
-				return r, err
-			}
-			r.comment = v
-		case "-s", "--source", "--src-type":
-			if _, err := needArg(); err != nil {
-				return r, err
-			}
+			r.comment = unquote(v)
+		default: // -s, --source, --src-type
 			r.cond = true
 		}
 	}
 	return r, nil
 }
 
-// nextToken returns the next space-separated token, unquoting "…" strings.
-func nextToken(b []byte) (string, []byte) {
+func protoName(v []byte) string {
+	switch string(v) {
+	case "tcp", "TCP":
+		return "TCP"
+	case "udp", "UDP":
+		return "UDP"
+	case "sctp", "SCTP":
+		return "SCTP"
+	}
+	return strings.ToUpper(string(v))
+}
+
+// nextToken returns the next space-separated token; a "…" token (a comment)
+// is returned with its quotes, which unquote removes.
+func nextToken(b []byte) ([]byte, []byte) {
 	for len(b) > 0 && b[0] == ' ' {
 		b = b[1:]
 	}
 	if len(b) == 0 {
-		return "", b
+		return nil, b
 	}
 	if b[0] == '"' {
-		var sb strings.Builder
-		i := 1
-		for ; i < len(b); i++ {
-			if b[i] == '\\' && i+1 < len(b) {
+		for i := 1; i < len(b); i++ {
+			switch b[i] {
+			case '\\':
 				i++
-				sb.WriteByte(b[i])
-				continue
+			case '"':
+				return b[:i+1], b[i+1:]
 			}
-			if b[i] == '"' {
-				i++
-				break
-			}
-			sb.WriteByte(b[i])
 		}
-		return sb.String(), b[i:]
+		return b, nil
 	}
-	i := indexByte(b, ' ')
+	i := bytes.IndexByte(b, ' ')
 	if i < 0 {
-		return string(b), nil
+		return b, nil
 	}
-	return string(b[:i]), b[i:]
+	return b[:i], b[i:]
 }
 
-func indexByte(b []byte, c byte) int {
-	for i, x := range b {
-		if x == c {
-			return i
-		}
+func unquote(v []byte) string {
+	if len(v) < 2 || v[0] != '"' {
+		return string(v)
 	}
-	return -1
+	v = v[1:]
+	if v[len(v)-1] == '"' {
+		v = v[:len(v)-1]
+	}
+	if bytes.IndexByte(v, '\\') < 0 {
+		return string(v)
+	}
+	var sb strings.Builder
+	for i := 0; i < len(v); i++ {
+		if v[i] == '\\' && i+1 < len(v) {
+			i++
+		}
+		sb.WriteByte(v[i])
+	}
+	return sb.String()
+}
+
+// parseIPv4Port is a fast path for the common "a.b.c.d:port" DNAT target.
+// It accepts only the canonical form (no leading zeros) and leaves anything
+// else to netip.ParseAddrPort, so both agree on every input.
+func parseIPv4Port(v []byte) (netip.AddrPort, bool) {
+	var ip [4]byte
+	i := 0
+	for k := range 4 {
+		start, n := i, 0
+		for i < len(v) && v[i] >= '0' && v[i] <= '9' && i-start < 3 {
+			n = n*10 + int(v[i]-'0')
+			i++
+		}
+		if i == start || n > 255 || (v[start] == '0' && i-start > 1) {
+			return netip.AddrPort{}, false
+		}
+		ip[k] = byte(n)
+		sep := byte('.')
+		if k == 3 {
+			sep = ':'
+		}
+		if i >= len(v) || v[i] != sep {
+			return netip.AddrPort{}, false
+		}
+		i++
+	}
+	start, port := i, 0
+	for i < len(v) && v[i] >= '0' && v[i] <= '9' && i-start < 5 {
+		port = port*10 + int(v[i]-'0')
+		i++
+	}
+	if i != len(v) || i == start || port > 65535 || (v[start] == '0' && i-start > 1) {
+		return netip.AddrPort{}, false
+	}
+	return netip.AddrPortFrom(netip.AddrFrom4(ip), uint16(port)), true
 }
 
 func clip(b []byte) string {

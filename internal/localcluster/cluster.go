@@ -143,7 +143,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return nil, err
 	}
 	c = &Cluster{cfg: cfg, nodes: map[string]*Node{}}
-	if err := c.takeLock(ctx); err != nil {
+	if c.lock, err = takeLock(ctx, c.logf); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -203,33 +203,34 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	return c, nil
 }
 
-func (c *Cluster) takeLock(ctx context.Context) error {
+// takeLock waits for the machine-wide lock every local cluster and scratch
+// namespace holds while it exists.
+func takeLock(ctx context.Context, logf func(string, ...any)) (*os.File, error) {
 	if err := os.MkdirAll(filepath.Dir(lockPath), 0o755); err != nil {
-		return err
+		return nil, err
 	}
 	f, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
-		return fmt.Errorf("open lock %s: %w", lockPath, err)
+		return nil, fmt.Errorf("open lock %s: %w", lockPath, err)
 	}
 	logged := false
 	for {
 		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
 		if err == nil {
-			c.lock = f
-			return nil
+			return f, nil
 		}
 		if !errors.Is(err, syscall.EWOULDBLOCK) {
 			f.Close()
-			return fmt.Errorf("lock %s: %w", lockPath, err)
+			return nil, fmt.Errorf("lock %s: %w", lockPath, err)
 		}
-		if !logged {
-			c.logf("another local cluster is running on this machine; waiting for %s", lockPath)
+		if !logged && logf != nil {
+			logf("another local cluster is running on this machine; waiting for %s", lockPath)
 			logged = true
 		}
 		select {
 		case <-ctx.Done():
 			f.Close()
-			return fmt.Errorf("waiting for %s: %w", lockPath, ctx.Err())
+			return nil, fmt.Errorf("waiting for %s: %w", lockPath, ctx.Err())
 		case <-time.After(200 * time.Millisecond):
 		}
 	}

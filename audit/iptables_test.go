@@ -1,0 +1,79 @@
+package audit
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+)
+
+func TestParseIPv4PortAgreesWithNetip(t *testing.T) {
+	for _, s := range []string{
+		"198.18.0.1:8080", "0.0.0.0:0", "255.255.255.255:65535", "1.2.3.4:80",
+		"01.2.3.4:80", "1.2.3.4:080", "256.1.1.1:80", "1.2.3:80", "1.2.3.4", "1.2.3.4:65536",
+		"1.2.3.4:", ":80", "1.2.3.4:80x", "1.2.3.4.5:80", "[::1]:80", "1.2.3.4:99999", "1..3.4:1", "",
+	} {
+		want, err := netip.ParseAddrPort(s)
+		got, ok := parseIPv4Port([]byte(s))
+		if ok && (err != nil || got != want) {
+			t.Errorf("%q: fast path %v, netip %v (%v)", s, got, want, err)
+		}
+		if !ok && err == nil && want.Addr().Is4() && !strings.ContainsAny(s, "[]") && !strings.Contains(s, ":0") {
+			t.Errorf("%q: fast path refused a canonical address netip accepts", s)
+		}
+	}
+}
+
+// Endpoint chains under odd names, two chains whose names share the first
+// 64 bits of their hash, and a chain with two DNATs are all read exactly.
+func TestParseIPTablesEndpointChainEdges(t *testing.T) {
+	in := `*nat
+:KUBE-SEP-AAAAAAAAAAAAAAAA - [0:0]
+:KUBE-SEP-AAAAAAAAAAAABBBB - [0:0]
+-A KUBE-SERVICES -d 198.19.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-ONE
+-A KUBE-SERVICES -d 198.19.0.11/32 -p udp -m udp --dport 53 -j KUBE-SVC-TWO
+-A KUBE-SVC-ONE -m statistic --mode random --probability 0.5 -j KUBE-SEP-AAAAAAAAAAAAAAAA
+-A KUBE-SVC-ONE -j KUBE-SEP-AAAAAAAAAAAABBBB
+-A KUBE-SVC-TWO -j KUBE-SEP-handmade
+-A KUBE-SVC-TWO -j KUBE-SEP-NODNAT
+-A KUBE-SEP-AAAAAAAAAAAAAAAA -p tcp -m tcp -j DNAT --to-destination 198.18.1.1:8080
+-A KUBE-SEP-AAAAAAAAAAAABBBB -p tcp -m tcp -j DNAT --to-destination 198.18.1.2:8080
+-A KUBE-SEP-handmade -s 198.18.1.3/32 -j KUBE-MARK-MASQ
+-A KUBE-SEP-handmade -p udp -m udp -j DNAT --to-destination 198.18.1.3:53
+-A KUBE-SEP-handmade -p udp -m udp -j DNAT --to-destination 198.18.1.4:53 --persistent
+-A KUBE-SEP-ORPHANED -p tcp -m tcp -j DNAT --to-destination 198.18.9.9:80
+COMMIT
+`
+	obs, err := ParseIPTables(strings.NewReader(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, f := range obs.Frontends {
+		var eps []string
+		for _, e := range f.Endpoints {
+			eps = append(eps, e.Addr.String()+"@"+e.Chain)
+		}
+		got[f.FrontendKey.String()] = strings.Join(eps, " ")
+	}
+	want := map[string]string{
+		"198.19.0.10:80/TCP": "198.18.1.1:8080@KUBE-SEP-AAAAAAAAAAAAAAAA 198.18.1.2:8080@KUBE-SEP-AAAAAAAAAAAABBBB",
+		"198.19.0.11:53/UDP": "198.18.1.3:53@KUBE-SEP-handmade 198.18.1.4:53@KUBE-SEP-handmade",
+	}
+	if len(got) != len(want) {
+		t.Fatalf("frontends %v", got)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s: got %q, want %q", k, got[k], v)
+		}
+	}
+}
+
+func TestSEPNameRoundTrip(t *testing.T) {
+	p := &iptables{}
+	for _, n := range []string{"KUBE-SEP-23FKMLDKFLMQMVL4", "KUBE-SEP-7777777777777777", "KUBE-SEP-AAAAAAAAAAAAAAAA", "KUBE-SEP-lower", "KUBE-SEP-TOOLONGFORAHASH12345"} {
+		if got := p.sepName(p.sepIDOf([]byte(n))); got != n {
+			t.Errorf("%s came back as %s", n, got)
+		}
+	}
+}
