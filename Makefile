@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench lint fmt deps cluster-binaries clean
+.PHONY: all build test unit e2e demo fixtures bench fuzz lint fmt deps cluster-binaries clean
 
 all: build
 
@@ -35,8 +35,15 @@ fixtures: deps cluster-binaries
 	$(GO) test -count=1 -run TestE2ECaptureFixtures ./internal/e2e -capture
 	$(GO) test -count=1 ./audit -update
 
+## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md)
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem ./...
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m ./...
+
+## fuzz: each reader's fuzz target for FUZZTIME (default 30s)
+FUZZTIME ?= 30s
+fuzz:
+	for t in FuzzParseIPTables FuzzParseNFTables FuzzParseIPVS FuzzParseRules FuzzParseClusterList; do \
+		$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./audit || exit 1; done
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -13,6 +13,11 @@ import (
 // MaxLineBytes bounds one line of rule text; longer lines are an error.
 const MaxLineBytes = 64 << 10
 
+// MaxRules bounds the rules a reader keeps from one node (kube-proxy writes
+// about two per endpoint: 200k at the 100k-endpoint scalability limit), so
+// that hostile or runaway input cannot take unbounded memory.
+const MaxRules = 4 << 20
+
 // iptRule is the part of an iptables rule the audit reads, for the few
 // chains it parses in full (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-EXT-…,
 // KUBE-FW-… and the filter table's REJECTs).
@@ -68,6 +73,7 @@ type sepSlot struct {
 }
 
 func (p *iptables) addMoreDNAT(id sepID, ap netip.AddrPort) {
+	p.kept++
 	if p.moreDNAT == nil {
 		p.moreDNAT = map[sepID][]netip.AddrPort{}
 	}
@@ -106,6 +112,7 @@ type iptables struct {
 	otherIDs   map[string]sepID
 	otherNames []string
 	filterSvc  []iptRule
+	kept       int // rules retained, against MaxRules
 }
 
 // sepIDOf returns the ID of endpoint chain name (with its "KUBE-SEP-").
@@ -233,12 +240,18 @@ func ParseIPTables(r io.Reader) (*Observed, error) {
 		if err := p.rule(table, line[3:]); err != nil {
 			return nil, fmt.Errorf("line %d: %v", lineNo, err)
 		}
+		if p.kept > MaxRules {
+			return nil, fmt.Errorf("line %d: more than %d kube-proxy rules: not one node's table", lineNo, MaxRules)
+		}
 	}
 	if err := sc.Err(); err != nil {
 		if err == bufio.ErrTooLong {
 			return nil, fmt.Errorf("line %d: longer than %d bytes: not iptables-save output", lineNo+1, MaxLineBytes)
 		}
 		return nil, fmt.Errorf("read iptables-save output: %w", err)
+	}
+	if table != "" {
+		return nil, fmt.Errorf("line %d: the input ends inside table %q without COMMIT: truncated iptables-save output", lineNo, table)
 	}
 	if !sawNat && !sawFilter {
 		return nil, fmt.Errorf("no \"*nat\" table in the input: not iptables-save output (run iptables-save -t nat)")
@@ -298,6 +311,7 @@ func (p *iptables) rule(table string, rest []byte) error {
 				p.collide[id] = idx
 			}
 			p.targets = append(p.targets, ap)
+			p.kept++
 			return nil
 		case bytes.HasPrefix(name, prefixSVC), bytes.HasPrefix(name, prefixSVL):
 			// The jump is the last option: check the tail before searching.
@@ -323,6 +337,7 @@ func (p *iptables) rule(table string, rest []byte) error {
 				p.curKey, p.cur = k, p.policy[k]
 			}
 			p.cur = append(p.cur, tk)
+			p.kept++
 			return nil
 		}
 	}
@@ -336,6 +351,7 @@ func (p *iptables) rule(table string, rest []byte) error {
 	if err != nil {
 		return err
 	}
+	p.kept++
 	if wantFilter {
 		p.filterSvc = append(p.filterSvc, r)
 		return nil

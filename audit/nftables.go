@@ -1,94 +1,114 @@
 package audit
 
 import (
-	"encoding/json"
+	"bytes"
 	"fmt"
 	"io"
 	"net/netip"
 	"strings"
 )
 
-// nftObj is one entry of `nft -j` output; only the kinds the audit reads
-// are decoded.
-type nftObj struct {
-	Table *struct {
-		Family string `json:"family"`
-		Name   string `json:"name"`
-	} `json:"table"`
-	Map  *nftSet `json:"map"`
-	Set  *nftSet `json:"set"`
-	Rule *struct {
-		Family string            `json:"family"`
-		Table  string            `json:"table"`
-		Chain  string            `json:"chain"`
-		Expr   []json.RawMessage `json:"expr"`
-	} `json:"rule"`
-}
-
-type nftSet struct {
-	Family string            `json:"family"`
-	Name   string            `json:"name"`
-	Table  string            `json:"table"`
-	Elem   []json.RawMessage `json:"elem"`
-}
-
-// nftTable is kube-proxy's table in one family.
+// nftTable is kube-proxy's table in one family: the maps the audit reads
+// (their element lists, unparsed) and each chain's rules (their expression
+// lists, unparsed, read only for chains a frontend reaches).
 type nftTable struct {
 	family int
-	maps   map[string]*nftSet
-	chains map[string][][]json.RawMessage
+	maps   map[string][]byte
+	chains map[string][][]byte
 }
 
-// MaxJSONBytes bounds an nft JSON document.
-const MaxJSONBytes = 512 << 20
+// MaxJSONBytes bounds an nft JSON document (100k endpoints take 10 MB).
+const MaxJSONBytes = 128 << 20
+
+// nftMaps are the maps and sets the audit reads.
+var nftMaps = map[string]bool{"service-ips": true, "service-nodeports": true, "no-endpoint-services": true}
 
 // ParseNFTables reads `nft -j list table ip kube-proxy` (or `nft -j list
 // ruleset`) output into the observed model. Frontends come from the
 // service-ips and service-nodeports maps; the service, local and external
 // chains are followed to their numgen DNAT maps or per-endpoint chains.
 func ParseNFTables(r io.Reader) (*Observed, error) {
-	dec := json.NewDecoder(io.LimitReader(r, MaxJSONBytes))
-	var doc struct {
-		Nftables []nftObj `json:"nftables"`
+	data, err := io.ReadAll(io.LimitReader(r, MaxJSONBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("read nft JSON: %w", err)
 	}
-	if err := dec.Decode(&doc); err != nil {
-		return nil, fmt.Errorf("nft JSON: %v (expected the output of \"nft -j list table ip kube-proxy\")", err)
-	}
-	if doc.Nftables == nil {
-		return nil, fmt.Errorf("nft JSON has no \"nftables\" array (expected the output of \"nft -j list table ip kube-proxy\")")
+	if len(data) > MaxJSONBytes {
+		return nil, fmt.Errorf("nft JSON is larger than %d MiB: not a kube-proxy table", MaxJSONBytes>>20)
 	}
 	tables := map[string]*nftTable{}
-	get := func(fam, name string) *nftTable {
-		if name != "kube-proxy" || (fam != "ip" && fam != "ip6") {
+	get := func(fam, name []byte) *nftTable {
+		if string(name) != "kube-proxy" || (string(fam) != "ip" && string(fam) != "ip6") {
 			return nil
 		}
-		t := tables[fam]
+		t := tables[string(fam)]
 		if t == nil {
-			t = &nftTable{family: 4, maps: map[string]*nftSet{}, chains: map[string][][]json.RawMessage{}}
-			if fam == "ip6" {
+			t = &nftTable{family: 4, maps: map[string][]byte{}, chains: map[string][][]byte{}}
+			if string(fam) == "ip6" {
 				t.family = 6
 			}
-			tables[fam] = t
+			tables[string(fam)] = t
 		}
 		return t
 	}
-	for _, o := range doc.Nftables {
-		switch {
-		case o.Table != nil:
-			get(o.Table.Family, o.Table.Name)
-		case o.Map != nil:
-			if t := get(o.Map.Family, o.Map.Table); t != nil {
-				t.maps[o.Map.Name] = o.Map
-			}
-		case o.Set != nil:
-			if t := get(o.Set.Family, o.Set.Table); t != nil {
-				t.maps[o.Set.Name] = o.Set
-			}
-		case o.Rule != nil:
-			if t := get(o.Rule.Family, o.Rule.Table); t != nil {
-				t.chains[o.Rule.Chain] = append(t.chains[o.Rule.Chain], o.Rule.Expr)
-			}
+	sawArray := false
+	sc := &jscan{b: data}
+	err = sc.object(func(key []byte) error {
+		if string(key) != "nftables" {
+			return sc.skip()
 		}
+		sawArray = true
+		return sc.array(func(int) error {
+			return sc.object(func(kind []byte) error {
+				var fam, table, name, chain, body []byte
+				want := string(kind) == "table" || string(kind) == "map" || string(kind) == "set" || string(kind) == "rule"
+				if !want {
+					return sc.skip()
+				}
+				err := sc.object(func(field []byte) error {
+					var err error
+					switch string(field) {
+					case "family":
+						fam, err = sc.str()
+					case "table":
+						table, err = sc.str()
+					case "name":
+						name, err = sc.str()
+					case "chain":
+						chain, err = sc.str()
+					case "elem", "expr":
+						body, err = sc.span()
+					default:
+						err = sc.skip()
+					}
+					return err
+				})
+				if err != nil {
+					return err
+				}
+				switch string(kind) {
+				case "table":
+					get(fam, name)
+				case "map", "set":
+					if t := get(fam, table); t != nil && nftMaps[string(name)] {
+						t.maps[string(name)] = body
+					}
+				case "rule":
+					if t := get(fam, table); t != nil {
+						t.chains[string(chain)] = append(t.chains[string(chain)], body)
+					}
+				}
+				return nil
+			})
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%v (expected the output of \"nft -j list table ip kube-proxy\")", err)
+	}
+	if sc.peek() != 0 {
+		return nil, sc.errf("unexpected data after the document (expected the output of \"nft -j list table ip kube-proxy\")")
+	}
+	if !sawArray {
+		return nil, fmt.Errorf("nft JSON has no \"nftables\" array (expected the output of \"nft -j list table ip kube-proxy\")")
 	}
 	obs := &Observed{Mode: ModeNFTables, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
 	dispatch := false
@@ -120,10 +140,8 @@ func ParseNFTables(r io.Reader) (*Observed, error) {
 // without that rule (a flushed table) no service traffic is translated.
 func (t *nftTable) dispatches() bool {
 	for _, rule := range t.chains["services"] {
-		for _, e := range rule {
-			if strings.Contains(string(e), `"@service-ips"`) {
-				return true
-			}
+		if bytes.Contains(rule, []byte(`"@service-ips"`)) {
+			return true
 		}
 	}
 	return false
@@ -131,60 +149,107 @@ func (t *nftTable) dispatches() bool {
 
 // nftElem is a map element: key and verdict.
 type nftElem struct {
-	key     []json.RawMessage // concat parts
-	target  string            // goto/jump target chain
-	verdict string            // drop, reject-chain, …
+	key    [][]byte // concat parts, raw JSON values
+	target string   // goto/jump target chain
 }
 
-func parseElem(raw json.RawMessage) (nftElem, bool) {
-	var pair []json.RawMessage
-	if json.Unmarshal(raw, &pair) != nil || len(pair) != 2 {
-		return nftElem{}, false
-	}
-	keyRaw := pair[0]
-	// Elements with comments are wrapped: {"elem": {"val": …, "comment": …}}.
-	var wrapped struct {
-		Elem *struct {
-			Val json.RawMessage `json:"val"`
-		} `json:"elem"`
-	}
-	if json.Unmarshal(keyRaw, &wrapped) == nil && wrapped.Elem != nil {
-		keyRaw = wrapped.Elem.Val
-	}
-	var concat struct {
-		Concat []json.RawMessage `json:"concat"`
-	}
-	if json.Unmarshal(keyRaw, &concat) != nil || concat.Concat == nil {
-		return nftElem{}, false
-	}
-	var v struct {
-		Goto *struct{ Target string } `json:"goto"`
-		Jump *struct{ Target string } `json:"jump"`
-	}
-	el := nftElem{key: concat.Concat}
-	if json.Unmarshal(pair[1], &v) == nil {
-		switch {
-		case v.Goto != nil:
-			el.target = v.Goto.Target
-		case v.Jump != nil:
-			el.target = v.Jump.Target
+// elements reads a map's element list: [key, verdict] pairs whose key is a
+// concat, possibly wrapped with a comment as {"elem": {"val": …}}.
+func elements(raw []byte, fn func(nftElem) error) error {
+	sc := at(raw)
+	return sc.array(func(int) error {
+		var el nftElem
+		if sc.peek() != '[' {
+			return sc.skip() // a set element: not a map entry
 		}
-	}
-	if el.target == "" {
-		el.verdict = string(pair[1])
-	}
-	return el, true
+		err := sc.array(func(i int) error {
+			switch i {
+			case 0:
+				k, err := concat(sc)
+				el.key = k
+				return err
+			case 1:
+				t, err := verdictTarget(sc)
+				el.target = t
+				return err
+			}
+			return sc.skip()
+		})
+		if err != nil {
+			return err
+		}
+		return fn(el)
+	})
 }
 
-func jsonString(raw json.RawMessage) string {
-	var s string
-	_ = json.Unmarshal(raw, &s)
-	return s
+// concat reads {"concat": [v, …]} or {"elem": {"val": {"concat": …}}} and
+// returns the parts as raw values.
+func concat(sc *jscan) ([][]byte, error) {
+	var parts [][]byte
+	if sc.peek() != '{' {
+		return nil, sc.skip()
+	}
+	err := sc.object(func(k []byte) error {
+		switch string(k) {
+		case "concat":
+			return sc.array(func(int) error {
+				v, err := sc.span()
+				parts = append(parts, v)
+				return err
+			})
+		case "elem":
+			return sc.object(func(k []byte) error {
+				if string(k) != "val" {
+					return sc.skip()
+				}
+				p, err := concat(sc)
+				parts = p
+				return err
+			})
+		}
+		return sc.skip()
+	})
+	return parts, err
 }
 
-func jsonPort(raw json.RawMessage) (uint16, bool) {
-	var n int
-	if json.Unmarshal(raw, &n) != nil || n < 0 || n > 65535 {
+// verdictTarget reads {"goto": {"target": …}} or {"jump": …} and returns
+// the chain; other verdicts return "".
+func verdictTarget(sc *jscan) (string, error) {
+	target := ""
+	if sc.peek() != '{' {
+		return "", sc.skip()
+	}
+	err := sc.object(func(k []byte) error {
+		if string(k) != "goto" && string(k) != "jump" {
+			return sc.skip()
+		}
+		if sc.peek() != '{' {
+			return sc.skip()
+		}
+		return sc.object(func(k []byte) error {
+			if string(k) != "target" {
+				return sc.skip()
+			}
+			t, err := sc.str()
+			target = string(t)
+			return err
+		})
+	})
+	return target, err
+}
+
+func jsonString(raw []byte) string {
+	v, err := at(raw).str()
+	if err != nil {
+		return ""
+	}
+	return string(v)
+}
+
+func jsonPort(raw []byte) (uint16, bool) {
+	sc := at(raw)
+	n, err := sc.int()
+	if err != nil || sc.peek() != 0 || n < 0 || n > 65535 {
 		return 0, false
 	}
 	return uint16(n), true
@@ -192,40 +257,50 @@ func jsonPort(raw json.RawMessage) (uint16, bool) {
 
 func (t *nftTable) frontends(obs *Observed) error {
 	if m := t.maps["service-ips"]; m != nil {
-		for _, raw := range m.Elem {
-			el, ok := parseElem(raw)
-			if !ok || len(el.key) != 3 {
-				return fmt.Errorf("nft map service-ips: unexpected element %s", clip(raw))
+		err := elements(m, func(el nftElem) error {
+			if len(el.key) != 3 {
+				return fmt.Errorf("nft map service-ips: unexpected element key with %d parts", len(el.key))
 			}
 			ip, err := netip.ParseAddr(jsonString(el.key[0]))
 			port, okp := jsonPort(el.key[2])
 			if err != nil || !okp {
-				return fmt.Errorf("nft map service-ips: bad key %s", clip(raw))
+				return fmt.Errorf("nft map service-ips: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 			}
 			t.addFrontend(obs, FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}, el.target)
+			return nil
+		})
+		if err != nil {
+			return err
 		}
 	}
 	if m := t.maps["service-nodeports"]; m != nil {
-		for _, raw := range m.Elem {
-			el, ok := parseElem(raw)
-			if !ok || len(el.key) != 2 {
-				return fmt.Errorf("nft map service-nodeports: unexpected element %s", clip(raw))
+		err := elements(m, func(el nftElem) error {
+			if len(el.key) != 2 {
+				return fmt.Errorf("nft map service-nodeports: unexpected element key with %d parts", len(el.key))
 			}
 			port, okp := jsonPort(el.key[1])
 			if !okp {
-				return fmt.Errorf("nft map service-nodeports: bad key %s", clip(raw))
+				return fmt.Errorf("nft map service-nodeports: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 			}
 			t.addFrontend(obs, FrontendKey{NodePort: true, Protocol: strings.ToUpper(jsonString(el.key[0])), Port: port}, el.target)
+			return nil
+		})
+		if err != nil {
+			return err
 		}
 	}
 	if m := t.maps["no-endpoint-services"]; m != nil {
-		for _, raw := range m.Elem {
-			if el, ok := parseElem(raw); ok && len(el.key) == 3 {
+		err := elements(m, func(el nftElem) error {
+			if len(el.key) == 3 {
 				if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
 					port, _ := jsonPort(el.key[2])
 					obs.Rejects[FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}] = true
 				}
 			}
+			return nil
+		})
+		if err != nil {
+			return err
 		}
 	}
 	return nil
@@ -237,33 +312,26 @@ func (t *nftTable) addFrontend(obs *Observed, key FrontendKey, target string) {
 		return
 	}
 	f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy)}
-	seen := map[netip.AddrPort]bool{}
-	addEP := func(a netip.AddrPort, chain string) {
-		if a.IsValid() && !seen[a] {
-			seen[a] = true
-			f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: chain})
-		}
-	}
 	for _, rule := range t.chains[policy] {
-		for _, e := range rule {
-			for _, a := range dnatTargets(e) {
-				addEP(a, policy)
+		for _, st := range statements(rule) {
+			for _, a := range st.dnat {
+				f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: policy})
 			}
-			for _, ch := range gotoTargets(e) {
+			for _, ch := range st.gotos {
 				if !strings.HasPrefix(ch, "endpoint-") {
 					continue
 				}
 				for _, er := range t.chains[ch] {
-					for _, ee := range er {
-						for _, a := range dnatTargets(ee) {
-							addEP(a, ch)
+					for _, est := range statements(er) {
+						for _, a := range est.dnat {
+							f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: ch})
 						}
 					}
 				}
 			}
 		}
 	}
-	obs.Frontends = append(obs.Frontends, f)
+	obs.Frontends = append(obs.Frontends, f) // normalize sorts and removes duplicate endpoints
 }
 
 // policy follows an external-… chain to the service-… (cluster) or local-…
@@ -279,10 +347,8 @@ func (t *nftTable) policy(chain string, depth int) (Scope, string) {
 	case strings.HasPrefix(chain, "external-"):
 		rules := t.chains[chain]
 		for i := len(rules) - 1; i >= 0; i-- {
-			if len(rules[i]) == 1 {
-				if ts := gotoTargets(rules[i][0]); len(ts) == 1 {
-					return t.policy(ts[0], depth+1)
-				}
+			if sts := statements(rules[i]); len(sts) == 1 && len(sts[0].gotos) == 1 && sts[0].verdict {
+				return t.policy(sts[0].gotos[0], depth+1)
 			}
 		}
 	}
@@ -309,80 +375,182 @@ func nftChainName(chain string) string {
 	return parts[0] + "/" + parts[1] + ":" + parts[3]
 }
 
-// dnatTargets finds DNAT destinations in one expression: a plain
-// {"dnat": {"addr", "port"}} or a numgen map of [i, {"concat": [ip, port]}].
-func dnatTargets(e json.RawMessage) []netip.AddrPort {
-	var x struct {
-		Dnat *struct {
-			Addr json.RawMessage `json:"addr"`
-			Port json.RawMessage `json:"port"`
-		} `json:"dnat"`
-	}
-	if json.Unmarshal(e, &x) != nil || x.Dnat == nil {
+// nftStatement is what the audit reads of one rule statement: DNAT
+// destinations (a plain address or a numgen map of [i, {"concat": [ip,
+// port]}]) and chains it goes to (a goto/jump verdict, verdict true, or a
+// numgen vmap of [i, {"goto": …}]).
+type nftStatement struct {
+	dnat    []netip.AddrPort
+	gotos   []string
+	verdict bool
+}
+
+// statements reads a rule's expression list. Unreadable rules read as
+// empty: they route nothing the audit can name.
+func statements(rule []byte) []nftStatement {
+	var out []nftStatement
+	sc := at(rule)
+	err := sc.array(func(int) error {
+		var st nftStatement
+		if sc.peek() != '{' {
+			return sc.skip()
+		}
+		err := sc.object(func(k []byte) error {
+			switch string(k) {
+			case "dnat":
+				return readDNAT(sc, &st)
+			case "goto", "jump":
+				st.verdict = true
+				t, err := verdictBody(sc)
+				if t != "" {
+					st.gotos = append(st.gotos, t)
+				}
+				return err
+			case "vmap":
+				return sc.object(func(k []byte) error {
+					if string(k) != "data" || sc.peek() != '{' {
+						return sc.skip()
+					}
+					return mapSet(sc, func(v *jscan) error {
+						t, err := verdictTarget(v)
+						if t != "" {
+							st.gotos = append(st.gotos, t)
+						}
+						return err
+					})
+				})
+			}
+			return sc.skip()
+		})
+		out = append(out, st)
+		return err
+	})
+	if err != nil {
 		return nil
-	}
-	if ip, err := netip.ParseAddr(jsonString(x.Dnat.Addr)); err == nil {
-		p, _ := jsonPort(x.Dnat.Port)
-		return []netip.AddrPort{netip.AddrPortFrom(ip.Unmap(), p)}
-	}
-	var m struct {
-		Map struct {
-			Data struct {
-				Set [][]json.RawMessage `json:"set"`
-			} `json:"data"`
-		} `json:"map"`
-	}
-	if json.Unmarshal(x.Dnat.Addr, &m) != nil {
-		return nil
-	}
-	var out []netip.AddrPort
-	for _, pair := range m.Map.Data.Set {
-		if len(pair) != 2 {
-			continue
-		}
-		var c struct {
-			Concat []json.RawMessage `json:"concat"`
-		}
-		if json.Unmarshal(pair[1], &c) != nil || len(c.Concat) != 2 {
-			continue
-		}
-		ip, err := netip.ParseAddr(jsonString(c.Concat[0]))
-		p, ok := jsonPort(c.Concat[1])
-		if err == nil && ok {
-			out = append(out, netip.AddrPortFrom(ip.Unmap(), p))
-		}
 	}
 	return out
 }
 
-// gotoTargets finds chains an expression goes to: a goto/jump verdict or a
-// numgen vmap of [i, {"goto": …}].
-func gotoTargets(e json.RawMessage) []string {
-	var x struct {
-		Goto *struct{ Target string } `json:"goto"`
-		Jump *struct{ Target string } `json:"jump"`
-		Vmap *struct {
-			Data struct {
-				Set [][]json.RawMessage `json:"set"`
-			} `json:"data"`
-		} `json:"vmap"`
+// concatAddrPort reads {"concat": ["ip", port]}, a numgen DNAT map's
+// value, without allocating; anything else reads as invalid.
+func concatAddrPort(sc *jscan) (netip.AddrPort, error) {
+	var ap netip.AddrPort
+	if sc.peek() != '{' {
+		return ap, sc.skip()
 	}
-	if json.Unmarshal(e, &x) != nil {
-		return nil
+	err := sc.object(func(k []byte) error {
+		if string(k) != "concat" {
+			return sc.skip()
+		}
+		var ip netip.Addr
+		var port int64 = -1
+		err := sc.array(func(i int) error {
+			switch {
+			case i == 0 && sc.peek() == '"':
+				v, err := sc.str()
+				if a, perr := netip.ParseAddr(string(v)); perr == nil {
+					ip = a.Unmap()
+				}
+				return err
+			case i == 1 && sc.peek() != '"' && sc.peek() != '{' && sc.peek() != '[':
+				n, err := sc.int()
+				port = n
+				return err
+			}
+			port = -2 // more than two parts, or the wrong types
+			return sc.skip()
+		})
+		if ip.IsValid() && port >= 0 && port <= 65535 {
+			ap = netip.AddrPortFrom(ip, uint16(port))
+		}
+		return err
+	})
+	return ap, err
+}
+
+// verdictBody reads the {"target": …} of a goto or jump.
+func verdictBody(sc *jscan) (string, error) {
+	target := ""
+	if sc.peek() != '{' {
+		return "", sc.skip()
 	}
-	switch {
-	case x.Goto != nil:
-		return []string{x.Goto.Target}
-	case x.Jump != nil:
-		return []string{x.Jump.Target}
-	case x.Vmap != nil:
-		var out []string
-		for _, pair := range x.Vmap.Data.Set {
-			if len(pair) == 2 {
-				out = append(out, gotoTargets(pair[1])...)
+	err := sc.object(func(k []byte) error {
+		if string(k) != "target" {
+			return sc.skip()
+		}
+		t, err := sc.str()
+		target = string(t)
+		return err
+	})
+	return target, err
+}
+
+// mapSet reads {"set": [[key, value], …]} (an anonymous map) and calls fn
+// on each value.
+func mapSet(sc *jscan, fn func(*jscan) error) error {
+	return sc.object(func(k []byte) error {
+		if string(k) != "set" {
+			return sc.skip()
+		}
+		return sc.array(func(int) error {
+			if sc.peek() != '[' {
+				return sc.skip()
+			}
+			return sc.array(func(i int) error {
+				if i == 1 {
+					return fn(sc)
+				}
+				return sc.skip()
+			})
+		})
+	})
+}
+
+func readDNAT(sc *jscan, st *nftStatement) error {
+	var addr netip.Addr
+	var port uint16
+	err := sc.object(func(k []byte) error {
+		switch string(k) {
+		case "addr":
+			switch sc.peek() {
+			case '"':
+				v, err := sc.str()
+				if err != nil {
+					return err
+				}
+				if a, err := netip.ParseAddr(string(v)); err == nil {
+					addr = a.Unmap()
+				}
+				return nil
+			case '{':
+				return sc.object(func(k []byte) error {
+					if string(k) != "map" {
+						return sc.skip()
+					}
+					return sc.object(func(k []byte) error {
+						if string(k) != "data" || sc.peek() != '{' {
+							return sc.skip()
+						}
+						return mapSet(sc, func(v *jscan) error {
+							ap, err := concatAddrPort(v)
+							if ap.IsValid() {
+								st.dnat = append(st.dnat, ap)
+							}
+							return err
+						})
+					})
+				})
+			}
+		case "port":
+			if p, err := sc.int(); err == nil && p >= 0 && p <= 65535 {
+				port = uint16(p)
+				return nil
 			}
 		}
-		return out
+		return sc.skip()
+	})
+	if addr.IsValid() {
+		st.dnat = append(st.dnat, netip.AddrPortFrom(addr, port))
 	}
-	return nil
+	return err
 }

@@ -77,3 +77,48 @@ func TestSEPNameRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+func TestParseNFTablesRejectsHostileJSON(t *testing.T) {
+	for name, in := range map[string]string{
+		"deep":      `{"nftables": ` + strings.Repeat("[", 100000) + strings.Repeat("]", 100000) + `}`,
+		"truncated": `{"nftables": [{"table": {"family": "ip", "name": "kube-proxy"`,
+		"trailing":  `{"nftables": []} {"nftables": []}`,
+		"no array":  `{"other": 1}`,
+		"garbage":   `{"nftables": [tru]}`,
+	} {
+		if _, err := ParseNFTables(strings.NewReader(in)); err == nil {
+			t.Errorf("%s: no error", name)
+		} else if !strings.Contains(err.Error(), "nft") {
+			t.Errorf("%s: error does not say what was expected: %v", name, err)
+		}
+	}
+}
+
+func TestParseIPTablesRejectsTruncatedAndRunaway(t *testing.T) {
+	if _, err := ParseIPTables(strings.NewReader("*nat\n:KUBE-SERVICES - [0:0]\n-A KUBE-SERVICES -d 1.2.3.4/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-X\n")); err == nil || !strings.Contains(err.Error(), "truncated") {
+		t.Errorf("truncated dump: %v", err)
+	}
+	// A reader that never ends, repeating one rule: the parser stops at
+	// MaxRules instead of growing without bound.
+	r := &repeatReader{head: "*nat\n", line: "-A KUBE-SVC-AAAAAAAAAAAAAAAA -j KUBE-SEP-AAAAAAAAAAAAAAAA\n"}
+	if _, err := ParseIPTables(r); err == nil || !strings.Contains(err.Error(), "more than") {
+		t.Errorf("runaway input: %v", err)
+	}
+}
+
+type repeatReader struct {
+	head, line string
+	sent       bool
+}
+
+func (r *repeatReader) Read(p []byte) (int, error) {
+	n := 0
+	if !r.sent {
+		n = copy(p, r.head)
+		r.sent = true
+	}
+	for n+len(r.line) <= len(p) {
+		n += copy(p[n:], r.line)
+	}
+	return n, nil
+}
