@@ -1,0 +1,297 @@
+package audit
+
+import (
+	"net/netip"
+	"reflect"
+	"sort"
+	"time"
+)
+
+// Version is one state of a service as the cluster published it, from
+// Since until the next version. Svc is nil while the service does not exist
+// (before it was created, after it was deleted).
+type Version struct {
+	Since time.Time
+	Svc   *Service
+}
+
+// History keeps the recent versions of every service, so that a node's
+// rules can be matched against what the cluster said a little while ago:
+// a node showing an older version is lagging (since the next version
+// appeared); a node showing no version at all is divergent. Time is passed
+// in; History does no I/O.
+type History struct {
+	// Keep is how long a superseded version stays matchable. It must
+	// exceed the grace period, or a lagging node would look divergent.
+	Keep time.Duration
+	// MaxVersions bounds the versions kept per service.
+	MaxVersions int
+
+	svcs map[string][]Version
+}
+
+// NewHistory returns an empty history keeping superseded versions for keep.
+func NewHistory(keep time.Duration) *History {
+	return &History{Keep: keep, MaxVersions: 64, svcs: map[string][]Version{}}
+}
+
+// Update records the cluster state seen at now: every service that
+// appeared, changed or disappeared gets a new version.
+func (h *History) Update(st *State, now time.Time) {
+	present := make(map[string]bool, len(st.Services))
+	for i := range st.Services {
+		s := &st.Services[i]
+		key := s.Namespace + "/" + s.Name
+		present[key] = true
+		vs := h.svcs[key]
+		if n := len(vs); n > 0 && vs[n-1].Svc != nil && reflect.DeepEqual(vs[n-1].Svc, s) {
+			if n > 1 {
+				h.svcs[key] = h.prune(vs, now)
+			}
+			continue
+		}
+		cp := *s
+		if len(vs) == 0 {
+			// Before its first version the service did not exist (or
+			// existed before the aggregator started: a node still without
+			// it is lagging from now, not divergent).
+			vs = append(vs, Version{Since: now})
+		}
+		h.svcs[key] = h.prune(append(vs, Version{Since: now, Svc: &cp}), now)
+	}
+	for key, vs := range h.svcs {
+		if present[key] {
+			continue
+		}
+		if vs[len(vs)-1].Svc != nil {
+			vs = append(vs, Version{Since: now})
+		}
+		vs = h.prune(vs, now)
+		if len(vs) == 1 && vs[0].Svc == nil && now.Sub(vs[0].Since) > h.Keep {
+			delete(h.svcs, key)
+			continue
+		}
+		h.svcs[key] = vs
+	}
+}
+
+// prune drops versions superseded for longer than Keep, and the oldest
+// beyond MaxVersions; the current version always stays.
+func (h *History) prune(vs []Version, now time.Time) []Version {
+	i := 0
+	for i < len(vs)-1 && now.Sub(vs[i+1].Since) > h.Keep {
+		i++
+	}
+	if n := len(vs) - i; h.MaxVersions > 0 && n > h.MaxVersions {
+		i += n - h.MaxVersions
+	}
+	return vs[i:]
+}
+
+// Versions returns the kept versions of namespace/name, oldest first.
+func (h *History) Versions(service string) []Version { return h.svcs[service] }
+
+// ServiceState is how a node's rules for one service compare with the
+// cluster.
+type ServiceState string
+
+// Service states.
+const (
+	InSync    ServiceState = "InSync"
+	Lagging   ServiceState = "Lagging"
+	Divergent ServiceState = "Divergent"
+)
+
+// ServiceAssessment says how one service differs on one node.
+type ServiceAssessment struct {
+	// Service is namespace/name; empty for rules no known service owns.
+	Service string
+	State   ServiceState
+	// Since is when the node fell behind, for Lagging: when the version
+	// after the one the node shows appeared. Zero for Divergent: only the
+	// caller knows when it first saw the divergence.
+	Since time.Time
+	// Findings are the differences from the current version.
+	Findings []Finding
+}
+
+// Assess compares a node's rules with the current cluster state and, for
+// every service that differs, with the service's recent versions. It
+// returns only services that are not in sync, sorted by service; a node
+// with no rules at all returns nil (the caller reports NoRules).
+func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessment {
+	if obs.NoRules {
+		return nil
+	}
+	exp := ExpectedFor(st, node)
+	raw := Diff(exp, obs)
+	if len(raw) == 0 {
+		return nil
+	}
+	current := make(map[string]*Service, len(st.Services))
+	for i := range st.Services {
+		s := &st.Services[i]
+		current[s.Namespace+"/"+s.Name] = s
+	}
+	// Who owns each frontend: any kept version of any service.
+	owner := map[FrontendKey]string{}
+	for key, vs := range h.svcs {
+		for _, v := range vs {
+			if v.Svc != nil {
+				for _, k := range serviceKeys(v.Svc) {
+					owner[k] = key
+				}
+			}
+		}
+	}
+	for key, s := range current {
+		for _, k := range serviceKeys(s) {
+			owner[k] = key
+		}
+	}
+	expected := map[FrontendKey]bool{}
+	for _, p := range exp.Ports {
+		for _, fe := range p.Frontends {
+			expected[fe.FrontendKey] = true
+		}
+	}
+	byKey := make(map[FrontendKey]*ObservedFrontend, len(obs.Frontends))
+	affected := map[string]bool{}
+	var unowned []ObservedFrontend
+	for i := range obs.Frontends {
+		of := &obs.Frontends[i]
+		byKey[of.FrontendKey] = of
+		if expected[of.FrontendKey] {
+			continue
+		}
+		if o, ok := ownerOf(owner, of, obs.Mode); ok {
+			affected[o] = true
+		} else {
+			unowned = append(unowned, *of)
+		}
+	}
+	for _, f := range raw {
+		if f.Kind != StaleService && f.Service != "" && current[f.Service] != nil {
+			affected[f.Service] = true
+		}
+	}
+	var out []ServiceAssessment
+	for svc := range affected {
+		a := assessService(st, h, node, obs, byKey, svc, current[svc])
+		if a.State != InSync {
+			out = append(out, a)
+		}
+	}
+	if len(unowned) > 0 {
+		a := ServiceAssessment{State: Divergent}
+		for _, of := range unowned {
+			f := staleService(of)
+			f.Node = node
+			a.Findings = append(a.Findings, f)
+		}
+		SortFindings(a.Findings)
+		out = append(out, a)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Service < out[j].Service })
+	return out
+}
+
+func ownerOf(owner map[FrontendKey]string, of *ObservedFrontend, mode Mode) (string, bool) {
+	if o, ok := owner[of.FrontendKey]; ok {
+		return o, true
+	}
+	if mode == ModeIPVS && !of.NodePort {
+		// IPVS has a virtual server per node address for a node port.
+		o, ok := owner[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}]
+		return o, ok
+	}
+	return "", false
+}
+
+// assessService matches the node's rules for one service against its
+// current and then older versions.
+func assessService(st *State, h *History, node string, obs *Observed, byKey map[FrontendKey]*ObservedFrontend, svc string, cur *Service) ServiceAssessment {
+	versions := h.Versions(svc)
+	// Every frontend any version had: rules for a frontend the version
+	// lacks count against that version.
+	keys := map[FrontendKey]bool{}
+	if cur != nil {
+		for _, k := range serviceKeys(cur) {
+			keys[k] = true
+		}
+	}
+	for _, v := range versions {
+		if v.Svc != nil {
+			for _, k := range serviceKeys(v.Svc) {
+				keys[k] = true
+			}
+		}
+	}
+	mine := restrict(obs, byKey, keys)
+	diffAt := func(s *Service) []Finding {
+		one := &State{Nodes: st.Nodes}
+		if s != nil {
+			one.Services = []Service{*s}
+		}
+		return Diff(ExpectedFor(one, node), mine)
+	}
+	a := ServiceAssessment{Service: svc, Findings: diffAt(cur)}
+	if len(a.Findings) == 0 {
+		a.State = InSync
+		return a
+	}
+	// Newest first; the last version is the current one (or absent).
+	for i := len(versions) - 2; i >= 0; i-- {
+		if len(diffAt(versions[i].Svc)) == 0 {
+			a.State, a.Since = Lagging, versions[i+1].Since
+			return a
+		}
+	}
+	a.State = Divergent
+	return a
+}
+
+// restrict returns the part of obs whose frontends are in keys (and, in
+// IPVS mode, the per-address virtual servers of those node ports).
+func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[FrontendKey]bool) *Observed {
+	o := &Observed{Mode: obs.Mode, Families: obs.Families, RejectsKnown: obs.RejectsKnown, Rejects: map[FrontendKey]bool{}}
+	for k := range keys {
+		if of, ok := byKey[k]; ok {
+			o.Frontends = append(o.Frontends, *of)
+		}
+		if obs.Rejects[k] {
+			o.Rejects[k] = true
+		}
+	}
+	if obs.Mode == ModeIPVS {
+		for _, of := range obs.Frontends {
+			if !of.NodePort && !keys[of.FrontendKey] && keys[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}] {
+				o.Frontends = append(o.Frontends, of)
+			}
+		}
+	}
+	o.normalize()
+	return o
+}
+
+// serviceKeys lists the node-independent frontends of a service: cluster,
+// external and load-balancer IPs per port, and node ports.
+func serviceKeys(s *Service) []FrontendKey {
+	var out []FrontendKey
+	for _, p := range s.Ports {
+		proto := string(p.Protocol)
+		if proto == "" {
+			proto = "TCP"
+		}
+		port := uint16(p.Port)
+		for _, ips := range [][]netip.Addr{s.ClusterIPs, s.ExternalIPs, s.LBIPs} {
+			for _, ip := range ips {
+				out = append(out, FrontendKey{IP: ip, Protocol: proto, Port: port})
+			}
+		}
+		if p.NodePort != 0 {
+			out = append(out, FrontendKey{NodePort: true, Protocol: proto, Port: uint16(p.NodePort)})
+		}
+	}
+	return out
+}
