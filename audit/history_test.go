@@ -50,7 +50,7 @@ func dropEndpoint(c cluster, i int) cluster {
 	out := cluster{svcs: c.svcs, slices: make([]discoveryv1.EndpointSlice, len(c.slices))}
 	copy(out.slices, c.slices)
 	eps := out.slices[i].Endpoints
-	out.slices[i].Endpoints = eps[:len(eps)-1 : len(eps)-1]
+	out.slices[i].Endpoints = eps[: len(eps)-1 : len(eps)-1]
 	return out
 }
 
