@@ -1,0 +1,394 @@
+// Package stream is the wire protocol between a node's collector and the
+// aggregator: length-prefixed JSON messages over one TCP (or TLS)
+// connection. The collector says hello with its node name and token, then
+// reports its rules as digests and deltas: a full snapshot first, then per
+// interval only the frontends that changed and the root digest over all of
+// them (a steady node sends the root alone). The aggregator applies each
+// delta to its copy and asks for a full resync when its root differs
+// (anti-entropy). Every message is bounded before it is read.
+package stream
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// DefaultMaxMessageBytes bounds one message: a full snapshot of a node at
+// 100k endpoints is about 3 MB.
+const DefaultMaxMessageBytes = 16 << 20
+
+// Limits on what one node may claim, far above the Kubernetes scalability
+// thresholds (10k services, 100k endpoints).
+const (
+	MaxFrontends = 200_000
+	MaxEndpoints = 2_000_000
+)
+
+// ErrTooLarge is returned for a message over the size limit; its body is
+// not read.
+var ErrTooLarge = errors.New("message larger than the limit")
+
+// Message types.
+const (
+	TypeHello    = "hello"
+	TypeWelcome  = "welcome"
+	TypeRedirect = "redirect"
+	TypeReject   = "reject"
+	TypeReport   = "report"
+	TypeResync   = "resync"
+)
+
+// Message is one frame. Type says which of the fields is set.
+type Message struct {
+	Type     string    `json:"type"`
+	Hello    *Hello    `json:"hello,omitempty"`
+	Redirect *Redirect `json:"redirect,omitempty"`
+	Reject   *Reject   `json:"reject,omitempty"`
+	Report   *Report   `json:"report,omitempty"`
+	Resync   *Resync   `json:"resync,omitempty"`
+}
+
+// Hello opens a stream: who the collector is and its credentials.
+type Hello struct {
+	Node    string `json:"node"`
+	Token   string `json:"token,omitempty"`
+	Version string `json:"version"`
+	// IntervalSeconds is the collector's read interval: the aggregator
+	// declares it missing after three intervals without a report.
+	IntervalSeconds float64 `json:"intervalSeconds"`
+}
+
+// Redirect tells a collector that connected to a follower where the
+// leader is.
+type Redirect struct {
+	Leader string `json:"leader"`
+}
+
+// Reject ends a stream with the reason.
+type Reject struct {
+	Reason string `json:"reason"`
+}
+
+// Resync asks the collector for a full snapshot in its next report.
+type Resync struct {
+	Reason string `json:"reason"`
+}
+
+// Report is one read of the node's rules.
+type Report struct {
+	Seq  uint64 `json:"seq"`
+	Full bool   `json:"full,omitempty"`
+	// Root digests the whole observed state after this report.
+	Root     uint64 `json:"root"`
+	Mode     string `json:"mode,omitempty"`
+	NoRules  bool   `json:"noRules,omitempty"`
+	Families []int  `json:"families,omitempty"`
+	// Frontends are new or changed frontends (all of them when Full).
+	Frontends []Frontend `json:"frontends,omitempty"`
+	// Removed are keys of frontends gone since the last report.
+	Removed []string `json:"removed,omitempty"`
+	// ReadError is set when the collector could not read the rules.
+	ReadError string `json:"readError,omitempty"`
+	// Proxy is kube-proxy's own view, when the collector scrapes it.
+	Proxy *ProxyMetrics `json:"proxy,omitempty"`
+}
+
+// ProxyMetrics are kube-proxy's sync metrics from 127.0.0.1:10249.
+type ProxyMetrics struct {
+	LastSyncUnix         float64 `json:"lastSyncUnix,omitempty"`
+	QueuedChangesUnix    float64 `json:"queuedChangesUnix,omitempty"`
+	SyncProxyRulesTotal  float64 `json:"syncProxyRulesTotal,omitempty"`
+	PendingChangesUnsync float64 `json:"pendingChanges,omitempty"`
+}
+
+// Frontend is an observed frontend on the wire.
+type Frontend struct {
+	Key       string   `json:"k"`
+	Scope     string   `json:"s"`
+	Chain     string   `json:"c,omitempty"`
+	Name      string   `json:"n,omitempty"`
+	Endpoints []string `json:"e,omitempty"`
+	// Weights are IPVS weights, parallel to Endpoints; absent elsewhere.
+	Weights []int `json:"w,omitempty"`
+}
+
+// Write sends one message.
+func Write(w io.Writer, m *Message) error {
+	body, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	frame := make([]byte, 4+len(body))
+	binary.BigEndian.PutUint32(frame, uint32(len(body)))
+	copy(frame[4:], body)
+	_, err = w.Write(frame)
+	return err
+}
+
+// Read receives one message of at most max bytes. A larger message is
+// ErrTooLarge and its body is not read: the stream must be closed.
+func Read(r io.Reader, max int) (*Message, int, error) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return nil, 0, err
+	}
+	n := int(binary.BigEndian.Uint32(hdr[:]))
+	if n > max {
+		return nil, n, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, max)
+	}
+	body := make([]byte, n)
+	if _, err := io.ReadFull(r, body); err != nil {
+		return nil, n, fmt.Errorf("truncated message: %w", err)
+	}
+	var m Message
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, n, fmt.Errorf("malformed message: %v", err)
+	}
+	return &m, n + 4, nil
+}
+
+// KeyString is the wire form of a frontend key: "198.19.0.10:53/UDP" or
+// "nodeport:30080/TCP".
+func KeyString(k audit.FrontendKey) string {
+	if k.NodePort {
+		return "nodeport:" + strconv.Itoa(int(k.Port)) + "/" + k.Protocol
+	}
+	return netip.AddrPortFrom(k.IP, k.Port).String() + "/" + k.Protocol
+}
+
+// ParseKey reverses KeyString.
+func ParseKey(s string) (audit.FrontendKey, error) {
+	addr, proto, ok := strings.Cut(s, "/")
+	if !ok || (proto != "TCP" && proto != "UDP" && proto != "SCTP") {
+		return audit.FrontendKey{}, fmt.Errorf("bad frontend key %q", clip(s))
+	}
+	if p, ok := strings.CutPrefix(addr, "nodeport:"); ok {
+		n, err := strconv.ParseUint(p, 10, 16)
+		if err != nil {
+			return audit.FrontendKey{}, fmt.Errorf("bad node port in %q", clip(s))
+		}
+		return audit.FrontendKey{NodePort: true, Protocol: proto, Port: uint16(n)}, nil
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return audit.FrontendKey{}, fmt.Errorf("bad frontend key %q", clip(s))
+	}
+	return audit.FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port()}, nil
+}
+
+// FromObserved converts an observed frontend to its wire form.
+func FromObserved(of audit.ObservedFrontend) Frontend {
+	f := Frontend{Key: KeyString(of.FrontendKey), Scope: string(of.Scope), Chain: of.Chain, Name: of.Name}
+	weights := false
+	for _, e := range of.Endpoints {
+		f.Endpoints = append(f.Endpoints, e.Addr.String())
+		if e.Weight >= 0 {
+			weights = true
+		}
+	}
+	if weights {
+		for _, e := range of.Endpoints {
+			f.Weights = append(f.Weights, e.Weight)
+		}
+	}
+	return f
+}
+
+// ToObserved validates a wire frontend and converts it back.
+func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
+	k, err := ParseKey(f.Key)
+	if err != nil {
+		return audit.ObservedFrontend{}, err
+	}
+	if f.Scope != string(audit.ScopeCluster) && f.Scope != string(audit.ScopeLocal) {
+		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad scope %q", f.Key, clip(f.Scope))
+	}
+	if len(f.Weights) != 0 && len(f.Weights) != len(f.Endpoints) {
+		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: %d weights for %d endpoints", f.Key, len(f.Weights), len(f.Endpoints))
+	}
+	of := audit.ObservedFrontend{FrontendKey: k, Scope: audit.Scope(f.Scope), Chain: f.Chain, Name: f.Name}
+	for i, e := range f.Endpoints {
+		ap, err := netip.ParseAddrPort(e)
+		if err != nil {
+			return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad endpoint %q", f.Key, clip(e))
+		}
+		w := -1
+		if len(f.Weights) > 0 {
+			w = f.Weights[i]
+		}
+		of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: ap, Weight: w, Chain: f.Chain})
+	}
+	return of, nil
+}
+
+// Digest hashes what routes traffic in a frontend: key, scope, endpoints
+// and weights (not chain names, which only name things).
+func (f Frontend) Digest() uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(f.Key))
+	h.Write([]byte{0})
+	h.Write([]byte(f.Scope))
+	eps := make([]string, len(f.Endpoints))
+	for i, e := range f.Endpoints {
+		eps[i] = e
+		if len(f.Weights) > 0 {
+			eps[i] += "=" + strconv.Itoa(f.Weights[i])
+		}
+	}
+	slices.Sort(eps)
+	for _, e := range eps {
+		h.Write([]byte{0})
+		h.Write([]byte(e))
+	}
+	return h.Sum64()
+}
+
+// State is one node's observed rules as both ends of a stream keep them:
+// frontends by key with their digests, and the node-wide facts.
+type State struct {
+	Mode      string
+	NoRules   bool
+	Families  []int
+	Frontends map[string]Frontend
+	digests   map[string]uint64
+}
+
+// NewState returns an empty state.
+func NewState() *State {
+	return &State{Frontends: map[string]Frontend{}, digests: map[string]uint64{}}
+}
+
+// Root digests the whole state: the sum of the frontends' digests (so it
+// is independent of order and cheap to update) mixed with the node facts.
+func (s *State) Root() uint64 {
+	var sum uint64
+	for _, d := range s.digests {
+		sum += d
+	}
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%s|%t|%v|%d", s.Mode, s.NoRules, s.Families, sum)
+	return h.Sum64()
+}
+
+// Delta builds the report that moves prev (what the other end has) to
+// next, and updates prev to next. With full, every frontend is sent.
+func Delta(prev, next *State, seq uint64, full bool) *Report {
+	r := &Report{Seq: seq, Full: full, Mode: next.Mode, NoRules: next.NoRules, Families: next.Families}
+	for k, f := range next.Frontends {
+		if d, ok := prev.digests[k]; full || !ok || d != next.digests[k] {
+			r.Frontends = append(r.Frontends, f)
+		}
+	}
+	if !full {
+		for k := range prev.Frontends {
+			if _, ok := next.Frontends[k]; !ok {
+				r.Removed = append(r.Removed, k)
+			}
+		}
+	}
+	slices.SortFunc(r.Frontends, func(a, b Frontend) int { return strings.Compare(a.Key, b.Key) })
+	slices.Sort(r.Removed)
+	r.Root = next.Root()
+	*prev = *next.clone()
+	return r
+}
+
+// FromModel builds a state from an observed model.
+func FromModel(o *audit.Observed) *State {
+	s := NewState()
+	s.Mode, s.NoRules, s.Families = string(o.Mode), o.NoRules, slices.Clone(o.Families)
+	for _, of := range o.Frontends {
+		f := FromObserved(of)
+		s.Frontends[f.Key] = f
+		s.digests[f.Key] = f.Digest()
+	}
+	return s
+}
+
+func (s *State) clone() *State {
+	c := &State{Mode: s.Mode, NoRules: s.NoRules, Families: slices.Clone(s.Families),
+		Frontends: make(map[string]Frontend, len(s.Frontends)), digests: make(map[string]uint64, len(s.digests))}
+	for k, v := range s.Frontends {
+		c.Frontends[k] = v
+	}
+	for k, v := range s.digests {
+		c.digests[k] = v
+	}
+	return c
+}
+
+// Apply validates a report and applies it to s. It returns whether the
+// root matches afterwards; false means the two ends disagree and the
+// collector must resync. On a validation error s is unchanged.
+func (s *State) Apply(r *Report) (bool, error) {
+	if len(r.Frontends) > MaxFrontends || len(r.Removed) > MaxFrontends {
+		return false, fmt.Errorf("report claims %d frontends: more than the %d a node can have", len(r.Frontends)+len(r.Removed), MaxFrontends)
+	}
+	eps := 0
+	for _, f := range r.Frontends {
+		eps += len(f.Endpoints)
+		if _, err := f.ToObserved(); err != nil {
+			return false, err
+		}
+	}
+	if eps > MaxEndpoints {
+		return false, fmt.Errorf("report claims %d endpoints: more than %d", eps, MaxEndpoints)
+	}
+	for _, k := range r.Removed {
+		if _, err := ParseKey(k); err != nil {
+			return false, err
+		}
+	}
+	next := s
+	if r.Full {
+		next = NewState()
+	} else {
+		next = s.clone()
+	}
+	next.Mode, next.NoRules, next.Families = r.Mode, r.NoRules, slices.Clone(r.Families)
+	for _, k := range r.Removed {
+		delete(next.Frontends, k)
+		delete(next.digests, k)
+	}
+	for _, f := range r.Frontends {
+		next.Frontends[f.Key] = f
+		next.digests[f.Key] = f.Digest()
+	}
+	if len(next.Frontends) > MaxFrontends {
+		return false, fmt.Errorf("node state grew to %d frontends: more than %d", len(next.Frontends), MaxFrontends)
+	}
+	*s = *next
+	return s.Root() == r.Root, nil
+}
+
+// Observed converts the state to the audit's model.
+func (s *State) Observed() *audit.Observed {
+	o := &audit.Observed{Mode: audit.Mode(s.Mode), NoRules: s.NoRules, Families: slices.Clone(s.Families)}
+	for _, f := range s.Frontends {
+		if of, err := f.ToObserved(); err == nil {
+			o.Frontends = append(o.Frontends, of)
+		}
+	}
+	slices.SortFunc(o.Frontends, func(a, b audit.ObservedFrontend) int { return strings.Compare(KeyString(a.FrontendKey), KeyString(b.FrontendKey)) })
+	if len(o.Families) == 0 {
+		o.Families = []int{4}
+	}
+	return o
+}
+
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
+}

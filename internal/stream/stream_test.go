@@ -1,0 +1,148 @@
+package stream
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+func observed(t *testing.T, spec synth.Spec) *audit.Observed {
+	t.Helper()
+	var b bytes.Buffer
+	if err := spec.WriteIPTablesSave(&b); err != nil {
+		t.Fatal(err)
+	}
+	o, err := audit.ParseRules(&b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+func TestFramingRoundTripAndLimits(t *testing.T) {
+	var buf bytes.Buffer
+	in := &Message{Type: TypeHello, Hello: &Hello{Node: "n1", Token: "t", Version: "v", IntervalSeconds: 10}}
+	if err := Write(&buf, in); err != nil {
+		t.Fatal(err)
+	}
+	out, _, err := Read(&buf, DefaultMaxMessageBytes)
+	if err != nil || !reflect.DeepEqual(in, out) {
+		t.Fatalf("round trip: %+v, %v", out, err)
+	}
+
+	// A header announcing 100 MB: refused before a byte of the body is read.
+	var hdr [4]byte
+	binary.BigEndian.PutUint32(hdr[:], 100<<20)
+	r := &countingReader{r: bytes.NewReader(append(hdr[:], make([]byte, 1024)...))}
+	if _, _, err := Read(r, DefaultMaxMessageBytes); !errors.Is(err, ErrTooLarge) || r.n != 4 {
+		t.Fatalf("oversized: %v after reading %d bytes", err, r.n)
+	}
+
+	for name, body := range map[string][]byte{"garbage": []byte("\x00\xffnot json"), "truncated": []byte(`{"type":"he`)} {
+		var b bytes.Buffer
+		binary.Write(&b, binary.BigEndian, uint32(len(body)+10)) // claims more than it sends
+		b.Write(body)
+		if _, _, err := Read(&b, DefaultMaxMessageBytes); err == nil {
+			t.Errorf("%s: no error", name)
+		}
+	}
+}
+
+type countingReader struct {
+	r interface{ Read([]byte) (int, error) }
+	n int
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += n
+	return n, err
+}
+
+// The collector's deltas keep the aggregator's copy identical: steady state
+// sends only the root, a change sends only what changed, and a copy that
+// missed a report is caught by the root and resynced.
+func TestDeltasKeepBothEndsInSync(t *testing.T) {
+	spec := synth.Spec{Services: 50, EndpointsPerService: 4}
+	sent, agg := NewState(), NewState()
+	next := FromModel(observed(t, spec))
+	r := Delta(sent, next, 1, true)
+	if ok, err := agg.Apply(r); !ok || err != nil || len(r.Frontends) != 50 {
+		t.Fatalf("full: ok=%v err=%v frontends=%d", ok, err, len(r.Frontends))
+	}
+	if !reflect.DeepEqual(agg.Observed(), FromModel(observed(t, spec)).Observed()) {
+		t.Fatal("aggregator copy differs from the collector's model")
+	}
+
+	steady := Delta(sent, FromModel(observed(t, spec)), 2, false)
+	if len(steady.Frontends)+len(steady.Removed) != 0 {
+		t.Fatalf("steady state sent %d frontends", len(steady.Frontends))
+	}
+	if ok, _ := agg.Apply(steady); !ok {
+		t.Fatal("steady root mismatch")
+	}
+
+	// One service loses an endpoint and one disappears.
+	smaller := FromModel(observed(t, synth.Spec{Services: 49, EndpointsPerService: 4}))
+	var key string
+	for k := range smaller.Frontends {
+		key = k
+		break
+	}
+	f := smaller.Frontends[key]
+	f.Endpoints = f.Endpoints[1:]
+	smaller.Frontends[key], smaller.digests[key] = f, f.Digest()
+	d := Delta(sent, smaller, 3, false)
+	if len(d.Frontends) != 1 || len(d.Removed) != 1 {
+		t.Fatalf("delta: %d changed, %d removed", len(d.Frontends), len(d.Removed))
+	}
+	lagging := agg.clone()
+	if ok, _ := agg.Apply(d); !ok {
+		t.Fatal("delta root mismatch")
+	}
+
+	// A copy that missed report 3 cannot apply report 4 cleanly.
+	again := Delta(sent, FromModel(observed(t, synth.Spec{Services: 48, EndpointsPerService: 4})), 4, false)
+	if ok, _ := lagging.Apply(again); ok {
+		t.Fatal("a copy that missed a delta matched the root")
+	}
+}
+
+func TestApplyRejectsHostileReports(t *testing.T) {
+	huge := &Report{Frontends: make([]Frontend, MaxFrontends+1)}
+	bad := map[string]*Report{
+		"1M services":  huge,
+		"bad key":      {Frontends: []Frontend{{Key: "nonsense", Scope: "cluster"}}},
+		"bad endpoint": {Frontends: []Frontend{{Key: "198.19.0.1:80/TCP", Scope: "cluster", Endpoints: []string{"x"}}}},
+		"bad scope":    {Frontends: []Frontend{{Key: "198.19.0.1:80/TCP", Scope: "everywhere"}}},
+		"bad weights":  {Frontends: []Frontend{{Key: "198.19.0.1:80/TCP", Scope: "cluster", Endpoints: []string{"1.2.3.4:80"}, Weights: []int{1, 2}}}},
+		"bad removed":  {Removed: []string{"198.19.0.1/TCP"}},
+	}
+	for name, r := range bad {
+		s := NewState()
+		s.Frontends["keep"] = Frontend{Key: "keep"}
+		if _, err := s.Apply(r); err == nil {
+			t.Errorf("%s: accepted", name)
+		} else if len(s.Frontends) != 1 {
+			t.Errorf("%s: state changed on a rejected report", name)
+		}
+	}
+}
+
+func TestKeyRoundTrip(t *testing.T) {
+	for _, s := range []string{"198.19.0.10:53/UDP", "nodeport:30080/TCP", "[fd00::1]:443/SCTP"} {
+		k, err := ParseKey(s)
+		if err != nil || KeyString(k) != s {
+			t.Errorf("%s: %v %v", s, KeyString(k), err)
+		}
+	}
+	if _, err := ParseKey(strings.Repeat("x", 500)); err == nil || len(err.Error()) > 200 {
+		t.Errorf("long garbage key: %v", err)
+	}
+}
