@@ -379,7 +379,9 @@ func (s *State) Observed() *audit.Observed {
 			o.Frontends = append(o.Frontends, of)
 		}
 	}
-	slices.SortFunc(o.Frontends, func(a, b audit.ObservedFrontend) int { return strings.Compare(KeyString(a.FrontendKey), KeyString(b.FrontendKey)) })
+	slices.SortFunc(o.Frontends, func(a, b audit.ObservedFrontend) int {
+		return strings.Compare(KeyString(a.FrontendKey), KeyString(b.FrontendKey))
+	})
 	if len(o.Families) == 0 {
 		o.Families = []int{4}
 	}
