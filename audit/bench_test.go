@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
-	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
@@ -141,7 +140,7 @@ func BenchmarkIPTablesRead(b *testing.B) {
 			})
 			b.Run("go-iptables-per-chain", func(b *testing.B) {
 				var perService time.Duration
-				err := inNetNS(ns.NetNS, func() error {
+				err := localcluster.InNetNS(ns.NetNS, func() error {
 					ipt, err := iptables.New(iptables.Path(backend.list))
 					if err != nil {
 						return err
@@ -171,28 +170,6 @@ func BenchmarkIPTablesRead(b *testing.B) {
 			})
 		})
 	}
-}
-
-// inNetNS runs f on a thread switched into the named network namespace;
-// processes f starts inherit it.
-func inNetNS(name string, f func() error) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := os.Open("/proc/thread-self/ns/net")
-	if err != nil {
-		return err
-	}
-	defer orig.Close()
-	target, err := os.Open("/run/netns/" + name)
-	if err != nil {
-		return err
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		return err
-	}
-	defer unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET)
-	return f()
 }
 
 // chainHash returns the hash of the first service chain in a dump.

@@ -106,7 +106,7 @@ type Cluster struct {
 	pki             pki
 	adminToken      string
 	proxyKubeconfig string
-	lock            *os.File
+	release         func()
 	etcd, apiserver *process
 
 	mu    sync.Mutex
@@ -143,7 +143,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return nil, err
 	}
 	c = &Cluster{cfg: cfg, nodes: map[string]*Node{}}
-	if c.lock, err = takeLock(ctx, c.logf); err != nil {
+	if c.release, err = takeLock(ctx, c.logf); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -203,9 +203,33 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	return c, nil
 }
 
+// procLock shares the machine-wide lock inside one process: a test
+// package's shared cluster and the scratch namespaces its tests create hold
+// it together (flock would make them wait for each other forever).
+var procLock struct {
+	sync.Mutex
+	f     *os.File
+	holds int
+}
+
 // takeLock waits for the machine-wide lock every local cluster and scratch
-// namespace holds while it exists.
-func takeLock(ctx context.Context, logf func(string, ...any)) (*os.File, error) {
+// namespace holds while it exists, and returns its release.
+func takeLock(ctx context.Context, logf func(string, ...any)) (func(), error) {
+	procLock.Lock()
+	defer procLock.Unlock()
+	release := func() {
+		procLock.Lock()
+		defer procLock.Unlock()
+		if procLock.holds--; procLock.holds == 0 {
+			syscall.Flock(int(procLock.f.Fd()), syscall.LOCK_UN)
+			procLock.f.Close()
+			procLock.f = nil
+		}
+	}
+	if procLock.holds > 0 {
+		procLock.holds++
+		return release, nil
+	}
 	if err := os.MkdirAll(filepath.Dir(lockPath), 0o755); err != nil {
 		return nil, err
 	}
@@ -217,7 +241,8 @@ func takeLock(ctx context.Context, logf func(string, ...any)) (*os.File, error) 
 	for {
 		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
 		if err == nil {
-			return f, nil
+			procLock.f, procLock.holds = f, 1
+			return release, nil
 		}
 		if !errors.Is(err, syscall.EWOULDBLOCK) {
 			f.Close()
@@ -468,10 +493,9 @@ func (c *Cluster) Stop() error {
 	if c.Dir != "" && !c.cfg.KeepWorkDir {
 		os.RemoveAll(c.Dir)
 	}
-	if c.lock != nil {
-		syscall.Flock(int(c.lock.Fd()), syscall.LOCK_UN)
-		c.lock.Close()
-		c.lock = nil
+	if c.release != nil {
+		c.release()
+		c.release = nil
 	}
 	return err
 }

@@ -3,16 +3,20 @@ package localcluster
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
+
+	"golang.org/x/sys/unix"
 )
 
 // Scratch is a bare network namespace, without a cluster, for loading a
 // ruleset into the real kernel and timing the tools that read it back. It
 // holds the machine-wide lock, so it never races a cluster's cleanup.
 type Scratch struct {
-	NetNS string
-	lock  *os.File
+	NetNS   string
+	release func()
 }
 
 // NewScratch creates the namespace pa-x-<name>.
@@ -20,11 +24,11 @@ func NewScratch(ctx context.Context, name string) (*Scratch, error) {
 	if err := CanRun(); err != nil {
 		return nil, err
 	}
-	lock, err := takeLock(ctx, nil)
+	release, err := takeLock(ctx, nil)
 	if err != nil {
 		return nil, err
 	}
-	s := &Scratch{NetNS: namePrefix + "x-" + name, lock: lock}
+	s := &Scratch{NetNS: namePrefix + "x-" + name, release: release}
 	_, _ = run(ctx, "ip", "netns", "del", s.NetNS)
 	if _, err := run(ctx, "ip", "netns", "add", s.NetNS); err != nil {
 		s.Close()
@@ -52,9 +56,40 @@ func (s *Scratch) Close() error {
 			err = e
 		}
 	}
-	if s.lock != nil {
-		err = errors.Join(err, s.lock.Close())
-		s.lock = nil
+	if s.release != nil {
+		s.release()
+		s.release = nil
 	}
 	return err
+}
+
+// InNetNS runs f on an OS thread switched into the named network namespace
+// (a node's NetNS or a Scratch's); processes f starts inherit it. It lets a
+// test call the collector's code as if it ran on that node.
+func InNetNS(name string, f func() error) error {
+	runtime.LockOSThread()
+	orig, err := os.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer orig.Close()
+	target, err := os.Open("/run/netns/" + name)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer target.Close()
+	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter netns %s: %w", name, err)
+	}
+	ferr := f()
+	if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+		// The thread stays locked: Go ends it with the goroutine rather
+		// than reuse it in the wrong namespace.
+		return errors.Join(ferr, fmt.Errorf("return from netns %s: %w", name, err))
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
