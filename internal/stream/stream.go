@@ -97,7 +97,8 @@ type Report struct {
 	Frontends []Frontend `json:"frontends,omitempty"`
 	// Removed are keys of frontends gone since the last report.
 	Removed []string `json:"removed,omitempty"`
-	// ReadError is set when the collector could not read the rules.
+	// ReadError is set when the collector could not read the rules; such
+	// a report carries no state change and the receiver must not apply it.
 	ReadError string `json:"readError,omitempty"`
 	// Proxy is kube-proxy's own view, when the collector scrapes it.
 	Proxy *ProxyMetrics `json:"proxy,omitempty"`

@@ -1,0 +1,101 @@
+package collector
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+func synthRules(t *testing.T, services int) *audit.Observed {
+	t.Helper()
+	var b bytes.Buffer
+	if err := (synth.Spec{Services: services, EndpointsPerService: 2}).WriteIPTablesSave(&b); err != nil {
+		t.Fatal(err)
+	}
+	o, err := audit.ParseRules(&b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+// The protocol as a collector speaks it, against a listener that plays the
+// aggregator's part by the book: a follower redirects to the leader; the
+// leader gets a full snapshot, then root-only steady reports, a delta when
+// the rules change, and a full snapshot again when it asks for a resync.
+func TestClientProtocol(t *testing.T) {
+	leader, _ := net.Listen("tcp", "127.0.0.1:0")
+	follower, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer leader.Close()
+	defer follower.Close()
+	go func() {
+		conn, err := follower.Accept()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		if m, _, err := stream.Read(conn, 1<<20); err == nil && m.Type == stream.TypeHello {
+			stream.Write(conn, &stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader.Addr().String()}})
+		}
+	}()
+	var services atomic.Int32
+	services.Store(20)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go Run(ctx, Config{
+		Node: "n1", Aggregator: follower.Addr().String(), Interval: 50 * time.Millisecond,
+		Read: func(context.Context) (*audit.Observed, error) { return synthRules(t, int(services.Load())), nil },
+	})
+
+	conn, err := leader.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hello, _, err := stream.Read(conn, 1<<20)
+	if err != nil || hello.Hello == nil || hello.Hello.Node != "n1" {
+		t.Fatalf("hello: %+v %v", hello, err)
+	}
+	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
+	agg := stream.NewState()
+	next := func() (*stream.Report, int) {
+		t.Helper()
+		m, n, err := stream.Read(conn, 1<<20)
+		if err != nil || m.Report == nil {
+			t.Fatalf("report: %+v %v", m, err)
+		}
+		if ok, err := agg.Apply(m.Report); !ok || err != nil {
+			t.Fatalf("report %d does not apply: %v", m.Report.Seq, err)
+		}
+		return m.Report, n
+	}
+	if r, _ := next(); !r.Full || len(r.Frontends) != 20 {
+		t.Fatalf("first report: full=%v frontends=%d", r.Full, len(r.Frontends))
+	}
+	r, n := next()
+	if r.Full || len(r.Frontends)+len(r.Removed) != 0 {
+		t.Fatalf("steady report carried %d frontends", len(r.Frontends))
+	}
+	t.Logf("steady-state report: %d bytes on the wire", n)
+	services.Store(22)
+	for r.Full || len(r.Frontends) == 0 {
+		r, _ = next()
+	}
+	if len(r.Frontends) != 2 {
+		t.Fatalf("delta carried %d frontends, want the 2 new ones", len(r.Frontends))
+	}
+	stream.Write(conn, &stream.Message{Type: stream.TypeResync, Resync: &stream.Resync{Reason: "test"}})
+	for !r.Full {
+		r, _ = next()
+	}
+	if len(r.Frontends) != 22 {
+		t.Fatalf("resync carried %d frontends", len(r.Frontends))
+	}
+}
