@@ -223,17 +223,9 @@ func verdictTarget(sc *jscan) (string, error) {
 		if string(k) != "goto" && string(k) != "jump" {
 			return sc.skip()
 		}
-		if sc.peek() != '{' {
-			return sc.skip()
-		}
-		return sc.object(func(k []byte) error {
-			if string(k) != "target" {
-				return sc.skip()
-			}
-			t, err := sc.str()
-			target = string(t)
-			return err
-		})
+		t, err := verdictBody(sc)
+		target = t
+		return err
 	})
 	return target, err
 }
