@@ -28,6 +28,9 @@ type History struct {
 	MaxVersions int
 
 	svcs map[string][]Version
+	// owner maps every frontend any kept version had to its service,
+	// current versions winning; rebuilt by Update.
+	owner map[FrontendKey]string
 }
 
 // NewHistory returns an empty history keeping superseded versions for keep.
@@ -73,6 +76,18 @@ func (h *History) Update(st *State, now time.Time) {
 		}
 		h.svcs[key] = vs
 	}
+	h.owner = map[FrontendKey]string{}
+	for _, current := range []bool{false, true} {
+		for key, vs := range h.svcs {
+			for i, v := range vs {
+				if v.Svc != nil && (i == len(vs)-1) == current {
+					for _, k := range serviceKeys(v.Svc) {
+						h.owner[k] = key
+					}
+				}
+			}
+		}
+	}
 }
 
 // prune drops versions superseded for longer than Keep, and the oldest
@@ -115,7 +130,8 @@ type ServiceAssessment struct {
 	Findings []Finding
 }
 
-// Assess compares a node's rules with the current cluster state and, for
+// Assess compares a node's rules with the current cluster state (which
+// h.Update must have recorded) and, for
 // every service that differs, with the service's recent versions. It
 // returns only services that are not in sync, sorted by service; a node
 // with no rules at all returns nil (the caller reports NoRules).
@@ -133,22 +149,6 @@ func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessme
 		s := &st.Services[i]
 		current[s.Namespace+"/"+s.Name] = s
 	}
-	// Who owns each frontend: any kept version of any service.
-	owner := map[FrontendKey]string{}
-	for key, vs := range h.svcs {
-		for _, v := range vs {
-			if v.Svc != nil {
-				for _, k := range serviceKeys(v.Svc) {
-					owner[k] = key
-				}
-			}
-		}
-	}
-	for key, s := range current {
-		for _, k := range serviceKeys(s) {
-			owner[k] = key
-		}
-	}
 	expected := map[FrontendKey]bool{}
 	for _, p := range exp.Ports {
 		for _, fe := range p.Frontends {
@@ -164,7 +164,7 @@ func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessme
 		if expected[of.FrontendKey] {
 			continue
 		}
-		if o, ok := ownerOf(owner, of, obs.Mode); ok {
+		if o, ok := ownerOf(h.owner, of, obs.Mode); ok {
 			affected[o] = true
 		} else {
 			unowned = append(unowned, *of)

@@ -1,7 +1,6 @@
 package collector
 
 import (
-	"bytes"
 	"context"
 	"net"
 	"sync/atomic"
@@ -15,11 +14,7 @@ import (
 
 func synthRules(t *testing.T, services int) *audit.Observed {
 	t.Helper()
-	var b bytes.Buffer
-	if err := (synth.Spec{Services: services, EndpointsPerService: 2}).WriteIPTablesSave(&b); err != nil {
-		t.Fatal(err)
-	}
-	o, err := audit.ParseRules(&b)
+	o, err := synth.Spec{Services: services, EndpointsPerService: 2}.Observed()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -88,7 +88,7 @@ func ParseMode(mode string) (Source, bool, error) {
 	case "nftables":
 		return Source{Mode: audit.ModeNFTables}, true, nil
 	case "ipvs":
-		return Source{}, false, errors.New("--mode ipvs: the IPVS source is not built yet (issue #7)")
+		return Source{}, false, errors.New("--mode ipvs: reading IPVS rules is not supported in this version; on IPVS nodes proxyaudit cannot audit yet")
 	}
 	return Source{}, false, fmt.Errorf("--mode %q: want auto, iptables, iptables-legacy, nftables or ipvs", mode)
 }

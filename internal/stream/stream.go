@@ -100,16 +100,6 @@ type Report struct {
 	// ReadError is set when the collector could not read the rules; such
 	// a report carries no state change and the receiver must not apply it.
 	ReadError string `json:"readError,omitempty"`
-	// Proxy is kube-proxy's own view, when the collector scrapes it.
-	Proxy *ProxyMetrics `json:"proxy,omitempty"`
-}
-
-// ProxyMetrics are kube-proxy's sync metrics from 127.0.0.1:10249.
-type ProxyMetrics struct {
-	LastSyncUnix         float64 `json:"lastSyncUnix,omitempty"`
-	QueuedChangesUnix    float64 `json:"queuedChangesUnix,omitempty"`
-	SyncProxyRulesTotal  float64 `json:"syncProxyRulesTotal,omitempty"`
-	PendingChangesUnsync float64 `json:"pendingChanges,omitempty"`
 }
 
 // Frontend is an observed frontend on the wire.
@@ -282,7 +272,8 @@ func (s *State) Root() uint64 {
 }
 
 // Delta builds the report that moves prev (what the other end has) to
-// next, and updates prev to next. With full, every frontend is sent.
+// next, and makes prev next: the caller hands next over and must not
+// change it afterwards. With full, every frontend is sent.
 func Delta(prev, next *State, seq uint64, full bool) *Report {
 	r := &Report{Seq: seq, Full: full, Mode: next.Mode, NoRules: next.NoRules, Families: next.Families}
 	for k, f := range next.Frontends {
@@ -300,7 +291,7 @@ func Delta(prev, next *State, seq uint64, full bool) *Report {
 	slices.SortFunc(r.Frontends, func(a, b Frontend) int { return strings.Compare(a.Key, b.Key) })
 	slices.Sort(r.Removed)
 	r.Root = next.Root()
-	*prev = *next.clone()
+	*prev = *next // next is the caller's fresh read: it becomes what was sent
 	return r
 }
 

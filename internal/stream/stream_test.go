@@ -14,11 +14,7 @@ import (
 
 func observed(t *testing.T, spec synth.Spec) *audit.Observed {
 	t.Helper()
-	var b bytes.Buffer
-	if err := spec.WriteIPTablesSave(&b); err != nil {
-		t.Fatal(err)
-	}
-	o, err := audit.ParseRules(&b)
+	o, err := spec.Observed()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ package synth
 
 import (
 	"bufio"
+	"bytes"
 	"crypto/sha256"
 	"encoding/base32"
 	"encoding/json"
@@ -21,6 +22,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Spec sizes a synthetic cluster.
@@ -110,6 +113,15 @@ func (s Spec) Objects() ([]corev1.Service, []discoveryv1.EndpointSlice) {
 		}
 	}
 	return svcs, slices
+}
+
+// Observed is the audit's reading of the rules WriteIPTablesSave writes.
+func (s Spec) Observed() (*audit.Observed, error) {
+	var b bytes.Buffer
+	if err := s.WriteIPTablesSave(&b); err != nil {
+		return nil, err
+	}
+	return audit.ParseIPTables(&b)
 }
 
 // portProtoHash is kube-proxy's chain-name hash.
