@@ -28,6 +28,10 @@ type History struct {
 	MaxVersions int
 
 	svcs map[string][]Version
+	// changes is a bounded log of every new version, for measuring how
+	// long each node took to show it (programming latency).
+	changes []Change
+	seq     uint64
 	// owner maps every frontend any kept version had to its service,
 	// current versions winning; rebuilt by Update.
 	owner map[FrontendKey]string
@@ -61,6 +65,7 @@ func (h *History) Update(st *State, now time.Time) {
 			vs = append(vs, Version{Since: now})
 		}
 		h.svcs[key] = h.prune(append(vs, Version{Since: now, Svc: &cp}), now)
+		h.record(key, now)
 	}
 	for key, vs := range h.svcs {
 		if present[key] {
@@ -68,6 +73,7 @@ func (h *History) Update(st *State, now time.Time) {
 		}
 		if vs[len(vs)-1].Svc != nil {
 			vs = append(vs, Version{Since: now})
+			h.record(key, now)
 		}
 		vs = h.prune(vs, now)
 		if len(vs) == 1 && vs[0].Svc == nil && now.Sub(vs[0].Since) > h.Keep {
@@ -88,6 +94,35 @@ func (h *History) Update(st *State, now time.Time) {
 			}
 		}
 	}
+}
+
+// Change is one new version of a service in the change log.
+type Change struct {
+	Seq     uint64
+	Service string
+	At      time.Time
+}
+
+// maxChanges bounds the change log: at 100 endpoint changes per second it
+// spans more than ten minutes.
+const maxChanges = 1 << 16
+
+func (h *History) record(service string, at time.Time) {
+	h.seq++
+	if len(h.changes) == maxChanges {
+		h.changes = append(h.changes[:0], h.changes[maxChanges/2:]...)
+	}
+	h.changes = append(h.changes, Change{Seq: h.seq, Service: service, At: at})
+}
+
+// LastSeq is the sequence number of the newest change (0 before any).
+func (h *History) LastSeq() uint64 { return h.seq }
+
+// ChangesSince returns the changes after seq that the log still holds,
+// oldest first. The slice is shared: do not modify it.
+func (h *History) ChangesSince(seq uint64) []Change {
+	i := sort.Search(len(h.changes), func(i int) bool { return h.changes[i].Seq > seq })
+	return h.changes[i:]
 }
 
 // prune drops versions superseded for longer than Keep, and the oldest

@@ -1,0 +1,429 @@
+package audit
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Node- and fleet-level finding kinds, raised by a Judge over time.
+const (
+	// StuckProxy: the node's rules fell behind cluster changes for longer
+	// than the grace period. One finding per node, naming its services.
+	StuckProxy Kind = "StuckProxy"
+	// CollectorMissing: no report from the node's collector for three of
+	// its intervals (or it reports only read errors). Absence is not
+	// staleness: nothing else is said about the node meanwhile.
+	CollectorMissing Kind = "CollectorMissing"
+	// MassDivergence: more than the configured share of nodes drifted at
+	// once; the aggregator's view or the control-plane path is the more
+	// likely culprit, so the node findings are folded into this one.
+	MassDivergence Kind = "MassDivergence"
+)
+
+// TimedFinding is a finding with the time its condition began.
+type TimedFinding struct {
+	Finding
+	Since time.Time `json:"since"`
+}
+
+// Policy is when a difference becomes a finding.
+type Policy struct {
+	// Grace is how long a node may lag or differ before it is a finding:
+	// the network-programming delay the cluster tolerates.
+	Grace time.Duration
+	// MissingIntervals is how many collector intervals without a report
+	// make a node's collector missing.
+	MissingIntervals int
+	// DefaultInterval is assumed for nodes that never reported.
+	DefaultInterval time.Duration
+	// MassShare and MassMinNodes: when at least MassMinNodes nodes and
+	// more than MassShare of the reporting nodes drift at once, one
+	// MassDivergence finding replaces the node findings.
+	MassShare    float64
+	MassMinNodes int
+}
+
+// DefaultPolicy is the policy the aggregator starts from.
+func DefaultPolicy() Policy {
+	return Policy{Grace: 30 * time.Second, MissingIntervals: 3, DefaultInterval: 10 * time.Second, MassShare: 0.5, MassMinNodes: 3}
+}
+
+// NodeState summarises a node for people.
+type NodeState string
+
+// Node states, worst last.
+const (
+	NodeInSync    NodeState = "InSync"
+	NodeLagging   NodeState = "Lagging"   // behind, within grace
+	NodeDivergent NodeState = "Divergent" // rules match no recent version, past grace
+	NodeStuck     NodeState = "Stuck"     // behind past grace
+	NodeNoRules   NodeState = "NoRules"   // no rules past grace
+	NodeMissing   NodeState = "Missing"   // collector silent
+	NodePending   NodeState = "Pending"   // no report yet, within the allowance
+)
+
+// LagStats are percentiles of a node's observed programming latency: how
+// long after a change the node's reports first showed it. Reports come
+// once per collector interval, so each sample is an upper bound at that
+// resolution.
+type LagStats struct {
+	Samples int     `json:"samples"`
+	P50     float64 `json:"p50Seconds"`
+	P90     float64 `json:"p90Seconds"`
+	P99     float64 `json:"p99Seconds"`
+	Max     float64 `json:"maxSeconds"`
+}
+
+// NodeStatus is one node as the judge sees it.
+type NodeStatus struct {
+	Node       string    `json:"node"`
+	State      NodeState `json:"state"`
+	Mode       Mode      `json:"mode,omitempty"`
+	LastReport time.Time `json:"lastReport,omitzero"`
+	// Services counts the services the node should program; the others
+	// split them by state (InSync = Services − Lagging − Divergent).
+	Services  int `json:"services"`
+	InSync    int `json:"inSync"`
+	Lagging   int `json:"lagging"`
+	Divergent int `json:"divergent"`
+	// Watermark: every cluster change before it shows in the node's rules
+	// (as of its last report).
+	Watermark time.Time `json:"watermark,omitzero"`
+	Lag       LagStats  `json:"programmingLag"`
+	ReadError string    `json:"readError,omitempty"`
+}
+
+// Verdict is everything a judge concludes at one instant.
+type Verdict struct {
+	At       time.Time      `json:"at"`
+	Findings []TimedFinding `json:"findings"`
+	Nodes    []NodeStatus   `json:"nodes"`
+}
+
+// Judge turns each node's assessments over time into findings: grace,
+// stuck proxies, silent collectors and the mass-divergence guard. It holds
+// per-node memory and reads no clock: every call carries its time.
+type Judge struct {
+	Policy Policy
+	nodes  map[string]*nodeRecord
+}
+
+// lagSamples bounds the programming-latency samples kept per node.
+const lagSamples = 256
+
+type nodeRecord struct {
+	expectedSince time.Time // when the judge first expected reports
+	reported      time.Time
+	interval      time.Duration
+	mode          Mode
+	readError     string
+	readErrSince  time.Time
+
+	assessed       time.Time
+	services       int
+	noRules        bool
+	noRulesSince   time.Time
+	assessments    []ServiceAssessment
+	divergentSince map[string]time.Time
+
+	changeSeq uint64
+	pending   map[string]time.Time // services behind: since when
+	lags      []time.Duration      // ring
+	lagNext   int
+}
+
+// NewJudge returns a judge with no memory.
+func NewJudge(p Policy) *Judge {
+	if p.MissingIntervals <= 0 {
+		p.MissingIntervals = 3
+	}
+	if p.DefaultInterval <= 0 {
+		p.DefaultInterval = 10 * time.Second
+	}
+	return &Judge{Policy: p, nodes: map[string]*nodeRecord{}}
+}
+
+func (j *Judge) record(node string, at time.Time) *nodeRecord {
+	r := j.nodes[node]
+	if r == nil {
+		r = &nodeRecord{expectedSince: at, divergentSince: map[string]time.Time{}, pending: map[string]time.Time{}}
+		j.nodes[node] = r
+	}
+	return r
+}
+
+// Heard records that node's collector reported at the given time, with
+// its interval and mode; readError is its complaint when it could not read
+// the rules (such a report says nothing about them).
+func (j *Judge) Heard(node string, at time.Time, interval time.Duration, mode Mode, readError string) {
+	r := j.record(node, at)
+	r.reported, r.interval = at, interval
+	if mode != "" {
+		r.mode = mode
+	}
+	if readError == "" {
+		r.readError, r.readErrSince = "", time.Time{}
+		return
+	}
+	if r.readError == "" {
+		r.readErrSince = at
+	}
+	r.readError = readError
+}
+
+// Observe records the assessment of node's rules made at the given time
+// (services is how many services the node should program; noRules that it
+// has none). h is the history the assessment used: its change log yields
+// the node's programming latency, returned as the samples this assessment
+// completed.
+func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, as []ServiceAssessment, h *History) []time.Duration {
+	r := j.record(node, at)
+	first := r.assessed.IsZero()
+	r.assessed, r.services, r.assessments = at, services, as
+	if noRules {
+		if !r.noRules {
+			r.noRulesSince = at
+		}
+	} else {
+		r.noRulesSince = time.Time{}
+	}
+	r.noRules = noRules
+
+	behind := make(map[string]time.Time, len(as))
+	for _, a := range as {
+		switch a.State {
+		case Divergent:
+			if _, ok := r.divergentSince[a.Service]; !ok {
+				r.divergentSince[a.Service] = at
+			}
+		case Lagging:
+			behind[a.Service] = a.Since
+		}
+	}
+	for svc := range r.divergentSince {
+		if !slices.ContainsFunc(as, func(a ServiceAssessment) bool { return a.Service == svc && a.State == Divergent }) {
+			delete(r.divergentSince, svc)
+		}
+	}
+
+	if first || noRules {
+		r.changeSeq = h.LastSeq()
+		clear(r.pending)
+		return nil
+	}
+	var samples []time.Duration
+	notInSync := func(svc string) bool {
+		if _, ok := behind[svc]; ok {
+			return true
+		}
+		_, ok := r.divergentSince[svc]
+		return ok
+	}
+	for _, c := range h.ChangesSince(r.changeSeq) {
+		if notInSync(c.Service) {
+			if _, ok := r.pending[c.Service]; !ok {
+				r.pending[c.Service] = c.At
+			}
+			continue
+		}
+		samples = append(samples, at.Sub(c.At))
+	}
+	r.changeSeq = h.LastSeq()
+	for svc, since := range r.pending {
+		if !notInSync(svc) {
+			samples = append(samples, at.Sub(since))
+			delete(r.pending, svc)
+		}
+	}
+	for _, s := range samples {
+		if len(r.lags) < lagSamples {
+			r.lags = append(r.lags, s)
+		} else {
+			r.lags[r.lagNext] = s
+			r.lagNext = (r.lagNext + 1) % lagSamples
+		}
+	}
+	return samples
+}
+
+// Forget drops a node's memory (it left the cluster).
+func (j *Judge) Forget(node string) { delete(j.nodes, node) }
+
+// Evaluate concludes at now over the cluster's nodes (nodes that report
+// without being in the cluster are judged too).
+func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
+	for _, n := range cluster {
+		j.record(n, now)
+	}
+	inCluster := make(map[string]bool, len(cluster))
+	for _, n := range cluster {
+		inCluster[n] = true
+	}
+	names := make([]string, 0, len(j.nodes))
+	for n, r := range j.nodes {
+		if !inCluster[n] && r.reported.IsZero() {
+			delete(j.nodes, n)
+			continue
+		}
+		names = append(names, n)
+	}
+	sort.Strings(names)
+
+	v := Verdict{At: now, Findings: []TimedFinding{}}
+	var drift []TimedFinding
+	drifted := map[string]time.Time{}
+	reporting := 0
+	for _, n := range names {
+		st, fs, missing := j.judgeNode(n, j.nodes[n], now)
+		v.Nodes = append(v.Nodes, st)
+		if missing {
+			v.Findings = append(v.Findings, fs...)
+			continue
+		}
+		if st.State == NodePending {
+			continue
+		}
+		reporting++
+		for _, f := range fs {
+			if s, ok := drifted[n]; !ok || f.Since.Before(s) {
+				drifted[n] = f.Since
+			}
+		}
+		drift = append(drift, fs...)
+	}
+	p := j.Policy
+	if len(drifted) >= max(p.MassMinNodes, 1) && float64(len(drifted)) > p.MassShare*float64(reporting) {
+		var since time.Time
+		ds := make([]string, 0, len(drifted))
+		for n, s := range drifted {
+			ds = append(ds, n)
+			if since.IsZero() || s.Before(since) {
+				since = s
+			}
+		}
+		sort.Strings(ds)
+		v.Findings = append(v.Findings, TimedFinding{Since: since, Finding: Finding{
+			Kind: MassDivergence,
+			Detail: fmt.Sprintf("%d of %d reporting nodes drifted at once (%s): the aggregator's view of the API or the control-plane path is more likely at fault than every kube-proxy; node findings are held back and nothing should be repaired",
+				len(ds), reporting, listSome(ds, 10)),
+		}})
+	} else {
+		v.Findings = append(v.Findings, drift...)
+	}
+	sort.SliceStable(v.Findings, func(a, b int) bool { return v.Findings[a].key() < v.Findings[b].key() })
+	return v
+}
+
+// judgeNode returns the node's status and findings; missing says its
+// findings are about the collector, not the rules.
+func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus, []TimedFinding, bool) {
+	p := j.Policy
+	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags)}
+	interval := r.interval
+	if interval <= 0 {
+		interval = p.DefaultInterval
+	}
+	allowance := time.Duration(p.MissingIntervals) * interval
+	switch {
+	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
+		st.State = NodePending
+		return st, nil, false
+	case r.reported.IsZero():
+		st.State = NodeMissing
+		return st, []TimedFinding{{Since: r.expectedSince, Finding: Finding{Node: name, Kind: CollectorMissing,
+			Detail: fmt.Sprintf("no collector has reported for this node since the aggregator started expecting it (%s ago): check the collector DaemonSet pod on this node", now.Sub(r.expectedSince).Round(time.Second))}}}, true
+	case now.Sub(r.reported) > allowance:
+		st.State = NodeMissing
+		return st, []TimedFinding{{Since: r.reported, Finding: Finding{Node: name, Kind: CollectorMissing,
+			Detail: fmt.Sprintf("last report %s ago (%d intervals of %s): the collector or its stream is down; the node's rules are unknown, not stale", now.Sub(r.reported).Round(time.Second), p.MissingIntervals, interval)}}}, true
+	case r.readError != "" && now.Sub(r.readErrSince) > allowance:
+		st.State = NodeMissing
+		return st, []TimedFinding{{Since: r.readErrSince, Finding: Finding{Node: name, Kind: CollectorMissing,
+			Detail: "the collector is connected but cannot read the rules: " + r.readError}}}, true
+	case r.assessed.IsZero():
+		st.State = NodePending
+		return st, nil, false
+	}
+
+	if r.noRules {
+		st.State = NodeLagging
+		if r.assessed.Sub(r.noRulesSince) > p.Grace {
+			st.State = NodeNoRules
+			return st, []TimedFinding{{Since: r.noRulesSince, Finding: Finding{Node: name, Kind: NoRules,
+				Detail: fmt.Sprintf("no kube-proxy service rules on this node for %s (flushed, or kube-proxy not running): every service is unreachable through it", r.assessed.Sub(r.noRulesSince).Round(time.Second))}}}, false
+		}
+		return st, nil, false
+	}
+
+	var out []TimedFinding
+	var stuck []string
+	var stuckSince time.Time
+	watermark := r.assessed
+	for _, a := range r.assessments {
+		var since time.Time
+		switch a.State {
+		case Lagging:
+			st.Lagging++
+			since = a.Since
+			if since.Before(watermark) {
+				watermark = since
+			}
+		case Divergent:
+			st.Divergent++
+			since = r.divergentSince[a.Service]
+		default:
+			continue
+		}
+		if r.assessed.Sub(since) <= p.Grace {
+			continue
+		}
+		if a.State == Lagging {
+			stuck = append(stuck, a.Service)
+			if stuckSince.IsZero() || since.Before(stuckSince) {
+				stuckSince = since
+			}
+		}
+		for _, f := range a.Findings {
+			out = append(out, TimedFinding{Finding: f, Since: since})
+		}
+	}
+	st.InSync = max(st.Services-st.Lagging-st.Divergent, 0)
+	st.Watermark = watermark
+	switch {
+	case len(stuck) > 0:
+		st.State = NodeStuck
+		out = append(out, TimedFinding{Since: stuckSince, Finding: Finding{Node: name, Kind: StuckProxy,
+			Detail: fmt.Sprintf("kube-proxy on this node stopped following the API: its rules still show versions of %d service(s) that changed up to %s ago (%s); restart kube-proxy on this node",
+				len(stuck), r.assessed.Sub(stuckSince).Round(time.Second), listSome(stuck, 10))}})
+	case len(out) > 0:
+		st.State = NodeDivergent
+	case st.Lagging > 0 || st.Divergent > 0:
+		st.State = NodeLagging
+	default:
+		st.State = NodeInSync
+	}
+	return st, out, false
+}
+
+func listSome(ss []string, n int) string {
+	if len(ss) <= n {
+		return strings.Join(ss, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(ss[:n], ", "), len(ss)-n)
+}
+
+func lagStats(lags []time.Duration) LagStats {
+	if len(lags) == 0 {
+		return LagStats{}
+	}
+	s := slices.Clone(lags)
+	slices.Sort(s)
+	at := func(q float64) float64 {
+		i := int(q*float64(len(s))+0.5) - 1
+		return s[min(max(i, 0), len(s)-1)].Seconds()
+	}
+	return LagStats{Samples: len(s), P50: at(0.5), P90: at(0.9), P99: at(0.99), Max: s[len(s)-1].Seconds()}
+}

@@ -1,0 +1,220 @@
+package audit_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+// fleet drives a judge the way the aggregator does: the cluster changes
+// through a history, nodes report rules, the judge concludes.
+type fleet struct {
+	t     *testing.T
+	spec  synth.Spec
+	h     *audit.History
+	j     *audit.Judge
+	state *audit.State
+}
+
+func newFleet(t *testing.T, spec synth.Spec, c cluster) *fleet {
+	p := audit.DefaultPolicy()
+	p.Grace = 30 * time.Second
+	f := &fleet{t: t, spec: spec, h: audit.NewHistory(5 * time.Minute), j: audit.NewJudge(p)}
+	f.change(c, t0)
+	return f
+}
+
+func (f *fleet) change(c cluster, at time.Time) {
+	f.state = c.state()
+	f.h.Update(f.state, at)
+}
+
+func (f *fleet) report(node string, at time.Time, obs *audit.Observed) []time.Duration {
+	f.j.Heard(node, at, 10*time.Second, obs.Mode, "")
+	return f.j.Observe(node, at, len(f.state.Services), obs.NoRules, audit.Assess(f.state, f.h, node, obs), f.h)
+}
+
+func kinds(v audit.Verdict) string {
+	var out []string
+	for _, f := range v.Findings {
+		out = append(out, f.Node+":"+string(f.Kind))
+	}
+	return strings.Join(out, " ")
+}
+
+func state(v audit.Verdict, node string) audit.NodeState {
+	for _, n := range v.Nodes {
+		if n.Node == node {
+			return n.State
+		}
+	}
+	return ""
+}
+
+// A node that shows a change late but within grace is never a finding; a
+// node that shows it only after grace is stuck from when the change came,
+// with the service's own findings beside the one node finding.
+func TestJudgeGraceAndStuckProxy(t *testing.T) {
+	spec := synth.Spec{Services: 5, EndpointsPerService: 3}
+	v0 := synthCluster(spec)
+	f := newFleet(t, spec, v0)
+	old, fresh := rulesOf(t, spec, nil), rulesOf(t, spec, withoutEndpoint(spec, 2, 2))
+	nodes := []string{"a", "b", "c"}
+	for _, n := range nodes {
+		f.report(n, t0.Add(time.Second), old)
+	}
+	t1 := t0.Add(5 * time.Second)
+	f.change(dropEndpoint(v0, 2), t1)
+	// a catches up at once, b after 25 s (within grace), c never.
+	f.report("a", t1.Add(5*time.Second), fresh)
+	f.report("b", t1.Add(5*time.Second), old)
+	f.report("c", t1.Add(5*time.Second), old)
+	if v := f.j.Evaluate(t1.Add(6*time.Second), nodes); len(v.Findings) != 0 || state(v, "b") != audit.NodeLagging {
+		t.Fatalf("within grace: %s, b %s", kinds(v), state(v, "b"))
+	}
+	if lags := f.report("b", t1.Add(25*time.Second), fresh); len(lags) != 1 || lags[0] != 25*time.Second {
+		t.Fatalf("b's programming lag samples %v", lags)
+	}
+	f.report("c", t1.Add(25*time.Second), old)
+	f.report("a", t1.Add(25*time.Second), fresh)
+	if v := f.j.Evaluate(t1.Add(31*time.Second), nodes); len(v.Findings) != 0 {
+		t.Fatalf("grace judged by the evaluation clock, not by reports: %s", kinds(v))
+	}
+	f.report("c", t1.Add(35*time.Second), old)
+	v := f.j.Evaluate(t1.Add(36*time.Second), nodes)
+	if got := kinds(v); got != "c:StuckProxy c:StaleEndpoint" {
+		t.Fatalf("after grace: %s", got)
+	}
+	for _, fd := range v.Findings {
+		if !fd.Since.Equal(t1) {
+			t.Errorf("%s since %v, want %v", fd.Kind, fd.Since, t1)
+		}
+	}
+	if !strings.Contains(v.Findings[0].Detail, "synth/svc-00002") {
+		t.Errorf("stuck detail does not name the service: %s", v.Findings[1].Detail)
+	}
+	if st := state(v, "c"); st != audit.NodeStuck {
+		t.Errorf("c is %s", st)
+	}
+	for _, n := range v.Nodes {
+		if n.Node == "c" && (!n.Watermark.Equal(t1) || n.Lagging != 1 || n.InSync != 4) {
+			t.Errorf("c status %+v", n)
+		}
+	}
+	// c recovers: the findings clear.
+	f.report("c", t1.Add(45*time.Second), fresh)
+	if v := f.j.Evaluate(t1.Add(46*time.Second), nodes); len(v.Findings) != 0 || state(v, "c") != audit.NodeInSync {
+		t.Fatalf("after recovery: %s", kinds(v))
+	}
+}
+
+// Divergence counts from when it was first seen and must persist; a
+// transient one (kube-proxy caught between two slices) never surfaces.
+func TestJudgeDivergenceNeedsToPersist(t *testing.T) {
+	spec := synth.Spec{Services: 5, EndpointsPerService: 3}
+	f := newFleet(t, spec, synthCluster(spec))
+	good := rulesOf(t, spec, nil)
+	bad := rulesOf(t, spec, func(s string) string {
+		return strings.Replace(s, "--to-destination "+spec.EndpointAddr(1, 0).String()+":8080", "--to-destination 198.18.99.99:8080", 1)
+	})
+	nodes := []string{"a", "b", "c"}
+	for i := 0; i < 4; i++ {
+		at := t0.Add(time.Duration(10*i) * time.Second)
+		f.report("a", at, good)
+		f.report("b", at, good)
+		obs := bad
+		if i == 2 {
+			obs = good
+		}
+		f.report("c", at, obs)
+	}
+	if v := f.j.Evaluate(t0.Add(31*time.Second), nodes); len(v.Findings) != 0 {
+		t.Fatalf("interrupted divergence surfaced: %s", kinds(v))
+	}
+	f.report("a", t0.Add(61*time.Second), good)
+	f.report("b", t0.Add(61*time.Second), good)
+	f.report("c", t0.Add(61*time.Second), bad)
+	v := f.j.Evaluate(t0.Add(62*time.Second), nodes)
+	if got := kinds(v); got != "c:MissingEndpoint c:StaleEndpoint" || state(v, "c") != audit.NodeDivergent {
+		t.Fatalf("persistent divergence: %s (%s)", got, state(v, "c"))
+	}
+	if !v.Findings[0].Since.Equal(t0.Add(30 * time.Second)) {
+		t.Errorf("since %v", v.Findings[0].Since)
+	}
+}
+
+// A silent collector is its own finding and hides what its last report
+// said; a node that never reported is pending for three intervals.
+func TestJudgeCollectorMissing(t *testing.T) {
+	spec := synth.Spec{Services: 2, EndpointsPerService: 1}
+	v0 := synthCluster(spec)
+	f := newFleet(t, spec, v0)
+	f.report("a", t0, rulesOf(t, spec, nil))
+	nodes := []string{"a", "b"}
+	if v := f.j.Evaluate(t0.Add(time.Second), nodes); len(v.Findings) != 0 || state(v, "b") != audit.NodePending {
+		t.Fatalf("start: %s, b %s", kinds(v), state(v, "b"))
+	}
+	f.change(dropEndpoint(v0, 1), t0.Add(2*time.Second))
+	f.report("a", t0.Add(5*time.Second), rulesOf(t, spec, nil)) // a lags …
+	v := f.j.Evaluate(t0.Add(2*time.Minute), nodes)             // … then falls silent
+	if got := kinds(v); got != "a:CollectorMissing b:CollectorMissing" {
+		t.Fatalf("silent: %s", got)
+	}
+	f.j.Heard("a", t0.Add(121*time.Second), 10*time.Second, audit.ModeIPTables, "iptables-save: exit status 1")
+	f.j.Heard("a", t0.Add(160*time.Second), 10*time.Second, audit.ModeIPTables, "iptables-save: exit status 1")
+	v = f.j.Evaluate(t0.Add(161*time.Second), []string{"a"})
+	if len(v.Findings) != 1 || v.Findings[0].Kind != audit.CollectorMissing || !strings.Contains(v.Findings[0].Detail, "exit status 1") {
+		t.Fatalf("read errors: %+v", v.Findings)
+	}
+}
+
+func TestJudgeNoRules(t *testing.T) {
+	spec := synth.Spec{Services: 2, EndpointsPerService: 1}
+	f := newFleet(t, spec, synthCluster(spec))
+	empty := &audit.Observed{Mode: audit.ModeIPTables, NoRules: true}
+	f.report("a", t0, empty)
+	f.report("a", t0.Add(20*time.Second), empty)
+	if v := f.j.Evaluate(t0.Add(21*time.Second), []string{"a"}); len(v.Findings) != 0 {
+		t.Fatalf("within grace: %s", kinds(v))
+	}
+	f.report("a", t0.Add(31*time.Second), empty)
+	if v := f.j.Evaluate(t0.Add(32*time.Second), []string{"a"}); kinds(v) != "a:NoRules" || state(v, "a") != audit.NodeNoRules {
+		t.Fatalf("past grace: %s", kinds(v))
+	}
+	f.report("a", t0.Add(40*time.Second), rulesOf(t, spec, nil))
+	if v := f.j.Evaluate(t0.Add(41*time.Second), []string{"a"}); len(v.Findings) != 0 {
+		t.Fatalf("restored: %s", kinds(v))
+	}
+}
+
+// When most nodes drift at once, one fleet finding replaces theirs.
+func TestJudgeMassDivergence(t *testing.T) {
+	spec := synth.Spec{Services: 3, EndpointsPerService: 2}
+	v0 := synthCluster(spec)
+	f := newFleet(t, spec, v0)
+	old := rulesOf(t, spec, nil)
+	nodes := []string{"a", "b", "c", "d"}
+	for _, n := range nodes {
+		f.report(n, t0, old)
+	}
+	f.change(dropEndpoint(v0, 0), t0.Add(time.Second))
+	for _, n := range nodes {
+		obs := old
+		if n == "d" {
+			obs = rulesOf(t, spec, withoutEndpoint(spec, 0, 1))
+		}
+		f.report(n, t0.Add(40*time.Second), obs)
+	}
+	v := f.j.Evaluate(t0.Add(41*time.Second), nodes)
+	if len(v.Findings) != 1 || v.Findings[0].Kind != audit.MassDivergence || !strings.Contains(v.Findings[0].Detail, "3 of 4") {
+		t.Fatalf("got %s: %+v", kinds(v), v.Findings)
+	}
+	// Two of four is not mass: each stuck node is its own finding.
+	f.report("c", t0.Add(50*time.Second), rulesOf(t, spec, withoutEndpoint(spec, 0, 1)))
+	if v := f.j.Evaluate(t0.Add(51*time.Second), nodes); kinds(v) != "a:StuckProxy a:StaleEndpoint b:StuckProxy b:StaleEndpoint" {
+		t.Fatalf("two of four: %s", kinds(v))
+	}
+}
