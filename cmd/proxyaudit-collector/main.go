@@ -51,7 +51,7 @@ func run(args []string, stderr io.Writer) int {
 		fs.PrintDefaults()
 	}
 	node := fs.String("node-name", os.Getenv("NODE_NAME"), "name of this node, as the API knows it [NODE_NAME]")
-	agg := fs.String("aggregator", os.Getenv("PROXYAUDIT_AGGREGATOR"), "aggregator stream address host:port; a DNS name is resolved to every replica and the leader is found [PROXYAUDIT_AGGREGATOR]")
+	agg := fs.String("aggregator", os.Getenv("PROXYAUDIT_AGGREGATOR"), "aggregator stream address host:port (or several, comma-separated); a DNS name is resolved to every replica and the leader is found [PROXYAUDIT_AGGREGATOR]")
 	mode := fs.String("mode", envOr("PROXYAUDIT_MODE", "auto"), "rules to read: auto (detect what kube-proxy programs), iptables, iptables-legacy, nftables [PROXYAUDIT_MODE]")
 	interval := fs.Duration("interval", 10*time.Second, "how often to read the rules; the aggregator declares the collector missing after 3 intervals without a report")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")

@@ -20,9 +20,10 @@ import (
 // Config is what a collector needs to run.
 type Config struct {
 	Node string
-	// Aggregator is host:port; a host name is resolved to every address
-	// (a headless Service lists every replica) and each is tried until the
-	// leader answers.
+	// Aggregator is host:port, or a comma-separated list; a host name is
+	// resolved to every address (a headless Service lists every replica)
+	// and each is tried until one answers (the leader, or a follower that
+	// redirects to it).
 	Aggregator string
 	// Source is the rule source; nil detects it (and retries detection
 	// every interval until kube-proxy has programmed the node).
@@ -89,27 +90,33 @@ type client struct {
 	seq uint64
 }
 
-// addresses resolves the aggregator to every address, the preferred first.
+// addresses resolves the aggregator (host:port, or several separated by
+// commas) to every address, the preferred first.
 func (c *client) addresses(ctx context.Context, preferred string) ([]string, error) {
 	var out []string
 	if preferred != "" {
 		out = append(out, preferred)
 	}
-	host, port, err := net.SplitHostPort(c.cfg.Aggregator)
-	if err != nil {
-		return nil, fmt.Errorf("--aggregator %q: want host:port", c.cfg.Aggregator)
+	var errs []error
+	for _, a := range strings.Split(c.cfg.Aggregator, ",") {
+		host, port, err := net.SplitHostPort(strings.TrimSpace(a))
+		if err != nil {
+			return nil, fmt.Errorf("--aggregator %q: want host:port", a)
+		}
+		if net.ParseIP(host) != nil {
+			out = append(out, net.JoinHostPort(host, port))
+			continue
+		}
+		ips, err := net.DefaultResolver.LookupHost(ctx, host)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("resolve %s: %w", host, err))
+			continue
+		}
+		for _, ip := range ips {
+			out = append(out, net.JoinHostPort(ip, port))
+		}
 	}
-	if net.ParseIP(host) != nil {
-		return append(out, c.cfg.Aggregator), nil
-	}
-	ips, err := net.DefaultResolver.LookupHost(ctx, host)
-	if err != nil {
-		return out, fmt.Errorf("resolve %s: %w", host, err)
-	}
-	for _, ip := range ips {
-		out = append(out, net.JoinHostPort(ip, port))
-	}
-	return out, nil
+	return out, errors.Join(errs...)
 }
 
 // session runs one connection. It returns the leader's address when the

@@ -1,0 +1,246 @@
+// Command proxyaudit-aggregator watches Services, EndpointSlices and Nodes,
+// receives every node's kube-proxy rules from the collectors, and reports
+// nodes whose rules drifted from the cluster: stale and missing endpoints,
+// stuck kube-proxies, flushed tables, silent collectors. Run two or more
+// replicas; a Lease elects the one that judges.
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+)
+
+const usage = `proxyaudit-aggregator compares every node's kube-proxy rules, streamed by the
+proxyaudit collectors, with the cluster's Services and EndpointSlices, and
+reports drift after a grace period: stale and missing endpoints per service,
+StuckProxy (a kube-proxy that stopped following the API), NoRules (flushed
+tables), CollectorMissing, and MassDivergence (most nodes at once: suspect the
+control plane, not the nodes).
+
+Usage:
+  proxyaudit-aggregator [flags]
+
+HTTP API (on --http-listen): GET /api/v1/findings, /api/v1/nodes,
+/api/v1/nodes/{name}, /metrics, /healthz, /readyz.
+
+Flags (environment fallbacks in brackets):
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stderr))
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func run(args []string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("proxyaudit-aggregator", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(stderr, usage)
+		fs.PrintDefaults()
+	}
+	kubeconfig := fs.String("kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig file; empty means in-cluster configuration [KUBECONFIG]")
+	streamListen := fs.String("stream-listen", ":9443", "address for collector streams")
+	httpListen := fs.String("http-listen", ":8080", "address for the HTTP API, /metrics, /healthz and /readyz")
+	grace := fs.Duration("grace", 30*time.Second, "how long a node may lag or differ before it is a finding (the network-programming SLO)")
+	leaderElect := fs.Bool("leader-elect", true, "elect a leader through a Lease; with false this replica always leads (run only one)")
+	leNamespace := fs.String("leader-elect-namespace", envOr("POD_NAMESPACE", "default"), "namespace of the leader-election Lease [POD_NAMESPACE]")
+	leName := fs.String("leader-elect-lease-name", "proxyaudit-aggregator", "name of the leader-election Lease")
+	leDuration := fs.Duration("leader-elect-lease-duration", 12*time.Second, "how long followers wait after the last renewal before taking over")
+	leRenew := fs.Duration("leader-elect-renew-deadline", 8*time.Second, "how long the leader keeps trying to renew before it steps down")
+	leRetry := fs.Duration("leader-elect-retry-period", 2*time.Second, "how often candidates try to acquire or renew the Lease")
+	advertise := fs.String("advertise-address", os.Getenv("POD_IP"), "address collectors reach this replica at; with the stream port it is the leader identity followers redirect to [POD_IP]")
+	audience := fs.String("token-audience", "proxyaudit", "audience the collectors' projected ServiceAccount tokens must carry")
+	collectorSAs := fs.String("collector-service-accounts", envOr("POD_NAMESPACE", "default")+"/proxyaudit-collector", "comma-separated namespace/name of the collectors' ServiceAccounts")
+	insecure := fs.Bool("insecure-no-auth", false, "accept streams without tokens: any client can report for any node (local experiments only; warns on every connection)")
+	certFile := fs.String("tls-cert-file", "", "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
+	keyFile := fs.String("tls-key-file", "", "private key for --tls-cert-file")
+	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest stream message accepted; larger ones end the stream")
+	missing := fs.Int("missing-intervals", 3, "collector intervals without a report before CollectorMissing")
+	massShare := fs.Float64("mass-divergence-share", 0.5, "share of reporting nodes drifting at once that makes one MassDivergence finding instead of node findings")
+	massMin := fs.Int("mass-divergence-min-nodes", 3, "fewest drifted nodes that can count as mass divergence")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "proxyaudit-aggregator: "+format+"\n", a...)
+		return 2
+	}
+	if *grace < time.Second {
+		return fail("--grace %s is too short: at least 1s (the Kubernetes SLO is 30s)", *grace)
+	}
+	if *massShare <= 0 || *massShare > 1 {
+		return fail("--mass-divergence-share %g: want a share in (0, 1]", *massShare)
+	}
+	if (*certFile == "") != (*keyFile == "") {
+		return fail("--tls-cert-file and --tls-key-file go together")
+	}
+	_, streamPort, err := net.SplitHostPort(*streamListen)
+	if err != nil {
+		return fail("--stream-listen %q: %v", *streamListen, err)
+	}
+	_, httpPort, err := net.SplitHostPort(*httpListen)
+	if err != nil {
+		return fail("--http-listen %q: %v", *httpListen, err)
+	}
+	if *leaderElect && *advertise == "" {
+		return fail("--advertise-address is required with leader election (in a pod, set POD_IP from status.podIP): followers redirect collectors to it")
+	}
+	self := ""
+	if *advertise != "" {
+		self = net.JoinHostPort(*advertise, streamPort)
+	}
+
+	var cfg *rest.Config
+	if *kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return fail("API client: %v (outside a cluster, pass --kubeconfig)", err)
+	}
+	cfg.UserAgent = "proxyaudit-aggregator/" + version()
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return fail("API client: %v", err)
+	}
+
+	log, err := zap.NewProduction()
+	if err != nil {
+		return fail("logger: %v", err)
+	}
+	defer log.Sync()
+	log = log.With(zap.String("replica", self))
+
+	ln, err := net.Listen("tcp", *streamListen)
+	if err != nil {
+		return fail("--stream-listen: %v", err)
+	}
+	if *certFile != "" {
+		cert, err := tls.LoadX509KeyPair(*certFile, *keyFile)
+		if err != nil {
+			return fail("--tls-cert-file/--tls-key-file: %v", err)
+		}
+		ln = tls.NewListener(ln, &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})
+	} else {
+		log.Warn("collector streams are not encrypted (no --tls-cert-file): use only for local experiments")
+	}
+	hln, err := net.Listen("tcp", *httpListen)
+	if err != nil {
+		return fail("--http-listen: %v", err)
+	}
+
+	policy := audit.DefaultPolicy()
+	policy.Grace, policy.MissingIntervals, policy.MassShare, policy.MassMinNodes = *grace, *missing, *massShare, *massMin
+	clk := clock.RealClock{}
+	var auth aggregator.Authenticator = aggregator.InsecureNoAuth{}
+	if !*insecure {
+		var sas []string
+		for _, s := range strings.Split(*collectorSAs, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				if !strings.Contains(s, "/") {
+					return fail("--collector-service-accounts %q: want namespace/name", s)
+				}
+				sas = append(sas, s)
+			}
+		}
+		auth = &aggregator.TokenReviewAuth{Client: client, Audience: *audience, ServiceAccounts: sas, Clock: clk}
+	} else {
+		log.Warn("--insecure-no-auth: collector streams are not authenticated; any client can report for any node")
+	}
+	metrics := aggregator.NewMetrics()
+	// Superseded versions stay matchable for four graces: a node lagging
+	// less than that is lagging, not divergent.
+	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk)
+	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
+		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk}, view)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	done := make(chan struct{})
+	go func() { view.Run(ctx, 200*time.Millisecond); close(done) }()
+	go agg.Run(ctx)
+	srv := &http.Server{Handler: agg.Handler(httpPort), ReadHeaderTimeout: 10 * time.Second}
+	go srv.Serve(hln)
+	streamErr := make(chan error, 1)
+	go func() { streamErr <- agg.Serve(ctx, ln) }()
+	log.Info("aggregator started", zap.String("stream", ln.Addr().String()), zap.String("http", hln.Addr().String()),
+		zap.Duration("grace", *grace), zap.Bool("leader_elect", *leaderElect), zap.String("version", version()))
+
+	elected := make(chan struct{})
+	if *leaderElect {
+		go func() {
+			defer close(elected)
+			err := aggregator.RunElection(ctx, client, aggregator.Election{Namespace: *leNamespace, Name: *leName, Identity: self,
+				LeaseDuration: *leDuration, RenewDeadline: *leRenew, RetryPeriod: *leRetry}, agg)
+			if err != nil {
+				log.Error("leader election failed", zap.Error(err))
+				stop()
+			}
+		}()
+	} else {
+		close(elected)
+		agg.StartedLeading()
+	}
+	code := 0
+	select {
+	case <-ctx.Done():
+	case err := <-streamErr:
+		if err != nil {
+			log.Error("stream listener failed", zap.Error(err))
+			code = 1
+		}
+		stop()
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	srv.Shutdown(sctx)
+	select {
+	case <-done:
+	case <-sctx.Done():
+	}
+	// The elector releases the Lease on the way out (ReleaseOnCancel), so
+	// a follower takes over at once.
+	select {
+	case <-elected:
+	case <-sctx.Done():
+	}
+	return code
+}
+
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "devel"
+}

@@ -1,0 +1,534 @@
+// Package aggregator is proxyaudit's aggregator: it watches the API
+// through one informer per kind, receives every node's rules from the
+// collectors' streams, judges them with the audit core over time, and
+// serves the verdict over HTTP. Only the leader judges and accepts
+// streams; followers keep their informers warm and send collectors to the
+// leader.
+package aggregator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// Config is what an aggregator needs besides its View.
+type Config struct {
+	Policy audit.Policy
+	Auth   Authenticator
+	// Insecure marks Auth as accepting everyone: every connection is
+	// logged with a warning.
+	Insecure        bool
+	MaxMessageBytes int
+	// Self is this replica's stream address as collectors reach it: the
+	// leader-election identity, and what followers redirect to.
+	Self    string
+	Log     *zap.Logger
+	Metrics *Metrics
+	Clock   clock.Clock
+}
+
+// Aggregator holds every node's stream state and the judge.
+type Aggregator struct {
+	cfg  Config
+	view *View
+
+	mu      sync.Mutex
+	leading bool
+	leader  string
+	judge   *audit.Judge
+	nodes   map[string]*node
+	verdict *audit.Verdict
+}
+
+// node is one node's stream: the copy of its rules and what was last
+// assessed of them.
+type node struct {
+	name     string
+	conn     *conn
+	state    *stream.State
+	complete bool // a full snapshot arrived on this stream
+	lastSeq  uint64
+	heard    time.Time
+	fresh    bool   // a report since the last assessment
+	version  uint64 // bumps when state changes
+	noRules  bool
+
+	assessedVersion, assessedGen uint64
+	assessments                  []audit.ServiceAssessment
+}
+
+type conn struct {
+	net.Conn
+	wmu sync.Mutex
+}
+
+func (c *conn) send(m *stream.Message) (int, error) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	cw := &countingWriter{w: c.Conn}
+	err := stream.Write(cw, m)
+	return cw.n, err
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += n
+	return n, err
+}
+
+// New returns an aggregator over view. It leads only after StartedLeading
+// (or at once when leader election is off: call StartedLeading yourself).
+func New(cfg Config, view *View) *Aggregator {
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = stream.DefaultMaxMessageBytes
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	if cfg.Log == nil {
+		cfg.Log = zap.NewNop()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NewMetrics()
+	}
+	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy)}
+}
+
+// StartedLeading makes this replica judge and accept streams, from a
+// clean memory (collectors resend full snapshots on connecting).
+func (a *Aggregator) StartedLeading() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.leading, a.leader = true, a.cfg.Self
+	a.judge = audit.NewJudge(a.cfg.Policy)
+	a.nodes = map[string]*node{}
+	a.verdict = nil
+	a.cfg.Metrics.Leader.Set(1)
+	a.cfg.Log.Info("leading: accepting collector streams", zap.String("self", a.cfg.Self))
+}
+
+// StoppedLeading ends every stream (sending collectors to the new leader
+// when it is known) and forgets the nodes.
+func (a *Aggregator) StoppedLeading() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.leading {
+		return
+	}
+	a.leading = false
+	a.cfg.Metrics.Leader.Set(0)
+	for _, n := range a.nodes {
+		if n.conn != nil {
+			a.redirect(n.conn)
+			n.conn.Close()
+		}
+	}
+	a.nodes = map[string]*node{}
+	a.verdict = nil
+	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", a.leader))
+}
+
+// NewLeader records who leads (this replica or another).
+func (a *Aggregator) NewLeader(identity string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if identity != a.leader {
+		a.cfg.Log.Info("leader changed", zap.String("leader", identity))
+	}
+	a.leader = identity
+}
+
+// Leader returns the current leader's identity ("" when unknown) and
+// whether it is this replica.
+func (a *Aggregator) Leader() (string, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.leader, a.leading
+}
+
+// redirect tells a collector where the leader is; the caller holds a.mu.
+func (a *Aggregator) redirect(c *conn) {
+	if a.leader != "" && a.leader != a.cfg.Self {
+		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: a.leader}}))
+		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
+	}
+}
+
+func (a *Aggregator) sent(n int, _ error) {
+	a.cfg.Metrics.StreamBytes.WithLabelValues("out").Add(float64(n))
+}
+
+// Verdict returns the latest verdict, or nil before the first one (or on
+// a follower).
+func (a *Aggregator) Verdict() *audit.Verdict {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.verdict
+}
+
+// Serve accepts collector streams on ln until ctx ends, then closes them
+// and returns once every stream's goroutine has finished.
+func (a *Aggregator) Serve(ctx context.Context, ln net.Listener) error {
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		open  = map[*conn]bool{}
+		ended bool
+	)
+	stop := context.AfterFunc(ctx, func() {
+		ln.Close()
+		mu.Lock()
+		ended = true
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	defer stop()
+	defer wg.Wait()
+	for {
+		nc, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return fmt.Errorf("accept collector streams: %w", err)
+		}
+		c := &conn{Conn: nc}
+		mu.Lock()
+		if ended {
+			mu.Unlock()
+			nc.Close()
+			return nil
+		}
+		open[c] = true
+		wg.Add(1)
+		mu.Unlock()
+		go func() {
+			defer wg.Done()
+			a.handle(ctx, c)
+			mu.Lock()
+			delete(open, c)
+			mu.Unlock()
+		}()
+	}
+}
+
+// reject refuses or ends a stream with a reason the collector logs.
+func (a *Aggregator) reject(log *zap.Logger, c *conn, reason, why string) {
+	log.Warn("collector stream rejected", zap.String("reason", reason), zap.String("why", why))
+	a.cfg.Metrics.StreamRejected.WithLabelValues(reason).Inc()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
+	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: &stream.Reject{Reason: why}}))
+}
+
+func readReason(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, stream.ErrTooLarge):
+		return ReasonTooLarge
+	case errors.As(err, &ne) && ne.Timeout():
+		return ReasonTimeout
+	default:
+		return ReasonMalformed
+	}
+}
+
+func (a *Aggregator) read(c *conn) (*stream.Message, int, error) {
+	m, n, err := stream.Read(c, a.cfg.MaxMessageBytes)
+	if err == nil {
+		a.cfg.Metrics.StreamBytes.WithLabelValues("in").Add(float64(n))
+		a.cfg.Metrics.StreamMessages.WithLabelValues("in", m.Type).Inc()
+	}
+	return m, n, err
+}
+
+func (a *Aggregator) handle(ctx context.Context, c *conn) {
+	defer c.Close()
+	a.cfg.Metrics.Streams.Inc()
+	defer a.cfg.Metrics.Streams.Dec()
+	log := a.cfg.Log.With(zap.String("remote", c.RemoteAddr().String()))
+
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	m, _, err := a.read(c)
+	if err != nil {
+		if !errors.Is(err, io.EOF) {
+			a.reject(log, c, readReason(err), "cannot read hello: "+err.Error())
+		}
+		return
+	}
+	h := m.Hello
+	if m.Type != stream.TypeHello || h == nil {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("first message must be a hello, got %q", m.Type))
+		return
+	}
+	if errs := validation.IsDNS1123Subdomain(h.Node); len(errs) > 0 {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("hello names no valid node (%q): %s", clip(h.Node), errs[0]))
+		return
+	}
+	interval := time.Duration(h.IntervalSeconds * float64(time.Second))
+	if interval < time.Second || interval > 10*time.Minute {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("interval %gs out of range (1s to 10m)", h.IntervalSeconds))
+		return
+	}
+	log = log.With(zap.String("node", h.Node))
+	if err := a.cfg.Auth.Authenticate(ctx, h.Node, h.Token); err != nil {
+		a.reject(log, c, ReasonAuth, err.Error())
+		return
+	}
+	if a.cfg.Insecure {
+		log.Warn("accepting an unauthenticated collector stream (--insecure-no-auth): any client can report for any node")
+	}
+
+	a.mu.Lock()
+	if !a.leading {
+		if a.leader == "" || a.leader == a.cfg.Self {
+			a.mu.Unlock()
+			a.reject(log, c, ReasonProtocol, "this aggregator is not the leader and no leader is elected yet; retry shortly")
+			return
+		}
+		a.redirect(c)
+		a.mu.Unlock()
+		return
+	}
+	n := a.nodes[h.Node]
+	if n == nil {
+		n = &node{name: h.Node}
+		a.nodes[h.Node] = n
+	}
+	if n.conn != nil {
+		log.Info("a new stream replaces the node's previous one")
+		n.conn.Close()
+	}
+	n.conn, n.state, n.complete, n.lastSeq = c, stream.NewState(), false, 0
+	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		if n.conn == c {
+			n.conn = nil
+		}
+		a.mu.Unlock()
+	}()
+
+	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome}))
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
+	log.Info("collector stream open", zap.String("version", h.Version), zap.Duration("interval", interval))
+
+	// A collector sends one report per interval plus answers to resyncs.
+	limit := rate.NewLimiter(rate.Every(interval/4), 8)
+	for {
+		c.SetReadDeadline(time.Now().Add(time.Duration(a.cfg.Policy.MissingIntervals)*interval + 15*time.Second))
+		m, size, err := a.read(c)
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
+				log.Info("collector stream closed")
+			} else {
+				a.reject(log, c, readReason(err), err.Error())
+			}
+			return
+		}
+		if m.Type != stream.TypeReport || m.Report == nil {
+			a.reject(log, c, ReasonProtocol, fmt.Sprintf("expected a report, got %q", m.Type))
+			return
+		}
+		if !limit.Allow() {
+			a.reject(log, c, ReasonRate, fmt.Sprintf("reports arrive faster than four per interval (%s)", interval))
+			return
+		}
+		a.cfg.Metrics.ReportBytes.Observe(float64(size))
+		ok, reason, why := a.apply(n, c, m.Report, interval)
+		if reason != "" {
+			a.reject(log, c, reason, why)
+			return
+		}
+		if !ok {
+			a.cfg.Metrics.Resyncs.Inc()
+			a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeResync).Inc()
+			if _, err := c.send(&stream.Message{Type: stream.TypeResync, Resync: &stream.Resync{Reason: why}}); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// apply records one report. It returns whether the copy matches the
+// collector's root; a reason when the stream must end.
+func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration) (bool, string, string) {
+	now := a.cfg.Clock.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n.conn != c || !a.leading {
+		return true, ReasonProtocol, "stream superseded"
+	}
+	if r.Seq <= n.lastSeq {
+		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq)
+	}
+	n.lastSeq = r.Seq
+	if r.ReadError != "" {
+		a.judge.Heard(n.name, now, interval, audit.Mode(r.Mode), r.ReadError)
+		return true, "", ""
+	}
+	if !r.Full && !n.complete {
+		return false, "", "no full snapshot on this stream yet"
+	}
+	match, err := n.state.Apply(r)
+	if err != nil {
+		return false, ReasonInvalid, "invalid report: " + err.Error()
+	}
+	if !match {
+		n.complete = false
+		return false, "", "root digest differs from the aggregator's copy"
+	}
+	n.complete = true
+	if r.Full || len(r.Frontends) > 0 || len(r.Removed) > 0 || r.NoRules != n.noRules {
+		n.version++
+	}
+	if r.NoRules && !n.noRules {
+		a.cfg.Log.Info("node has no kube-proxy rules (flushed, or kube-proxy not running)", zap.String("node", n.name))
+		a.cfg.Metrics.NoRulesSeen.WithLabelValues(n.name).Inc()
+	}
+	n.noRules = r.NoRules
+	n.heard, n.fresh = now, true
+	a.judge.Heard(n.name, now, interval, audit.Mode(r.Mode), "")
+	return true, "", ""
+}
+
+// Evaluate assesses every node that reported since the last call and
+// concludes; the loop in Run calls it every second.
+func (a *Aggregator) Evaluate() {
+	a.mu.Lock()
+	leading := a.leading
+	a.mu.Unlock()
+	if !leading || a.view.Synced() != nil {
+		return
+	}
+	start := a.cfg.Clock.Now()
+	type job struct {
+		n      *node
+		obs    *audit.Observed
+		at     time.Time
+		reuse  bool
+		noRule bool
+	}
+	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
+		var jobs []job
+		a.mu.Lock()
+		for _, n := range a.nodes {
+			if !n.fresh || !n.complete {
+				continue
+			}
+			n.fresh = false
+			j := job{n: n, at: n.heard, noRule: n.noRules}
+			if n.assessedVersion == n.version && n.assessedGen == gen {
+				j.reuse = true
+			} else {
+				j.obs = n.state.Observed()
+				n.assessedVersion, n.assessedGen = n.version, gen
+			}
+			jobs = append(jobs, j)
+		}
+		a.mu.Unlock()
+		services := servicesProgrammed(st)
+		for _, j := range jobs {
+			as := j.n.assessments
+			if !j.reuse {
+				t := a.cfg.Clock.Now()
+				as = audit.Assess(st, h, j.n.name, j.obs)
+				a.cfg.Metrics.Reconcile.WithLabelValues("assess").Observe(a.cfg.Clock.Since(t).Seconds())
+			}
+			a.mu.Lock()
+			j.n.assessments = as
+			lags := a.judge.Observe(j.n.name, j.at, services, j.noRule, as, h)
+			a.mu.Unlock()
+			for _, l := range lags {
+				a.cfg.Metrics.ProgrammingLag.WithLabelValues(j.n.name).Observe(max(l, 0).Seconds())
+			}
+		}
+	})
+	names := a.view.NodeNames()
+	a.mu.Lock()
+	if !a.leading {
+		a.mu.Unlock()
+		return
+	}
+	v := a.judge.Evaluate(a.cfg.Clock.Now(), names)
+	prev := a.verdict
+	a.verdict = &v
+	a.mu.Unlock()
+	a.cfg.Metrics.setVerdict(&v)
+	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
+	a.logChanges(prev, &v)
+}
+
+// logChanges logs findings that appeared or cleared since the last verdict.
+func (a *Aggregator) logChanges(prev, cur *audit.Verdict) {
+	key := func(f audit.TimedFinding) string {
+		return f.Node + "|" + f.Service + "|" + f.Port + "|" + string(f.Kind) + "|" + f.Endpoint
+	}
+	old := map[string]bool{}
+	if prev != nil {
+		for _, f := range prev.Findings {
+			old[key(f)] = true
+		}
+	}
+	now := map[string]bool{}
+	for _, f := range cur.Findings {
+		now[key(f)] = true
+		if !old[key(f)] {
+			a.cfg.Log.Warn("finding", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service),
+				zap.String("port", f.Port), zap.String("endpoint", f.Endpoint), zap.Time("since", f.Since), zap.String("detail", f.Detail))
+		}
+	}
+	if prev != nil {
+		for _, f := range prev.Findings {
+			if !now[key(f)] {
+				a.cfg.Log.Info("finding cleared", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service), zap.String("endpoint", f.Endpoint))
+			}
+		}
+	}
+}
+
+// Run evaluates every second until ctx ends.
+func (a *Aggregator) Run(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.Evaluate()
+		}
+	}
+}
+
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
+}

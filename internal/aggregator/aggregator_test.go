@@ -1,0 +1,333 @@
+package aggregator
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap/zaptest"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+var spec = synth.Spec{Services: 8, EndpointsPerService: 3}
+
+type harness struct {
+	t      *testing.T
+	client *fake.Clientset
+	agg    *Aggregator
+	addr   string
+	ctx    context.Context
+	wg     *sync.WaitGroup
+}
+
+// start runs an aggregator over a fake API holding the synth cluster and
+// nodes n1..n3, leading, with the given authenticator.
+func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
+	svcs, slices := spec.Objects()
+	var objs []runtime.Object
+	for i := range svcs {
+		objs = append(objs, &svcs[i])
+	}
+	for i := range slices {
+		objs = append(objs, &slices[i])
+	}
+	for _, n := range []string{"n1", "n2", "n3"} {
+		objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}})
+	}
+	client := fake.NewClientset(objs...)
+	ctx, cancel := context.WithCancel(context.Background())
+	log := zaptest.NewLogger(t)
+	view := NewView(client, 4*grace, log, clock.RealClock{})
+	p := audit.DefaultPolicy()
+	p.Grace, p.DefaultInterval = grace, time.Second
+	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20}, view)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(wg.Wait) // runs after cancel: cleanups run last-in first-out
+	t.Cleanup(cancel)
+	wg.Add(3)
+	go func() { defer wg.Done(); view.Run(ctx, 50*time.Millisecond) }()
+	go func() { defer wg.Done(); agg.Serve(ctx, ln) }()
+	agg.StartedLeading()
+	go func() { defer wg.Done(); agg.Run(ctx) }()
+	h := &harness{t: t, client: client, agg: agg, addr: ln.Addr().String(), ctx: ctx, wg: &wg}
+	h.eventually(10*time.Second, "informers synced", func() bool { return view.Synced() == nil })
+	return h
+}
+
+func (h *harness) eventually(d time.Duration, what string, cond func() bool) {
+	h.t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			h.t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// dial opens a raw stream and sends hello.
+func (h *harness) dial(node string) net.Conn {
+	h.t.Helper()
+	c, err := net.Dial("tcp", h.addr)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() { c.Close() })
+	if node != "" {
+		if err := stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: "t-" + node, IntervalSeconds: 1}}); err != nil {
+			h.t.Fatal(err)
+		}
+	}
+	return c
+}
+
+func expect(t *testing.T, c net.Conn, typ, contains string) {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	m, _, err := stream.Read(c, 1<<20)
+	if err != nil {
+		t.Fatalf("want %s, read: %v", typ, err)
+	}
+	if m.Type != typ {
+		t.Fatalf("want %s, got %+v", typ, m)
+	}
+	if contains != "" && (m.Reject == nil || !strings.Contains(m.Reject.Reason, contains)) {
+		t.Fatalf("reject reason %+v does not say %q", m.Reject, contains)
+	}
+}
+
+func rules(t *testing.T, drop ...int) *audit.Observed {
+	t.Helper()
+	o, err := spec.Observed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, i := range drop {
+		for k := range o.Frontends {
+			if o.Frontends[k].IP == synth.VIP(i) {
+				eps := o.Frontends[k].Endpoints
+				o.Frontends[k].Endpoints = eps[:len(eps)-1]
+			}
+		}
+	}
+	return o
+}
+
+// tokens: "t-NODE" is valid for NODE only.
+var tokens = AuthFunc(func(_ context.Context, node, token string) error {
+	if token != "t-"+node {
+		return errors.New("unauthenticated: token is bound to another node")
+	}
+	return nil
+})
+
+// Bad streams are refused with a reason, counted, and leave no node behind.
+func TestStreamRejects(t *testing.T) {
+	h := start(t, 2*time.Second, tokens)
+	rejected := func(reason string) float64 {
+		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(reason))
+	}
+	cases := []struct {
+		name, reason, says string
+		send               func(c net.Conn)
+	}{
+		{"garbage", ReasonMalformed, "malformed", func(c net.Conn) { c.Write([]byte("\x00\x00\x00\x05hello")) }},
+		{"100 MB message", ReasonTooLarge, "larger than the limit", func(c net.Conn) {
+			var hdr [4]byte
+			binary.BigEndian.PutUint32(hdr[:], 100<<20)
+			c.Write(hdr[:])
+		}},
+		{"report before hello", ReasonProtocol, "must be a hello", func(c net.Conn) {
+			stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1}})
+		}},
+		{"no node", ReasonProtocol, "no valid node", func(c net.Conn) {
+			stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{IntervalSeconds: 1}})
+		}},
+		{"token for another node", ReasonAuth, "another node", func(c net.Conn) {
+			stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: "n2", Token: "t-n1", IntervalSeconds: 1}})
+		}},
+		{"no token", ReasonAuth, "unauthenticated", func(c net.Conn) {
+			stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: "n2", IntervalSeconds: 1}})
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			before := rejected(tc.reason)
+			c := h.dial("")
+			tc.send(c)
+			expect(t, c, stream.TypeReject, tc.says)
+			if got := rejected(tc.reason); got != before+1 {
+				t.Errorf("rejected{%s} = %v, want %v", tc.reason, got, before+1)
+			}
+		})
+	}
+
+	// Inside an accepted stream: a replayed report and a report claiming
+	// garbage end it; what they claimed is not recorded.
+	c := h.dial("n1")
+	expect(t, c, stream.TypeWelcome, "")
+	st := stream.NewState()
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 1, true)})
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Root: st.Root()}})
+	expect(t, c, stream.TypeReject, "replayed")
+	c = h.dial("n1")
+	expect(t, c, stream.TypeWelcome, "")
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true,
+		Frontends: []stream.Frontend{{Key: "198.19.0.10:53/UDP", Scope: string(audit.ScopeCluster), Endpoints: []string{"not-an-endpoint"}}}}})
+	expect(t, c, stream.TypeReject, "bad endpoint")
+	h.agg.mu.Lock()
+	defer h.agg.mu.Unlock()
+	if n := h.agg.nodes["n1"]; n == nil || n.complete || len(n.state.Frontends) != 0 {
+		t.Errorf("the invalid report left state behind: %+v", n)
+	}
+	if n := h.agg.nodes["n2"]; n != nil {
+		t.Errorf("a refused stream created node n2")
+	}
+}
+
+// A digest that differs from the aggregator's copy gets a resync request.
+func TestStreamResync(t *testing.T) {
+	h := start(t, 2*time.Second, tokens)
+	c := h.dial("n1")
+	expect(t, c, stream.TypeWelcome, "")
+	// A delta before any full snapshot cannot be applied.
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Root: 42}})
+	expect(t, c, stream.TypeResync, "")
+	st := stream.NewState()
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 2, true)})
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 3, Root: st.Root() + 1}})
+	expect(t, c, stream.TypeResync, "")
+}
+
+func (h *harness) collector(ctx context.Context, node string, read func() *audit.Observed) {
+	h.wg.Add(1)
+	go func() {
+		defer h.wg.Done()
+		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: time.Second, TokenFile: "",
+			Log:  zaptest.NewLogger(h.t).Named(node),
+			Read: func(context.Context) (*audit.Observed, error) { return read(), nil }})
+	}()
+}
+
+func (h *harness) verdict() audit.Verdict {
+	if v := h.agg.Verdict(); v != nil {
+		return *v
+	}
+	return audit.Verdict{}
+}
+
+func kindsOf(v audit.Verdict) string {
+	var out []string
+	for _, f := range v.Findings {
+		out = append(out, f.Node+":"+string(f.Kind))
+	}
+	return strings.Join(out, " ")
+}
+
+// The whole loop through real collector clients: three nodes in sync; an
+// endpoint removed from a slice; two nodes follow, one does not → after
+// grace one StuckProxy (and its stale endpoint) for that node only; the
+// node catches up → clear; its collector stops → CollectorMissing.
+func TestAggregatorJudgesCollectors(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	var mu sync.Mutex
+	current := rules(t)
+	stuck := rules(t)
+	n3ctx, stopN3 := context.WithCancel(h.ctx)
+	h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
+	h.collector(h.ctx, "n2", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
+	h.collector(n3ctx, "n3", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
+	h.eventually(10*time.Second, "three nodes in sync", func() bool {
+		v := h.verdict()
+		in := 0
+		for _, n := range v.Nodes {
+			if n.State == audit.NodeInSync {
+				in++
+			}
+		}
+		return in == 3 && len(v.Findings) == 0
+	})
+
+	sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Get(h.ctx, synth.ServiceName(2)+"-0", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sl.Endpoints = sl.Endpoints[:len(sl.Endpoints)-1]
+	if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, sl, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	changed := time.Now()
+	mu.Lock()
+	current = rules(t, 2)
+	mu.Unlock()
+	h.eventually(15*time.Second, "StuckProxy on n3", func() bool { return kindsOf(h.verdict()) == "n3:StuckProxy n3:StaleEndpoint" })
+	if d := time.Since(changed); d < 2*time.Second {
+		t.Fatalf("finding raised %s after the change, before grace", d)
+	}
+	for _, n := range h.verdict().Nodes {
+		if n.Node != "n3" && n.Lag.Samples == 0 {
+			t.Errorf("%s: no programming-lag samples after catching up: %+v", n.Node, n)
+		}
+	}
+
+	// The HTTP API serves the verdict.
+	srv := httptest.NewServer(h.agg.Handler("0"))
+	defer srv.Close()
+	var fr FindingsResponse
+	getJSON(t, srv.URL+"/api/v1/findings?node=n3", &fr)
+	if len(fr.Findings) != 2 || fr.Findings[1].Since.IsZero() || fr.Summary.NodesDrifted != 1 {
+		t.Fatalf("findings API: %+v", fr)
+	}
+	var nr NodeResponse
+	getJSON(t, srv.URL+"/api/v1/nodes/n3", &nr)
+	if nr.State != audit.NodeStuck || nr.Lagging != 1 || len(nr.Findings) != 2 {
+		t.Fatalf("node API: %+v", nr)
+	}
+	if r, _ := http.Get(srv.URL + "/api/v1/nodes/nope"); r.StatusCode != http.StatusNotFound {
+		t.Fatalf("unknown node: %d", r.StatusCode)
+	}
+
+	mu.Lock()
+	stuck = rules(t, 2)
+	mu.Unlock()
+	h.eventually(10*time.Second, "n3 recovered", func() bool { return len(h.verdict().Findings) == 0 })
+	stopN3()
+	h.eventually(15*time.Second, "n3 missing", func() bool { return kindsOf(h.verdict()) == "n3:CollectorMissing" })
+}
+
+func getJSON(t *testing.T, url string, v any) {
+	t.Helper()
+	r, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Body.Close()
+	if r.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s", url, r.Status)
+	}
+	if err := json.NewDecoder(r.Body).Decode(v); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,130 @@
+package aggregator
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
+)
+
+// Authenticator decides whether a stream may report for the node its hello
+// names. An error is the reason, told to the collector and logged.
+type Authenticator interface {
+	Authenticate(ctx context.Context, node, token string) error
+}
+
+// ErrUnauthenticated wraps every refusal, so callers can count them apart
+// from API failures.
+var ErrUnauthenticated = errors.New("unauthenticated")
+
+// NodeNameExtra is the TokenReview extra the API server fills from a
+// pod-bound ServiceAccount token: the node the pod runs on.
+const NodeNameExtra = "authentication.kubernetes.io/node-name"
+
+// TokenReviewAuth accepts a projected ServiceAccount token when a
+// TokenReview says it is valid for Audience, belongs to one of
+// ServiceAccounts, and is bound to a pod on the very node the collector
+// claims: a collector cannot report for another node.
+type TokenReviewAuth struct {
+	Client   kubernetes.Interface
+	Audience string
+	// ServiceAccounts are "namespace/name" of the collector's accounts.
+	ServiceAccounts []string
+	Clock           clock.PassiveClock
+	// CacheFor keeps a positive review (the token re-sent on a reconnect
+	// is not reviewed again); zero means one minute.
+	CacheFor time.Duration
+
+	mu    sync.Mutex
+	cache map[[32]byte]cached
+}
+
+type cached struct {
+	node    string
+	expires time.Time
+}
+
+// Authenticate implements Authenticator.
+func (a *TokenReviewAuth) Authenticate(ctx context.Context, node, token string) error {
+	if token == "" {
+		return fmt.Errorf("%w: no token in hello (mount a projected ServiceAccount token with audience %q and pass --token-file)", ErrUnauthenticated, a.Audience)
+	}
+	key := sha256.Sum256([]byte(token))
+	now := a.Clock.Now()
+	a.mu.Lock()
+	if c, ok := a.cache[key]; ok && now.Before(c.expires) {
+		a.mu.Unlock()
+		if c.node != node {
+			return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, c.node, node)
+		}
+		return nil
+	}
+	a.mu.Unlock()
+
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tr, err := a.Client.AuthenticationV1().TokenReviews().Create(rctx, &authnv1.TokenReview{
+		Spec: authnv1.TokenReviewSpec{Token: token, Audiences: []string{a.Audience}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("cannot review the token with the API server (the aggregator needs create on tokenreviews): %w", err)
+	}
+	s := tr.Status
+	switch {
+	case !s.Authenticated:
+		reason := s.Error
+		if reason == "" {
+			reason = "token not valid"
+		}
+		return fmt.Errorf("%w: %s (expired, revoked, or not issued for audience %q)", ErrUnauthenticated, reason, a.Audience)
+	case !slices.Contains(s.Audiences, a.Audience):
+		return fmt.Errorf("%w: token audiences %v do not include %q", ErrUnauthenticated, s.Audiences, a.Audience)
+	}
+	sa, ok := strings.CutPrefix(s.User.Username, "system:serviceaccount:")
+	sa = strings.Replace(sa, ":", "/", 1)
+	if !ok || !slices.Contains(a.ServiceAccounts, sa) {
+		return fmt.Errorf("%w: %s is not a collector service account (allowed: %s)", ErrUnauthenticated, s.User.Username, strings.Join(a.ServiceAccounts, ", "))
+	}
+	bound := s.User.Extra[NodeNameExtra]
+	if len(bound) != 1 {
+		return fmt.Errorf("%w: token of %s is not bound to a pod on a node (use a projected ServiceAccount token from the collector pod)", ErrUnauthenticated, sa)
+	}
+	expiry := a.CacheFor
+	if expiry <= 0 {
+		expiry = time.Minute
+	}
+	a.mu.Lock()
+	if a.cache == nil || len(a.cache) > 100_000 {
+		a.cache = map[[32]byte]cached{}
+	}
+	a.cache[key] = cached{node: bound[0], expires: now.Add(expiry)}
+	a.mu.Unlock()
+	if bound[0] != node {
+		return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
+	}
+	return nil
+}
+
+// InsecureNoAuth accepts every stream. For local experiments only: the
+// aggregator warns on every connection.
+type InsecureNoAuth struct{}
+
+// Authenticate implements Authenticator.
+func (InsecureNoAuth) Authenticate(context.Context, string, string) error { return nil }
+
+// AuthFunc adapts a function to an Authenticator.
+type AuthFunc func(ctx context.Context, node, token string) error
+
+// Authenticate implements Authenticator.
+func (f AuthFunc) Authenticate(ctx context.Context, node, token string) error {
+	return f(ctx, node, token)
+}

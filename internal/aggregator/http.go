@@ -1,0 +1,131 @@
+package aggregator
+
+import (
+	"encoding/json"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// FindingsResponse is GET /api/v1/findings: the audit's finding contract
+// with since per finding, and the summary `proxyaudit diff` prints.
+type FindingsResponse struct {
+	At       time.Time            `json:"at"`
+	Leader   string               `json:"leader"`
+	Grace    string               `json:"grace"`
+	Findings []audit.TimedFinding `json:"findings"`
+	Summary  audit.Summary        `json:"summary"`
+}
+
+// NodesResponse is GET /api/v1/nodes.
+type NodesResponse struct {
+	At    time.Time          `json:"at"`
+	Nodes []audit.NodeStatus `json:"nodes"`
+}
+
+// NodeResponse is GET /api/v1/nodes/{name}: the node and its findings.
+type NodeResponse struct {
+	At time.Time `json:"at"`
+	audit.NodeStatus
+	Findings []audit.TimedFinding `json:"findings"`
+}
+
+// Handler serves the read-only HTTP API, /metrics, /healthz and /readyz.
+// httpPort is the port the other replicas serve it on: a follower proxies
+// /api/ to the leader's address on that port.
+func (a *Aggregator) Handler(httpPort string) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(a.cfg.Metrics.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := a.view.Synced(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ok\n"))
+	})
+	api := http.NewServeMux()
+	api.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
+		v := a.Verdict()
+		resp := FindingsResponse{At: v.At, Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
+		node, kind := r.URL.Query().Get("node"), r.URL.Query().Get("kind")
+		var plain []audit.Finding
+		for _, f := range v.Findings {
+			if (node == "" || f.Node == node) && (kind == "" || string(f.Kind) == kind) {
+				resp.Findings = append(resp.Findings, f)
+				plain = append(plain, f.Finding)
+			}
+		}
+		names := make([]string, 0, len(v.Nodes))
+		for _, n := range v.Nodes {
+			names = append(names, n.Node)
+		}
+		resp.Summary = audit.Summarize(names, plain)
+		writeJSON(w, http.StatusOK, resp)
+	})
+	api.HandleFunc("GET /api/v1/nodes", func(w http.ResponseWriter, _ *http.Request) {
+		v := a.Verdict()
+		writeJSON(w, http.StatusOK, NodesResponse{At: v.At, Nodes: append([]audit.NodeStatus{}, v.Nodes...)})
+	})
+	api.HandleFunc("GET /api/v1/nodes/{name}", func(w http.ResponseWriter, r *http.Request) {
+		v := a.Verdict()
+		name := r.PathValue("name")
+		for _, n := range v.Nodes {
+			if n.Node != name {
+				continue
+			}
+			resp := NodeResponse{At: v.At, NodeStatus: n, Findings: []audit.TimedFinding{}}
+			for _, f := range v.Findings {
+				if f.Node == name {
+					resp.Findings = append(resp.Findings, f)
+				}
+			}
+			writeJSON(w, http.StatusOK, resp)
+			return
+		}
+		writeError(w, http.StatusNotFound, "no node "+name+" in the cluster or among the reporting collectors")
+	})
+	mux.HandleFunc("/api/", func(w http.ResponseWriter, r *http.Request) {
+		leader, leading := a.Leader()
+		switch {
+		case leading && a.Verdict() != nil:
+			api.ServeHTTP(w, r)
+		case leading:
+			writeError(w, http.StatusServiceUnavailable, "leading, but the first verdict is not ready yet (informers syncing); retry in a few seconds")
+		case leader == "":
+			writeError(w, http.StatusServiceUnavailable, "no aggregator leads yet; retry in a few seconds")
+		default:
+			host, _, err := net.SplitHostPort(leader)
+			if err != nil {
+				writeError(w, http.StatusBadGateway, "leader identity "+leader+" is not host:port")
+				return
+			}
+			target := &url.URL{Scheme: "http", Host: net.JoinHostPort(host, httpPort)}
+			p := httputil.NewSingleHostReverseProxy(target)
+			p.ErrorHandler = func(w http.ResponseWriter, _ *http.Request, err error) {
+				writeError(w, http.StatusBadGateway, "this replica follows; the leader at "+target.Host+" did not answer: "+err.Error())
+			}
+			w.Header().Set("X-Proxyaudit-Served-By", "follower, proxied to "+target.Host)
+			p.ServeHTTP(w, r)
+		}
+	})
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, msg string) {
+	writeJSON(w, code, map[string]string{"error": msg})
+}

@@ -1,0 +1,101 @@
+package aggregator
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// Metrics are the aggregator's Prometheus metrics, all in one place. No
+// label carries an IP address; node names bound the cardinality.
+type Metrics struct {
+	Registry *prometheus.Registry
+
+	Findings       *prometheus.GaugeVec
+	Nodes          *prometheus.GaugeVec
+	ProgrammingLag *prometheus.HistogramVec
+	NoRulesSeen    *prometheus.CounterVec
+
+	StreamMessages *prometheus.CounterVec
+	StreamBytes    *prometheus.CounterVec
+	StreamRejected *prometheus.CounterVec
+	Streams        prometheus.Gauge
+	ReportBytes    prometheus.Histogram
+	Resyncs        prometheus.Counter
+
+	Reconcile *prometheus.HistogramVec
+	Leader    prometheus.Gauge
+}
+
+// Reasons a stream is refused or cut, the values of the reason label.
+const (
+	ReasonAuth      = "auth"
+	ReasonTooLarge  = "too_large"
+	ReasonMalformed = "malformed"
+	ReasonProtocol  = "protocol"
+	ReasonInvalid   = "invalid_report"
+	ReasonReplay    = "replay"
+	ReasonRate      = "rate"
+	ReasonTimeout   = "timeout"
+)
+
+// NewMetrics registers the aggregator's metrics (and the Go and process
+// collectors) in a fresh registry.
+func NewMetrics() *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		Findings: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "proxyaudit_findings", Help: "Current findings by kind (after grace)."}, []string{"kind"}),
+		Nodes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "proxyaudit_nodes", Help: "Nodes by state: InSync, Lagging, Divergent, Stuck, NoRules, Missing, Pending."}, []string{"state"}),
+		ProgrammingLag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "proxyaudit_programming_lag_seconds",
+			Help:    "Time from a Service or EndpointSlice change until the node's reported rules showed it (upper bound at the collector's interval).",
+			Buckets: []float64{0.5, 1, 2, 5, 10, 15, 20, 30, 60, 120, 300}}, []string{"node"}),
+		NoRulesSeen: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_no_rules_observed_total", Help: "Times a node was seen without any kube-proxy rules (a flush), whether or not it lasted past grace."}, []string{"node"}),
+		StreamMessages: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_messages_total", Help: "Stream messages by direction (in, out) and type."}, []string{"direction", "type"}),
+		StreamBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_bytes_total", Help: "Stream bytes by direction (in, out)."}, []string{"direction"}),
+		StreamRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_rejected_total", Help: "Streams refused or cut, by reason: auth, too_large, malformed, protocol, invalid_report, replay, rate, timeout."}, []string{"reason"}),
+		Streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_streams", Help: "Collector streams currently open on this replica."}),
+		ReportBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "proxyaudit_report_bytes", Help: "Size of collector reports: a root digest when steady, deltas under churn, snapshots on resync.",
+			Buckets: prometheus.ExponentialBuckets(64, 4, 10)}),
+		Resyncs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_resyncs_total", Help: "Full resyncs requested because a collector's digest differed from the aggregator's copy."}),
+		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
+		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
+	}
+	m.Registry.MustRegister(m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// setVerdict publishes a verdict's counts.
+func (m *Metrics) setVerdict(v *audit.Verdict) {
+	kinds := map[audit.Kind]float64{}
+	for _, f := range v.Findings {
+		kinds[f.Kind]++
+	}
+	for _, k := range []audit.Kind{audit.StaleEndpoint, audit.MissingEndpoint, audit.StaleService, audit.MissingService,
+		audit.NoRules, audit.StuckProxy, audit.CollectorMissing, audit.MassDivergence} {
+		m.Findings.WithLabelValues(string(k)).Set(kinds[k])
+	}
+	states := map[audit.NodeState]float64{}
+	for _, n := range v.Nodes {
+		states[n.State]++
+	}
+	for _, s := range []audit.NodeState{audit.NodeInSync, audit.NodeLagging, audit.NodeDivergent, audit.NodeStuck,
+		audit.NodeNoRules, audit.NodeMissing, audit.NodePending} {
+		m.Nodes.WithLabelValues(string(s)).Set(states[s])
+	}
+}
