@@ -111,8 +111,12 @@ type Judge struct {
 	nodes  map[string]*nodeRecord
 }
 
-// lagSamples bounds the programming-latency samples kept per node.
-const lagSamples = 256
+// lagSamples bounds the programming-latency samples kept per node;
+// maxPending the changes awaited per service.
+const (
+	lagSamples = 256
+	maxPending = 64
+)
 
 type nodeRecord struct {
 	expectedSince time.Time // when the judge first expected reports
@@ -130,8 +134,8 @@ type nodeRecord struct {
 	divergentSince map[string]time.Time
 
 	changeSeq uint64
-	pending   map[string]time.Time // services behind: since when
-	lags      []time.Duration      // ring
+	pending   map[string][]time.Time // changes not yet shown, per service
+	lags      []time.Duration        // ring
 	lagNext   int
 }
 
@@ -149,7 +153,7 @@ func NewJudge(p Policy) *Judge {
 func (j *Judge) record(node string, at time.Time) *nodeRecord {
 	r := j.nodes[node]
 	if r == nil {
-		r = &nodeRecord{expectedSince: at, divergentSince: map[string]time.Time{}, pending: map[string]time.Time{}}
+		r = &nodeRecord{expectedSince: at, divergentSince: map[string]time.Time{}, pending: map[string][]time.Time{}}
 		j.nodes[node] = r
 	}
 	return r
@@ -214,28 +218,33 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 		clear(r.pending)
 		return nil
 	}
-	var samples []time.Duration
-	notInSync := func(svc string) bool {
-		if _, ok := behind[svc]; ok {
-			return true
-		}
-		_, ok := r.divergentSince[svc]
-		return ok
-	}
+	// A change shows on the node once the version the node matches is at
+	// least that change: in sync shows every change; lagging since S shows
+	// those before S; divergent shows nothing we can tell.
 	for _, c := range h.ChangesSince(r.changeSeq) {
-		if notInSync(c.Service) {
-			if _, ok := r.pending[c.Service]; !ok {
-				r.pending[c.Service] = c.At
-			}
-			continue
+		if ps := r.pending[c.Service]; len(ps) < maxPending {
+			r.pending[c.Service] = append(ps, c.At)
 		}
-		samples = append(samples, at.Sub(c.At))
 	}
 	r.changeSeq = h.LastSeq()
-	for svc, since := range r.pending {
-		if !notInSync(svc) {
-			samples = append(samples, at.Sub(since))
+	var samples []time.Duration
+	for svc, ps := range r.pending {
+		if _, div := r.divergentSince[svc]; div {
+			continue
+		}
+		since, lagging := behind[svc]
+		keep := ps[:0]
+		for _, at0 := range ps {
+			if lagging && !at0.Before(since) {
+				keep = append(keep, at0)
+				continue
+			}
+			samples = append(samples, max(at.Sub(at0), 0))
+		}
+		if len(keep) == 0 {
 			delete(r.pending, svc)
+		} else {
+			r.pending[svc] = keep
 		}
 	}
 	for _, s := range samples {

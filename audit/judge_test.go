@@ -218,3 +218,40 @@ func TestJudgeMassDivergence(t *testing.T) {
 		t.Fatalf("two of four: %s", kinds(v))
 	}
 }
+
+// Under steady churn a node one version behind has a lag of one step,
+// not the time since it was last fully in sync.
+func TestJudgeLagPerChange(t *testing.T) {
+	spec := synth.Spec{Services: 5, EndpointsPerService: 4}
+	v := []cluster{synthCluster(spec)}
+	edits := []func(string) string{nil}
+	for k := 1; k <= 3; k++ {
+		v = append(v, dropEndpoint(v[k-1], 2))
+		prev, drop := edits[k-1], withoutEndpoint(spec, 2, 4-k)
+		edits = append(edits, func(s string) string {
+			if prev != nil {
+				s = prev(s)
+			}
+			return drop(s)
+		})
+	}
+	f := newFleet(t, spec, v[0])
+	f.report("a", t0, rulesOf(t, spec, nil))
+	var all []time.Duration
+	for k := 1; k <= 3; k++ {
+		at := t0.Add(time.Duration(10*k) * time.Second)
+		f.change(v[k], at)
+		// Each report, 5 s after a change, shows the version before it.
+		all = append(all, f.report("a", at.Add(5*time.Second), rulesOf(t, spec, edits[k-1]))...)
+	}
+	all = append(all, f.report("a", t0.Add(36*time.Second), rulesOf(t, spec, edits[3]))...)
+	want := []time.Duration{15 * time.Second, 15 * time.Second, 6 * time.Second}
+	if len(all) != len(want) {
+		t.Fatalf("samples %v, want %v", all, want)
+	}
+	for i := range want {
+		if all[i] != want[i] {
+			t.Fatalf("samples %v, want %v", all, want)
+		}
+	}
+}

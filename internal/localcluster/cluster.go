@@ -111,6 +111,7 @@ type Cluster struct {
 
 	mu    sync.Mutex
 	nodes map[string]*Node
+	extra []*process // StartProcess: stopped first
 }
 
 // Node is one simulated node: a network namespace running kube-proxy.
@@ -480,6 +481,12 @@ func (c *Cluster) Stop() error {
 	if c == nil {
 		return nil
 	}
+	c.mu.Lock()
+	extra := c.extra
+	c.mu.Unlock()
+	for _, p := range extra {
+		p.stop(5 * time.Second)
+	}
 	for _, n := range c.Nodes() {
 		n.mu.Lock()
 		n.proxy.stop(5 * time.Second)
@@ -600,4 +607,13 @@ contexts:
 current-context: local
 `, server, caFile, token)
 	return os.WriteFile(path, []byte(cfg), 0o600)
+}
+
+// AddHostAddress adds ip/32 to the host-only link that carries the API
+// server's address, so a host process (an aggregator replica) can listen
+// on an address of its own that every node routes to, as pods have. It
+// goes away with the cluster.
+func (c *Cluster) AddHostAddress(ctx context.Context, ip string) error {
+	_, err := run(ctx, "ip", "addr", "replace", ip+"/32", "dev", apiLink)
+	return err
 }

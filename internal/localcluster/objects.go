@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 
+	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -123,3 +124,47 @@ func (c *Cluster) DumpClusterJSON(ctx context.Context) ([]byte, error) {
 	}
 	return json.MarshalIndent(map[string]any{"apiVersion": "v1", "kind": "List", "metadata": map[string]any{"resourceVersion": ""}, "items": items}, "", "    ")
 }
+
+// PodToken returns a ServiceAccount token for namespace/serviceAccount,
+// bound to a pod on node and issued for audience, as the kubelet mounts a
+// projected token into a DaemonSet pod: the API server's TokenReview then
+// names the node in the user's extra. No kubelet runs here, so the pod
+// (named NAME-NODE) stays Pending; it exists only to bind the token. The
+// account and pod are created when missing.
+func (c *Cluster) PodToken(ctx context.Context, namespace, serviceAccount, node, audience string) (string, error) {
+	if err := c.EnsureNamespace(ctx, namespace); err != nil {
+		return "", err
+	}
+	_, err := c.Client.CoreV1().ServiceAccounts(namespace).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: serviceAccount}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return "", fmt.Errorf("create service account %s/%s: %w", namespace, serviceAccount, err)
+	}
+	name := serviceAccount + "-" + node
+	pods := c.Client.CoreV1().Pods(namespace)
+	pod, err := pods.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		pod, err = pods.Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: corev1.PodSpec{
+				NodeName:                     node,
+				ServiceAccountName:           serviceAccount,
+				AutomountServiceAccountToken: ptrTo(false),
+				Containers:                   []corev1.Container{{Name: "collector", Image: "proxyaudit-collector:test-stand-in"}},
+			},
+		}, metav1.CreateOptions{})
+	}
+	if err != nil {
+		return "", fmt.Errorf("pod %s/%s to bind the token to: %w", namespace, name, err)
+	}
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, serviceAccount, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:         []string{audience},
+		ExpirationSeconds: ptrTo(int64(3600)),
+		BoundObjectRef:    &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		return "", fmt.Errorf("request a token for %s/%s bound to pod %s: %w", namespace, serviceAccount, pod.Name, err)
+	}
+	return tr.Status.Token, nil
+}
+
+func ptrTo[T any](v T) *T { return &v }

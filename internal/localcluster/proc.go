@@ -151,3 +151,48 @@ func killMarked() error {
 	}
 	return nil
 }
+
+// Process is a long-running program the harness started for a test (a
+// collector in a node's namespace, an aggregator on the host). It is
+// killed with the cluster and found by the leftover scan like the rest.
+type Process struct {
+	p *process
+	// Log is the file holding its output.
+	Log string
+}
+
+// StartProcess runs argv on the host as part of the cluster, its output in
+// Dir/NAME.log.
+func (c *Cluster) StartProcess(name string, argv ...string) (*Process, error) {
+	log := filepath.Join(c.Dir, name+".log")
+	p, err := startProcess(name, log, argv)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.extra = append(c.extra, p)
+	c.mu.Unlock()
+	return &Process{p: p, Log: log}, nil
+}
+
+// StartProcess runs argv inside the node's network namespace.
+func (n *Node) StartProcess(name string, argv ...string) (*Process, error) {
+	return n.c.StartProcess(name, append([]string{"ip", "netns", "exec", n.NetNS}, argv...)...)
+}
+
+// Stop ends the process (SIGTERM, SIGKILL after 5 s).
+func (p *Process) Stop() { p.p.stop(5 * time.Second) }
+
+// Kill ends the process with SIGKILL, as a crash or an OOM kill would.
+func (p *Process) Kill() {
+	if !p.p.exited() {
+		_ = p.p.cmd.Process.Kill()
+		<-p.p.done
+	}
+}
+
+// Exited reports whether the process has ended.
+func (p *Process) Exited() bool { return p.p.exited() }
+
+// Tail returns the last n lines of its log.
+func (p *Process) Tail(n int) string { return tailFile(p.Log, n) }

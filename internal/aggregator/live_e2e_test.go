@@ -1,0 +1,547 @@
+package aggregator_test
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+var liveNodes = []localcluster.NodeSpec{
+	{Name: "agg-ipt", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
+	{Name: "agg-legacy", Mode: localcluster.ModeIPTables, Zone: "zone-b", LegacyIPTables: true},
+	{Name: "agg-nft", Mode: localcluster.ModeNFTables, Zone: "zone-a"},
+}
+
+func TestMain(m *testing.M) { localcluster.Main(m, liveNodes...) }
+
+const (
+	grace     = 10 * time.Second
+	interval  = 2 * time.Second
+	ns        = "proxyaudit"
+	sa        = "proxyaudit-collector"
+	audience  = "proxyaudit"
+	churnNS   = "churn"
+	churnSvcs = 50
+)
+
+// replicas listen on addresses of their own, like pods.
+var replicaIPs = []string{"198.18.1.1", "198.18.1.2"}
+
+type live struct {
+	t      *testing.T
+	c      *localcluster.Cluster
+	bin    string
+	dir    string
+	aggs   map[string]*localcluster.Process // by IP
+	cols   map[string]*localcluster.Process // by node
+	svcs   []*corev1.Service
+	epoch  int
+	http   *http.Client
+	tokens map[string]string
+}
+
+func buildBinaries(t *testing.T) string {
+	t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build binaries: %v\n%s", err, out)
+	}
+	return dir
+}
+
+func (l *live) startAggregator(ip string) {
+	l.t.Helper()
+	p, err := l.c.StartProcess("aggregator-"+ip, filepath.Join(l.bin, "proxyaudit-aggregator"),
+		"--kubeconfig="+l.c.AdminKubeconfig,
+		"--stream-listen="+ip+":9443", "--http-listen="+ip+":8080", "--advertise-address="+ip,
+		"--grace="+grace.String(), "--leader-elect-namespace="+ns,
+		"--collector-service-accounts="+ns+"/"+sa, "--token-audience="+audience)
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	l.aggs[ip] = p
+}
+
+func (l *live) startCollector(n *localcluster.Node) {
+	l.t.Helper()
+	var addrs []string
+	for _, ip := range replicaIPs {
+		addrs = append(addrs, ip+":9443")
+	}
+	p, err := n.StartProcess("collector-"+n.Name, filepath.Join(l.bin, "proxyaudit-collector"),
+		"--node-name="+n.Name, "--aggregator="+strings.Join(addrs, ","), "--interval="+interval.String(),
+		"--token-file="+filepath.Join(l.dir, n.Name+".token"))
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	l.cols[n.Name] = p
+}
+
+// get asks the replicas in turn (a follower proxies to the leader).
+func (l *live) get(path string, v any) error {
+	var errs []string
+	for _, ip := range replicaIPs {
+		r, err := l.http.Get("http://" + ip + ":8080" + path)
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		body, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if r.StatusCode != http.StatusOK {
+			errs = append(errs, fmt.Sprintf("%s: %s", r.Status, body))
+			continue
+		}
+		return json.Unmarshal(body, v)
+	}
+	return fmt.Errorf("GET %s: %s", path, strings.Join(errs, "; "))
+}
+
+func (l *live) findings() ([]audit.TimedFinding, error) {
+	var fr aggregator.FindingsResponse
+	err := l.get("/api/v1/findings", &fr)
+	return fr.Findings, err
+}
+
+func describe(fs []audit.TimedFinding) string {
+	var out []string
+	for _, f := range fs {
+		out = append(out, fmt.Sprintf("%s %s %s %s (%s)", f.Node, f.Kind, f.Service, f.Endpoint, f.Detail))
+	}
+	return strings.Join(out, "\n  ")
+}
+
+// waitFor polls the findings until cond holds; deadline is generous.
+func (l *live) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding) bool) time.Duration {
+	l.t.Helper()
+	start := time.Now()
+	var last []audit.TimedFinding
+	var lastErr error
+	for time.Since(start) < deadline {
+		fs, err := l.findings()
+		if err == nil && cond(fs) {
+			return time.Since(start)
+		}
+		last, lastErr = fs, err
+		time.Sleep(500 * time.Millisecond)
+	}
+	l.t.Fatalf("after %s, still waiting for %s; findings:\n  %s\n(error: %v)\nleader logs:\n%s", deadline, what, describe(last), lastErr, l.logs())
+	return 0
+}
+
+func (l *live) logs() string {
+	var b strings.Builder
+	for ip, p := range l.aggs {
+		fmt.Fprintf(&b, "--- aggregator %s\n%s\n", ip, p.Tail(15))
+	}
+	return b.String()
+}
+
+func (l *live) nodes() map[string]audit.NodeStatus {
+	var nr aggregator.NodesResponse
+	out := map[string]audit.NodeStatus{}
+	if err := l.get("/api/v1/nodes", &nr); err == nil {
+		for _, n := range nr.Nodes {
+			out[n.Node] = n
+		}
+	}
+	return out
+}
+
+func (l *live) waitAllInSync(what string) {
+	l.t.Helper()
+	l.waitFor(what, 90*time.Second, func(fs []audit.TimedFinding) bool {
+		ns := l.nodes()
+		for _, n := range liveNodes {
+			if ns[n.Name].State != audit.NodeInSync {
+				return false
+			}
+		}
+		return len(fs) == 0
+	})
+}
+
+func only(fs []audit.TimedFinding, node string) []audit.TimedFinding {
+	var out []audit.TimedFinding
+	for _, f := range fs {
+		if f.Node == node {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func has(fs []audit.TimedFinding, node string, kind audit.Kind) bool {
+	for _, f := range fs {
+		if f.Node == node && f.Kind == kind {
+			return true
+		}
+	}
+	return false
+}
+
+// setEndpoints gives churn service i the endpoints of an epoch: three
+// addresses that move with the epoch.
+func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
+	var ips []string
+	for j := range 3 {
+		k := (i*7 + epoch*3 + j) % 4000
+		ips = append(ips, fmt.Sprintf("198.18.%d.%d", 140+k/250, 1+k%250))
+	}
+	return l.c.ApplySlice(ctx, localcluster.Slice(l.svcs[i], l.svcs[i].Name+"-1", "http", 8080, corev1.ProtocolTCP, ips...))
+}
+
+func (l *live) leader(ctx context.Context) string {
+	lease, err := l.c.Client.CoordinationV1().Leases(ns).Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil || lease.Spec.HolderIdentity == nil {
+		return ""
+	}
+	return *lease.Spec.HolderIdentity
+}
+
+// The live system on a real cluster: two aggregator replicas on the host,
+// a collector per node in its namespace, genuine kube-proxies (iptables on
+// nf_tables, iptables legacy, nftables).
+func TestE2ELiveSystem(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	defer cancel()
+	l := &live{t: t, c: c, bin: buildBinaries(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
+		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{}}
+	defer func() {
+		for _, p := range l.cols {
+			p.Stop()
+		}
+		for _, p := range l.aggs {
+			p.Stop()
+		}
+	}()
+
+	for i := range churnSvcs {
+		svc, err := c.CreateService(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Namespace: churnNS, Name: fmt.Sprintf("churn-%02d", i)},
+			Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.svcs = append(l.svcs, svc)
+		if err := l.setEndpoints(ctx, i, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, ip := range replicaIPs {
+		if err := c.AddHostAddress(ctx, ip); err != nil {
+			t.Fatal(err)
+		}
+		l.startAggregator(ip)
+	}
+	for _, n := range c.Nodes() {
+		tok, err := c.PodToken(ctx, ns, sa, n.Name, audience)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.tokens[n.Name] = tok
+		if err := os.WriteFile(filepath.Join(l.dir, n.Name+".token"), []byte(tok), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		l.startCollector(n)
+	}
+	l.waitAllInSync("every node in sync")
+
+	t.Run("bad streams are rejected and record nothing", func(t *testing.T) { l.badStreams(ctx, t) })
+	t.Run("churn gives no findings", func(t *testing.T) { l.churn(ctx, t) })
+	t.Run("hung informer is a stuck proxy", func(t *testing.T) { l.hungInformer(ctx, t) })
+	t.Run("leader killed", func(t *testing.T) { l.leaderKilled(ctx, t) })
+	t.Run("collector stopped is missing, not stale", func(t *testing.T) { l.collectorStopped(ctx, t) })
+	t.Run("tampered rule", func(t *testing.T) { l.tampered(ctx, t) })
+	t.Run("flushed rules", func(t *testing.T) { l.flushed(ctx, t) })
+}
+
+func (l *live) rejectedBy(t *testing.T, hello *stream.Message, raw []byte) string {
+	t.Helper()
+	leader := l.leader(context.Background())
+	conn, err := net.DialTimeout("tcp", leader, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if raw != nil {
+		conn.Write(raw)
+	} else if err := stream.Write(conn, hello); err != nil {
+		t.Fatal(err)
+	}
+	conn.SetReadDeadline(time.Now().Add(15 * time.Second))
+	m, _, err := stream.Read(conn, 1<<20)
+	if err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	if m.Type != stream.TypeReject || m.Reject == nil {
+		t.Fatalf("not rejected: %+v", m)
+	}
+	return m.Reject.Reason
+}
+
+func (l *live) badStreams(ctx context.Context, t *testing.T) {
+	other, err := l.c.PodToken(ctx, ns, sa, "agg-ipt", "not-proxyaudit")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hello := func(node, token string) *stream.Message {
+		return &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 2}}
+	}
+	huge := make([]byte, 4)
+	binary.BigEndian.PutUint32(huge, 100<<20)
+	for _, tc := range []struct {
+		name  string
+		hello *stream.Message
+		raw   []byte
+		says  string
+	}{
+		{"no token", hello("agg-nft", ""), nil, "no token"},
+		{"token of another node", hello("agg-nft", l.tokens["agg-ipt"]), nil, `bound to node "agg-ipt"`},
+		{"token for a node that does not exist", hello("ghost", l.tokens["agg-ipt"]), nil, `bound to node "agg-ipt"`},
+		{"wrong audience", hello("agg-ipt", other), nil, "audience"},
+		{"forged token", hello("agg-ipt", "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), nil, "unauthenticated"},
+		{"garbage", nil, []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "larger than the limit"},
+		{"100 MB message", nil, huge, "larger than the limit"},
+	} {
+		if got := l.rejectedBy(t, tc.hello, tc.raw); !strings.Contains(got, tc.says) {
+			t.Errorf("%s: rejected with %q, want it to say %q", tc.name, got, tc.says)
+		}
+	}
+	if ns := l.nodes(); len(ns) != len(liveNodes) {
+		t.Errorf("rejected streams recorded nodes: %v", ns)
+	}
+	var nr aggregator.NodeResponse
+	if err := l.get("/api/v1/nodes/ghost", &nr); err == nil || !strings.Contains(err.Error(), "404") {
+		t.Errorf("ghost node known: %v %+v", err, nr)
+	}
+	fs, err := l.findings()
+	if err != nil || len(fs) != 0 {
+		t.Errorf("findings after bad streams: %v\n  %s", err, describe(fs))
+	}
+}
+
+// 50 services, 20 endpoint changes per second for two minutes: every
+// kube-proxy keeps up, so nothing may be reported.
+func (l *live) churn(ctx context.Context, t *testing.T) {
+	d := 2 * time.Minute
+	if testing.Short() {
+		d = 20 * time.Second
+	}
+	stop := time.Now().Add(d)
+	var mu sync.Mutex
+	var seen []audit.TimedFinding
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for time.Now().Before(stop.Add(grace + 2*interval)) {
+			if fs, err := l.findings(); err == nil && len(fs) > 0 {
+				mu.Lock()
+				seen = append(seen, fs...)
+				mu.Unlock()
+			}
+			time.Sleep(time.Second)
+		}
+	}()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	changes := 0
+	for time.Now().Before(stop) {
+		<-tick.C
+		l.epoch++
+		if err := l.setEndpoints(ctx, changes%churnSvcs, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+		changes++
+	}
+	<-done
+	t.Logf("churn: %d endpoint changes in %s (%.1f/s)", changes, d, float64(changes)/d.Seconds())
+	if len(seen) > 0 {
+		t.Fatalf("findings during churn:\n  %s", describe(seen))
+	}
+	for name, n := range l.nodes() {
+		t.Logf("%s: programming lag p50 %.1fs p99 %.1fs max %.1fs over %d samples", name, n.Lag.P50, n.Lag.P99, n.Lag.Max, n.Lag.Samples)
+	}
+}
+
+func (l *live) hungInformer(ctx context.Context, t *testing.T) {
+	n := l.c.Node("agg-ipt")
+	undo, err := n.HangInformer(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.epoch++
+	for i := range 3 {
+		if err := l.setEndpoints(ctx, i, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	took := l.waitFor("StuckProxy on agg-ipt", grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
+		return has(fs, "agg-ipt", audit.StuckProxy)
+	})
+	t.Logf("StuckProxy reported %s after the change (grace %s, interval %s)", took.Round(100*time.Millisecond), grace, interval)
+	fs, _ := l.findings()
+	if len(only(fs, "agg-ipt")) != len(fs) {
+		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))
+	}
+	stale := 0
+	for _, f := range fs {
+		if f.Kind == audit.StaleEndpoint && strings.HasPrefix(f.Service, churnNS+"/churn-0") {
+			stale++
+		}
+	}
+	if stale != 9 {
+		t.Errorf("want the 3 stale endpoints of each of 3 services, got %d:\n  %s", stale, describe(fs))
+	}
+	if err := undo(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l.waitAllInSync("agg-ipt recovered after the fault was lifted")
+}
+
+func (l *live) leaderKilled(ctx context.Context, t *testing.T) {
+	old := l.leader(ctx)
+	ip, _, _ := net.SplitHostPort(old)
+	p := l.aggs[ip]
+	if p == nil {
+		t.Fatalf("leader %q is not one of our replicas", old)
+	}
+	p.Kill()
+	start := time.Now()
+	for {
+		if cur := l.leader(ctx); cur != "" && cur != old {
+			t.Logf("leader %s killed; %s leads after %s", old, cur, time.Since(start).Round(100*time.Millisecond))
+			break
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("no new leader 30 s after killing %s", old)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	l.startAggregator(ip) // the Deployment's replacement pod
+	l.waitAllInSync("collectors reconnected to the new leader")
+	// Findings continue: the new leader judges a fresh change.
+	l.epoch++
+	if err := l.setEndpoints(ctx, 10, l.epoch); err != nil {
+		t.Fatal(err)
+	}
+	l.waitAllInSync("the new leader follows changes")
+}
+
+func (l *live) collectorStopped(ctx context.Context, t *testing.T) {
+	n := l.c.Node("agg-nft")
+	l.cols[n.Name].Stop()
+	took := l.waitFor("CollectorMissing on agg-nft", 3*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
+		return has(fs, "agg-nft", audit.CollectorMissing)
+	})
+	t.Logf("CollectorMissing after %s", took.Round(100*time.Millisecond))
+	// Changes meanwhile are not blamed on the silent node.
+	l.epoch++
+	if err := l.setEndpoints(ctx, 20, l.epoch); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(grace + 2*interval)
+	fs, _ := l.findings()
+	if len(fs) != 1 || fs[0].Kind != audit.CollectorMissing {
+		t.Fatalf("want only CollectorMissing, got:\n  %s", describe(fs))
+	}
+	l.startCollector(n)
+	l.waitAllInSync("agg-nft's collector back")
+}
+
+func (l *live) tampered(ctx context.Context, t *testing.T) {
+	for _, name := range []string{"agg-nft", "agg-legacy"} {
+		n := l.c.Node(name)
+		sl, err := l.c.Client.DiscoveryV1().EndpointSlices(churnNS).Get(ctx, "churn-30-1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		from := sl.Endpoints[0].Addresses[0] + ":8080"
+		if err := n.TamperEndpoint(ctx, from, "198.18.199.99:8080"); err != nil {
+			t.Fatal(err)
+		}
+		l.waitFor("the tampered service on "+name, grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
+			var kinds []string
+			for _, f := range fs {
+				if f.Node == name && f.Service == churnNS+"/churn-30" {
+					kinds = append(kinds, string(f.Kind)+" "+f.Endpoint)
+				}
+			}
+			return len(fs) == 2 && strings.Join(kinds, ",") == "MissingEndpoint "+from+",StaleEndpoint 198.18.199.99:8080"
+		})
+		if err := n.RestartProxy(ctx); err != nil {
+			t.Fatal(err)
+		}
+		l.waitAllInSync(name + " repaired by a kube-proxy restart")
+	}
+}
+
+// A flush repaired within grace is not a finding; a flush kube-proxy
+// cannot repair (frozen) is NoRules. (kube-proxy 1.36 does not restore an
+// `iptables -t nat -F` by itself within minutes: its canary chains survive
+// the flush. The repair here is a restart, as the kubelet would do after a
+// failed liveness check, or an operator.)
+func (l *live) flushed(ctx context.Context, t *testing.T) {
+	n := l.c.Node("agg-legacy")
+	if err := n.FlushRules(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(interval)
+	if err := n.RestartProxy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(grace + 3*interval)
+	for time.Now().Before(deadline) {
+		if fs, err := l.findings(); err == nil && len(fs) > 0 {
+			t.Fatalf("a flush repaired within grace was reported:\n  %s", describe(fs))
+		}
+		time.Sleep(time.Second)
+	}
+
+	thaw, err := n.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.FlushRules(ctx); err != nil {
+		thaw(ctx)
+		t.Fatal(err)
+	}
+	took := l.waitFor("NoRules on agg-legacy", grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
+		return len(fs) == 1 && has(fs, "agg-legacy", audit.NoRules)
+	})
+	t.Logf("NoRules reported %s after the flush", took.Round(100*time.Millisecond))
+	if err := thaw(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.RestartProxy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l.waitAllInSync("agg-legacy restored")
+}
