@@ -10,11 +10,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
@@ -26,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -135,6 +134,23 @@ func demo(ctx context.Context, o demoOptions) error {
 		}
 	}
 
+	agg, err := startProxyaudit(ctx, c)
+	if err != nil {
+		return err
+	}
+	if err := agg.wait(ctx, 90*time.Second, "every node in sync", func(fs []audit.TimedFinding, nodes []audit.NodeStatus) bool {
+		in := 0
+		for _, n := range nodes {
+			if n.State == audit.NodeInSync {
+				in++
+			}
+		}
+		return len(fs) == 0 && in == len(c.Nodes())
+	}); err != nil {
+		return err
+	}
+	fmt.Println("  · all three nodes in sync, no findings")
+
 	hung := c.Node("node-b")
 	fmt.Printf("▶ drifting %s: dropping its kube-proxy's API traffic (the dead-watch failure), then rolling kube-dns and scaling web down\n", hung.Name)
 	if _, err := hung.HangInformer(ctx); err != nil {
@@ -191,39 +207,48 @@ func demo(ctx context.Context, o demoOptions) error {
 			}
 		}
 	}
-	fmt.Printf("\nCaptured cluster state and every node's rules in %s/.\n", o.out)
-	if exe, err := exec.LookPath("proxyaudit"); err == nil || fileExists("bin/proxyaudit") {
-		if err != nil {
-			exe = "bin/proxyaudit"
+	drifted := time.Now()
+	fmt.Printf("\n▶ waiting for the aggregator to judge (grace %s; the default is 30s)\n", demoGrace)
+	var findings []audit.TimedFinding
+	var nodes []audit.NodeStatus
+	if err := agg.wait(ctx, demoGrace+90*time.Second, "StuckProxy on "+hung.Name, func(fs []audit.TimedFinding, ns []audit.NodeStatus) bool {
+		findings, nodes = fs, ns
+		for _, f := range fs {
+			if f.Kind == audit.StuckProxy && f.Node == hung.Name {
+				return true
+			}
 		}
-		args := append([]string{"diff", "--cluster", filepath.Join(o.out, "cluster.json")}, rulesArgs...)
-		fmt.Printf("\n▶ %s %s\n\n", exe, strings.Join(args, " "))
-		cmd := exec.CommandContext(ctx, exe, args...)
-		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
-		var ee *exec.ExitError
-		if err := cmd.Run(); err != nil && !(errors.As(err, &ee) && ee.ExitCode() == 1) {
-			return fmt.Errorf("proxyaudit diff: %w", err)
-		}
+		return false
+	}); err != nil {
+		return err
 	}
+	fmt.Printf("\nproxyaudit's findings, %s after the change (GET %s/api/v1/findings):\n\n", time.Since(drifted).Round(time.Second), agg.url)
+	printFindings(findings)
+	fmt.Println("\nNodes (GET /api/v1/nodes):")
+	for _, n := range nodes {
+		fmt.Printf("  %-8s %-8s %-9s in sync %d, lagging %d, divergent %d\n", n.Node, n.State, n.Mode, n.InSync, n.Lagging, n.Divergent)
+	}
+	fmt.Printf("\nCaptured cluster state and every node's rules in %s/; the offline check is:\n  bin/proxyaudit diff --cluster %s %s\n",
+		o.out, filepath.Join(o.out, "cluster.json"), strings.Join(rulesArgs, " "))
 	if !o.hold {
 		fmt.Println("\nRe-run with `bin/localcluster demo --hold` to keep the cluster up and inspect the nodes by hand.")
 		return nil
 	}
 	fmt.Printf(`
 Where to look:
+  curl -s %[5]s/api/v1/findings                                          # proxyaudit's verdict
   ip netns exec pa-%[1]s iptables-save -t nat | grep -E 'KUBE-(SVC|SEP)'   # the stale node
   ip netns exec pa-node-a iptables-save -t nat | grep -E 'KUBE-(SVC|SEP)' # a healthy node
   ip netns exec pa-node-c nft list table ip kube-proxy                    # the nftables node
   curl -s http://%[2]s:10256/livez                                       # still 200 on %[1]s
   KUBECONFIG=%[3]s kubectl get endpointslices -A
   logs: %[4]s
-`, hung.Name, hung.IP, c.AdminKubeconfig, c.Dir)
+`, hung.Name, hung.IP, c.AdminKubeconfig, c.Dir, agg.url)
 	fmt.Println("\nThe cluster keeps running; press Ctrl-C to tear it down.")
 	<-ctx.Done()
 	return nil
 }
 
-func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
 func svc(ns, name string, typ corev1.ServiceType, ports ...corev1.ServicePort) *corev1.Service {
 	return &corev1.Service{
