@@ -249,7 +249,6 @@ Where to look:
 	return nil
 }
 
-
 func svc(ns, name string, typ corev1.ServiceType, ports ...corev1.ServicePort) *corev1.Service {
 	return &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
