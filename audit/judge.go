@@ -94,6 +94,8 @@ type NodeStatus struct {
 	Watermark time.Time `json:"watermark,omitzero"`
 	Lag       LagStats  `json:"programmingLag"`
 	ReadError string    `json:"readError,omitempty"`
+	// KubeProxy is what kube-proxy's own metrics said last.
+	KubeProxy *KubeProxySignal `json:"kubeProxy,omitempty"`
 }
 
 // Verdict is everything a judge concludes at one instant.
@@ -125,6 +127,7 @@ type nodeRecord struct {
 	mode          Mode
 	readError     string
 	readErrSince  time.Time
+	kubeProxy     *KubeProxySignal
 
 	assessed       time.Time
 	services       int
@@ -159,23 +162,47 @@ func (j *Judge) record(node string, at time.Time) *nodeRecord {
 	return r
 }
 
-// Heard records that node's collector reported at the given time, with
-// its interval and mode; readError is its complaint when it could not read
-// the rules (such a report says nothing about them).
-func (j *Judge) Heard(node string, at time.Time, interval time.Duration, mode Mode, readError string) {
-	r := j.record(node, at)
-	r.reported, r.interval = at, interval
-	if mode != "" {
-		r.mode = mode
+// Heartbeat is one report's facts besides the rules.
+type Heartbeat struct {
+	At       time.Time
+	Interval time.Duration
+	Mode     Mode
+	// ReadError is the collector's complaint when it could not read the
+	// rules (such a report says nothing about them).
+	ReadError string
+	// KubeProxy, when set, replaces what kube-proxy's metrics said.
+	KubeProxy *KubeProxySignal
+}
+
+// KubeProxySignal is kube-proxy's own account of its syncs, from its
+// metrics: the second signal. Times are the node's clock, shown to people
+// and never used for grace.
+type KubeProxySignal struct {
+	LastSync               time.Time `json:"lastSync,omitzero"`
+	LastQueued             time.Time `json:"lastQueued,omitzero"`
+	EndpointChangesPending int       `json:"endpointChangesPending"`
+	ServiceChangesPending  int       `json:"serviceChangesPending"`
+	Error                  string    `json:"error,omitempty"`
+}
+
+// Heard records that node's collector reported.
+func (j *Judge) Heard(node string, hb Heartbeat) {
+	r := j.record(node, hb.At)
+	r.reported, r.interval = hb.At, hb.Interval
+	if hb.Mode != "" {
+		r.mode = hb.Mode
 	}
-	if readError == "" {
+	if hb.KubeProxy != nil {
+		r.kubeProxy = hb.KubeProxy
+	}
+	if hb.ReadError == "" {
 		r.readError, r.readErrSince = "", time.Time{}
 		return
 	}
 	if r.readError == "" {
-		r.readErrSince = at
+		r.readErrSince = hb.At
 	}
-	r.readError = readError
+	r.readError = hb.ReadError
 }
 
 // Observe records the assessment of node's rules made at the given time
@@ -330,7 +357,7 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 // findings are about the collector, not the rules.
 func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus, []TimedFinding, bool) {
 	p := j.Policy
-	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags)}
+	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
 	interval := r.interval
 	if interval <= 0 {
 		interval = p.DefaultInterval
@@ -405,8 +432,8 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 	case len(stuck) > 0:
 		st.State = NodeStuck
 		out = append(out, TimedFinding{Since: stuckSince, Finding: Finding{Node: name, Kind: StuckProxy,
-			Detail: fmt.Sprintf("kube-proxy on this node stopped following the API: its rules still show versions of %d service(s) that changed up to %s ago (%s); restart kube-proxy on this node",
-				len(stuck), r.assessed.Sub(stuckSince).Round(time.Second), listSome(stuck, 10))}})
+			Detail: fmt.Sprintf("kube-proxy on this node stopped following the API: its rules still show versions of %d service(s) that changed up to %s ago (%s)%s; restart kube-proxy on this node",
+				len(stuck), r.assessed.Sub(stuckSince).Round(time.Second), listSome(stuck, 10), r.kubeProxy.describe())}})
 	case len(out) > 0:
 		st.State = NodeDivergent
 	case st.Lagging > 0 || st.Divergent > 0:
@@ -435,4 +462,20 @@ func lagStats(lags []time.Duration) LagStats {
 		return s[min(max(i, 0), len(s)-1)].Seconds()
 	}
 	return LagStats{Samples: len(s), P50: at(0.5), P90: at(0.9), P99: at(0.99), Max: s[len(s)-1].Seconds()}
+}
+
+// describe words kube-proxy's own view for a StuckProxy finding.
+func (k *KubeProxySignal) describe() string {
+	switch {
+	case k == nil:
+		return ""
+	case k.Error != "":
+		return "; kube-proxy's metrics could not be read (" + k.Error + ")"
+	case k.EndpointChangesPending == 0 && k.ServiceChangesPending == 0:
+		return fmt.Sprintf("; kube-proxy's own metrics show no pending changes and a last sync at %s (node clock): it does not know it is behind, so its health check stays green",
+			k.LastSync.UTC().Format(time.RFC3339))
+	default:
+		return fmt.Sprintf("; kube-proxy's own metrics show %d endpoint and %d service changes pending, last sync at %s (node clock): it knows, but is not syncing",
+			k.EndpointChangesPending, k.ServiceChangesPending, k.LastSync.UTC().Format(time.RFC3339))
+	}
 }

@@ -33,7 +33,7 @@ func (f *fleet) change(c cluster, at time.Time) {
 }
 
 func (f *fleet) report(node string, at time.Time, obs *audit.Observed) []time.Duration {
-	f.j.Heard(node, at, 10*time.Second, obs.Mode, "")
+	f.j.Heard(node, audit.Heartbeat{At: at, Interval: 10 * time.Second, Mode: obs.Mode})
 	return f.j.Observe(node, at, len(f.state.Services), obs.NoRules, audit.Assess(f.state, f.h, node, obs), f.h)
 }
 
@@ -163,8 +163,9 @@ func TestJudgeCollectorMissing(t *testing.T) {
 	if got := kinds(v); got != "a:CollectorMissing b:CollectorMissing" {
 		t.Fatalf("silent: %s", got)
 	}
-	f.j.Heard("a", t0.Add(121*time.Second), 10*time.Second, audit.ModeIPTables, "iptables-save: exit status 1")
-	f.j.Heard("a", t0.Add(160*time.Second), 10*time.Second, audit.ModeIPTables, "iptables-save: exit status 1")
+	for _, at := range []time.Duration{121 * time.Second, 160 * time.Second} {
+		f.j.Heard("a", audit.Heartbeat{At: t0.Add(at), Interval: 10 * time.Second, Mode: audit.ModeIPTables, ReadError: "iptables-save: exit status 1"})
+	}
 	v = f.j.Evaluate(t0.Add(161*time.Second), []string{"a"})
 	if len(v.Findings) != 1 || v.Findings[0].Kind != audit.CollectorMissing || !strings.Contains(v.Findings[0].Detail, "exit status 1") {
 		t.Fatalf("read errors: %+v", v.Findings)

@@ -56,6 +56,7 @@ func run(args []string, stderr io.Writer) int {
 	interval := fs.Duration("interval", 10*time.Second, "how often to read the rules; the aggregator declares the collector missing after 3 intervals without a report")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
+	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -76,7 +77,7 @@ func run(args []string, stderr io.Writer) int {
 	if *interval < time.Second {
 		return fail("--interval %s is too short: at least 1s", *interval)
 	}
-	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version()}
+	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version(), KubeProxyMetrics: *kpMetrics}
 	src, fixed, err := collector.ParseMode(*mode)
 	if err != nil {
 		return fail("%v", err)

@@ -388,8 +388,9 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq)
 	}
 	n.lastSeq = r.Seq
+	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy)}
 	if r.ReadError != "" {
-		a.judge.Heard(n.name, now, interval, audit.Mode(r.Mode), r.ReadError)
+		a.judge.Heard(n.name, hb)
 		return true, "", ""
 	}
 	if !r.Full && !n.complete {
@@ -413,8 +414,22 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 	}
 	n.noRules = r.NoRules
 	n.heard, n.fresh = now, true
-	a.judge.Heard(n.name, now, interval, audit.Mode(r.Mode), "")
+	a.judge.Heard(n.name, hb)
 	return true, "", ""
+}
+
+func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
+	if k == nil {
+		return nil
+	}
+	unix := func(f float64) time.Time {
+		if f <= 0 {
+			return time.Time{}
+		}
+		return time.Unix(0, int64(f*1e9)).UTC()
+	}
+	return &audit.KubeProxySignal{LastSync: unix(k.LastSync), LastQueued: unix(k.LastQueued),
+		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: clip(k.Error)}
 }
 
 // Evaluate assesses every node that reported since the last call and

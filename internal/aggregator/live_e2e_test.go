@@ -216,6 +216,27 @@ func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
 	return l.c.ApplySlice(ctx, localcluster.Slice(l.svcs[i], l.svcs[i].Name+"-1", "http", 8080, corev1.ProtocolTCP, ips...))
 }
 
+// streamIn reads the leader's inbound stream bytes and report count.
+func (l *live) streamIn(t *testing.T) (bytes, reports float64) {
+	t.Helper()
+	r, err := l.http.Get("http://" + strings.TrimSuffix(l.leader(context.Background()), ":9443") + ":8080/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Body.Close()
+	body, _ := io.ReadAll(r.Body)
+	for _, line := range strings.Split(string(body), "\n") {
+		var v float64
+		if _, err := fmt.Sscanf(line, `proxyaudit_stream_bytes_total{direction="in"} %g`, &v); err == nil {
+			bytes = v
+		}
+		if _, err := fmt.Sscanf(line, `proxyaudit_stream_messages_total{direction="in",type="report"} %g`, &v); err == nil {
+			reports = v
+		}
+	}
+	return bytes, reports
+}
+
 func (l *live) leader(ctx context.Context) string {
 	lease, err := l.c.Client.CoordinationV1().Leases(ns).Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
 	if err != nil || lease.Spec.HolderIdentity == nil {
@@ -370,6 +391,16 @@ func (l *live) churn(ctx context.Context, t *testing.T) {
 			time.Sleep(time.Second)
 		}
 	}()
+	steadyIn, steadyMsgs := l.streamIn(t)
+	time.Sleep(5 * interval)
+	steadyIn2, steadyMsgs2 := l.streamIn(t)
+	t.Logf("steady state: %.0f bytes per report (%.0f reports)", (steadyIn2-steadyIn)/(steadyMsgs2-steadyMsgs), steadyMsgs2-steadyMsgs)
+	for name, n := range l.nodes() {
+		if n.KubeProxy == nil || n.KubeProxy.LastSync.IsZero() || n.KubeProxy.Error != "" {
+			t.Errorf("%s: kube-proxy's own metrics not forwarded: %+v", name, n.KubeProxy)
+		}
+	}
+	churnIn, churnMsgs := l.streamIn(t)
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	changes := 0
@@ -381,8 +412,10 @@ func (l *live) churn(ctx context.Context, t *testing.T) {
 		}
 		changes++
 	}
+	churnIn2, churnMsgs2 := l.streamIn(t)
 	<-done
-	t.Logf("churn: %d endpoint changes in %s (%.1f/s)", changes, d, float64(changes)/d.Seconds())
+	t.Logf("churn: %d endpoint changes in %s (%.1f/s); %.0f bytes per report (%.0f reports)", changes, d, float64(changes)/d.Seconds(),
+		(churnIn2-churnIn)/(churnMsgs2-churnMsgs), churnMsgs2-churnMsgs)
 	if len(seen) > 0 {
 		t.Fatalf("findings during churn:\n  %s", describe(seen))
 	}
@@ -408,6 +441,11 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 	})
 	t.Logf("StuckProxy reported %s after the change (grace %s, interval %s)", took.Round(100*time.Millisecond), grace, interval)
 	fs, _ := l.findings()
+	for _, f := range fs {
+		if f.Kind == audit.StuckProxy && !strings.Contains(f.Detail, "does not know it is behind") {
+			t.Errorf("StuckProxy detail lacks kube-proxy's own view (no pending changes): %s", f.Detail)
+		}
+	}
 	if len(only(fs, "agg-ipt")) != len(fs) {
 		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/http"
 	"os"
 	"strings"
 	"time"
@@ -37,6 +38,9 @@ type Config struct {
 	MaxMessageBytes int
 	Version         string
 	Log             *zap.Logger
+	// KubeProxyMetrics is kube-proxy's metrics URL, scraped with each read
+	// as a second signal; empty disables it.
+	KubeProxyMetrics string
 	// Read replaces Source.Read in tests of the protocol.
 	Read func(context.Context) (*audit.Observed, error)
 }
@@ -85,9 +89,11 @@ func Run(ctx context.Context, cfg Config) error {
 }
 
 type client struct {
-	cfg Config
-	src *Source
-	seq uint64
+	cfg    Config
+	src    *Source
+	seq    uint64
+	lastKP *stream.KubeProxy // sent on this stream
+	http   http.Client
 }
 
 // addresses resolves the aggregator (host:port, or several separated by
@@ -198,6 +204,7 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 		}
 	}()
 	sent := stream.NewState()
+	c.lastKP = nil
 	full := true
 	tick := time.NewTicker(c.cfg.Interval)
 	defer tick.Stop()
@@ -241,12 +248,21 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 // read reads the rules once and builds the report against what was sent.
 func (c *client) read(ctx context.Context, sent *stream.State, full bool) *stream.Report {
 	c.seq++
+	var r *stream.Report
 	obs, err := c.readRules(ctx)
 	if err != nil {
 		c.cfg.Log.Warn("cannot read kube-proxy's rules", zap.Error(err))
-		return &stream.Report{Seq: c.seq, Root: sent.Root(), Mode: sent.Mode, ReadError: err.Error()}
+		r = &stream.Report{Seq: c.seq, Root: sent.Root(), Mode: sent.Mode, ReadError: err.Error()}
+	} else {
+		r = stream.Delta(sent, stream.FromModel(obs), c.seq, full)
 	}
-	return stream.Delta(sent, stream.FromModel(obs), c.seq, full)
+	if c.cfg.KubeProxyMetrics != "" {
+		kp := ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
+		if c.lastKP == nil || *kp != *c.lastKP {
+			r.KubeProxy, c.lastKP = kp, kp
+		}
+	}
+	return r
 }
 
 func (c *client) readRules(ctx context.Context) (*audit.Observed, error) {

@@ -100,6 +100,22 @@ type Report struct {
 	// ReadError is set when the collector could not read the rules; such
 	// a report carries no state change and the receiver must not apply it.
 	ReadError string `json:"readError,omitempty"`
+	// KubeProxy is kube-proxy's own account of its syncs, sent when it
+	// changed since the last report.
+	KubeProxy *KubeProxy `json:"kubeProxy,omitempty"`
+}
+
+// KubeProxy is what kube-proxy's metrics endpoint says about its syncs:
+// the second signal beside the rules. Times are Unix seconds on the node's
+// clock, shown to people and never used for grace.
+type KubeProxy struct {
+	LastSync               float64 `json:"lastSync,omitempty"`
+	LastQueued             float64 `json:"lastQueued,omitempty"`
+	EndpointChangesPending float64 `json:"endpointChangesPending"`
+	ServiceChangesPending  float64 `json:"serviceChangesPending"`
+	EndpointChangesTotal   float64 `json:"endpointChangesTotal"`
+	// Error says why the metrics could not be read.
+	Error string `json:"error,omitempty"`
 }
 
 // Frontend is an observed frontend on the wire.

@@ -1,0 +1,89 @@
+package collector
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// DefaultKubeProxyMetrics is where kube-proxy serves its metrics by default.
+const DefaultKubeProxyMetrics = "http://127.0.0.1:10249/metrics"
+
+// maxMetricsBytes bounds a scrape: kube-proxy's page is about 100 KB.
+const maxMetricsBytes = 4 << 20
+
+// ScrapeKubeProxy reads kube-proxy's sync metrics from url. A failure is
+// reported in the result, not as an error: the rules are the primary
+// signal and a missing metrics endpoint must not stop the collector.
+func ScrapeKubeProxy(ctx context.Context, client *http.Client, url string) *stream.KubeProxy {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return &stream.KubeProxy{Error: err.Error()}
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return &stream.KubeProxy{Error: fmt.Sprintf("scrape kube-proxy metrics: %v", err)}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return &stream.KubeProxy{Error: "scrape kube-proxy metrics: " + resp.Status}
+	}
+	kp, err := parseKubeProxyMetrics(io.LimitReader(resp.Body, maxMetricsBytes))
+	if err != nil {
+		return &stream.KubeProxy{Error: fmt.Sprintf("parse kube-proxy metrics: %v", err)}
+	}
+	return kp
+}
+
+// parseKubeProxyMetrics picks the sync gauges out of the Prometheus text
+// format, taking the newest value across IP families.
+func parseKubeProxyMetrics(r io.Reader) (*stream.KubeProxy, error) {
+	kp := &stream.KubeProxy{}
+	fields := map[string]*float64{
+		"kubeproxy_sync_proxy_rules_last_timestamp_seconds":        &kp.LastSync,
+		"kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds": &kp.LastQueued,
+		"kubeproxy_sync_proxy_rules_endpoint_changes_pending":      &kp.EndpointChangesPending,
+		"kubeproxy_sync_proxy_rules_service_changes_pending":       &kp.ServiceChangesPending,
+		"kubeproxy_sync_proxy_rules_endpoint_changes_total":        &kp.EndpointChangesTotal,
+	}
+	found := 0
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 64<<10)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "kubeproxy_sync_proxy_rules_") {
+			continue
+		}
+		name, rest, _ := strings.Cut(line, " ")
+		if i := strings.IndexByte(name, '{'); i >= 0 {
+			name = name[:i]
+			_, rest, _ = strings.Cut(line, "} ")
+		}
+		dst, ok := fields[name]
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.Fields(rest + " ")[0], 64)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %v", name, err)
+		}
+		*dst = max(*dst, v)
+		found++
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	if found == 0 {
+		return nil, fmt.Errorf("no kubeproxy_sync_proxy_rules_* metrics (is this kube-proxy's metrics endpoint?)")
+	}
+	return kp, nil
+}
