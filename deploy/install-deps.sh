@@ -3,7 +3,7 @@
 # Does nothing when they are present; needs root (apt-get) otherwise.
 set -euo pipefail
 need=()
-for pair in ip:iproute2 iptables:iptables iptables-legacy:iptables nft:nftables ipvsadm:ipvsadm conntrack:conntrack ss:iproute2; do
+for pair in ip:iproute2 iptables:iptables iptables-legacy:iptables nft:nftables ipvsadm:ipvsadm conntrack:conntrack ss:iproute2 /usr/bin/time:time; do
   cmd=${pair%%:*}; pkg=${pair#*:}
   PATH=$PATH:/usr/sbin:/sbin command -v "$cmd" >/dev/null 2>&1 || need+=("$pkg")
 done

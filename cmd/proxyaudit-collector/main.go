@@ -7,6 +7,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -14,12 +15,15 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
 const usage = `proxyaudit-collector reads this node's kube-proxy rules (iptables, nftables)
@@ -33,7 +37,7 @@ Flags (environment fallbacks in brackets):
 `
 
 func main() {
-	os.Exit(run(os.Args[1:], os.Stderr))
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
 func envOr(name, def string) string {
@@ -43,7 +47,7 @@ func envOr(name, def string) string {
 	return def
 }
 
-func run(args []string, stderr io.Writer) int {
+func run(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("proxyaudit-collector", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -57,6 +61,7 @@ func run(args []string, stderr io.Writer) int {
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
 	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
+	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -67,6 +72,9 @@ func run(args []string, stderr io.Writer) int {
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "proxyaudit-collector: "+format+"\n", a...)
 		return 2
+	}
+	if *once {
+		return readOnce(*mode, stdout, fail)
 	}
 	if *node == "" {
 		return fail("--node-name is required (in a DaemonSet, set NODE_NAME from spec.nodeName)")
@@ -118,4 +126,77 @@ func version() string {
 		return bi.Main.Version
 	}
 	return "devel"
+}
+
+// Footprint is what --once prints.
+type Footprint struct {
+	Mode          string  `json:"mode"`
+	NoRules       bool    `json:"noRules"`
+	Frontends     int     `json:"frontends"`
+	Endpoints     int     `json:"endpoints"`
+	SnapshotBytes int     `json:"snapshotBytes"`
+	ReadSeconds   float64 `json:"readSeconds"`
+	// Self is the collector process (peak RSS from VmHWM: getrusage's
+	// maxrss would include the parent that forked it); Tool is the CPU of
+	// the tool it ran (iptables-save, nft).
+	SelfCPUSeconds  float64 `json:"selfCPUSeconds"`
+	SelfMaxRSSBytes int64   `json:"selfMaxRSSBytes"`
+	ToolCPUSeconds  float64 `json:"toolCPUSeconds"`
+}
+
+func readOnce(mode string, stdout io.Writer, fail func(string, ...any) int) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	src, fixed, err := collector.ParseMode(mode)
+	if err != nil {
+		return fail("%v", err)
+	}
+	if !fixed {
+		if src, err = collector.Detect(ctx); err != nil {
+			return fail("%v", err)
+		}
+	}
+	start := time.Now()
+	obs, err := src.Read(ctx)
+	if err != nil {
+		return fail("read %s rules: %v", src, err)
+	}
+	took := time.Since(start)
+	st := stream.FromModel(obs)
+	var size countWriter
+	stream.Write(&size, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true)})
+	f := Footprint{Mode: src.String(), NoRules: obs.NoRules, Frontends: len(obs.Frontends), SnapshotBytes: int(size), ReadSeconds: took.Seconds()}
+	for _, fe := range obs.Frontends {
+		f.Endpoints += len(fe.Endpoints)
+	}
+	var self, child syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &self)
+	syscall.Getrusage(syscall.RUSAGE_CHILDREN, &child)
+	cpu := func(r syscall.Rusage) float64 {
+		return time.Duration(r.Utime.Nano() + r.Stime.Nano()).Seconds()
+	}
+	f.SelfCPUSeconds, f.SelfMaxRSSBytes, f.ToolCPUSeconds = cpu(self), peakRSS(), cpu(child)
+	enc := json.NewEncoder(stdout)
+	enc.SetIndent("", "  ")
+	enc.Encode(f)
+	return 0
+}
+
+type countWriter int
+
+func (c *countWriter) Write(p []byte) (int, error) { *c += countWriter(len(p)); return len(p), nil }
+
+// peakRSS is this process's VmHWM in bytes (0 when unknown).
+func peakRSS() int64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb * 1024
+		}
+	}
+	return 0
 }

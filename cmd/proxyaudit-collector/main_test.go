@@ -8,7 +8,7 @@ import (
 
 func TestFlagsAndHelp(t *testing.T) {
 	var out bytes.Buffer
-	if code := run([]string{"--help"}, &out); code != 0 || !strings.Contains(out.String(), "[NODE_NAME]") {
+	if code := run([]string{"--help"}, &out, &out); code != 0 || !strings.Contains(out.String(), "[NODE_NAME]") {
 		t.Errorf("--help: exit %d\n%s", code, out.String())
 	}
 	t.Setenv("NODE_NAME", "")
@@ -21,7 +21,7 @@ func TestFlagsAndHelp(t *testing.T) {
 		"no CA":         {"--node-name", "n", "--aggregator", "a:1", "--ca-file", "/nonexistent"},
 	} {
 		var errb bytes.Buffer
-		if code := run(args, &errb); code != 2 || !strings.Contains(errb.String(), "proxyaudit-collector:") {
+		if code := run(args, &errb, &errb); code != 2 || !strings.Contains(errb.String(), "proxyaudit-collector:") {
 			t.Errorf("%s: exit %d: %q", name, code, errb.String())
 		}
 	}
