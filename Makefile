@@ -39,11 +39,12 @@ fixtures: deps cluster-binaries
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m ./...
 
-## fuzz: each reader's fuzz target for FUZZTIME (default 30s)
+## fuzz: each reader's and the stream decoder's fuzz target for FUZZTIME (default 30s)
 FUZZTIME ?= 30s
 fuzz:
 	for t in FuzzParseIPTables FuzzParseNFTables FuzzParseIPVS FuzzParseRules FuzzParseClusterList; do \
 		$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./audit || exit 1; done
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./internal/stream
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
