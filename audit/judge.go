@@ -288,8 +288,9 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 // Forget drops a node's memory (it left the cluster).
 func (j *Judge) Forget(node string) { delete(j.nodes, node) }
 
-// Evaluate concludes at now over the cluster's nodes (nodes that report
-// without being in the cluster are judged too).
+// Evaluate concludes at now. cluster lists the nodes expected to report;
+// a node outside it is judged while it reports and forgotten once silent
+// (it left the cluster, or is going away), never called missing.
 func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 	for _, n := range cluster {
 		j.record(n, now)
@@ -300,7 +301,7 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 	}
 	names := make([]string, 0, len(j.nodes))
 	for n, r := range j.nodes {
-		if !inCluster[n] && r.reported.IsZero() {
+		if !inCluster[n] && (r.reported.IsZero() || now.Sub(r.reported) > j.allowance(r)) {
 			delete(j.nodes, n)
 			continue
 		}
@@ -357,12 +358,12 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 // findings are about the collector, not the rules.
 func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus, []TimedFinding, bool) {
 	p := j.Policy
-	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
+	allowance := j.allowance(r)
 	interval := r.interval
 	if interval <= 0 {
 		interval = p.DefaultInterval
 	}
-	allowance := time.Duration(p.MissingIntervals) * interval
+	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
 	switch {
 	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending
@@ -442,6 +443,16 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		st.State = NodeInSync
 	}
 	return st, out, false
+}
+
+// allowance is how long a node may stay silent: MissingIntervals of its
+// collector's interval.
+func (j *Judge) allowance(r *nodeRecord) time.Duration {
+	interval := r.interval
+	if interval <= 0 {
+		interval = j.Policy.DefaultInterval
+	}
+	return time.Duration(j.Policy.MissingIntervals) * interval
 }
 
 func listSome(ss []string, n int) string {

@@ -256,3 +256,20 @@ func TestJudgeLagPerChange(t *testing.T) {
 		}
 	}
 }
+
+// A node that left the cluster (or is going away) is judged while it
+// reports and forgotten once silent: scale-down is not a missing collector.
+func TestJudgeForgetsNodesThatLeft(t *testing.T) {
+	spec := synth.Spec{Services: 2, EndpointsPerService: 1}
+	f := newFleet(t, spec, synthCluster(spec))
+	f.report("a", t0, rulesOf(t, spec, nil))
+	f.report("gone", t0, rulesOf(t, spec, nil))
+	if v := f.j.Evaluate(t0.Add(time.Second), []string{"a"}); len(v.Nodes) != 2 || state(v, "gone") != audit.NodeInSync {
+		t.Fatalf("a reporting node outside the list: %+v", v.Nodes)
+	}
+	f.report("a", t0.Add(40*time.Second), rulesOf(t, spec, nil))
+	v := f.j.Evaluate(t0.Add(41*time.Second), []string{"a"})
+	if len(v.Findings) != 0 || len(v.Nodes) != 1 {
+		t.Fatalf("silent departed node: %s %+v", kinds(v), v.Nodes)
+	}
+}

@@ -484,7 +484,7 @@ func (a *Aggregator) Evaluate() {
 			}
 		}
 	})
-	names := a.view.NodeNames()
+	names := a.view.ExpectedNodes()
 	a.mu.Lock()
 	if !a.leading {
 		a.mu.Unlock()

@@ -331,3 +331,28 @@ func getJSON(t *testing.T, url string, v any) {
 		t.Fatal(err)
 	}
 }
+
+func TestQuietNodes(t *testing.T) {
+	now := metav1.Now()
+	for _, tc := range []struct {
+		node corev1.Node
+		want string
+	}{
+		{corev1.Node{}, ""},
+		{corev1.Node{Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}}, ""},
+		{corev1.Node{Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionUnknown}}}}, "not Ready"},
+		{corev1.Node{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}}, "being deleted"},
+		{corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: ToBeDeletedTaint, Effect: corev1.TaintEffectNoSchedule}}}}, "removed by the cluster autoscaler"},
+	} {
+		if got := quietReason(&tc.node); got != tc.want {
+			t.Errorf("%+v: %q, want %q", tc.node, got, tc.want)
+		}
+	}
+	// Trim keeps what quietReason reads.
+	n := &corev1.Node{Status: corev1.NodeStatus{Images: make([]corev1.ContainerImage, 3),
+		Conditions: []corev1.NodeCondition{{Type: corev1.NodeMemoryPressure}, {Type: corev1.NodeReady, Status: corev1.ConditionFalse, Message: "kubelet stopped"}}}}
+	Trim(n)
+	if len(n.Status.Images) != 0 || len(n.Status.Conditions) != 1 || quietReason(n) != "not Ready" {
+		t.Errorf("trimmed node: %+v", n.Status)
+	}
+}

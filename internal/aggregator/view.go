@@ -40,11 +40,13 @@ type View struct {
 	dirtySince time.Time // first change not yet in State; zero when clean
 	kick       chan struct{}
 
-	mu      sync.RWMutex
-	state   *audit.State
-	history *audit.History
-	gen     uint64 // bumps on every rebuild
-	rebuilt time.Time
+	mu    sync.RWMutex
+	state *audit.State
+	// expected are the nodes that should have a reporting collector.
+	expected []string
+	history  *audit.History
+	gen      uint64 // bumps on every rebuild
+	rebuilt  time.Time
 	// OnRebuild observes each rebuild's duration (metrics).
 	onRebuild func(time.Duration)
 }
@@ -98,7 +100,13 @@ func Trim(obj any) (any, error) {
 			o.Endpoints[i].Hostname = nil
 		}
 	case *corev1.Node:
-		o.Status = corev1.NodeStatus{Addresses: o.Status.Addresses, NodeInfo: corev1.NodeSystemInfo{KubeProxyVersion: o.Status.NodeInfo.KubeProxyVersion}}
+		var ready []corev1.NodeCondition
+		for _, c := range o.Status.Conditions {
+			if c.Type == corev1.NodeReady {
+				ready = append(ready, corev1.NodeCondition{Type: c.Type, Status: c.Status})
+			}
+		}
+		o.Status = corev1.NodeStatus{Conditions: ready, Addresses: o.Status.Addresses, NodeInfo: corev1.NodeSystemInfo{KubeProxyVersion: o.Status.NodeInfo.KubeProxyVersion}}
 		o.Spec.PodCIDR, o.Spec.PodCIDRs = "", nil
 	}
 	return obj, nil
@@ -183,7 +191,15 @@ func (v *View) rebuild() {
 		nd[i] = *n
 	}
 	st := audit.FromAPI(sv, sl, nd)
+	expected := make([]string, 0, len(nd))
+	for i := range nd {
+		if reason := quietReason(&nd[i]); reason == "" {
+			expected = append(expected, nd[i].Name)
+		}
+	}
+	sort.Strings(expected)
 	v.mu.Lock()
+	v.expected = expected
 	v.history.Update(st, at)
 	v.state = st
 	v.gen++
@@ -201,16 +217,39 @@ func (v *View) Read(f func(st *audit.State, h *audit.History, gen uint64)) {
 	f(v.state, v.history, v.gen)
 }
 
-// NodeNames lists the cluster's nodes, sorted.
-func (v *View) NodeNames() []string {
+// ExpectedNodes lists the nodes whose collectors should report: every
+// node except those going away or known broken (see quietReason), sorted.
+// A node left out is still judged while it reports; it is only never
+// called CollectorMissing.
+func (v *View) ExpectedNodes() []string {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	out := make([]string, 0, len(v.state.Nodes))
-	for n := range v.state.Nodes {
-		out = append(out, n)
+	return v.expected
+}
+
+// ToBeDeletedTaint is the cluster autoscaler's mark on a node it removes.
+const ToBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
+
+// quietReason says why a node is not expected to report, or "": it is
+// being deleted, the autoscaler is removing it, or its kubelet is not
+// Ready (a broken node is the kubelet's finding; its collector being
+// down with it is not news). A node without a Ready condition at all is
+// expected (nothing says it is broken).
+func quietReason(n *corev1.Node) string {
+	if n.DeletionTimestamp != nil {
+		return "being deleted"
 	}
-	sort.Strings(out)
-	return out
+	for _, t := range n.Spec.Taints {
+		if t.Key == ToBeDeletedTaint {
+			return "removed by the cluster autoscaler"
+		}
+	}
+	for _, c := range n.Status.Conditions {
+		if c.Type == corev1.NodeReady && c.Status != corev1.ConditionTrue {
+			return "not Ready"
+		}
+	}
+	return ""
 }
 
 // Services counts the services kube-proxy programs (not skipped).
