@@ -131,21 +131,29 @@ func (a *Aggregator) StartedLeading() {
 // when it is known) and forgets the nodes.
 func (a *Aggregator) StoppedLeading() {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	if !a.leading {
+		a.mu.Unlock()
 		return
 	}
 	a.leading = false
 	a.cfg.Metrics.Leader.Set(0)
+	var open []*conn
 	for _, n := range a.nodes {
 		if n.conn != nil {
-			a.redirect(n.conn)
-			n.conn.Close()
+			open = append(open, n.conn)
 		}
 	}
 	a.nodes = map[string]*node{}
 	a.verdict = nil
-	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", a.leader))
+	leader := a.leader
+	a.mu.Unlock()
+	// Writes happen outside the lock: a stuck collector must not hold up
+	// the rest (each write has its own deadline).
+	for _, c := range open {
+		a.redirect(c, leader)
+		c.Close()
+	}
+	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", leader), zap.Int("streams", len(open)))
 }
 
 // NewLeader records who leads (this replica or another).
@@ -166,10 +174,11 @@ func (a *Aggregator) Leader() (string, bool) {
 	return a.leader, a.leading
 }
 
-// redirect tells a collector where the leader is; the caller holds a.mu.
-func (a *Aggregator) redirect(c *conn) {
-	if a.leader != "" && a.leader != a.cfg.Self {
-		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: a.leader}}))
+// redirect tells a collector where the leader is, when another replica
+// leads.
+func (a *Aggregator) redirect(c *conn, leader string) {
+	if leader != "" && leader != a.cfg.Self {
+		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}}))
 		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
 	}
 }
@@ -306,13 +315,13 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 
 	a.mu.Lock()
 	if !a.leading {
-		if a.leader == "" || a.leader == a.cfg.Self {
-			a.mu.Unlock()
+		leader := a.leader
+		a.mu.Unlock()
+		if leader == "" || leader == a.cfg.Self {
 			a.reject(log, c, ReasonProtocol, "this aggregator is not the leader and no leader is elected yet; retry shortly")
 			return
 		}
-		a.redirect(c)
-		a.mu.Unlock()
+		a.redirect(c, leader)
 		return
 	}
 	n := a.nodes[h.Node]
