@@ -1,0 +1,256 @@
+package remediate
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"time"
+)
+
+// Mode is how far remediation may go.
+type Mode string
+
+// Modes, from harmless to the full ladder.
+const (
+	// DryRun decides as if it could act, and only says what it would do.
+	DryRun Mode = "dry-run"
+	// Restart restarts the node's kube-proxy pod, and pages when that
+	// does not help.
+	Restart Mode = "restart"
+	// RestartAndCordon also cordons a node still drifted after a restart.
+	RestartAndCordon Mode = "restart-and-cordon"
+)
+
+// ParseMode checks a mode flag.
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case DryRun, Restart, RestartAndCordon:
+		return m, nil
+	}
+	return "", fmt.Errorf("remediation mode %q: choose dry-run, restart or restart-and-cordon", s)
+}
+
+// Policy bounds what remediation may do.
+type Policy struct {
+	Mode Mode
+	// MaxConcurrent nodes in remediation (restarted and not yet judged,
+	// or cordoned) at once.
+	MaxConcurrent int
+	// MaxShare of the fleet in remediation at once; the smaller of the
+	// two limits holds.
+	MaxShare float64
+	// Cooldown is the least time between two restarts of one node; each
+	// further restart within BudgetWindow doubles it.
+	Cooldown time.Duration
+	// RestartBudget restarts per node within BudgetWindow.
+	RestartBudget int
+	BudgetWindow  time.Duration
+	// Recheck is how long after a restart the node is re-audited: still
+	// drifted then means the restart did not help.
+	Recheck time.Duration
+}
+
+// DefaultPolicy is dry-run with conservative limits.
+func DefaultPolicy() Policy {
+	return Policy{Mode: DryRun, MaxConcurrent: 1, MaxShare: 0.1, Cooldown: 10 * time.Minute,
+		RestartBudget: 3, BudgetWindow: 24 * time.Hour, Recheck: 2 * time.Minute}
+}
+
+// Stage is where a node's incident is on the ladder.
+type Stage string
+
+// Stages. An incident without a stage does not exist.
+const (
+	StageOpen      Stage = "open"      // drift seen and paged; nothing done (yet)
+	StageRestarted Stage = "restarted" // kube-proxy restarted, waiting to re-audit
+	StageEscalated Stage = "escalated" // the restart did not help; paged (and cordoned in restart-and-cordon)
+)
+
+// Incident is a node's remediation state. The executor keeps it in Node
+// annotations, so a new leader continues where the old one stopped.
+type Incident struct {
+	Stage  Stage
+	Opened time.Time
+	// Restarts are the times kube-proxy was restarted for this node
+	// within the budget window (they outlive the incident: the budget is
+	// per node, not per incident).
+	Restarts []time.Time
+	// Cordoned is when proxyaudit cordoned the node (zero if it did not).
+	Cordoned time.Time
+}
+
+// Node is what the planner knows of one node.
+type Node struct {
+	Name string
+	// Drifted: the judge reports the node's rules wrong past grace
+	// (StuckProxy, NoRules, or service findings).
+	Drifted bool
+	// Healthy: the node reports and its rules are in sync. A node neither
+	// drifted nor healthy (collector missing, lagging within grace) is
+	// left as it is.
+	Healthy bool
+	// Summary names what is wrong, for pages.
+	Summary string
+	// Exempt says why the node must not be touched (label), Leaving why
+	// it is going away (deletion, autoscaler): both page, never act.
+	Exempt, Leaving string
+	// StaticProxy: kube-proxy runs as a static (mirror) pod, which the
+	// API cannot restart; NoProxyPod: none was found on the node.
+	StaticProxy, NoProxyPod bool
+	// Unschedulable: the node is already cordoned.
+	Unschedulable bool
+	Incident      Incident
+}
+
+// ActionKind is what the executor is asked to do.
+type ActionKind string
+
+// Actions.
+const (
+	// RestartProxy deletes the node's kube-proxy pod; its DaemonSet makes
+	// a new one.
+	RestartProxy ActionKind = "RestartProxy"
+	Cordon       ActionKind = "Cordon"
+	// Uncordon undoes proxyaudit's own cordon only.
+	Uncordon ActionKind = "Uncordon"
+	// Page tells people (Slack thread, Event); it changes nothing.
+	Page ActionKind = "Page"
+	// Resolve closes the incident (its state is cleared).
+	Resolve ActionKind = "Resolve"
+)
+
+// Action is one decision for one node. Incident is the node's state once
+// the action is done; the executor records it.
+type Action struct {
+	Kind     ActionKind
+	Node     string
+	Reason   string
+	DryRun   bool
+	Incident Incident
+}
+
+// Fleet is what the planner decides over.
+type Fleet struct {
+	Nodes []Node
+	// Storm: the judge folded a mass divergence; nothing is touched.
+	Storm bool
+}
+
+// Plan decides this round's actions, at most one per node. It is pure:
+// the same fleet, policy and time give the same actions.
+func Plan(now time.Time, p Policy, f Fleet) []Action {
+	nodes := append([]Node(nil), f.Nodes...)
+	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
+	limit := min(p.MaxConcurrent, int(math.Floor(p.MaxShare*float64(len(nodes)))))
+	busy := 0 // nodes in remediation: restarted and waiting, or cordoned by us
+	for _, n := range nodes {
+		if n.Incident.Stage == StageRestarted || !n.Incident.Cordoned.IsZero() {
+			busy++
+		}
+	}
+	dry := p.Mode == DryRun
+	var out []Action
+	for _, n := range nodes {
+		inc := n.Incident
+		inc.Restarts = recent(inc.Restarts, now, p.BudgetWindow)
+		act := func(kind ActionKind, reason string, next Incident) {
+			out = append(out, Action{Kind: kind, Node: n.Name, Reason: reason, DryRun: dry && kind != Page && kind != Resolve, Incident: next})
+		}
+		switch {
+		case n.Healthy && inc.Stage != "":
+			next := Incident{Restarts: inc.Restarts}
+			if !inc.Cordoned.IsZero() {
+				act(Uncordon, fmt.Sprintf("rules back in sync since the incident opened %s ago; proxyaudit cordoned this node and now uncordons it", now.Sub(inc.Opened).Round(time.Second)), next)
+				continue
+			}
+			act(Resolve, fmt.Sprintf("rules back in sync; incident lasted %s", now.Sub(inc.Opened).Round(time.Second)), next)
+		case !n.Drifted:
+			// Nothing to do: in sync without an incident, or not known.
+		case f.Storm:
+			if inc.Stage == "" {
+				inc.Stage, inc.Opened = StageOpen, now
+				act(Page, "most nodes drifted at once (MassDivergence): suspect the API or the aggregator's view, not this node; no repair is attempted", inc)
+			}
+		case inc.Stage == "":
+			inc.Stage, inc.Opened = StageOpen, now
+			why := blocked(n, p, inc, now, busy, limit)
+			if why != "" {
+				act(Page, n.Summary+"; not repaired: "+why, inc)
+				continue
+			}
+			inc.Stage = StageRestarted
+			inc.Restarts = append(inc.Restarts, now)
+			busy++
+			act(RestartProxy, n.Summary+"; restarting kube-proxy on the node", inc)
+		case inc.Stage == StageRestarted && now.Sub(last(inc.Restarts)) < p.Recheck:
+			// Give the new kube-proxy time to sync before re-auditing.
+		case inc.Stage == StageRestarted || inc.Stage == StageOpen:
+			// Still drifted: after a restart that did not help, or an open
+			// incident whose repair was blocked and may now be allowed.
+			if inc.Stage == StageRestarted {
+				busy-- // its restart has been judged
+			}
+			if why := blocked(n, p, inc, now, busy, limit); why == "" {
+				inc.Stage = StageRestarted
+				inc.Restarts = append(inc.Restarts, now)
+				busy++
+				act(RestartProxy, n.Summary+fmt.Sprintf("; still drifted, restarting kube-proxy again (%d of %d in %s)", len(inc.Restarts), p.RestartBudget, p.BudgetWindow), inc)
+				continue
+			} else if inc.Stage == StageOpen {
+				continue // already paged with the reason
+			}
+			inc.Stage = StageEscalated
+			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" {
+				inc.Cordoned = now
+				busy++
+				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
+				continue
+			}
+			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck), inc)
+		}
+	}
+	return out
+}
+
+// blocked says why the node may not be restarted now, or "".
+func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int) string {
+	switch {
+	case n.Exempt != "":
+		return "node is exempt (" + n.Exempt + ")"
+	case n.Leaving != "":
+		return "node is going away (" + n.Leaving + ")"
+	case n.StaticProxy:
+		return "kube-proxy runs as a static pod here, which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back, or `crictl stop` its container"
+	case n.NoProxyPod:
+		return "no kube-proxy pod found on the node (check the kube-proxy selector)"
+	case len(inc.Restarts) >= p.RestartBudget:
+		return fmt.Sprintf("restart budget spent (%d in %s)", len(inc.Restarts), p.BudgetWindow)
+	case len(inc.Restarts) > 0 && now.Sub(last(inc.Restarts)) < backoff(p, len(inc.Restarts)):
+		return fmt.Sprintf("in cooldown until %s", last(inc.Restarts).Add(backoff(p, len(inc.Restarts))).UTC().Format(time.RFC3339))
+	case busy >= limit:
+		return fmt.Sprintf("remediation budget reached (%d node(s) at once: the smaller of --remediation-max-nodes %d and --remediation-max-share %g of the fleet)", limit, p.MaxConcurrent, p.MaxShare)
+	}
+	return ""
+}
+
+// backoff is the cooldown after k restarts: Cooldown, doubling per restart.
+func backoff(p Policy, k int) time.Duration {
+	return p.Cooldown << max(k-1, 0)
+}
+
+func recent(ts []time.Time, now time.Time, window time.Duration) []time.Time {
+	var out []time.Time
+	for _, t := range ts {
+		if now.Sub(t) < window {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+func last(ts []time.Time) time.Time {
+	if len(ts) == 0 {
+		return time.Time{}
+	}
+	return ts[len(ts)-1]
+}

@@ -1,0 +1,199 @@
+package remediate
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
+
+func policy(mode Mode) Policy {
+	p := DefaultPolicy()
+	p.Mode, p.MaxConcurrent, p.MaxShare = mode, 2, 0.5
+	return p
+}
+
+func drifted(name string) Node { return Node{Name: name, Drifted: true, Summary: "StuckProxy"} }
+
+func healthy(names ...string) []Node {
+	var out []Node
+	for _, n := range names {
+		out = append(out, Node{Name: n, Healthy: true})
+	}
+	return out
+}
+
+func ago(d time.Duration) time.Time { return t0.Add(-d) }
+
+// describe renders actions as "node:Kind[dry]" for comparison.
+func describe(as []Action) string {
+	var out []string
+	for _, a := range as {
+		s := a.Node + ":" + string(a.Kind)
+		if a.DryRun {
+			s += "[dry]"
+		}
+		out = append(out, s)
+	}
+	return strings.Join(out, " ")
+}
+
+func TestPlan(t *testing.T) {
+	restartedAgo := func(n Node, d time.Duration) Node {
+		n.Incident = Incident{Stage: StageRestarted, Opened: ago(d), Restarts: []time.Time{ago(d)}}
+		return n
+	}
+	for _, tc := range []struct {
+		name   string
+		policy Policy
+		fleet  Fleet
+		want   string
+		says   string // in the first action's reason
+	}{
+		{"dry-run says what it would do", policy(DryRun),
+			Fleet{Nodes: append(healthy("a", "b", "c"), drifted("d"))}, "d:RestartProxy[dry]", "restarting kube-proxy"},
+		{"restart", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), drifted("d"))}, "d:RestartProxy", ""},
+		{"in sync, nothing to do", policy(Restart), Fleet{Nodes: healthy("a", "b")}, "", ""},
+		{"waits for the re-audit after a restart", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), time.Minute))}, "", ""},
+		{"still drifted after the re-audit: page", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), 3*time.Minute))}, "d:Page", "needs a human"},
+		{"still drifted after the re-audit: cordon", policy(RestartAndCordon),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), 3*time.Minute))}, "d:Cordon", "cordoning"},
+		{"an already cordoned node is not cordoned again", policy(RestartAndCordon),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := restartedAgo(drifted("d"), 3*time.Minute)
+				n.Unschedulable = true
+				return n
+			}())}, "d:Page", "needs a human"},
+		{"healthy after a restart: resolved", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(Node{Name: "d", Healthy: true}, 3*time.Minute))}, "d:Resolve", "back in sync"},
+		{"healthy after proxyaudit cordoned: uncordon", policy(RestartAndCordon),
+			Fleet{Nodes: append(healthy("a", "b", "c"), Node{Name: "d", Healthy: true,
+				Incident: Incident{Stage: StageEscalated, Opened: ago(time.Hour), Cordoned: ago(time.Minute)}})}, "d:Uncordon", "uncordons"},
+		{"max nodes at once", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f"), drifted("g"), drifted("h"), drifted("i"))},
+			"g:RestartProxy h:RestartProxy i:Page", ""},
+		{"max share of the fleet", func() Policy { p := policy(Restart); p.MaxConcurrent = 5; p.MaxShare = 0.1; return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g"), drifted("h"), drifted("i"), drifted("j"))},
+			"h:RestartProxy i:Page j:Page", ""},
+		{"a share that rounds to zero acts on nothing", func() Policy { p := policy(Restart); p.MaxShare = 0.1; return p }(),
+			Fleet{Nodes: []Node{Node{Name: "a", Healthy: true}, drifted("b")}}, "b:Page", "remediation budget reached"},
+		{"nodes already in remediation count", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), time.Minute), restartedAgo(drifted("e"), time.Minute), drifted("f"))},
+			"f:Page", "remediation budget reached"},
+		{"cooldown after a recent restart", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident.Restarts = []time.Time{ago(5 * time.Minute)}
+				return n
+			}())}, "d:Page", "cooldown"},
+		{"backoff doubles per restart", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident.Restarts = []time.Time{ago(2 * time.Hour), ago(15 * time.Minute)}
+				return n
+			}())}, "d:Page", "cooldown"},
+		{"restart budget", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident.Restarts = []time.Time{ago(5 * time.Hour), ago(4 * time.Hour), ago(3 * time.Hour)}
+				return n
+			}())}, "d:Page", "budget spent"},
+		{"restarts outside the budget window do not count", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident.Restarts = []time.Time{ago(30 * time.Hour), ago(28 * time.Hour), ago(26 * time.Hour)}
+				return n
+			}())}, "d:RestartProxy", ""},
+		{"storm guard: page only", policy(RestartAndCordon),
+			Fleet{Storm: true, Nodes: append(healthy("a"), drifted("b"), drifted("c"), drifted("d"))}, "b:Page c:Page d:Page", "MassDivergence"},
+		{"exempt by label", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node { n := drifted("d"); n.Exempt = "label proxyaudit.io/exempt"; return n }())}, "d:Page", "exempt"},
+		{"being deleted", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node { n := drifted("d"); n.Leaving = "ToBeDeletedByClusterAutoscaler"; return n }())}, "d:Page", "going away"},
+		{"static-pod kube-proxy: instructions", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node { n := drifted("d"); n.StaticProxy = true; return n }())}, "d:Page", "static pod"},
+		{"an open incident is paged once", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Exempt = "label"
+				n.Incident = Incident{Stage: StageOpen, Opened: ago(time.Minute)}
+				return n
+			}())}, "", ""},
+		{"a blocked incident is repaired once allowed", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident = Incident{Stage: StageOpen, Opened: ago(time.Minute)}
+				return n
+			}())}, "d:RestartProxy", "again"},
+		{"escalated incidents wait for a human", policy(RestartAndCordon),
+			Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+				n := drifted("d")
+				n.Incident = Incident{Stage: StageEscalated, Opened: ago(time.Hour), Cordoned: ago(time.Minute), Restarts: []time.Time{ago(time.Hour)}}
+				return n
+			}())}, "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := Plan(t0, tc.policy, tc.fleet)
+			if d := describe(got); d != tc.want {
+				t.Fatalf("got %q, want %q\n%s", d, tc.want, reasons(got))
+			}
+			if tc.says != "" && !strings.Contains(got[0].Reason, tc.says) {
+				t.Errorf("reason %q does not say %q", got[0].Reason, tc.says)
+			}
+		})
+	}
+}
+
+func reasons(as []Action) string {
+	var b strings.Builder
+	for _, a := range as {
+		fmt.Fprintf(&b, "  %s %s: %s\n", a.Node, a.Kind, a.Reason)
+	}
+	return b.String()
+}
+
+// The ladder end to end, as rounds of the planner with the incident
+// carried over (as the executor would keep it in annotations).
+func TestPlanLadder(t *testing.T) {
+	p := policy(RestartAndCordon)
+	n := drifted("d")
+	fleet := func() Fleet { return Fleet{Nodes: append(healthy("a", "b", "c"), n)} }
+	step := func(at time.Duration, want string) {
+		t.Helper()
+		as := Plan(t0.Add(at), p, fleet())
+		if d := describe(as); d != want {
+			t.Fatalf("at %s: got %q, want %q\n%s", at, d, want, reasons(as))
+		}
+		for _, a := range as {
+			n.Incident = a.Incident
+		}
+	}
+	step(0, "d:RestartProxy")
+	step(time.Minute, "")
+	step(3*time.Minute, "d:Cordon")
+	step(4*time.Minute, "")
+	n.Drifted, n.Healthy, n.Unschedulable = false, true, true
+	step(5*time.Minute, "d:Uncordon")
+	if n.Incident.Stage != "" || len(n.Incident.Restarts) != 1 {
+		t.Fatalf("after resolution: %+v", n.Incident)
+	}
+	// Drifting again soon after: the cooldown holds, people are told.
+	n.Drifted, n.Healthy, n.Unschedulable = true, false, false
+	step(6*time.Minute, "d:Page")
+}
+
+func TestParseMode(t *testing.T) {
+	for _, m := range []string{"dry-run", "restart", "restart-and-cordon"} {
+		if _, err := ParseMode(m); err != nil {
+			t.Error(err)
+		}
+	}
+	if _, err := ParseMode("cordon"); err == nil {
+		t.Error("cordon accepted")
+	}
+}
