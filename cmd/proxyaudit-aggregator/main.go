@@ -29,6 +29,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 const usage = `proxyaudit-aggregator compares every node's kube-proxy rules, streamed by the
@@ -85,6 +86,16 @@ func run(args []string, stderr io.Writer) int {
 	missing := fs.Int("missing-intervals", 3, "collector intervals without a report before CollectorMissing")
 	massShare := fs.Float64("mass-divergence-share", 0.5, "share of reporting nodes drifting at once that makes one MassDivergence finding instead of node findings")
 	massMin := fs.Int("mass-divergence-min-nodes", 3, "fewest drifted nodes that can count as mass divergence")
+	rmode := fs.String("remediation", "dry-run", "remediation mode: dry-run (findings, Events and pages; no changes), restart (delete the node's kube-proxy pod), restart-and-cordon (also cordon a node still drifted after a restart)")
+	rMaxNodes := fs.Int("remediation-max-nodes", 1, "most nodes in remediation at once (restarted and not yet re-audited, or cordoned by proxyaudit)")
+	rMaxShare := fs.Float64("remediation-max-share", 0.1, "most nodes in remediation at once as a share of the fleet; the smaller limit holds")
+	rCooldown := fs.Duration("remediation-cooldown", 10*time.Minute, "least time between two restarts of one node's kube-proxy; doubles with each further restart in the budget window")
+	rBudget := fs.Int("remediation-restart-budget", 3, "kube-proxy restarts per node within --remediation-budget-window")
+	rWindow := fs.Duration("remediation-budget-window", 24*time.Hour, "window of the per-node restart budget")
+	rRecheck := fs.Duration("remediation-recheck", 2*time.Minute, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
+	rExempt := fs.String("remediation-exempt-label", "proxyaudit.io/exempt", "nodes with this label key are never restarted or cordoned, only paged")
+	proxyNS := fs.String("kube-proxy-namespace", "kube-system", "namespace of the kube-proxy pods")
+	proxySel := fs.String("kube-proxy-selector", "k8s-app=kube-proxy", "label selector of the kube-proxy pods")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -100,6 +111,13 @@ func run(args []string, stderr io.Writer) int {
 	}
 	if *massShare <= 0 || *massShare > 1 {
 		return fail("--mass-divergence-share %g: want a share in (0, 1]", *massShare)
+	}
+	mode, err := remediate.ParseMode(*rmode)
+	if err != nil {
+		return fail("--remediation: %v", err)
+	}
+	if *rMaxShare < 0 || *rMaxShare > 1 || *rMaxNodes < 0 || *rBudget < 0 {
+		return fail("--remediation-max-share must be in [0, 1], --remediation-max-nodes and --remediation-restart-budget at least 0")
 	}
 	if (*certFile == "") != (*keyFile == "") {
 		return fail("--tls-cert-file and --tls-key-file go together")
@@ -182,8 +200,15 @@ func run(args []string, stderr io.Writer) int {
 	// Superseded versions stay matchable for four graces: a node lagging
 	// less than that is lagging, not divergent.
 	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk)
+	rpolicy := remediate.Policy{Mode: mode, MaxConcurrent: *rMaxNodes, MaxShare: *rMaxShare, Cooldown: *rCooldown,
+		RestartBudget: *rBudget, BudgetWindow: *rWindow, Recheck: *rRecheck}
+	exec := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
+		Log: log.Named("remediate"), Component: "proxyaudit-aggregator",
+		Observe: func(k remediate.ActionKind, o remediate.Outcome) { metrics.Actions.WithLabelValues(string(k), string(o)).Inc() }}
 	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
-		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk}, view)
+		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
+		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: exec, ExemptLabel: *rExempt}}, view)
+	log.Info("remediation", zap.String("mode", string(mode)), zap.Int("max_nodes", *rMaxNodes), zap.Float64("max_share", *rMaxShare))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

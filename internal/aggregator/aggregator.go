@@ -38,6 +38,9 @@ type Config struct {
 	Log     *zap.Logger
 	Metrics *Metrics
 	Clock   clock.Clock
+	// Remediation, when set, plans and executes repairs after each
+	// verdict (dry-run by default).
+	Remediation *Remediation
 }
 
 // Aggregator holds every node's stream state and the judge.
@@ -506,6 +509,7 @@ func (a *Aggregator) Evaluate() {
 	a.cfg.Metrics.setVerdict(&v)
 	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
 	a.logChanges(prev, &v)
+	a.remediate(&v)
 }
 
 // logChanges logs findings that appeared or cleared since the last verdict.

@@ -26,6 +26,7 @@ type Metrics struct {
 
 	Reconcile *prometheus.HistogramVec
 	Leader    prometheus.Gauge
+	Actions   *prometheus.CounterVec
 }
 
 // Reasons a stream is refused or cut, the values of the reason label.
@@ -73,9 +74,11 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
+		Actions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_remediation_actions_total", Help: "Remediation actions by kind (RestartProxy, Cordon, Uncordon, Page, Resolve) and outcome (done, dry_run, refused, failed)."}, []string{"action", "outcome"}),
 	}
 	m.Registry.MustRegister(m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader, m.Actions,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 // View is the cluster as the aggregator sees it: one informer per kind
@@ -89,8 +91,20 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 func Trim(obj any) (any, error) {
 	if m, err := meta.Accessor(obj); err == nil {
 		m.SetManagedFields(nil)
-		m.SetAnnotations(nil)
 		m.SetOwnerReferences(nil)
+		// Only a Node's incident annotations are read (remediation).
+		var keep map[string]string
+		if _, node := obj.(*corev1.Node); node {
+			for k, v := range m.GetAnnotations() {
+				if strings.HasPrefix(k, remediate.AnnotationPrefix) {
+					if keep == nil {
+						keep = map[string]string{}
+					}
+					keep[k] = v
+				}
+			}
+		}
+		m.SetAnnotations(keep)
 	}
 	switch o := obj.(type) {
 	case *discoveryv1.EndpointSlice:
@@ -102,8 +116,8 @@ func Trim(obj any) (any, error) {
 	case *corev1.Node:
 		var ready []corev1.NodeCondition
 		for _, c := range o.Status.Conditions {
-			if c.Type == corev1.NodeReady {
-				ready = append(ready, corev1.NodeCondition{Type: c.Type, Status: c.Status})
+			if c.Type == corev1.NodeReady || c.Type == remediate.ConditionType {
+				ready = append(ready, corev1.NodeCondition{Type: c.Type, Status: c.Status, Reason: c.Reason})
 			}
 		}
 		o.Status = corev1.NodeStatus{Conditions: ready, Addresses: o.Status.Addresses, NodeInfo: corev1.NodeSystemInfo{KubeProxyVersion: o.Status.NodeInfo.KubeProxyVersion}}

@@ -1,0 +1,129 @@
+package aggregator
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// Remediation wires the planner and the executor into the aggregator.
+type Remediation struct {
+	Policy   remediate.Policy
+	Executor *remediate.Executor
+	// ExemptLabel: nodes carrying this label key are never touched.
+	ExemptLabel string
+}
+
+// remediate plans and executes one round over a verdict (leader only).
+func (a *Aggregator) remediate(v *audit.Verdict) {
+	r := a.cfg.Remediation
+	if r == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	byNode := map[string][]audit.TimedFinding{}
+	storm := false
+	for _, f := range v.Findings {
+		if f.Kind == audit.MassDivergence {
+			storm = true
+		}
+		byNode[f.Node] = append(byNode[f.Node], f)
+	}
+	fleet := remediate.Fleet{Storm: storm}
+	notices := map[string]remediate.Notice{}
+	for _, st := range v.Nodes {
+		node := a.view.Node(st.Node)
+		if node == nil {
+			continue // reports, but is not (or no longer) in the cluster
+		}
+		fs := byNode[st.Node]
+		n := remediate.Node{
+			Name:          st.Node,
+			Drifted:       st.State == audit.NodeStuck || st.State == audit.NodeDivergent || st.State == audit.NodeNoRules,
+			Healthy:       st.State == audit.NodeInSync,
+			Summary:       summary(st, fs),
+			Unschedulable: node.Spec.Unschedulable,
+			Incident:      r.Executor.Incident(node),
+		}
+		if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
+			n.Exempt = "label " + r.ExemptLabel
+		}
+		if why := quietReason(node); why != "" && why != "not Ready" {
+			n.Leaving = why
+		}
+		n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
+		fleet.Nodes = append(fleet.Nodes, n)
+		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
+		if r.Policy.Mode != remediate.DryRun {
+			if status, reason, msg, ok := remediate.Condition(st, n.Summary); ok {
+				if err := r.Executor.SetCondition(ctx, node, status, reason, msg); err != nil {
+					a.cfg.Log.Warn("cannot set the node condition", zap.String("node", st.Node), zap.Error(err))
+				}
+			}
+		}
+	}
+	actions := remediate.Plan(a.cfg.Clock.Now(), r.Policy, fleet)
+	if len(actions) == 0 {
+		return
+	}
+	if err := r.Executor.Execute(ctx, actions, notices); err != nil {
+		a.cfg.Log.Warn("remediation round had failures", zap.Error(err))
+	}
+}
+
+// summary is one line saying what is wrong with a node.
+func summary(st audit.NodeStatus, fs []audit.TimedFinding) string {
+	for _, f := range fs {
+		if f.Kind == audit.StuckProxy || f.Kind == audit.NoRules {
+			return string(f.Kind) + ": " + f.Detail
+		}
+	}
+	svcs := map[string]bool{}
+	for _, f := range fs {
+		svcs[f.Service] = true
+	}
+	return fmt.Sprintf("%s: %d finding(s) on %d service(s) whose rules match no recent version of the cluster", st.State, len(fs), len(svcs))
+}
+
+// evidence lists a node's service findings, stale ones first.
+func evidence(fs []audit.TimedFinding) []string {
+	var out []string
+	sorted := append([]audit.TimedFinding(nil), fs...)
+	rank := map[audit.Kind]int{audit.StaleEndpoint: 0, audit.StaleService: 1, audit.MissingEndpoint: 2, audit.MissingService: 3}
+	sort.SliceStable(sorted, func(i, j int) bool { return rank[sorted[i].Kind] < rank[sorted[j].Kind] })
+	for _, f := range sorted {
+		if f.Service == "" && f.Endpoint == "" {
+			continue
+		}
+		out = append(out, strings.TrimSpace(fmt.Sprintf("%s %s %s %s", f.Kind, f.Service, f.Port, f.Endpoint)))
+	}
+	return out
+}
+
+func since(fs []audit.TimedFinding) time.Time {
+	var t time.Time
+	for _, f := range fs {
+		if t.IsZero() || f.Since.Before(t) {
+			t = f.Since
+		}
+	}
+	return t
+}
+
+// Node returns the cluster's Node object from the informer (nil if absent).
+func (v *View) Node(name string) *corev1.Node {
+	n, err := v.nodes.Get(name)
+	if err != nil {
+		return nil
+	}
+	return n
+}

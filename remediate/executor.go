@@ -1,0 +1,317 @@
+package remediate
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+)
+
+// MirrorPodAnnotation marks the API's copy of a static pod.
+const MirrorPodAnnotation = "kubernetes.io/config.mirror"
+
+// Notice is what people are told about an action.
+type Notice struct {
+	Action
+	// Evidence is the node's findings, one line each, worst first.
+	Evidence []string
+	// Since is when the drift began.
+	Since time.Time
+}
+
+// Notifier tells people (Slack). It must not block: the executor calls it
+// inline and detection and repair never wait for a chat service.
+type Notifier interface {
+	Notify(Notice)
+}
+
+// Outcome is what became of an action, for metrics.
+type Outcome string
+
+// Outcomes.
+const (
+	Done     Outcome = "done"
+	Simulate Outcome = "dry_run"
+	Refused  Outcome = "refused"
+	Failed   Outcome = "failed"
+)
+
+// Executor is the only code that changes the cluster. It enforces dry-run
+// and the fleet budget a second time, against the live Node objects, and
+// records every action as an Event on the Node, a log line and a metric,
+// and the incident in the Node's annotations.
+type Executor struct {
+	Client kubernetes.Interface
+	Policy Policy
+	// ProxyNamespace and ProxySelector find kube-proxy's pods.
+	ProxyNamespace, ProxySelector string
+	Notifier                      Notifier
+	Log                           *zap.Logger
+	// Observe counts an action's outcome (metrics); may be nil.
+	Observe func(kind ActionKind, o Outcome)
+	// Component names the Events' source.
+	Component string
+
+	mu sync.Mutex
+	// dry holds incidents in dry-run, where annotations are not written.
+	dry map[string]Incident
+	// static and noPod remember what a restart attempt found on a node.
+	static, noPod map[string]bool
+	// written holds incidents just written, until the caller's (informer)
+	// view of the Node has caught up: the next round must not repeat an
+	// action because its copy of the annotations is a moment old.
+	written map[string]writtenIncident
+}
+
+type writtenIncident struct {
+	inc Incident
+	at  time.Time
+}
+
+// writtenTTL is how long a written incident overrides the caller's view.
+const writtenTTL = 30 * time.Second
+
+func (e *Executor) init() {
+	if e.dry == nil {
+		e.dry, e.static, e.noPod, e.written = map[string]Incident{}, map[string]bool{}, map[string]bool{}, map[string]writtenIncident{}
+	}
+}
+
+// Incident returns the node's incident: from its annotations, or from
+// memory in dry-run.
+func (e *Executor) Incident(n *corev1.Node) Incident {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.init()
+	if e.Policy.Mode == DryRun {
+		return e.dry[n.Name]
+	}
+	if w, ok := e.written[n.Name]; ok && time.Since(w.at) < writtenTTL {
+		return w.inc
+	}
+	return IncidentFromAnnotations(n.Annotations)
+}
+
+// Learned says what restart attempts found: a static kube-proxy, or none.
+func (e *Executor) Learned(node string) (static, noPod bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.init()
+	return e.static[node], e.noPod[node]
+}
+
+// Execute carries out the planner's actions in order. One failing action
+// does not stop the others; the errors are returned joined.
+func (e *Executor) Execute(ctx context.Context, actions []Action, notices map[string]Notice) error {
+	e.mu.Lock()
+	e.init()
+	e.mu.Unlock()
+	var errs []error
+	for _, a := range actions {
+		n := notices[a.Node]
+		n.Action = a
+		if err := e.execute(ctx, &n); err != nil {
+			errs = append(errs, fmt.Errorf("%s %s: %w", a.Kind, a.Node, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (e *Executor) execute(ctx context.Context, n *Notice) error {
+	a := &n.Action
+	log := e.Log.With(zap.String("node", a.Node), zap.String("action", string(a.Kind)))
+	dry := e.Policy.Mode == DryRun || a.DryRun
+	a.DryRun = dry
+	outcome, err := e.apply(ctx, n, dry)
+	if e.Observe != nil {
+		e.Observe(a.Kind, outcome)
+	}
+	switch {
+	case err != nil:
+		log.Error("remediation action failed", zap.Error(err), zap.String("reason", a.Reason))
+		e.event(ctx, a.Node, corev1.EventTypeWarning, "ProxyauditActionFailed", fmt.Sprintf("%s failed: %v (%s)", a.Kind, err, a.Reason))
+		a.Reason += fmt.Sprintf(" — %s FAILED: %v", a.Kind, err)
+	case outcome == Refused:
+		log.Warn("remediation action refused by the executor", zap.String("reason", a.Reason))
+		e.event(ctx, a.Node, corev1.EventTypeWarning, "ProxyauditActionRefused", a.Reason)
+	case dry && a.Kind != Page && a.Kind != Resolve:
+		log.Info("dry-run: would act", zap.String("reason", a.Reason))
+		e.event(ctx, a.Node, corev1.EventTypeNormal, "ProxyauditDryRun", "would "+string(a.Kind)+": "+a.Reason)
+	default:
+		log.Info("remediation action", zap.String("reason", a.Reason), zap.Bool("dry_run", dry))
+		typ := corev1.EventTypeWarning
+		if a.Kind == Resolve || a.Kind == Uncordon {
+			typ = corev1.EventTypeNormal
+		}
+		e.event(ctx, a.Node, typ, "Proxyaudit"+string(a.Kind), a.Reason)
+	}
+	if e.Notifier != nil {
+		e.Notifier.Notify(*n)
+	}
+	return err
+}
+
+// apply makes the change (or, in dry-run, records what it would be).
+func (e *Executor) apply(ctx context.Context, n *Notice, dry bool) (Outcome, error) {
+	a := &n.Action
+	if dry {
+		e.mu.Lock()
+		if a.Incident.Stage == "" && a.Incident.Cordoned.IsZero() && len(a.Incident.Restarts) == 0 {
+			delete(e.dry, a.Node)
+		} else {
+			e.dry[a.Node] = a.Incident
+		}
+		e.mu.Unlock()
+		if a.Kind == Page || a.Kind == Resolve {
+			return Done, nil
+		}
+		return Simulate, nil
+	}
+	node, err := e.Client.CoreV1().Nodes().Get(ctx, a.Node, metav1.GetOptions{})
+	if err != nil {
+		return Failed, fmt.Errorf("read node: %w", err)
+	}
+	switch a.Kind {
+	case RestartProxy, Cordon:
+		if why := e.overBudget(ctx, a.Node); why != "" {
+			a.Kind, a.Reason = Page, a.Reason+"; the executor refused: "+why
+			a.Incident.Restarts = IncidentFromAnnotations(node.Annotations).Restarts
+			a.Incident.Cordoned = time.Time{}
+			return Refused, e.annotate(ctx, node, a.Incident, nil)
+		}
+	}
+	switch a.Kind {
+	case RestartProxy:
+		pod, static, err := e.proxyPod(ctx, a.Node)
+		if err != nil {
+			return Failed, err
+		}
+		if pod == nil || static {
+			e.mu.Lock()
+			e.static[a.Node], e.noPod[a.Node] = static, pod == nil
+			e.mu.Unlock()
+			a.Kind = Page
+			if static {
+				a.Reason += "; not restarted: kube-proxy runs as a static pod here (mirror pod " + pod.Name + "), which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back"
+			} else {
+				a.Reason += fmt.Sprintf("; not restarted: no pod matching %s in %s on this node", e.ProxySelector, e.ProxyNamespace)
+			}
+			a.Incident.Stage = StageOpen
+			a.Incident.Restarts = a.Incident.Restarts[:len(a.Incident.Restarts)-1]
+			return Refused, e.annotate(ctx, node, a.Incident, nil)
+		}
+		// Record first: a leader that dies after the delete must not
+		// restart again on taking over.
+		if err := e.annotate(ctx, node, a.Incident, nil); err != nil {
+			return Failed, err
+		}
+		uid := pod.UID
+		err = e.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return Failed, fmt.Errorf("delete kube-proxy pod %s/%s: %w", pod.Namespace, pod.Name, err)
+		}
+		a.Reason += fmt.Sprintf(" (deleted pod %s/%s)", pod.Namespace, pod.Name)
+		return Done, nil
+	case Cordon:
+		if node.Spec.Unschedulable {
+			a.Incident.Cordoned = time.Time{} // someone else's cordon: never ours to undo
+			a.Kind, a.Reason = Page, a.Reason+"; already cordoned by someone else"
+			return Refused, e.annotate(ctx, node, a.Incident, nil)
+		}
+		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": true})
+	case Uncordon:
+		if _, ours := node.Annotations[AnnotationCordoned]; !ours {
+			a.Kind = Resolve
+			return Refused, e.annotate(ctx, node, a.Incident, nil)
+		}
+		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": nil})
+	default: // Page, Resolve
+		return Done, e.annotate(ctx, node, a.Incident, nil)
+	}
+}
+
+// overBudget re-counts, from the live Nodes, the nodes in remediation.
+func (e *Executor) overBudget(ctx context.Context, self string) string {
+	nodes, err := e.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "cannot list nodes to check the budget: " + err.Error()
+	}
+	busy := 0
+	for _, n := range nodes.Items {
+		inc := IncidentFromAnnotations(n.Annotations)
+		if n.Name != self && (inc.Stage == StageRestarted || !inc.Cordoned.IsZero()) {
+			busy++
+		}
+	}
+	limit := min(e.Policy.MaxConcurrent, int(math.Floor(e.Policy.MaxShare*float64(len(nodes.Items)))))
+	if busy >= limit {
+		return fmt.Sprintf("%d other node(s) already in remediation, limit %d", busy, limit)
+	}
+	return ""
+}
+
+// proxyPod finds the node's kube-proxy pod and whether it is a mirror pod.
+func (e *Executor) proxyPod(ctx context.Context, node string) (*corev1.Pod, bool, error) {
+	pods, err := e.Client.CoreV1().Pods(e.ProxyNamespace).List(ctx, metav1.ListOptions{
+		LabelSelector: e.ProxySelector, FieldSelector: "spec.nodeName=" + node})
+	if err != nil {
+		return nil, false, fmt.Errorf("find kube-proxy pod: %w", err)
+	}
+	for i := range pods.Items {
+		p := &pods.Items[i]
+		if p.DeletionTimestamp != nil {
+			continue
+		}
+		_, mirror := p.Annotations[MirrorPodAnnotation]
+		return p, mirror, nil
+	}
+	return nil, false, nil
+}
+
+// annotate writes the incident (and any spec change) in one merge patch.
+func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident, spec map[string]any) error {
+	patch := map[string]any{"metadata": map[string]any{"annotations": inc.Annotations()}}
+	if spec != nil {
+		patch["spec"] = spec
+	}
+	body, err := json.Marshal(patch)
+	if err != nil {
+		return err
+	}
+	if _, err := e.Client.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("record the incident on the node: %w", err)
+	}
+	e.mu.Lock()
+	e.written[node.Name] = writtenIncident{inc: inc, at: time.Now()}
+	e.mu.Unlock()
+	return nil
+}
+
+// event records an Event on the Node; failures are logged, not fatal.
+func (e *Executor) event(ctx context.Context, node, typ, reason, msg string) {
+	now := metav1.NewTime(time.Now())
+	if len(msg) > 1000 {
+		msg = msg[:1000] + "…"
+	}
+	ev := &corev1.Event{
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: node + ".proxyaudit.", Namespace: metav1.NamespaceDefault},
+		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node, UID: types.UID(node), APIVersion: "v1"},
+		Reason:         reason, Message: msg, Type: typ,
+		FirstTimestamp: now, LastTimestamp: now, Count: 1,
+		Source:              corev1.EventSource{Component: e.Component},
+		ReportingController: "proxyaudit.io/aggregator", ReportingInstance: e.Component,
+	}
+	if _, err := e.Client.CoreV1().Events(metav1.NamespaceDefault).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
+		e.Log.Warn("cannot record an Event on the node", zap.String("node", node), zap.Error(err))
+	}
+}
