@@ -204,7 +204,9 @@ func run(args []string, stderr io.Writer) int {
 		RestartBudget: *rBudget, BudgetWindow: *rWindow, Recheck: *rRecheck}
 	exec := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
 		Log: log.Named("remediate"), Component: "proxyaudit-aggregator",
-		Observe: func(k remediate.ActionKind, o remediate.Outcome) { metrics.Actions.WithLabelValues(string(k), string(o)).Inc() }}
+		Observe: func(k remediate.ActionKind, o remediate.Outcome) {
+			metrics.Actions.WithLabelValues(string(k), string(o)).Inc()
+		}}
 	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
 		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
 		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: exec, ExemptLabel: *rExempt}}, view)
