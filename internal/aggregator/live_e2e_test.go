@@ -47,16 +47,18 @@ const (
 var replicaIPs = []string{"198.18.1.1", "198.18.1.2"}
 
 type live struct {
-	t      *testing.T
-	c      *localcluster.Cluster
-	bin    string
-	dir    string
-	aggs   map[string]*localcluster.Process // by IP
-	cols   map[string]*localcluster.Process // by node
-	svcs   []*corev1.Service
-	epoch  int
-	http   *http.Client
-	tokens map[string]string
+	t       *testing.T
+	c       *localcluster.Cluster
+	bin     string
+	dir     string
+	aggs    map[string]*localcluster.Process // by IP
+	cols    map[string]*localcluster.Process // by node
+	svcs    []*corev1.Service
+	epoch   int
+	http    *http.Client
+	tokens  map[string]string
+	extra   []string // aggregator flags of this test
+	started time.Time
 }
 
 func buildBinaries(t *testing.T) string {
@@ -76,11 +78,11 @@ func buildBinaries(t *testing.T) string {
 
 func (l *live) startAggregator(ip string) {
 	l.t.Helper()
-	p, err := l.c.StartProcess("aggregator-"+ip, filepath.Join(l.bin, "proxyaudit-aggregator"),
-		"--kubeconfig="+l.c.AdminKubeconfig,
-		"--stream-listen="+ip+":9443", "--http-listen="+ip+":8080", "--advertise-address="+ip,
-		"--grace="+grace.String(), "--leader-elect-namespace="+ns,
-		"--collector-service-accounts="+ns+"/"+sa, "--token-audience="+audience)
+	args := append([]string{"--kubeconfig=" + l.c.AdminKubeconfig,
+		"--stream-listen=" + ip + ":9443", "--http-listen=" + ip + ":8080", "--advertise-address=" + ip,
+		"--grace=" + grace.String(), "--leader-elect-namespace=" + ns,
+		"--collector-service-accounts=" + ns + "/" + sa, "--token-audience=" + audience}, l.extra...)
+	p, err := l.c.StartProcess("aggregator-"+ip, append([]string{filepath.Join(l.bin, "proxyaudit-aggregator")}, args...)...)
 	if err != nil {
 		l.t.Fatal(err)
 	}
@@ -216,6 +218,60 @@ func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
 	return l.c.ApplySlice(ctx, localcluster.Slice(l.svcs[i], l.svcs[i].Name+"-1", "http", 8080, corev1.ProtocolTCP, ips...))
 }
 
+// newLive starts two aggregator replicas (with extra flags) and a
+// collector per node, on the churn services, and waits for every node to
+// be in sync. Everything stops with the test.
+func newLive(ctx context.Context, t *testing.T, extra ...string) *live {
+	c := localcluster.Shared(t)
+	l := &live{t: t, c: c, bin: buildBinaries(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
+		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{}, extra: extra,
+		started: time.Now()}
+	t.Cleanup(func() {
+		for _, p := range l.cols {
+			p.Stop()
+		}
+		for _, p := range l.aggs {
+			p.Stop()
+		}
+	})
+	for i := range churnSvcs {
+		name := fmt.Sprintf("churn-%02d", i)
+		svc, err := c.Client.CoreV1().Services(churnNS).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			svc, err = c.CreateService(ctx, &corev1.Service{
+				ObjectMeta: metav1.ObjectMeta{Namespace: churnNS, Name: name},
+				Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		l.svcs = append(l.svcs, svc)
+		if err := l.setEndpoints(ctx, i, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, ip := range replicaIPs {
+		if err := c.AddHostAddress(ctx, ip); err != nil {
+			t.Fatal(err)
+		}
+		l.startAggregator(ip)
+	}
+	for _, n := range c.Nodes() {
+		tok, err := c.PodToken(ctx, ns, sa, n.Name, audience)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.tokens[n.Name] = tok
+		if err := os.WriteFile(filepath.Join(l.dir, n.Name+".token"), []byte(tok), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		l.startCollector(n)
+	}
+	l.waitAllInSync("every node in sync")
+	return l
+}
+
 // streamIn reads the leader's inbound stream bytes and report count.
 func (l *live) streamIn(t *testing.T) (bytes, reports float64) {
 	t.Helper()
@@ -249,52 +305,9 @@ func (l *live) leader(ctx context.Context) string {
 // a collector per node in its namespace, genuine kube-proxies (iptables on
 // nf_tables, iptables legacy, nftables).
 func TestE2ELiveSystem(t *testing.T) {
-	c := localcluster.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
-	l := &live{t: t, c: c, bin: buildBinaries(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
-		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{}}
-	defer func() {
-		for _, p := range l.cols {
-			p.Stop()
-		}
-		for _, p := range l.aggs {
-			p.Stop()
-		}
-	}()
-
-	for i := range churnSvcs {
-		svc, err := c.CreateService(ctx, &corev1.Service{
-			ObjectMeta: metav1.ObjectMeta{Namespace: churnNS, Name: fmt.Sprintf("churn-%02d", i)},
-			Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}},
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		l.svcs = append(l.svcs, svc)
-		if err := l.setEndpoints(ctx, i, 0); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, ip := range replicaIPs {
-		if err := c.AddHostAddress(ctx, ip); err != nil {
-			t.Fatal(err)
-		}
-		l.startAggregator(ip)
-	}
-	for _, n := range c.Nodes() {
-		tok, err := c.PodToken(ctx, ns, sa, n.Name, audience)
-		if err != nil {
-			t.Fatal(err)
-		}
-		l.tokens[n.Name] = tok
-		if err := os.WriteFile(filepath.Join(l.dir, n.Name+".token"), []byte(tok), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		l.startCollector(n)
-	}
-	l.waitAllInSync("every node in sync")
-
+	l := newLive(ctx, t)
 	t.Run("bad streams are rejected and record nothing", func(t *testing.T) { l.badStreams(ctx, t) })
 	t.Run("churn gives no findings", func(t *testing.T) { l.churn(ctx, t) })
 	t.Run("hung informer is a stuck proxy", func(t *testing.T) { l.hungInformer(ctx, t) })

@@ -29,6 +29,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -125,9 +126,10 @@ type Node struct {
 	IP     string // the node's InternalIP
 	Legacy bool
 
-	c     *Cluster
-	mu    sync.Mutex
-	proxy *process
+	c        *Cluster
+	mu       sync.Mutex
+	proxy    *process
+	restarts atomic.Int64
 }
 
 func (c *Cluster) logf(format string, args ...any) {

@@ -37,17 +37,29 @@ func (n *Node) Rules(ctx context.Context) (string, error) {
 // StartProxy starts kube-proxy on the node (again) and waits until it has
 // programmed default/kubernetes.
 func (n *Node) StartProxy(ctx context.Context) error {
+	p, err := n.startProxy()
+	if err != nil {
+		return err
+	}
+	return n.c.waitProcess(ctx, p, 60*time.Second, "kube-proxy rules on "+n.Name, func() bool {
+		rules, err := n.Rules(ctx)
+		return err == nil && n.RoutesTo(rules, fmt.Sprintf("%s:%d", APIServerIP, APIServerPort))
+	})
+}
+
+// startProxy starts the kube-proxy process without waiting for its rules.
+func (n *Node) startProxy() (*process, error) {
 	n.mu.Lock()
 	if n.proxy != nil && !n.proxy.exited() {
 		n.mu.Unlock()
-		return fmt.Errorf("kube-proxy already runs on %s", n.Name)
+		return nil, fmt.Errorf("kube-proxy already runs on %s", n.Name)
 	}
 	argv := []string{"ip", "netns", "exec", n.NetNS}
 	if n.Legacy {
 		dir, err := n.c.legacyBin()
 		if err != nil {
 			n.mu.Unlock()
-			return err
+			return nil, err
 		}
 		argv = append(argv, "env", "PATH="+dir+":"+os.Getenv("PATH"))
 	}
@@ -65,14 +77,11 @@ func (n *Node) StartProxy(ctx context.Context) error {
 	p, err := startProcess("kube-proxy["+n.Name+"]", filepath.Join(n.c.Dir, "kube-proxy-"+n.Name+".log"), argv)
 	if err != nil {
 		n.mu.Unlock()
-		return err
+		return nil, err
 	}
 	n.proxy = p
 	n.mu.Unlock()
-	return n.c.waitProcess(ctx, p, 60*time.Second, "kube-proxy rules on "+n.Name, func() bool {
-		rules, err := n.Rules(ctx)
-		return err == nil && n.RoutesTo(rules, fmt.Sprintf("%s:%d", APIServerIP, APIServerPort))
-	})
+	return p, nil
 }
 
 // RoutesTo reports whether rules (as returned by Rules) DNAT to ip:port. It

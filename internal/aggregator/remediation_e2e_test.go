@@ -1,0 +1,197 @@
+package aggregator_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// until polls cond (generous deadline) and fails with what.
+func (l *live) until(t *testing.T, d time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > d {
+			fs, _ := l.findings()
+			t.Fatalf("after %s, still waiting for %s; findings:\n  %s\n%s", d, what, describe(fs), l.logs())
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+func (l *live) node(ctx context.Context, name string) *corev1.Node {
+	n, err := l.c.Client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	return n
+}
+
+// events returns the messages of proxyaudit's Events on a node with
+// reason, since the test's live system started.
+func (l *live) events(ctx context.Context, node, reason string) []string {
+	evs, err := l.c.Client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.name=" + node + ",reason=" + reason})
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	var out []string
+	for _, e := range evs.Items {
+		if !e.FirstTimestamp.Time.Before(l.started.Truncate(time.Second)) {
+			out = append(out, e.Message)
+		}
+	}
+	return out
+}
+
+func condition(n *corev1.Node) corev1.ConditionStatus {
+	for _, c := range n.Status.Conditions {
+		if c.Type == remediate.ConditionType {
+			return c.Status
+		}
+	}
+	return ""
+}
+
+// drift makes the node's kube-proxy miss changes (frozen: a restart
+// cures it; hung informer: it does not, the new one cannot reach the API
+// either) and changes two services.
+func (l *live) drift(ctx context.Context, t *testing.T, n *localcluster.Node, curable bool) localcluster.Undo {
+	t.Helper()
+	fault := n.HangInformer
+	if curable {
+		fault = n.Freeze
+	}
+	undo, err := fault(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if curable {
+		// A restart replaces the frozen process; thawing is only for
+		// when nobody restarted it.
+		pid := n.ProxyPID()
+		thaw := undo
+		undo = func(ctx context.Context) error {
+			if n.ProxyPID() == pid {
+				return thaw(ctx)
+			}
+			return nil
+		}
+	}
+	l.epoch++
+	for _, i := range []int{40, 41} {
+		if err := l.setEndpoints(ctx, i, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return undo
+}
+
+// Remediation on the real cluster: the stand-in kubelet restarts
+// kube-proxy when proxyaudit deletes its pod.
+func TestE2ERemediation(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	if err := c.ManageProxyPods(ctx, "agg-nft"); err != nil {
+		t.Fatal(err)
+	}
+
+	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
+		l := newLive(ctx, t, "--remediation=dry-run", "--remediation-max-share=0.5")
+		n := c.Node("agg-ipt")
+		undo := l.drift(ctx, t, n, true)
+		l.until(t, grace+time.Minute, "a dry-run Event on agg-ipt", func() bool {
+			return len(l.events(ctx, n.Name, "ProxyauditDryRun")) > 0
+		})
+		if msg := l.events(ctx, n.Name, "ProxyauditDryRun")[0]; !strings.Contains(msg, "would RestartProxy") {
+			t.Errorf("dry-run Event: %s", msg)
+		}
+		time.Sleep(3 * interval)
+		node := l.node(ctx, n.Name)
+		if n.ProxyRestarts() != 0 || node.Spec.Unschedulable || len(node.Annotations) > 0 && node.Annotations[remediate.AnnotationStage] != "" || condition(node) != "" {
+			t.Fatalf("dry-run changed the cluster: restarts %d, unschedulable %v, annotations %v, condition %q",
+				n.ProxyRestarts(), node.Spec.Unschedulable, node.Annotations, condition(node))
+		}
+		if err := undo(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := n.RestartProxy(ctx); err != nil { // by hand, as an SRE would
+			t.Fatal(err)
+		}
+		l.waitAllInSync("agg-ipt restarted by hand")
+	})
+
+	t.Run("restart, re-audit, cordon, uncordon", func(t *testing.T) {
+		l := newLive(ctx, t, "--remediation=restart-and-cordon", "--remediation-recheck=25s",
+			"--remediation-max-nodes=1", "--remediation-max-share=0.5", "--remediation-cooldown=1m")
+
+		// A dead API connection: the restart cures it.
+		n := c.Node("agg-ipt")
+		undo := l.drift(ctx, t, n, true)
+		took := l.until(t, grace+2*time.Minute, "kube-proxy restarted and agg-ipt back in sync", func() bool {
+			fs, err := l.findings()
+			return err == nil && n.ProxyRestarts() == 1 && len(fs) == 0 && condition(l.node(ctx, n.Name)) == corev1.ConditionFalse
+		})
+		t.Logf("agg-ipt repaired by a restart %s after the change", took.Round(time.Second))
+		undo(ctx)
+		l.until(t, time.Minute, "the incident closed on agg-ipt", func() bool {
+			inc := remediate.IncidentFromAnnotations(l.node(ctx, n.Name).Annotations)
+			return inc.Stage == "" && len(inc.Restarts) == 1
+		})
+		if len(l.events(ctx, n.Name, "ProxyauditRestartProxy")) != 1 || len(l.events(ctx, n.Name, "ProxyauditResolve")) != 1 {
+			t.Errorf("Events: restart %v, resolve %v", l.events(ctx, n.Name, "ProxyauditRestartProxy"), l.events(ctx, n.Name, "ProxyauditResolve"))
+		}
+
+		// A hung informer the restart does not cure: cordoned after the
+		// re-audit; healthy again once the fault is gone: uncordoned.
+		n = c.Node("agg-legacy")
+		undo = l.drift(ctx, t, n, false)
+		l.until(t, grace+2*time.Minute, "agg-legacy cordoned", func() bool { return l.node(ctx, n.Name).Spec.Unschedulable })
+		node := l.node(ctx, n.Name)
+		if n.ProxyRestarts() != 1 || condition(node) != corev1.ConditionTrue || node.Annotations[remediate.AnnotationCordoned] == "" {
+			t.Fatalf("before the cordon: restarts %d, condition %q, annotations %v", n.ProxyRestarts(), condition(node), node.Annotations)
+		}
+		if err := undo(ctx); err != nil {
+			t.Fatal(err)
+		}
+		l.until(t, 2*time.Minute, "agg-legacy uncordoned by proxyaudit", func() bool {
+			node := l.node(ctx, n.Name)
+			return !node.Spec.Unschedulable && node.Annotations[remediate.AnnotationCordoned] == "" && condition(node) == corev1.ConditionFalse
+		})
+
+		// A static kube-proxy: no delete, a page with instructions.
+		n = c.Node("agg-nft")
+		undo = l.drift(ctx, t, n, true)
+		l.until(t, grace+time.Minute, "a page for the static kube-proxy", func() bool {
+			for _, m := range l.events(ctx, n.Name, "ProxyauditActionRefused") {
+				if strings.Contains(m, "static pod") {
+					return true
+				}
+			}
+			return false
+		})
+		if n.ProxyRestarts() != 0 {
+			t.Errorf("a static kube-proxy was restarted")
+		}
+		undo(ctx)
+		if err := n.RestartProxy(ctx); err != nil {
+			t.Fatal(err)
+		}
+		l.waitAllInSync("agg-nft restarted by hand")
+		fs, _ := l.findings()
+		if len(fs) != 0 {
+			t.Errorf("findings left: %s", describe(fs))
+		}
+		_ = audit.NodeInSync
+	})
+}
