@@ -116,4 +116,3 @@ func (c *Cluster) proxyPod(ctx context.Context, n *Node, static bool) error {
 	}
 	return nil
 }
-
