@@ -96,6 +96,11 @@ func run(args []string, stderr io.Writer) int {
 	rExempt := fs.String("remediation-exempt-label", "proxyaudit.io/exempt", "nodes with this label key are never restarted or cordoned, only paged")
 	proxyNS := fs.String("kube-proxy-namespace", "kube-system", "namespace of the kube-proxy pods")
 	proxySel := fs.String("kube-proxy-selector", "k8s-app=kube-proxy", "label selector of the kube-proxy pods")
+	slackTokenFile := fs.String("slack-token-file", os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), "file holding a Slack bot token (chat:write): one thread per incident [PROXYAUDIT_SLACK_TOKEN_FILE]; the token may also come from SLACK_BOT_TOKEN (a Secret as env)")
+	slackChannel := fs.String("slack-channel", os.Getenv("PROXYAUDIT_SLACK_CHANNEL"), "Slack channel ID incidents open in, with a bot token [PROXYAUDIT_SLACK_CHANNEL]")
+	slackWebhookFile := fs.String("slack-webhook-file", os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), "file holding a Slack incoming-webhook URL, for teams without a bot (no threads) [PROXYAUDIT_SLACK_WEBHOOK_FILE]")
+	slackAPI := fs.String("slack-api-url", "", "Slack API base URL (tests and proxies)")
+	cluster := fs.String("cluster-name", envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"), "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -207,6 +212,31 @@ func run(args []string, stderr io.Writer) int {
 		Observe: func(k remediate.ActionKind, o remediate.Outcome) {
 			metrics.Actions.WithLabelValues(string(k), string(o)).Inc()
 		}}
+	var notifier *remediate.Slack
+	slackCfg := remediate.SlackConfig{Channel: *slackChannel, Cluster: *cluster, APIURL: *slackAPI, Log: log.Named("slack"),
+		Delivered: func(r string) { metrics.Slack.WithLabelValues(r).Inc() }}
+	slackCfg.Token = os.Getenv("SLACK_BOT_TOKEN")
+	if *slackTokenFile != "" {
+		b, err := os.ReadFile(*slackTokenFile)
+		if err != nil {
+			return fail("--slack-token-file: %v", err)
+		}
+		slackCfg.Token = strings.TrimSpace(string(b))
+	}
+	if *slackWebhookFile != "" {
+		b, err := os.ReadFile(*slackWebhookFile)
+		if err != nil {
+			return fail("--slack-webhook-file: %v", err)
+		}
+		slackCfg.WebhookURL = strings.TrimSpace(string(b))
+	}
+	if slackCfg.Token != "" || slackCfg.WebhookURL != "" {
+		if notifier, err = remediate.NewSlack(slackCfg); err != nil {
+			return fail("%v", err)
+		}
+		exec.Notifier = notifier
+		log.Info("paging on Slack", zap.Bool("bot", slackCfg.Token != ""), zap.String("channel", *slackChannel))
+	}
 	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
 		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
 		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: exec, ExemptLabel: *rExempt}}, view)
@@ -217,6 +247,9 @@ func run(args []string, stderr io.Writer) int {
 	done := make(chan struct{})
 	go func() { view.Run(ctx, 200*time.Millisecond); close(done) }()
 	go agg.Run(ctx)
+	if notifier != nil {
+		go notifier.Run(ctx)
+	}
 	srv := &http.Server{Handler: agg.Handler(httpPort), ReadHeaderTimeout: 10 * time.Second}
 	go srv.Serve(hln)
 	streamErr := make(chan error, 1)

@@ -27,6 +27,7 @@ type Metrics struct {
 	Reconcile *prometheus.HistogramVec
 	Leader    prometheus.Gauge
 	Actions   *prometheus.CounterVec
+	Slack     *prometheus.CounterVec
 }
 
 // Reasons a stream is refused or cut, the values of the reason label.
@@ -76,9 +77,11 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
 		Actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_remediation_actions_total", Help: "Remediation actions by kind (RestartProxy, Cordon, Uncordon, Page, Resolve) and outcome (done, dry_run, refused, failed)."}, []string{"action", "outcome"}),
+		Slack: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader, m.Actions,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

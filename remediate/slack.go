@@ -1,0 +1,239 @@
+package remediate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/slack-go/slack"
+	"go.uber.org/zap"
+)
+
+// SlackConfig is how proxyaudit reaches Slack: a bot token (one thread per
+// incident, the opening message updated when it resolves) or an incoming
+// webhook (one message per notice, no threads).
+type SlackConfig struct {
+	// Token is a bot token (xoxb-…) with chat:write; Channel is where
+	// incidents open.
+	Token, Channel string
+	// WebhookURL is used when Token is empty.
+	WebhookURL string
+	// Cluster names the cluster in every message.
+	Cluster string
+	// APIURL overrides Slack's API endpoint (tests).
+	APIURL string
+	Log    *zap.Logger
+	// Delivered counts messages by result: sent, retried, dropped, failed.
+	Delivered func(result string)
+}
+
+// Slack sends notices to Slack from its own goroutine: Notify never
+// blocks, a Slack outage never holds up detection or repair. Rate limits
+// (429 with Retry-After) and server errors are retried; a full queue drops
+// the newest notice with a log line.
+type Slack struct {
+	cfg    SlackConfig
+	client *slack.Client
+	queue  chan Notice
+
+	mu      sync.Mutex
+	threads map[string]thread // by node: the open incident's thread
+	last    map[string]string // by node: the last notice sent (de-duplication)
+}
+
+type thread struct {
+	channel, ts string
+	opened      time.Time
+}
+
+// NewSlack returns a notifier; Run delivers.
+func NewSlack(cfg SlackConfig) (*Slack, error) {
+	if cfg.Token == "" && cfg.WebhookURL == "" {
+		return nil, errors.New("slack: set a bot token (with a channel) or a webhook URL")
+	}
+	if cfg.Token != "" && cfg.Channel == "" {
+		return nil, errors.New("slack: a bot token needs a channel (--slack-channel)")
+	}
+	if cfg.Log == nil {
+		cfg.Log = zap.NewNop()
+	}
+	if cfg.Delivered == nil {
+		cfg.Delivered = func(string) {}
+	}
+	s := &Slack{cfg: cfg, queue: make(chan Notice, 256), threads: map[string]thread{}, last: map[string]string{}}
+	if cfg.Token != "" {
+		var opts []slack.Option
+		if cfg.APIURL != "" {
+			opts = append(opts, slack.OptionAPIURL(cfg.APIURL))
+		}
+		s.client = slack.New(cfg.Token, opts...)
+	}
+	return s, nil
+}
+
+// Notify queues a notice (never blocks).
+func (s *Slack) Notify(n Notice) {
+	select {
+	case s.queue <- n:
+	default:
+		s.cfg.Log.Warn("slack queue full: notice dropped", zap.String("node", n.Node), zap.String("action", string(n.Kind)))
+		s.cfg.Delivered("dropped")
+	}
+}
+
+// Run delivers queued notices until ctx ends.
+func (s *Slack) Run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case n := <-s.queue:
+			if err := s.deliver(ctx, n); err != nil && ctx.Err() == nil {
+				s.cfg.Log.Warn("slack delivery failed", zap.String("node", n.Node), zap.String("action", string(n.Kind)), zap.Error(err))
+				s.cfg.Delivered("failed")
+			}
+		}
+	}
+}
+
+func (s *Slack) deliver(ctx context.Context, n Notice) error {
+	key := string(n.Kind) + "|" + n.Reason
+	s.mu.Lock()
+	dup := s.last[n.Node] == key
+	s.last[n.Node] = key
+	th, open := s.threads[n.Node]
+	s.mu.Unlock()
+	if dup {
+		return nil
+	}
+	closing := n.Kind == Resolve || n.Kind == Uncordon
+	text, blocks := Render(s.cfg.Cluster, n, open, th.opened)
+	if s.client == nil {
+		return s.retry(ctx, func(ctx context.Context) error {
+			return slack.PostWebhookContext(ctx, s.cfg.WebhookURL, &slack.WebhookMessage{Text: text, Blocks: &slack.Blocks{BlockSet: blocks}})
+		})
+	}
+	if !open {
+		var ch, ts string
+		err := s.retry(ctx, func(ctx context.Context) error {
+			var err error
+			ch, ts, err = s.client.PostMessageContext(ctx, s.cfg.Channel, slack.MsgOptionText(text, false), slack.MsgOptionBlocks(blocks...))
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if !closing {
+			s.mu.Lock()
+			s.threads[n.Node] = thread{channel: ch, ts: ts, opened: n.Incident.Opened}
+			s.mu.Unlock()
+		}
+		return nil
+	}
+	err := s.retry(ctx, func(ctx context.Context) error {
+		_, _, err := s.client.PostMessageContext(ctx, th.channel, slack.MsgOptionText(text, false), slack.MsgOptionBlocks(blocks...), slack.MsgOptionTS(th.ts))
+		return err
+	})
+	if err != nil || !closing {
+		return err
+	}
+	s.mu.Lock()
+	delete(s.threads, n.Node)
+	s.mu.Unlock()
+	// Mark the opening message resolved, so the channel reads at a glance.
+	return s.retry(ctx, func(ctx context.Context) error {
+		_, _, _, err := s.client.UpdateMessageContext(ctx, th.channel, th.ts,
+			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: kube-proxy drift on %s (%s)", n.Node, s.cfg.Cluster), false))
+		return err
+	})
+}
+
+// retry calls f until it succeeds, honouring Retry-After on 429 and
+// backing off on 5xx, for at most five attempts.
+func (s *Slack) retry(ctx context.Context, f func(context.Context) error) error {
+	backoff := time.Second
+	var err error
+	for attempt := 0; attempt < 5; attempt++ {
+		if err = f(ctx); err == nil {
+			s.cfg.Delivered("sent")
+			return nil
+		}
+		wait := time.Duration(0)
+		var rl *slack.RateLimitedError
+		var sc slack.StatusCodeError
+		switch {
+		case errors.As(err, &rl):
+			wait = min(max(rl.RetryAfter, time.Second), time.Minute)
+		case errors.As(err, &sc) && sc.Code >= 500:
+			wait, backoff = backoff, min(2*backoff, 30*time.Second)
+		default:
+			return err
+		}
+		s.cfg.Delivered("retried")
+		s.cfg.Log.Info("slack asked to retry", zap.Error(err), zap.Duration("after", wait))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+	}
+	return err
+}
+
+// Render is a notice as Slack shows it: plain text (notifications,
+// webhooks without blocks) and Block Kit.
+func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, []slack.Block) {
+	dry := ""
+	if n.DryRun {
+		dry = " (dry-run: nothing was changed)"
+	}
+	var title string
+	switch n.Kind {
+	case RestartProxy:
+		title = fmt.Sprintf(":arrows_counterclockwise: Restarting kube-proxy on %s%s", n.Node, dry)
+	case Cordon:
+		title = fmt.Sprintf(":no_entry: Cordoning %s%s", n.Node, dry)
+	case Uncordon:
+		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", n.Node, dry)
+	case Resolve:
+		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", n.Node)
+	default:
+		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", n.Node)
+	}
+	text := fmt.Sprintf("[%s] %s: %s", cluster, title, n.Reason)
+	var blocks []slack.Block
+	if !inThread {
+		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, cluster), 150), true, false)))
+	}
+	blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType, clipText("*"+title+"*\n"+n.Reason, 2900), false, false), nil, nil))
+	if len(n.Evidence) > 0 && !inThread {
+		ev := n.Evidence
+		more := ""
+		if len(ev) > 10 {
+			more = fmt.Sprintf("\n…and %d more", len(ev)-10)
+			ev = ev[:10]
+		}
+		blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType,
+			clipText("*Evidence* (stale first):\n```"+strings.Join(ev, "\n")+"```"+more, 2900), false, false), nil, nil))
+	}
+	var ctxt []string
+	if !n.Since.IsZero() {
+		ctxt = append(ctxt, "drifting since "+n.Since.UTC().Format(time.RFC3339))
+	}
+	if (n.Kind == Resolve || n.Kind == Uncordon) && !opened.IsZero() {
+		ctxt = append(ctxt, "incident opened "+opened.UTC().Format(time.RFC3339))
+	}
+	ctxt = append(ctxt, "cluster "+cluster)
+	blocks = append(blocks, slack.NewContextBlock("", slack.NewTextBlockObject(slack.MarkdownType, strings.Join(ctxt, " · "), false, false)))
+	return text, blocks
+}
+
+func clipText(s string, n int) string {
+	if len(s) > n {
+		return s[:n-1] + "…"
+	}
+	return s
+}
