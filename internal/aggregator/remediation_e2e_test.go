@@ -19,6 +19,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
@@ -218,6 +219,82 @@ func TestE2ERemediation(t *testing.T) {
 			t.Errorf("findings left: %s", describe(fs))
 		}
 		_ = audit.NodeInSync
+	})
+
+	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
+		l := newLive(ctx, t, "--remediation=restart", "--remediation-recheck=40s",
+			"--remediation-max-nodes=5", "--remediation-max-share=0.5", "--remediation-cooldown=10m")
+		a, b := c.Node("agg-ipt"), c.Node("agg-legacy")
+		// The earlier restarts count against the per-node budget and
+		// cooldown; clear them, as an operator would after a drill.
+		for _, n := range []*localcluster.Node{a, b} {
+			patch := []byte(`{"metadata":{"annotations":{"` + remediate.AnnotationRestarts + `":null}}}`)
+			if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ra, rb := a.ProxyRestarts(), b.ProxyRestarts()
+		undoA, err := a.HangInformer(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		undoB := l.drift(ctx, t, b, false)
+		// Two of three nodes hung, a cap of floor(0.5 × 3) = 1: one is
+		// restarted, the other only paged.
+		restarted := func() int64 { return a.ProxyRestarts() - ra + b.ProxyRestarts() - rb }
+		l.until(t, grace+time.Minute, "one restart and one capped page", func() bool {
+			capped := 0
+			for _, n := range []string{a.Name, b.Name} {
+				for _, m := range l.events(ctx, n, "ProxyauditPage") {
+					if strings.Contains(m, "remediation budget reached") {
+						capped++
+					}
+				}
+			}
+			return restarted() == 1 && capped == 1
+		})
+		first := a
+		if b.ProxyRestarts() > rb {
+			first = b
+		}
+		before := first.ProxyRestarts()
+		// Kill the leader while the restarted node waits for its re-audit.
+		old := l.leader(ctx)
+		ip, _, _ := strings.Cut(old, ":")
+		l.aggs[ip].Kill()
+		l.until(t, 30*time.Second, "a new leader", func() bool { cur := l.leader(ctx); return cur != "" && cur != old })
+		l.startAggregator(ip)
+		// The new leader continues from the annotations: the restart did
+		// not help and the cooldown forbids another, so it pages.
+		l.until(t, 2*time.Minute, "the new leader escalates "+first.Name+" without restarting it again", func() bool {
+			for _, m := range l.events(ctx, first.Name, "ProxyauditPage") {
+				if strings.Contains(m, "needs a human") {
+					return true
+				}
+			}
+			return false
+		})
+		if first.ProxyRestarts() != before {
+			t.Fatalf("%s restarted again within its cooldown after the leader change", first.Name)
+		}
+		// Its restart judged, the budget is free: the other node may now
+		// get its restart (that is the cap working, not a repeat).
+		if err := undoA(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := undoB(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range []*localcluster.Node{a, b} {
+			if err := n.RestartProxy(ctx); err != nil { // the human
+				t.Fatal(err)
+			}
+		}
+		l.waitAllInSync("both nodes repaired by hand")
+		l.until(t, time.Minute, "both incidents closed", func() bool {
+			return remediate.IncidentFromAnnotations(l.node(ctx, a.Name).Annotations).Stage == "" &&
+				remediate.IncidentFromAnnotations(l.node(ctx, b.Name).Annotations).Stage == ""
+		})
 	})
 }
 
