@@ -298,14 +298,20 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident
 }
 
 // event records an Event on the Node; failures are logged, not fatal.
+// The Node's UID goes in the reference: `kubectl describe node` matches
+// Events on it.
 func (e *Executor) event(ctx context.Context, node, typ, reason, msg string) {
+	var uid types.UID
+	if n, err := e.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); err == nil {
+		uid = n.UID
+	}
 	now := metav1.NewTime(time.Now())
 	if len(msg) > 1000 {
 		msg = msg[:1000] + "…"
 	}
 	ev := &corev1.Event{
 		ObjectMeta:     metav1.ObjectMeta{GenerateName: node + ".proxyaudit.", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node, UID: types.UID(node), APIVersion: "v1"},
+		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node, UID: uid, APIVersion: "v1"},
 		Reason:         reason, Message: msg, Type: typ,
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,
 		Source:              corev1.EventSource{Component: e.Component},

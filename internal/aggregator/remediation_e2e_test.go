@@ -56,8 +56,12 @@ func (l *live) events(ctx context.Context, node, reason string) []string {
 	if err != nil {
 		l.t.Fatal(err)
 	}
+	uid := l.node(ctx, node).UID
 	var out []string
 	for _, e := range evs.Items {
+		if e.InvolvedObject.UID != uid {
+			l.t.Errorf("Event %s names node UID %q, not %q: kubectl describe node would not show it", e.Name, e.InvolvedObject.UID, uid)
+		}
 		if !e.FirstTimestamp.Time.Before(l.started.Truncate(time.Second)) {
 			out = append(out, e.Message)
 		}
