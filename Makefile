@@ -13,6 +13,7 @@ all: build
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/...
+	cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
 
 ## test: unit + end-to-end tests (the README's test command; .ci/run calls it)
 test: deps cluster-binaries

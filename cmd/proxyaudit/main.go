@@ -1,6 +1,7 @@
 // Command proxyaudit finds Kubernetes nodes whose kube-proxy rules have
 // drifted from the cluster's Services and EndpointSlices.
 //
+//	proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
 //	proxyaudit diff --cluster cluster.json --rules NODE=FILE [--rules NODE=FILE …] [-o table|json|markdown]
 //	proxyaudit version
 package main
@@ -33,8 +34,11 @@ const maxInputBytes = 1 << 30
 const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from the cluster.
 
 Usage:
+  proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
   proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [-o table|json|markdown]
   proxyaudit version
+
+report shows the fleet from the running aggregator (proxyaudit report --help).
 
 diff compares each node's rule dump with what kube-proxy should have programmed there.
   --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
@@ -60,6 +64,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	switch args[0] {
 	case "diff":
 		return runDiff(args[1:], stdout, stderr)
+	case "report":
+		return runReport(args[1:], stdout, stderr)
 	case "version":
 		fmt.Fprintln(stdout, versionString())
 		return exitClean

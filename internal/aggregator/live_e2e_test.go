@@ -68,7 +68,7 @@ func buildBinaries(t *testing.T) string {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector")
+	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector", "./cmd/proxyaudit")
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("build binaries: %v\n%s", err, out)
@@ -268,8 +268,62 @@ func newLive(ctx context.Context, t *testing.T, extra ...string) *live {
 		}
 		l.startCollector(n)
 	}
+	l.aggregatorService(ctx) // after PodToken made the service account
 	l.waitAllInSync("every node in sync")
 	return l
+}
+
+// aggregatorService makes the replicas reachable through the API server's
+// service proxy, as the chart's Service does. The replicas are host
+// processes here, so each gets a stand-in Pod carrying its IP (the API
+// server proxies only to addresses that are pods) and the Endpoints are
+// written by hand.
+func (l *live) aggregatorService(ctx context.Context) {
+	exists := func(err error) bool { return err == nil || strings.Contains(err.Error(), "already exists") }
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}}}}
+	if _, err := l.c.CreateService(ctx, svc); !exists(err) {
+		l.t.Fatal(err)
+	}
+	ep := &corev1.Endpoints{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
+		Subsets: []corev1.EndpointSubset{{Ports: []corev1.EndpointPort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}}}}}
+	for i, ip := range replicaIPs {
+		name := fmt.Sprintf("proxyaudit-aggregator-%d", i)
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+			Spec: corev1.PodSpec{ServiceAccountName: sa, AutomountServiceAccountToken: new(bool),
+				Containers: []corev1.Container{{Name: "aggregator", Image: "proxyaudit:test-stand-in"}}}}
+		if _, err := l.c.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); !exists(err) {
+			l.t.Fatal(err)
+		}
+		cur, err := l.c.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			l.t.Fatal(err)
+		}
+		cur.Status.PodIP, cur.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+		if _, err := l.c.Client.CoreV1().Pods(ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{}); err != nil {
+			l.t.Fatal(err)
+		}
+		ep.Subsets[0].Addresses = append(ep.Subsets[0].Addresses, corev1.EndpointAddress{IP: ip,
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: name}})
+	}
+	if _, err := l.c.Client.CoreV1().Endpoints(ns).Create(ctx, ep, metav1.CreateOptions{}); !exists(err) {
+		l.t.Fatal(err)
+	}
+}
+
+// report runs `proxyaudit report` the way a kubectl user does: the admin
+// kubeconfig, through the API server's proxy.
+func (l *live) report(t *testing.T, args ...string) (string, int) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), append([]string{"report", "--kubeconfig", l.c.AdminKubeconfig, "-n", ns}, args...)...)
+	out, err := cmd.CombinedOutput()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return string(out), code
 }
 
 // streamIn reads the leader's inbound stream bytes and report count.
@@ -459,6 +513,9 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 			t.Errorf("StuckProxy detail lacks kube-proxy's own view (no pending changes): %s", f.Detail)
 		}
 	}
+	if out, code := l.report(t); code != 1 || !strings.Contains(out, "1 stuck") || !strings.Contains(out, "agg-ipt (Stuck)") {
+		t.Errorf("proxyaudit report through the API server: exit %d\n%s", code, out)
+	}
 	if len(only(fs, "agg-ipt")) != len(fs) {
 		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))
 	}
@@ -475,6 +532,9 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 		t.Fatal(err)
 	}
 	l.waitAllInSync("agg-ipt recovered after the fault was lifted")
+	if out, code := l.report(t, "-o", "markdown"); code != 0 || !strings.Contains(out, "3 in sync") {
+		t.Errorf("proxyaudit report after recovery: exit %d\n%s", code, out)
+	}
 }
 
 func (l *live) leaderKilled(ctx context.Context, t *testing.T) {

@@ -1,0 +1,291 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+)
+
+const reportUsage = `proxyaudit report: the fleet at a glance, from the aggregator.
+
+Usage:
+  proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
+
+Without --aggregator it goes the way kubectl does: the current kubeconfig and
+context, through the API server's proxy to the aggregator's Service
+(--service, --service-port) in the namespace (-n, default proxyaudit).
+
+Exit status: 0 no findings, 1 findings, 2 usage error or aggregator unreachable.
+`
+
+// FleetReport is report's JSON output.
+type FleetReport struct {
+	At       time.Time               `json:"at"`
+	Counts   map[audit.NodeState]int `json:"nodesByState"`
+	Lag      FleetLag                `json:"programmingLag"`
+	Nodes    []audit.NodeStatus      `json:"nodes"`
+	Findings []audit.TimedFinding    `json:"findings"`
+	Summary  audit.Summary           `json:"summary"`
+}
+
+// FleetLag summarises the nodes' programming latency: the median of the
+// nodes' p50 and the worst p99 and max.
+type FleetLag struct {
+	MedianP50 float64 `json:"medianP50Seconds"`
+	WorstP99  float64 `json:"worstP99Seconds"`
+	Max       float64 `json:"maxSeconds"`
+	Nodes     int     `json:"nodesWithSamples"`
+}
+
+func runReport(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("report", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, reportUsage); fs.PrintDefaults() }
+	url := fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+	kctx := fs.String("context", "", "kubeconfig context (default: the current one)")
+	ns := fs.String("namespace", "proxyaudit", "namespace of the aggregator's Service")
+	fs.StringVar(ns, "n", "proxyaudit", "short for --namespace")
+	svc := fs.String("service", "proxyaudit-aggregator", "the aggregator's Service")
+	port := fs.String("service-port", "http", "the Service port (name or number) of the aggregator's HTTP API")
+	format := fs.String("o", "table", "output format: table, json or markdown")
+	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitClean
+		}
+		return exitUsage
+	}
+	if *format != "table" && *format != "json" && *format != "markdown" {
+		fmt.Fprintf(stderr, "proxyaudit report: -o %q: choose table, json or markdown\n", *format)
+		return exitUsage
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
+	defer cancel()
+	var get func(path string) ([]byte, error)
+	if *url != "" {
+		base := strings.TrimSuffix(*url, "/")
+		get = func(path string) ([]byte, error) { return httpGet(ctx, base+path) }
+	} else {
+		rules := clientcmd.NewDefaultClientConfigLoadingRules()
+		rules.ExplicitPath = *kubeconfig
+		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *kctx}).ClientConfig()
+		if err != nil {
+			fmt.Fprintf(stderr, "proxyaudit report: kubeconfig: %v (or pass --aggregator URL)\n", err)
+			return exitUsage
+		}
+		client, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
+			return exitUsage
+		}
+		get = func(path string) ([]byte, error) {
+			b, err := client.CoreV1().Services(*ns).ProxyGet("http", *svc, *port, path, nil).DoRaw(ctx)
+			if err != nil {
+				return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w (is proxyaudit installed there? -n selects the namespace)", *ns, *svc, *port, err)
+			}
+			return b, nil
+		}
+	}
+	rep, err := fetchReport(get)
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
+		return exitUsage
+	}
+	switch *format {
+	case "json":
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(rep)
+	case "markdown":
+		reportMarkdown(stdout, rep)
+	default:
+		reportTable(stdout, rep)
+	}
+	if len(rep.Findings) > 0 {
+		return exitFindings
+	}
+	return exitClean
+}
+
+func httpGet(ctx context.Context, url string) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 256<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
+}
+
+// fetchReport reads the findings and the nodes and summarises the fleet.
+func fetchReport(get func(string) ([]byte, error)) (*FleetReport, error) {
+	var fr aggregator.FindingsResponse
+	var nr aggregator.NodesResponse
+	for path, v := range map[string]any{"/api/v1/findings": &fr, "/api/v1/nodes": &nr} {
+		b, err := get(path)
+		if err != nil {
+			return nil, err
+		}
+		if err := json.Unmarshal(b, v); err != nil {
+			return nil, fmt.Errorf("%s: not the aggregator's answer: %v", path, err)
+		}
+	}
+	rep := &FleetReport{At: nr.At, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
+	if rep.Findings == nil {
+		rep.Findings = []audit.TimedFinding{}
+	}
+	var p50s []float64
+	var names []string
+	for _, n := range nr.Nodes {
+		rep.Counts[n.State]++
+		names = append(names, n.Node)
+		if n.Lag.Samples > 0 {
+			p50s = append(p50s, n.Lag.P50)
+			rep.Lag.WorstP99 = max(rep.Lag.WorstP99, n.Lag.P99)
+			rep.Lag.Max = max(rep.Lag.Max, n.Lag.Max)
+		}
+	}
+	if len(p50s) > 0 {
+		slices.Sort(p50s)
+		rep.Lag.MedianP50, rep.Lag.Nodes = p50s[len(p50s)/2], len(p50s)
+	}
+	plain := make([]audit.Finding, len(rep.Findings))
+	for i, f := range rep.Findings {
+		plain[i] = f.Finding
+	}
+	rep.Summary = audit.Summarize(names, plain)
+	return rep, nil
+}
+
+var stateOrder = []struct {
+	state audit.NodeState
+	word  string
+}{
+	{audit.NodeInSync, "in sync"}, {audit.NodeLagging, "lagging (within grace)"}, {audit.NodeStuck, "stuck"},
+	{audit.NodeDivergent, "divergent"}, {audit.NodeNoRules, "without rules"}, {audit.NodeMissing, "silent (collector missing)"},
+	{audit.NodePending, "pending"},
+}
+
+func countsLine(rep *FleetReport) string {
+	parts := []string{}
+	for _, s := range stateOrder {
+		if c := rep.Counts[s.state]; c > 0 || s.state == audit.NodeInSync {
+			parts = append(parts, fmt.Sprintf("%d %s", c, s.word))
+		}
+	}
+	return fmt.Sprintf("%d node(s): %s", len(rep.Nodes), strings.Join(parts, ", "))
+}
+
+func lagLine(rep *FleetReport) string {
+	if rep.Lag.Nodes == 0 {
+		return "programming lag: no samples yet"
+	}
+	return fmt.Sprintf("programming lag over %d node(s): median p50 %.1fs, worst p99 %.1fs, max %.1fs (upper bounds at the collector interval)",
+		rep.Lag.Nodes, rep.Lag.MedianP50, rep.Lag.WorstP99, rep.Lag.Max)
+}
+
+// byNode groups findings by node (the API sorts node-level kinds first).
+func byNode(rep *FleetReport) ([]string, map[string][]audit.TimedFinding) {
+	m := map[string][]audit.TimedFinding{}
+	for _, f := range rep.Findings {
+		m[f.Node] = append(m[f.Node], f)
+	}
+	var nodes []string
+	for n := range m {
+		nodes = append(nodes, n)
+	}
+	sort.Strings(nodes)
+	return nodes, m
+}
+
+func reportTable(w io.Writer, rep *FleetReport) {
+	fmt.Fprintf(w, "proxyaudit report at %s\n%s\n%s\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
+	if len(rep.Findings) == 0 {
+		fmt.Fprintln(w, "\nNo findings: every reporting node's kube-proxy rules match the cluster.")
+		return
+	}
+	state := map[string]audit.NodeState{}
+	for _, n := range rep.Nodes {
+		state[n.Node] = n.State
+	}
+	nodes, m := byNode(rep)
+	for _, n := range nodes {
+		fs := m[n]
+		title := n
+		if n == "" {
+			title = "fleet"
+		}
+		fmt.Fprintf(w, "\n%s (%s): %d finding(s)\n", title, orDash(string(state[n])), len(fs))
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "  SERVICE\tKIND\tENDPOINT\tSINCE")
+		var details []string
+		prev := ""
+		for _, f := range fs {
+			sp := "-"
+			if f.Service != "" {
+				sp = svcPort(f.Finding)
+			}
+			shown := sp
+			if sp == prev && sp != "-" {
+				shown = `  "`
+			}
+			prev = sp
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", shown, f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
+			if f.Service == "" {
+				details = append(details, fmt.Sprintf("  %s: %s", f.Kind, f.Detail))
+			}
+		}
+		tw.Flush()
+		for _, d := range details {
+			fmt.Fprintln(w, d)
+		}
+	}
+}
+
+func reportMarkdown(w io.Writer, rep *FleetReport) {
+	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
+	if len(rep.Findings) == 0 {
+		fmt.Fprintln(w, "No findings: every reporting node's kube-proxy rules match the cluster.")
+		return
+	}
+	fmt.Fprintln(w, "| Node | Service | Kind | Endpoint | Since | Detail |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	esc := strings.NewReplacer("|", `\|`, "\n", " ")
+	nodes, m := byNode(rep)
+	for _, n := range nodes {
+		for _, f := range m[n] {
+			sp := "-"
+			if f.Service != "" {
+				sp = svcPort(f.Finding)
+			}
+			fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", orDash(esc.Replace(f.Node)), esc.Replace(sp), f.Kind, orDash(f.Endpoint),
+				f.Since.UTC().Format(time.RFC3339), esc.Replace(f.Detail))
+		}
+	}
+}

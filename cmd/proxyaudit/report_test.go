@@ -1,0 +1,105 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files under testdata/report")
+
+// fleet is the demo's situation as the aggregator's API returns it: node-b
+// stuck behind a kube-dns roll, node-d's collector silent.
+func fleet() (aggregator.FindingsResponse, aggregator.NodesResponse) {
+	at := time.Date(2026, 11, 21, 16, 19, 3, 0, time.UTC)
+	since := at.Add(-17 * time.Second)
+	f := func(node, svc, port string, kind audit.Kind, ep, detail string, s time.Time) audit.TimedFinding {
+		return audit.TimedFinding{Since: s, Finding: audit.Finding{Node: node, Service: svc, Port: port, Protocol: "UDP", Scope: audit.ScopeCluster, Kind: kind, Endpoint: ep, Detail: detail}}
+	}
+	findings := []audit.TimedFinding{
+		{Since: since, Finding: audit.Finding{Node: "node-b", Kind: audit.StuckProxy, Detail: "kube-proxy on this node stopped following the API: its rules still show versions of 1 service(s) that changed up to 17s ago (kube-system/kube-dns); restart kube-proxy on this node"}},
+		f("node-b", "kube-system/kube-dns", "dns", audit.MissingEndpoint, "198.18.128.14:53", "the node does not route to 198.18.128.14:53", since),
+		f("node-b", "kube-system/kube-dns", "dns", audit.StaleEndpoint, "198.18.128.12:53", "the node routes to 198.18.128.12:53, which the cluster no longer lists", since),
+		{Since: at.Add(-time.Minute), Finding: audit.Finding{Node: "node-d", Kind: audit.CollectorMissing, Detail: "last report 1m0s ago (3 intervals of 10s): the collector or its stream is down; the node's rules are unknown, not stale"}},
+	}
+	lag := audit.LagStats{Samples: 40, P50: 1.8, P90: 2.6, P99: 3.1, Max: 3.1}
+	nodes := []audit.NodeStatus{
+		{Node: "node-a", State: audit.NodeInSync, Mode: audit.ModeIPTables, Services: 5, InSync: 5, Lag: lag},
+		{Node: "node-b", State: audit.NodeStuck, Mode: audit.ModeIPTables, Services: 5, InSync: 4, Lagging: 1, Lag: audit.LagStats{Samples: 3, P50: 2.2, P90: 2.2, P99: 2.2, Max: 2.2}},
+		{Node: "node-c", State: audit.NodeInSync, Mode: audit.ModeNFTables, Services: 5, InSync: 5, Lag: audit.LagStats{Samples: 40, P50: 1.5, P90: 2, P99: 4.4, Max: 5.0}},
+		{Node: "node-d", State: audit.NodeMissing, Mode: audit.ModeIPTables},
+	}
+	return aggregator.FindingsResponse{At: at, Leader: "10.0.0.5:9443", Grace: "30s", Findings: findings},
+		aggregator.NodesResponse{At: at, Nodes: nodes}
+}
+
+func serve(t *testing.T, fr aggregator.FindingsResponse, nr aggregator.NodesResponse) string {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/api/v1/findings":
+			json.NewEncoder(w).Encode(fr)
+		case "/api/v1/nodes":
+			json.NewEncoder(w).Encode(nr)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+func TestReportGolden(t *testing.T) {
+	fr, nr := fleet()
+	url := serve(t, fr, nr)
+	for _, format := range []string{"table", "json", "markdown"} {
+		var out, errb bytes.Buffer
+		if code := run([]string{"report", "--aggregator", url, "-o", format}, &out, &errb); code != exitFindings {
+			t.Fatalf("%s: exit %d: %s", format, code, errb.String())
+		}
+		golden := filepath.Join("testdata", "report", "fleet."+format)
+		if *update {
+			if err := os.WriteFile(golden, out.Bytes(), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		want, err := os.ReadFile(golden)
+		if err != nil {
+			t.Fatalf("%v (run go test ./cmd/proxyaudit -update)", err)
+		}
+		if out.String() != string(want) {
+			t.Errorf("%s output differs from %s (review, then -update):\n%s", format, golden, out.String())
+		}
+	}
+}
+
+func TestReportCleanAndErrors(t *testing.T) {
+	fr, nr := fleet()
+	fr.Findings = nil
+	url := serve(t, fr, nr)
+	var out, errb bytes.Buffer
+	if code := run([]string{"report", "--aggregator", url}, &out, &errb); code != exitClean || !strings.Contains(out.String(), "No findings") {
+		t.Fatalf("clean fleet: exit %d\n%s%s", code, out.String(), errb.String())
+	}
+	for name, args := range map[string][]string{
+		"unreachable":   {"report", "--aggregator", "http://127.0.0.1:1"},
+		"not the API":   {"report", "--aggregator", url + "/nope"},
+		"bad format":    {"report", "--aggregator", url, "-o", "yaml"},
+		"no kubeconfig": {"report", "--kubeconfig", "/nonexistent"},
+	} {
+		var out, errb bytes.Buffer
+		if code := run(args, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), "proxyaudit report:") {
+			t.Errorf("%s: exit %d: %q", name, code, errb.String())
+		}
+	}
+}
