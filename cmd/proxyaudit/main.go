@@ -35,10 +35,12 @@ const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from t
 
 Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
+  proxyaudit explain node NAME [--service NAMESPACE/NAME] [-o table|json]
   proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [-o table|json|markdown]
   proxyaudit version
 
-report shows the fleet from the running aggregator (proxyaudit report --help).
+report shows the fleet from the running aggregator (proxyaudit report --help);
+explain traces one node's rules, endpoint by endpoint (proxyaudit explain --help).
 
 diff compares each node's rule dump with what kube-proxy should have programmed there.
   --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
@@ -66,6 +68,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runDiff(args[1:], stdout, stderr)
 	case "report":
 		return runReport(args[1:], stdout, stderr)
+	case "explain":
+		return runExplain(args[1:], stdout, stderr)
 	case "version":
 		fmt.Fprintln(stdout, versionString())
 		return exitClean

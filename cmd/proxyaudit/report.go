@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	neturl "net/url"
 	"slices"
 	"sort"
 	"strings"
@@ -28,7 +29,7 @@ Usage:
 
 Without --aggregator it goes the way kubectl does: the current kubeconfig and
 context, through the API server's proxy to the aggregator's Service
-(--service, --service-port) in the namespace (-n, default proxyaudit).
+(--aggregator-service, --aggregator-service-port) in the namespace (-n, default proxyaudit).
 
 Exit status: 0 no findings, 1 findings, 2 usage error or aggregator unreachable.
 `
@@ -56,15 +57,8 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("report", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, reportUsage); fs.PrintDefaults() }
-	url := fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-	kctx := fs.String("context", "", "kubeconfig context (default: the current one)")
-	ns := fs.String("namespace", "proxyaudit", "namespace of the aggregator's Service")
-	fs.StringVar(ns, "n", "proxyaudit", "short for --namespace")
-	svc := fs.String("service", "proxyaudit-aggregator", "the aggregator's Service")
-	port := fs.String("service-port", "http", "the Service port (name or number) of the aggregator's HTTP API")
+	access := accessFlags(fs)
 	format := fs.String("o", "table", "output format: table, json or markdown")
-	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitClean
@@ -75,33 +69,12 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit report: -o %q: choose table, json or markdown\n", *format)
 		return exitUsage
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
-	defer cancel()
-	var get func(path string) ([]byte, error)
-	if *url != "" {
-		base := strings.TrimSuffix(*url, "/")
-		get = func(path string) ([]byte, error) { return httpGet(ctx, base+path) }
-	} else {
-		rules := clientcmd.NewDefaultClientConfigLoadingRules()
-		rules.ExplicitPath = *kubeconfig
-		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *kctx}).ClientConfig()
-		if err != nil {
-			fmt.Fprintf(stderr, "proxyaudit report: kubeconfig: %v (or pass --aggregator URL)\n", err)
-			return exitUsage
-		}
-		client, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
-			fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
-			return exitUsage
-		}
-		get = func(path string) ([]byte, error) {
-			b, err := client.CoreV1().Services(*ns).ProxyGet("http", *svc, *port, path, nil).DoRaw(ctx)
-			if err != nil {
-				return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w (is proxyaudit installed there? -n selects the namespace)", *ns, *svc, *port, err)
-			}
-			return b, nil
-		}
+	get, cancel, err := access.getter()
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
+		return exitUsage
 	}
+	defer cancel()
 	rep, err := fetchReport(get)
 	if err != nil {
 		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
@@ -121,6 +94,61 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 		return exitFindings
 	}
 	return exitClean
+}
+
+// access is how the CLI reaches the aggregator's API.
+type access struct {
+	url, kubeconfig, context, namespace, service, port *string
+	timeout                                            *time.Duration
+}
+
+func accessFlags(fs *flag.FlagSet) *access {
+	a := &access{
+		url:        fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server"),
+		kubeconfig: fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"),
+		context:    fs.String("context", "", "kubeconfig context (default: the current one)"),
+		namespace:  fs.String("namespace", "proxyaudit", "namespace of the aggregator's Service"),
+		service:    fs.String("aggregator-service", "proxyaudit-aggregator", "the aggregator's Service"),
+		port:       fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
+		timeout:    fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator"),
+	}
+	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
+	return a
+}
+
+// getter returns a function that GETs an API path, and its cancel.
+func (a *access) getter() (func(string) ([]byte, error), func(), error) {
+	ctx, cancel := context.WithTimeout(context.Background(), *a.timeout)
+	if *a.url != "" {
+		base := strings.TrimSuffix(*a.url, "/")
+		return func(path string) ([]byte, error) { return httpGet(ctx, base+path) }, cancel, nil
+	}
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = *a.kubeconfig
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *a.context}).ClientConfig()
+	if err != nil {
+		cancel()
+		return nil, nil, fmt.Errorf("kubeconfig: %v (or pass --aggregator URL)", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		cancel()
+		return nil, nil, err
+	}
+	return func(path string) ([]byte, error) {
+		p, query, _ := strings.Cut(path, "?")
+		params := map[string]string{}
+		if v, err := neturl.ParseQuery(query); err == nil {
+			for k := range v {
+				params[k] = v.Get(k)
+			}
+		}
+		b, err := client.CoreV1().Services(*a.namespace).ProxyGet("http", *a.service, *a.port, p, params).DoRaw(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w (is proxyaudit installed there? -n selects the namespace)", *a.namespace, *a.service, *a.port, err)
+		}
+		return b, nil
+	}, cancel, nil
 }
 
 func httpGet(ctx context.Context, url string) ([]byte, error) {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/report")
@@ -101,5 +102,44 @@ func TestReportCleanAndErrors(t *testing.T) {
 		if code := run(args, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), "proxyaudit report:") {
 			t.Errorf("%s: exit %d: %q", name, code, errb.String())
 		}
+	}
+}
+
+func TestExplainGolden(t *testing.T) {
+	spec := synth.Spec{Services: 2, EndpointsPerService: 2, Comments: true}
+	svcs, slices := spec.Objects()
+	obs, err := spec.Observed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The cluster moved svc-00001 to a new endpoint; the node did not follow.
+	slices[1].Endpoints[1].Addresses = []string{"198.18.99.7"}
+	st := audit.FromAPI(svcs, slices, nil)
+	resp := aggregator.ExplainResponse{Node: "node-b", Mode: "iptables",
+		States: map[string]audit.ServiceState{"synth/svc-00001": audit.Lagging},
+		Ports:  audit.Explain(audit.ExpectedFor(st, "node-b"), obs, "")}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/api/v1/nodes/node-b/explain" {
+			http.NotFound(w, r)
+			return
+		}
+		json.NewEncoder(w).Encode(resp)
+	}))
+	defer srv.Close()
+	var out, errb bytes.Buffer
+	if code := run([]string{"explain", "node", "node-b", "--aggregator", srv.URL}, &out, &errb); code != exitFindings {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+	golden := filepath.Join("testdata", "report", "explain.table")
+	if *update {
+		os.WriteFile(golden, out.Bytes(), 0o644)
+		return
+	}
+	want, _ := os.ReadFile(golden)
+	if out.String() != string(want) {
+		t.Errorf("explain output differs from %s (review, then -update):\n%s", golden, out.String())
+	}
+	if code := run([]string{"explain", "node-b"}, &out, &errb); code != exitUsage {
+		t.Errorf("explain without 'node': exit %d", code)
 	}
 }

@@ -91,6 +91,14 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		}
 		writeError(w, http.StatusNotFound, "no node "+name+" in the cluster or among the reporting collectors")
 	})
+	api.HandleFunc("GET /api/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
+		resp, ok := a.Explain(r.PathValue("name"), r.URL.Query().Get("service"))
+		if !ok {
+			writeError(w, http.StatusNotFound, "no rules from node "+r.PathValue("name")+" yet: its collector has not sent a full snapshot to the leader")
+			return
+		}
+		writeJSON(w, http.StatusOK, resp)
+	})
 	mux.HandleFunc("/api/", func(w http.ResponseWriter, r *http.Request) {
 		leader, leading := a.Leader()
 		switch {
@@ -128,4 +136,38 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 
 func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, map[string]string{"error": msg})
+}
+
+// ExplainResponse is GET /api/v1/nodes/{name}/explain[?service=ns/name]:
+// the node's rules traced service by service against the cluster.
+type ExplainResponse struct {
+	Node string `json:"node"`
+	Mode string `json:"mode"`
+	// States are the services that are not in sync, with their state.
+	States map[string]audit.ServiceState `json:"states"`
+	Ports  []audit.PortTrace             `json:"ports"`
+}
+
+// Explain traces a node's current rules; ok is false when the node has no
+// complete snapshot on this replica.
+func (a *Aggregator) Explain(node, service string) (ExplainResponse, bool) {
+	a.mu.Lock()
+	n := a.nodes[node]
+	if n == nil || !n.complete {
+		a.mu.Unlock()
+		return ExplainResponse{}, false
+	}
+	obs := n.state.Observed()
+	resp := ExplainResponse{Node: node, Mode: n.state.Mode, States: map[string]audit.ServiceState{}}
+	for _, as := range n.assessments {
+		resp.States[as.Service] = as.State
+	}
+	a.mu.Unlock()
+	a.view.Read(func(st *audit.State, _ *audit.History, _ uint64) {
+		resp.Ports = audit.Explain(audit.ExpectedFor(st, node), obs, service)
+	})
+	if resp.Ports == nil {
+		resp.Ports = []audit.PortTrace{}
+	}
+	return resp, true
 }

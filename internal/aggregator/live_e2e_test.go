@@ -315,7 +315,17 @@ func (l *live) aggregatorService(ctx context.Context) {
 // kubeconfig, through the API server's proxy.
 func (l *live) report(t *testing.T, args ...string) (string, int) {
 	t.Helper()
-	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), append([]string{"report", "--kubeconfig", l.c.AdminKubeconfig, "-n", ns}, args...)...)
+	return l.cli(t, append([]string{"report"}, args...)...)
+}
+
+// cli runs a proxyaudit subcommand with the admin kubeconfig.
+func (l *live) cli(t *testing.T, args ...string) (string, int) {
+	t.Helper()
+	args = append(args, "--kubeconfig", l.c.AdminKubeconfig, "-n", ns)
+	if args[0] == "explain" {
+		args = append(args[:3:3], args[3:]...) // flags after "explain node NAME"
+	}
+	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), args...)
 	out, err := cmd.CombinedOutput()
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
@@ -515,6 +525,13 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 	}
 	if out, code := l.report(t); code != 1 || !strings.Contains(out, "1 stuck") || !strings.Contains(out, "agg-ipt (Stuck)") {
 		t.Errorf("proxyaudit report through the API server: exit %d\n%s", code, out)
+	}
+	if out, code := l.cli(t, "explain", "node", "agg-ipt", "--service", churnNS+"/churn-00"); code != 1 ||
+		strings.Count(out, "STALE") != 3 || strings.Count(out, "MISSING") != 3 || !strings.Contains(out, "KUBE-SVC-") {
+		t.Errorf("proxyaudit explain through the API server: exit %d\n%s", code, out)
+	}
+	if out, code := l.cli(t, "explain", "node", "agg-nft", "--service", churnNS+"/churn-00"); code != 0 || strings.Contains(out, "STALE") {
+		t.Errorf("proxyaudit explain of a healthy node: exit %d\n%s", code, out)
 	}
 	if len(only(fs, "agg-ipt")) != len(fs) {
 		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+)
+
+const explainUsage = `proxyaudit explain: one node's kube-proxy rules traced against the cluster.
+
+Usage:
+  proxyaudit explain node NAME [--service NAMESPACE/NAME] [access flags as for report] [-o table|json]
+
+For each service port: each frontend (cluster IP, node port, load-balancer IP)
+with its service chain, and each endpoint with its DNAT rule, marked ok, STALE
+(in the rules, gone from the cluster) or MISSING (in the cluster, not in the
+rules).
+
+Exit status: 0 everything ok, 1 stale or missing rules, 2 usage error or
+aggregator unreachable.
+`
+
+func runExplain(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("explain", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, explainUsage); fs.PrintDefaults() }
+	acc := accessFlags(fs)
+	service := fs.String("service", "", "only this service (namespace/name)")
+	format := fs.String("o", "table", "output format: table or json")
+	if len(args) < 2 || args[0] != "node" {
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
+			fs.Usage()
+			return exitClean
+		}
+		fmt.Fprint(stderr, "proxyaudit explain: want `explain node NAME`\n\n"+explainUsage)
+		return exitUsage
+	}
+	node := args[1]
+	if err := fs.Parse(args[2:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitClean
+		}
+		return exitUsage
+	}
+	if *format != "table" && *format != "json" {
+		fmt.Fprintf(stderr, "proxyaudit explain: -o %q: choose table or json\n", *format)
+		return exitUsage
+	}
+	get, cancel, err := acc.getter()
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
+		return exitUsage
+	}
+	defer cancel()
+	path := "/api/v1/nodes/" + url.PathEscape(node) + "/explain"
+	if *service != "" {
+		path += "?service=" + url.QueryEscape(*service)
+	}
+	b, err := get(path)
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
+		return exitUsage
+	}
+	var resp aggregator.ExplainResponse
+	if err := json.Unmarshal(b, &resp); err != nil {
+		fmt.Fprintf(stderr, "proxyaudit explain: not the aggregator's answer: %v\n", err)
+		return exitUsage
+	}
+	if *service != "" && len(resp.Ports) == 0 {
+		fmt.Fprintf(stderr, "proxyaudit explain: node %s should program no port of %s (no such service, headless, or no rules by design)\n", node, *service)
+		return exitUsage
+	}
+	bad := 0
+	for _, p := range resp.Ports {
+		for _, f := range p.Frontends {
+			if f.Status != audit.TraceOK {
+				bad++
+			}
+			for _, e := range f.Endpoints {
+				if e.Status != audit.TraceOK {
+					bad++
+				}
+			}
+		}
+	}
+	if *format == "json" {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(resp)
+	} else {
+		explainTable(stdout, resp, bad)
+	}
+	if bad > 0 {
+		return exitFindings
+	}
+	return exitClean
+}
+
+func explainTable(w io.Writer, r aggregator.ExplainResponse, bad int) {
+	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s)\n", r.Node, r.Mode, bad)
+	for _, p := range r.Ports {
+		name := p.Service
+		if name == "" {
+			name = "(rules no service owns)"
+		} else if st, ok := r.States[p.Service]; ok {
+			name += " — " + string(st)
+		}
+		if p.Port != "" || p.Protocol != "" {
+			name += fmt.Sprintf("  port %s/%s", orDash(p.Port), p.Protocol)
+		}
+		fmt.Fprintf(w, "\n%s\n", name)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		for _, f := range p.Frontends {
+			fmt.Fprintf(tw, "  %s\t%s\t%s\tvia %s\n", f.Frontend, f.Scope, mark(f.Status), orDash(f.Chain))
+			for _, e := range f.Endpoints {
+				fmt.Fprintf(tw, "    → %s\t\t%s\t%s\n", e.Endpoint, mark(e.Status), orDash(e.Chain))
+			}
+		}
+		tw.Flush()
+	}
+}
+
+func mark(status string) string {
+	if status == audit.TraceOK {
+		return "ok"
+	}
+	return strings.ToUpper(status)
+}
