@@ -224,21 +224,20 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 	r.noRules = noRules
 
 	behind := make(map[string]time.Time, len(as))
+	divergent := map[string]time.Time{}
 	for _, a := range as {
 		switch a.State {
 		case Divergent:
-			if _, ok := r.divergentSince[a.Service]; !ok {
-				r.divergentSince[a.Service] = at
+			since, ok := r.divergentSince[a.Service]
+			if !ok {
+				since = at
 			}
+			divergent[a.Service] = since // continuous divergence keeps its start
 		case Lagging:
 			behind[a.Service] = a.Since
 		}
 	}
-	for svc := range r.divergentSince {
-		if !slices.ContainsFunc(as, func(a ServiceAssessment) bool { return a.Service == svc && a.State == Divergent }) {
-			delete(r.divergentSince, svc)
-		}
-	}
+	r.divergentSince = divergent
 
 	if first || noRules {
 		r.changeSeq = h.LastSeq()

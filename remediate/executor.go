@@ -132,28 +132,37 @@ func (e *Executor) execute(ctx context.Context, n *Notice) error {
 	log := e.Log.With(zap.String("node", a.Node), zap.String("action", string(a.Kind)))
 	dry := e.Policy.Mode == DryRun || a.DryRun
 	a.DryRun = dry
-	outcome, err := e.apply(ctx, n, dry)
+	// One read of the Node serves the action (live annotations and spec)
+	// and its Event (the UID kubectl describe matches on).
+	node, err := e.Client.CoreV1().Nodes().Get(ctx, a.Node, metav1.GetOptions{})
+	outcome := Failed
+	if err != nil {
+		err = fmt.Errorf("read node: %w", err)
+		node = &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.Node}}
+	} else {
+		outcome, err = e.apply(ctx, n, node, dry)
+	}
 	if e.Observe != nil {
 		e.Observe(a.Kind, outcome)
 	}
 	switch {
 	case err != nil:
 		log.Error("remediation action failed", zap.Error(err), zap.String("reason", a.Reason))
-		e.event(ctx, a.Node, corev1.EventTypeWarning, "ProxyauditActionFailed", fmt.Sprintf("%s failed: %v (%s)", a.Kind, err, a.Reason))
+		e.event(ctx, node, corev1.EventTypeWarning, "ProxyauditActionFailed", fmt.Sprintf("%s failed: %v (%s)", a.Kind, err, a.Reason))
 		a.Reason += fmt.Sprintf(" — %s FAILED: %v", a.Kind, err)
 	case outcome == Refused:
 		log.Warn("remediation action refused by the executor", zap.String("reason", a.Reason))
-		e.event(ctx, a.Node, corev1.EventTypeWarning, "ProxyauditActionRefused", a.Reason)
+		e.event(ctx, node, corev1.EventTypeWarning, "ProxyauditActionRefused", a.Reason)
 	case dry && a.Kind != Page && a.Kind != Resolve:
 		log.Info("dry-run: would act", zap.String("reason", a.Reason))
-		e.event(ctx, a.Node, corev1.EventTypeNormal, "ProxyauditDryRun", "would "+string(a.Kind)+": "+a.Reason)
+		e.event(ctx, node, corev1.EventTypeNormal, "ProxyauditDryRun", "would "+string(a.Kind)+": "+a.Reason)
 	default:
 		log.Info("remediation action", zap.String("reason", a.Reason), zap.Bool("dry_run", dry))
 		typ := corev1.EventTypeWarning
 		if a.Kind == Resolve || a.Kind == Uncordon {
 			typ = corev1.EventTypeNormal
 		}
-		e.event(ctx, a.Node, typ, "Proxyaudit"+string(a.Kind), a.Reason)
+		e.event(ctx, node, typ, "Proxyaudit"+string(a.Kind), a.Reason)
 	}
 	if e.Notifier != nil {
 		e.Notifier.Notify(*n)
@@ -162,7 +171,7 @@ func (e *Executor) execute(ctx context.Context, n *Notice) error {
 }
 
 // apply makes the change (or, in dry-run, records what it would be).
-func (e *Executor) apply(ctx context.Context, n *Notice, dry bool) (Outcome, error) {
+func (e *Executor) apply(ctx context.Context, n *Notice, node *corev1.Node, dry bool) (Outcome, error) {
 	a := &n.Action
 	if dry {
 		e.mu.Lock()
@@ -176,10 +185,6 @@ func (e *Executor) apply(ctx context.Context, n *Notice, dry bool) (Outcome, err
 			return Done, nil
 		}
 		return Simulate, nil
-	}
-	node, err := e.Client.CoreV1().Nodes().Get(ctx, a.Node, metav1.GetOptions{})
-	if err != nil {
-		return Failed, fmt.Errorf("read node: %w", err)
 	}
 	switch a.Kind {
 	case RestartProxy, Cordon:
@@ -297,27 +302,22 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident
 	return nil
 }
 
-// event records an Event on the Node; failures are logged, not fatal.
-// The Node's UID goes in the reference: `kubectl describe node` matches
-// Events on it.
-func (e *Executor) event(ctx context.Context, node, typ, reason, msg string) {
-	var uid types.UID
-	if n, err := e.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); err == nil {
-		uid = n.UID
-	}
+// event records an Event on the Node (its UID in the reference, which
+// kubectl describe node matches on); failures are logged, not fatal.
+func (e *Executor) event(ctx context.Context, node *corev1.Node, typ, reason, msg string) {
 	now := metav1.NewTime(time.Now())
 	if len(msg) > 1000 {
 		msg = msg[:1000] + "…"
 	}
 	ev := &corev1.Event{
-		ObjectMeta:     metav1.ObjectMeta{GenerateName: node + ".proxyaudit.", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node, UID: uid, APIVersion: "v1"},
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: node.Name + ".proxyaudit.", Namespace: metav1.NamespaceDefault},
+		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node.Name, UID: node.UID, APIVersion: "v1"},
 		Reason:         reason, Message: msg, Type: typ,
 		FirstTimestamp: now, LastTimestamp: now, Count: 1,
 		Source:              corev1.EventSource{Component: e.Component},
 		ReportingController: "proxyaudit.io/aggregator", ReportingInstance: e.Component,
 	}
 	if _, err := e.Client.CoreV1().Events(metav1.NamespaceDefault).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
-		e.Log.Warn("cannot record an Event on the node", zap.String("node", node), zap.Error(err))
+		e.Log.Warn("cannot record an Event on the node", zap.String("node", node.Name), zap.Error(err))
 	}
 }

@@ -207,7 +207,7 @@ func run(args []string, stderr io.Writer) int {
 	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk)
 	rpolicy := remediate.Policy{Mode: mode, MaxConcurrent: *rMaxNodes, MaxShare: *rMaxShare, Cooldown: *rCooldown,
 		RestartBudget: *rBudget, BudgetWindow: *rWindow, Recheck: *rRecheck}
-	exec := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
+	executor := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
 		Log: log.Named("remediate"), Component: "proxyaudit-aggregator",
 		Observe: func(k remediate.ActionKind, o remediate.Outcome) {
 			metrics.Actions.WithLabelValues(string(k), string(o)).Inc()
@@ -234,12 +234,12 @@ func run(args []string, stderr io.Writer) int {
 		if notifier, err = remediate.NewSlack(slackCfg); err != nil {
 			return fail("%v", err)
 		}
-		exec.Notifier = notifier
+		executor.Notifier = notifier
 		log.Info("paging on Slack", zap.Bool("bot", slackCfg.Token != ""), zap.String("channel", *slackChannel))
 	}
 	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
 		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
-		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: exec, ExemptLabel: *rExempt}}, view)
+		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: executor, ExemptLabel: *rExempt}}, view)
 	log.Info("remediation", zap.String("mode", string(mode)), zap.Int("max_nodes", *rMaxNodes), zap.Float64("max_share", *rMaxShare))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

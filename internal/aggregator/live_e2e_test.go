@@ -322,9 +322,6 @@ func (l *live) report(t *testing.T, args ...string) (string, int) {
 func (l *live) cli(t *testing.T, args ...string) (string, int) {
 	t.Helper()
 	args = append(args, "--kubeconfig", l.c.AdminKubeconfig, "-n", ns)
-	if args[0] == "explain" {
-		args = append(args[:3:3], args[3:]...) // flags after "explain node NAME"
-	}
 	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), args...)
 	out, err := cmd.CombinedOutput()
 	code := 0

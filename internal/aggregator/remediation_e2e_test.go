@@ -2,28 +2,19 @@ package aggregator_test
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
-	"io"
-	"net/http"
-	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/slack-go/slack/slacktest"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
 )
 
 // until polls cond (generous deadline) and fails with what.
@@ -148,10 +139,14 @@ func TestE2ERemediation(t *testing.T) {
 	})
 
 	t.Run("restart, re-audit, cordon, uncordon", func(t *testing.T) {
-		sl := startSlack(t)
+		sl := remediatetest.NewSlack(t, remediatetest.Flaky)
+		tokenFile := filepath.Join(t.TempDir(), "slack-token")
+		if err := os.WriteFile(tokenFile, []byte("xoxb-e2e-test\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
 		l := newLive(ctx, t, "--remediation=restart-and-cordon", "--remediation-recheck=25s",
 			"--remediation-max-nodes=1", "--remediation-max-share=0.5", "--remediation-cooldown=1m",
-			"--slack-token-file="+sl.tokenFile, "--slack-channel=C0PROXYAUDIT", "--slack-api-url="+sl.url, "--cluster-name=e2e")
+			"--slack-token-file="+tokenFile, "--slack-channel=C0PROXYAUDIT", "--slack-api-url="+sl.URL, "--cluster-name=e2e")
 
 		// A dead API connection: the restart cures it.
 		n := c.Node("agg-ipt")
@@ -171,15 +166,15 @@ func TestE2ERemediation(t *testing.T) {
 		}
 		// Slack (its first answers 429, then 500): one thread, opened with
 		// the evidence, closed resolved, the opening message updated.
-		l.until(t, time.Minute, "the Slack thread for agg-ipt resolved", func() bool { return sl.updates.Load() >= 1 })
-		ps := sl.all()
+		l.until(t, time.Minute, "the Slack thread for agg-ipt resolved", func() bool { return sl.Updates.Load() >= 1 })
+		ps := sl.Posts()
 		if len(ps) < 2 || ps[0].Get("thread_ts") != "" || !strings.Contains(ps[0].Get("blocks"), "churn/churn-4") ||
 			!strings.Contains(ps[0].Get("text"), "Restarting kube-proxy on agg-ipt") ||
 			ps[len(ps)-1].Get("thread_ts") == "" || !strings.Contains(ps[len(ps)-1].Get("text"), "back in sync") {
 			t.Errorf("Slack thread:\n%v", ps)
 		}
-		if sl.refused.Load() != 2 {
-			t.Errorf("Slack refused %d posts, want 2 (429, 500) retried", sl.refused.Load())
+		if sl.Refused.Load() != 2 {
+			t.Errorf("Slack refused %d posts, want 2 (429, 500) retried", sl.Refused.Load())
 		}
 
 		// A hung informer the restart does not cure: cordoned after the
@@ -222,7 +217,6 @@ func TestE2ERemediation(t *testing.T) {
 		if len(fs) != 0 {
 			t.Errorf("findings left: %s", describe(fs))
 		}
-		_ = audit.NodeInSync
 	})
 
 	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
@@ -300,62 +294,4 @@ func TestE2ERemediation(t *testing.T) {
 				remediate.IncidentFromAnnotations(l.node(ctx, b.Name).Annotations).Stage == ""
 		})
 	})
-}
-
-type slackServer struct {
-	url, tokenFile   string
-	posts            posts
-	updates, refused atomic.Int32
-}
-
-func (s *slackServer) all() []url.Values { return s.posts.all() }
-
-type posts struct {
-	mu   sync.Mutex
-	seen []url.Values
-}
-
-func (p *posts) add(v url.Values) { p.mu.Lock(); p.seen = append(p.seen, v); p.mu.Unlock() }
-func (p *posts) all() []url.Values {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return append([]url.Values(nil), p.seen...)
-}
-
-// startSlack runs slack-go's test server; its first two posts answer 429
-// (Retry-After 1) and 500.
-func startSlack(t *testing.T) *slackServer {
-	s := &slackServer{}
-	var calls atomic.Int32
-	srv := slacktest.NewTestServer(func(c slacktest.Customize) {
-		c.Handle("/chat.postMessage", func(w http.ResponseWriter, r *http.Request) {
-			switch calls.Add(1) {
-			case 1:
-				s.refused.Add(1)
-				w.Header().Set("Retry-After", "1")
-				w.WriteHeader(http.StatusTooManyRequests)
-				return
-			case 2:
-				s.refused.Add(1)
-				w.WriteHeader(http.StatusInternalServerError)
-				return
-			}
-			body, _ := io.ReadAll(r.Body)
-			v, _ := url.ParseQuery(string(body))
-			s.posts.add(v)
-			json.NewEncoder(w).Encode(map[string]any{"ok": true, "channel": v.Get("channel"), "ts": fmt.Sprintf("1700000000.%06d", calls.Load())})
-		})
-		c.Handle("/chat.update", func(w http.ResponseWriter, r *http.Request) {
-			s.updates.Add(1)
-			json.NewEncoder(w).Encode(map[string]any{"ok": true, "channel": "C0PROXYAUDIT", "ts": "1700000000.000003", "text": ""})
-		})
-	})
-	go srv.Start()
-	t.Cleanup(srv.Stop)
-	s.url = srv.GetAPIURL()
-	s.tokenFile = filepath.Join(t.TempDir(), "slack-token")
-	if err := os.WriteFile(s.tokenFile, []byte("xoxb-e2e-test\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return s
 }

@@ -266,7 +266,7 @@ func quietReason(n *corev1.Node) string {
 	return ""
 }
 
-// Services counts the services kube-proxy programs (not skipped).
+// servicesProgrammed counts the services kube-proxy programs (not skipped).
 func servicesProgrammed(st *audit.State) int {
 	n := 0
 	for i := range st.Services {
