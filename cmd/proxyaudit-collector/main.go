@@ -12,6 +12,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -60,6 +61,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	interval := fs.Duration("interval", 10*time.Second, "how often to read the rules; the aggregator declares the collector missing after 3 intervals without a report")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
+	serverName := fs.String("tls-server-name", os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"), "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name (replicas are dialled by IP, so an IP-only --aggregator needs this) [PROXYAUDIT_TLS_SERVER_NAME]")
 	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
@@ -102,7 +104,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 		if !pool.AppendCertsFromPEM(pem) {
 			return fail("--ca-file %s: no PEM certificates in it", *caFile)
 		}
-		cfg.TLS = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+		name := *serverName
+		if name == "" {
+			name = dnsHost(*agg)
+		}
+		if name == "" {
+			return fail("--ca-file: --aggregator names replicas by IP; set --tls-server-name to the name in the aggregator's certificate")
+		}
+		cfg.TLS = &tls.Config{RootCAs: pool, ServerName: name, MinVersion: tls.VersionTLS12}
 	}
 	log, err := zap.NewProduction()
 	if err != nil {
@@ -119,6 +128,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return fail("%v", err)
 	}
 	return 0
+}
+
+// dnsHost is the first DNS name among the --aggregator addresses, or "".
+// The collector resolves it and dials replicas by IP, so the name has to be
+// carried to the TLS handshake explicitly.
+func dnsHost(aggregators string) string {
+	for _, a := range strings.Split(aggregators, ",") {
+		host, _, err := net.SplitHostPort(strings.TrimSpace(a))
+		if err == nil && host != "" && net.ParseIP(host) == nil {
+			return host
+		}
+	}
+	return ""
 }
 
 func version() string {

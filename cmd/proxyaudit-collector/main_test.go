@@ -2,8 +2,18 @@ package main
 
 import (
 	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestFlagsAndHelp(t *testing.T) {
@@ -24,5 +34,33 @@ func TestFlagsAndHelp(t *testing.T) {
 		if code := run(args, &errb, &errb); code != 2 || !strings.Contains(errb.String(), "proxyaudit-collector:") {
 			t.Errorf("%s: exit %d: %q", name, code, errb.String())
 		}
+	}
+}
+
+func TestTLSServerName(t *testing.T) {
+	for in, want := range map[string]string{
+		"proxyaudit-aggregator-headless.proxyaudit.svc:9443": "proxyaudit-aggregator-headless.proxyaudit.svc",
+		"198.18.1.1:9443,agg.example:9443":                   "agg.example",
+		"198.18.1.1:9443,[2001:db8::1]:9443":                  "",
+	} {
+		if got := dnsHost(in); got != want {
+			t.Errorf("dnsHost(%q) = %q, want %q", in, got, want)
+		}
+	}
+	// A CA with replicas named only by IP cannot verify anything: say so.
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "ca"}, IsCA: true, BasicConstraintsValid: true,
+		NotBefore: time.Now(), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := filepath.Join(t.TempDir(), "ca.crt")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var errb bytes.Buffer
+	if code := run([]string{"--node-name", "n", "--aggregator", "198.18.1.1:9443", "--ca-file", ca}, &errb, &errb); code != 2 || !strings.Contains(errb.String(), "--tls-server-name") {
+		t.Errorf("IP-only aggregator with a CA: exit %d: %q", code, errb.String())
 	}
 }
