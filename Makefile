@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench fuzz lint fmt deps cluster-binaries clean
+.PHONY: all build test unit e2e demo fixtures bench fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -46,6 +46,18 @@ fuzz:
 	for t in FuzzParseIPTables FuzzParseNFTables FuzzParseIPVS FuzzParseRules FuzzParseClusterList; do \
 		$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./audit || exit 1; done
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./internal/stream
+
+## manifests: re-render deploy/manifests/proxyaudit.yaml from the chart (a test fails when it is stale)
+manifests:
+	$(GO) test -count=1 -run '^TestManifestsInSync$$' ./internal/chart -update
+
+## chart-lint: helm lint --strict on the chart with its default and ci/ values
+chart-lint:
+	$(GO) test -count=1 -run '^TestLintStrict$$' -v ./internal/chart
+
+## helm: build (or reuse) the pinned Helm CLI; prints its path
+helm:
+	@deploy/k8s-tools/helm.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -190,11 +190,11 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	c.AdminKubeconfig = filepath.Join(c.Dir, "admin.kubeconfig")
-	if err := writeKubeconfig(c.AdminKubeconfig, "https://127.0.0.1:6443", c.pki.CACert, c.adminToken); err != nil {
+	if err := writeKubeconfig(c.AdminKubeconfig, "https://127.0.0.1:6443", c.pki.CACert, c.adminToken, ""); err != nil {
 		return c, err
 	}
 	c.proxyKubeconfig = filepath.Join(c.Dir, "kube-proxy.kubeconfig")
-	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, proxyToken); err != nil {
+	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, proxyToken, ""); err != nil {
 		return c, err
 	}
 	if err := c.startEtcd(ctx); err != nil {
@@ -591,7 +591,12 @@ func randomToken() string {
 	return hex.EncodeToString(b)
 }
 
-func writeKubeconfig(path, server, caFile, token string) error {
+// writeKubeconfig writes a kubeconfig for a bearer token; as, when set,
+// impersonates that user.
+func writeKubeconfig(path, server, caFile, token, as string) error {
+	if as != "" {
+		as = "\n    as: " + as
+	}
 	cfg := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
@@ -602,12 +607,12 @@ clusters:
 users:
 - name: user
   user:
-    token: %s
+    token: %s%s
 contexts:
 - name: local
   context: {cluster: local, user: user}
 current-context: local
-`, server, caFile, token)
+`, server, caFile, token, as)
 	return os.WriteFile(path, []byte(cfg), 0o600)
 }
 

@@ -168,3 +168,22 @@ func (c *Cluster) PodToken(ctx context.Context, namespace, serviceAccount, node,
 }
 
 func ptrTo[T any](v T) *T { return &v }
+
+// ServiceAccountKubeconfig writes a kubeconfig that authenticates as the
+// ServiceAccount, with a token the API server accepts (its own audience),
+// as a pod running under that account would have. The account must exist.
+func (c *Cluster) ServiceAccountKubeconfig(ctx context.Context, namespace, serviceAccount, path string) error {
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, serviceAccount, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		ExpirationSeconds: ptrTo(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("request a token for %s/%s: %w", namespace, serviceAccount, err)
+	}
+	return writeKubeconfig(path, c.RESTConfig.Host, c.RESTConfig.CAFile, tr.Status.Token, "")
+}
+
+// ImpersonatingKubeconfig writes a kubeconfig that acts as user (kubectl's
+// --as), authenticated by the admin: what it may do is what RBAC grants
+// that user, nothing more.
+func (c *Cluster) ImpersonatingKubeconfig(user, path string) error {
+	return writeKubeconfig(path, c.RESTConfig.Host, c.RESTConfig.CAFile, c.RESTConfig.BearerToken, user)
+}

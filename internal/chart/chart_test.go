@@ -1,0 +1,257 @@
+package chart_test
+
+import (
+	"bytes"
+	"flag"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v3"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+
+	"github.com/proxyaudit/proxyaudit/internal/chart"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+var update = flag.Bool("update", false, "rewrite deploy/manifests/proxyaudit.yaml from the chart")
+
+func root(t *testing.T) string {
+	t.Helper()
+	r, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// valuesFiles are the default values (nil) and every file under ci/.
+func valuesFiles(t *testing.T) map[string][]string {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(root(t), chart.Dir, "ci", "*.yaml"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no values files under %s/ci: %v", chart.Dir, err)
+	}
+	out := map[string][]string{"default": nil}
+	for _, f := range files {
+		out[strings.TrimSuffix(filepath.Base(f), "-values.yaml")] = []string{f}
+	}
+	return out
+}
+
+func skipShort(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds helm (~2 min cold)")
+	}
+}
+
+func TestLintStrict(t *testing.T) {
+	skipShort(t)
+	helm, err := chart.Helm(root(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, files := range valuesFiles(t) {
+		args := []string{"lint", "--strict", filepath.Join(root(t), chart.Dir)}
+		for _, f := range files {
+			args = append(args, "--values", f)
+		}
+		out, err := exec.Command(helm, args...).CombinedOutput()
+		if err != nil {
+			t.Errorf("%s: helm lint --strict: %v\n%s", name, err, out)
+		}
+	}
+}
+
+// Every value carries a `# --` comment (on itself or on each of its leaves),
+// the convention helm-docs and readers of values.yaml rely on.
+func TestEveryValueDocumented(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(root(t), chart.Dir, "values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc yaml.Node
+	if err := yaml.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	var undocumented []string
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			p := strings.TrimPrefix(path+"."+k.Value, ".")
+			if strings.Contains(k.HeadComment, "# --") {
+				continue
+			}
+			if v.Kind == yaml.MappingNode && len(v.Content) > 0 {
+				walk(v, p)
+				continue
+			}
+			undocumented = append(undocumented, p)
+		}
+	}
+	walk(doc.Content[0], "")
+	if len(undocumented) > 0 {
+		t.Errorf("values without a `# --` comment: %v", undocumented)
+	}
+}
+
+func render(t *testing.T, files []string, sets ...string) *chart.Release {
+	t.Helper()
+	r, err := chart.Render(root(t), "proxyaudit", "proxyaudit", files, sets...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func rules(t *testing.T, r *chart.Release, kind, name string) []rbacv1.PolicyRule {
+	t.Helper()
+	o := r.Find(kind, name)
+	if o == nil {
+		t.Fatalf("no %s %s in %v", kind, name, r.Kinds())
+	}
+	var role rbacv1.ClusterRole // a Role has the same rules field
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &role); err != nil {
+		t.Fatal(err)
+	}
+	return role.Rules
+}
+
+func allows(rs []rbacv1.PolicyRule, verb, resource string) bool {
+	for _, r := range rs {
+		if slices.Contains(r.Verbs, verb) && slices.Contains(r.Resources, resource) {
+			return true
+		}
+	}
+	return false
+}
+
+// The shapes the issue asks for, on the default values.
+func TestDefaultShape(t *testing.T) {
+	skipShort(t)
+	r := render(t, nil)
+	col, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := col.Containers[0]
+	if !col.HostNetwork || col.AutomountServiceAccountToken == nil || *col.AutomountServiceAccountToken {
+		t.Errorf("collector: hostNetwork %v, automount %v", col.HostNetwork, col.AutomountServiceAccountToken)
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || sc.Privileged == nil || *sc.Privileged ||
+		!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"NET_ADMIN", "NET_RAW"}) || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("collector security context: %+v", sc)
+	}
+	if len(col.Tolerations) != 1 || col.Tolerations[0].Operator != corev1.TolerationOpExists || col.Tolerations[0].Key != "" {
+		t.Errorf("collector must tolerate every taint: %+v", col.Tolerations)
+	}
+	if col.PriorityClassName != "system-node-critical" || c.Resources.Requests.Memory().IsZero() || c.Resources.Limits.Memory().IsZero() {
+		t.Errorf("collector priority %q resources %+v", col.PriorityClassName, c.Resources)
+	}
+	var audience string
+	for _, v := range col.Volumes {
+		if v.Projected != nil {
+			audience = v.Projected.Sources[0].ServiceAccountToken.Audience
+		}
+	}
+	if audience != "proxyaudit" {
+		t.Errorf("projected token audience %q", audience)
+	}
+
+	agg, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := agg.Containers[0]
+	if a.LivenessProbe.HTTPGet.Path != "/healthz" || a.ReadinessProbe.HTTPGet.Path != "/readyz" || agg.Affinity.PodAntiAffinity == nil {
+		t.Errorf("aggregator probes/affinity: %+v %+v %+v", a.LivenessProbe, a.ReadinessProbe, agg.Affinity)
+	}
+	for _, want := range []string{"--tls-cert-file=/etc/proxyaudit/tls/tls.crt", "--remediation=dry-run", "--leader-elect=true",
+		"--collector-service-accounts=proxyaudit/proxyaudit-collector", "--token-audience=proxyaudit"} {
+		if !slices.Contains(a.Args, want) {
+			t.Errorf("aggregator args lack %s: %v", want, a.Args)
+		}
+	}
+	for _, k := range []string{"PodDisruptionBudget/proxyaudit-aggregator", "Service/proxyaudit-aggregator", "Service/proxyaudit-aggregator-headless",
+		"Secret/proxyaudit-aggregator-tls", "Role/proxyaudit-report-reader"} {
+		if !slices.Contains(r.Kinds(), k) {
+			t.Errorf("no %s in %v", k, r.Kinds())
+		}
+	}
+	for _, k := range r.Kinds() {
+		if strings.HasPrefix(k, "ServiceMonitor/") || strings.HasPrefix(k, "PrometheusRule/") || strings.HasPrefix(k, "NetworkPolicy/") ||
+			strings.Contains(k, "restart-kube-proxy") {
+			t.Errorf("rendered by default: %s", k)
+		}
+	}
+	// Dry-run: read, review tokens, nothing that changes a node or a pod.
+	cr := rules(t, r, "ClusterRole", "proxyaudit-aggregator")
+	if !allows(cr, "list", "endpointslices") || !allows(cr, "create", "tokenreviews") || allows(cr, "patch", "nodes") || allows(cr, "patch", "nodes/status") {
+		t.Errorf("dry-run ClusterRole: %+v", cr)
+	}
+	// Remediation on: exactly the verbs it needs.
+	r = render(t, nil, "remediation.mode=restart")
+	cr = rules(t, r, "ClusterRole", "proxyaudit-aggregator")
+	if !allows(cr, "patch", "nodes") || !allows(cr, "patch", "nodes/status") || allows(cr, "delete", "nodes") || allows(cr, "update", "nodes") {
+		t.Errorf("restart ClusterRole: %+v", cr)
+	}
+	if rs := rules(t, r, "Role", "proxyaudit-aggregator-restart-kube-proxy"); !allows(rs, "delete", "pods") || r.Find("Role", "proxyaudit-aggregator-restart-kube-proxy").GetNamespace() != "kube-system" {
+		t.Errorf("restart Role: %+v", rs)
+	}
+}
+
+// Wrong values fail the render and say which value and why.
+func TestBadValuesAreRefused(t *testing.T) {
+	skipShort(t)
+	for set, says := range map[string]string{
+		"remediation.mode=restarts":  "/remediation/mode",
+		"grace=30":                   "/grace",
+		"aggregator.replica=3":       "'replica' not allowed",
+		"collector.interval=often":   "/collector/interval",
+		"slack.channel=C0123":        "no bot token",
+		"slack.botToken=xoxb-1":      "needs slack.channel",
+		"remediation.maxShare=2":     "/remediation/maxShare",
+		"aggregator.streamPort=0":    "/aggregator/streamPort",
+		"collector.mode=ipvs":        "/collector/mode",
+		"networkPolicy.enable=true":  "'enable' not allowed",
+		"tls.existingSecret=":        "", // empty is fine
+		"remediation.restartBudget=": "/remediation/restartBudget",
+	} {
+		_, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, set)
+		switch {
+		case says == "" && err != nil:
+			t.Errorf("--set %s: %v", set, err)
+		case says != "" && (err == nil || !strings.Contains(err.Error(), says)):
+			t.Errorf("--set %s: error %v, want it to mention %q", set, err, says)
+		}
+	}
+}
+
+// deploy/manifests/proxyaudit.yaml is the chart rendered with
+// deploy/manifests/values.yaml; `make manifests` (or -update) rewrites it.
+func TestManifestsInSync(t *testing.T) {
+	skipShort(t)
+	dir := filepath.Join(root(t), "deploy", "manifests")
+	r := render(t, []string{filepath.Join(dir, "values.yaml")})
+	want := append([]byte("# Generated by `make manifests` from charts/proxyaudit with deploy/manifests/values.yaml. Do not edit.\n"), r.Manifest...)
+	path := filepath.Join(dir, "proxyaudit.yaml")
+	if *update {
+		if err := os.WriteFile(path, want, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("%s is out of date with the chart: run `make manifests`", path)
+	}
+}
