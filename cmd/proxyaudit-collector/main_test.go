@@ -41,7 +41,7 @@ func TestTLSServerName(t *testing.T) {
 	for in, want := range map[string]string{
 		"proxyaudit-aggregator-headless.proxyaudit.svc:9443": "proxyaudit-aggregator-headless.proxyaudit.svc",
 		"198.18.1.1:9443,agg.example:9443":                   "agg.example",
-		"198.18.1.1:9443,[2001:db8::1]:9443":                  "",
+		"198.18.1.1:9443,[2001:db8::1]:9443":                 "",
 	} {
 		if got := dnsHost(in); got != want {
 			t.Errorf("dnsHost(%q) = %q, want %q", in, got, want)
