@@ -14,6 +14,12 @@ if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kube-proxy" ] && [ -x "$bin/etcd" 
 fi
 mkdir -p "$bin.tmp"
 echo "building kube-apiserver, kube-proxy, etcd (k8s $(grep -oE 'k8s.io/kubernetes v[0-9.]+' "$here/go.mod" | cut -d' ' -f2)); a cold build takes ~7 min on 2 cores" >&2
-(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags='-s -w' -o "$bin.tmp/" ./kube-apiserver ./kube-proxy ./etcd) >&2
+# The version the binaries report (/version, kube-proxy --version), as a
+# release build sets it; without it the API server says v0.0.0-master and
+# `helm install` refuses a chart with a kubeVersion constraint.
+v=$(grep -oE 'k8s.io/kubernetes v[0-9.]+' "$here/go.mod" | cut -d' ' -f2)
+minor=$(echo "$v" | cut -d. -f2)
+ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags="$ldflags" -o "$bin.tmp/" ./kube-apiserver ./kube-proxy ./etcd) >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin"

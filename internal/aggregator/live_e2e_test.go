@@ -2,6 +2,8 @@ package aggregator_test
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -21,6 +23,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -57,8 +60,11 @@ type live struct {
 	epoch   int
 	http    *http.Client
 	tokens  map[string]string
-	extra   []string // aggregator flags of this test
 	started time.Time
+
+	rel              *chart.Release // the chart as this test renders it
+	aggSpec, colSpec *corev1.PodSpec
+	kubeconfig       string // the aggregator ServiceAccount's
 }
 
 func buildBinaries(t *testing.T) string {
@@ -76,13 +82,56 @@ func buildBinaries(t *testing.T) string {
 	return dir
 }
 
+// deploy renders the chart with the e2e's values (and the test's), applies
+// it to the API server, and prepares what its pods would get: the
+// aggregator's ServiceAccount credentials and the pod specs the replicas
+// and collectors are started from. Chart and binaries cannot drift apart:
+// the processes run with exactly the flags and environment the chart
+// renders, overriding only what differs on one machine (listen addresses,
+// the aggregator's address without cluster DNS, in-cluster config).
+func (l *live) deploy(ctx context.Context, sets []string) {
+	l.t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	base := []string{"grace=" + grace.String(), "collector.interval=" + interval.String(), "tokenAudience=" + audience}
+	if l.rel, err = chart.Render(root, "proxyaudit", ns, nil, append(base, sets...)...); err != nil {
+		l.t.Fatal(err)
+	}
+	if err := l.rel.Apply(ctx, l.c.RESTConfig); err != nil {
+		l.t.Fatal(err)
+	}
+	if l.aggSpec, err = l.rel.PodSpec("Deployment", "proxyaudit-aggregator"); err != nil {
+		l.t.Fatal(err)
+	}
+	if l.colSpec, err = l.rel.PodSpec("DaemonSet", sa); err != nil {
+		l.t.Fatal(err)
+	}
+	// The aggregator talks to the API only as the chart's ServiceAccount:
+	// its RBAC is what these tests exercise.
+	l.kubeconfig = filepath.Join(l.dir, "aggregator.kubeconfig")
+	if err := l.c.ServiceAccountKubeconfig(ctx, ns, "proxyaudit-aggregator", l.kubeconfig); err != nil {
+		l.t.Fatal(err)
+	}
+}
+
+// localArgv is env + the local binary + the container's arguments.
+func (l *live) localArgv(loc *chart.Local) []string {
+	argv := append([]string{"env"}, loc.Env...)
+	argv = append(argv, filepath.Join(l.bin, filepath.Base(loc.Args[0])))
+	return append(argv, loc.Args[1:]...)
+}
+
 func (l *live) startAggregator(ip string) {
 	l.t.Helper()
-	args := append([]string{"--kubeconfig=" + l.c.AdminKubeconfig,
-		"--stream-listen=" + ip + ":9443", "--http-listen=" + ip + ":8080", "--advertise-address=" + ip,
-		"--grace=" + grace.String(), "--leader-elect-namespace=" + ns,
-		"--collector-service-accounts=" + ns + "/" + sa, "--token-audience=" + audience}, l.extra...)
-	p, err := l.c.StartProcess("aggregator-"+ip, append([]string{filepath.Join(l.bin, "proxyaudit-aggregator")}, args...)...)
+	loc, err := l.rel.Localize(l.aggSpec, "aggregator", filepath.Join(l.dir, "aggregator-"+ip),
+		chart.Pod{Fields: map[string]string{"status.podIP": ip, "metadata.namespace": ns}})
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	argv := append(l.localArgv(loc), "--kubeconfig="+l.kubeconfig, "--stream-listen="+ip+":9443", "--http-listen="+ip+":8080")
+	p, err := l.c.StartProcess("aggregator-"+ip, argv...)
 	if err != nil {
 		l.t.Fatal(err)
 	}
@@ -91,13 +140,18 @@ func (l *live) startAggregator(ip string) {
 
 func (l *live) startCollector(n *localcluster.Node) {
 	l.t.Helper()
+	loc, err := l.rel.Localize(l.colSpec, "collector", filepath.Join(l.dir, "collector-"+n.Name),
+		chart.Pod{Fields: map[string]string{"spec.nodeName": n.Name}, Token: func(aud string) (string, error) {
+			return l.c.PodToken(context.Background(), ns, sa, n.Name, aud)
+		}})
+	if err != nil {
+		l.t.Fatal(err)
+	}
 	var addrs []string
 	for _, ip := range replicaIPs {
 		addrs = append(addrs, ip+":9443")
 	}
-	p, err := n.StartProcess("collector-"+n.Name, filepath.Join(l.bin, "proxyaudit-collector"),
-		"--node-name="+n.Name, "--aggregator="+strings.Join(addrs, ","), "--interval="+interval.String(),
-		"--token-file="+filepath.Join(l.dir, n.Name+".token"))
+	p, err := n.StartProcess("collector-"+n.Name, append(l.localArgv(loc), "--aggregator="+strings.Join(addrs, ","))...)
 	if err != nil {
 		l.t.Fatal(err)
 	}
@@ -221,10 +275,10 @@ func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
 // newLive starts two aggregator replicas (with extra flags) and a
 // collector per node, on the churn services, and waits for every node to
 // be in sync. Everything stops with the test.
-func newLive(ctx context.Context, t *testing.T, extra ...string) *live {
+func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 	c := localcluster.Shared(t)
 	l := &live{t: t, c: c, bin: buildBinaries(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
-		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{}, extra: extra,
+		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{},
 		started: time.Now()}
 	t.Cleanup(func() {
 		for _, p := range l.cols {
@@ -251,6 +305,7 @@ func newLive(ctx context.Context, t *testing.T, extra ...string) *live {
 			t.Fatal(err)
 		}
 	}
+	l.deploy(ctx, sets)
 	for _, ip := range replicaIPs {
 		if err := c.AddHostAddress(ctx, ip); err != nil {
 			t.Fatal(err)
@@ -378,10 +433,24 @@ func TestE2ELiveSystem(t *testing.T) {
 	t.Run("flushed rules", func(t *testing.T) { l.flushed(ctx, t) })
 }
 
+// tlsConfig trusts the CA the chart generated, as the collectors do.
+func (l *live) tlsConfig(t *testing.T) *tls.Config {
+	t.Helper()
+	data, err := l.rel.SecretData("proxyaudit-aggregator-tls")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(data["ca.crt"]) {
+		t.Fatal("no CA in the chart's TLS Secret")
+	}
+	return &tls.Config{RootCAs: pool, ServerName: "proxyaudit-aggregator." + ns + ".svc", MinVersion: tls.VersionTLS12}
+}
+
 func (l *live) rejectedBy(t *testing.T, hello *stream.Message, raw []byte) string {
 	t.Helper()
 	leader := l.leader(context.Background())
-	conn, err := net.DialTimeout("tcp", leader, 5*time.Second)
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp", leader, l.tlsConfig(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,8 +2,6 @@ package aggregator_test
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -114,7 +112,7 @@ func TestE2ERemediation(t *testing.T) {
 	}
 
 	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
-		l := newLive(ctx, t, "--remediation=dry-run", "--remediation-max-share=0.5")
+		l := newLive(ctx, t, "remediation.mode=dry-run", "remediation.maxShare=0.5")
 		n := c.Node("agg-ipt")
 		undo := l.drift(ctx, t, n, true)
 		l.until(t, grace+time.Minute, "a dry-run Event on agg-ipt", func() bool {
@@ -140,13 +138,9 @@ func TestE2ERemediation(t *testing.T) {
 
 	t.Run("restart, re-audit, cordon, uncordon", func(t *testing.T) {
 		sl := remediatetest.NewSlack(t, remediatetest.Flaky)
-		tokenFile := filepath.Join(t.TempDir(), "slack-token")
-		if err := os.WriteFile(tokenFile, []byte("xoxb-e2e-test\n"), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		l := newLive(ctx, t, "--remediation=restart-and-cordon", "--remediation-recheck=25s",
-			"--remediation-max-nodes=1", "--remediation-max-share=0.5", "--remediation-cooldown=1m",
-			"--slack-token-file="+tokenFile, "--slack-channel=C0PROXYAUDIT", "--slack-api-url="+sl.URL, "--cluster-name=e2e")
+		l := newLive(ctx, t, "remediation.mode=restart-and-cordon", "remediation.recheck=25s",
+			"remediation.maxNodes=1", "remediation.maxShare=0.5", "remediation.cooldown=1m",
+			"slack.botToken=xoxb-e2e-test", "slack.channel=C0PROXYAUDIT", "slack.apiURL="+sl.URL, "clusterName=e2e")
 
 		// A dead API connection: the restart cures it.
 		n := c.Node("agg-ipt")
@@ -220,8 +214,8 @@ func TestE2ERemediation(t *testing.T) {
 	})
 
 	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
-		l := newLive(ctx, t, "--remediation=restart", "--remediation-recheck=40s",
-			"--remediation-max-nodes=5", "--remediation-max-share=0.5", "--remediation-cooldown=10m")
+		l := newLive(ctx, t, "remediation.mode=restart", "remediation.recheck=40s",
+			"remediation.maxNodes=5", "remediation.maxShare=0.5", "remediation.cooldown=10m")
 		a, b := c.Node("agg-ipt"), c.Node("agg-legacy")
 		// The earlier restarts count against the per-node budget and
 		// cooldown; clear them, as an operator would after a drill.

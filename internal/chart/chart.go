@@ -77,20 +77,26 @@ func Render(root, release, namespace string, valuesFiles []string, sets ...strin
 		return nil, fmt.Errorf("helm %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
 	}
 	r := &Release{Name: release, Namespace: namespace, Manifest: out}
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(out), 4096)
+	if err := r.Decode(out); err != nil {
+		return nil, fmt.Errorf("rendered chart: %w", err)
+	}
+	return r, nil
+}
+
+// Decode adds the objects of a multi-document YAML stream.
+func (r *Release) Decode(doc []byte) error {
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(doc), 4096)
 	for {
 		var m map[string]any
 		if err := dec.Decode(&m); errors.Is(err, io.EOF) {
-			break
+			return nil
 		} else if err != nil {
-			return nil, fmt.Errorf("rendered chart: %w", err)
+			return err
 		}
-		if m == nil {
-			continue
+		if m != nil {
+			r.Objects = append(r.Objects, &unstructured.Unstructured{Object: m})
 		}
-		r.Objects = append(r.Objects, &unstructured.Unstructured{Object: m})
 	}
-	return r, nil
 }
 
 // Find returns the rendered object of that kind and name, or nil.
@@ -257,7 +263,7 @@ func (r *Release) Localize(spec *corev1.PodSpec, container, dir string, pod Pod)
 			}
 			val = v
 		case e.ValueFrom.SecretKeyRef != nil:
-			data, err := r.secretData(e.ValueFrom.SecretKeyRef.Name)
+			data, err := r.SecretData(e.ValueFrom.SecretKeyRef.Name)
 			if err != nil {
 				return nil, fmt.Errorf("env %s: %w", e.Name, err)
 			}
@@ -276,7 +282,7 @@ func (r *Release) volumeFiles(v corev1.Volume, pod Pod) (map[string][]byte, erro
 	case v.HostPath != nil:
 		return nil, nil
 	case v.Secret != nil:
-		data, err := r.secretData(v.Secret.SecretName)
+		data, err := r.SecretData(v.Secret.SecretName)
 		if err != nil {
 			return nil, err
 		}
@@ -313,8 +319,8 @@ func items(data map[string][]byte, keys []corev1.KeyToPath) (map[string][]byte, 
 	return out, nil
 }
 
-// secretData reads a rendered Secret's data and stringData.
-func (r *Release) secretData(name string) (map[string][]byte, error) {
+// SecretData reads a rendered Secret's data and stringData.
+func (r *Release) SecretData(name string) (map[string][]byte, error) {
 	o := r.Find("Secret", name)
 	if o == nil {
 		return nil, fmt.Errorf("the chart renders no Secret %s (an existing Secret is not available to a local run)", name)

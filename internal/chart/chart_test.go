@@ -218,6 +218,8 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"slack.channel=C0123":        "no bot token",
 		"slack.botToken=xoxb-1":      "needs slack.channel",
 		"remediation.maxShare=2":     "/remediation/maxShare",
+		"remediation.maxShare=1.5":   "/remediation/maxShare", // --set passes floats as strings
+		"remediation.maxShare=0.05":  "",
 		"aggregator.streamPort=0":    "/aggregator/streamPort",
 		"collector.mode=ipvs":        "/collector/mode",
 		"networkPolicy.enable=true":  "'enable' not allowed",

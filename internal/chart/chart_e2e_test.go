@@ -1,0 +1,349 @@
+package chart_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	coordv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/proxyaudit/proxyaudit/internal/chart"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+// The chart's tests need only the API server: no nodes.
+func TestMain(m *testing.M) { localcluster.Main(m) }
+
+// prometheusOperator pins the CRDs the optional ServiceMonitor and
+// PrometheusRule are applied against, so their schemas check the chart.
+const prometheusOperator = "github.com/prometheus-operator/prometheus-operator@v0.85.0"
+
+func installMonitoringCRDs(ctx context.Context, t *testing.T, c *localcluster.Cluster) {
+	t.Helper()
+	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", prometheusOperator).Output()
+	if err != nil {
+		t.Fatalf("go mod download %s: %v", prometheusOperator, err)
+	}
+	var mod struct{ Dir string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download %s: %v %s", prometheusOperator, err, out)
+	}
+	for _, kind := range []string{"servicemonitors", "prometheusrules"} {
+		path := filepath.Join(mod.Dir, "example/prometheus-operator-crd", "monitoring.coreos.com_"+kind+".yaml")
+		crd, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := applyYAML(ctx, c, crd); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The API server serves a new CRD's kind a moment after it is established.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := c.Client.Discovery().ServerResourcesForGroupVersion("monitoring.coreos.com/v1")
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("monitoring.coreos.com/v1 not served: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func applyYAML(ctx context.Context, c *localcluster.Cluster, doc []byte) error {
+	rel := chart.Release{Namespace: "default"}
+	if err := rel.Decode(doc); err != nil {
+		return err
+	}
+	return rel.Apply(ctx, c.RESTConfig)
+}
+
+// Every values set under ci/ and the defaults apply server-side to the real
+// API server: its schema validation, not only Helm's, checks every object.
+func TestE2EChartAppliesServerSide(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	installMonitoringCRDs(ctx, t, c)
+	for name, files := range valuesFiles(t) {
+		t.Run(name, func(t *testing.T) {
+			ns := "pa-" + name
+			r, err := chart.Render(root(t), ns, ns, files)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.Apply(ctx, c.RESTConfig); err != nil {
+				t.Fatal(err)
+			}
+			// Applying twice changes nothing and conflicts with nothing.
+			if err := r.Apply(ctx, c.RESTConfig); err != nil {
+				t.Fatalf("second apply: %v", err)
+			}
+			t.Logf("applied %d objects: %v", len(r.Objects), r.Kinds())
+		})
+	}
+}
+
+func helmCmd(ctx context.Context, t *testing.T, c *localcluster.Cluster, args ...string) (string, error) {
+	t.Helper()
+	helm, err := chart.Helm(root(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.CommandContext(ctx, helm, args...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig, "HELM_CACHE_HOME="+t.TempDir(),
+		"HELM_CONFIG_HOME="+t.TempDir(), "HELM_DATA_HOME="+t.TempDir())
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// The README's quickstart, as a user runs it: helm install, then upgrade
+// (the generated CA must survive, or every collector stops trusting the
+// aggregator), NOTES that warn about unsafe settings, uninstall.
+func TestE2EHelmInstallUpgrade(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	dir := filepath.Join(root(t), chart.Dir)
+	out, err := helmCmd(ctx, t, c, "install", "proxyaudit", dir, "--namespace", "proxyaudit", "--create-namespace")
+	if err != nil {
+		t.Fatalf("helm install: %v\n%s", err, out)
+	}
+	for _, want := range []string{"kubectl proxyaudit report -n proxyaudit", "Remediation: dry-run", "Nobody is paged"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("NOTES lack %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "WARNING") {
+		t.Errorf("default install warns:\n%s", out)
+	}
+	ca := func() []byte {
+		s, err := c.Client.CoreV1().Secrets("proxyaudit").Get(ctx, "proxyaudit-aggregator-tls", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.Data["ca.crt"]
+	}
+	before := ca()
+	if len(before) == 0 {
+		t.Fatal("no generated CA")
+	}
+	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "--namespace", "proxyaudit",
+		"--set", "aggregator.replicas=1", "--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5", "--set", "tls.enabled=true")
+	if err != nil {
+		t.Fatalf("helm upgrade: %v\n%s", err, out)
+	}
+	if !bytes.Equal(before, ca()) {
+		t.Error("helm upgrade replaced the CA the collectors trust")
+	}
+	for _, want := range []string{"WARNING: one aggregator replica", "WARNING: remediation may act on up to 1 node(s) or 50% of the fleet",
+		"a fleet under 2 nodes gets pages, not repairs"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("NOTES lack %q:\n%s", want, out)
+		}
+	}
+	d, err := c.Client.AppsV1().Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil || *d.Spec.Replicas != 1 || !contains(d.Spec.Template.Spec.Containers[0].Args, "--leader-elect=false") {
+		t.Errorf("upgraded Deployment: %v", err)
+	}
+	if out, err := helmCmd(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait"); err != nil {
+		t.Fatalf("helm uninstall: %v\n%s", err, out)
+	}
+	if _, err := c.Client.RbacV1().ClusterRoles().Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("ClusterRole after uninstall: %v", err)
+	}
+}
+
+func contains(ss []string, s string) bool {
+	for _, x := range ss {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// as returns a client acting as the ServiceAccount (or user), the way the
+// API server sees a pod's or a person's requests.
+func as(t *testing.T, c *localcluster.Cluster, user string, groups ...string) kubernetes.Interface {
+	t.Helper()
+	cfg := rest.CopyConfig(c.RESTConfig)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: append(groups, "system:authenticated")}
+	cl, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cl
+}
+
+func serviceAccount(t *testing.T, c *localcluster.Cluster, ns, name string) kubernetes.Interface {
+	return as(t, c, "system:serviceaccount:"+ns+":"+name, "system:serviceaccounts", "system:serviceaccounts:"+ns)
+}
+
+type check struct {
+	what string
+	do   func(ctx context.Context) error
+}
+
+// verify runs each action; allowed ones must not be Forbidden (a NotFound
+// or an invalid body still proves the authorizer let it through), the
+// others must be.
+func verify(ctx context.Context, t *testing.T, who string, allowed, forbidden []check) {
+	t.Helper()
+	for _, ch := range allowed {
+		if err := ch.do(ctx); apierrors.IsForbidden(err) {
+			t.Errorf("%s cannot %s: %v", who, ch.what, err)
+		}
+	}
+	for _, ch := range forbidden {
+		if err := ch.do(ctx); !apierrors.IsForbidden(err) {
+			t.Errorf("%s may %s (want Forbidden, got %v)", who, ch.what, err)
+		}
+	}
+}
+
+var dryRun = []string{metav1.DryRunAll}
+
+// The chart's RBAC, proven by acting as its ServiceAccounts: each can do
+// what it needs and nothing else; remediation verbs exist only when
+// remediation is on.
+func TestE2EChartRBAC(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	const ns = "pa-rbac"
+	apply := func(sets ...string) {
+		r, err := chart.Render(root(t), "proxyaudit", ns, nil, sets...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Apply(ctx, c.RESTConfig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	apply()
+	agg := serviceAccount(t, c, ns, "proxyaudit-aggregator")
+	nodePatch := []byte(`{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)
+	reads := []check{
+		{"list services", func(ctx context.Context) error { _, err := agg.CoreV1().Services("").List(ctx, metav1.ListOptions{Limit: 1}); return err }},
+		{"list endpointslices", func(ctx context.Context) error {
+			_, err := agg.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{Limit: 1})
+			return err
+		}},
+		{"watch nodes", func(ctx context.Context) error {
+			w, err := agg.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{})
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		}},
+		{"review a token", func(ctx context.Context) error {
+			_, err := agg.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: "x"}}, metav1.CreateOptions{})
+			return err
+		}},
+		{"create its Lease", func(ctx context.Context) error {
+			_, err := agg.CoordinationV1().Leases(ns).Create(ctx, &coordv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit-aggregator"}}, metav1.CreateOptions{DryRun: dryRun})
+			return err
+		}},
+		{"get its Lease", func(ctx context.Context) error {
+			_, err := agg.CoordinationV1().Leases(ns).Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+			return err
+		}},
+		{"record a node Event", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Events("default").Create(ctx, &corev1.Event{ObjectMeta: metav1.ObjectMeta{GenerateName: "n."},
+				InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: "n"}, Reason: "Test", Message: "m", Type: "Normal"}, metav1.CreateOptions{DryRun: dryRun})
+			return err
+		}},
+	}
+	remediation := []check{
+		{"annotate or cordon a node", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Nodes().Patch(ctx, "n", types.MergePatchType, nodePatch, metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}},
+		{"set a node condition", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Nodes().PatchStatus(ctx, "n", []byte(`{"status":{"conditions":[]}}`))
+			return err
+		}},
+		{"find kube-proxy pods", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
+			return err
+		}},
+		{"delete a kube-proxy pod", func(ctx context.Context) error {
+			return agg.CoreV1().Pods("kube-system").Delete(ctx, "kube-proxy-n", metav1.DeleteOptions{DryRun: dryRun})
+		}},
+	}
+	never := []check{
+		{"read Secrets", func(ctx context.Context) error { _, err := agg.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{}); return err }},
+		{"delete a node", func(ctx context.Context) error {
+			return agg.CoreV1().Nodes().Delete(ctx, "n", metav1.DeleteOptions{DryRun: dryRun})
+		}},
+		{"update a node", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Nodes().Update(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n"}}, metav1.UpdateOptions{DryRun: dryRun})
+			return err
+		}},
+		{"delete pods outside the kube-proxy namespace", func(ctx context.Context) error {
+			return agg.CoreV1().Pods("default").Delete(ctx, "p", metav1.DeleteOptions{DryRun: dryRun})
+		}},
+		{"take another Lease", func(ctx context.Context) error {
+			_, err := agg.CoordinationV1().Leases(ns).Get(ctx, "kube-scheduler", metav1.GetOptions{})
+			return err
+		}},
+		{"create pods", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Pods("kube-system").Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p"}}, metav1.CreateOptions{DryRun: dryRun})
+			return err
+		}},
+	}
+	verify(ctx, t, "aggregator (dry-run)", reads, append(never, remediation...))
+
+	col := serviceAccount(t, c, ns, "proxyaudit-collector")
+	verify(ctx, t, "collector", nil, []check{
+		{"list services", func(ctx context.Context) error { _, err := col.CoreV1().Services("").List(ctx, metav1.ListOptions{}); return err }},
+		{"get nodes", func(ctx context.Context) error { _, err := col.CoreV1().Nodes().Get(ctx, "n", metav1.GetOptions{}); return err }},
+		{"review a token", func(ctx context.Context) error {
+			_, err := col.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: "x"}}, metav1.CreateOptions{})
+			return err
+		}},
+		{"read Secrets in its namespace", func(ctx context.Context) error {
+			_, err := col.CoreV1().Secrets(ns).Get(ctx, "proxyaudit-aggregator-tls", metav1.GetOptions{})
+			return err
+		}},
+	})
+
+	// Someone bound to the report-reader Role reaches the aggregator
+	// through the service proxy, and nothing else.
+	if _, err := c.Client.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "sre"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "proxyaudit-report-reader"},
+		Subjects: []rbacv1.Subject{{Kind: "User", APIGroup: rbacv1.GroupName, Name: "sre@example.com"}}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	sre := as(t, c, "sre@example.com")
+	proxy := func(svc string) func(ctx context.Context) error {
+		return func(ctx context.Context) error {
+			_, err := sre.CoreV1().Services(ns).ProxyGet("http", svc, "http", "/api/v1/findings", nil).DoRaw(ctx)
+			return err
+		}
+	}
+	verify(ctx, t, "report reader", []check{{"read the report", proxy("proxyaudit-aggregator")}}, []check{
+		{"proxy to another service", proxy("other")},
+		{"list pods", func(ctx context.Context) error { _, err := sre.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); return err }},
+	})
+
+	apply("remediation.mode=restart-and-cordon")
+	verify(ctx, t, "aggregator (restart-and-cordon)", append(reads, remediation...), never)
+}
