@@ -47,9 +47,9 @@ fuzz:
 		$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./audit || exit 1; done
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./internal/stream
 
-## manifests: re-render deploy/manifests/proxyaudit.yaml from the chart (a test fails when it is stale)
+## manifests: re-render deploy/manifests/proxyaudit.yaml and the chart README values table (tests fail when stale)
 manifests:
-	$(GO) test -count=1 -run '^TestManifestsInSync$$' ./internal/chart -update
+	$(GO) test -count=1 -run '^(TestManifestsInSync|TestChartReadmeValuesInSync)$$' ./internal/chart -update
 
 ## chart-lint: helm lint --strict on the chart with its default and ci/ values
 chart-lint:

@@ -144,8 +144,32 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if len(before) == 0 {
 		t.Fatal("no generated CA")
 	}
-	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "--namespace", "proxyaudit",
-		"--set", "aggregator.replicas=1", "--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5", "--set", "tls.enabled=true")
+	// The README's "Enabling Slack and remediation", word for word.
+	if _, err := c.Client.CoreV1().Secrets("proxyaudit").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit-slack"},
+		StringData: map[string]string{"token": "xoxb-readme"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "-n", "proxyaudit", "--reuse-values",
+		"--set", "slack.existingSecret=proxyaudit-slack", "--set", "slack.channel=C0123456789", "--set", "remediation.mode=restart")
+	if err != nil {
+		t.Fatalf("helm upgrade (README): %v\n%s", err, out)
+	}
+	for _, want := range []string{"Remediation: restart", "Slack: bot", "a fleet under 10 nodes gets pages"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("NOTES lack %q:\n%s", want, out)
+		}
+	}
+	d, err := c.Client.AppsV1().Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"--remediation=restart", "--slack-channel=C0123456789", "--slack-token-file=/etc/proxyaudit/slack/credential"} {
+		if !contains(d.Spec.Template.Spec.Containers[0].Args, want) {
+			t.Errorf("Deployment args lack %s: %v", want, d.Spec.Template.Spec.Containers[0].Args)
+		}
+	}
+	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "--namespace", "proxyaudit", "--reuse-values",
+		"--set", "aggregator.replicas=1", "--set", "remediation.maxShare=0.5")
 	if err != nil {
 		t.Fatalf("helm upgrade: %v\n%s", err, out)
 	}
@@ -158,7 +182,7 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 			t.Errorf("NOTES lack %q:\n%s", want, out)
 		}
 	}
-	d, err := c.Client.AppsV1().Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	d, err = c.Client.AppsV1().Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
 	if err != nil || *d.Spec.Replicas != 1 || !contains(d.Spec.Template.Spec.Containers[0].Args, "--leader-elect=false") {
 		t.Errorf("upgraded Deployment: %v", err)
 	}

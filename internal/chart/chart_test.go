@@ -2,7 +2,9 @@ package chart_test
 
 import (
 	"bytes"
+	"encoding/json"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,7 +21,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
-var update = flag.Bool("update", false, "rewrite deploy/manifests/proxyaudit.yaml from the chart")
+var update = flag.Bool("update", false, "rewrite deploy/manifests/proxyaudit.yaml and the chart README's values table")
 
 func root(t *testing.T) string {
 	t.Helper()
@@ -255,5 +257,68 @@ func TestManifestsInSync(t *testing.T) {
 	}
 	if !bytes.Equal(got, want) {
 		t.Errorf("%s is out of date with the chart: run `make manifests`", path)
+	}
+}
+
+// valuesTable is the Markdown table of every documented value: key, type,
+// default, description, in values.yaml's order.
+func valuesTable(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(root(t), chart.Dir, "values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc yaml.Node
+	if err := yaml.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	var rows strings.Builder
+	rows.WriteString("| Key | Type | Default | Description |\n|---|---|---|---|\n")
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			p := strings.TrimPrefix(path+"."+k.Value, ".")
+			_, desc, ok := strings.Cut(k.HeadComment, "# -- ")
+			if !ok {
+				walk(v, p)
+				continue
+			}
+			desc = strings.Join(strings.Fields(strings.ReplaceAll(desc, "\n#", " ")), " ")
+			var def any
+			if err := v.Decode(&def); err != nil {
+				t.Fatal(err)
+			}
+			js, _ := json.Marshal(def)
+			typ := map[string]string{"!!str": "string", "!!int": "int", "!!float": "float", "!!bool": "bool", "!!map": "object", "!!seq": "list"}[v.Tag]
+			fmt.Fprintf(&rows, "| `%s` | %s | `%s` | %s |\n", p, typ, strings.ReplaceAll(string(js), "|", `\|`), strings.ReplaceAll(desc, "|", `\|`))
+		}
+	}
+	walk(doc.Content[0], "")
+	return rows.String()
+}
+
+// The chart README's values table is generated from values.yaml's `# --`
+// comments; -update rewrites it.
+func TestChartReadmeValuesInSync(t *testing.T) {
+	path := filepath.Join(root(t), chart.Dir, "README.md")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const begin, end = "<!-- values:begin -->\n", "<!-- values:end -->"
+	i, j := bytes.Index(b, []byte(begin)), bytes.Index(b, []byte(end))
+	if i < 0 || j < i {
+		t.Fatalf("%s has no %q … %q section", path, begin, end)
+	}
+	want := string(b[:i+len(begin)]) + valuesTable(t) + string(b[j:])
+	if *update {
+		if err := os.WriteFile(path, []byte(want), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if string(b) != want {
+		t.Errorf("%s's values table is out of date with values.yaml: run `make manifests`", path)
 	}
 }
