@@ -265,7 +265,10 @@ func TestE2EChartRBAC(t *testing.T) {
 	agg := serviceAccount(t, c, ns, "proxyaudit-aggregator")
 	nodePatch := []byte(`{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)
 	reads := []check{
-		{"list services", func(ctx context.Context) error { _, err := agg.CoreV1().Services("").List(ctx, metav1.ListOptions{Limit: 1}); return err }},
+		{"list services", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Services("").List(ctx, metav1.ListOptions{Limit: 1})
+			return err
+		}},
 		{"list endpointslices", func(ctx context.Context) error {
 			_, err := agg.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{Limit: 1})
 			return err
@@ -313,7 +316,10 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 	}
 	never := []check{
-		{"read Secrets", func(ctx context.Context) error { _, err := agg.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{}); return err }},
+		{"read Secrets", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{})
+			return err
+		}},
 		{"delete a node", func(ctx context.Context) error {
 			return agg.CoreV1().Nodes().Delete(ctx, "n", metav1.DeleteOptions{DryRun: dryRun})
 		}},
@@ -337,8 +343,14 @@ func TestE2EChartRBAC(t *testing.T) {
 
 	col := serviceAccount(t, c, ns, "proxyaudit-collector")
 	verify(ctx, t, "collector", nil, []check{
-		{"list services", func(ctx context.Context) error { _, err := col.CoreV1().Services("").List(ctx, metav1.ListOptions{}); return err }},
-		{"get nodes", func(ctx context.Context) error { _, err := col.CoreV1().Nodes().Get(ctx, "n", metav1.GetOptions{}); return err }},
+		{"list services", func(ctx context.Context) error {
+			_, err := col.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		{"get nodes", func(ctx context.Context) error {
+			_, err := col.CoreV1().Nodes().Get(ctx, "n", metav1.GetOptions{})
+			return err
+		}},
 		{"review a token", func(ctx context.Context) error {
 			_, err := col.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: "x"}}, metav1.CreateOptions{})
 			return err
@@ -365,7 +377,10 @@ func TestE2EChartRBAC(t *testing.T) {
 	}
 	verify(ctx, t, "report reader", []check{{"read the report", proxy("proxyaudit-aggregator")}}, []check{
 		{"proxy to another service", proxy("other")},
-		{"list pods", func(ctx context.Context) error { _, err := sre.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); return err }},
+		{"list pods", func(ctx context.Context) error {
+			_, err := sre.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			return err
+		}},
 	})
 
 	apply("remediation.mode=restart-and-cordon")
