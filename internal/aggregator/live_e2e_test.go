@@ -19,6 +19,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -65,6 +67,7 @@ type live struct {
 	rel              *chart.Release // the chart as this test renders it
 	aggSpec, colSpec *corev1.PodSpec
 	kubeconfig       string // the aggregator ServiceAccount's
+	sreKubeconfig    string // a user bound to the report-reader Role only
 }
 
 func buildBinaries(t *testing.T) string {
@@ -112,6 +115,17 @@ func (l *live) deploy(ctx context.Context, sets []string) {
 	// its RBAC is what these tests exercise.
 	l.kubeconfig = filepath.Join(l.dir, "aggregator.kubeconfig")
 	if err := l.c.ServiceAccountKubeconfig(ctx, ns, "proxyaudit-aggregator", l.kubeconfig); err != nil {
+		l.t.Fatal(err)
+	}
+	const sre = "sre@example.com"
+	_, err = l.c.Client.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "sre-report-reader"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "proxyaudit-report-reader"},
+		Subjects: []rbacv1.Subject{{Kind: "User", APIGroup: rbacv1.GroupName, Name: sre}}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		l.t.Fatal(err)
+	}
+	l.sreKubeconfig = filepath.Join(l.dir, "sre.kubeconfig")
+	if err := l.c.ImpersonatingKubeconfig(sre, l.sreKubeconfig); err != nil {
 		l.t.Fatal(err)
 	}
 }
@@ -366,17 +380,17 @@ func (l *live) aggregatorService(ctx context.Context) {
 	}
 }
 
-// report runs `proxyaudit report` the way a kubectl user does: the admin
-// kubeconfig, through the API server's proxy.
+// report runs `proxyaudit report` the way a kubectl user does: through the
+// API server's proxy, as someone bound to the chart's report-reader Role.
 func (l *live) report(t *testing.T, args ...string) (string, int) {
 	t.Helper()
 	return l.cli(t, append([]string{"report"}, args...)...)
 }
 
-// cli runs a proxyaudit subcommand with the admin kubeconfig.
+// cli runs a proxyaudit subcommand as that user.
 func (l *live) cli(t *testing.T, args ...string) (string, int) {
 	t.Helper()
-	args = append(args, "--kubeconfig", l.c.AdminKubeconfig, "-n", ns)
+	args = append(args, "--kubeconfig", l.sreKubeconfig, "-n", ns)
 	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), args...)
 	out, err := cmd.CombinedOutput()
 	code := 0
