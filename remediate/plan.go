@@ -117,7 +117,15 @@ const (
 	Page ActionKind = "Page"
 	// Resolve closes the incident (its state is cleared).
 	Resolve ActionKind = "Resolve"
+	// ViewStale and ViewFresh are about proxyaudit itself, not a node: its
+	// view of the API went stale (findings unknown, nothing repaired) and
+	// came back. Node is SelfNode.
+	ViewStale ActionKind = "ViewStale"
+	ViewFresh ActionKind = "ViewFresh"
 )
+
+// SelfNode is the Node of notices about proxyaudit itself.
+const SelfNode = "(proxyaudit)"
 
 // Action is one decision for one node. Incident is the node's state once
 // the action is done; the executor records it.

@@ -109,7 +109,7 @@ func (s *Slack) deliver(ctx context.Context, n Notice) error {
 	if dup {
 		return nil
 	}
-	closing := n.Kind == Resolve || n.Kind == Uncordon
+	closing := n.Kind == Resolve || n.Kind == Uncordon || n.Kind == ViewFresh
 	text, blocks := Render(s.cfg.Cluster, n, open, th.opened)
 	if s.client == nil {
 		return s.retry(ctx, func(ctx context.Context) error {
@@ -145,8 +145,12 @@ func (s *Slack) deliver(ctx context.Context, n Notice) error {
 	s.mu.Unlock()
 	// Mark the opening message resolved, so the channel reads at a glance.
 	return s.retry(ctx, func(ctx context.Context) error {
+		what := "kube-proxy drift on " + n.Node
+		if n.Kind == ViewFresh {
+			what = "proxyaudit could not see the API"
+		}
 		_, _, _, err := s.client.UpdateMessageContext(ctx, th.channel, th.ts,
-			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: kube-proxy drift on %s (%s)", n.Node, s.cfg.Cluster), false))
+			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: %s (%s)", what, s.cfg.Cluster), false))
 		return err
 	})
 }
@@ -200,13 +204,21 @@ func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, 
 		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", n.Node, dry)
 	case Resolve:
 		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", n.Node)
+	case ViewStale:
+		title = ":see_no_evil: proxyaudit cannot see the API: findings are unknown, nothing is repaired"
+	case ViewFresh:
+		title = ":white_check_mark: proxyaudit sees the API again"
 	default:
 		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", n.Node)
 	}
 	text := fmt.Sprintf("[%s] %s: %s", cluster, title, n.Reason)
 	var blocks []slack.Block
 	if !inThread {
-		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, cluster), 150), true, false)))
+		header := fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, cluster)
+		if n.Kind == ViewStale || n.Kind == ViewFresh {
+			header = fmt.Sprintf("proxyaudit's view of the API is stale (%s)", cluster)
+		}
+		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(header, 150), true, false)))
 	}
 	blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType, clipText("*"+title+"*\n"+n.Reason, 2900), false, false), nil, nil))
 	if len(n.Evidence) > 0 && !inThread {
@@ -221,7 +233,11 @@ func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, 
 	}
 	var ctxt []string
 	if !n.Since.IsZero() {
-		ctxt = append(ctxt, "drifting since "+n.Since.UTC().Format(time.RFC3339))
+		what := "drifting"
+		if n.Kind == ViewStale {
+			what = "stale"
+		}
+		ctxt = append(ctxt, what+" since "+n.Since.UTC().Format(time.RFC3339))
 	}
 	if (n.Kind == Resolve || n.Kind == Uncordon) && !opened.IsZero() {
 		ctxt = append(ctxt, "incident opened "+opened.UTC().Format(time.RFC3339))

@@ -204,7 +204,13 @@ func run(args []string, stderr io.Writer) int {
 	metrics := aggregator.NewMetrics()
 	// Superseded versions stay matchable for four graces: a node lagging
 	// less than that is lagging, not divergent.
-	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk)
+	// With leader election, the Lease renewals (every retry period) are the
+	// canary that proves this replica's watches still deliver.
+	var canary *aggregator.Canary
+	if *leaderElect {
+		canary = &aggregator.Canary{Namespace: *leNamespace, Lease: *leName, Timeout: *leDuration}
+	}
+	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk, canary)
 	rpolicy := remediate.Policy{Mode: mode, MaxConcurrent: *rMaxNodes, MaxShare: *rMaxShare, Cooldown: *rCooldown,
 		RestartBudget: *rBudget, BudgetWindow: *rWindow, Recheck: *rRecheck}
 	executor := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
@@ -237,9 +243,13 @@ func run(args []string, stderr io.Writer) int {
 		executor.Notifier = notifier
 		log.Info("paging on Slack", zap.Bool("bot", slackCfg.Token != ""), zap.String("channel", *slackChannel))
 	}
-	agg := aggregator.New(aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
+	acfg := aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
 		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
-		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: executor, ExemptLabel: *rExempt}}, view)
+		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: executor, ExemptLabel: *rExempt}}
+	if notifier != nil {
+		acfg.Notifier = notifier
+	}
+	agg := aggregator.New(acfg, view)
 	log.Info("remediation", zap.String("mode", string(mode)), zap.Int("max_nodes", *rMaxNodes), zap.Float64("max_share", *rMaxShare))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

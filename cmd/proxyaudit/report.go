@@ -31,12 +31,15 @@ Without --aggregator it goes the way kubectl does: the current kubeconfig and
 context, through the API server's proxy to the aggregator's Service
 (--aggregator-service, --aggregator-service-port) in the namespace (-n, default proxyaudit).
 
-Exit status: 0 no findings, 1 findings, 2 usage error or aggregator unreachable.
+Exit status: 0 no findings, 1 findings, 2 usage error, aggregator unreachable,
+or the aggregator's view of the API stale (the findings shown are the last
+known, not current).
 `
 
 // FleetReport is report's JSON output.
 type FleetReport struct {
 	At       time.Time               `json:"at"`
+	Stale    *aggregator.StaleView   `json:"stale,omitempty"`
 	Counts   map[audit.NodeState]int `json:"nodesByState"`
 	Lag      FleetLag                `json:"programmingLag"`
 	Nodes    []audit.NodeStatus      `json:"nodes"`
@@ -90,10 +93,22 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	default:
 		reportTable(stdout, rep)
 	}
-	if len(rep.Findings) > 0 {
+	switch {
+	case rep.Stale != nil:
+		return exitUsage
+	case len(rep.Findings) > 0:
 		return exitFindings
 	}
 	return exitClean
+}
+
+// staleLine warns that the report is the last one judged, "" when fresh.
+func staleLine(rep *FleetReport) string {
+	if rep.Stale == nil {
+		return ""
+	}
+	return fmt.Sprintf("STALE: the aggregator cannot see the API since %s (%s). What follows was judged before then; nothing is being repaired.\n",
+		rep.Stale.Since.UTC().Format(time.RFC3339), rep.Stale.Reason)
 }
 
 // access is how the CLI reaches the aggregator's API.
@@ -184,7 +199,7 @@ func fetchReport(get func(string) ([]byte, error)) (*FleetReport, error) {
 			return nil, fmt.Errorf("%s: not the aggregator's answer: %v", path, err)
 		}
 	}
-	rep := &FleetReport{At: nr.At, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
+	rep := &FleetReport{At: nr.At, Stale: fr.Stale, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
 	if rep.Findings == nil {
 		rep.Findings = []audit.TimedFinding{}
 	}
@@ -253,6 +268,7 @@ func byNode(rep *FleetReport) ([]string, map[string][]audit.TimedFinding) {
 }
 
 func reportTable(w io.Writer, rep *FleetReport) {
+	fmt.Fprint(w, staleLine(rep))
 	fmt.Fprintf(w, "proxyaudit report at %s\n%s\n%s\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "\nNo findings: every reporting node's kube-proxy rules match the cluster.")
@@ -297,6 +313,9 @@ func reportTable(w io.Writer, rep *FleetReport) {
 }
 
 func reportMarkdown(w io.Writer, rep *FleetReport) {
+	if l := staleLine(rep); l != "" {
+		fmt.Fprintf(w, "> **%s**\n", strings.TrimSpace(l))
+	}
 	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "No findings: every reporting node's kube-proxy rules match the cluster.")

@@ -22,6 +22,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 // Config is what an aggregator needs besides its View.
@@ -41,6 +42,9 @@ type Config struct {
 	// Remediation, when set, plans and executes repairs after each
 	// verdict (dry-run by default).
 	Remediation *Remediation
+	// Notifier, when set, hears about the aggregator itself (its view of
+	// the API going stale and coming back).
+	Notifier remediate.Notifier
 }
 
 // Aggregator holds every node's stream state and the judge.
@@ -54,6 +58,11 @@ type Aggregator struct {
 	judge   *audit.Judge
 	nodes   map[string]*node
 	verdict *audit.Verdict
+	// stale: since when the leader's view of the API is stale (zero: fresh)
+	// and why; while stale nothing is judged or repaired.
+	staleSince time.Time
+	staleWhy   string
+	freshSince time.Time // a stale view first looked fresh again
 }
 
 // node is one node's stream: the copy of its rules and what was last
@@ -453,6 +462,9 @@ func (a *Aggregator) Evaluate() {
 	if !leading || a.view.Synced() != nil {
 		return
 	}
+	if a.blind() {
+		return
+	}
 	start := a.cfg.Clock.Now()
 	type job struct {
 		n      *node
@@ -510,6 +522,63 @@ func (a *Aggregator) Evaluate() {
 	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
 	a.logChanges(prev, &v)
 	a.remediate(&v)
+}
+
+// blind checks the view's freshness. A stale view is not judged from:
+// kube-proxies whose watches work would look drifted against it (false
+// findings) and repairs would act on them. The last verdict stays, marked
+// stale, and one notice goes out when it starts and one when it ends.
+func (a *Aggregator) blind() bool {
+	since, why := a.view.Stale()
+	now := a.cfg.Clock.Now()
+	a.mu.Lock()
+	was := !a.staleSince.IsZero()
+	switch {
+	case !since.IsZero():
+		if !was || since.Before(a.staleSince) {
+			a.staleSince = since
+		}
+		a.staleWhy, a.freshSince = why, time.Time{}
+	case was:
+		// A watch that flaps (lists work, watches fail) must not page on
+		// every relist: fresh again only after freshAfter without a fault.
+		if a.freshSince.IsZero() {
+			a.freshSince = now
+		}
+		if now.Sub(a.freshSince) >= freshAfter {
+			a.staleSince, a.staleWhy = time.Time{}, ""
+		}
+	}
+	stale := !a.staleSince.IsZero()
+	staleSince, staleWhy := a.staleSince, a.staleWhy
+	a.mu.Unlock()
+	a.cfg.Metrics.ViewStale.Set(map[bool]float64{true: 1}[stale])
+	if stale == was {
+		return stale
+	}
+	n := remediate.Notice{Action: remediate.Action{Kind: remediate.ViewFresh, Node: remediate.SelfNode,
+		Reason: "the aggregator's watches deliver again; judging resumes (a drift shows after the grace period)"}}
+	if stale {
+		a.cfg.Log.Error("view of the API is stale: findings are unknown, nothing is judged or repaired", zap.Time("since", staleSince), zap.String("why", staleWhy))
+		n = remediate.Notice{Action: remediate.Action{Kind: remediate.ViewStale, Node: remediate.SelfNode, Reason: staleWhy}, Since: staleSince}
+	} else {
+		a.cfg.Log.Info("view of the API is fresh again: judging resumes")
+	}
+	if a.cfg.Notifier != nil {
+		a.cfg.Notifier.Notify(n)
+	}
+	return stale
+}
+
+// freshAfter is how long a stale view must look fresh before judging
+// resumes.
+const freshAfter = 5 * time.Second
+
+// Stale says since when and why the leader's view is stale (zero: fresh).
+func (a *Aggregator) Stale() (time.Time, string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.staleSince, a.staleWhy
 }
 
 // logChanges logs findings that appeared or cleared since the last verdict.

@@ -55,7 +55,7 @@ func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
 	client := fake.NewClientset(objs...)
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
-	view := NewView(client, 4*grace, log, clock.RealClock{})
+	view := NewView(client, 4*grace, log, clock.RealClock{}, nil)
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
 	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20}, view)

@@ -17,21 +17,40 @@ import (
 // with since per finding, and the summary `proxyaudit diff` prints.
 type FindingsResponse struct {
 	At       time.Time            `json:"at"`
+	Stale    *StaleView           `json:"stale,omitempty"`
 	Leader   string               `json:"leader"`
 	Grace    string               `json:"grace"`
 	Findings []audit.TimedFinding `json:"findings"`
 	Summary  audit.Summary        `json:"summary"`
 }
 
+// StaleView is set while the leader's view of the API is stale: the
+// findings and node states are the last ones judged before Since, not
+// current, and nothing is repaired.
+type StaleView struct {
+	Since  time.Time `json:"since"`
+	Reason string    `json:"reason"`
+}
+
+func (a *Aggregator) staleView() *StaleView {
+	since, why := a.Stale()
+	if since.IsZero() {
+		return nil
+	}
+	return &StaleView{Since: since, Reason: why}
+}
+
 // NodesResponse is GET /api/v1/nodes.
 type NodesResponse struct {
 	At    time.Time          `json:"at"`
+	Stale *StaleView         `json:"stale,omitempty"`
 	Nodes []audit.NodeStatus `json:"nodes"`
 }
 
 // NodeResponse is GET /api/v1/nodes/{name}: the node and its findings.
 type NodeResponse struct {
-	At time.Time `json:"at"`
+	At    time.Time  `json:"at"`
+	Stale *StaleView `json:"stale,omitempty"`
 	audit.NodeStatus
 	Findings []audit.TimedFinding `json:"findings"`
 }
@@ -53,7 +72,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	api := http.NewServeMux()
 	api.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
-		resp := FindingsResponse{At: v.At, Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
+		resp := FindingsResponse{At: v.At, Stale: a.staleView(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
 		node, kind := r.URL.Query().Get("node"), r.URL.Query().Get("kind")
 		var plain []audit.Finding
 		for _, f := range v.Findings {
@@ -71,7 +90,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	})
 	api.HandleFunc("GET /api/v1/nodes", func(w http.ResponseWriter, _ *http.Request) {
 		v := a.Verdict()
-		writeJSON(w, http.StatusOK, NodesResponse{At: v.At, Nodes: append([]audit.NodeStatus{}, v.Nodes...)})
+		writeJSON(w, http.StatusOK, NodesResponse{At: v.At, Stale: a.staleView(), Nodes: append([]audit.NodeStatus{}, v.Nodes...)})
 	})
 	api.HandleFunc("GET /api/v1/nodes/{name}", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
@@ -80,7 +99,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 			if n.Node != name {
 				continue
 			}
-			resp := NodeResponse{At: v.At, NodeStatus: n, Findings: []audit.TimedFinding{}}
+			resp := NodeResponse{At: v.At, Stale: a.staleView(), NodeStatus: n, Findings: []audit.TimedFinding{}}
 			for _, f := range v.Findings {
 				if f.Node == name {
 					resp.Findings = append(resp.Findings, f)

@@ -685,13 +685,16 @@ func (l *live) collectorStopped(ctx context.Context, t *testing.T) {
 }
 
 func (l *live) tampered(ctx context.Context, t *testing.T) {
+	// Endpoints no other service has (the churn reuses its IPs across
+	// services), so the rewritten rule is churn-30's and nobody else's.
+	const own = "198.18.198.1"
+	if err := l.c.ApplySlice(ctx, localcluster.Slice(l.svcs[30], l.svcs[30].Name+"-1", "http", 8080, corev1.ProtocolTCP, own, "198.18.198.2")); err != nil {
+		t.Fatal(err)
+	}
+	l.waitAllInSync("churn-30 on endpoints of its own")
 	for _, name := range []string{"agg-nft", "agg-legacy"} {
 		n := l.c.Node(name)
-		sl, err := l.c.Client.DiscoveryV1().EndpointSlices(churnNS).Get(ctx, "churn-30-1", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		from := sl.Endpoints[0].Addresses[0] + ":8080"
+		from := own + ":8080"
 		if err := n.TamperEndpoint(ctx, from, "198.18.199.99:8080"); err != nil {
 			t.Fatal(err)
 		}

@@ -26,6 +26,7 @@ type Metrics struct {
 
 	Reconcile *prometheus.HistogramVec
 	Leader    prometheus.Gauge
+	ViewStale prometheus.Gauge
 	Actions   *prometheus.CounterVec
 	Slack     *prometheus.CounterVec
 }
@@ -75,12 +76,14 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
+		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_view_stale", Help: "1 while the leader's view of the API is stale (a watch failing, or its Lease renewals not seen): nothing is judged or repaired."}),
 		Actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_remediation_actions_total", Help: "Remediation actions by kind (RestartProxy, Cordon, Uncordon, Page, Resolve) and outcome (done, dry_run, refused, failed)."}, []string{"action", "outcome"}),
 		Slack: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
+	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
 		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -12,6 +12,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -33,6 +34,7 @@ type View struct {
 	clock clock.Clock
 
 	factory informers.SharedInformerFactory
+	leases  informers.SharedInformerFactory // the canary's, nil without one
 	svcs    listerscorev1.ServiceLister
 	slices  listersdiscoveryv1.EndpointSliceLister
 	nodes   listerscorev1.NodeLister
@@ -51,11 +53,40 @@ type View struct {
 	rebuilt  time.Time
 	// OnRebuild observes each rebuild's duration (metrics).
 	onRebuild func(time.Duration)
+
+	// Freshness: a view the API stopped updating must not be judged from.
+	freshMu  sync.Mutex
+	failing  map[string]watchFailure // informer kind → first error not yet followed by an event
+	canary   *Canary
+	canaryAt time.Time // last time the canary was seen to move
+	started  time.Time
 }
+
+type watchFailure struct {
+	since time.Time
+	err   string
+}
+
+// Canary is an object somebody updates every few seconds (the leader
+// renews its Lease every retry period). Seeing its updates through a watch
+// proves the aggregator's watches deliver; not seeing them for Timeout
+// means the view may be old even though nothing reported an error: the
+// API server unreachable, a stuck watch, an API server whose watch cache
+// lags. It is the failure proxyaudit looks for in kube-proxy, turned on
+// itself.
+type Canary struct {
+	Namespace, Lease string
+	Timeout          time.Duration
+}
+
+// staleAfter is how long a watch may fail before the view counts as stale:
+// an ordinary "resource version too old" relist takes well under it.
+const staleAfter = 5 * time.Second
 
 // NewView prepares the informers; Run starts them. keep is how long
 // superseded versions stay matchable (more than the grace period).
-func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, clk clock.Clock) *View {
+// A non-nil canary also watches that Lease (see Canary).
+func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, clk clock.Clock, canary *Canary) *View {
 	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(Trim))
 	v := &View{
 		log: log, clock: clk, factory: f,
@@ -65,23 +96,102 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 		kick:    make(chan struct{}, 1),
 		history: audit.NewHistory(keep),
 		state:   &audit.State{Nodes: map[string]audit.NodeInfo{}},
+		failing: map[string]watchFailure{},
+		canary:  canary,
 	}
-	h := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { v.changed() },
-		UpdateFunc: func(_, _ any) { v.changed() },
-		DeleteFunc: func(any) { v.changed() },
-	}
-	for _, inf := range []cache.SharedIndexInformer{
-		f.Core().V1().Services().Informer(),
-		f.Discovery().V1().EndpointSlices().Informer(),
-		f.Core().V1().Nodes().Informer(),
+	for _, k := range []struct {
+		kind string
+		inf  cache.SharedIndexInformer
+	}{
+		{"Services", f.Core().V1().Services().Informer()},
+		{"EndpointSlices", f.Discovery().V1().EndpointSlices().Informer()},
+		{"Nodes", f.Core().V1().Nodes().Informer()},
 	} {
-		if _, err := inf.AddEventHandler(h); err != nil {
-			panic(err) // only fails on a stopped informer
-		}
-		v.synced = append(v.synced, inf.HasSynced)
+		v.watch(k.kind, k.inf, func(any) { v.changed() })
+	}
+	if canary != nil {
+		lf := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(canary.Namespace),
+			informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + canary.Lease }))
+		v.watch("Lease", lf.Coordination().V1().Leases().Informer(), func(obj any) {
+			v.freshMu.Lock()
+			v.canaryAt = v.clock.Now()
+			v.freshMu.Unlock()
+		})
+		v.leases = lf
 	}
 	return v
+}
+
+// watch registers the informer's handlers: every event calls on and
+// clears a recorded watch failure of that kind; every list or watch error
+// is recorded.
+func (v *View) watch(kind string, inf cache.SharedIndexInformer, on func(any)) {
+	seen := func(obj any) {
+		v.freshMu.Lock()
+		delete(v.failing, kind)
+		v.freshMu.Unlock()
+		on(obj)
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    seen,
+		UpdateFunc: func(_, n any) { seen(n) },
+		DeleteFunc: seen,
+	}); err != nil {
+		panic(err) // only fails on a stopped informer
+	}
+	if err := inf.SetWatchErrorHandlerWithContext(func(ctx context.Context, r *cache.Reflector, err error) {
+		cache.DefaultWatchErrorHandler(ctx, r, err)
+		v.freshMu.Lock()
+		if _, ok := v.failing[kind]; !ok {
+			v.failing[kind] = watchFailure{since: v.clock.Now(), err: err.Error()}
+		}
+		v.freshMu.Unlock()
+	}); err != nil {
+		panic(err) // only fails on a started informer
+	}
+	if kind != "Lease" {
+		v.synced = append(v.synced, inf.HasSynced)
+	}
+}
+
+// Stale says since when, and why, the view may be older than the API: a
+// watch failing for longer than staleAfter, or the canary not seen to
+// move for its timeout. Zero time: fresh.
+func (v *View) Stale() (time.Time, string) {
+	now := v.clock.Now()
+	v.freshMu.Lock()
+	defer v.freshMu.Unlock()
+	var since time.Time
+	var why []string
+	kinds := make([]string, 0, len(v.failing))
+	for k := range v.failing {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	for _, k := range kinds {
+		f := v.failing[k]
+		if now.Sub(f.since) < staleAfter {
+			continue
+		}
+		if since.IsZero() || f.since.Before(since) {
+			since = f.since
+		}
+		why = append(why, fmt.Sprintf("the %s watch has failed since %s: %s", k, f.since.UTC().Format(time.RFC3339), clip(f.err)))
+	}
+	if v.canary != nil && !v.started.IsZero() {
+		last := v.canaryAt
+		if last.IsZero() {
+			last = v.started
+		}
+		if quiet := now.Sub(last); quiet > v.canary.Timeout {
+			if since.IsZero() || last.Before(since) {
+				since = last
+			}
+			why = append(why, fmt.Sprintf("no renewal of Lease %s/%s seen through the watch for %s (API server unreachable, or watches stuck)",
+				v.canary.Namespace, v.canary.Lease, quiet.Round(time.Second)))
+		}
+	}
+	return since, strings.Join(why, "; ")
 }
 
 // Trim drops what the audit never reads before an object enters the
@@ -141,8 +251,15 @@ func (v *View) changed() {
 // Run starts the informers and rebuilds the State after changes, at most
 // every debounce, until ctx ends.
 func (v *View) Run(ctx context.Context, debounce time.Duration) {
+	v.freshMu.Lock()
+	v.started = v.clock.Now()
+	v.freshMu.Unlock()
 	v.factory.Start(ctx.Done())
 	defer v.factory.Shutdown()
+	if v.leases != nil {
+		v.leases.Start(ctx.Done())
+		defer v.leases.Shutdown()
+	}
 	if !cache.WaitForCacheSync(ctx.Done(), v.synced...) {
 		return
 	}

@@ -292,6 +292,13 @@ func TestE2EChartRBAC(t *testing.T) {
 			_, err := agg.CoordinationV1().Leases(ns).Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
 			return err
 		}},
+		{"watch its Lease (the freshness canary)", func(ctx context.Context) error {
+			w, err := agg.CoordinationV1().Leases(ns).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=proxyaudit-aggregator"})
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		}},
 		{"record a node Event", func(ctx context.Context) error {
 			_, err := agg.CoreV1().Events("default").Create(ctx, &corev1.Event{ObjectMeta: metav1.ObjectMeta{GenerateName: "n."},
 				InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: "n"}, Reason: "Test", Message: "m", Type: "Normal"}, metav1.CreateOptions{DryRun: dryRun})
@@ -329,6 +336,13 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 		{"delete pods outside the kube-proxy namespace", func(ctx context.Context) error {
 			return agg.CoreV1().Pods("default").Delete(ctx, "p", metav1.DeleteOptions{DryRun: dryRun})
+		}},
+		{"watch every Lease", func(ctx context.Context) error {
+			w, err := agg.CoordinationV1().Leases(ns).Watch(ctx, metav1.ListOptions{})
+			if err == nil {
+				w.Stop()
+			}
+			return err
 		}},
 		{"take another Lease", func(ctx context.Context) error {
 			_, err := agg.CoordinationV1().Leases(ns).Get(ctx, "kube-scheduler", metav1.GetOptions{})

@@ -1,0 +1,153 @@
+package aggregator
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// stallable lets requests through but can hold every watch stream still:
+// the aggregator's own version of kube-proxy's dead watch (or of an API
+// server whose watch cache stopped following etcd), while the Lease
+// renewals, which are plain requests, keep succeeding.
+type stallable struct {
+	rt      http.RoundTripper
+	stalled atomic.Bool
+}
+
+func (s *stallable) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := s.rt.RoundTrip(r)
+	if err == nil && r.URL.Query().Get("watch") == "true" {
+		resp.Body = &stallBody{ReadCloser: resp.Body, s: s}
+	}
+	return resp, err
+}
+
+type stallBody struct {
+	io.ReadCloser
+	s *stallable
+}
+
+func (b *stallBody) Read(p []byte) (int, error) {
+	for b.s.stalled.Load() {
+		time.Sleep(20 * time.Millisecond)
+	}
+	return b.ReadCloser.Read(p)
+}
+
+type notices struct {
+	mu   sync.Mutex
+	list []remediate.Notice
+}
+
+func (n *notices) Notify(x remediate.Notice) {
+	n.mu.Lock()
+	n.list = append(n.list, x)
+	n.mu.Unlock()
+}
+
+func (n *notices) kinds() []string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []string
+	for _, x := range n.list {
+		out = append(out, string(x.Kind))
+	}
+	return out
+}
+
+// A leader whose watches stop delivering while its requests succeed keeps
+// its Lease, so leader election does not save it. Its view goes stale:
+// it must notice through its canary (its own Lease renewals no longer
+// arrive through the watch), stop judging and repairing, say so once, and
+// resume on its own when the watches deliver again.
+func TestE2EStuckWatchStopsJudgement(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const leaseNS, lease = "proxyaudit-stale", "stale-test"
+	if err := c.EnsureNamespace(ctx, leaseNS); err != nil {
+		t.Fatal(err)
+	}
+	st := &stallable{}
+	cfg := rest.CopyConfig(c.RESTConfig)
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { st.rt = rt; return st }
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := zaptest.NewLogger(t)
+	view := NewView(client, time.Minute, log, clock.RealClock{}, &Canary{Namespace: leaseNS, Lease: lease, Timeout: 6 * time.Second})
+	heard := &notices{}
+	p := audit.DefaultPolicy()
+	agg := New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, view)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Add(3)
+	go func() { defer wg.Done(); view.Run(ctx, 50*time.Millisecond) }()
+	go func() {
+		defer wg.Done()
+		RunElection(ctx, client, Election{Namespace: leaseNS, Name: lease, Identity: "stale-test",
+			LeaseDuration: 6 * time.Second, RenewDeadline: 4 * time.Second, RetryPeriod: time.Second}, agg)
+	}()
+	go func() { defer wg.Done(); agg.Run(ctx) }()
+
+	until := func(d time.Duration, what string, cond func() bool) time.Duration {
+		t.Helper()
+		start := time.Now()
+		for !cond() {
+			if time.Since(start) > d {
+				since, why := view.Stale()
+				t.Fatalf("after %s, still waiting for %s (stale since %v: %s; notices %v)", d, what, since, why, heard.kinds())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return time.Since(start)
+	}
+	leading := func() bool { _, ok := agg.Leader(); return ok && agg.Verdict() != nil && !agg.Verdict().At.IsZero() }
+	until(30*time.Second, "leading with a fresh view", leading)
+	if since, why := view.Stale(); !since.IsZero() {
+		t.Fatalf("stale from the start: %s", why)
+	}
+
+	st.stalled.Store(true)
+	t.Log("injected: every watch stream of the aggregator held still; requests (Lease renewals) still succeed")
+	took := until(20*time.Second, "the view to go stale", func() bool { s, _ := agg.Stale(); return !s.IsZero() })
+	_, why := agg.Stale()
+	t.Logf("stale after %s: %s", took.Round(100*time.Millisecond), why)
+	if !strings.Contains(why, "Lease "+leaseNS+"/"+lease) {
+		t.Errorf("reason does not name the canary: %s", why)
+	}
+	if _, ok := agg.Leader(); !ok {
+		t.Error("the leader lost its Lease: this test needs renewals to keep working")
+	}
+	frozen := agg.Verdict().At
+	time.Sleep(3 * time.Second)
+	if at := agg.Verdict().At; !at.Equal(frozen) {
+		t.Errorf("judged from a stale view: verdict moved from %v to %v", frozen, at)
+	}
+
+	st.stalled.Store(false)
+	t.Log("healed: watch streams deliver again")
+	took = until(30*time.Second, "the view to be fresh again", func() bool { s, _ := agg.Stale(); return s.IsZero() })
+	t.Logf("fresh again %s after healing", took.Round(100*time.Millisecond))
+	until(10*time.Second, "judging to resume", func() bool { return agg.Verdict().At.After(frozen) })
+	if got := strings.Join(heard.kinds(), ","); got != "ViewStale,ViewFresh" {
+		t.Errorf("notices %s, want one ViewStale then one ViewFresh", got)
+	}
+}

@@ -1,0 +1,75 @@
+package aggregator
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/utils/clock"
+)
+
+// An API server that goes away (the open watch ends, lists and watches are
+// refused) makes the view stale after staleAfter, naming the kind and the
+// error; once it is back and the informer relists, the view is fresh.
+func TestFailingWatchMakesTheViewStale(t *testing.T) {
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}},
+		&corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "kubernetes"}})
+	// The API server "goes away": the open watch ends, every list and
+	// watch after it is refused, until it comes back.
+	var failing atomic.Bool
+	refused := errors.New("dial tcp 10.0.0.1:443: connect: connection refused")
+	watches := make(chan *watch.FakeWatcher, 10)
+	client.PrependWatchReactor("services", func(k8stesting.Action) (bool, watch.Interface, error) {
+		if failing.Load() {
+			return true, nil, refused
+		}
+		w := watch.NewFake()
+		watches <- w
+		return true, w, nil
+	})
+	client.PrependReactor("list", "services", func(k8stesting.Action) (bool, runtime.Object, error) {
+		if failing.Load() {
+			return true, nil, refused
+		}
+		return false, nil, nil
+	})
+	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	go func() { view.Run(ctx, 10*time.Millisecond); close(done) }()
+
+	wait := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(staleAfter + 20*time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				_, why := view.Stale()
+				t.Fatalf("waiting for %s (stale: %q)", what, why)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	wait("informers synced", func() bool { return view.Synced() == nil })
+	if s, why := view.Stale(); !s.IsZero() {
+		t.Fatalf("stale at start: %s", why)
+	}
+	failing.Store(true)
+	(<-watches).Stop()
+	wait("a stale view", func() bool { s, _ := view.Stale(); return !s.IsZero() })
+	if _, why := view.Stale(); !strings.Contains(why, "Services watch") || !strings.Contains(why, "connection refused") {
+		t.Errorf("reason: %s", why)
+	}
+	failing.Store(false)
+	wait("a fresh view", func() bool { s, _ := view.Stale(); return s.IsZero() })
+}
