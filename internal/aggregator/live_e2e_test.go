@@ -691,6 +691,13 @@ func (l *live) tampered(ctx context.Context, t *testing.T) {
 	if err := l.c.ApplySlice(ctx, localcluster.Slice(l.svcs[30], l.svcs[30].Name+"-1", "http", 8080, corev1.ProtocolTCP, own, "198.18.198.2")); err != nil {
 		t.Fatal(err)
 	}
+	for _, name := range []string{"agg-nft", "agg-legacy"} {
+		if err := l.c.Node(name).WaitRules(ctx, 30*time.Second, "churn-30 on "+own, func(rules string) bool {
+			return l.c.Node(name).RoutesTo(rules, own+":8080")
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	l.waitAllInSync("churn-30 on endpoints of its own")
 	for _, name := range []string{"agg-nft", "agg-legacy"} {
 		n := l.c.Node(name)

@@ -399,4 +399,82 @@ func TestE2EChartRBAC(t *testing.T) {
 
 	apply("remediation.mode=restart-and-cordon")
 	verify(ctx, t, "aggregator (restart-and-cordon)", append(reads, remediation...), never)
+	t.Run("admission policy holds remediation to kube-proxy pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg) })
+}
+
+// RBAC lets the remediating aggregator delete any pod in kube-system and
+// patch anything on a node; the chart's ValidatingAdmissionPolicy narrows
+// that to kube-proxy pods, proxyaudit.io/ annotations, the cordon and the
+// KubeProxyRulesStale condition. Every request is a server-side dry run
+// against real objects, so admission runs and nothing changes.
+func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster, agg kubernetes.Interface) {
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "pa-admission", Labels: map[string]string{"zone": "a"},
+		Annotations: map[string]string{"team": "net"}}}
+	if _, err := c.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	// No controller manager here makes the namespace's default account.
+	if _, err := c.Client.CoreV1().ServiceAccounts("kube-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	for name, labels := range map[string]map[string]string{"kube-proxy-pa": {"k8s-app": "kube-proxy"}, "coredns-pa": {"k8s-app": "kube-dns"}, "unlabelled-pa": nil} {
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "kube-system", Labels: labels},
+			Spec: corev1.PodSpec{NodeName: "pa-admission", Containers: []corev1.Container{{Name: "c", Image: "none"}}}}
+		if _, err := c.Client.CoreV1().Pods("kube-system").Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
+	}
+	patch := func(sub, body string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			var subs []string
+			if sub != "" {
+				subs = []string{sub}
+			}
+			_, err := agg.CoreV1().Nodes().Patch(ctx, "pa-admission", types.MergePatchType, []byte(body), metav1.PatchOptions{DryRun: dryRun}, subs...)
+			return err
+		}
+	}
+	del := func(pod string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			return agg.CoreV1().Pods("kube-system").Delete(ctx, pod, metav1.DeleteOptions{DryRun: dryRun})
+		}
+	}
+	denied := []check{
+		{"delete a CoreDNS pod", del("coredns-pa")},
+		{"delete an unlabelled pod", del("unlabelled-pa")},
+		{"label a node", patch("", `{"metadata":{"labels":{"zone":"b"}}}`)},
+		{"taint a node", patch("", `{"spec":{"taints":[{"key":"x","effect":"NoSchedule"}]}}`)},
+		{"write another annotation", patch("", `{"metadata":{"annotations":{"team":"other"}}}`)},
+		{"remove another annotation", patch("", `{"metadata":{"annotations":{"team":null}}}`)},
+		{"set the Ready condition", patch("status", `{"status":{"conditions":[{"type":"Ready","status":"False","reason":"x"}]}}`)},
+	}
+	// The policy takes effect once the API server has loaded it.
+	deadline := time.Now().Add(30 * time.Second)
+	for denied[0].do(ctx) == nil && time.Now().Before(deadline) {
+		time.Sleep(200 * time.Millisecond)
+	}
+	allowed := []check{
+		{"delete a kube-proxy pod", del("kube-proxy-pa")},
+		{"record an incident annotation", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"restarted"}}}`)},
+		{"cordon", patch("", `{"spec":{"unschedulable":true}}`)},
+		{"set KubeProxyRulesStale", patch("status", `{"status":{"conditions":[{"type":"KubeProxyRulesStale","status":"True","reason":"Drifted"}]}}`)},
+	}
+	for _, ch := range allowed {
+		if err := ch.do(ctx); err != nil {
+			t.Errorf("the aggregator cannot %s: %v", ch.what, err)
+		}
+	}
+	for _, ch := range denied {
+		err := ch.do(ctx)
+		if err == nil || !strings.Contains(err.Error(), "proxyaudit may") {
+			t.Errorf("the aggregator may %s (err %v)", ch.what, err)
+		} else {
+			t.Logf("denied %s: %v", ch.what, err)
+		}
+	}
+	// Someone else is not held by the policy.
+	if err := c.Client.CoreV1().Pods("kube-system").Delete(ctx, "coredns-pa", metav1.DeleteOptions{DryRun: dryRun}); err != nil {
+		t.Errorf("the policy holds the admin too: %v", err)
+	}
 }
