@@ -204,6 +204,9 @@ func TestDefaultShape(t *testing.T) {
 	if !allows(cr, "patch", "nodes") || !allows(cr, "patch", "nodes/status") || allows(cr, "delete", "nodes") || allows(cr, "update", "nodes") {
 		t.Errorf("restart ClusterRole: %+v", cr)
 	}
+	if r.Find("ValidatingAdmissionPolicy", "proxyaudit-aggregator-limits") == nil || r.Find("ValidatingAdmissionPolicyBinding", "proxyaudit-aggregator-limits") == nil {
+		t.Errorf("remediation without its admission policy: %v", r.Kinds())
+	}
 	if rs := rules(t, r, "Role", "proxyaudit-aggregator-restart-kube-proxy"); !allows(rs, "delete", "pods") || r.Find("Role", "proxyaudit-aggregator-restart-kube-proxy").GetNamespace() != "kube-system" {
 		t.Errorf("restart Role: %+v", rs)
 	}
@@ -213,20 +216,22 @@ func TestDefaultShape(t *testing.T) {
 func TestBadValuesAreRefused(t *testing.T) {
 	skipShort(t)
 	for set, says := range map[string]string{
-		"remediation.mode=restarts":  "/remediation/mode",
-		"grace=30":                   "/grace",
-		"aggregator.replica=3":       "'replica' not allowed",
-		"collector.interval=often":   "/collector/interval",
-		"slack.channel=C0123":        "no bot token",
-		"slack.botToken=xoxb-1":      "needs slack.channel",
-		"remediation.maxShare=2":     "/remediation/maxShare",
-		"remediation.maxShare=1.5":   "/remediation/maxShare", // --set passes floats as strings
-		"remediation.maxShare=0.05":  "",
-		"aggregator.streamPort=0":    "/aggregator/streamPort",
-		"collector.mode=ipvs":        "/collector/mode",
-		"networkPolicy.enable=true":  "'enable' not allowed",
-		"tls.existingSecret=":        "", // empty is fine
-		"remediation.restartBudget=": "/remediation/restartBudget",
+		"remediation.mode=restarts":                  "/remediation/mode",
+		"grace=30":                                   "/grace",
+		"aggregator.replica=3":                       "'replica' not allowed",
+		"collector.interval=often":                   "/collector/interval",
+		"slack.channel=C0123":                        "no bot token",
+		"slack.botToken=xoxb-1":                      "needs slack.channel",
+		"remediation.maxShare=2":                     "/remediation/maxShare",
+		"remediation.maxShare=1.5":                   "/remediation/maxShare", // --set passes floats as strings
+		"remediation.maxShare=0.05":                  "",
+		"aggregator.streamPort=0":                    "/aggregator/streamPort",
+		"collector.mode=ipvs":                        "/collector/mode",
+		"networkPolicy.enable=true":                  "'enable' not allowed",
+		"tls.existingSecret=":                        "", // empty is fine
+		"remediation.restartBudget=":                 "/remediation/restartBudget",
+		"kubeProxy.selector=k8s-app in (kube-proxy)": "", // fine in dry-run: no admission policy
+		"remediation.mode=restart,kubeProxy.selector=k8s-app in (kube-proxy)": "only key=value terms",
 	} {
 		_, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, set)
 		switch {
