@@ -15,9 +15,10 @@ build:
 	$(GO) build -o $(BIN)/ ./cmd/...
 	cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
 
-## test: unit + end-to-end tests (the README's test command; .ci/run calls it)
+## test: unit + end-to-end tests, then every fuzz target briefly (the README's test command; .ci/run calls it)
 test: deps cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) ./...
+	$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
 
 ## unit: fast tests only, no local cluster
 unit:
@@ -40,12 +41,15 @@ fixtures: deps cluster-binaries
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m ./...
 
-## fuzz: each reader's and the stream decoder's fuzz target for FUZZTIME (default 30s)
+## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)
 FUZZTIME ?= 30s
+TEST_FUZZTIME ?= 5s
 fuzz:
-	for t in FuzzParseIPTables FuzzParseNFTables FuzzParseIPVS FuzzParseRules FuzzParseClusterList; do \
-		$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./audit || exit 1; done
-	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./internal/stream
+	@for f in $$(grep -l '^func Fuzz' $$(git ls-files '*_test.go')); do \
+		for t in $$(grep -o '^func Fuzz[A-Za-z0-9_]*' $$f | cut -d' ' -f2); do \
+			echo "fuzz ./$$(dirname $$f) $$t for $(FUZZTIME)"; \
+			$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./$$(dirname $$f) || exit 1; \
+		done; done
 
 ## manifests: re-render deploy/manifests/proxyaudit.yaml and the chart README values table (tests fail when stale)
 manifests:

@@ -387,11 +387,19 @@ func (l *live) report(t *testing.T, args ...string) (string, int) {
 	return l.cli(t, append([]string{"report"}, args...)...)
 }
 
-// cli runs a proxyaudit subcommand as that user.
+// cli runs `kubectl proxyaudit SUBCOMMAND` as that user: the genuine
+// kubectl finds the plugin on PATH, the plugin the kubeconfig in
+// KUBECONFIG, as on a workstation.
 func (l *live) cli(t *testing.T, args ...string) (string, int) {
 	t.Helper()
-	args = append(args, "--kubeconfig", l.sreKubeconfig, "-n", ns)
-	cmd := exec.Command(filepath.Join(l.bin, "proxyaudit"), args...)
+	plugin := filepath.Join(l.bin, "kubectl-proxyaudit")
+	if _, err := os.Stat(plugin); err != nil {
+		if err := os.Link(filepath.Join(l.bin, "proxyaudit"), plugin); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(l.c.Kubectl(), append(append([]string{"proxyaudit"}, args...), "-n", ns)...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+l.sreKubeconfig, "PATH="+l.bin+":"+os.Getenv("PATH"))
 	out, err := cmd.CombinedOutput()
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {

@@ -144,10 +144,20 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if len(before) == 0 {
 		t.Fatal("no generated CA")
 	}
-	// The README's "Enabling Slack and remediation", word for word.
-	if _, err := c.Client.CoreV1().Secrets("proxyaudit").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit-slack"},
-		StringData: map[string]string{"token": "xoxb-readme"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
+	// The README's commands, word for word, with the genuine kubectl.
+	for _, args := range [][]string{
+		{"-n", "proxyaudit", "create", "rolebinding", "sre-reports", "--role", "proxyaudit-report-reader", "--group", "sre"},
+		{"-n", "proxyaudit", "create", "secret", "generic", "proxyaudit-slack", "--from-literal=token=xoxb-readme"},
+	} {
+		cmd := exec.CommandContext(ctx, c.Kubectl(), args...)
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	sre := as(t, c, "alice", "sre")
+	if _, err := sre.CoreV1().Services("proxyaudit").ProxyGet("http", "proxyaudit-aggregator", "http", "/api/v1/findings", nil).DoRaw(ctx); apierrors.IsForbidden(err) {
+		t.Errorf("a member of group sre cannot read reports after the README's rolebinding: %v", err)
 	}
 	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "-n", "proxyaudit", "--reuse-values",
 		"--set", "slack.existingSecret=proxyaudit-slack", "--set", "slack.channel=C0123456789", "--set", "remediation.mode=restart")

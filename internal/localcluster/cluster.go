@@ -82,7 +82,7 @@ type NodeSpec struct {
 
 // Config configures Start.
 type Config struct {
-	// BinDir holds kube-apiserver, kube-proxy and etcd. Empty means
+	// BinDir holds kube-apiserver, kube-proxy, etcd and kubectl. Empty means
 	// build or reuse the cached ones (EnsureBinaries).
 	BinDir string
 	// Logf receives progress lines; nil discards them.

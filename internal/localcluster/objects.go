@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -187,3 +188,6 @@ func (c *Cluster) ServiceAccountKubeconfig(ctx context.Context, namespace, servi
 func (c *Cluster) ImpersonatingKubeconfig(user, path string) error {
 	return writeKubeconfig(path, c.RESTConfig.Host, c.RESTConfig.CAFile, c.RESTConfig.BearerToken, user)
 }
+
+// Kubectl returns the genuine kubectl built with the cluster's binaries.
+func (c *Cluster) Kubectl() string { return filepath.Join(c.bin, "kubectl") }
