@@ -771,3 +771,75 @@ func (l *live) flushed(ctx context.Context, t *testing.T) {
 	}
 	l.waitAllInSync("agg-legacy restored")
 }
+
+// The control plane misbehaves while every kube-proxy is healthy: nothing
+// may be reported, nothing repaired, and everything must recover without
+// anyone's help. Each case logs what was injected and what the system did.
+func TestE2EControlPlaneFaults(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	c := localcluster.Shared(t)
+	l := newLive(ctx, t)
+	fault := func(t *testing.T, what string, inject func() (localcluster.Undo, error), hold time.Duration) {
+		seen := l.watchFindings()
+		undo, err := inject()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("injected: %s for %s", what, hold)
+		time.Sleep(hold)
+		if err := undo(ctx); err != nil {
+			t.Fatal(err)
+		}
+		healed := time.Now()
+		t.Logf("healed: %s", what)
+		// Endpoints change as soon as the API is back: the kube-proxies
+		// and the aggregator must all catch up, within grace.
+		for i := range 40 {
+			l.epoch++
+			if err := l.setEndpoints(ctx, i%churnSvcs, l.epoch); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		l.waitAllInSync("every node in sync after " + what)
+		t.Logf("back in sync %s after healing (a leader elected, informers relisted)", time.Since(healed).Round(100*time.Millisecond))
+		time.Sleep(grace + 2*interval)
+		if fs := seen(); len(fs) > 0 {
+			t.Errorf("findings reported around %s:\n  %s", what, describe(fs))
+		}
+	}
+	t.Run("etcd paused for 60s", func(t *testing.T) { fault(t, "etcd SIGSTOPped", c.PauseEtcd, 60*time.Second) })
+	t.Run("API server down for 2 minutes", func(t *testing.T) { fault(t, "kube-apiserver stopped", c.StopAPIServer, 2*time.Minute) })
+}
+
+// watchFindings polls the findings until the returned function is called,
+// which returns every finding seen (the API being unreachable is not one).
+func (l *live) watchFindings() func() []audit.TimedFinding {
+	var mu sync.Mutex
+	var seen []audit.TimedFinding
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(500 * time.Millisecond):
+			}
+			if fs, err := l.findings(); err == nil && len(fs) > 0 {
+				mu.Lock()
+				seen = append(seen, fs...)
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() []audit.TimedFinding {
+		close(stop)
+		<-done
+		mu.Lock()
+		defer mu.Unlock()
+		return seen
+	}
+}

@@ -73,6 +73,17 @@ func TestLintStrict(t *testing.T) {
 // Every value carries a `# --` comment (on itself or on each of its leaves),
 // the convention helm-docs and readers of values.yaml rely on.
 func TestEveryValueDocumented(t *testing.T) {
+	if _, undocumented := values(t); len(undocumented) > 0 {
+		t.Errorf("values without a `# --` comment: %v", undocumented)
+	}
+}
+
+type valueDoc struct{ path, typ, def, desc string }
+
+// values walks values.yaml in order: every documented value (a `# --`
+// comment on its key), and the path of every leaf that has none.
+func values(t *testing.T) (docs []valueDoc, undocumented []string) {
+	t.Helper()
 	b, err := os.ReadFile(filepath.Join(root(t), chart.Dir, "values.yaml"))
 	if err != nil {
 		t.Fatal(err)
@@ -81,26 +92,30 @@ func TestEveryValueDocumented(t *testing.T) {
 	if err := yaml.Unmarshal(b, &doc); err != nil {
 		t.Fatal(err)
 	}
-	var undocumented []string
 	var walk func(n *yaml.Node, path string)
 	walk = func(n *yaml.Node, path string) {
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, v := n.Content[i], n.Content[i+1]
 			p := strings.TrimPrefix(path+"."+k.Value, ".")
-			if strings.Contains(k.HeadComment, "# --") {
-				continue
-			}
-			if v.Kind == yaml.MappingNode && len(v.Content) > 0 {
+			_, desc, ok := strings.Cut(k.HeadComment, "# -- ")
+			switch {
+			case ok:
+				var def any
+				if err := v.Decode(&def); err != nil {
+					t.Fatal(err)
+				}
+				js, _ := json.Marshal(def)
+				typ := map[string]string{"!!str": "string", "!!int": "int", "!!float": "float", "!!bool": "bool", "!!map": "object", "!!seq": "list"}[v.Tag]
+				docs = append(docs, valueDoc{p, typ, string(js), strings.Join(strings.Fields(strings.ReplaceAll(desc, "\n#", " ")), " ")})
+			case v.Kind == yaml.MappingNode && len(v.Content) > 0:
 				walk(v, p)
-				continue
+			default:
+				undocumented = append(undocumented, p)
 			}
-			undocumented = append(undocumented, p)
 		}
 	}
 	walk(doc.Content[0], "")
-	if len(undocumented) > 0 {
-		t.Errorf("values without a `# --` comment: %v", undocumented)
-	}
+	return docs, undocumented
 }
 
 func render(t *testing.T, files []string, sets ...string) *chart.Release {
@@ -269,37 +284,13 @@ func TestManifestsInSync(t *testing.T) {
 // default, description, in values.yaml's order.
 func valuesTable(t *testing.T) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(root(t), chart.Dir, "values.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc yaml.Node
-	if err := yaml.Unmarshal(b, &doc); err != nil {
-		t.Fatal(err)
-	}
+	docs, _ := values(t)
 	var rows strings.Builder
 	rows.WriteString("| Key | Type | Default | Description |\n|---|---|---|---|\n")
-	var walk func(n *yaml.Node, path string)
-	walk = func(n *yaml.Node, path string) {
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			k, v := n.Content[i], n.Content[i+1]
-			p := strings.TrimPrefix(path+"."+k.Value, ".")
-			_, desc, ok := strings.Cut(k.HeadComment, "# -- ")
-			if !ok {
-				walk(v, p)
-				continue
-			}
-			desc = strings.Join(strings.Fields(strings.ReplaceAll(desc, "\n#", " ")), " ")
-			var def any
-			if err := v.Decode(&def); err != nil {
-				t.Fatal(err)
-			}
-			js, _ := json.Marshal(def)
-			typ := map[string]string{"!!str": "string", "!!int": "int", "!!float": "float", "!!bool": "bool", "!!map": "object", "!!seq": "list"}[v.Tag]
-			fmt.Fprintf(&rows, "| `%s` | %s | `%s` | %s |\n", p, typ, strings.ReplaceAll(string(js), "|", `\|`), strings.ReplaceAll(desc, "|", `\|`))
-		}
+	esc := strings.NewReplacer("|", `\|`)
+	for _, d := range docs {
+		fmt.Fprintf(&rows, "| `%s` | %s | `%s` | %s |\n", d.path, d.typ, esc.Replace(d.def), esc.Replace(d.desc))
 	}
-	walk(doc.Content[0], "")
 	return rows.String()
 }
 

@@ -195,3 +195,22 @@ func (n *Node) tamperNFT(ctx context.Context, from, to string) error {
 	}
 	return fmt.Errorf("no nftables rule DNATs to %s on %s", from, n.Name)
 }
+
+// PauseEtcd stops etcd with SIGSTOP, as a stalled disk or a long pause
+// would: the API server's requests hang, its watches go quiet. Undo
+// continues it.
+func (c *Cluster) PauseEtcd() (Undo, error) {
+	pid := c.etcd.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return nil, fmt.Errorf("pause etcd: %w", err)
+	}
+	return func(context.Context) error { return syscall.Kill(pid, syscall.SIGCONT) }, nil
+}
+
+// StopAPIServer stops kube-apiserver: every client's connection is
+// refused until Undo starts it again (same certificates, same etcd) and it
+// is ready.
+func (c *Cluster) StopAPIServer() (Undo, error) {
+	c.apiserver.stop(10 * time.Second)
+	return func(ctx context.Context) error { return c.startAPIServer(ctx) }, nil
+}
