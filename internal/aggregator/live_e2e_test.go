@@ -448,6 +448,7 @@ func TestE2ELiveSystem(t *testing.T) {
 	l := newLive(ctx, t)
 	t.Run("bad streams are rejected and record nothing", func(t *testing.T) { l.badStreams(ctx, t) })
 	t.Run("churn gives no findings", func(t *testing.T) { l.churn(ctx, t) })
+	t.Run("a flood of churn gives no findings", func(t *testing.T) { l.flood(ctx, t) })
 	t.Run("hung informer is a stuck proxy", func(t *testing.T) { l.hungInformer(ctx, t) })
 	t.Run("leader killed", func(t *testing.T) { l.leaderKilled(ctx, t) })
 	t.Run("collector stopped is missing, not stale", func(t *testing.T) { l.collectorStopped(ctx, t) })
@@ -841,5 +842,28 @@ func (l *live) watchFindings() func() []audit.TimedFinding {
 		mu.Lock()
 		defer mu.Unlock()
 		return seen
+	}
+}
+
+// flood changes endpoints 1,000 times as fast as the API takes it (about
+// ten seconds here) while every kube-proxy is healthy: kube-proxy batches
+// the changes, and nothing may be reported.
+func (l *live) flood(ctx context.Context, t *testing.T) {
+	seen := l.watchFindings()
+	start := time.Now()
+	const changes = 1000
+	for i := range changes {
+		l.epoch++
+		if err := l.setEndpoints(ctx, i%churnSvcs, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	took := time.Since(start)
+	t.Logf("injected: %d endpoint changes in %s (%.0f/s)", changes, took.Round(100*time.Millisecond), changes/took.Seconds())
+	l.waitAllInSync("every node in sync after the flood")
+	t.Logf("every node in sync %s after the flood ended", (time.Since(start) - took).Round(100*time.Millisecond))
+	time.Sleep(grace + 2*interval)
+	if fs := seen(); len(fs) > 0 {
+		t.Errorf("findings during a flood of churn on healthy nodes:\n  %s", describe(fs))
 	}
 }
