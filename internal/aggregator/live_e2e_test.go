@@ -413,22 +413,31 @@ func (l *live) cli(t *testing.T, args ...string) (string, int) {
 // streamIn reads the leader's inbound stream bytes and report count.
 func (l *live) streamIn(t *testing.T) (bytes, reports float64) {
 	t.Helper()
+	m := l.metrics(t)
+	return m[`proxyaudit_stream_bytes_total{direction="in"}`], m[`proxyaudit_stream_messages_total{direction="in",type="report"}`]
+}
+
+// metrics reads the leader's /metrics: series (name and labels) to value.
+func (l *live) metrics(t *testing.T) map[string]float64 {
+	t.Helper()
 	r, err := l.http.Get("http://" + strings.TrimSuffix(l.leader(context.Background()), ":9443") + ":8080/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer r.Body.Close()
 	body, _ := io.ReadAll(r.Body)
+	out := map[string]float64{}
 	for _, line := range strings.Split(string(body), "\n") {
-		var v float64
-		if _, err := fmt.Sscanf(line, `proxyaudit_stream_bytes_total{direction="in"} %g`, &v); err == nil {
-			bytes = v
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 || strings.HasPrefix(line, "#") {
+			continue
 		}
-		if _, err := fmt.Sscanf(line, `proxyaudit_stream_messages_total{direction="in",type="report"} %g`, &v); err == nil {
-			reports = v
+		var v float64
+		if _, err := fmt.Sscanf(line[i+1:], "%g", &v); err == nil {
+			out[line[:i]] = v
 		}
 	}
-	return bytes, reports
+	return out
 }
 
 func (l *live) leader(ctx context.Context) string {
@@ -449,6 +458,7 @@ func TestE2ELiveSystem(t *testing.T) {
 	t.Run("bad streams are rejected and record nothing", func(t *testing.T) { l.badStreams(ctx, t) })
 	t.Run("churn gives no findings", func(t *testing.T) { l.churn(ctx, t) })
 	t.Run("a flood of churn gives no findings", func(t *testing.T) { l.flood(ctx, t) })
+	t.Run("a partitioned collector is missing, not stale", func(t *testing.T) { l.partitioned(ctx, t) })
 	t.Run("hung informer is a stuck proxy", func(t *testing.T) { l.hungInformer(ctx, t) })
 	t.Run("leader killed", func(t *testing.T) { l.leaderKilled(ctx, t) })
 	t.Run("collector stopped is missing, not stale", func(t *testing.T) { l.collectorStopped(ctx, t) })
@@ -865,5 +875,45 @@ func (l *live) flood(ctx context.Context, t *testing.T) {
 	time.Sleep(grace + 2*interval)
 	if fs := seen(); len(fs) > 0 {
 		t.Errorf("findings during a flood of churn on healthy nodes:\n  %s", describe(fs))
+	}
+}
+
+// partitioned cuts one node's collector off from both replicas (its
+// kube-proxy keeps following the API) while endpoints change: the node is
+// CollectorMissing, never stale, and after healing it is back in sync with
+// at most one full resync.
+func (l *live) partitioned(ctx context.Context, t *testing.T) {
+	n := l.c.Node("agg-legacy")
+	resyncs := l.metrics(t)["proxyaudit_stream_resyncs_total"]
+	undo, err := n.Partition(ctx, 9443, replicaIPs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer undo(ctx)
+	t.Log("injected: agg-legacy's collector partitioned from both aggregator replicas")
+	seen := l.watchFindings()
+	for i := range 10 {
+		l.epoch++
+		if err := l.setEndpoints(ctx, i, l.epoch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	took := l.waitFor("agg-legacy CollectorMissing", 3*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
+		return has(fs, "agg-legacy", audit.CollectorMissing)
+	})
+	t.Logf("CollectorMissing %s after the partition", took.Round(100*time.Millisecond))
+	time.Sleep(grace + 2*interval) // long enough for a stale finding, were the node judged
+	if err := undo(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Log("healed")
+	l.waitAllInSync("agg-legacy back after the partition")
+	for _, f := range seen() {
+		if f.Kind != audit.CollectorMissing {
+			t.Errorf("%s %s %s %s during a partition: only CollectorMissing may be reported", f.Node, f.Kind, f.Service, f.Endpoint)
+		}
+	}
+	if d := l.metrics(t)["proxyaudit_stream_resyncs_total"] - resyncs; d > 1 {
+		t.Errorf("%.0f resyncs after healing, want at most 1", d)
 	}
 }

@@ -214,3 +214,17 @@ func (c *Cluster) StopAPIServer() (Undo, error) {
 	c.apiserver.stop(10 * time.Second)
 	return func(ctx context.Context) error { return c.startAPIServer(ctx) }, nil
 }
+
+// Partition drops the node's TCP traffic with the given addresses and
+// port, both ways: a partition between the node and those peers (the
+// aggregator replicas, say) that leaves the node's API traffic alone.
+func (n *Node) Partition(ctx context.Context, port int, ips ...string) (Undo, error) {
+	p := strconv.Itoa(port)
+	var rules [][]string
+	for _, ip := range ips {
+		rules = append(rules,
+			[]string{"OUTPUT", "-d", ip, "-p", "tcp", "--dport", p, "-j", "DROP"},
+			[]string{"INPUT", "-s", ip, "-p", "tcp", "--sport", p, "-j", "DROP"})
+	}
+	return n.insertFilterRules(ctx, rules)
+}
