@@ -75,6 +75,7 @@ func run(args []string, stderr io.Writer) int {
 	leName := fs.String("leader-elect-lease-name", "proxyaudit-aggregator", "name of the leader-election Lease")
 	leDuration := fs.Duration("leader-elect-lease-duration", 10*time.Second, "how long followers wait after the last renewal before taking over")
 	leRenew := fs.Duration("leader-elect-renew-deadline", 7*time.Second, "how long the leader keeps trying to renew before it steps down")
+	recoveryGrace := fs.Duration("api-recovery-grace", 60*time.Second, "after this replica's view of the API comes back from stale (an API outage), node drift is neither reported nor repaired for this long: kube-proxies reconnect with client-go's backoff, up to 60 s")
 	leRetry := fs.Duration("leader-elect-retry-period", 2*time.Second, "how often candidates try to acquire or renew the Lease")
 	advertise := fs.String("advertise-address", os.Getenv("POD_IP"), "address collectors reach this replica at; with the stream port it is the leader identity followers redirect to [POD_IP]")
 	audience := fs.String("token-audience", "proxyaudit", "audience the collectors' projected ServiceAccount tokens must carry")
@@ -244,7 +245,7 @@ func run(args []string, stderr io.Writer) int {
 		log.Info("paging on Slack", zap.Bool("bot", slackCfg.Token != ""), zap.String("channel", *slackChannel))
 	}
 	acfg := aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
-		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk,
+		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: *recoveryGrace,
 		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: executor, ExemptLabel: *rExempt}}
 	if notifier != nil {
 		acfg.Notifier = notifier

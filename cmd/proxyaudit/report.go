@@ -38,13 +38,16 @@ known, not current).
 
 // FleetReport is report's JSON output.
 type FleetReport struct {
-	At       time.Time               `json:"at"`
-	Stale    *aggregator.StaleView   `json:"stale,omitempty"`
-	Counts   map[audit.NodeState]int `json:"nodesByState"`
-	Lag      FleetLag                `json:"programmingLag"`
-	Nodes    []audit.NodeStatus      `json:"nodes"`
-	Findings []audit.TimedFinding    `json:"findings"`
-	Summary  audit.Summary           `json:"summary"`
+	At    time.Time             `json:"at"`
+	Stale *aggregator.StaleView `json:"stale,omitempty"`
+	// RecoveringUntil: node drift is held back until then (the aggregator's
+	// view just came back from an API outage; kube-proxies reconnect).
+	RecoveringUntil *time.Time              `json:"recoveringUntil,omitempty"`
+	Counts          map[audit.NodeState]int `json:"nodesByState"`
+	Lag             FleetLag                `json:"programmingLag"`
+	Nodes           []audit.NodeStatus      `json:"nodes"`
+	Findings        []audit.TimedFinding    `json:"findings"`
+	Summary         audit.Summary           `json:"summary"`
 }
 
 // FleetLag summarises the nodes' programming latency: the median of the
@@ -105,6 +108,10 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 // staleLine warns that the report is the last one judged, "" when fresh.
 func staleLine(rep *FleetReport) string {
 	if rep.Stale == nil {
+		if rep.RecoveringUntil != nil {
+			return fmt.Sprintf("RECOVERING: the aggregator's view came back from an API outage; node drift is held back until %s while kube-proxies reconnect.\n",
+				rep.RecoveringUntil.UTC().Format(time.RFC3339))
+		}
 		return ""
 	}
 	return fmt.Sprintf("STALE: the aggregator cannot see the API since %s (%s). What follows was judged before then; nothing is being repaired.\n",
@@ -199,7 +206,7 @@ func fetchReport(get func(string) ([]byte, error)) (*FleetReport, error) {
 			return nil, fmt.Errorf("%s: not the aggregator's answer: %v", path, err)
 		}
 	}
-	rep := &FleetReport{At: nr.At, Stale: fr.Stale, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
+	rep := &FleetReport{At: nr.At, Stale: fr.Stale, RecoveringUntil: fr.RecoveringUntil, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
 	if rep.Findings == nil {
 		rep.Findings = []audit.TimedFinding{}
 	}

@@ -45,6 +45,11 @@ type Config struct {
 	// Notifier, when set, hears about the aggregator itself (its view of
 	// the API going stale and coming back).
 	Notifier remediate.Notifier
+	// RecoveryGrace: after the view comes back from stale (an API outage),
+	// node drift is neither reported nor repaired for this long, since
+	// every kube-proxy reconnects with client-go's backoff (up to 30 s,
+	// jittered to 60 s). Default 60 s.
+	RecoveryGrace time.Duration
 }
 
 // Aggregator holds every node's stream state and the judge.
@@ -63,6 +68,8 @@ type Aggregator struct {
 	staleSince time.Time
 	staleWhy   string
 	freshSince time.Time // a stale view first looked fresh again
+	// recovering: until when node drift is held back after a stale view.
+	recovering time.Time
 }
 
 // node is one node's stream: the copy of its rules and what was last
@@ -121,6 +128,9 @@ func New(cfg Config, view *View) *Aggregator {
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics()
+	}
+	if cfg.RecoveryGrace == 0 {
+		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
 	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy)}
@@ -514,14 +524,52 @@ func (a *Aggregator) Evaluate() {
 		a.mu.Unlock()
 		return
 	}
-	v := a.judge.Evaluate(a.cfg.Clock.Now(), names)
+	now := a.cfg.Clock.Now()
+	v := a.judge.Evaluate(now, names)
+	recovering := now.Before(a.recovering)
+	if recovering {
+		v = holdBackDrift(v)
+	}
 	prev := a.verdict
 	a.verdict = &v
 	a.mu.Unlock()
 	a.cfg.Metrics.setVerdict(&v)
 	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
 	a.logChanges(prev, &v)
-	a.remediate(&v)
+	if !recovering {
+		a.remediate(&v)
+	}
+}
+
+// holdBackDrift keeps only CollectorMissing findings and shows drifted
+// nodes as Lagging: right after an API outage every kube-proxy is catching
+// up, and one still behind when the recovery grace ends is reported then,
+// with its drift dated from when it began.
+func holdBackDrift(v audit.Verdict) audit.Verdict {
+	var kept []audit.TimedFinding
+	for _, f := range v.Findings {
+		if f.Kind == audit.CollectorMissing {
+			kept = append(kept, f)
+		}
+	}
+	v.Findings = kept
+	nodes := make([]audit.NodeStatus, len(v.Nodes))
+	for i, n := range v.Nodes {
+		if n.State == audit.NodeStuck || n.State == audit.NodeDivergent || n.State == audit.NodeNoRules {
+			n.State = audit.NodeLagging
+		}
+		nodes[i] = n
+	}
+	v.Nodes = nodes
+	return v
+}
+
+// Recovering says until when node drift is held back after the view came
+// back from stale (zero or past: not recovering).
+func (a *Aggregator) Recovering() time.Time {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.recovering
 }
 
 // blind checks the view's freshness. A stale view is not judged from:
@@ -547,6 +595,7 @@ func (a *Aggregator) blind() bool {
 		}
 		if now.Sub(a.freshSince) >= freshAfter {
 			a.staleSince, a.staleWhy = time.Time{}, ""
+			a.recovering = now.Add(a.cfg.RecoveryGrace)
 		}
 	}
 	stale := !a.staleSince.IsZero()
@@ -562,7 +611,8 @@ func (a *Aggregator) blind() bool {
 		a.cfg.Log.Error("view of the API is stale: findings are unknown, nothing is judged or repaired", zap.Time("since", staleSince), zap.String("why", staleWhy))
 		n = remediate.Notice{Action: remediate.Action{Kind: remediate.ViewStale, Node: remediate.SelfNode, Reason: staleWhy}, Since: staleSince}
 	} else {
-		a.cfg.Log.Info("view of the API is fresh again: judging resumes")
+		a.cfg.Log.Info("view of the API is fresh again: judging resumes; node drift held back while kube-proxies reconnect",
+			zap.Duration("recovery_grace", a.cfg.RecoveryGrace))
 	}
 	if a.cfg.Notifier != nil {
 		a.cfg.Notifier.Notify(n)

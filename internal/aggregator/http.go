@@ -16,12 +16,15 @@ import (
 // FindingsResponse is GET /api/v1/findings: the audit's finding contract
 // with since per finding, and the summary `proxyaudit diff` prints.
 type FindingsResponse struct {
-	At       time.Time            `json:"at"`
-	Stale    *StaleView           `json:"stale,omitempty"`
-	Leader   string               `json:"leader"`
-	Grace    string               `json:"grace"`
-	Findings []audit.TimedFinding `json:"findings"`
-	Summary  audit.Summary        `json:"summary"`
+	At    time.Time  `json:"at"`
+	Stale *StaleView `json:"stale,omitempty"`
+	// RecoveringUntil: node drift is held back until then, after the
+	// aggregator's view came back from an API outage.
+	RecoveringUntil *time.Time           `json:"recoveringUntil,omitempty"`
+	Leader          string               `json:"leader"`
+	Grace           string               `json:"grace"`
+	Findings        []audit.TimedFinding `json:"findings"`
+	Summary         audit.Summary        `json:"summary"`
 }
 
 // StaleView is set while the leader's view of the API is stale: the
@@ -30,6 +33,13 @@ type FindingsResponse struct {
 type StaleView struct {
 	Since  time.Time `json:"since"`
 	Reason string    `json:"reason"`
+}
+
+func (a *Aggregator) recoveringUntil() *time.Time {
+	if r := a.Recovering(); a.cfg.Clock.Now().Before(r) {
+		return &r
+	}
+	return nil
 }
 
 func (a *Aggregator) staleView() *StaleView {
@@ -72,7 +82,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	api := http.NewServeMux()
 	api.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
-		resp := FindingsResponse{At: v.At, Stale: a.staleView(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
+		resp := FindingsResponse{At: v.At, Stale: a.staleView(), RecoveringUntil: a.recoveringUntil(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
 		node, kind := r.URL.Query().Get("node"), r.URL.Query().Get("kind")
 		var plain []audit.Finding
 		for _, f := range v.Findings {

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"go.uber.org/zap/zaptest"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -72,4 +74,30 @@ func TestFailingWatchMakesTheViewStale(t *testing.T) {
 	}
 	failing.Store(false)
 	wait("a fresh view", func() bool { s, _ := view.Stale(); return s.IsZero() })
+}
+
+func TestHoldBackDriftKeepsOnlyCollectorMissing(t *testing.T) {
+	v := audit.Verdict{
+		Findings: []audit.TimedFinding{
+			{Finding: audit.Finding{Node: "a", Kind: audit.StuckProxy}},
+			{Finding: audit.Finding{Node: "a", Kind: audit.StaleEndpoint}},
+			{Finding: audit.Finding{Node: "b", Kind: audit.CollectorMissing}},
+			{Finding: audit.Finding{Node: "c", Kind: audit.NoRules}},
+		},
+		Nodes: []audit.NodeStatus{{Node: "a", State: audit.NodeStuck}, {Node: "b", State: audit.NodeMissing},
+			{Node: "c", State: audit.NodeNoRules}, {Node: "d", State: audit.NodeInSync}},
+	}
+	h := holdBackDrift(v)
+	if len(h.Findings) != 1 || h.Findings[0].Kind != audit.CollectorMissing {
+		t.Errorf("findings held back: %+v", h.Findings)
+	}
+	want := []audit.NodeState{audit.NodeLagging, audit.NodeMissing, audit.NodeLagging, audit.NodeInSync}
+	for i, n := range h.Nodes {
+		if n.State != want[i] {
+			t.Errorf("%s: %s, want %s", n.Node, n.State, want[i])
+		}
+	}
+	if v.Nodes[0].State != audit.NodeStuck {
+		t.Error("holdBackDrift changed its input")
+	}
 }
