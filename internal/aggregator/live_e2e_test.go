@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -512,6 +513,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 	hello := func(node, token string) *stream.Message {
 		return &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 2}}
 	}
+	revoked := l.revokedToken(ctx, t, "agg-ipt")
 	huge := make([]byte, 4)
 	binary.BigEndian.PutUint32(huge, 100<<20)
 	for _, tc := range []struct {
@@ -525,6 +527,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 		{"token for a node that does not exist", hello("ghost", l.tokens["agg-ipt"]), nil, `bound to node "agg-ipt"`},
 		{"wrong audience", hello("agg-ipt", other), nil, "audience"},
 		{"forged token", hello("agg-ipt", "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), nil, "unauthenticated"},
+		{"token of a pod that is gone", hello("agg-ipt", revoked), nil, "unauthenticated"},
 		{"garbage", nil, []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "larger than the limit"},
 		{"100 MB message", nil, huge, "larger than the limit"},
 	} {
@@ -916,4 +919,30 @@ func (l *live) partitioned(ctx context.Context, t *testing.T) {
 	if d := l.metrics(t)["proxyaudit_stream_resyncs_total"] - resyncs; d > 1 {
 		t.Errorf("%.0f resyncs after healing, want at most 1", d)
 	}
+}
+
+// revokedToken is a collector token bound to a pod on node that has since
+// been deleted: the API server stops honouring it at once, long before it
+// expires (expiry itself is at least 10 minutes away).
+func (l *live) revokedToken(ctx context.Context, t *testing.T, node string) string {
+	t.Helper()
+	pod, err := l.c.Client.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "gone-"},
+		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: sa, AutomountServiceAccountToken: new(bool),
+			Containers: []corev1.Container{{Name: "c", Image: "none"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, sa, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences: []string{audience}, BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}}},
+		metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	zero := int64(0)
+	if err := l.c.Client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		t.Fatal(err)
+	}
+	return tr.Status.Token
 }
