@@ -213,6 +213,40 @@ func TestE2ERemediation(t *testing.T) {
 		}
 	})
 
+	t.Run("leader crash loop: no repair repeated, none lost", func(t *testing.T) {
+		l := newLive(ctx, t, "remediation.mode=restart", "remediation.recheck=30s",
+			"remediation.maxNodes=1", "remediation.maxShare=0.5", "remediation.cooldown=10m")
+		n := c.Node("agg-ipt")
+		patch := []byte(`{"metadata":{"annotations":{"` + remediate.AnnotationRestarts + `":null}}}`)
+		if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		before := n.ProxyRestarts()
+		undo := l.drift(ctx, t, n, true)
+		defer undo(ctx)
+		// Kill whichever replica holds the Lease every 10 s for a minute,
+		// restarting it at once, as a crash-looping pod would.
+		kills := 0
+		for end := time.Now().Add(time.Minute); time.Now().Before(end); time.Sleep(10 * time.Second) {
+			holder := l.leader(ctx)
+			ip, _, _ := strings.Cut(holder, ":")
+			if p := l.aggs[ip]; p != nil && !p.Exited() {
+				p.Kill()
+				l.startAggregator(ip)
+				kills++
+			}
+		}
+		t.Logf("injected: the leader SIGKILLed %d times in a minute, restarted each time; %s drifted (frozen kube-proxy)", kills, n.Name)
+		l.waitAllInSync(n.Name + " repaired")
+		l.until(t, 2*time.Minute, "the incident closed", func() bool {
+			return remediate.IncidentFromAnnotations(l.node(ctx, n.Name).Annotations).Stage == ""
+		})
+		if got := n.ProxyRestarts() - before; got != 1 {
+			t.Errorf("kube-proxy on %s restarted %d times through the crash loop, want exactly 1", n.Name, got)
+		}
+		t.Logf("%s repaired with one kube-proxy restart; incident closed", n.Name)
+	})
+
 	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
 		l := newLive(ctx, t, "remediation.mode=restart", "remediation.recheck=40s",
 			"remediation.maxNodes=5", "remediation.maxShare=0.5", "remediation.cooldown=10m")
