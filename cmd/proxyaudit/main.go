@@ -278,6 +278,9 @@ func orDash(s string) string {
 	return s
 }
 
+// markdownCell escapes text for a Markdown table cell.
+var markdownCell = strings.NewReplacer("|", `\|`, "\n", " ")
+
 func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	s := rep.Summary
 	fmt.Fprintf(w, "### proxyaudit: %d node(s), %d in sync, %d drifted, %d finding(s)\n\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
@@ -287,7 +290,7 @@ func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	}
 	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
-	esc := strings.NewReplacer("|", `\|`, "\n", " ")
+	esc := markdownCell
 	for _, f := range rep.Findings {
 		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", esc.Replace(f.Node), esc.Replace(svcPort(f)), orDash(string(f.Scope)), f.Kind, orDash(f.Endpoint), esc.Replace(f.Detail))
 	}

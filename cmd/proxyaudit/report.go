@@ -105,8 +105,10 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	return exitClean
 }
 
-// staleLine warns that the report is the last one judged, "" when fresh.
-func staleLine(rep *FleetReport) string {
+// banner warns that the report is not current: the aggregator's view is
+// stale, or it is holding node drift back after an API outage; "" when
+// neither.
+func banner(rep *FleetReport) string {
 	if rep.Stale == nil {
 		if rep.RecoveringUntil != nil {
 			return fmt.Sprintf("RECOVERING: the aggregator's view came back from an API outage; node drift is held back until %s while kube-proxies reconnect.\n",
@@ -114,7 +116,7 @@ func staleLine(rep *FleetReport) string {
 		}
 		return ""
 	}
-	return fmt.Sprintf("STALE: the aggregator cannot see the API since %s (%s). What follows was judged before then; nothing is being repaired.\n",
+	return fmt.Sprintf("STALE: the aggregator cannot see the API since %s (%s). What follows was judged before then; nothing is being repaired. Check the aggregator's log (\"view of the API is stale\") and its connection to the API server.\n",
 		rep.Stale.Since.UTC().Format(time.RFC3339), rep.Stale.Reason)
 }
 
@@ -275,7 +277,7 @@ func byNode(rep *FleetReport) ([]string, map[string][]audit.TimedFinding) {
 }
 
 func reportTable(w io.Writer, rep *FleetReport) {
-	fmt.Fprint(w, staleLine(rep))
+	fmt.Fprint(w, banner(rep))
 	fmt.Fprintf(w, "proxyaudit report at %s\n%s\n%s\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "\nNo findings: every reporting node's kube-proxy rules match the cluster.")
@@ -320,7 +322,7 @@ func reportTable(w io.Writer, rep *FleetReport) {
 }
 
 func reportMarkdown(w io.Writer, rep *FleetReport) {
-	if l := staleLine(rep); l != "" {
+	if l := banner(rep); l != "" {
 		fmt.Fprintf(w, "> **%s**\n", strings.TrimSpace(l))
 	}
 	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
@@ -330,7 +332,7 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 	}
 	fmt.Fprintln(w, "| Node | Service | Kind | Endpoint | Since | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
-	esc := strings.NewReplacer("|", `\|`, "\n", " ")
+	esc := markdownCell
 	nodes, m := byNode(rep)
 	for _, n := range nodes {
 		for _, f := range m[n] {

@@ -143,3 +143,27 @@ func TestExplainGolden(t *testing.T) {
 		t.Errorf("explain without 'node': exit %d", code)
 	}
 }
+
+// A report from a stale aggregator says so first, in every format, and
+// exits 2: its findings are the last known, not current. One from an
+// aggregator holding drift back after an API outage says that instead.
+func TestReportStaleAndRecovering(t *testing.T) {
+	fr, nr := fleet()
+	fr.Stale = &aggregator.StaleView{Since: fr.At.Add(-time.Minute), Reason: "the EndpointSlices watch has failed since …"}
+	url := serve(t, fr, nr)
+	for format, first := range map[string]string{"table": "STALE: the aggregator cannot see the API", "markdown": "> **STALE:", "json": "{\n  \"at\""} {
+		var out, errb bytes.Buffer
+		code := run([]string{"report", "--aggregator", url, "-o", format}, &out, &errb)
+		if code != exitUsage || !strings.HasPrefix(out.String(), first) || !strings.Contains(out.String(), "EndpointSlices watch") {
+			t.Errorf("%s: exit %d, want 2 and the stale reason, output starting %q:\n%s", format, code, first, out.String())
+		}
+	}
+	fr.Stale = nil
+	until := fr.At.Add(30 * time.Second)
+	fr.RecoveringUntil = &until
+	url = serve(t, fr, nr)
+	var out, errb bytes.Buffer
+	if code := run([]string{"report", "--aggregator", url}, &out, &errb); code != exitFindings || !strings.HasPrefix(out.String(), "RECOVERING:") {
+		t.Errorf("recovering: exit %d\n%s", code, out.String())
+	}
+}

@@ -159,6 +159,9 @@ func (a *Aggregator) StoppedLeading() {
 	}
 	a.leading = false
 	a.cfg.Metrics.Leader.Set(0)
+	// Only the leader judges its view; a follower's stale flag would keep
+	// ProxyAuditViewStale firing for a replica that no longer decides.
+	a.cfg.Metrics.ViewStale.Set(0)
 	var open []*conn
 	for _, n := range a.nodes {
 		if n.conn != nil {
