@@ -3,6 +3,7 @@ package audit
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -122,23 +123,23 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		wantSet := map[netip.AddrPort]bool{}
 		for _, a := range want {
 			wantSet[a] = true
-			if _, ok := got[a]; !ok {
+			if ep, ok := got[a]; !ok || ep.draining() {
 				f := base
 				f.Kind, f.Endpoint = MissingEndpoint, a.String()
 				f.Detail = fmt.Sprintf("%s %s should route to %s but the rules behind %s do not", e.fe.Kind, e.fe.FrontendKey, a, of.Chain)
+				if ok {
+					f.Detail += " (it is there at IPVS weight 0: no new connections)"
+				}
 				emit(f)
 			}
 		}
 		for _, ep := range of.Endpoints {
-			if wantSet[ep.Addr] {
-				continue
+			if wantSet[ep.Addr] || ep.draining() {
+				continue // a draining real server is judged by its age (Draining)
 			}
 			f := base
 			f.Kind, f.Endpoint = StaleEndpoint, ep.Addr.String()
 			f.Detail = fmt.Sprintf("%s %s routes to %s via %s, which the cluster no longer lists for %s (%s scope)", e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name, scope)
-			if ep.Weight == 0 {
-				f.Detail += "; IPVS weight 0 (graceful termination leftover)"
-			}
 			emit(f)
 		}
 	}
@@ -167,6 +168,58 @@ func Diff(exp Expected, obs *Observed) []Finding {
 	}
 	SortFindings(out)
 	return out
+}
+
+// draining reports an IPVS real server at weight 0: kube-proxy's graceful
+// termination keeps it, receiving no new connections, until its
+// connections end.
+func (e Endpoint) draining() bool { return e.Weight == 0 }
+
+// Draining lists the IPVS real servers at weight 0 that the cluster no
+// longer lists for their frontend, as StaleEndpoint findings. Diff leaves
+// them out: graceful termination keeps such a real server while its
+// connections last, which is normal. Only its age makes it a leftover
+// (the Judge's Policy.WeightZeroLimit), as when kube-proxy hung in
+// graceful termination and never removed them (kubernetes#71071).
+func Draining(exp Expected, obs *Observed) []Finding {
+	if obs.Mode != ModeIPVS || obs.NoRules {
+		return nil
+	}
+	idx := map[FrontendKey]expIndex{}
+	nodePorts := map[FrontendKey]expIndex{}
+	for i := range exp.Ports {
+		p := &exp.Ports[i]
+		for _, fe := range p.Frontends {
+			idx[fe.FrontendKey] = expIndex{p, fe}
+			if fe.NodePort {
+				nodePorts[fe.FrontendKey] = expIndex{p, fe}
+			}
+		}
+	}
+	var out []Finding
+	for _, of := range obs.Frontends {
+		e, ok := idx[of.FrontendKey]
+		if !ok {
+			if e, ok = nodePorts[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}]; !ok {
+				continue // a stale virtual server: Diff reports it whole
+			}
+		}
+		want := map[netip.AddrPort]bool{}
+		for _, a := range e.port.Endpoints[e.fe.Scope] {
+			want[a] = true
+		}
+		for _, ep := range of.Endpoints {
+			if !ep.draining() || want[ep.Addr] {
+				continue
+			}
+			out = append(out, Finding{Node: exp.Node, Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol,
+				Scope: e.fe.Scope, Kind: StaleEndpoint, Endpoint: ep.Addr.String(),
+				Detail: fmt.Sprintf("%s %s keeps %s at IPVS weight 0 via %s, though the cluster no longer lists it for %s: kube-proxy's graceful termination never removed it",
+					e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name)})
+		}
+	}
+	SortFindings(out)
+	return slices.CompactFunc(out, func(a, b Finding) bool { return a.key() == b.key() })
 }
 
 func staleService(of ObservedFrontend) Finding {

@@ -163,12 +163,18 @@ type ServiceAssessment struct {
 	Since time.Time
 	// Findings are the differences from the current version.
 	Findings []Finding
+	// Draining are IPVS real servers at weight 0 that the current version
+	// no longer lists: normal while their connections last, a leftover
+	// once older than the judge's WeightZeroLimit. A service with only
+	// these is InSync.
+	Draining []Finding
 }
 
 // Assess compares a node's rules with the current cluster state (which
 // h.Update must have recorded) and, for
 // every service that differs, with the service's recent versions. It
-// returns only services that are not in sync, sorted by service; a node
+// returns only services that are not in sync or hold draining IPVS real
+// servers, sorted by service; a node
 // with no rules at all returns nil (the caller reports NoRules).
 func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessment {
 	if obs.NoRules {
@@ -176,7 +182,8 @@ func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessme
 	}
 	exp := ExpectedFor(st, node)
 	raw := Diff(exp, obs)
-	if len(raw) == 0 {
+	drain := Draining(exp, obs)
+	if len(raw) == 0 && len(drain) == 0 {
 		return nil
 	}
 	current := make(map[string]*Service, len(st.Services))
@@ -210,10 +217,16 @@ func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessme
 			affected[f.Service] = true
 		}
 	}
+	draining := map[string][]Finding{}
+	for _, f := range drain {
+		draining[f.Service] = append(draining[f.Service], f)
+		affected[f.Service] = true
+	}
 	var out []ServiceAssessment
 	for svc := range affected {
 		a := assessService(st, h, node, obs, byKey, svc, current[svc])
-		if a.State != InSync {
+		a.Draining = draining[svc]
+		if a.State != InSync || len(a.Draining) > 0 {
 			out = append(out, a)
 		}
 	}

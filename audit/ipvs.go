@@ -9,36 +9,97 @@ import (
 	"strings"
 )
 
+// VirtualServer is one IPVS virtual server as the kernel holds it, from
+// `ipvsadm -Sn`/`-Ln` text or a netlink dump (the collector's source):
+// both readers build these, and FromIPVS turns them into the model.
+type VirtualServer struct {
+	Addr     netip.AddrPort
+	Protocol string // TCP, UDP or SCTP
+	// Scheduler is the IPVS scheduler (rr, wrr, sh, …).
+	Scheduler string
+	// PersistentSeconds is the persistence timeout (session affinity);
+	// 0 when the service is not persistent.
+	PersistentSeconds int
+	Real              []RealServer
+}
+
+// RealServer is one IPVS destination of a virtual server.
+type RealServer struct {
+	Addr netip.AddrPort
+	// Weight 0 means no new connections: kube-proxy's graceful
+	// termination of an endpoint that left the service.
+	Weight                     int
+	ActiveConns, InactiveConns int
+}
+
+// FromIPVS builds the observed model of an IPVS table: each virtual server
+// becomes a frontend keyed by (VIP, protocol, port) with its real servers
+// and weights. IPVS names nothing, so the diff maps virtual servers to
+// services through the Service objects (cluster, external and
+// load-balancer IPs; node ports per node address). No virtual server at
+// all is NoRules (a flushed table).
+func FromIPVS(vs []VirtualServer) *Observed {
+	obs := &Observed{Mode: ModeIPVS}
+	fams := map[int]bool{}
+	byKey := map[FrontendKey]int{}
+	for _, v := range vs {
+		k := FrontendKey{IP: v.Addr.Addr().Unmap(), Protocol: v.Protocol, Port: v.Addr.Port()}
+		fams[family(k.IP)] = true
+		i, ok := byKey[k]
+		if !ok {
+			i = len(obs.Frontends)
+			byKey[k] = i
+			chain := "IPVS " + k.String()
+			if v.Scheduler != "" {
+				chain += " " + v.Scheduler
+			}
+			if v.PersistentSeconds > 0 {
+				chain += fmt.Sprintf(" persistent %ds", v.PersistentSeconds)
+			}
+			obs.Frontends = append(obs.Frontends, ObservedFrontend{FrontendKey: k, Chain: chain})
+		}
+		f := &obs.Frontends[i]
+		for _, r := range v.Real {
+			f.Endpoints = append(f.Endpoints, Endpoint{Addr: netip.AddrPortFrom(r.Addr.Addr().Unmap(), r.Addr.Port()), Weight: r.Weight,
+				ActiveConns: r.ActiveConns, InactiveConns: r.InactiveConns, Chain: f.Chain})
+		}
+	}
+	for f := range fams {
+		obs.Families = append(obs.Families, f)
+	}
+	if len(obs.Families) == 0 {
+		obs.Families = []int{4}
+	}
+	obs.NoRules = len(obs.Frontends) == 0
+	obs.normalize()
+	return obs
+}
+
 // ParseIPVS reads `ipvsadm -Sn` (save) or `ipvsadm -Ln` (list) output.
-// Virtual servers become frontends keyed by (VIP, protocol, port) with their
-// real servers and weights; IPVS names nothing, so the diff maps virtual
-// servers to services through the Service objects. Firewall-mark services
-// are ignored.
+// Firewall-mark services are ignored (kube-proxy programs none).
 func ParseIPVS(r io.Reader) (*Observed, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 4096), MaxLineBytes)
-	obs := &Observed{Mode: ModeIPVS}
-	byKey := map[FrontendKey]int{}
+	var vs []VirtualServer
+	byAddr := map[string]int{}
 	cur := -1
-	fams := map[int]bool{}
 	lineNo := 0
-	addVS := func(proto, addr string) error {
+	addVS := func(proto, addr string) (*VirtualServer, error) {
 		ap, err := netip.ParseAddrPort(addr)
 		if err != nil {
-			return fmt.Errorf("bad virtual server address %q", addr)
+			return nil, fmt.Errorf("bad virtual server address %q", addr)
 		}
-		k := FrontendKey{IP: ap.Addr().Unmap(), Protocol: proto, Port: ap.Port()}
-		fams[family(k.IP)] = true
-		if i, ok := byKey[k]; ok {
+		key := proto + " " + ap.String()
+		if i, ok := byAddr[key]; ok {
 			cur = i
-			return nil
+		} else {
+			cur = len(vs)
+			byAddr[key] = cur
+			vs = append(vs, VirtualServer{Addr: ap, Protocol: proto})
 		}
-		byKey[k] = len(obs.Frontends)
-		cur = len(obs.Frontends)
-		obs.Frontends = append(obs.Frontends, ObservedFrontend{FrontendKey: k, Chain: "IPVS " + k.String()})
-		return nil
+		return &vs[cur], nil
 	}
-	addRS := func(addr string, weight int) error {
+	addRS := func(addr string, weight, active, inactive int) error {
 		if cur < 0 {
 			return fmt.Errorf("real server before any virtual server")
 		}
@@ -46,9 +107,15 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 		if err != nil {
 			return fmt.Errorf("bad real server address %q", addr)
 		}
-		f := &obs.Frontends[cur]
-		f.Endpoints = append(f.Endpoints, Endpoint{Addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), Weight: weight, Chain: f.Chain})
+		vs[cur].Real = append(vs[cur].Real, RealServer{Addr: ap, Weight: weight, ActiveConns: active, InactiveConns: inactive})
 		return nil
+	}
+	atoi := func(s, what string) (int, error) {
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return 0, fmt.Errorf("bad %s %q", what, s)
+		}
+		return n, nil
 	}
 	for sc.Scan() {
 		lineNo++
@@ -60,8 +127,9 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 		var err error
 		switch {
 		case f[0] == "-A" || f[0] == "-a": // save format
-			proto, addr, rs, weight := "", "", "", 1
-			for i := 1; i+1 < len(f); i++ {
+			proto, addr, rs, sched := "", "", "", ""
+			weight, persist := 1, 0
+			for i := 1; i+1 < len(f) && err == nil; i++ {
 				switch f[i] {
 				case "-t", "--tcp-service":
 					proto, addr = "TCP", f[i+1]
@@ -74,10 +142,15 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 				case "-r", "--real-server":
 					rs = f[i+1]
 				case "-w", "--weight":
-					if weight, err = strconv.Atoi(f[i+1]); err != nil {
-						return nil, fmt.Errorf("line %d: bad weight %q", lineNo, f[i+1])
-					}
+					weight, err = atoi(f[i+1], "weight")
+				case "-s", "--scheduler":
+					sched = f[i+1]
+				case "-p", "--persistent":
+					persist, err = atoi(f[i+1], "persistence timeout")
 				}
+			}
+			if err != nil {
+				break
 			}
 			if proto == "FWM" {
 				cur = -1
@@ -86,18 +159,31 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 			if proto == "" {
 				return nil, fmt.Errorf("line %d: ipvsadm rule without -t, -u or --sctp-service: %q", lineNo, clip([]byte(line)))
 			}
+			var v *VirtualServer
+			if v, err = addVS(proto, addr); err != nil {
+				break
+			}
 			if f[0] == "-A" {
-				err = addVS(proto, addr)
+				v.Scheduler, v.PersistentSeconds = sched, persist
 			} else {
-				if err = addVS(proto, addr); err == nil {
-					err = addRS(rs, weight)
-				}
+				err = addRS(rs, weight, 0, 0)
 			}
 		case f[0] == "TCP" || f[0] == "UDP" || f[0] == "SCTP": // list format
 			if len(f) < 2 {
 				return nil, fmt.Errorf("line %d: virtual server without an address", lineNo)
 			}
-			err = addVS(f[0], f[1])
+			var v *VirtualServer
+			if v, err = addVS(f[0], f[1]); err != nil {
+				break
+			}
+			if len(f) > 2 {
+				v.Scheduler = f[2]
+			}
+			for i := 3; i+1 < len(f); i++ {
+				if f[i] == "persistent" {
+					v.PersistentSeconds, err = atoi(f[i+1], "persistence timeout")
+				}
+			}
 		case f[0] == "FWM":
 			cur = -1
 			continue
@@ -105,14 +191,22 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 			if len(f) < 4 {
 				return nil, fmt.Errorf("line %d: real server line needs address, forward and weight", lineNo)
 			}
-			if cur < 0 && len(obs.Frontends) > 0 {
+			if cur < 0 && len(vs) > 0 {
 				continue // real servers of a firewall-mark service
 			}
-			w, werr := strconv.Atoi(f[3])
-			if werr != nil {
-				return nil, fmt.Errorf("line %d: bad weight %q", lineNo, f[3])
+			var w, act, inact int
+			if w, err = atoi(f[3], "weight"); err != nil {
+				break
 			}
-			err = addRS(f[1], w)
+			if len(f) >= 6 {
+				if act, err = atoi(f[4], "active connection count"); err == nil {
+					inact, err = atoi(f[5], "inactive connection count")
+				}
+				if err != nil {
+					break
+				}
+			}
+			err = addRS(f[1], w, act, inact)
 		default:
 			return nil, fmt.Errorf("line %d: expected ipvsadm -Sn or -Ln output, got %q", lineNo, clip([]byte(line)))
 		}
@@ -123,13 +217,5 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("read ipvsadm output: %w", err)
 	}
-	for f := range fams {
-		obs.Families = append(obs.Families, f)
-	}
-	if len(obs.Families) == 0 {
-		obs.Families = []int{4}
-	}
-	obs.NoRules = len(obs.Frontends) == 0
-	obs.normalize()
-	return obs, nil
+	return FromIPVS(vs), nil
 }

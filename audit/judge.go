@@ -44,11 +44,22 @@ type Policy struct {
 	// MassDivergence finding replaces the node findings.
 	MassShare    float64
 	MassMinNodes int
+	// WeightZeroLimit is how long an IPVS real server may stay at weight
+	// 0 after the cluster stopped listing it (graceful termination keeps
+	// it while its connections last) before it is a StaleEndpoint; 0
+	// never reports one. Measured from when the judge first saw it.
+	WeightZeroLimit time.Duration
 }
+
+// DefaultWeightZeroLimit covers a pod's default 30 s termination grace,
+// IPVS's 15 min idle timeout for an established TCP connection and
+// kube-proxy's once-a-minute check of the real servers it is draining.
+const DefaultWeightZeroLimit = 30 * time.Minute
 
 // DefaultPolicy is the policy the aggregator starts from.
 func DefaultPolicy() Policy {
-	return Policy{Grace: 30 * time.Second, MissingIntervals: 3, DefaultInterval: 10 * time.Second, MassShare: 0.5, MassMinNodes: 3}
+	return Policy{Grace: 30 * time.Second, MissingIntervals: 3, DefaultInterval: 10 * time.Second, MassShare: 0.5, MassMinNodes: 3,
+		WeightZeroLimit: DefaultWeightZeroLimit}
 }
 
 // NodeState summarises a node for people.
@@ -135,6 +146,7 @@ type nodeRecord struct {
 	noRulesSince   time.Time
 	assessments    []ServiceAssessment
 	divergentSince map[string]time.Time
+	drainingSince  map[string]time.Time // by finding key
 
 	changeSeq uint64
 	pending   map[string][]time.Time // changes not yet shown, per service
@@ -156,7 +168,7 @@ func NewJudge(p Policy) *Judge {
 func (j *Judge) record(node string, at time.Time) *nodeRecord {
 	r := j.nodes[node]
 	if r == nil {
-		r = &nodeRecord{expectedSince: at, divergentSince: map[string]time.Time{}, pending: map[string][]time.Time{}}
+		r = &nodeRecord{expectedSince: at, divergentSince: map[string]time.Time{}, drainingSince: map[string]time.Time{}, pending: map[string][]time.Time{}}
 		j.nodes[node] = r
 	}
 	return r
@@ -238,6 +250,17 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 		}
 	}
 	r.divergentSince = divergent
+	draining := map[string]time.Time{}
+	for _, a := range as {
+		for _, f := range a.Draining {
+			since, ok := r.drainingSince[f.key()]
+			if !ok {
+				since = at
+			}
+			draining[f.key()] = since
+		}
+	}
+	r.drainingSince = draining
 
 	if first || noRules {
 		r.changeSeq = h.LastSeq()
@@ -410,10 +433,15 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		case Divergent:
 			st.Divergent++
 			since = r.divergentSince[a.Service]
-		default:
-			continue
 		}
-		if r.assessed.Sub(since) <= p.Grace {
+		for _, f := range a.Draining {
+			since := r.drainingSince[f.key()]
+			if age := r.assessed.Sub(since); p.WeightZeroLimit > 0 && age > p.WeightZeroLimit {
+				f.Detail += fmt.Sprintf(" (at weight 0 for longer than the %s limit)", p.WeightZeroLimit)
+				out = append(out, TimedFinding{Finding: f, Since: since})
+			}
+		}
+		if a.State == InSync || r.assessed.Sub(since) <= p.Grace {
 			continue
 		}
 		if a.State == Lagging {

@@ -73,6 +73,10 @@ type Endpoint struct {
 	Addr netip.AddrPort
 	// Weight is the IPVS weight; -1 where the mode has none.
 	Weight int
+	// ActiveConns and InactiveConns are IPVS connection counts, for
+	// people reading a node's rules; they change every second, so they
+	// are not streamed and never compared.
+	ActiveConns, InactiveConns int `json:",omitempty"`
 	// Chain is the rule object that holds it (KUBE-SEP-…, an nftables
 	// chain), for explanations.
 	Chain string

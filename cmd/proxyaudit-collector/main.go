@@ -57,13 +57,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	node := fs.String("node-name", os.Getenv("NODE_NAME"), "name of this node, as the API knows it [NODE_NAME]")
 	agg := fs.String("aggregator", os.Getenv("PROXYAUDIT_AGGREGATOR"), "aggregator stream address host:port (or several, comma-separated); a DNS name is resolved to every replica and the leader is found [PROXYAUDIT_AGGREGATOR]")
-	mode := fs.String("mode", envOr("PROXYAUDIT_MODE", "auto"), "rules to read: auto (detect what kube-proxy programs), iptables, iptables-legacy, nftables [PROXYAUDIT_MODE]")
+	mode := fs.String("mode", envOr("PROXYAUDIT_MODE", "auto"), "rules to read: auto (detect what kube-proxy programs), iptables, iptables-legacy, nftables, ipvs [PROXYAUDIT_MODE]")
 	interval := fs.Duration("interval", 10*time.Second, "how often to read the rules; the aggregator declares the collector missing after 3 intervals without a report")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
 	serverName := fs.String("tls-server-name", os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"), "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name (replicas are dialled by IP, so an IP-only --aggregator needs this) [PROXYAUDIT_TLS_SERVER_NAME]")
 	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
+	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -76,7 +77,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if *once {
-		return readOnce(*mode, stdout, fail)
+		return readOnce(*mode, *snapshot, stdout, fail)
 	}
 	if *node == "" {
 		return fail("--node-name is required (in a DaemonSet, set NODE_NAME from spec.nodeName)")
@@ -160,13 +161,13 @@ type Footprint struct {
 	ReadSeconds   float64 `json:"readSeconds"`
 	// Self is the collector process (peak RSS from VmHWM: getrusage's
 	// maxrss would include the parent that forked it); Tool is the CPU of
-	// the tool it ran (iptables-save, nft).
+	// the tool it ran (iptables-save, nft; none for IPVS, read over netlink).
 	SelfCPUSeconds  float64 `json:"selfCPUSeconds"`
 	SelfMaxRSSBytes int64   `json:"selfMaxRSSBytes"`
 	ToolCPUSeconds  float64 `json:"toolCPUSeconds"`
 }
 
-func readOnce(mode string, stdout io.Writer, fail func(string, ...any) int) int {
+func readOnce(mode, snapshot string, stdout io.Writer, fail func(string, ...any) int) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	src, fixed, err := collector.ParseMode(mode)
@@ -185,8 +186,18 @@ func readOnce(mode string, stdout io.Writer, fail func(string, ...any) int) int 
 	}
 	took := time.Since(start)
 	st := stream.FromModel(obs)
+	msg := &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true)}
 	var size countWriter
-	stream.Write(&size, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true)})
+	stream.Write(&size, msg)
+	if snapshot != "" {
+		data, err := json.MarshalIndent(msg, "", " ")
+		if err != nil {
+			return fail("--snapshot: %v", err)
+		}
+		if err := os.WriteFile(snapshot, append(data, '\n'), 0o644); err != nil {
+			return fail("--snapshot: %v", err)
+		}
+	}
 	f := Footprint{Mode: src.String(), NoRules: obs.NoRules, Frontends: len(obs.Frontends), SnapshotBytes: int(size), ReadSeconds: took.Seconds()}
 	for _, fe := range obs.Frontends {
 		f.Endpoints += len(fe.Endpoints)

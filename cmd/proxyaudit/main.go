@@ -7,6 +7,8 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -19,6 +21,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
 // Exit codes: no findings, findings, usage or input error.
@@ -105,6 +108,11 @@ func (r *rulesFlag) Set(v string) error { *r = append(*r, v); return nil }
 type Report struct {
 	Findings []audit.Finding `json:"findings"`
 	Summary  audit.Summary   `json:"summary"`
+	// Draining lists IPVS real servers at weight 0 that the cluster no
+	// longer lists: normal while their connections end, a leftover when
+	// they stay (one dump cannot tell; the aggregator reports them after
+	// its --ipvs-weight-zero-limit).
+	Draining []audit.Finding `json:"draining,omitempty"`
 }
 
 func runDiff(args []string, stdout, stderr io.Writer) int {
@@ -143,7 +151,7 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		return fail("--cluster %s: %v", *cluster, err)
 	}
 	var nodes []string
-	var findings []audit.Finding
+	var findings, draining []audit.Finding
 	seen := map[string]bool{}
 	for _, r := range rules {
 		node, path, ok := strings.Cut(r, "=")
@@ -161,17 +169,20 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return fail("--rules %s: %v", node, err)
 		}
-		obs, err := audit.ParseRules(io.LimitReader(f, maxInputBytes))
+		obs, err := readRules(io.LimitReader(f, maxInputBytes))
 		f.Close()
 		if err != nil {
 			return fail("--rules %s (%s): %v", node, path, err)
 		}
 		nodes = append(nodes, node)
-		findings = append(findings, audit.Diff(audit.ExpectedFor(st, node), obs)...)
+		exp := audit.ExpectedFor(st, node)
+		findings = append(findings, audit.Diff(exp, obs)...)
+		draining = append(draining, audit.Draining(exp, obs)...)
 	}
 	sort.Strings(nodes)
 	audit.SortFindings(findings)
-	rep := Report{Findings: findings, Summary: audit.Summarize(nodes, findings)}
+	audit.SortFindings(draining)
+	rep := Report{Findings: findings, Summary: audit.Summarize(nodes, findings), Draining: draining}
 	if rep.Findings == nil {
 		rep.Findings = []audit.Finding{}
 	}
@@ -192,6 +203,27 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		return exitFindings
 	}
 	return exitClean
+}
+
+// readRules parses a node's rules dump, or a collector's snapshot
+// (proxyaudit-collector --once --snapshot FILE): the rules as streamed.
+func readRules(r io.Reader) (*audit.Observed, error) {
+	br := bufio.NewReader(r)
+	if head, _ := br.Peek(64); bytes.HasPrefix(bytes.TrimLeft(head, " \t\r\n"), []byte("{")) && bytes.Contains(head, []byte(`"type"`)) {
+		var m stream.Message
+		if err := json.NewDecoder(br).Decode(&m); err != nil {
+			return nil, fmt.Errorf("collector snapshot: %v", err)
+		}
+		if m.Type != stream.TypeReport || m.Report == nil || !m.Report.Full {
+			return nil, fmt.Errorf("collector snapshot: a %q message, not a full report (write one with proxyaudit-collector --once --snapshot FILE)", m.Type)
+		}
+		st := stream.NewState()
+		if _, err := st.Apply(m.Report); err != nil {
+			return nil, fmt.Errorf("collector snapshot: %v", err)
+		}
+		return st.Observed(), nil
+	}
+	return audit.ParseRules(br)
 }
 
 func readBounded(path string) ([]byte, error) {
@@ -269,6 +301,18 @@ func writeTable(w io.Writer, rep Report, nodes []string) {
 		}
 		tw.Flush()
 	}
+	writeDraining(w, rep.Draining)
+}
+
+// writeDraining lists IPVS real servers at weight 0 after the findings.
+func writeDraining(w io.Writer, ds []audit.Finding) {
+	if len(ds) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\n%d IPVS real server(s) at weight 0, no longer listed by the cluster (draining: normal while their connections end; a leftover if still there after %s):\n", len(ds), audit.DefaultWeightZeroLimit)
+	for _, f := range ds {
+		fmt.Fprintf(w, "  %s  %s  %s\n", f.Node, svcPort(f), f.Endpoint)
+	}
 }
 
 func orDash(s string) string {
@@ -286,8 +330,10 @@ func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	fmt.Fprintf(w, "### proxyaudit: %d node(s), %d in sync, %d drifted, %d finding(s)\n\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "Every audited node's kube-proxy rules match the cluster.")
+		writeDraining(w, rep.Draining)
 		return
 	}
+	defer writeDraining(w, rep.Draining)
 	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
 	esc := markdownCell

@@ -88,15 +88,18 @@ func ParseMode(mode string) (Source, bool, error) {
 	case "nftables":
 		return Source{Mode: audit.ModeNFTables}, true, nil
 	case "ipvs":
-		return Source{}, false, errors.New("--mode ipvs: reading IPVS rules is not supported in this version; on IPVS nodes proxyaudit cannot audit yet")
+		return Source{Mode: audit.ModeIPVS}, true, nil
 	}
 	return Source{}, false, fmt.Errorf("--mode %q: want auto, iptables, iptables-legacy, nftables or ipvs", mode)
 }
 
 // Read reads the rules once: one `iptables-save -t nat` whose output is
-// parsed as it streams (the text is never held whole), or one `nft -j list
-// table ip kube-proxy`.
+// parsed as it streams (the text is never held whole), one `nft -j list
+// table ip kube-proxy`, or one netlink dump of the IPVS table.
 func (s Source) Read(ctx context.Context) (*audit.Observed, error) {
+	if s.Mode == audit.ModeIPVS {
+		return readIPVS()
+	}
 	var argv []string
 	parse := audit.ParseIPTables
 	switch {

@@ -124,12 +124,12 @@ func TestDetectWithoutKubeProxy(t *testing.T) {
 }
 
 func TestParseMode(t *testing.T) {
-	for _, m := range []string{"auto", "iptables", "iptables-legacy", "nftables"} {
+	for _, m := range []string{"auto", "iptables", "iptables-legacy", "nftables", "ipvs"} {
 		if _, _, err := ParseMode(m); err != nil {
 			t.Errorf("%s: %v", m, err)
 		}
 	}
-	for _, m := range []string{"ipvs", "userspace"} {
+	for _, m := range []string{"userspace", "kernelspace"} {
 		if _, _, err := ParseMode(m); err == nil {
 			t.Errorf("%s accepted", m)
 		}
