@@ -76,7 +76,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			if fe.NodePort {
 				nodePorts[fe.FrontendKey] = expIndex{p, fe}
 			}
-			if len(p.Endpoints[fe.Scope]) > 0 {
+			if len(p.Want(fe.Scope, obs.Mode)) > 0 {
 				wantAny = true
 			}
 		}
@@ -114,7 +114,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		}
 		matched[key] = true
 		scope := e.fe.Scope
-		want := e.port.Endpoints[scope]
+		want := e.port.Want(scope, obs.Mode)
 		got := map[netip.AddrPort]Endpoint{}
 		for _, ep := range of.Endpoints {
 			got[ep.Addr] = ep
@@ -154,7 +154,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			if matched[fe.FrontendKey] {
 				continue
 			}
-			want := p.Endpoints[fe.Scope]
+			want := p.Want(fe.Scope, obs.Mode)
 			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Scope: fe.Scope, Kind: MissingService}
 			switch {
 			case len(want) > 0:
@@ -205,7 +205,7 @@ func Draining(exp Expected, obs *Observed) []Finding {
 			}
 		}
 		want := map[netip.AddrPort]bool{}
-		for _, a := range e.port.Endpoints[e.fe.Scope] {
+		for _, a := range e.port.Want(e.fe.Scope, obs.Mode) {
 			want[a] = true
 		}
 		for _, ep := range of.Endpoints {

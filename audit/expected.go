@@ -130,6 +130,19 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 	return ep
 }
 
+// Want is the endpoint set a frontend of this scope dispatches to in the
+// given mode. IPVS differs in one way (kubernetes#97081): a local-scope
+// virtual server on a node without local endpoints gets the cluster's, so
+// that pods on the node can still reach the service (external traffic is
+// then dropped by iptables rules, not by IPVS).
+func (p *ExpectedPort) Want(scope Scope, mode Mode) []netip.AddrPort {
+	want := p.Endpoints[scope]
+	if mode == ModeIPVS && scope == ScopeLocal && len(want) == 0 {
+		return p.Endpoints[ScopeCluster]
+	}
+	return want
+}
+
 func filter(all []cep, keep func(cep) bool) []netip.AddrPort {
 	out := []netip.AddrPort{}
 	for _, c := range all {

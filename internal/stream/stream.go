@@ -114,6 +114,8 @@ type KubeProxy struct {
 	EndpointChangesPending float64 `json:"endpointChangesPending"`
 	ServiceChangesPending  float64 `json:"serviceChangesPending"`
 	EndpointChangesTotal   float64 `json:"endpointChangesTotal"`
+	// Version is kube-proxy's git version (kubernetes_build_info).
+	Version string `json:"version,omitempty"`
 	// Error says why the metrics could not be read.
 	Error string `json:"error,omitempty"`
 }
@@ -217,7 +219,8 @@ func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
 	if err != nil {
 		return audit.ObservedFrontend{}, err
 	}
-	if f.Scope != string(audit.ScopeCluster) && f.Scope != string(audit.ScopeLocal) {
+	// IPVS virtual servers carry no scope: "" is allowed.
+	if f.Scope != string(audit.ScopeCluster) && f.Scope != string(audit.ScopeLocal) && f.Scope != "" {
 		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad scope %q", f.Key, clip(f.Scope))
 	}
 	if len(f.Weights) != 0 && len(f.Weights) != len(f.Endpoints) {

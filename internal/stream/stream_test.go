@@ -142,3 +142,29 @@ func TestKeyRoundTrip(t *testing.T) {
 		t.Errorf("long garbage key: %v", err)
 	}
 }
+
+// An IPVS table crosses the stream whole: frontends without a scope (IPVS
+// has none), weights including 0 (draining real servers).
+func TestIPVSRoundTrip(t *testing.T) {
+	obs, err := audit.ParseIPVS(strings.NewReader("-A -t 198.19.0.10:80 -s rr\n-a -t 198.19.0.10:80 -r 198.18.128.1:8080 -m -w 1\n" +
+		"-a -t 198.19.0.10:80 -r 198.18.128.2:8080 -m -w 0\n-A -u 198.19.0.10:53 -s rr -p 600\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv := NewState()
+	if _, err := recv.Apply(Delta(NewState(), FromModel(obs), 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	got := recv.Observed()
+	zero := 0
+	for _, f := range got.Frontends {
+		for _, e := range f.Endpoints {
+			if e.Weight == 0 {
+				zero++
+			}
+		}
+	}
+	if FromModel(got).Root() != FromModel(obs).Root() || len(got.Frontends) != 2 || zero != 1 || got.Mode != audit.ModeIPVS {
+		t.Fatalf("sent %+v\nreceived %+v", obs.Frontends, got.Frontends)
+	}
+}
