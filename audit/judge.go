@@ -107,6 +107,9 @@ type NodeStatus struct {
 	ReadError string    `json:"readError,omitempty"`
 	// KubeProxy is what kube-proxy's own metrics said last.
 	KubeProxy *KubeProxySignal `json:"kubeProxy,omitempty"`
+	// Warnings are facts about the node that are not findings (a
+	// kube-proxy release known to misbehave in the node's mode).
+	Warnings []string `json:"warnings,omitempty"`
 }
 
 // Verdict is everything a judge concludes at one instant.
@@ -195,6 +198,32 @@ type KubeProxySignal struct {
 	EndpointChangesPending int       `json:"endpointChangesPending"`
 	ServiceChangesPending  int       `json:"serviceChangesPending"`
 	Error                  string    `json:"error,omitempty"`
+	// Version is kube-proxy's git version, from kubernetes_build_info.
+	Version string `json:"version,omitempty"`
+}
+
+// knownBad are kube-proxy releases whose IPVS graceful termination could
+// hang, retrying forever to delete old real servers (kubernetes#71071,
+// fixed by #72361): [minor, first patch, last patch] of 1.x.
+var knownBad = [][3]int{{11, 5, 6}, {12, 2, 4}, {13, 0, 1}}
+
+// KnownBadKubeProxy returns why a kube-proxy version is unsafe in IPVS
+// mode, or "" ("v1.12.3", "v1.12.3-gke.1" and "1.12.3+k3s1" all parse).
+func KnownBadKubeProxy(version string) string {
+	v := strings.TrimPrefix(version, "v")
+	if i := strings.IndexAny(v, "-+"); i >= 0 {
+		v = v[:i]
+	}
+	var major, minor, patch int
+	if n, _ := fmt.Sscanf(v, "%d.%d.%d", &major, &minor, &patch); n != 3 || major != 1 {
+		return ""
+	}
+	for _, b := range knownBad {
+		if minor == b[0] && patch >= b[1] && patch <= b[2] {
+			return fmt.Sprintf("kube-proxy %s is in the known-bad window 1.11.5–1.11.6, 1.12.2–1.12.4, 1.13.0–1.13.1: its IPVS graceful termination can hang and keep old real servers for days (kubernetes#71071); upgrade kube-proxy", version)
+		}
+	}
+	return ""
 }
 
 // Heard records that node's collector reported.
@@ -386,6 +415,11 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		interval = p.DefaultInterval
 	}
 	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
+	if r.mode == ModeIPVS && r.kubeProxy != nil {
+		if w := KnownBadKubeProxy(r.kubeProxy.Version); w != "" {
+			st.Warnings = append(st.Warnings, w)
+		}
+	}
 	switch {
 	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending

@@ -1,6 +1,7 @@
 package audit_test
 
 import (
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -301,5 +302,115 @@ func TestExplain(t *testing.T) {
 	last := all[len(all)-1]
 	if last.Service != "synth/svc-00003" || last.Frontends[0].Status != audit.TraceMissing || len(last.Frontends[0].Endpoints) != 3 {
 		t.Fatalf("new service: %+v", last)
+	}
+}
+
+// ipvsOf is the IPVS table a healthy kube-proxy programs for st on node
+// (cluster, external and load-balancer IPs; node ports need addresses and
+// are left out), plus extra real servers.
+func ipvsOf(st *audit.State, node string, extra map[netip.AddrPort]audit.RealServer) *audit.Observed {
+	var vs []audit.VirtualServer
+	for _, p := range audit.ExpectedFor(st, node).Ports {
+		for _, fe := range p.Frontends {
+			if fe.NodePort {
+				continue
+			}
+			v := audit.VirtualServer{Addr: netip.AddrPortFrom(fe.IP, fe.Port), Protocol: fe.Protocol, Scheduler: "rr"}
+			for _, a := range p.Want(fe.Scope, audit.ModeIPVS) {
+				v.Real = append(v.Real, audit.RealServer{Addr: a, Weight: 1})
+			}
+			if rs, ok := extra[v.Addr]; ok {
+				v.Real = append(v.Real, rs)
+			}
+			vs = append(vs, v)
+		}
+	}
+	return audit.FromIPVS(vs)
+}
+
+// An IPVS real server at weight 0 whose endpoint left the service is
+// draining: no finding while younger than WeightZeroLimit, whatever the
+// grace; a StaleEndpoint saying so once older; nothing once kube-proxy
+// removed it. A real server at weight 0 the cluster still lists is
+// missing (it gets no new connections).
+func TestJudgeIPVSWeightZero(t *testing.T) {
+	spec := synth.Spec{Services: 3, EndpointsPerService: 3}
+	v0 := synthCluster(spec)
+	p := audit.DefaultPolicy()
+	p.WeightZeroLimit = 10 * time.Minute
+	f := &fleet{t: t, spec: spec, h: audit.NewHistory(5 * time.Minute), j: audit.NewJudge(p)}
+	f.change(v0, t0)
+	f.report("a", t0.Add(time.Second), ipvsOf(f.state, "a", nil))
+	t1 := t0.Add(10 * time.Second)
+	f.change(dropEndpoint(v0, 1), t1)
+	gone := spec.EndpointAddr(1, 2) // dropEndpoint drops the last
+	var vip netip.AddrPort
+	for _, p := range audit.ExpectedFor(f.state, "a").Ports {
+		if p.Name.Name == synth.ServiceName(1) {
+			vip = netip.AddrPortFrom(p.Frontends[0].IP, p.Frontends[0].Port)
+		}
+	}
+	draining := ipvsOf(f.state, "a", map[netip.AddrPort]audit.RealServer{vip: {Addr: netip.AddrPortFrom(gone, 8080), Weight: 0, ActiveConns: 2}})
+	for _, at := range []time.Duration{2 * time.Second, time.Minute, 9 * time.Minute} {
+		f.report("a", t1.Add(at), draining)
+		if v := f.j.Evaluate(t1.Add(at), []string{"a"}); len(v.Findings) != 0 || state(v, "a") != audit.NodeInSync {
+			t.Fatalf("draining for %s: %s, state %s", at, kinds(v), state(v, "a"))
+		}
+	}
+	f.report("a", t1.Add(11*time.Minute), draining)
+	v := f.j.Evaluate(t1.Add(11*time.Minute), []string{"a"})
+	if len(v.Findings) != 1 || v.Findings[0].Kind != audit.StaleEndpoint || v.Findings[0].Endpoint != netip.AddrPortFrom(gone, 8080).String() ||
+		!strings.Contains(v.Findings[0].Detail, "weight 0") || !v.Findings[0].Since.Equal(t1.Add(2*time.Second)) {
+		t.Fatalf("past the limit: %+v", v.Findings)
+	}
+	f.report("a", t1.Add(12*time.Minute), ipvsOf(f.state, "a", nil))
+	if v := f.j.Evaluate(t1.Add(12*time.Minute), []string{"a"}); len(v.Findings) != 0 {
+		t.Fatalf("removed: %s", kinds(v))
+	}
+
+	// A listed endpoint at weight 0 is missing after grace.
+	listed := ipvsOf(f.state, "a", nil)
+	for i := range listed.Frontends {
+		for j := range listed.Frontends[i].Endpoints {
+			if listed.Frontends[i].Endpoints[j].Addr == netip.AddrPortFrom(spec.EndpointAddr(0, 0), 8080) {
+				listed.Frontends[i].Endpoints[j].Weight = 0
+			}
+		}
+	}
+	fs := audit.Diff(audit.ExpectedFor(f.state, "a"), listed)
+	if len(fs) != 1 || fs[0].Kind != audit.MissingEndpoint || !strings.Contains(fs[0].Detail, "weight 0") {
+		t.Fatalf("listed endpoint at weight 0: %+v", fs)
+	}
+
+	// WeightZeroLimit 0 never reports one.
+	p.WeightZeroLimit = 0
+	f.j = audit.NewJudge(p)
+	f.report("a", t1.Add(time.Second), draining)
+	f.report("a", t1.Add(24*time.Hour), draining)
+	if v := f.j.Evaluate(t1.Add(24*time.Hour), []string{"a"}); len(v.Findings) != 0 {
+		t.Fatalf("limit 0: %s", kinds(v))
+	}
+}
+
+func TestKnownBadKubeProxy(t *testing.T) {
+	for v, bad := range map[string]bool{
+		"v1.11.4": false, "v1.11.5": true, "v1.11.6": true, "v1.11.7": false,
+		"v1.12.1": false, "v1.12.2": true, "v1.12.3-gke.1": true, "1.12.4+k3s1": true, "v1.12.5": false,
+		"v1.13.0": true, "v1.13.1": true, "v1.13.2": false, "v1.36.3": false, "": false, "garbage": false, "v2.12.3": false,
+	} {
+		if got := audit.KnownBadKubeProxy(v) != ""; got != bad {
+			t.Errorf("%q: bad %v, want %v", v, got, bad)
+		}
+	}
+	// The warning shows on an IPVS node only: the hang is in IPVS's
+	// graceful termination.
+	j := audit.NewJudge(audit.DefaultPolicy())
+	for node, mode := range map[string]audit.Mode{"ipvs": audit.ModeIPVS, "ipt": audit.ModeIPTables} {
+		j.Heard(node, audit.Heartbeat{At: t0, Interval: 10 * time.Second, Mode: mode, KubeProxy: &audit.KubeProxySignal{Version: "v1.12.3"}})
+	}
+	for _, n := range j.Evaluate(t0.Add(time.Second), []string{"ipvs", "ipt"}).Nodes {
+		if (len(n.Warnings) == 1) != (n.Node == "ipvs") {
+			t.Errorf("%s: warnings %q", n.Node, n.Warnings)
+		}
 	}
 }

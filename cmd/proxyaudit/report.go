@@ -279,6 +279,9 @@ func byNode(rep *FleetReport) ([]string, map[string][]audit.TimedFinding) {
 func reportTable(w io.Writer, rep *FleetReport) {
 	fmt.Fprint(w, banner(rep))
 	fmt.Fprintf(w, "proxyaudit report at %s\n%s\n%s\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
+	for _, l := range warnings(rep) {
+		fmt.Fprintf(w, "WARNING %s\n", l)
+	}
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "\nNo findings: every reporting node's kube-proxy rules match the cluster.")
 		return
@@ -326,6 +329,9 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 		fmt.Fprintf(w, "> **%s**\n", strings.TrimSpace(l))
 	}
 	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
+	for _, l := range warnings(rep) {
+		fmt.Fprintf(w, "- **Warning** %s\n", markdownCell.Replace(l))
+	}
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "No findings: every reporting node's kube-proxy rules match the cluster.")
 		return
@@ -344,4 +350,16 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 				f.Since.UTC().Format(time.RFC3339), esc.Replace(f.Detail))
 		}
 	}
+}
+
+// warnings lists the nodes' warnings (facts that are not findings, such
+// as a kube-proxy release known to misbehave), one line each.
+func warnings(rep *FleetReport) []string {
+	var out []string
+	for _, n := range rep.Nodes {
+		for _, w := range n.Warnings {
+			out = append(out, n.Node+": "+w)
+		}
+	}
+	return out
 }

@@ -167,3 +167,18 @@ func TestReportStaleAndRecovering(t *testing.T) {
 		t.Errorf("recovering: exit %d\n%s", code, out.String())
 	}
 }
+
+// A node's warnings (a kube-proxy release known to misbehave in IPVS
+// mode) show in every format without changing the exit status.
+func TestReportWarnings(t *testing.T) {
+	fr, nr := fleet()
+	nr.Nodes[0].Warnings = []string{"kube-proxy v1.12.3 is in the known-bad window"}
+	url := serve(t, fr, nr)
+	for format, want := range map[string]string{"table": "WARNING " + nr.Nodes[0].Node + ": kube-proxy v1.12.3", "markdown": "- **Warning** " + nr.Nodes[0].Node, "json": `"warnings": [`} {
+		var out, errb bytes.Buffer
+		code := run([]string{"report", "--aggregator", url, "-o", format}, &out, &errb)
+		if code != exitFindings || !strings.Contains(out.String(), want) {
+			t.Errorf("%s: exit %d, want %q in:\n%s", format, code, want, out.String())
+		}
+	}
+}

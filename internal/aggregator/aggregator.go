@@ -463,7 +463,8 @@ func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
 		return time.Unix(0, int64(f*1e9)).UTC()
 	}
 	return &audit.KubeProxySignal{LastSync: unix(k.LastSync), LastQueued: unix(k.LastQueued),
-		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: clip(k.Error)}
+		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: clip(k.Error),
+		Version: clip(k.Version)}
 }
 
 // Evaluate assesses every node that reported since the last call and

@@ -60,6 +60,10 @@ func parseKubeProxyMetrics(r io.Reader) (*stream.KubeProxy, error) {
 	sc.Buffer(make([]byte, 64<<10), 64<<10)
 	for sc.Scan() {
 		line := sc.Text()
+		if strings.HasPrefix(line, "kubernetes_build_info{") {
+			kp.Version = label(line, "git_version")
+			continue
+		}
 		if !strings.HasPrefix(line, "kubeproxy_sync_proxy_rules_") {
 			continue
 		}
@@ -86,4 +90,17 @@ func parseKubeProxyMetrics(r io.Reader) (*stream.KubeProxy, error) {
 		return nil, fmt.Errorf("no kubeproxy_sync_proxy_rules_* metrics (is this kube-proxy's metrics endpoint?)")
 	}
 	return kp, nil
+}
+
+// label returns a label's value in one exposition-format sample line.
+func label(line, name string) string {
+	_, rest, ok := strings.Cut(line, name+`="`)
+	if !ok {
+		return ""
+	}
+	v, _, _ := strings.Cut(rest, `"`)
+	if len(v) > 64 {
+		return v[:64]
+	}
+	return v
 }

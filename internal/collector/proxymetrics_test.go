@@ -15,6 +15,7 @@ import (
 const kubeProxyPage = `# HELP kubeproxy_sync_proxy_rules_endpoint_changes_pending [ALPHA] Pending proxy rules Endpoint changes
 # TYPE kubeproxy_sync_proxy_rules_endpoint_changes_pending gauge
 kubeproxy_sync_proxy_rules_endpoint_changes_pending 3
+kubernetes_build_info{build_date="2026-10-01T00:00:00Z",compiler="gc",git_commit="0",git_tree_state="clean",git_version="v1.36.3",go_version="go1.26",major="1",minor="36",platform="linux/amd64"} 1
 kubeproxy_sync_proxy_rules_endpoint_changes_total 1234
 kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family="IPv4"} 1.7637e+09
 kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family="IPv6"} 1.7638e+09
@@ -28,7 +29,7 @@ func TestParseKubeProxyMetrics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := stream.KubeProxy{LastSync: 1.76369e+09, LastQueued: 1.7638e+09, EndpointChangesPending: 3, EndpointChangesTotal: 1234}
+	want := stream.KubeProxy{LastSync: 1.76369e+09, LastQueued: 1.7638e+09, EndpointChangesPending: 3, EndpointChangesTotal: 1234, Version: "v1.36.3"}
 	if *kp != want {
 		t.Fatalf("got %+v, want %+v", *kp, want)
 	}
