@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build test unit e2e demo fixtures bench bench-ipvs fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -32,14 +32,19 @@ e2e: deps cluster-binaries
 demo: deps build cluster-binaries
 	$(BIN)/localcluster demo --out demo-out
 
-## fixtures: recapture audit/testdata/capture from genuine kube-proxies (review the diff)
+## fixtures: recapture audit/testdata/capture and audit/testdata/ipvs from genuine kube-proxies (review the diff)
 fixtures: deps cluster-binaries
-	$(GO) test -count=1 -run TestE2ECaptureFixtures ./internal/e2e -capture
+	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 ./audit -update
 
 ## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md)
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m ./...
+
+## bench-ipvs: the IPVS read (netlink vs ipvsadm -Sn, 10k services x 10 real servers) in the IPVS VM
+IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
+bench-ipvs: deps
+	$(GO) test -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
 
 ## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)
 FUZZTIME ?= 30s

@@ -65,8 +65,8 @@ func FuzzParseNFTables(f *testing.F) {
 }
 
 func FuzzParseIPVS(f *testing.F) {
-	seeds(f, "testdata/ipvs/ipvs-a.save")
-	seeds(f, "testdata/ipvs/ipvs-a.list", "-A -t 1.2.3.4:80 -s rr\n-a -t 1.2.3.4:80 -r 5.6.7.8:80 -m -w 1\n")
+	seeds(f, "testdata/ipvs/*/ipvs-a.save")
+	seeds(f, "testdata/ipvs/*/ipvs-a.list", "-A -t 1.2.3.4:80 -s rr -p 600\n-a -t 1.2.3.4:80 -r 5.6.7.8:80 -m -w 0\n")
 	fuzzReader(f, ParseIPVS)
 }
 

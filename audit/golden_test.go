@@ -132,18 +132,54 @@ func TestLargeClusterModeHasNoComments(t *testing.T) {
 	}
 }
 
-// TestIPVSFixtures: save and list formats of the same (hand-written) IPVS
-// table give the same golden findings.
+// TestIPVSFixtures audits the IPVS tables captured from genuine
+// kube-proxy 1.36 in --proxy-mode ipvs in the VM (internal/e2e
+// TestE2EIPVS, make fixtures): ipvsadm -Sn and -Ln of each give the same
+// findings; the clean matrix has none, the hung informer's drift the
+// golden ones, and the table with a real server left at weight 0 none
+// from Diff but that one real server draining.
 func TestIPVSFixtures(t *testing.T) {
-	st := loadState(t, "clean")
-	save := auditFile(t, st, "ipt-a", "testdata/ipvs/ipvs-a.save")
-	list := auditFile(t, st, "ipt-a", "testdata/ipvs/ipvs-a.list")
-	js, _ := json.Marshal(save)
-	jl, _ := json.Marshal(list)
-	if !bytes.Equal(js, jl) {
-		t.Fatalf("ipvsadm -Sn and -Ln disagree:\n%s\n%s", js, jl)
+	for _, dir := range []string{"clean", "drift", "weight0"} {
+		data, err := os.ReadFile(filepath.Join("testdata", "ipvs", dir, "cluster.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := ParseClusterList(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var obs [2]*Observed
+		for i, name := range []string{"ipvs-a.save", "ipvs-a.list"} {
+			f, err := os.Open(filepath.Join("testdata", "ipvs", dir, name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			obs[i], err = ParseRules(f)
+			f.Close()
+			if err != nil {
+				t.Fatalf("%s/%s: %v", dir, name, err)
+			}
+		}
+		exp := ExpectedFor(st, "ipvs-a")
+		save, list := Diff(exp, obs[0]), Diff(exp, obs[1])
+		js, _ := json.Marshal(save)
+		jl, _ := json.Marshal(list)
+		if !bytes.Equal(js, jl) {
+			t.Fatalf("%s: ipvsadm -Sn and -Ln disagree:\n%s\n%s", dir, js, jl)
+		}
+		switch draining := Draining(exp, obs[0]); dir {
+		case "clean":
+			if len(save) != 0 || len(draining) != 0 {
+				t.Errorf("clean: %+v, draining %+v", save, draining)
+			}
+		case "weight0":
+			if len(save) != 0 || len(draining) != 1 || draining[0].Endpoint != "198.18.128.77:8080" {
+				t.Errorf("weight0: %+v, draining %+v", save, draining)
+			}
+		case "drift":
+			checkGolden(t, filepath.Join("testdata", "ipvs", dir, "ipvs-a.findings.json"), save)
+		}
 	}
-	checkGolden(t, "testdata/ipvs/ipvs-a.findings.json", save)
 }
 
 // TestFlushedTable: a dump with the dispatch gone is one NoRules finding.

@@ -543,6 +543,9 @@ func (k *KubeProxySignal) describe() string {
 		return ""
 	case k.Error != "":
 		return "; kube-proxy's metrics could not be read (" + k.Error + ")"
+	case k.LastSync.IsZero():
+		return fmt.Sprintf("; kube-proxy's own metrics show no successful sync since it started (%d endpoint and %d service changes pending): its syncs fail, see its log",
+			k.EndpointChangesPending, k.ServiceChangesPending)
 	case k.EndpointChangesPending == 0 && k.ServiceChangesPending == 0:
 		return fmt.Sprintf("; kube-proxy's own metrics show no pending changes and a last sync at %s (node clock): it does not know it is behind, so its health check stays green",
 			k.LastSync.UTC().Format(time.RFC3339))

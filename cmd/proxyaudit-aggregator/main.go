@@ -84,6 +84,7 @@ func run(args []string, stderr io.Writer) int {
 	certFile := fs.String("tls-cert-file", "", "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
 	keyFile := fs.String("tls-key-file", "", "private key for --tls-cert-file")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest stream message accepted; larger ones end the stream")
+	weightZero := fs.Duration("ipvs-weight-zero-limit", audit.DefaultWeightZeroLimit, "how long an IPVS real server may stay at weight 0 after its endpoint left the service (graceful termination keeps it while connections last) before it is a StaleEndpoint; raise it above your pods' longest terminationGracePeriodSeconds plus 15m; 0 never reports one")
 	missing := fs.Int("missing-intervals", 3, "collector intervals without a report before CollectorMissing")
 	massShare := fs.Float64("mass-divergence-share", 0.5, "share of reporting nodes drifting at once that makes one MassDivergence finding instead of node findings")
 	massMin := fs.Int("mass-divergence-min-nodes", 3, "fewest drifted nodes that can count as mass divergence")
@@ -111,6 +112,9 @@ func run(args []string, stderr io.Writer) int {
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "proxyaudit-aggregator: "+format+"\n", a...)
 		return 2
+	}
+	if *weightZero < 0 {
+		return fail("--ipvs-weight-zero-limit %s: must not be negative (0 turns the check off)", *weightZero)
 	}
 	if *grace < time.Second {
 		return fail("--grace %s is too short: at least 1s (the Kubernetes SLO is 30s)", *grace)
@@ -186,6 +190,7 @@ func run(args []string, stderr io.Writer) int {
 
 	policy := audit.DefaultPolicy()
 	policy.Grace, policy.MissingIntervals, policy.MassShare, policy.MassMinNodes = *grace, *missing, *massShare, *massMin
+	policy.WeightZeroLimit = *weightZero
 	clk := clock.RealClock{}
 	var auth aggregator.Authenticator = aggregator.InsecureNoAuth{}
 	if !*insecure {

@@ -57,6 +57,8 @@ func TestDiffBadInput(t *testing.T) {
 		"missing file":    {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=/nonexistent"},
 		"bad format flag": {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules", "-o", "xml"},
 		"huge line":       {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("long", "*nat\n-A "+strings.Repeat("x", 100<<10)+"\n")},
+		"bad snapshot":    {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("snap", `{"type": "report", "report": {"full": true, "frontends": [{"k": "nonsense"}]}}`)},
+		"hello snapshot":  {"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + write("hello", `{"type": "hello", "hello": {"node": "x"}}`)},
 	}
 	for name, args := range cases {
 		var out, errb bytes.Buffer
@@ -66,5 +68,34 @@ func TestDiffBadInput(t *testing.T) {
 		if name != "no args" && !strings.Contains(errb.String(), "proxyaudit diff:") {
 			t.Errorf("%s: error does not say what failed: %q", name, errb.String())
 		}
+	}
+}
+
+const ipvs = "../../audit/testdata/ipvs/"
+
+// The collector's own snapshot of an IPVS node (captured in the VM with
+// --once --snapshot) audits exactly like ipvsadm -Sn of the same table; a
+// real server left at weight 0 is listed as draining, not as a finding.
+func TestDiffCollectorSnapshotAndDraining(t *testing.T) {
+	diff := func(dir, file string, args ...string) (string, int) {
+		var out, errb bytes.Buffer
+		code := run(append([]string{"diff", "--cluster", ipvs + dir + "/cluster.json", "--rules", "ipvs-a=" + ipvs + dir + "/" + file}, args...), &out, &errb)
+		if errb.Len() > 0 {
+			t.Errorf("%s/%s: %s", dir, file, errb.String())
+		}
+		return out.String(), code
+	}
+	save, code := diff("drift", "ipvs-a.save", "-o", "json")
+	snap, code2 := diff("drift", "ipvs-a.snapshot.json", "-o", "json")
+	if code != exitFindings || code2 != exitFindings || save != snap {
+		t.Fatalf("drift: ipvsadm -Sn (exit %d) and the collector snapshot (exit %d) differ:\n%s\n%s", code, code2, save, snap)
+	}
+	out, code := diff("weight0", "ipvs-a.snapshot.json")
+	if code != exitClean || !strings.Contains(out, "1 IPVS real server(s) at weight 0") || !strings.Contains(out, "ipvs-a  matrix/two-slices:http/TCP  198.18.128.77:8080") {
+		t.Errorf("weight0: exit %d\n%s", code, out)
+	}
+	out, _ = diff("weight0", "ipvs-a.save", "-o", "json")
+	if !strings.Contains(out, `"draining": [`) {
+		t.Errorf("weight0 JSON lacks the draining list:\n%s", out)
 	}
 }

@@ -1,0 +1,51 @@
+package e2e
+
+import (
+	"context"
+	"flag"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+var ipvsBench = flag.String("ipvs-bench", "", "run internal/collector's BenchmarkIPVSRead in the IPVS VM with these -test.bench arguments (make bench-ipvs)")
+
+// TestIPVSBenchmarkInVM runs the IPVS read benchmark where IPVS exists: it
+// compiles internal/collector's test binary and runs BenchmarkIPVSRead in
+// the VM, in a network namespace of its own, and prints go test's output.
+// It is not a timed test: it only carries the benchmark to the kernel.
+func TestIPVSBenchmarkInVM(t *testing.T) {
+	if *ipvsBench == "" {
+		t.Skip("runs only with -ipvs-bench (make bench-ipvs)")
+	}
+	if err := localcluster.CanRunVM(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
+	defer cancel()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "collector.test")
+	build := exec.Command("go", "test", "-c", "-o", bin, "./internal/collector")
+	build.Dir = root
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the benchmark: %v\n%s", err, out)
+	}
+	vm, err := localcluster.BootVM(ctx, "bench", filepath.Join(dir, "vm"), t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vm.Stop()
+	out, err := vm.RunFor(ctx, 35*time.Minute, "cd "+dir+" && unshare -n "+bin+" -test.run '^$' -test.bench BenchmarkIPVSRead -test.benchmem "+*ipvsBench)
+	os.Stdout.WriteString(out + "\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,440 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+const (
+	vmName     = "ipvs-a"
+	aggIP      = "198.18.1.9"
+	ipvsGrace  = 10 * time.Second
+	ipvsEvery  = 2 * time.Second
+	weightZero = 20 * time.Second
+)
+
+// TestE2EIPVS proves IPVS mode on a real kernel: a QEMU VM runs the
+// genuine kube-proxy in --proxy-mode ipvs against the host's API server,
+// and proxyaudit's collector inside it streams the table it reads over
+// netlink to the aggregator on the host, beside the netns nodes' iptables
+// and nftables collectors. The service matrix audits clean, from ipvsadm's
+// text and from the collector's netlink read alike; a hung informer gives
+// the stale and missing real servers and StuckProxy; a real server left at
+// weight 0 is reported only once past the weight-zero limit. With
+// -capture the tables become audit/testdata/ipvs.
+func TestE2EIPVS(t *testing.T) {
+	c := localcluster.Shared(t)
+	if err := localcluster.CanRunVM(); err != nil {
+		if os.Getenv(localcluster.RequireEnv) == "1" {
+			t.Fatalf("the IPVS VM cannot run: %v", err)
+		}
+		t.Skipf("END-TO-END TEST SKIPPED: the IPVS VM cannot run: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	bin := buildBinaries(t)
+	start := time.Now()
+	vm, err := c.AddVMNode(ctx, vmName, "zone-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			keep := filepath.Join(os.TempDir(), "proxyaudit-ipvs-failure")
+			os.RemoveAll(keep)
+			_ = exec.Command("cp", "-r", vm.Dir, keep).Run()
+			t.Logf("VM logs kept in %s; kube-proxy's last lines:\n%s", keep, vm.Log("kube-proxy", 15))
+		}
+		vm.Stop()
+		_ = c.Client.CoreV1().Nodes().Delete(context.Background(), vmName, metav1.DeleteOptions{})
+	})
+	t.Logf("injected: a VM (boot %s) with kube-proxy in IPVS mode; default/kubernetes programmed %s after start",
+		vm.Boot.Round(time.Second), time.Since(start).Round(time.Second))
+
+	if err := Reset(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	if err := Apply(ctx, c, Matrix()); err != nil {
+		t.Fatal(err)
+	}
+	vmSynced := func(round int) {
+		t.Helper()
+		if err := WaitSynced(ctx, c, round, c.Nodes()); err != nil {
+			t.Fatal(err)
+		}
+		waitVM(ctx, t, vm, fmt.Sprintf("sentinel %d", round), func(s string) bool { return strings.Contains(s, SentinelEndpoint(round)) })
+	}
+	vmSynced(1)
+	fixtures := ""
+	if *capture {
+		root, err := localcluster.RepoRoot()
+		if err != nil {
+			t.Fatal(err)
+		}
+		fixtures = filepath.Join(root, "audit", "testdata", "ipvs")
+		os.RemoveAll(fixtures)
+	}
+
+	// 1. The matrix audits clean, and the collector's netlink read is the
+	// table ipvsadm prints.
+	st, obs := readVM(ctx, t, c, vm, bin, filepath.Join(fixtures, "clean"))
+	if fs := audit.Diff(audit.ExpectedFor(st, vmName), obs); len(fs) > 0 {
+		t.Fatalf("healthy IPVS node has findings:\n%s", findingLines(fs))
+	}
+	t.Logf("the matrix on IPVS: %d virtual servers, no findings", len(obs.Frontends))
+	if out, err := vm.Run(ctx, "grep -m3 -A3 'Failed to execute iptables-restore' "+filepath.Join(vm.Dir, "kube-proxy.log")); err == nil {
+		t.Fatalf("kube-proxy's iptables-restore fails in the VM (a netfilter module the guest cannot load?):\n%s", out)
+	}
+
+	// 2. The collector in the VM streams to the host's aggregator.
+	agg := startFleet(ctx, t, c, vm, bin)
+	agg.waitFor("every node in sync, IPVS included", 3*time.Minute, func(fs []audit.TimedFinding, ns map[string]audit.NodeStatus) bool {
+		return len(fs) == 0 && ns[vmName].State == audit.NodeInSync && ns[vmName].Mode == audit.ModeIPVS && ns["ipt-a"].State == audit.NodeInSync
+	})
+
+	// 3. Hung informer: the VM's API traffic dropped, then the cluster drifts.
+	undo, err := vm.HangInformer(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := Drift(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	changed := time.Now()
+	if err := WaitSynced(ctx, c, 2, c.Nodes()); err != nil {
+		t.Fatal(err)
+	}
+	t.Log("injected: the VM's traffic to the API server dropped; endpoints replaced, removed and added, a service deleted and one created")
+	var fs []audit.TimedFinding
+	agg.waitFor("StuckProxy on the IPVS node", ipvsGrace+2*time.Minute, func(f []audit.TimedFinding, _ map[string]audit.NodeStatus) bool {
+		fs = f
+		return has(f, vmName, audit.StuckProxy) && has(f, vmName, audit.MissingService)
+	})
+	t.Logf("system: StuckProxy on %s %s after the change (grace %s); findings:\n  %s", vmName, time.Since(changed).Round(time.Second), ipvsGrace, describe(fs))
+	for _, want := range []string{
+		"StaleEndpoint matrix/multi 198.18.128.3:8080", "MissingEndpoint matrix/multi 198.18.128.4:8080",
+		"StaleEndpoint matrix/nodeport 198.18.128.11:8080", "MissingEndpoint matrix/two-slices 198.18.128.77:8080",
+		"MissingService matrix/created ",
+	} {
+		if !strings.Contains(describe(fs), want) {
+			t.Errorf("missing finding %q", want)
+		}
+	}
+	for _, f := range fs {
+		if f.Node != vmName {
+			t.Errorf("finding on a healthy node: %s %s %s %s", f.Node, f.Kind, f.Service, f.Endpoint)
+		}
+	}
+	st, obs = readVM(ctx, t, c, vm, bin, filepath.Join(fixtures, "drift"))
+	want := []string{
+		"StaleService : ", // the deleted affinity service: IPVS names nothing
+		"MissingService matrix/created:http ",
+		"MissingEndpoint matrix/multi:dns 198.18.128.4:5353",
+		"StaleEndpoint matrix/multi:dns 198.18.128.3:5353",
+		"MissingEndpoint matrix/multi:http 198.18.128.4:8080",
+		"StaleEndpoint matrix/multi:http 198.18.128.3:8080",
+		"MissingEndpoint matrix/multi:metrics 198.18.128.4:9090",
+		"StaleEndpoint matrix/multi:metrics 198.18.128.3:9090",
+		"StaleEndpoint matrix/nodeport:http 198.18.128.11:8080",
+		"MissingEndpoint matrix/two-slices:http 198.18.128.77:8080",
+		"MissingService matrix/zz-sentinel-2:http ",
+	}
+	if got := findingLines(audit.Diff(audit.ExpectedFor(st, vmName), obs)); got != strings.Join(want, "\n") {
+		t.Errorf("static diff of the drifted IPVS table:\n%s\nwant:\n%s", got, strings.Join(want, "\n"))
+	}
+	if err := undo(ctx); err != nil {
+		t.Fatal(err)
+	}
+	agg.waitFor("the IPVS node back in sync after the fault was lifted", 3*time.Minute, func(fs []audit.TimedFinding, ns map[string]audit.NodeStatus) bool {
+		return len(fs) == 0 && ns[vmName].State == audit.NodeInSync
+	})
+
+	// 4. Weight 0: kube-proxy hangs (SIGSTOP, as in kubernetes#71071) with a
+	// removed endpoint's real server left at weight 0.
+	if _, err := vm.Run(ctx, "kill -STOP $(cat "+filepath.Join(vm.Dir, "kube-proxy.pid")+")"); err != nil {
+		t.Fatal(err)
+	}
+	var two Entry
+	for _, e := range Matrix() {
+		if e.Service.Name == "two-slices" {
+			two = e
+		}
+	}
+	if err := c.ApplySlice(ctx, two.Slices[1]); err != nil { // .77 (added by Drift) removed again
+		t.Fatal(err)
+	}
+	if _, err := vm.Run(ctx, `ipvsadm -Sn | grep -- '-r 198.18.128.77:8080' | sed 's/^-a/-e/; s/-w [0-9]*/-w 0/' | ipvsadm -R`); err != nil {
+		t.Fatal(err)
+	}
+	zeroed := time.Now()
+	t.Logf("injected: kube-proxy frozen, 198.18.128.77 removed from two-slices, its real server set to weight 0 (limit %s)", weightZero)
+	for time.Since(zeroed) < weightZero-3*time.Second {
+		fs, _, err := agg.get()
+		if err == nil && len(fs) > 0 {
+			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(fs))
+		}
+		time.Sleep(time.Second)
+	}
+	agg.waitFor("the weight-0 leftover reported", weightZero+time.Minute, func(fs []audit.TimedFinding, _ map[string]audit.NodeStatus) bool {
+		for _, f := range fs {
+			if f.Node == vmName && f.Kind == audit.StaleEndpoint && f.Endpoint == "198.18.128.77:8080" && strings.Contains(f.Detail, "weight 0") {
+				t.Logf("system: %s after the weight was zeroed: %s %s %s (%s)", time.Since(zeroed).Round(time.Second), f.Kind, f.Service, f.Endpoint, f.Detail)
+				return len(fs) == 1
+			}
+		}
+		return false
+	})
+	st, obs = readVM(ctx, t, c, vm, bin, filepath.Join(fixtures, "weight0"))
+	if d := audit.Draining(audit.ExpectedFor(st, vmName), obs); len(d) == 0 {
+		t.Errorf("the static reader sees no draining real server:\n%v", obs.Frontends)
+	}
+	if _, err := vm.Run(ctx, "kill -CONT $(cat "+filepath.Join(vm.Dir, "kube-proxy.pid")+")"); err != nil {
+		t.Fatal(err)
+	}
+	agg.waitFor("kube-proxy, thawed, removed the leftover", 3*time.Minute, func(fs []audit.TimedFinding, ns map[string]audit.NodeStatus) bool {
+		return len(fs) == 0 && ns[vmName].State == audit.NodeInSync
+	})
+	if out, err := vm.IPVS(ctx); err != nil || strings.Contains(out, "198.18.128.77:8080") {
+		t.Errorf("the weight-0 real server is still there (%v):\n%s", err, out)
+	}
+}
+
+// Reset deletes every matrix object so that the matrix can be applied
+// afresh (earlier tests in the package drifted it).
+func Reset(ctx context.Context, c *localcluster.Cluster) error {
+	svcs, err := c.Client.CoreV1().Services(Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	for _, s := range svcs.Items {
+		if err := c.Client.CoreV1().Services(Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+			return err
+		}
+	}
+	return c.Client.DiscoveryV1().EndpointSlices(Namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
+}
+
+func waitVM(ctx context.Context, t *testing.T, vm *localcluster.VMNode, what string, cond func(string) bool) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		out, err := vm.IPVS(ctx)
+		if err == nil && cond(out) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("IPVS in the VM: no %s after 3m (%v):\n%s\nkube-proxy log:\n%s", what, err, out, vm.Log("kube-proxy", 20))
+		}
+		time.Sleep(2 * time.Second)
+	}
+}
+
+// readVM reads the VM's table twice, as ipvsadm prints it and as the
+// collector reads it over netlink, checks both give the same model, and
+// writes them (with the cluster state) under dir when capturing.
+func readVM(ctx context.Context, t *testing.T, c *localcluster.Cluster, vm *localcluster.VMNode, bin, dir string) (*audit.State, *audit.Observed) {
+	t.Helper()
+	cluster, err := c.DumpClusterJSON(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := audit.ParseClusterList(cluster)
+	if err != nil {
+		t.Fatal(err)
+	}
+	save, err := vm.Run(ctx, "ipvsadm -Sn")
+	if err != nil {
+		t.Fatal(err)
+	}
+	list, err := vm.Run(ctx, "ipvsadm -Ln")
+	if err != nil {
+		t.Fatal(err)
+	}
+	snapPath := filepath.Join(vm.Dir, "snapshot.json")
+	if out, err := vm.Run(ctx, filepath.Join(bin, "proxyaudit-collector")+" --once --mode ipvs --snapshot "+snapPath); err != nil {
+		t.Fatalf("collector --once in the VM: %v\n%s", err, out)
+	}
+	snap, err := os.ReadFile(snapPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromSave, err := audit.ParseIPVS(strings.NewReader(save))
+	if err != nil {
+		t.Fatalf("ipvsadm -Sn: %v\n%s", err, save)
+	}
+	var m stream.Message
+	if err := json.Unmarshal(snap, &m); err != nil || m.Report == nil {
+		t.Fatalf("collector snapshot: %v", err)
+	}
+	if root := stream.FromModel(fromSave).Root(); root != m.Report.Root {
+		t.Fatalf("the collector's netlink read differs from ipvsadm -Sn:\n%s\nsnapshot:\n%s", save, snap)
+	}
+	if dir != "" && *capture {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for name, data := range map[string][]byte{"cluster.json": cluster, vmName + ".save": []byte(save + "\n"),
+			vmName + ".list": []byte(list + "\n"), vmName + ".snapshot.json": snap} {
+			if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return st, fromSave
+}
+
+func findingLines(fs []audit.Finding) string {
+	var out []string
+	for _, f := range fs {
+		out = append(out, string(f.Kind)+" "+f.Service+":"+f.Port+" "+f.Endpoint)
+	}
+	return strings.Join(out, "\n")
+}
+
+func buildBinaries(t *testing.T) string {
+	t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector", "./cmd/proxyaudit")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build binaries: %v\n%s", err, out)
+	}
+	return dir
+}
+
+// fleet is one aggregator on the host with a collector on every node: the
+// netns nodes' (iptables, nftables) and the VM's (IPVS).
+type fleet struct {
+	t    *testing.T
+	agg  *localcluster.Process
+	http *http.Client
+}
+
+func startFleet(ctx context.Context, t *testing.T, c *localcluster.Cluster, vm *localcluster.VMNode, bin string) *fleet {
+	t.Helper()
+	const ns, sa, aud = "proxyaudit", "proxyaudit-collector", "proxyaudit"
+	if err := c.AddHostAddress(ctx, aggIP); err != nil {
+		t.Fatal(err)
+	}
+	agg, err := c.StartProcess("ipvs-aggregator", filepath.Join(bin, "proxyaudit-aggregator"),
+		"--kubeconfig="+c.AdminKubeconfig, "--leader-elect=false", "--advertise-address="+aggIP,
+		"--stream-listen="+aggIP+":9443", "--http-listen="+aggIP+":8080",
+		"--grace="+ipvsGrace.String(), "--ipvs-weight-zero-limit="+weightZero.String(),
+		"--token-audience="+aud, "--collector-service-accounts="+ns+"/"+sa)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fleet{t: t, agg: agg, http: &http.Client{Timeout: 5 * time.Second}}
+	t.Cleanup(agg.Stop)
+	dir := t.TempDir()
+	token := func(node string) string {
+		tok, err := c.PodToken(ctx, ns, sa, node, aud)
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(dir, node+".token")
+		if err := os.WriteFile(path, []byte(tok), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	args := func(node string) []string {
+		return []string{filepath.Join(bin, "proxyaudit-collector"), "--node-name=" + node, "--aggregator=" + aggIP + ":9443",
+			"--interval=" + ipvsEvery.String(), "--token-file=" + token(node)}
+	}
+	for _, n := range c.Nodes() {
+		p, err := n.StartProcess("ipvs-fleet-collector-"+n.Name, args(n.Name)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Stop)
+	}
+	if err := vm.Start(ctx, "collector", args(vmName)...); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = vm.StopProcess(context.Background(), "collector") })
+	return f
+}
+
+func (f *fleet) get() ([]audit.TimedFinding, map[string]audit.NodeStatus, error) {
+	var fr aggregator.FindingsResponse
+	var nr aggregator.NodesResponse
+	for path, v := range map[string]any{"/api/v1/findings": &fr, "/api/v1/nodes": &nr} {
+		r, err := f.http.Get("http://" + aggIP + ":8080" + path)
+		if err != nil {
+			return nil, nil, err
+		}
+		body, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if r.StatusCode != http.StatusOK {
+			return nil, nil, fmt.Errorf("GET %s: %s: %s", path, r.Status, body)
+		}
+		if err := json.Unmarshal(body, v); err != nil {
+			return nil, nil, err
+		}
+	}
+	ns := map[string]audit.NodeStatus{}
+	for _, n := range nr.Nodes {
+		ns[n.Node] = n
+	}
+	return fr.Findings, ns, nil
+}
+
+func (f *fleet) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding, map[string]audit.NodeStatus) bool) time.Duration {
+	f.t.Helper()
+	start := time.Now()
+	var last []audit.TimedFinding
+	var lastNodes map[string]audit.NodeStatus
+	var lastErr error
+	for time.Since(start) < deadline {
+		fs, ns, err := f.get()
+		if err == nil && cond(fs, ns) {
+			return time.Since(start)
+		}
+		last, lastNodes, lastErr = fs, ns, err
+		time.Sleep(500 * time.Millisecond)
+	}
+	var states []string
+	for n, s := range lastNodes {
+		states = append(states, n+"="+string(s.State)+"/"+string(s.Mode)+" "+s.ReadError)
+	}
+	f.t.Fatalf("after %s, still waiting for %s; findings:\n  %s\nnodes: %s\n(error: %v)\naggregator log:\n%s", deadline, what, describe(last), strings.Join(states, ", "), lastErr, f.agg.Tail(20))
+	return 0
+}
+
+func describe(fs []audit.TimedFinding) string {
+	var out []string
+	for _, f := range fs {
+		out = append(out, fmt.Sprintf("%s %s %s %s (%s)", f.Node, f.Kind, f.Service, f.Endpoint, f.Detail))
+	}
+	return strings.Join(out, "\n  ")
+}
+
+func has(fs []audit.TimedFinding, node string, kind audit.Kind) bool {
+	for _, f := range fs {
+		if f.Node == node && f.Kind == kind {
+			return true
+		}
+	}
+	return false
+}
