@@ -44,7 +44,7 @@ bench:
 ## bench-ipvs: the IPVS read (netlink vs ipvsadm -Sn, 10k services x 10 real servers) in the IPVS VM
 IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
 bench-ipvs: deps
-	$(GO) test -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
+	$(GO) test -v -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
 
 ## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)
 FUZZTIME ?= 30s

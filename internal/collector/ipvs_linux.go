@@ -2,12 +2,14 @@ package collector
 
 import (
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"sync"
 	"syscall"
 
 	"github.com/moby/ipvs"
+	"github.com/sirupsen/logrus"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -32,6 +34,10 @@ func readIPVS() (*audit.Observed, error) {
 		if _, err := os.Stat("/proc/net/ip_vs"); err != nil {
 			return nil, fmt.Errorf("open IPVS netlink: this kernel has no IPVS table (%v): is the ip_vs module loaded? kube-proxy in IPVS mode loads it", err)
 		}
+		// moby/ipvs logs through logrus when it runs modprobe ip_vs (a
+		// collector image needs no kmod: the table is there or not, and
+		// the Stat above says so); its errors come back as values.
+		logrus.SetOutput(io.Discard)
 		h, err := ipvs.New("")
 		if err != nil {
 			return nil, fmt.Errorf("open IPVS netlink: %w (is the ip_vs module loaded?)", err)

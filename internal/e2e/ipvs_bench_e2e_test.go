@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,9 +44,16 @@ func TestIPVSBenchmarkInVM(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer vm.Stop()
-	out, err := vm.RunFor(ctx, 35*time.Minute, "cd "+dir+" && unshare -n "+bin+" -test.run '^$' -test.bench BenchmarkIPVSRead -test.benchmem "+*ipvsBench)
+	// A fresh network namespace has no routes, and IPVS refuses a real
+	// server whose address is not unicast there: route the benchmark's
+	// range to a dummy interface first.
+	script := "ip link set lo up && ip link add bench0 type dummy && ip link set bench0 up && ip route add 198.18.0.0/15 dev bench0 && " +
+		bin + " -test.run '^$' -test.bench BenchmarkIPVSRead -test.benchmem " + *ipvsBench
+	out, err := vm.RunFor(ctx, 35*time.Minute, "cd "+dir+" && unshare -n sh -c "+shellQuote(script))
 	os.Stdout.WriteString(out + "\n")
 	if err != nil {
 		t.Fatal(err)
 	}
 }
+
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

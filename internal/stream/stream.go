@@ -9,6 +9,7 @@
 package stream
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -33,6 +34,10 @@ const (
 	MaxFrontends = 200_000
 	MaxEndpoints = 2_000_000
 )
+
+// maxOtherObjects bounds the JSON objects of a message that are not
+// frontends (the message, its report, hello, kube-proxy signal).
+const maxOtherObjects = 16
 
 // ErrTooLarge is returned for a message over the size limit; its body is
 // not read.
@@ -158,6 +163,12 @@ func Read(r io.Reader, max int) (*Message, int, error) {
 	body := make([]byte, n)
 	if _, err := io.ReadFull(r, body); err != nil {
 		return nil, n, fmt.Errorf("truncated message: %w", err)
+	}
+	// Every frontend is one JSON object: a small message of empty ones
+	// ("{},{},…", 3 bytes each, 112 once decoded) would make the decoder
+	// allocate ~40 times the message. Count before decoding.
+	if objs := bytes.Count(body, []byte("{")); objs > MaxFrontends+maxOtherObjects {
+		return nil, n + 4, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends a node can have", objs, MaxFrontends)
 	}
 	var m Message
 	if err := json.Unmarshal(body, &m); err != nil {

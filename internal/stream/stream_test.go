@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -166,5 +167,30 @@ func TestIPVSRoundTrip(t *testing.T) {
 	}
 	if FromModel(got).Root() != FromModel(obs).Root() || len(got.Frontends) != 2 || zero != 1 || got.Mode != audit.ModeIPVS {
 		t.Fatalf("sent %+v\nreceived %+v", obs.Frontends, got.Frontends)
+	}
+}
+
+// A small message claiming a million services (empty objects, 3 bytes
+// each) is refused before it is decoded: decoding it would allocate ~40
+// times its size.
+func TestReadRefusesAMillionServicesInASmallMessage(t *testing.T) {
+	body := []byte(`{"type":"report","report":{"seq":1,"full":true,"frontends":[{}` + strings.Repeat(",{}", 1_000_000-1) + `]}}`)
+	frame := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+	frame = append(frame, body...)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, _, err := Read(bytes.NewReader(frame), DefaultMaxMessageBytes)
+	runtime.ReadMemStats(&after)
+	if err == nil || !strings.Contains(err.Error(), "1000002 JSON objects") {
+		t.Fatalf("%d-byte message of a million frontends: %v", len(body), err)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 2*uint64(len(frame)) {
+		t.Errorf("refusing it allocated %d bytes for a %d-byte message", alloc, len(frame))
+	}
+	// At the limit it still decodes (and Apply, not Read, judges the count).
+	ok := []byte(`{"type":"report","report":{"seq":1,"full":true,"frontends":[{"k":"198.19.0.1:80/TCP","s":"cluster"}]}}`)
+	if _, _, err := Read(bytes.NewReader(append(binary.BigEndian.AppendUint32(nil, uint32(len(ok))), ok...)), DefaultMaxMessageBytes); err != nil {
+		t.Fatal(err)
 	}
 }
