@@ -27,6 +27,7 @@ const (
 	ipvsGrace  = 10 * time.Second
 	ipvsEvery  = 2 * time.Second
 	weightZero = 20 * time.Second
+	skew       = 10 * time.Minute
 )
 
 // TestE2EIPVS proves IPVS mode on a real kernel: a QEMU VM runs the
@@ -36,8 +37,9 @@ const (
 // and nftables collectors. The service matrix audits clean, from ipvsadm's
 // text and from the collector's netlink read alike; a hung informer gives
 // the stale and missing real servers and StuckProxy; a real server left at
-// weight 0 is reported only once past the weight-zero limit. With
-// -capture the tables become audit/testdata/ipvs.
+// weight 0 is reported only once past the weight-zero limit. The VM's
+// clock runs ten minutes ahead throughout: a clock-skewed node is judged
+// on time. With -capture the tables become audit/testdata/ipvs.
 func TestE2EIPVS(t *testing.T) {
 	c := localcluster.Shared(t)
 	if err := localcluster.CanRunVM(); err != nil {
@@ -66,6 +68,12 @@ func TestE2EIPVS(t *testing.T) {
 	})
 	t.Logf("injected: a VM (boot %s) with kube-proxy in IPVS mode; default/kubernetes programmed %s after start",
 		vm.Boot.Round(time.Second), time.Since(start).Round(time.Second))
+	// The VM has a kernel and a clock of its own: a node whose clock is
+	// minutes off. Nothing the collector sends may count for grace.
+	if _, err := vm.Run(ctx, fmt.Sprintf("date -s @$(( $(date +%%s) + %d ))", int(skew.Seconds()))); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("injected: the VM's clock set %s ahead", skew)
 
 	if err := Reset(ctx, c); err != nil {
 		t.Fatal(err)
@@ -104,9 +112,18 @@ func TestE2EIPVS(t *testing.T) {
 
 	// 2. The collector in the VM streams to the host's aggregator.
 	agg := startFleet(ctx, t, c, vm, bin)
+	var vmStatus audit.NodeStatus
 	agg.waitFor("every node in sync, IPVS included", 3*time.Minute, func(fs []audit.TimedFinding, ns map[string]audit.NodeStatus) bool {
-		return len(fs) == 0 && ns[vmName].State == audit.NodeInSync && ns[vmName].Mode == audit.ModeIPVS && ns["ipt-a"].State == audit.NodeInSync
+		vmStatus = ns[vmName]
+		return len(fs) == 0 && vmStatus.State == audit.NodeInSync && vmStatus.Mode == audit.ModeIPVS && ns["ipt-a"].State == audit.NodeInSync &&
+			vmStatus.KubeProxy != nil && !vmStatus.KubeProxy.LastSync.IsZero()
 	})
+	ahead := vmStatus.KubeProxy.LastSync.Sub(time.Now())
+	t.Logf("system: the IPVS node in sync; its kube-proxy (%s) last synced at %s by its own clock, %s ahead of the host's",
+		vmStatus.KubeProxy.Version, vmStatus.KubeProxy.LastSync.Format(time.RFC3339), ahead.Round(time.Second))
+	if ahead < skew-2*time.Minute || len(vmStatus.Warnings) != 0 || vmStatus.KubeProxy.Version == "" {
+		t.Errorf("the VM's kube-proxy signal: %+v, warnings %q", vmStatus.KubeProxy, vmStatus.Warnings)
+	}
 
 	// 3. Hung informer: the VM's API traffic dropped, then the cluster drifts.
 	undo, err := vm.HangInformer(ctx)
@@ -126,7 +143,11 @@ func TestE2EIPVS(t *testing.T) {
 		fs = f
 		return has(f, vmName, audit.StuckProxy) && has(f, vmName, audit.MissingService)
 	})
-	t.Logf("system: StuckProxy on %s %s after the change (grace %s); findings:\n  %s", vmName, time.Since(changed).Round(time.Second), ipvsGrace, describe(fs))
+	took := time.Since(changed)
+	t.Logf("system: StuckProxy on %s %s after the change (grace %s, node clock %s ahead); findings:\n  %s", vmName, took.Round(time.Second), ipvsGrace, skew, describe(fs))
+	if took > ipvsGrace+30*time.Second {
+		t.Errorf("StuckProxy %s after the change: detection must not depend on the node's clock (grace %s, interval %s)", took, ipvsGrace, ipvsEvery)
+	}
 	for _, want := range []string{
 		"StaleEndpoint matrix/multi 198.18.128.3:8080", "MissingEndpoint matrix/multi 198.18.128.4:8080",
 		"StaleEndpoint matrix/nodeport 198.18.128.11:8080", "MissingEndpoint matrix/two-slices 198.18.128.77:8080",
