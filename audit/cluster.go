@@ -26,6 +26,10 @@ type State struct {
 // NodeInfo is what the audit needs of a Node.
 type NodeInfo struct {
 	Zone string
+	// KubeProxyVersion is status.nodeInfo.kubeProxyVersion: set by the
+	// kubelets of the releases whose IPVS mode could hang (deprecated
+	// since 1.29, so often empty today).
+	KubeProxyVersion string
 }
 
 // Service is one Service with the endpoints of all its EndpointSlices.
@@ -122,7 +126,7 @@ func ParseClusterList(data []byte) (*State, error) {
 func FromAPI(services []corev1.Service, slices []discoveryv1.EndpointSlice, nodes []corev1.Node) *State {
 	st := &State{Nodes: map[string]NodeInfo{}}
 	for _, n := range nodes {
-		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone]}
+		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone], KubeProxyVersion: n.Status.NodeInfo.KubeProxyVersion}
 	}
 	bySvc := map[[2]string][]Slice{}
 	for i := range slices {

@@ -207,6 +207,26 @@ type KubeProxySignal struct {
 // fixed by #72361): [minor, first patch, last patch] of 1.x.
 var knownBad = [][3]int{{11, 5, 6}, {12, 2, 4}, {13, 0, 1}}
 
+// WarnKnownBad adds a warning to every IPVS node of the verdict whose
+// kube-proxy release is in the known-bad window. The version comes from
+// kube-proxy's own metrics when they carry it (kubernetes_build_info),
+// else from the Node's status.nodeInfo.kubeProxyVersion.
+func WarnKnownBad(v *Verdict, nodes map[string]NodeInfo) {
+	for i := range v.Nodes {
+		n := &v.Nodes[i]
+		if n.Mode != ModeIPVS {
+			continue
+		}
+		version := nodes[n.Node].KubeProxyVersion
+		if n.KubeProxy != nil && n.KubeProxy.Version != "" {
+			version = n.KubeProxy.Version
+		}
+		if w := KnownBadKubeProxy(version); w != "" {
+			n.Warnings = append(n.Warnings, w)
+		}
+	}
+}
+
 // KnownBadKubeProxy returns why a kube-proxy version is unsafe in IPVS
 // mode, or "" ("v1.12.3", "v1.12.3-gke.1" and "1.12.3+k3s1" all parse).
 func KnownBadKubeProxy(version string) string {
@@ -415,11 +435,6 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		interval = p.DefaultInterval
 	}
 	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
-	if r.mode == ModeIPVS && r.kubeProxy != nil {
-		if w := KnownBadKubeProxy(r.kubeProxy.Version); w != "" {
-			st.Warnings = append(st.Warnings, w)
-		}
-	}
 	switch {
 	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending

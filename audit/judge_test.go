@@ -408,9 +408,19 @@ func TestKnownBadKubeProxy(t *testing.T) {
 	for node, mode := range map[string]audit.Mode{"ipvs": audit.ModeIPVS, "ipt": audit.ModeIPTables} {
 		j.Heard(node, audit.Heartbeat{At: t0, Interval: 10 * time.Second, Mode: mode, KubeProxy: &audit.KubeProxySignal{Version: "v1.12.3"}})
 	}
-	for _, n := range j.Evaluate(t0.Add(time.Second), []string{"ipvs", "ipt"}).Nodes {
+	v := j.Evaluate(t0.Add(time.Second), []string{"ipvs", "ipt"})
+	audit.WarnKnownBad(&v, nil)
+	for _, n := range v.Nodes {
 		if (len(n.Warnings) == 1) != (n.Node == "ipvs") {
 			t.Errorf("%s: warnings %q", n.Node, n.Warnings)
 		}
+	}
+	// Without a version in the metrics, the Node's status says it.
+	j = audit.NewJudge(audit.DefaultPolicy())
+	j.Heard("ipvs", audit.Heartbeat{At: t0, Interval: 10 * time.Second, Mode: audit.ModeIPVS, KubeProxy: &audit.KubeProxySignal{}})
+	v = j.Evaluate(t0.Add(time.Second), []string{"ipvs"})
+	audit.WarnKnownBad(&v, map[string]audit.NodeInfo{"ipvs": {KubeProxyVersion: "v1.13.1"}})
+	if len(v.Nodes[0].Warnings) != 1 || !strings.Contains(v.Nodes[0].Warnings[0], "v1.13.1") {
+		t.Errorf("from the Node's status: %q", v.Nodes[0].Warnings)
 	}
 }

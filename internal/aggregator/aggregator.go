@@ -487,7 +487,9 @@ func (a *Aggregator) Evaluate() {
 		reuse  bool
 		noRule bool
 	}
+	var nodeInfo map[string]audit.NodeInfo
 	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
+		nodeInfo = st.Nodes
 		var jobs []job
 		a.mu.Lock()
 		for _, n := range a.nodes {
@@ -530,6 +532,7 @@ func (a *Aggregator) Evaluate() {
 	}
 	now := a.cfg.Clock.Now()
 	v := a.judge.Evaluate(now, names)
+	audit.WarnKnownBad(&v, nodeInfo)
 	recovering := now.Before(a.recovering)
 	if recovering {
 		v = holdBackDrift(v)
