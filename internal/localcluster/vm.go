@@ -293,14 +293,20 @@ func (v *VMNode) IPVS(ctx context.Context) (string, error) { return v.Run(ctx, "
 
 // HangInformer silently drops the guest's traffic to the API server, as
 // a dead watch connection would: kube-proxy's health checks stay green and
-// its IPVS rules stop following the cluster. Undo removes the rule.
+// its IPVS rules stop following the cluster. Undo removes the rules.
+//
+// Both directions are dropped: QEMU's user-mode network terminates TCP in
+// QEMU, which keeps sending the API server's data into the guest's
+// window even when the guest's ACKs are dropped, so an OUTPUT rule alone
+// lets watch events trickle through.
 func (v *VMNode) HangInformer(ctx context.Context) (Undo, error) {
-	rule := fmt.Sprintf("OUTPUT -p tcp -d %s --dport %d -j DROP", APIServerIP, APIServerPort)
-	if _, err := v.Run(ctx, "iptables -w -I "+rule); err != nil {
+	out := fmt.Sprintf("OUTPUT -p tcp -d %s --dport %d -j DROP", APIServerIP, APIServerPort)
+	in := fmt.Sprintf("INPUT -p tcp -s %s --sport %d -j DROP", APIServerIP, APIServerPort)
+	if _, err := v.Run(ctx, "iptables -w -I "+in+" && iptables -w -I "+out); err != nil {
 		return nil, err
 	}
 	return func(ctx context.Context) error {
-		_, err := v.Run(ctx, "iptables -w -D "+rule)
+		_, err := v.Run(ctx, "iptables -w -D "+out+"; iptables -w -D "+in)
 		return err
 	}, nil
 }
