@@ -54,18 +54,16 @@ type expIndex struct {
 	fe   ExpectedFrontend
 }
 
-// Diff compares what a node should have with what its rules hold and
-// returns the differences, sorted and without duplicates. Each endpoint
-// difference is reported once per service port and scope, however many
-// frontends (cluster IP, node port, load-balancer IP) lead to it.
-func Diff(exp Expected, obs *Observed) []Finding {
+// frontendIndex maps every expected frontend of the families the rules
+// cover to its port.
+type frontendIndex map[FrontendKey]expIndex
+
+func expectedIndex(exp Expected, obs *Observed) frontendIndex {
 	fams := map[int]bool{}
 	for _, f := range obs.Families {
 		fams[f] = true
 	}
-	idx := map[FrontendKey]expIndex{}
-	nodePorts := map[FrontendKey]expIndex{}
-	wantAny := false
+	idx := frontendIndex{}
 	for i := range exp.Ports {
 		p := &exp.Ports[i]
 		if !fams[p.Family] {
@@ -73,12 +71,35 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		}
 		for _, fe := range p.Frontends {
 			idx[fe.FrontendKey] = expIndex{p, fe}
-			if fe.NodePort {
-				nodePorts[fe.FrontendKey] = expIndex{p, fe}
-			}
-			if len(p.Want(fe.Scope, obs.Mode)) > 0 {
-				wantAny = true
-			}
+		}
+	}
+	return idx
+}
+
+// match finds the expected frontend an observed one implements: itself,
+// or in IPVS mode the node port a per-address virtual server serves.
+func (idx frontendIndex) match(k FrontendKey, mode Mode) (expIndex, bool) {
+	if e, ok := idx[k]; ok {
+		return e, true
+	}
+	if mode == ModeIPVS && !k.NodePort {
+		e, ok := idx[FrontendKey{NodePort: true, Protocol: k.Protocol, Port: k.Port}]
+		return e, ok
+	}
+	return expIndex{}, false
+}
+
+// Diff compares what a node should have with what its rules hold and
+// returns the differences, sorted and without duplicates. Each endpoint
+// difference is reported once per service port and scope, however many
+// frontends (cluster IP, node port, load-balancer IP) lead to it.
+func Diff(exp Expected, obs *Observed) []Finding {
+	idx := expectedIndex(exp, obs)
+	wantAny := false
+	for _, e := range idx {
+		if len(e.port.Want(e.fe.Scope, obs.Mode)) > 0 {
+			wantAny = true
+			break
 		}
 	}
 	if obs.NoRules {
@@ -100,14 +121,8 @@ func Diff(exp Expected, obs *Observed) []Finding {
 	}
 	matched := map[FrontendKey]bool{}
 	for _, of := range obs.Frontends {
-		key := of.FrontendKey
-		e, ok := idx[key]
-		if !ok && obs.Mode == ModeIPVS {
-			// IPVS has a virtual server per node address for a node port.
-			if np, ok2 := nodePorts[FrontendKey{NodePort: true, Protocol: key.Protocol, Port: key.Port}]; ok2 {
-				e, ok, key = np, true, np.fe.FrontendKey
-			}
-		}
+		e, ok := idx.match(of.FrontendKey, obs.Mode)
+		key := e.fe.FrontendKey
 		if !ok {
 			emit(staleService(of))
 			continue
@@ -147,11 +162,8 @@ func Diff(exp Expected, obs *Observed) []Finding {
 	// frontend named in a deduplicated finding is deterministic.
 	for i := range exp.Ports {
 		p := &exp.Ports[i]
-		if !fams[p.Family] {
-			continue
-		}
 		for _, fe := range p.Frontends {
-			if matched[fe.FrontendKey] {
+			if _, covered := idx[fe.FrontendKey]; !covered || matched[fe.FrontendKey] {
 				continue
 			}
 			want := p.Want(fe.Scope, obs.Mode)
@@ -185,24 +197,12 @@ func Draining(exp Expected, obs *Observed) []Finding {
 	if obs.Mode != ModeIPVS || obs.NoRules {
 		return nil
 	}
-	idx := map[FrontendKey]expIndex{}
-	nodePorts := map[FrontendKey]expIndex{}
-	for i := range exp.Ports {
-		p := &exp.Ports[i]
-		for _, fe := range p.Frontends {
-			idx[fe.FrontendKey] = expIndex{p, fe}
-			if fe.NodePort {
-				nodePorts[fe.FrontendKey] = expIndex{p, fe}
-			}
-		}
-	}
+	idx := expectedIndex(exp, obs)
 	var out []Finding
 	for _, of := range obs.Frontends {
-		e, ok := idx[of.FrontendKey]
+		e, ok := idx.match(of.FrontendKey, obs.Mode)
 		if !ok {
-			if e, ok = nodePorts[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}]; !ok {
-				continue // a stale virtual server: Diff reports it whole
-			}
+			continue // a stale virtual server: Diff reports it whole
 		}
 		want := map[netip.AddrPort]bool{}
 		for _, a := range e.port.Want(e.fe.Scope, obs.Mode) {
