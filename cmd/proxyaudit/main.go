@@ -51,7 +51,9 @@ diff compares each node's rule dump with what kube-proxy should have programmed 
                       iptables-save -t nat            (iptables mode, either backend)
                       nft -j list table ip kube-proxy (nftables mode)
                       ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode)
-                   the format is detected from the content
+                      proxyaudit-collector --once --snapshot FILE (any mode)
+                   the format is detected from the content; IPVS real servers
+                   at weight 0 are listed apart as draining, not as findings
   -o FORMAT        table (default), json, or markdown
 
 Exit status: 0 no findings, 1 findings, 2 usage or input error.
