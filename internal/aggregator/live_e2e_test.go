@@ -73,15 +73,9 @@ type live struct {
 
 func buildBinaries(t *testing.T) string {
 	t.Helper()
-	root, err := localcluster.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
 	dir := t.TempDir()
-	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector", "./cmd/proxyaudit")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build binaries: %v\n%s", err, out)
+	if err := localcluster.BuildProxyaudit(dir); err != nil {
+		t.Fatal(err)
 	}
 	return dir
 }

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -83,6 +84,25 @@ func TestE2ECaptureFixtures(t *testing.T) {
 	if err := Capture(ctx, c, filepath.Join(out, "large")); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// driftFindings are a hung node's findings after Drift, as kind
+// service:port endpoint lines; staleAffinity is how the deleted affinity
+// service shows (IPVS names nothing, so its virtual server has no service).
+func driftFindings(staleAffinity string) string {
+	return strings.Join([]string{
+		staleAffinity,
+		"MissingService matrix/created:http ",
+		"MissingEndpoint matrix/multi:dns 198.18.128.4:5353",
+		"StaleEndpoint matrix/multi:dns 198.18.128.3:5353",
+		"MissingEndpoint matrix/multi:http 198.18.128.4:8080",
+		"StaleEndpoint matrix/multi:http 198.18.128.3:8080",
+		"MissingEndpoint matrix/multi:metrics 198.18.128.4:9090",
+		"StaleEndpoint matrix/multi:metrics 198.18.128.3:9090",
+		"StaleEndpoint matrix/nodeport:http 198.18.128.11:8080",
+		"MissingEndpoint matrix/two-slices:http 198.18.128.77:8080",
+		"MissingService matrix/zz-sentinel-2:http ",
+	}, "\n")
 }
 
 // Drift changes the cluster in every way a stale node can miss: an endpoint

@@ -90,3 +90,18 @@ func tail(s string, n int) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// BuildProxyaudit builds proxyaudit's three binaries (aggregator,
+// collector, CLI) from this repository into dir, for end-to-end tests.
+func BuildProxyaudit(dir string) error {
+	root, err := RepoRoot()
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command("go", "build", "-o", dir, "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector", "./cmd/proxyaudit")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build proxyaudit: %v\n%s", err, out)
+	}
+	return nil
+}
