@@ -62,6 +62,9 @@ type Aggregator struct {
 	leader  string
 	judge   *audit.Judge
 	nodes   map[string]*node
+	// pool shares identical frontends among the nodes' copies: a fleet
+	// mostly programs the same rules.
+	pool    *stream.Pool
 	verdict *audit.Verdict
 	// stale: since when the leader's view of the API is stale (zero: fresh)
 	// and why; while stale nothing is judged or repaired.
@@ -133,7 +136,7 @@ func New(cfg Config, view *View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy)}
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool()}
 }
 
 // StartedLeading makes this replica judge and accept streams, from a
@@ -358,7 +361,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		log.Info("a new stream replaces the node's previous one")
 		n.conn.Close()
 	}
-	n.conn, n.state, n.complete, n.lastSeq = c, stream.NewState(), false, 0
+	n.conn, n.state, n.complete, n.lastSeq = c, stream.NewPooledState(a.pool), false, 0
 	a.mu.Unlock()
 	defer func() {
 		a.mu.Lock()

@@ -199,7 +199,7 @@ func TestStreamRejects(t *testing.T) {
 	expect(t, c, stream.TypeReject, "bad endpoint")
 	h.agg.mu.Lock()
 	defer h.agg.mu.Unlock()
-	if n := h.agg.nodes["n1"]; n == nil || n.complete || len(n.state.Frontends) != 0 {
+	if n := h.agg.nodes["n1"]; n == nil || n.complete || n.state.Len() != 0 {
 		t.Errorf("the invalid report left state behind: %+v", n)
 	}
 	if n := h.agg.nodes["n2"]; n != nil {

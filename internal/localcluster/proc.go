@@ -196,3 +196,7 @@ func (p *Process) Exited() bool { return p.p.exited() }
 
 // Tail returns the last n lines of its log.
 func (p *Process) Tail(n int) string { return tailFile(p.Log, n) }
+
+// PID is the process's ID (of `ip netns exec` for a node's process, which
+// execs the program: the same process).
+func (p *Process) PID() int { return p.p.cmd.Process.Pid }

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"reflect"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -87,19 +89,21 @@ func TestDeltasKeepBothEndsInSync(t *testing.T) {
 
 	// One service loses an endpoint and one disappears.
 	smaller := FromModel(observed(t, synth.Spec{Services: 49, EndpointsPerService: 4}))
-	var key string
-	for k := range smaller.Frontends {
-		key = k
-		break
+	var f Frontend
+	for _, b := range smaller.buckets {
+		if b != nil {
+			f = b.entries[0].Frontend
+			break
+		}
 	}
-	f := smaller.Frontends[key]
 	f.Endpoints = f.Endpoints[1:]
-	smaller.Frontends[key], smaller.digests[key] = f, f.Digest()
+	smaller.replace(nil, []Frontend{f})
 	d := Delta(sent, smaller, 3, false)
 	if len(d.Frontends) != 1 || len(d.Removed) != 1 {
 		t.Fatalf("delta: %d changed, %d removed", len(d.Frontends), len(d.Removed))
 	}
-	lagging := agg.clone()
+	cp := *agg
+	lagging := &cp
 	if ok, _ := agg.Apply(d); !ok {
 		t.Fatal("delta root mismatch")
 	}
@@ -123,10 +127,10 @@ func TestApplyRejectsHostileReports(t *testing.T) {
 	}
 	for name, r := range bad {
 		s := NewState()
-		s.Frontends["keep"] = Frontend{Key: "keep"}
+		s.replace(nil, []Frontend{{Key: "keep"}})
 		if _, err := s.Apply(r); err == nil {
 			t.Errorf("%s: accepted", name)
-		} else if len(s.Frontends) != 1 {
+		} else if s.Len() != 1 {
 			t.Errorf("%s: state changed on a rejected report", name)
 		}
 	}
@@ -193,4 +197,76 @@ func TestReadRefusesAMillionServicesInASmallMessage(t *testing.T) {
 	if _, _, err := Read(bytes.NewReader(append(binary.BigEndian.AppendUint32(nil, uint32(len(ok))), ok...)), DefaultMaxMessageBytes); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestPoolSharesEqualRulesOnly: nodes reporting the same rules hold the
+// same buckets; a node whose report differs in anything (even what the
+// digest ignores) keeps its own, and a forged digest collision cannot put
+// one node's rules into another's copy.
+func TestPoolSharesEqualRulesOnly(t *testing.T) {
+	pool := NewPool()
+	spec := synth.Spec{Services: 300, EndpointsPerService: 3}
+	full := Delta(NewState(), FromModel(observed(t, spec)), 1, true)
+	a, b := NewPooledState(pool), NewPooledState(pool)
+	for _, s := range []*State{a, b} {
+		if ok, err := s.Apply(full); !ok || err != nil {
+			t.Fatalf("apply: %v %v", ok, err)
+		}
+	}
+	if !a.Same(b) {
+		t.Fatal("two nodes with the same rules do not share their buckets")
+	}
+	f, _ := a.Get(full.Frontends[0].Key)
+	renamed := f
+	renamed.Chain = "KUBE-SVC-OTHER" // not in the digest
+	if ok, err := b.Apply(&Report{Seq: 2, Mode: full.Mode, Families: full.Families, Frontends: []Frontend{renamed}, Root: full.Root}); !ok || err != nil {
+		t.Fatalf("apply rename: %v %v", ok, err)
+	}
+	if a.Same(b) {
+		t.Fatal("a node with another chain name shares the first node's buckets")
+	}
+	if got, _ := a.Get(f.Key); got.Chain != f.Chain {
+		t.Fatalf("node a's copy changed to chain %q by node b's report", got.Chain)
+	}
+	if got, _ := b.Get(f.Key); got.Chain != "KUBE-SVC-OTHER" {
+		t.Fatalf("node b's copy shows chain %q", got.Chain)
+	}
+	// Back to equal: shared again, the way a fleet converges after churn.
+	if ok, err := b.Apply(&Report{Seq: 3, Mode: full.Mode, Families: full.Families, Frontends: []Frontend{f}, Root: full.Root}); !ok || err != nil {
+		t.Fatalf("apply back: %v %v", ok, err)
+	}
+	if !a.Same(b) {
+		t.Fatal("equal rules not shared after converging")
+	}
+	// A forged entry under another frontend's digest is kept apart.
+	forged := &entry{Frontend: Frontend{Key: f.Key, Scope: f.Scope, Endpoints: []string{"198.18.99.99:80"}}, digest: f.Digest()}
+	if got := pool.entry(forged); got != forged {
+		t.Fatal("an entry with a colliding digest and other content was replaced by the pooled one")
+	}
+	if got, _ := a.Get(f.Key); !slices.Equal(got.Endpoints, f.Endpoints) {
+		t.Fatal("a colliding entry changed a pooled node's endpoints")
+	}
+}
+
+// TestPoolForgetsWhatNobodyHolds: the pool does not keep rules alive.
+func TestPoolForgetsWhatNobodyHolds(t *testing.T) {
+	pool := NewPool()
+	s := NewPooledState(pool)
+	if _, err := s.Apply(Delta(NewState(), FromModel(observed(t, synth.Spec{Services: 100, EndpointsPerService: 2})), 1, true)); err != nil {
+		t.Fatal(err)
+	}
+	if f, b := pool.Size(); f != 100 || b == 0 {
+		t.Fatalf("pool holds %d frontends, %d buckets", f, b)
+	}
+	runtime.KeepAlive(s)
+	s = nil
+	for range 20 {
+		runtime.GC()
+		if f, b := pool.Size(); f == 0 && b == 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	f, b := pool.Size()
+	t.Fatalf("pool still holds %d frontends, %d buckets nobody uses", f, b)
 }

@@ -1,0 +1,310 @@
+package fleetsim
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// Fleet is a set of simulated collectors, one per node, each streaming
+// the rules its simulated kube-proxy shows: the Truth as of a per-node
+// programming lag, or a frozen version while the node is stuck (the
+// incident: kube-proxy's watch died, its syncs and health check go on).
+type Fleet struct {
+	truth    *Truth
+	addr     string
+	interval time.Duration
+
+	nodes []*simNode
+
+	// reports caches encoded reports by transition (from → to version),
+	// shared by every node making the same transition.
+	rmu     sync.Mutex
+	reports map[[2]uint64]*encoded
+
+	BytesSent atomic.Int64
+	Reports   atomic.Int64
+	Resyncs   atomic.Int64
+	Rejects   atomic.Int64
+}
+
+type simNode struct {
+	name  string
+	lag   time.Duration
+	phase time.Duration
+
+	mu     sync.Mutex
+	frozen *Version // non-nil while stuck
+	sent   *Version // what the aggregator's copy holds
+	full   bool     // the next report is a full snapshot
+	seq    uint64
+	syncs  float64
+	last   string // last reject reason
+}
+
+// encoded is a report without its seq: the frame is prefix + seq + rest.
+type encoded struct {
+	rest []byte // the report's JSON after `{"seq":0,`
+}
+
+// NewFleet prepares n nodes named name(i), reporting every interval to
+// the aggregator's stream address. Each node's kube-proxy lags the API by
+// a programming latency drawn from minLag..maxLag.
+func NewFleet(truth *Truth, addr string, n int, name func(int) string, interval, minLag, maxLag time.Duration) *Fleet {
+	f := &Fleet{truth: truth, addr: addr, interval: interval, reports: map[[2]uint64]*encoded{}}
+	rng := rand.New(rand.NewPCG(1, uint64(n)))
+	for i := range n {
+		f.nodes = append(f.nodes, &simNode{
+			name:  name(i),
+			lag:   minLag + time.Duration(rng.Int64N(int64(maxLag-minLag)+1)),
+			phase: time.Duration(rng.Int64N(int64(interval))),
+			full:  true,
+		})
+	}
+	return f
+}
+
+// Run connects every node (spread over rampUp) and streams until ctx ends.
+func (f *Fleet) Run(ctx context.Context, rampUp time.Duration) {
+	var wg sync.WaitGroup
+	for i, n := range f.nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			delay := time.Duration(int64(rampUp) * int64(i) / int64(len(f.nodes)))
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(delay):
+			}
+			for ctx.Err() == nil {
+				if err := f.stream(ctx, n); err != nil && ctx.Err() == nil {
+					n.mu.Lock()
+					n.last = err.Error()
+					n.full = true
+					n.mu.Unlock()
+					time.Sleep(time.Second + time.Duration(rand.Int64N(int64(time.Second))))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// Freeze makes node i's kube-proxy stop following the API: its rules stay
+// at the version it shows now. It returns that version.
+func (f *Fleet) Freeze(i int) *Version {
+	n := f.nodes[i]
+	v := f.truth.At(time.Now(), n.lag)
+	n.mu.Lock()
+	n.frozen = v
+	n.mu.Unlock()
+	return v
+}
+
+// Thaw lets node i follow the API again (kube-proxy restarted).
+func (f *Fleet) Thaw(i int) {
+	n := f.nodes[i]
+	n.mu.Lock()
+	n.frozen = nil
+	n.mu.Unlock()
+}
+
+// Name returns node i's name.
+func (f *Fleet) Name(i int) string { return f.nodes[i].name }
+
+// LastErrors returns the last stream error of nodes that had one.
+func (f *Fleet) LastErrors() map[string]string {
+	out := map[string]string{}
+	for _, n := range f.nodes {
+		n.mu.Lock()
+		if n.last != "" {
+			out[n.name] = n.last
+		}
+		n.mu.Unlock()
+	}
+	return out
+}
+
+func (f *Fleet) stream(ctx context.Context, n *simNode) error {
+	d := net.Dialer{Timeout: 10 * time.Second}
+	c, err := d.DialContext(ctx, "tcp", f.addr)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	w := bufio.NewWriterSize(c, 64<<10)
+	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: n.name, Version: "fleetsim", IntervalSeconds: f.interval.Seconds()}}
+	if err := stream.Write(c, hello); err != nil {
+		return err
+	}
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	m, _, err := stream.Read(c, 1<<20)
+	if err != nil {
+		return fmt.Errorf("hello: %w", err)
+	}
+	c.SetReadDeadline(time.Time{})
+	if m.Type != stream.TypeWelcome {
+		f.Rejects.Add(1)
+		if m.Reject != nil {
+			return fmt.Errorf("rejected: %s", m.Reject.Reason)
+		}
+		return fmt.Errorf("answer to hello: %s", m.Type)
+	}
+	n.mu.Lock()
+	n.full, n.sent = true, nil
+	n.mu.Unlock()
+	// The aggregator asks for a full snapshot when its copy differs.
+	errc := make(chan error, 1)
+	go func() {
+		for {
+			m, _, err := stream.Read(c, 1<<20)
+			if err != nil {
+				errc <- err
+				return
+			}
+			switch m.Type {
+			case stream.TypeResync:
+				f.Resyncs.Add(1)
+				n.mu.Lock()
+				n.full = true
+				n.mu.Unlock()
+			case stream.TypeReject:
+				f.Rejects.Add(1)
+				errc <- fmt.Errorf("rejected: %s", m.Reject.Reason)
+				return
+			}
+		}
+	}()
+	select {
+	case <-ctx.Done():
+		return nil
+	case err := <-errc:
+		return err
+	case <-time.After(n.phase):
+	}
+	tick := time.NewTicker(f.interval)
+	defer tick.Stop()
+	for {
+		frame, err := f.report(n, time.Now())
+		if err != nil {
+			return err
+		}
+		c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+		if _, err := w.Write(frame); err != nil {
+			return err
+		}
+		if err := w.Flush(); err != nil {
+			return err
+		}
+		f.BytesSent.Add(int64(len(frame)))
+		f.Reports.Add(1)
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-errc:
+			return err
+		case <-tick.C:
+		}
+	}
+}
+
+// report builds node n's next frame: the transition from what the
+// aggregator holds to what the node shows now, with the node's own seq and
+// kube-proxy signal (its syncs go on while stuck: the health check stays
+// green).
+func (f *Fleet) report(n *simNode, now time.Time) ([]byte, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	show := n.frozen
+	if show == nil {
+		show = f.truth.At(now, n.lag)
+	}
+	var from uint64
+	if !n.full && n.sent != nil {
+		from = n.sent.Seq
+	}
+	e, err := f.transition(n.sent, show, from == 0)
+	if err != nil {
+		return nil, err
+	}
+	n.seq++
+	if n.sent == nil || n.sent.Seq != show.Seq || n.full {
+		n.syncs++
+	}
+	n.sent, n.full = show, false
+	kp, _ := json.Marshal(&stream.KubeProxy{LastSync: float64(now.Add(-n.lag).UnixNano()) / 1e9, EndpointChangesTotal: n.syncs})
+	body := make([]byte, 0, 64+len(kp)+len(e.rest))
+	body = append(body, `{"type":"report","report":{"seq":`...)
+	body = strconv.AppendUint(body, n.seq, 10)
+	body = append(body, `,"kubeProxy":`...)
+	body = append(body, kp...)
+	body = append(body, ',')
+	body = append(body, e.rest...)
+	body = append(body, '}')
+	frame := make([]byte, 4, 4+len(body))
+	binary.BigEndian.PutUint32(frame, uint32(len(body)))
+	return append(frame, body...), nil
+}
+
+// transition encodes the report moving the aggregator's copy from one
+// version to another (a full snapshot when full), once per pair.
+func (f *Fleet) transition(from, to *Version, full bool) (*encoded, error) {
+	key := [2]uint64{0, to.Seq}
+	if !full {
+		key[0] = from.Seq
+	}
+	f.rmu.Lock()
+	defer f.rmu.Unlock()
+	if e, ok := f.reports[key]; ok {
+		return e, nil
+	}
+	prev := stream.NewState()
+	if !full {
+		cp := *from.State // Delta overwrites *prev: hand it a copy
+		prev = &cp
+	}
+	r := stream.Delta(prev, to.State, 0, full)
+	b, err := json.Marshal(r)
+	if err != nil {
+		return nil, err
+	}
+	const head = `{"seq":0,`
+	if string(b[:len(head)]) != head {
+		return nil, fmt.Errorf("report encoding starts %q, not %q", b[:len(head)], head)
+	}
+	e := &encoded{rest: b[len(head):]}
+	// Transitions to versions no longer kept are not asked for again.
+	// A full snapshot at 100k endpoints is 3 MB: the cache stays small.
+	if len(f.reports) > 256 {
+		oldest := f.truth.oldest()
+		for k := range f.reports {
+			if k[1] < oldest {
+				delete(f.reports, k)
+			}
+		}
+		if len(f.reports) > 256 {
+			clear(f.reports)
+		}
+	}
+	f.reports[key] = e
+	return e, nil
+}
+
+func (t *Truth) oldest() uint64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.versions[0].Seq
+}

@@ -1,0 +1,356 @@
+package fleetsim_test
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+func TestMain(m *testing.M) { localcluster.Main(m) }
+
+// The defaults are the small fleet `make test` runs; `make fleet-sim` sets
+// the anchors (see docs/benchmarks.md).
+var (
+	fleetNodes    = flag.Int("fleet-nodes", 60, "simulated nodes")
+	fleetServices = flag.Int("fleet-services", 1000, "services (10 endpoints each)")
+	fleetChurn    = flag.Float64("fleet-churn", 100, "endpoint changes per second")
+	fleetInterval = flag.Duration("fleet-interval", 2*time.Second, "collector report interval")
+	fleetSteady   = flag.Duration("fleet-steady", 30*time.Second, "churn window measured without faults")
+	fleetRounds   = flag.Int("fleet-rounds", 2, "rounds of stuck nodes")
+	fleetReport   = flag.String("fleet-report", "", "append the result as one JSON line to this file")
+)
+
+const grace = 10 * time.Second
+
+func nodeName(i int) string { return fmt.Sprintf("sim-%05d", i) }
+
+// Result is one fleet simulation's measurements.
+type Result struct {
+	Nodes, Services, Endpoints int
+	ChurnPerSecond             float64 // achieved
+	IntervalSeconds            float64
+	GraceSeconds               float64
+
+	AggregatorRSSMB, AggregatorPeakRSSMB float64
+	AggregatorCPUCores                   float64 // during the churn window
+	IngestBytesPerSecondQuiet            float64 // no changes: root digests only
+	IngestBytesPerSecondChurn            float64
+	BytesPerNodePerIntervalQuiet         float64
+	BytesPerNodePerIntervalChurn         float64
+	InitialSyncSeconds                   float64 // every node in sync after the fleet connected
+
+	DetectionSamples           int
+	DetectionP50, DetectionP99 float64 // seconds after grace
+	DetectionMax               float64
+	FalseFindings              int
+	Resyncs                    int64
+	Missed                     []string `json:",omitempty"`
+	FalseExamples              []string `json:",omitempty"`
+}
+
+// TestE2EFleetSimulation runs the real aggregator binary against the real
+// API server holding a synthetic cluster, with a fleet of simulated
+// collectors speaking the stream protocol, endpoints churning, and rounds
+// of stuck nodes (rules frozen, kube-proxy's syncs and health going on).
+// It measures the aggregator and fails on any false finding or a stuck
+// node not found.
+func TestE2EFleetSimulation(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Hour)
+	defer cancel()
+	N, S := *fleetNodes, *fleetServices
+	spec := synth.Spec{Services: S, EndpointsPerService: 10}
+	res := Result{Nodes: N, Services: S, Endpoints: S * 10, IntervalSeconds: fleetInterval.Seconds(), GraceSeconds: grace.Seconds()}
+
+	cfg := *c.RESTConfig
+	cfg.QPS, cfg.Burst = 2000, 4000
+	client, err := kubernetes.NewForConfig(&cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	sl, err := fleetsim.Populate(ctx, client, spec, N, nodeName, 32)
+	if err != nil {
+		t.Fatalf("populate: %v", err)
+	}
+	t.Logf("created %d nodes, %d services, %d endpoint slices in %s", N, S, len(sl), time.Since(start).Round(time.Second))
+
+	truth := fleetsim.NewTruth(client, time.Minute)
+	truth.Run(ctx, time.Second)
+	if truth.Latest() == nil {
+		t.Fatal("the simulated kube-proxies never listed the cluster")
+	}
+
+	bin := t.TempDir()
+	if err := localcluster.BuildProxyaudit(bin); err != nil {
+		t.Fatal(err)
+	}
+	streamAddr, httpAddr := freeAddr(t), freeAddr(t)
+	agg, err := c.StartProcess("fleet-aggregator", filepath.Join(bin, "proxyaudit-aggregator"),
+		"--kubeconfig="+c.AdminKubeconfig, "--insecure-no-auth", "--leader-elect=false",
+		"--grace="+grace.String(), "--stream-listen="+streamAddr, "--http-listen="+httpAddr,
+		"--advertise-address=127.0.0.1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if t.Failed() {
+			t.Logf("aggregator log tail:\n%s", agg.Tail(40))
+		}
+		agg.Stop()
+	}()
+	api := &apiClient{base: "http://" + httpAddr}
+	waitFor(t, 5*time.Minute, "aggregator ready", func() bool { return api.ready() })
+
+	fleet := fleetsim.NewFleet(truth, streamAddr, N, nodeName, *fleetInterval, 300*time.Millisecond, 2*time.Second)
+	fctx, fstop := context.WithCancel(ctx)
+	fdone := make(chan struct{})
+	ramp := time.Duration(N) * 20 * time.Millisecond
+	go func() { defer close(fdone); fleet.Run(fctx, ramp) }()
+	defer func() { fstop(); <-fdone }()
+
+	connected := time.Now()
+	waitFor(t, 10*time.Minute+ramp, "every simulated node in sync", func() bool {
+		v, err := api.verdict()
+		return err == nil && len(v.Findings) == 0 && countState(v.Nodes, audit.NodeInSync) == N
+	})
+	res.InitialSyncSeconds = time.Since(connected).Seconds()
+	t.Logf("%d nodes in sync %.1f s after the fleet started connecting (ramp-up %s)", N, res.InitialSyncSeconds, ramp)
+
+	// Quiet: no changes, every report is a root digest.
+	b0, a0 := fleet.BytesSent.Load(), time.Now()
+	time.Sleep(3 * *fleetInterval)
+	res.IngestBytesPerSecondQuiet = float64(fleet.BytesSent.Load()-b0) / time.Since(a0).Seconds()
+	res.BytesPerNodePerIntervalQuiet = res.IngestBytesPerSecondQuiet / float64(N) * fleetInterval.Seconds()
+
+	churn := &fleetsim.Churn{}
+	cctx, cstop := context.WithCancel(ctx)
+	cdone := make(chan struct{})
+	go func() { defer close(cdone); churn.Run(cctx, client, spec, sl, *fleetChurn) }()
+	defer func() { cstop(); <-cdone }()
+
+	// The verdict is polled throughout: a finding on a node not stuck is
+	// false. A stuck node's findings are true until it is back in sync.
+	stuck := map[string]time.Time{} // node → frozen at
+	falseSeen := map[string]bool{}
+	check := func() audit.Verdict {
+		v, err := api.verdict()
+		if err != nil {
+			t.Logf("verdict: %v", err)
+			return v
+		}
+		for _, f := range v.Findings {
+			if _, ok := stuck[f.Node]; ok {
+				continue
+			}
+			k := fmt.Sprintf("%s %s %s %s (%s)", f.Node, f.Kind, f.Service, f.Endpoint, f.Detail)
+			if !falseSeen[k] {
+				falseSeen[k] = true
+				res.FalseFindings++
+				if len(res.FalseExamples) < 10 {
+					res.FalseExamples = append(res.FalseExamples, k)
+				}
+				t.Errorf("false finding: %s", k)
+			}
+		}
+		return v
+	}
+
+	time.Sleep(2 * *fleetInterval) // the first changes reach every node
+	agg0, err := fleetsim.ReadProcStat(agg.PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b0, a0, m0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load()
+	for time.Since(a0) < *fleetSteady {
+		check()
+		time.Sleep(500 * time.Millisecond)
+	}
+	agg1, err := fleetsim.ReadProcStat(agg.PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	wall := time.Since(a0).Seconds()
+	res.ChurnPerSecond = float64(churn.Made.Load()-m0) / wall
+	res.AggregatorCPUCores = (agg1.CPU - agg0.CPU).Seconds() / wall
+	res.IngestBytesPerSecondChurn = float64(fleet.BytesSent.Load()-b0) / wall
+	res.BytesPerNodePerIntervalChurn = res.IngestBytesPerSecondChurn / float64(N) * fleetInterval.Seconds()
+	t.Logf("churn %.0f/s (%d failed): aggregator %.2f cores, ingest %.0f B/s (%.0f B per node per interval)",
+		res.ChurnPerSecond, churn.Failed.Load(), res.AggregatorCPUCores, res.IngestBytesPerSecondChurn, res.BytesPerNodePerIntervalChurn)
+
+	// Rounds of stuck nodes: 1% of the fleet (at least 3) at once, far
+	// below mass divergence.
+	k := max(3, N/100)
+	var lat []float64
+	for round := range *fleetRounds {
+		var idx []int
+		for j := range k {
+			idx = append(idx, (round*k+j)*7919%N)
+		}
+		frozen := map[string]uint64{}
+		for _, i := range idx {
+			v := fleet.Freeze(i)
+			stuck[fleet.Name(i)] = time.Now()
+			frozen[fleet.Name(i)] = v.Seq
+		}
+		found := map[string]time.Time{}
+		deadline := time.Now().Add(grace + 3**fleetInterval + 60*time.Second)
+		for len(found) < len(idx) && time.Now().Before(deadline) {
+			v := check()
+			now := time.Now()
+			for _, f := range v.Findings {
+				if _, ok := frozen[f.Node]; ok && found[f.Node].IsZero() {
+					found[f.Node] = now
+				}
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+		for name, seq := range frozen {
+			missed := truth.After(seq)
+			if found[name].IsZero() || missed == nil {
+				res.Missed = append(res.Missed, name)
+				t.Errorf("round %d: stuck node %s not reported within %s of its first missed change", round, name, grace+3**fleetInterval+60*time.Second)
+				continue
+			}
+			l := found[name].Sub(missed.At.Add(grace)).Seconds()
+			lat = append(lat, l)
+			t.Logf("round %d: %s stuck at version %d, first missed change at %s, found %.1f s after grace",
+				round, name, seq, missed.At.Format("15:04:05.000"), l)
+		}
+		for _, i := range idx {
+			fleet.Thaw(i)
+		}
+		// Thawed nodes catch up; their findings must clear.
+		waitFor(t, grace+4**fleetInterval+30*time.Second, "thawed nodes back in sync", func() bool {
+			v := check()
+			for _, f := range v.Findings {
+				if _, ok := frozen[f.Node]; ok {
+					return false
+				}
+			}
+			return true
+		})
+		for name := range frozen {
+			delete(stuck, name)
+		}
+	}
+	slices.Sort(lat)
+	res.DetectionSamples = len(lat)
+	if len(lat) > 0 {
+		res.DetectionP50 = lat[len(lat)/2]
+		res.DetectionP99 = lat[min(len(lat)-1, len(lat)*99/100)]
+		res.DetectionMax = lat[len(lat)-1]
+	}
+	end, err := fleetsim.ReadProcStat(agg.PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
+	res.Resyncs = fleet.Resyncs.Load()
+	if errs := fleet.LastErrors(); len(errs) > 0 {
+		t.Logf("stream errors on %d nodes, e.g. %v", len(errs), first(errs))
+	}
+	out, _ := json.Marshal(res)
+	t.Logf("RESULT %s", out)
+	if *fleetReport != "" {
+		f, err := os.OpenFile(*fleetReport, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(f, "%s\n", out)
+		f.Close()
+	}
+}
+
+func first(m map[string]string) string {
+	for k, v := range m {
+		return k + ": " + v
+	}
+	return ""
+}
+
+func countState(ns []audit.NodeStatus, s audit.NodeState) int {
+	n := 0
+	for _, x := range ns {
+		if x.State == s {
+			n++
+		}
+	}
+	return n
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+func freeAddr(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+type apiClient struct{ base string }
+
+func (a *apiClient) ready() bool {
+	r, err := http.Get(a.base + "/readyz")
+	if err != nil {
+		return false
+	}
+	r.Body.Close()
+	return r.StatusCode == http.StatusOK
+}
+
+// verdict reads findings and nodes.
+func (a *apiClient) verdict() (audit.Verdict, error) {
+	var v audit.Verdict
+	var fr aggregator.FindingsResponse
+	if err := a.get("/api/v1/findings", &fr); err != nil {
+		return v, err
+	}
+	var nr aggregator.NodesResponse
+	if err := a.get("/api/v1/nodes", &nr); err != nil {
+		return v, err
+	}
+	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, nil
+}
+
+func (a *apiClient) get(path string, v any) error {
+	r, err := http.Get(a.base + path)
+	if err != nil {
+		return err
+	}
+	defer r.Body.Close()
+	body, _ := io.ReadAll(r.Body)
+	if r.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s: %s", path, r.Status, strings.TrimSpace(string(body)))
+	}
+	return json.Unmarshal(body, v)
+}

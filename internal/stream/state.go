@@ -1,0 +1,344 @@
+package stream
+
+import (
+	"fmt"
+	"hash/fnv"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"weak"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// nBuckets splits a node's frontends by a hash of their key. A bucket is
+// immutable once built: a report replaces only the buckets it touches, so
+// copying a State copies 256 pointers, and states that hold the same rules
+// can hold the same buckets (see Pool).
+const nBuckets = 256
+
+// entry is one frontend with its digest.
+type entry struct {
+	Frontend
+	digest uint64
+}
+
+// bucket holds the entries whose keys hash to it, sorted by key, and the
+// sum of their digests.
+type bucket struct {
+	sum     uint64
+	entries []*entry
+}
+
+func bucketOf(key string) int {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return int(h.Sum32() % nBuckets)
+}
+
+// State is one node's observed rules as both ends of a stream keep them:
+// frontends by key with their digests, and the node-wide facts.
+type State struct {
+	Mode     string
+	NoRules  bool
+	Families []int
+
+	buckets [nBuckets]*bucket
+	n       int
+	pool    *Pool
+}
+
+// NewState returns an empty state.
+func NewState() *State { return &State{} }
+
+// NewPooledState returns an empty state that shares identical frontends
+// and buckets with every other state of the pool.
+func NewPooledState(p *Pool) *State { return &State{pool: p} }
+
+// Len is the number of frontends.
+func (s *State) Len() int { return s.n }
+
+// Get returns the frontend with the given key.
+func (s *State) Get(key string) (Frontend, bool) {
+	b := s.buckets[bucketOf(key)]
+	if b == nil {
+		return Frontend{}, false
+	}
+	i, ok := slices.BinarySearchFunc(b.entries, key, func(e *entry, k string) int { return strings.Compare(e.Key, k) })
+	if !ok {
+		return Frontend{}, false
+	}
+	return b.entries[i].Frontend, true
+}
+
+// Root digests the whole state: the sum of the frontends' digests (so it
+// is independent of order and cheap to update) mixed with the node facts.
+func (s *State) Root() uint64 {
+	var sum uint64
+	for _, b := range s.buckets {
+		if b != nil {
+			sum += b.sum
+		}
+	}
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%s|%t|%v|%d", s.Mode, s.NoRules, s.Families, sum)
+	return h.Sum64()
+}
+
+// Same reports whether s and o hold the very same buckets and node facts:
+// true only when their rules are identical (a pooled state shares a
+// bucket only after comparing its content).
+func (s *State) Same(o *State) bool {
+	return s.buckets == o.buckets && s.Mode == o.Mode && s.NoRules == o.NoRules && slices.Equal(s.Families, o.Families)
+}
+
+// Delta builds the report that moves prev (what the other end has) to
+// next, and makes prev next: the caller hands next over and must not
+// change it afterwards. With full, every frontend is sent.
+func Delta(prev, next *State, seq uint64, full bool) *Report {
+	r := &Report{Seq: seq, Full: full, Mode: next.Mode, NoRules: next.NoRules, Families: next.Families}
+	for i := range nBuckets {
+		pb, nb := prev.buckets[i], next.buckets[i]
+		if full {
+			if nb != nil {
+				for _, e := range nb.entries {
+					r.Frontends = append(r.Frontends, e.Frontend)
+				}
+			}
+			continue
+		}
+		if pb == nb {
+			continue
+		}
+		var pe, ne []*entry
+		if pb != nil {
+			pe = pb.entries
+		}
+		if nb != nil {
+			ne = nb.entries
+		}
+		// Both sorted by key: one merge walk.
+		for len(pe) > 0 || len(ne) > 0 {
+			switch {
+			case len(ne) == 0 || (len(pe) > 0 && pe[0].Key < ne[0].Key):
+				r.Removed = append(r.Removed, pe[0].Key)
+				pe = pe[1:]
+			case len(pe) == 0 || ne[0].Key < pe[0].Key:
+				r.Frontends = append(r.Frontends, ne[0].Frontend)
+				ne = ne[1:]
+			default:
+				if pe[0].digest != ne[0].digest {
+					r.Frontends = append(r.Frontends, ne[0].Frontend)
+				}
+				pe, ne = pe[1:], ne[1:]
+			}
+		}
+	}
+	slices.SortFunc(r.Frontends, func(a, b Frontend) int { return strings.Compare(a.Key, b.Key) })
+	slices.Sort(r.Removed)
+	r.Root = next.Root()
+	*prev = *next // next is the caller's fresh read: it becomes what was sent
+	return r
+}
+
+// FromModel builds a state from an observed model.
+func FromModel(o *audit.Observed) *State {
+	s := NewState()
+	s.Mode, s.NoRules, s.Families = string(o.Mode), o.NoRules, slices.Clone(o.Families)
+	fs := make([]Frontend, len(o.Frontends))
+	for i, of := range o.Frontends {
+		fs[i] = FromObserved(of)
+	}
+	s.replace(nil, fs)
+	return s
+}
+
+// replace removes keys and puts frontends (which win over a removal of
+// the same key), rebuilding only the buckets they touch.
+func (s *State) replace(removed []string, fs []Frontend) {
+	touched := map[int]map[string]*entry{}
+	at := func(key string) map[string]*entry {
+		i := bucketOf(key)
+		m := touched[i]
+		if m == nil {
+			m = map[string]*entry{}
+			touched[i] = m
+		}
+		return m
+	}
+	for _, k := range removed {
+		at(k)[k] = nil
+	}
+	for _, f := range fs {
+		at(f.Key)[f.Key] = &entry{Frontend: f, digest: f.Digest()}
+	}
+	for i, m := range touched {
+		old := s.buckets[i]
+		var es []*entry
+		if old != nil {
+			es = make([]*entry, 0, len(old.entries)+len(m))
+			for _, e := range old.entries {
+				if _, ok := m[e.Key]; !ok {
+					es = append(es, e)
+				}
+			}
+			s.n -= len(old.entries)
+		}
+		for _, e := range m {
+			if e != nil {
+				es = append(es, s.pool.entry(e))
+			}
+		}
+		s.n += len(es)
+		if len(es) == 0 {
+			s.buckets[i] = nil
+			continue
+		}
+		slices.SortFunc(es, func(a, b *entry) int { return strings.Compare(a.Key, b.Key) })
+		b := &bucket{entries: es}
+		for _, e := range es {
+			b.sum += e.digest
+		}
+		s.buckets[i] = s.pool.bucket(b)
+	}
+}
+
+// Apply validates a report and applies it to s. It returns whether the
+// root matches afterwards; false means the two ends disagree and the
+// collector must resync. On a validation error s is unchanged.
+func (s *State) Apply(r *Report) (bool, error) {
+	if len(r.Frontends) > MaxFrontends || len(r.Removed) > MaxFrontends {
+		return false, fmt.Errorf("report claims %d frontends: more than the %d a node can have", len(r.Frontends)+len(r.Removed), MaxFrontends)
+	}
+	eps := 0
+	for _, f := range r.Frontends {
+		eps += len(f.Endpoints)
+		if _, err := f.ToObserved(); err != nil {
+			return false, err
+		}
+	}
+	if eps > MaxEndpoints {
+		return false, fmt.Errorf("report claims %d endpoints: more than %d", eps, MaxEndpoints)
+	}
+	for _, k := range r.Removed {
+		if _, err := ParseKey(k); err != nil {
+			return false, err
+		}
+	}
+	next := *s
+	if r.Full {
+		next = State{pool: s.pool}
+	}
+	next.Mode, next.NoRules, next.Families = r.Mode, r.NoRules, slices.Clone(r.Families)
+	next.replace(r.Removed, r.Frontends)
+	if next.n > MaxFrontends {
+		return false, fmt.Errorf("node state grew to %d frontends: more than %d", next.n, MaxFrontends)
+	}
+	*s = next
+	return s.Root() == r.Root, nil
+}
+
+// Observed converts the state to the audit's model.
+func (s *State) Observed() *audit.Observed {
+	o := &audit.Observed{Mode: audit.Mode(s.Mode), NoRules: s.NoRules, Families: slices.Clone(s.Families)}
+	o.Frontends = make([]audit.ObservedFrontend, 0, s.n)
+	for _, b := range s.buckets {
+		if b == nil {
+			continue
+		}
+		for _, e := range b.entries {
+			if of, err := e.ToObserved(); err == nil {
+				o.Frontends = append(o.Frontends, of)
+			}
+		}
+	}
+	slices.SortFunc(o.Frontends, func(a, b audit.ObservedFrontend) int {
+		return strings.Compare(KeyString(a.FrontendKey), KeyString(b.FrontendKey))
+	})
+	if len(o.Families) == 0 {
+		o.Families = []int{4}
+	}
+	return o
+}
+
+// Pool lets the aggregator hold thousands of nodes' rules at the cost of
+// little more than one: most nodes of a fleet program the same frontends,
+// so identical frontends and identical buckets are kept once. Sharing is
+// by content, compared in full (a digest only finds the candidate), so one
+// node's report can never change what another node's copy holds. Entries
+// nobody holds any more are dropped by the garbage collector.
+type Pool struct {
+	mu      sync.Mutex
+	entries map[uint64]weak.Pointer[entry]
+	buckets map[uint64]weak.Pointer[bucket]
+}
+
+// NewPool returns an empty pool.
+func NewPool() *Pool {
+	return &Pool{entries: map[uint64]weak.Pointer[entry]{}, buckets: map[uint64]weak.Pointer[bucket]{}}
+}
+
+func (p *Pool) entry(e *entry) *entry {
+	if p == nil {
+		return e
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if have := p.entries[e.digest].Value(); have != nil {
+		if have.equal(e) {
+			return have
+		}
+		return e // a digest collision: kept apart
+	}
+	p.entries[e.digest] = weak.Make(e)
+	runtime.AddCleanup(e, p.forgetEntry, e.digest)
+	return e
+}
+
+func (p *Pool) bucket(b *bucket) *bucket {
+	if p == nil {
+		return b
+	}
+	// Entries are pooled first: equal buckets hold the same pointers.
+	key := b.sum ^ uint64(len(b.entries))<<56
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if have := p.buckets[key].Value(); have != nil {
+		if slices.Equal(have.entries, b.entries) {
+			return have
+		}
+		return b
+	}
+	p.buckets[key] = weak.Make(b)
+	runtime.AddCleanup(b, p.forgetBucket, key)
+	return b
+}
+
+func (p *Pool) forgetEntry(d uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if wp, ok := p.entries[d]; ok && wp.Value() == nil {
+		delete(p.entries, d)
+	}
+}
+
+func (p *Pool) forgetBucket(k uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if wp, ok := p.buckets[k]; ok && wp.Value() == nil {
+		delete(p.buckets, k)
+	}
+}
+
+// Size returns how many distinct frontends and buckets the pool holds.
+func (p *Pool) Size() (frontends, buckets int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.entries), len(p.buckets)
+}
+
+func (e *entry) equal(o *entry) bool {
+	return e.digest == o.digest && e.Key == o.Key && e.Scope == o.Scope && e.Chain == o.Chain && e.Name == o.Name &&
+		slices.Equal(e.Endpoints, o.Endpoints) && slices.Equal(e.Weights, o.Weights)
+}
