@@ -246,9 +246,10 @@ func kindsOf(v audit.Verdict) string {
 	return strings.Join(out, " ")
 }
 
-// The whole loop through real collector clients: three nodes in sync; an
-// endpoint removed from a slice; two nodes follow, one does not → after
-// grace one StuckProxy (and its stale endpoint) for that node only; the
+// The whole loop through real collector clients: four nodes in sync; an
+// endpoint removed from a slice; two nodes follow, two do not (judged once,
+// since they show the same rules) → after
+// grace a StuckProxy (and its stale endpoint) for each of them; one
 // node catches up → clear; its collector stops → CollectorMissing.
 func TestAggregatorJudgesCollectors(t *testing.T) {
 	h := start(t, 2*time.Second, InsecureNoAuth{})
@@ -259,7 +260,9 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
 	h.collector(h.ctx, "n2", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
 	h.collector(n3ctx, "n3", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
-	h.eventually(10*time.Second, "three nodes in sync", func() bool {
+	// n4 shows n3's rules: judged once for both, reported for each.
+	h.collector(h.ctx, "n4", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
+	h.eventually(10*time.Second, "four nodes in sync", func() bool {
 		v := h.verdict()
 		in := 0
 		for _, n := range v.Nodes {
@@ -267,7 +270,7 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 				in++
 			}
 		}
-		return in == 3 && len(v.Findings) == 0
+		return in == 4 && len(v.Findings) == 0
 	})
 
 	sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Get(h.ctx, synth.ServiceName(2)+"-0", metav1.GetOptions{})
@@ -282,12 +285,17 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	mu.Lock()
 	current = rules(t, 2)
 	mu.Unlock()
-	h.eventually(15*time.Second, "StuckProxy on n3", func() bool { return kindsOf(h.verdict()) == "n3:StuckProxy n3:StaleEndpoint" })
+	h.eventually(15*time.Second, "StuckProxy on n3 and n4", func() bool {
+		return kindsOf(h.verdict()) == "n3:StuckProxy n3:StaleEndpoint n4:StuckProxy n4:StaleEndpoint"
+	})
+	if shared := testutil.ToFloat64(h.agg.cfg.Metrics.Assessments.WithLabelValues("shared")); shared == 0 {
+		t.Error("nodes showing the same rules were each assessed on their own")
+	}
 	if d := time.Since(changed); d < 2*time.Second {
 		t.Fatalf("finding raised %s after the change, before grace", d)
 	}
 	for _, n := range h.verdict().Nodes {
-		if n.Node != "n3" && n.Lag.Samples == 0 {
+		if n.Node != "n3" && n.Node != "n4" && n.Lag.Samples == 0 {
 			t.Errorf("%s: no programming-lag samples after catching up: %+v", n.Node, n)
 		}
 	}
@@ -304,6 +312,12 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	getJSON(t, srv.URL+"/api/v1/nodes/n3", &nr)
 	if nr.State != audit.NodeStuck || nr.Lagging != 1 || len(nr.Findings) != 2 {
 		t.Fatalf("node API: %+v", nr)
+	}
+	getJSON(t, srv.URL+"/api/v1/nodes/n4", &nr)
+	for _, f := range nr.Findings {
+		if f.Node != "n4" {
+			t.Fatalf("n4's findings name node %s: %+v", f.Node, nr.Findings)
+		}
 	}
 	if r, _ := http.Get(srv.URL + "/api/v1/nodes/nope"); r.StatusCode != http.StatusNotFound {
 		t.Fatalf("unknown node: %d", r.StatusCode)

@@ -24,11 +24,12 @@ type Metrics struct {
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
 
-	Reconcile *prometheus.HistogramVec
-	Leader    prometheus.Gauge
-	ViewStale prometheus.Gauge
-	Actions   *prometheus.CounterVec
-	Slack     *prometheus.CounterVec
+	Reconcile   *prometheus.HistogramVec
+	Assessments *prometheus.CounterVec
+	Leader      prometheus.Gauge
+	ViewStale   prometheus.Gauge
+	Actions     *prometheus.CounterVec
+	Slack       *prometheus.CounterVec
 }
 
 // Reasons a stream is refused or cut, the values of the reason label.
@@ -74,6 +75,8 @@ func NewMetrics() *Metrics {
 		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
+		Assessments: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed, or shared (another node of the same class showed the very same rules at the same cluster state)."}, []string{"how"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -84,7 +87,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

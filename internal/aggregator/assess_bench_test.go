@@ -1,0 +1,64 @@
+package aggregator
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+// BenchmarkEvaluateCycle is the assessment part of one evaluation cycle at
+// the anchors (10k services, 100k endpoints) for nodes that reported since
+// the last one, spread over the three versions of the cluster a churning
+// fleet shows at once: each node assessed on its own (before) and through
+// the per-class memo (shared). ns/op is per cycle.
+func BenchmarkEvaluateCycle(b *testing.B) {
+	spec := synth.Spec{Services: 10000, EndpointsPerService: 10}
+	svcs, sl := spec.Objects()
+	var states []*audit.State
+	h := audit.NewHistory(time.Minute)
+	now := time.Now()
+	for v := range 3 {
+		for i := range 50 * v {
+			s := *sl[i].DeepCopy()
+			s.Endpoints[0].Addresses = []string{spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService+i).String()}
+			sl[i] = s
+		}
+		st := audit.FromAPI(svcs, sl, nil)
+		h.Update(st, now.Add(time.Duration(v-3)*time.Second))
+		states = append(states, st)
+	}
+	cur := states[len(states)-1]
+	pool := stream.NewPool()
+	var shows []*stream.State
+	for _, st := range states {
+		s := stream.NewPooledState(pool)
+		if _, err := s.Apply(stream.Delta(stream.NewState(), stream.FromModel(fleetsim.Rules(st)), 1, true)); err != nil {
+			b.Fatal(err)
+		}
+		shows = append(shows, s)
+	}
+	const nodes = 12
+	for _, shared := range []bool{false, true} {
+		b.Run(fmt.Sprintf("%d-nodes/%s", nodes, map[bool]string{false: "each", true: "shared"}[shared]), func(b *testing.B) {
+			a := New(Config{}, &View{})
+			b.ReportAllocs()
+			for b.Loop() {
+				a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(cur)
+				for n := range nodes {
+					name := fmt.Sprintf("node-%d", n)
+					rules := shows[n%len(shows)]
+					if shared {
+						a.assess(cur, h, name, rules)
+					} else {
+						audit.Assess(cur, h, name, rules.Observed())
+					}
+				}
+			}
+		})
+	}
+}
