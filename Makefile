@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench bench-ipvs fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build test unit e2e demo fixtures bench bench-ipvs fleet-sim fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -45,6 +45,16 @@ bench:
 IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
 bench-ipvs: deps
 	$(GO) test -v -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
+
+## fleet-sim: the real aggregator against the real API server at the anchors (10k services, 100k
+## endpoints, 100 changes/s) with FLEET_SIZES simulated collectors; results in docs/benchmarks.md
+FLEET_SIZES ?= 250 500 1000
+FLEET_ARGS ?= -fleet-services 10000 -fleet-interval 10s -fleet-steady 60s -fleet-rounds 2
+fleet-sim: deps cluster-binaries
+	@for n in $(FLEET_SIZES); do \
+		$(GO) test -count=1 -timeout 60m -v -run '^TestE2EFleetSimulation$$' ./internal/fleetsim \
+			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl | grep -E 'RESULT|fleet_e2e|FAIL|^ok' || exit 1; \
+	done
 
 ## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)
 FUZZTIME ?= 30s

@@ -261,7 +261,7 @@ func run(args []string, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	done := make(chan struct{})
-	go func() { view.Run(ctx, 200*time.Millisecond); close(done) }()
+	go func() { view.Run(ctx, time.Second); close(done) }() // at most one rebuild a second, like kube-proxy's min sync period
 	go agg.Run(ctx)
 	if notifier != nil {
 		go notifier.Run(ctx)

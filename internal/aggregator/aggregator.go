@@ -418,30 +418,46 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 }
 
 // apply records one report. It returns whether the copy matches the
-// collector's root; a reason when the stream must end.
+// collector's root; a reason when the stream must end. The report is
+// validated and applied to a copy outside the lock (a full snapshot at the
+// anchors takes ~0.1 s): only this stream's goroutine changes its node's
+// copy, and a newer stream for the node supersedes it.
 func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration) (bool, string, string) {
 	now := a.cfg.Clock.Now()
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	if n.conn != c || !a.leading {
+		a.mu.Unlock()
 		return true, ReasonProtocol, "stream superseded"
 	}
 	if r.Seq <= n.lastSeq {
+		a.mu.Unlock()
 		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq)
 	}
 	n.lastSeq = r.Seq
 	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy)}
 	if r.ReadError != "" {
 		a.judge.Heard(n.name, hb)
+		a.mu.Unlock()
 		return true, "", ""
 	}
 	if !r.Full && !n.complete {
+		a.mu.Unlock()
 		return false, "", "no full snapshot on this stream yet"
 	}
-	match, err := n.state.Apply(r)
+	next := *n.state
+	a.mu.Unlock()
+
+	match, err := next.Apply(r)
+
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n.conn != c || !a.leading {
+		return true, ReasonProtocol, "stream superseded"
+	}
 	if err != nil {
 		return false, ReasonInvalid, "invalid report: " + err.Error()
 	}
+	*n.state = next
 	if !match {
 		n.complete = false
 		return false, "", "root digest differs from the aggregator's copy"
@@ -496,12 +512,15 @@ func (a *Aggregator) Evaluate() {
 		noRule bool
 	}
 	var nodeInfo map[string]audit.NodeInfo
+	// A report is judged once the cluster state covers its time (see
+	// View.Covered); a later cycle takes the rest.
+	covered := a.view.Covered()
 	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
 		nodeInfo = st.Nodes
 		var jobs []job
 		a.mu.Lock()
 		for _, n := range a.nodes {
-			if !n.fresh || !n.complete {
+			if !n.fresh || !n.complete || n.heard.After(covered) {
 				continue
 			}
 			n.fresh = false

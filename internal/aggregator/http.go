@@ -186,12 +186,13 @@ func (a *Aggregator) Explain(node, service string) (ExplainResponse, bool) {
 		a.mu.Unlock()
 		return ExplainResponse{}, false
 	}
-	obs := n.state.Observed()
-	resp := ExplainResponse{Node: node, Mode: n.state.Mode, States: map[string]audit.ServiceState{}}
+	rules := *n.state // a copy: its buckets are immutable
+	resp := ExplainResponse{Node: node, Mode: rules.Mode, States: map[string]audit.ServiceState{}}
 	for _, as := range n.assessments {
 		resp.States[as.Service] = as.State
 	}
 	a.mu.Unlock()
+	obs := rules.Observed()
 	a.view.Read(func(st *audit.State, _ *audit.History, _ uint64) {
 		resp.Ports = audit.Explain(audit.ExpectedFor(st, node), obs, service)
 	})

@@ -101,3 +101,52 @@ func TestHoldBackDriftKeepsOnlyCollectorMissing(t *testing.T) {
 		t.Error("holdBackDrift changed its input")
 	}
 }
+
+// The view covers "now" while nothing is pending; a change not yet in the
+// State holds Covered at the moment the published State's caches were read,
+// so reports from after it wait for the next rebuild instead of being judged
+// against an older cluster than the node may show.
+func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	const debounce = 600 * time.Millisecond
+	go func() { view.Run(ctx, debounce); close(done) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for view.Synced() != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("view never synced")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if c := view.Covered(); time.Since(c) > time.Second {
+		t.Fatalf("a clean view covers %s, not now", c)
+	}
+	before := time.Now()
+	if _, err := client.CoreV1().Services("default").Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "new"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Once the informer delivered the change, Covered stops following the
+	// clock: it is the read of the caches before the change.
+	for {
+		c := view.Covered()
+		if time.Since(c) > 100*time.Millisecond {
+			if c.After(before) {
+				t.Fatalf("with a change pending the view claims to cover %s (change at %s)", c.Format(time.StampMicro), before.Format(time.StampMicro))
+			}
+			break
+		}
+		if time.Since(before) > debounce {
+			t.Fatal("the change was never pending")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for !view.Covered().After(before) {
+		if time.Now().After(deadline) {
+			t.Fatal("the view never covered the change")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

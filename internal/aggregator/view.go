@@ -42,6 +42,8 @@ type View struct {
 
 	dirtyMu    sync.Mutex
 	dirtySince time.Time // first change not yet in State; zero when clean
+	rebuilding bool      // a rebuild has taken the changes and not yet published
+	listedAt   time.Time // when the published State's caches were read
 	kick       chan struct{}
 
 	mu    sync.RWMutex
@@ -302,6 +304,7 @@ func (v *View) rebuild() {
 	v.dirtyMu.Lock()
 	at := v.dirtySince
 	v.dirtySince = time.Time{}
+	v.rebuilding = true
 	v.dirtyMu.Unlock()
 	if at.IsZero() {
 		at = start
@@ -336,9 +339,26 @@ func (v *View) rebuild() {
 	v.gen++
 	v.rebuilt = v.clock.Now()
 	v.mu.Unlock()
+	v.dirtyMu.Lock()
+	v.rebuilding, v.listedAt = false, start
+	v.dirtyMu.Unlock()
 	if v.onRebuild != nil {
 		v.onRebuild(v.clock.Since(start))
 	}
+}
+
+// Covered is the time up to which the published State holds every change
+// the informers delivered: now when nothing is pending, else when the
+// caches were read for it. A node's report from after it may show changes
+// the State does not have yet; judged against it, a healthy node that is
+// ahead of the aggregator would look divergent.
+func (v *View) Covered() time.Time {
+	v.dirtyMu.Lock()
+	defer v.dirtyMu.Unlock()
+	if v.dirtySince.IsZero() && !v.rebuilding && !v.listedAt.IsZero() {
+		return v.clock.Now()
+	}
+	return v.listedAt
 }
 
 // Read runs f with the current State and History held still.

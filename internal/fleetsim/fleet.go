@@ -32,10 +32,13 @@ type Fleet struct {
 	rmu     sync.Mutex
 	reports map[[2]uint64]*encoded
 
-	BytesSent atomic.Int64
-	Reports   atomic.Int64
-	Resyncs   atomic.Int64
-	Rejects   atomic.Int64
+	// WriteBlocked is the longest a report waited for the aggregator to
+	// read it (ns): a report read late is dated late.
+	WriteBlocked atomic.Int64
+	BytesSent    atomic.Int64
+	Reports      atomic.Int64
+	Resyncs      atomic.Int64
+	Rejects      atomic.Int64
 }
 
 type simNode struct {
@@ -203,11 +206,15 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 			return err
 		}
 		c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+		began := time.Now()
 		if _, err := w.Write(frame); err != nil {
 			return err
 		}
 		if err := w.Flush(); err != nil {
 			return err
+		}
+		if d := int64(time.Since(began)); d > f.WriteBlocked.Load() {
+			f.WriteBlocked.Store(d)
 		}
 		f.BytesSent.Add(int64(len(frame)))
 		f.Reports.Add(1)

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -36,6 +37,7 @@ var (
 	fleetSteady   = flag.Duration("fleet-steady", 30*time.Second, "churn window measured without faults")
 	fleetRounds   = flag.Int("fleet-rounds", 2, "rounds of stuck nodes")
 	fleetReport   = flag.String("fleet-report", "", "append the result as one JSON line to this file")
+	fleetAgg      = flag.String("fleet-aggregator", "", "aggregator binary to run (default: built from this tree), e.g. an older build to compare")
 )
 
 const grace = 10 * time.Second
@@ -44,6 +46,7 @@ func nodeName(i int) string { return fmt.Sprintf("sim-%05d", i) }
 
 // Result is one fleet simulation's measurements.
 type Result struct {
+	Aggregator                 string `json:",omitempty"`
 	Nodes, Services, Endpoints int
 	ChurnPerSecond             float64 // achieved
 	IntervalSeconds            float64
@@ -62,6 +65,7 @@ type Result struct {
 	DetectionMax               float64
 	FalseFindings              int
 	Resyncs                    int64
+	WriteBlockedMaxSeconds     float64  // longest a report waited to be read
 	Missed                     []string `json:",omitempty"`
 	FalseExamples              []string `json:",omitempty"`
 }
@@ -78,7 +82,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	defer cancel()
 	N, S := *fleetNodes, *fleetServices
 	spec := synth.Spec{Services: S, EndpointsPerService: 10}
-	res := Result{Nodes: N, Services: S, Endpoints: S * 10, IntervalSeconds: fleetInterval.Seconds(), GraceSeconds: grace.Seconds()}
+	res := Result{Aggregator: *fleetAgg, Nodes: N, Services: S, Endpoints: S * 10, IntervalSeconds: fleetInterval.Seconds(), GraceSeconds: grace.Seconds()}
 
 	cfg := *c.RESTConfig
 	cfg.QPS, cfg.Burst = 2000, 4000
@@ -99,12 +103,16 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Fatal("the simulated kube-proxies never listed the cluster")
 	}
 
-	bin := t.TempDir()
-	if err := localcluster.BuildProxyaudit(bin); err != nil {
-		t.Fatal(err)
+	aggBin := *fleetAgg
+	if aggBin == "" {
+		bin := t.TempDir()
+		if err := localcluster.BuildProxyaudit(bin); err != nil {
+			t.Fatal(err)
+		}
+		aggBin = filepath.Join(bin, "proxyaudit-aggregator")
 	}
 	streamAddr, httpAddr := freeAddr(t), freeAddr(t)
-	agg, err := c.StartProcess("fleet-aggregator", filepath.Join(bin, "proxyaudit-aggregator"),
+	agg, err := c.StartProcess("fleet-aggregator", aggBin,
 		"--kubeconfig="+c.AdminKubeconfig, "--insecure-no-auth", "--leader-elect=false",
 		"--grace="+grace.String(), "--stream-listen="+streamAddr, "--http-listen="+httpAddr,
 		"--advertise-address=127.0.0.1")
@@ -169,6 +177,9 @@ func TestE2EFleetSimulation(t *testing.T) {
 					res.FalseExamples = append(res.FalseExamples, k)
 				}
 				t.Errorf("false finding: %s", k)
+				if res.FalseFindings <= 3 {
+					diagnose(t, ctx, client, api, truth, f)
+				}
 			}
 		}
 		return v
@@ -265,6 +276,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	}
 	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
 	res.Resyncs = fleet.Resyncs.Load()
+	res.WriteBlockedMaxSeconds = time.Duration(fleet.WriteBlocked.Load()).Seconds()
 	if errs := fleet.LastErrors(); len(errs) > 0 {
 		t.Logf("stream errors on %d nodes, e.g. %v", len(errs), first(errs))
 	}
@@ -277,6 +289,27 @@ func TestE2EFleetSimulation(t *testing.T) {
 		}
 		fmt.Fprintf(f, "%s\n", out)
 		f.Close()
+	}
+}
+
+// diagnose logs, for a false finding, what the API server, the simulated
+// kube-proxies' truth and the aggregator each say about the service.
+func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, api *apiClient, truth *fleetsim.Truth, f audit.TimedFinding) {
+	ns, name, _ := strings.Cut(f.Service, "/")
+	if sl, err := client.DiscoveryV1().EndpointSlices(ns).Get(ctx, name+"-0", metav1.GetOptions{}); err == nil {
+		var addrs []string
+		for _, e := range sl.Endpoints {
+			addrs = append(addrs, e.Addresses...)
+		}
+		t.Logf("  API server: %s rv %s endpoints %v", sl.Name, sl.ResourceVersion, addrs)
+	}
+	if v := truth.Latest(); v != nil {
+		t.Logf("  simulated kube-proxies' newest version %d (changes from %s)", v.Seq, v.At.Format("15:04:05.000"))
+	}
+	var nr aggregator.NodeResponse
+	if err := api.get("/api/v1/nodes/"+f.Node, &nr); err == nil {
+		t.Logf("  aggregator on %s: state %s, last report %s, watermark %s, since %s, kube-proxy %+v", f.Node, nr.State,
+			nr.LastReport.Format("15:04:05.000"), nr.Watermark.Format("15:04:05.000"), f.Since.Format("15:04:05.000"), nr.KubeProxy)
 	}
 }
 
