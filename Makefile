@@ -53,7 +53,7 @@ FLEET_ARGS ?= -fleet-services 10000 -fleet-interval 10s -fleet-steady 60s -fleet
 fleet-sim: deps cluster-binaries
 	@for n in $(FLEET_SIZES); do \
 		$(GO) test -count=1 -timeout 60m -v -run '^TestE2EFleetSimulation$$' ./internal/fleetsim \
-			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl | grep -E 'RESULT|fleet_e2e|FAIL|^ok' || exit 1; \
+			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl | grep --line-buffered -E 'RESULT|fleet_e2e|FAIL|^ok' || exit 1; \
 	done
 
 ## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)

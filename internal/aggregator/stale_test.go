@@ -3,6 +3,8 @@ package aggregator
 import (
 	"context"
 	"errors"
+	"reflect"
+	"sort"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
@@ -149,4 +152,77 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// The view reduces only the services that changed; after every kind of
+// change its State equals a reduction of everything from scratch.
+func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
+	svc := func(name, ip string) *corev1.Service {
+		return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
+			Spec: corev1.ServiceSpec{ClusterIP: ip, ClusterIPs: []string{ip}, Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}}
+	}
+	port, pname, tcp := int32(8080), "http", corev1.ProtocolTCP
+	slice := func(name, service string, ips ...string) *discoveryv1.EndpointSlice {
+		s := &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
+			AddressType: discoveryv1.AddressTypeIPv4, Ports: []discoveryv1.EndpointPort{{Name: &pname, Port: &port, Protocol: &tcp}}}
+		for _, ip := range ips {
+			s.Endpoints = append(s.Endpoints, discoveryv1.Endpoint{Addresses: []string{ip}})
+		}
+		return s
+	}
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}},
+		svc("a", "198.19.0.1"), svc("b", "198.19.0.2"), svc("c", "198.19.0.3"),
+		slice("a-1", "a", "198.18.0.1"), slice("b-1", "b", "198.18.0.2"), slice("c-1", "c", "198.18.0.3"), slice("c-2", "c", "198.18.0.4"))
+	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	go func() { view.Run(ctx, 10*time.Millisecond); close(done) }()
+
+	full := func() *audit.State {
+		sl, _ := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+		el, _ := client.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{})
+		nl, _ := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+		sort.Slice(el.Items, func(i, j int) bool { return el.Items[i].Name < el.Items[j].Name })
+		return audit.FromAPI(sl.Items, el.Items, nl.Items)
+	}
+	converge := func(step string) {
+		t.Helper()
+		want := full()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			var got *audit.State
+			view.Read(func(st *audit.State, _ *audit.History, _ uint64) { got = st })
+			if view.Synced() == nil && reflect.DeepEqual(got, want) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the view's state\n%+v\ndiffers from a full reduction\n%+v", step, got, want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	converge("start")
+	s := slice("a-1", "a", "198.18.0.1", "198.18.0.9")
+	if _, err := client.DiscoveryV1().EndpointSlices("default").Update(ctx, s, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	converge("endpoint added")
+	if err := client.CoreV1().Services("default").Delete(ctx, "b", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	converge("service deleted")
+	if _, err := client.DiscoveryV1().EndpointSlices("default").Update(ctx, slice("c-2", "a", "198.18.0.4"), metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	converge("slice moved from c to a")
+	if _, err := client.CoreV1().Services("default").Create(ctx, svc("d", "198.19.0.4"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	converge("service created")
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{corev1.LabelTopologyZone: "z1"}}}
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	converge("node zone")
 }

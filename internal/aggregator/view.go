@@ -3,6 +3,7 @@ package aggregator
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -45,6 +46,17 @@ type View struct {
 	rebuilding bool      // a rebuild has taken the changes and not yet published
 	listedAt   time.Time // when the published State's caches were read
 	kick       chan struct{}
+	// What changed since the last rebuild: services by namespace/name
+	// (their own events and their slices'), and whether any Node did.
+	dirtySvcs  map[string]bool
+	dirtyNodes bool
+
+	// The rebuild's own memory (Run's goroutine only): every service
+	// reduced once and kept until it changes, so a rebuild under churn
+	// costs the changed services, not the cluster.
+	sliceIdx cache.Indexer
+	reduced  map[string]audit.Service
+	nodeInfo map[string]audit.NodeInfo
 
 	mu    sync.RWMutex
 	state *audit.State
@@ -92,24 +104,36 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(Trim))
 	v := &View{
 		log: log, clock: clk, factory: f,
-		svcs:    f.Core().V1().Services().Lister(),
-		slices:  f.Discovery().V1().EndpointSlices().Lister(),
-		nodes:   f.Core().V1().Nodes().Lister(),
-		kick:    make(chan struct{}, 1),
-		history: audit.NewHistory(keep),
-		state:   &audit.State{Nodes: map[string]audit.NodeInfo{}},
-		failing: map[string]watchFailure{},
-		canary:  canary,
+		svcs:      f.Core().V1().Services().Lister(),
+		slices:    f.Discovery().V1().EndpointSlices().Lister(),
+		nodes:     f.Core().V1().Nodes().Lister(),
+		kick:      make(chan struct{}, 1),
+		history:   audit.NewHistory(keep),
+		dirtySvcs: map[string]bool{},
+		reduced:   map[string]audit.Service{},
+		state:     &audit.State{Nodes: map[string]audit.NodeInfo{}},
+		failing:   map[string]watchFailure{},
+		canary:    canary,
 	}
+	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
+	if err := sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
+		if key := serviceOf(obj); key != "" {
+			return []string{key}, nil
+		}
+		return nil, nil
+	}}); err != nil {
+		panic(err) // only fails on a started informer
+	}
+	v.sliceIdx = sliceInf.GetIndexer()
 	for _, k := range []struct {
 		kind string
 		inf  cache.SharedIndexInformer
 	}{
 		{"Services", f.Core().V1().Services().Informer()},
-		{"EndpointSlices", f.Discovery().V1().EndpointSlices().Informer()},
+		{"EndpointSlices", sliceInf},
 		{"Nodes", f.Core().V1().Nodes().Informer()},
 	} {
-		v.watch(k.kind, k.inf, func(any) { v.changed() })
+		v.watch(k.kind, k.inf, v.changed)
 	}
 	if canary != nil {
 		lf := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(canary.Namespace),
@@ -135,8 +159,9 @@ func (v *View) watch(kind string, inf cache.SharedIndexInformer, on func(any)) {
 		on(obj)
 	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    seen,
-		UpdateFunc: func(_, n any) { seen(n) },
+		AddFunc: seen,
+		// Both: a slice can move to another service.
+		UpdateFunc: func(o, n any) { seen(o); seen(n) },
 		DeleteFunc: seen,
 	}); err != nil {
 		panic(err) // only fails on a stopped informer
@@ -238,10 +263,34 @@ func Trim(obj any) (any, error) {
 	return obj, nil
 }
 
-func (v *View) changed() {
+// byService indexes EndpointSlices by the namespace/name of their service.
+const byService = "service"
+
+// serviceOf is the namespace/name an EndpointSlice or Service belongs to.
+func serviceOf(obj any) string {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	switch o := obj.(type) {
+	case *corev1.Service:
+		return o.Namespace + "/" + o.Name
+	case *discoveryv1.EndpointSlice:
+		if name := o.Labels[discoveryv1.LabelServiceName]; name != "" {
+			return o.Namespace + "/" + name
+		}
+	}
+	return ""
+}
+
+func (v *View) changed(obj any) {
 	v.dirtyMu.Lock()
 	if v.dirtySince.IsZero() {
 		v.dirtySince = v.clock.Now()
+	}
+	if key := serviceOf(obj); key != "" {
+		v.dirtySvcs[key] = true
+	} else {
+		v.dirtyNodes = true // a Node, or something unrecognised: recount nodes
 	}
 	v.dirtyMu.Unlock()
 	select {
@@ -297,41 +346,70 @@ func (v *View) Synced() error {
 	return nil
 }
 
-// rebuild reduces the caches to a State and records it in the History,
-// dated by the first change it includes.
+// rebuild reduces what changed in the caches and publishes a State, recorded
+// in the History dated by the first change it includes. The first rebuild
+// reduces everything; later ones only the services whose Service or
+// EndpointSlices changed (and the nodes when a Node did).
 func (v *View) rebuild() {
 	start := v.clock.Now()
 	v.dirtyMu.Lock()
 	at := v.dirtySince
 	v.dirtySince = time.Time{}
 	v.rebuilding = true
+	dirty, dirtyNodes := v.dirtySvcs, v.dirtyNodes
+	v.dirtySvcs, v.dirtyNodes = map[string]bool{}, false
 	v.dirtyMu.Unlock()
 	if at.IsZero() {
 		at = start
 	}
-	svcs, _ := v.svcs.List(labels.Everything())
-	slices, _ := v.slices.List(labels.Everything())
-	nodes, _ := v.nodes.List(labels.Everything())
-	sv := make([]corev1.Service, len(svcs))
-	for i, s := range svcs {
-		sv[i] = *s
-	}
-	sl := make([]discoveryv1.EndpointSlice, len(slices))
-	for i, s := range slices {
-		sl[i] = *s
-	}
-	nd := make([]corev1.Node, len(nodes))
-	for i, n := range nodes {
-		nd[i] = *n
-	}
-	st := audit.FromAPI(sv, sl, nd)
-	expected := make([]string, 0, len(nd))
-	for i := range nd {
-		if reason := quietReason(&nd[i]); reason == "" {
-			expected = append(expected, nd[i].Name)
+	first := v.nodeInfo == nil
+	if first {
+		svcs, _ := v.svcs.List(labels.Everything())
+		slices, _ := v.slices.List(labels.Everything())
+		sv := make([]corev1.Service, len(svcs))
+		for i, s := range svcs {
+			sv[i] = *s
+		}
+		sl := make([]discoveryv1.EndpointSlice, len(slices))
+		for i, s := range slices {
+			sl[i] = *s
+		}
+		sort.Slice(sl, func(i, j int) bool { return sl[i].Name < sl[j].Name }) // as reduce orders them
+		for _, s := range audit.FromAPI(sv, sl, nil).Services {
+			v.reduced[s.Namespace+"/"+s.Name] = s
+		}
+	} else {
+		for key := range dirty {
+			v.reduce(key)
 		}
 	}
-	sort.Strings(expected)
+	expected := v.ExpectedNodes()
+	if first || dirtyNodes {
+		nodes, _ := v.nodes.List(labels.Everything())
+		nd := make([]corev1.Node, len(nodes))
+		for i, n := range nodes {
+			nd[i] = *n
+		}
+		v.nodeInfo = audit.FromAPI(nil, nil, nd).Nodes
+		expected = make([]string, 0, len(nd))
+		for i := range nd {
+			if reason := quietReason(&nd[i]); reason == "" {
+				expected = append(expected, nd[i].Name)
+			}
+		}
+		sort.Strings(expected)
+	}
+	st := &audit.State{Services: make([]audit.Service, 0, len(v.reduced)), Nodes: v.nodeInfo}
+	for _, s := range v.reduced {
+		st.Services = append(st.Services, s)
+	}
+	sort.Slice(st.Services, func(i, j int) bool {
+		a, b := &st.Services[i], &st.Services[j]
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		return a.Name < b.Name
+	})
 	v.mu.Lock()
 	v.expected = expected
 	v.history.Update(st, at)
@@ -344,6 +422,27 @@ func (v *View) rebuild() {
 	v.dirtyMu.Unlock()
 	if v.onRebuild != nil {
 		v.onRebuild(v.clock.Since(start))
+	}
+}
+
+// reduce recomputes one service (namespace/name) from the caches: its
+// Service and the EndpointSlices labelled for it.
+func (v *View) reduce(key string) {
+	ns, name, _ := strings.Cut(key, "/")
+	svc, err := v.svcs.Services(ns).Get(name)
+	if err != nil {
+		delete(v.reduced, key) // gone (an informer cache has no other errors)
+		return
+	}
+	objs, _ := v.sliceIdx.ByIndex(byService, key)
+	sl := make([]discoveryv1.EndpointSlice, 0, len(objs))
+	for _, o := range objs {
+		sl = append(sl, *o.(*discoveryv1.EndpointSlice))
+	}
+	// The index has no order; the reduced service must not change with it.
+	slices.SortFunc(sl, func(a, b discoveryv1.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
+	if st := audit.FromAPI([]corev1.Service{*svc}, sl, nil); len(st.Services) == 1 {
+		v.reduced[key] = st.Services[0]
 	}
 }
 
