@@ -66,6 +66,7 @@ type Result struct {
 	FalseFindings              int
 	Resyncs                    int64
 	WriteBlockedMaxSeconds     float64  // longest a report waited to be read
+	TruthMaxLagSeconds         float64  // longest the simulated kube-proxies took to hold a change
 	Missed                     []string `json:",omitempty"`
 	FalseExamples              []string `json:",omitempty"`
 }
@@ -277,8 +278,12 @@ func TestE2EFleetSimulation(t *testing.T) {
 	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
 	res.Resyncs = fleet.Resyncs.Load()
 	res.WriteBlockedMaxSeconds = time.Duration(fleet.WriteBlocked.Load()).Seconds()
+	res.TruthMaxLagSeconds = truth.MaxLag().Seconds()
 	if errs := fleet.LastErrors(); len(errs) > 0 {
 		t.Logf("stream errors on %d nodes, e.g. %v", len(errs), first(errs))
+	}
+	if lim := grace - 2*time.Second; truth.MaxLag() > lim {
+		t.Errorf("the simulated kube-proxies took up to %s to hold a change (more than %s): this machine could not keep them healthy, so their findings may be true; measure a smaller fleet", truth.MaxLag().Round(time.Millisecond), lim)
 	}
 	out, _ := json.Marshal(res)
 	t.Logf("RESULT %s", out)

@@ -10,6 +10,7 @@ import (
 	"context"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -36,7 +37,8 @@ type Version struct {
 // Truth follows the API through its own informers, like a kube-proxy, and
 // keeps the recent versions of what a node's rules should be. Every
 // simulated node runs the same services without node-local policies, so
-// one version serves them all.
+// one version serves them all. Like the aggregator's view it recomputes
+// only the services that changed, and versions share what did not change.
 type Truth struct {
 	client kubernetes.Interface
 	keep   time.Duration
@@ -44,14 +46,43 @@ type Truth struct {
 	mu       sync.Mutex
 	versions []*Version
 	dirty    time.Time
+	changed  map[string]bool // services (namespace/name) changed since the last version
 	kick     chan struct{}
-	changed  chan struct{} // closed and replaced on every new version
+	maxLag   time.Duration // longest from a change to the version holding it
+
+	keys map[string][]string // frontend keys of each service in the newest version (build only)
 }
 
 // NewTruth returns a Truth keeping versions for keep (longer than any
 // simulated kube-proxy lags).
 func NewTruth(client kubernetes.Interface, keep time.Duration) *Truth {
-	return &Truth{client: client, keep: keep, kick: make(chan struct{}, 1), changed: make(chan struct{})}
+	return &Truth{client: client, keep: keep, kick: make(chan struct{}, 1), changed: map[string]bool{}, keys: map[string][]string{}}
+}
+
+// MaxLag is the longest the simulated kube-proxies took from a change to a
+// version holding it: a machine too busy to simulate healthy kube-proxies
+// shows here (their findings are then true).
+func (t *Truth) MaxLag() time.Duration {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.maxLag
+}
+
+const byService = "service"
+
+func serviceOf(obj any) string {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	switch o := obj.(type) {
+	case *corev1.Service:
+		return o.Namespace + "/" + o.Name
+	case *discoveryv1.EndpointSlice:
+		if name := o.Labels[discoveryv1.LabelServiceName]; name != "" {
+			return o.Namespace + "/" + name
+		}
+	}
+	return ""
 }
 
 // Run lists and watches Services and EndpointSlices and builds a version
@@ -60,40 +91,68 @@ func NewTruth(client kubernetes.Interface, keep time.Duration) *Truth {
 func (t *Truth) Run(ctx context.Context, minSync time.Duration) {
 	f := informers.NewSharedInformerFactory(t.client, 0)
 	svcs := f.Core().V1().Services()
-	slices := f.Discovery().V1().EndpointSlices()
+	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
+	sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
+		if k := serviceOf(obj); k != "" {
+			return []string{k}, nil
+		}
+		return nil, nil
+	}})
 	h := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { t.mark() },
-		UpdateFunc: func(any, any) { t.mark() },
-		DeleteFunc: func(any) { t.mark() },
+		AddFunc:    t.mark,
+		UpdateFunc: func(o, n any) { t.mark(o); t.mark(n) },
+		DeleteFunc: t.mark,
 	}
 	svcs.Informer().AddEventHandler(h)
-	slices.Informer().AddEventHandler(h)
+	sliceInf.AddEventHandler(h)
 	f.Start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), svcs.Informer().HasSynced, slices.Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), svcs.Informer().HasSynced, sliceInf.HasSynced) {
 		return
 	}
-	build := func() {
+	build := func(all bool) {
 		t.mu.Lock()
-		at := t.dirty
-		t.dirty = time.Time{}
+		at, changed := t.dirty, t.changed
+		t.dirty, t.changed = time.Time{}, map[string]bool{}
 		t.mu.Unlock()
 		if at.IsZero() {
 			at = time.Now()
 		}
-		sl, _ := svcs.Lister().List(labels.Everything())
-		el, _ := slices.Lister().List(labels.Everything())
-		sv := make([]corev1.Service, len(sl))
-		for i, s := range sl {
-			sv[i] = *s
+		if all {
+			list, _ := svcs.Lister().List(labels.Everything())
+			for _, s := range list {
+				changed[s.Namespace+"/"+s.Name] = true
+			}
 		}
-		ev := make([]discoveryv1.EndpointSlice, len(el))
-		for i, s := range el {
-			ev[i] = *s
+		prev := stream.NewState()
+		if v := t.Latest(); v != nil {
+			prev = v.State
 		}
-		st := stream.FromModel(Rules(audit.FromAPI(sv, ev, nil)))
-		t.add(st, at)
+		var removed []string
+		var put []stream.Frontend
+		for key := range changed {
+			removed = append(removed, t.keys[key]...)
+			delete(t.keys, key)
+			ns, name, _ := strings.Cut(key, "/")
+			svc, err := svcs.Lister().Services(ns).Get(name)
+			if err != nil {
+				continue
+			}
+			objs, _ := sliceInf.GetIndexer().ByIndex(byService, key)
+			ev := make([]discoveryv1.EndpointSlice, 0, len(objs))
+			for _, o := range objs {
+				ev = append(ev, *o.(*discoveryv1.EndpointSlice))
+			}
+			for _, of := range Rules(audit.FromAPI([]corev1.Service{*svc}, ev, nil)).Frontends {
+				fe := stream.FromObserved(of)
+				put = append(put, fe)
+				t.keys[key] = append(t.keys[key], fe.Key)
+			}
+		}
+		next := prev.With(removed, put)
+		next.Mode, next.Families = string(audit.ModeIPTables), []int{4}
+		t.add(next, at)
 	}
-	build()
+	build(true)
 	go func() {
 		defer f.Shutdown()
 		for {
@@ -107,15 +166,18 @@ func (t *Truth) Run(ctx context.Context, minSync time.Duration) {
 				return
 			case <-time.After(minSync):
 			}
-			build()
+			build(false)
 		}
 	}()
 }
 
-func (t *Truth) mark() {
+func (t *Truth) mark(obj any) {
 	t.mu.Lock()
 	if t.dirty.IsZero() {
 		t.dirty = time.Now()
+	}
+	if k := serviceOf(obj); k != "" {
+		t.changed[k] = true
 	}
 	t.mu.Unlock()
 	select {
@@ -132,6 +194,7 @@ func (t *Truth) add(st *stream.State, at time.Time) {
 		seq = t.versions[n-1].Seq + 1
 	}
 	t.versions = append(t.versions, &Version{Seq: seq, At: at, State: st})
+	t.maxLag = max(t.maxLag, time.Since(at))
 	// Keep every version younger than keep, and the newest older one (what
 	// a node lagging by keep shows).
 	i := 0
@@ -139,8 +202,6 @@ func (t *Truth) add(st *stream.State, at time.Time) {
 		i++
 	}
 	t.versions = slices.Clone(t.versions[i:])
-	close(t.changed)
-	t.changed = make(chan struct{})
 }
 
 // At returns the version a node lagging by lag shows now: the newest one

@@ -342,3 +342,12 @@ func (e *entry) equal(o *entry) bool {
 	return e.digest == o.digest && e.Key == o.Key && e.Scope == o.Scope && e.Chain == o.Chain && e.Name == o.Name &&
 		slices.Equal(e.Endpoints, o.Endpoints) && slices.Equal(e.Weights, o.Weights)
 }
+
+// With returns a copy of s without the removed keys and with the given
+// frontends put (they win over a removal of the same key). Buckets nothing
+// touched are shared with s, which is unchanged.
+func (s *State) With(removed []string, fs []Frontend) *State {
+	next := *s
+	next.replace(removed, fs)
+	return &next
+}
