@@ -222,6 +222,13 @@ func Draining(exp Expected, obs *Observed) []Finding {
 	return slices.CompactFunc(out, func(a, b Finding) bool { return a.key() == b.key() })
 }
 
+// UnownedFrontend is the StaleService finding for a frontend no service has, on node.
+func UnownedFrontend(node string, of ObservedFrontend) Finding {
+	f := staleService(of)
+	f.Node = node
+	return f
+}
+
 func staleService(of ObservedFrontend) Finding {
 	f := Finding{Protocol: of.Protocol, Scope: of.Scope, Kind: StaleService}
 	if of.Name != "" {

@@ -35,6 +35,11 @@ type History struct {
 	// owner maps every frontend any kept version had to its service,
 	// current versions winning; rebuilt by Update.
 	owner map[FrontendKey]string
+	// touched logs every service whose kept versions changed in any way
+	// (a new version, an old one pruned, forgotten), for callers that
+	// reassess only what changed; bounded like changes.
+	touched  []Change
+	touchSeq uint64
 }
 
 // NewHistory returns an empty history keeping superseded versions for keep.
@@ -53,7 +58,11 @@ func (h *History) Update(st *State, now time.Time) {
 		vs := h.svcs[key]
 		if n := len(vs); n > 0 && vs[n-1].Svc != nil && reflect.DeepEqual(vs[n-1].Svc, s) {
 			if n > 1 {
-				h.svcs[key] = h.prune(vs, now)
+				pruned := h.prune(vs, now)
+				if len(pruned) != n {
+					h.touch(key, now)
+				}
+				h.svcs[key] = pruned
 			}
 			continue
 		}
@@ -66,19 +75,26 @@ func (h *History) Update(st *State, now time.Time) {
 		}
 		h.svcs[key] = h.prune(append(vs, Version{Since: now, Svc: &cp}), now)
 		h.record(key, now)
+		h.touch(key, now)
 	}
 	for key, vs := range h.svcs {
 		if present[key] {
 			continue
 		}
-		if vs[len(vs)-1].Svc != nil {
+		n := len(vs)
+		if vs[n-1].Svc != nil {
 			vs = append(vs, Version{Since: now})
 			h.record(key, now)
+			h.touch(key, now)
 		}
 		vs = h.prune(vs, now)
 		if len(vs) == 1 && vs[0].Svc == nil && now.Sub(vs[0].Since) > h.Keep {
 			delete(h.svcs, key)
+			h.touch(key, now)
 			continue
+		}
+		if len(vs) < n {
+			h.touch(key, now)
 		}
 		h.svcs[key] = vs
 	}
@@ -113,6 +129,94 @@ func (h *History) record(service string, at time.Time) {
 		h.changes = append(h.changes[:0], h.changes[maxChanges/2:]...)
 	}
 	h.changes = append(h.changes, Change{Seq: h.seq, Service: service, At: at})
+}
+
+func (h *History) touch(service string, at time.Time) {
+	h.touchSeq++
+	if len(h.touched) == maxChanges {
+		h.touched = append(h.touched[:0], h.touched[maxChanges/2:]...)
+	}
+	h.touched = append(h.touched, Change{Seq: h.touchSeq, Service: service, At: at})
+}
+
+// TouchSeq is the sequence number of the newest touch (see TouchedSince).
+func (h *History) TouchSeq() uint64 { return h.touchSeq }
+
+// TouchedSince returns the services whose kept versions changed in any way
+// after seq: a new version, an old one pruned, the service forgotten. ok is
+// false when the log no longer reaches back to seq (reassess everything).
+func (h *History) TouchedSince(seq uint64) (services []string, ok bool) {
+	if seq == h.touchSeq {
+		return nil, true
+	}
+	if len(h.touched) == 0 || h.touched[0].Seq > seq+1 {
+		return nil, false
+	}
+	i := sort.Search(len(h.touched), func(i int) bool { return h.touched[i].Seq > seq })
+	seen := map[string]bool{}
+	for _, c := range h.touched[i:] {
+		if !seen[c.Service] {
+			seen[c.Service] = true
+			services = append(services, c.Service)
+		}
+	}
+	return services, true
+}
+
+// Owner returns the service (namespace/name) whose kept versions have the
+// frontend, current versions first; IPVS per-address virtual servers
+// belong to the node port they serve.
+func (h *History) Owner(k FrontendKey, mode Mode) (string, bool) {
+	return ownerOf(h.owner, &ObservedFrontend{FrontendKey: k}, mode)
+}
+
+// Owners calls f for every frontend a kept version has, with its owner.
+func (h *History) Owners(f func(FrontendKey, string)) {
+	for k, o := range h.owner {
+		f(k, o)
+	}
+}
+
+// ServiceKeys lists the frontends any kept version of the service has
+// (cluster, external and load-balancer IPs per port, and node ports).
+func (h *History) ServiceKeys(service string) []FrontendKey {
+	seen := map[FrontendKey]bool{}
+	var out []FrontendKey
+	for _, v := range h.svcs[service] {
+		if v.Svc == nil {
+			continue
+		}
+		for _, k := range serviceKeys(v.Svc) {
+			if !seen[k] {
+				seen[k] = true
+				out = append(out, k)
+			}
+		}
+	}
+	return out
+}
+
+// AssessService assesses one service on one node, as Assess does for
+// each service it finds affected. obs must hold the node's frontends for
+// the service's keys (ServiceKeys; in IPVS mode also the per-address
+// virtual servers of its node ports), and may hold more. cur is the
+// service's current version (nil when deleted). The result is InSync with
+// no draining when the node shows the current version.
+func AssessService(st *State, h *History, node string, obs *Observed, svc string, cur *Service) ServiceAssessment {
+	byKey := make(map[FrontendKey]*ObservedFrontend, len(obs.Frontends))
+	for i := range obs.Frontends {
+		byKey[obs.Frontends[i].FrontendKey] = &obs.Frontends[i]
+	}
+	a := assessService(st, h, node, obs, byKey, svc, cur)
+	if cur != nil {
+		one := &State{Nodes: st.Nodes, Services: []Service{*cur}}
+		keys := map[FrontendKey]bool{}
+		for _, k := range h.ServiceKeys(svc) {
+			keys[k] = true
+		}
+		a.Draining = Draining(ExpectedFor(one, node), restrict(obs, byKey, keys))
+	}
+	return a
 }
 
 // LastSeq is the sequence number of the newest change (0 before any).

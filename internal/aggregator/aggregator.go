@@ -71,6 +71,9 @@ type Aggregator struct {
 	memo    map[[2]uint64][]assessed
 	memoGen uint64
 	classes func(node string) uint64
+	// current indexes currentOf's services by name (assessNode).
+	current   map[string]*audit.Service
+	currentOf *audit.State
 	// stale: since when the leader's view of the API is stale (zero: fresh)
 	// and why; while stale nothing is judged or repaired.
 	staleSince time.Time
@@ -95,6 +98,7 @@ type node struct {
 
 	assessedVersion, assessedGen uint64
 	assessments                  []audit.ServiceAssessment
+	base                         *baseline // Evaluate's goroutine only
 }
 
 type conn struct {
@@ -541,7 +545,7 @@ func (a *Aggregator) Evaluate() {
 		for _, j := range jobs {
 			as := j.n.assessments
 			if !j.reuse {
-				as = a.assess(st, h, j.n.name, &j.snap)
+				as = a.assessNode(st, h, j.n, &j.snap)
 			}
 			a.mu.Lock()
 			j.n.assessments = as

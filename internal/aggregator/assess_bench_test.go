@@ -62,3 +62,57 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkAssessNodeIncremental is one node's assessment at the anchors
+// after 50 services changed in the cluster and the node followed: from the
+// node's baseline (only those services) and in full, side by side.
+func BenchmarkAssessNodeIncremental(b *testing.B) {
+	spec := synth.Spec{Services: 10000, EndpointsPerService: 10}
+	svcs, sl := spec.Objects()
+	h := audit.NewHistory(time.Minute)
+	now := time.Now()
+	var states []*audit.State
+	var rules []*stream.State
+	pool := stream.NewPool()
+	for v := range 2 {
+		for i := range 50 * v {
+			s := *sl[i].DeepCopy()
+			s.Endpoints[0].Addresses = []string{spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService+i).String()}
+			sl[i] = s
+		}
+		st := audit.FromAPI(svcs, sl, nil)
+		states = append(states, st)
+		r := stream.NewPooledState(pool)
+		if _, err := r.Apply(stream.Delta(stream.NewState(), stream.FromModel(fleetsim.Rules(st)), 1, true)); err != nil {
+			b.Fatal(err)
+		}
+		rules = append(rules, r)
+	}
+	h.Update(states[0], now.Add(-time.Second))
+	a := New(Config{}, &View{})
+	a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(states[0])
+	n := &node{name: "node-1"}
+	a.assessNode(states[0], h, n, rules[0])
+	base := *n.base
+	h.Update(states[1], now)
+	a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(states[1])
+	b.Run("incremental", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			cp := base
+			cp.byService = map[string]audit.ServiceAssessment{}
+			n.base = &cp
+			if as := a.assessNode(states[1], h, n, rules[1]); len(as) != 0 {
+				b.Fatalf("%d services out of sync", len(as))
+			}
+		}
+	})
+	b.Run("full", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if as := audit.Assess(states[1], h, "node-1", rules[1].Observed()); len(as) != 0 {
+				b.Fatalf("%d services out of sync", len(as))
+			}
+		}
+	})
+}

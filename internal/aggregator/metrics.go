@@ -76,7 +76,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
 		Assessments: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed, or shared (another node of the same class showed the very same rules at the same cluster state)."}, []string{"how"}),
+			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed (in full), shared (another node of the same class showed the very same rules at the same cluster state), incremental (only the services that changed since the node's last one)."}, []string{"how"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{

@@ -351,3 +351,49 @@ func (s *State) With(removed []string, fs []Frontend) *State {
 	next.replace(removed, fs)
 	return &next
 }
+
+// ChangedKeys calls f with the key of every frontend that differs between
+// a and b in any field (added, removed or changed), walking only the
+// buckets the two do not share.
+func ChangedKeys(a, b *State, f func(key string)) {
+	for i := range nBuckets {
+		ab, bb := a.buckets[i], b.buckets[i]
+		if ab == bb {
+			continue
+		}
+		var ae, be []*entry
+		if ab != nil {
+			ae = ab.entries
+		}
+		if bb != nil {
+			be = bb.entries
+		}
+		for len(ae) > 0 || len(be) > 0 {
+			switch {
+			case len(be) == 0 || (len(ae) > 0 && ae[0].Key < be[0].Key):
+				f(ae[0].Key)
+				ae = ae[1:]
+			case len(ae) == 0 || be[0].Key < ae[0].Key:
+				f(be[0].Key)
+				be = be[1:]
+			default:
+				if ae[0] != be[0] && !ae[0].equal(be[0]) {
+					f(be[0].Key)
+				}
+				ae, be = ae[1:], be[1:]
+			}
+		}
+	}
+}
+
+// Keys calls f with every frontend key of the state.
+func (s *State) Keys(f func(key string)) {
+	for _, b := range s.buckets {
+		if b == nil {
+			continue
+		}
+		for _, e := range b.entries {
+			f(e.Key)
+		}
+	}
+}
