@@ -587,10 +587,11 @@ type assessed struct {
 	as    []audit.ServiceAssessment
 }
 
-// assess judges one node's rules, once per distinct rules and node class
-// at a cluster generation: a fleet mostly shows a handful of versions of
-// the same rules, and one assessment at the anchors costs ~0.2 s.
-func (a *Aggregator) assess(st *audit.State, h *audit.History, node string, rules *stream.State) []audit.ServiceAssessment {
+// assess judges one node's rules through compute, once per distinct rules
+// and node class at a cluster generation: a fleet mostly shows a handful
+// of versions of the same rules. compute says how it assessed (computed in
+// full, incremental).
+func (a *Aggregator) assess(node string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
 	key := [2]uint64{a.classes(node), rules.Root()}
 	for _, m := range a.memo[key] {
 		if m.rules.Same(rules) {
@@ -599,9 +600,9 @@ func (a *Aggregator) assess(st *audit.State, h *audit.History, node string, rule
 		}
 	}
 	t := a.cfg.Clock.Now()
-	as := audit.Assess(st, h, node, rules.Observed())
+	as, how := compute()
 	a.cfg.Metrics.Reconcile.WithLabelValues("assess").Observe(a.cfg.Clock.Since(t).Seconds())
-	a.cfg.Metrics.Assessments.WithLabelValues("computed").Inc()
+	a.cfg.Metrics.Assessments.WithLabelValues(how).Inc()
 	a.memo[key] = append(a.memo[key], assessed{rules: rules, as: as})
 	return as
 }

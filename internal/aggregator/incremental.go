@@ -24,28 +24,38 @@ type baseline struct {
 // assessment is cheaper than many single ones.
 const maxTouchedShare = 4
 
-// assessNode assesses one node's rules, from its baseline when it has one.
-// IPVS nodes and nodes without rules take the full path (shared per class
-// and state, see assess).
+// assessNode assesses one node's rules: shared with a node of its class
+// showing the same rules at this cluster generation, else from the node's
+// baseline when it has one, else in full (IPVS nodes, nodes without rules,
+// a changed class, a large change).
 func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rules *stream.State) []audit.ServiceAssessment {
 	class := a.classes(n.name)
-	b := n.base
-	var touched []string
-	ok := b != nil && b.class == class && rules.Mode != string(audit.ModeIPVS) && !rules.NoRules &&
-		b.rules.Mode == rules.Mode && !b.rules.NoRules && slices.Equal(b.rules.Families, rules.Families)
-	if ok {
-		touched, ok = h.TouchedSince(b.touchSeq)
-		ok = ok && len(touched) <= len(st.Services)/maxTouchedShare+16
-	}
-	if !ok {
-		as := a.assess(st, h, n.name, rules)
-		n.base = &baseline{rules: *rules, touchSeq: h.TouchSeq(), class: class, byService: map[string]audit.ServiceAssessment{}}
-		for _, x := range as {
-			if x.Service != "" {
-				n.base.byService[x.Service] = x
-			}
+	as := a.assess(n.name, rules, func() ([]audit.ServiceAssessment, string) {
+		if as, ok := a.incremental(st, h, n, rules, class); ok {
+			return as, "incremental"
 		}
-		return as
+		return audit.Assess(st, h, n.name, rules.Observed()), "computed"
+	})
+	n.base = &baseline{rules: *rules, touchSeq: h.TouchSeq(), class: class, byService: make(map[string]audit.ServiceAssessment, len(as))}
+	for _, x := range as {
+		if x.Service != "" {
+			n.base.byService[x.Service] = x
+		}
+	}
+	return as
+}
+
+// incremental reassesses from the node's baseline only the services that
+// changed since; ok is false when the baseline cannot serve.
+func (a *Aggregator) incremental(st *audit.State, h *audit.History, n *node, rules *stream.State, class uint64) ([]audit.ServiceAssessment, bool) {
+	b := n.base
+	if b == nil || b.class != class || rules.Mode == string(audit.ModeIPVS) || rules.NoRules ||
+		b.rules.Mode != rules.Mode || b.rules.NoRules || !slices.Equal(b.rules.Families, rules.Families) {
+		return nil, false
+	}
+	touched, ok := h.TouchedSince(b.touchSeq)
+	if !ok || len(touched) > len(st.Services)/maxTouchedShare+16 {
+		return nil, false
 	}
 	mode := audit.Mode(rules.Mode)
 	redo := map[string]bool{}
@@ -59,8 +69,9 @@ func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rule
 			}
 		}
 	})
-	if len(redo) > 0 {
-		a.cfg.Metrics.Assessments.WithLabelValues("incremental").Inc()
+	byService := make(map[string]audit.ServiceAssessment, len(b.byService))
+	for k, v := range b.byService {
+		byService[k] = v
 	}
 	current := a.currentServices(st)
 	for svc := range redo {
@@ -77,15 +88,14 @@ func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rule
 		}
 		x := audit.AssessService(st, h, n.name, obs, svc, current[svc])
 		if x.State == audit.InSync && len(x.Draining) == 0 {
-			delete(b.byService, svc)
+			delete(byService, svc)
 		} else {
-			b.byService[svc] = x
+			byService[svc] = x
 		}
 	}
-	b.rules, b.touchSeq = *rules, h.TouchSeq()
 
-	out := make([]audit.ServiceAssessment, 0, len(b.byService)+1)
-	for _, x := range b.byService {
+	out := make([]audit.ServiceAssessment, 0, len(byService)+1)
+	for _, x := range byService {
 		out = append(out, x)
 	}
 	// Frontends no kept version of any service has: one divergent
@@ -110,9 +120,9 @@ func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rule
 	}
 	slices.SortFunc(out, func(x, y audit.ServiceAssessment) int { return strings.Compare(x.Service, y.Service) })
 	if len(out) == 0 {
-		return nil
+		return nil, true
 	}
-	return out
+	return out, true
 }
 
 // currentServices indexes the current services by namespace/name, once per
