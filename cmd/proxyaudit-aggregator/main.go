@@ -14,6 +14,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -102,6 +103,7 @@ func run(args []string, stderr io.Writer) int {
 	slackChannel := fs.String("slack-channel", os.Getenv("PROXYAUDIT_SLACK_CHANNEL"), "Slack channel ID incidents open in, with a bot token [PROXYAUDIT_SLACK_CHANNEL]")
 	slackWebhookFile := fs.String("slack-webhook-file", os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), "file holding a Slack incoming-webhook URL, for teams without a bot (no threads) [PROXYAUDIT_SLACK_WEBHOOK_FILE]")
 	slackAPI := fs.String("slack-api-url", "", "Slack API base URL (tests and proxies)")
+	pprofListen := fs.String("debug-pprof-listen", "", "address for Go's /debug/pprof profiles (e.g. 127.0.0.1:6060); empty: off. Profiles show internals: bind it to localhost")
 	cluster := fs.String("cluster-name", envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"), "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -256,6 +258,19 @@ func run(args []string, stderr io.Writer) int {
 		acfg.Notifier = notifier
 	}
 	agg := aggregator.New(acfg, view)
+	if *pprofListen != "" {
+		mux := http.NewServeMux()
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		go func() {
+			psrv := &http.Server{Addr: *pprofListen, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+			log.Info("serving Go profiles", zap.String("address", *pprofListen))
+			if err := psrv.ListenAndServe(); err != nil {
+				log.Error("profiles", zap.Error(err))
+			}
+		}()
+	}
 	log.Info("remediation", zap.String("mode", string(mode)), zap.Int("max_nodes", *rMaxNodes), zap.Float64("max_share", *rMaxShare))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -50,6 +50,10 @@ type Config struct {
 	// every kube-proxy reconnects with client-go's backoff (up to 30 s,
 	// jittered to 60 s). Default 60 s.
 	RecoveryGrace time.Duration
+	// DecodeBudget bounds the bytes of large reports (full snapshots)
+	// decoded and applied at once; more wait. Default 64 MiB: about 20
+	// snapshots at 100k endpoints, ~0.5 GiB decoded.
+	DecodeBudget int
 }
 
 // Aggregator holds every node's stream state and the judge.
@@ -65,6 +69,7 @@ type Aggregator struct {
 	// pool shares identical frontends among the nodes' copies: a fleet
 	// mostly programs the same rules.
 	pool    *stream.Pool
+	budget  *stream.Budget
 	verdict *audit.Verdict
 	// memo holds the assessments made at cluster generation memoGen, by
 	// node class and root (Evaluate's goroutine only).
@@ -141,11 +146,15 @@ func New(cfg Config, view *View) *Aggregator {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics()
 	}
+	if cfg.DecodeBudget <= 0 {
+		cfg.DecodeBudget = 64 << 20
+	}
 	if cfg.RecoveryGrace == 0 {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool()}
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(),
+		budget: stream.NewBudget(cfg.DecodeBudget)}
 }
 
 // StartedLeading makes this replica judge and accept streams, from a
@@ -304,14 +313,35 @@ func readReason(err error) string {
 	}
 }
 
-func (a *Aggregator) read(c *conn) (*stream.Message, int, error) {
-	m, n, err := stream.Read(c, a.cfg.MaxMessageBytes)
-	if err == nil {
-		a.cfg.Metrics.StreamBytes.WithLabelValues("in").Add(float64(n))
-		a.cfg.Metrics.StreamMessages.WithLabelValues("in", m.Type).Inc()
+// read receives one message of at most max bytes. A large one is decoded
+// and held only within the decode budget; release returns its share once
+// the message is applied.
+func (a *Aggregator) read(c *conn, max int) (m *stream.Message, n int, release func(), err error) {
+	body, n, err := stream.ReadFrame(c, max)
+	if err != nil {
+		return nil, n, func() {}, err
 	}
-	return m, n, err
+	release = func() {}
+	if len(body) > smallMessage {
+		took := a.budget.Take(len(body))
+		release = func() { a.budget.Give(took) }
+	}
+	if m, err = stream.Decode(body); err != nil {
+		release()
+		return nil, n, func() {}, err
+	}
+	a.cfg.Metrics.StreamBytes.WithLabelValues("in").Add(float64(n))
+	a.cfg.Metrics.StreamMessages.WithLabelValues("in", m.Type).Inc()
+	return m, n, release, nil
 }
+
+// smallMessage: a steady report (a root digest) or a small delta skips the
+// decode budget. maxHelloBytes bounds the one message read before a
+// collector is authenticated.
+const (
+	smallMessage  = 64 << 10
+	maxHelloBytes = 64 << 10
+)
 
 func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	defer c.Close()
@@ -320,7 +350,8 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	log := a.cfg.Log.With(zap.String("remote", c.RemoteAddr().String()))
 
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	m, _, err := a.read(c)
+	m, _, release, err := a.read(c, maxHelloBytes)
+	release()
 	if err != nil {
 		if !errors.Is(err, io.EOF) {
 			a.reject(log, c, readReason(err), "cannot read hello: "+err.Error())
@@ -388,7 +419,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	limit := rate.NewLimiter(rate.Every(interval/4), 8)
 	for {
 		c.SetReadDeadline(time.Now().Add(time.Duration(a.cfg.Policy.MissingIntervals)*interval + 15*time.Second))
-		m, size, err := a.read(c)
+		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes)
 		if err != nil {
 			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
 				log.Info("collector stream closed")
@@ -398,15 +429,18 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 			return
 		}
 		if m.Type != stream.TypeReport || m.Report == nil {
+			release()
 			a.reject(log, c, ReasonProtocol, fmt.Sprintf("expected a report, got %q", m.Type))
 			return
 		}
 		if !limit.Allow() {
+			release()
 			a.reject(log, c, ReasonRate, fmt.Sprintf("reports arrive faster than four per interval (%s)", interval))
 			return
 		}
 		a.cfg.Metrics.ReportBytes.Observe(float64(size))
 		ok, reason, why := a.apply(n, c, m.Report, interval)
+		release()
 		if reason != "" {
 			a.reject(log, c, reason, why)
 			return

@@ -116,7 +116,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	agg, err := c.StartProcess("fleet-aggregator", aggBin,
 		"--kubeconfig="+c.AdminKubeconfig, "--insecure-no-auth", "--leader-elect=false",
 		"--grace="+grace.String(), "--stream-listen="+streamAddr, "--http-listen="+httpAddr,
-		"--advertise-address=127.0.0.1")
+		"--advertise-address=127.0.0.1", "--debug-pprof-listen=127.0.0.1:6061")
 	if err != nil {
 		t.Fatal(err)
 	}

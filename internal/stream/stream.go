@@ -20,6 +20,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -152,6 +153,17 @@ func Write(w io.Writer, m *Message) error {
 // Read receives one message of at most max bytes. A larger message is
 // ErrTooLarge and its body is not read: the stream must be closed.
 func Read(r io.Reader, max int) (*Message, int, error) {
+	body, n, err := ReadFrame(r, max)
+	if err != nil {
+		return nil, n, err
+	}
+	m, err := Decode(body)
+	return m, n, err
+}
+
+// ReadFrame receives one message's body of at most max bytes without
+// decoding it; n counts the frame with its header.
+func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return nil, 0, err
@@ -164,17 +176,61 @@ func Read(r io.Reader, max int) (*Message, int, error) {
 	if _, err := io.ReadFull(r, body); err != nil {
 		return nil, n, fmt.Errorf("truncated message: %w", err)
 	}
+	return body, n + 4, nil
+}
+
+// Decode decodes a message body.
+func Decode(body []byte) (*Message, error) {
 	// Every frontend is one JSON object: a small message of empty ones
 	// ("{},{},…", 3 bytes each, 112 once decoded) would make the decoder
 	// allocate ~40 times the message. Count before decoding.
 	if objs := bytes.Count(body, []byte("{")); objs > MaxFrontends+maxOtherObjects {
-		return nil, n + 4, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends a node can have", objs, MaxFrontends)
+		return nil, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends a node can have", objs, MaxFrontends)
 	}
 	var m Message
 	if err := json.Unmarshal(body, &m); err != nil {
-		return nil, n, fmt.Errorf("malformed message: %v", err)
+		return nil, fmt.Errorf("malformed message: %v", err)
 	}
-	return &m, n + 4, nil
+	return &m, nil
+}
+
+// Budget bounds the bytes of large messages being decoded and applied at
+// once across streams: a message decodes to about ten times its size, and
+// after a leader change every collector sends its full snapshot (3 MB at
+// 100k endpoints) at the same moment.
+type Budget struct {
+	mu   sync.Mutex
+	cond *sync.Cond
+	left int
+	size int
+}
+
+// NewBudget returns a budget of n bytes.
+func NewBudget(n int) *Budget {
+	b := &Budget{left: n, size: n}
+	b.cond = sync.NewCond(&b.mu)
+	return b
+}
+
+// Take waits until n bytes (at most the whole budget) are free and takes
+// them; Give returns them.
+func (b *Budget) Take(n int) int {
+	n = min(n, b.size)
+	b.mu.Lock()
+	for b.left < n {
+		b.cond.Wait()
+	}
+	b.left -= n
+	b.mu.Unlock()
+	return n
+}
+
+// Give returns what Take took.
+func (b *Budget) Give(n int) {
+	b.mu.Lock()
+	b.left += n
+	b.mu.Unlock()
+	b.cond.Broadcast()
 }
 
 // KeyString is the wire form of a frontend key: "198.19.0.10:53/UDP" or
