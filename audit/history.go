@@ -208,7 +208,8 @@ func AssessService(st *State, h *History, node string, obs *Observed, svc string
 		byKey[obs.Frontends[i].FrontendKey] = &obs.Frontends[i]
 	}
 	a := assessService(st, h, node, obs, byKey, svc, cur)
-	if cur != nil {
+	// Only IPVS has weights: elsewhere nothing can be draining.
+	if cur != nil && obs.Mode == ModeIPVS {
 		one := &State{Nodes: st.Nodes, Services: []Service{*cur}}
 		keys := map[FrontendKey]bool{}
 		for _, k := range h.ServiceKeys(svc) {
