@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -37,7 +36,7 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 	var shows []*stream.State
 	for _, st := range states {
 		s := stream.NewPooledState(pool)
-		if _, err := s.Apply(stream.Delta(stream.NewState(), stream.FromModel(fleetsim.Rules(st)), 1, true)); err != nil {
+		if _, err := s.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true)); err != nil {
 			b.Fatal(err)
 		}
 		shows = append(shows, s)
@@ -84,7 +83,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 		st := audit.FromAPI(svcs, sl, nil)
 		states = append(states, st)
 		r := stream.NewPooledState(pool)
-		if _, err := r.Apply(stream.Delta(stream.NewState(), stream.FromModel(fleetsim.Rules(st)), 1, true)); err != nil {
+		if _, err := r.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true)); err != nil {
 			b.Fatal(err)
 		}
 		rules = append(rules, r)

@@ -14,7 +14,6 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -79,7 +78,7 @@ func BenchmarkAssessNode(b *testing.B) {
 		shows *audit.State
 	}{{"in-sync", c2.st}, {"lagging-100-services", c.st}} {
 		b.Run(tc.name, func(b *testing.B) {
-			copy := stream.FromModel(fleetsim.Rules(tc.shows))
+			copy := stream.FromModel(synth.Rules(tc.shows))
 			b.ReportAllocs()
 			var as []audit.ServiceAssessment
 			for b.Loop() {
@@ -96,8 +95,8 @@ func BenchmarkAssessNode(b *testing.B) {
 // changed frontends to its copy of the node's rules.
 func BenchmarkApplyReport(b *testing.B) {
 	c := anchorCluster()
-	from := stream.FromModel(fleetsim.Rules(c.st))
-	to := stream.FromModel(fleetsim.Rules(c.churned(100).st))
+	from := stream.FromModel(synth.Rules(c.st))
+	to := stream.FromModel(synth.Rules(c.churned(100).st))
 	cp := *from
 	r := stream.Delta(&cp, to, 1, false)
 	if len(r.Frontends) != 100 {
@@ -125,7 +124,7 @@ func BenchmarkApplyReport(b *testing.B) {
 // and pooled (identical frontends and buckets kept once).
 func BenchmarkNodeCopyMemory(b *testing.B) {
 	c := anchorCluster()
-	full := stream.Delta(stream.NewState(), stream.FromModel(fleetsim.Rules(c.st)), 1, true)
+	full := stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(c.st)), 1, true)
 	const copies = 8
 	for _, pooled := range []bool{false, true} {
 		b.Run(map[bool]string{false: "apart", true: "pooled"}[pooled], func(b *testing.B) {

@@ -20,7 +20,6 @@ type baseline struct {
 	byService map[string]audit.ServiceAssessment // not in sync, or draining
 }
 
-
 // assessNode assesses one node's rules: shared with a node of its class
 // showing the same rules at this cluster generation, else from the node's
 // baseline when it has one, else in full (IPVS nodes, nodes without rules,

@@ -11,7 +11,6 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -64,7 +63,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 		if how == 1 && len(past) > 3 {
 			shows = past[len(past)-1-rng.IntN(4)]
 		}
-		obs := fleetsim.Rules(shows)
+		obs := synth.Rules(shows)
 		switch how {
 		case 2:
 			f := &obs.Frontends[rng.IntN(len(obs.Frontends))]

@@ -117,7 +117,7 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 	}
 	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
 	if err := sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
-		if key := serviceOf(obj); key != "" {
+		if key := ServiceOf(obj); key != "" {
 			return []string{key}, nil
 		}
 		return nil, nil
@@ -266,8 +266,9 @@ func Trim(obj any) (any, error) {
 // byService indexes EndpointSlices by the namespace/name of their service.
 const byService = "service"
 
-// serviceOf is the namespace/name an EndpointSlice or Service belongs to.
-func serviceOf(obj any) string {
+// ServiceOf is the namespace/name an EndpointSlice or Service (or an
+// informer's tombstone of one) belongs to; "" for anything else.
+func ServiceOf(obj any) string {
 	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = d.Obj
 	}
@@ -287,7 +288,7 @@ func (v *View) changed(obj any) {
 	if v.dirtySince.IsZero() {
 		v.dirtySince = v.clock.Now()
 	}
-	if key := serviceOf(obj); key != "" {
+	if key := ServiceOf(obj); key != "" {
 		v.dirtySvcs[key] = true
 	} else {
 		v.dirtyNodes = true // a Node, or something unrecognised: recount nodes

@@ -22,7 +22,9 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
 // Version is the rules a healthy kube-proxy in iptables mode programs for
@@ -70,21 +72,6 @@ func (t *Truth) MaxLag() time.Duration {
 
 const byService = "service"
 
-func serviceOf(obj any) string {
-	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = d.Obj
-	}
-	switch o := obj.(type) {
-	case *corev1.Service:
-		return o.Namespace + "/" + o.Name
-	case *discoveryv1.EndpointSlice:
-		if name := o.Labels[discoveryv1.LabelServiceName]; name != "" {
-			return o.Namespace + "/" + name
-		}
-	}
-	return ""
-}
-
 // Run lists and watches Services and EndpointSlices and builds a version
 // at most once per minSync (kube-proxy's --iptables-min-sync-period is 1 s)
 // until ctx ends. It returns once the first version exists or ctx ended.
@@ -93,7 +80,7 @@ func (t *Truth) Run(ctx context.Context, minSync time.Duration) {
 	svcs := f.Core().V1().Services()
 	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
 	sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
-		if k := serviceOf(obj); k != "" {
+		if k := aggregator.ServiceOf(obj); k != "" {
 			return []string{k}, nil
 		}
 		return nil, nil
@@ -142,7 +129,7 @@ func (t *Truth) Run(ctx context.Context, minSync time.Duration) {
 			for _, o := range objs {
 				ev = append(ev, *o.(*discoveryv1.EndpointSlice))
 			}
-			for _, of := range Rules(audit.FromAPI([]corev1.Service{*svc}, ev, nil)).Frontends {
+			for _, of := range synth.Rules(audit.FromAPI([]corev1.Service{*svc}, ev, nil)).Frontends {
 				fe := stream.FromObserved(of)
 				put = append(put, fe)
 				t.keys[key] = append(t.keys[key], fe.Key)
@@ -176,7 +163,7 @@ func (t *Truth) mark(obj any) {
 	if t.dirty.IsZero() {
 		t.dirty = time.Now()
 	}
-	if k := serviceOf(obj); k != "" {
+	if k := aggregator.ServiceOf(obj); k != "" {
 		t.changed[k] = true
 	}
 	t.mu.Unlock()
@@ -239,25 +226,6 @@ func (t *Truth) After(seq uint64) *Version {
 		}
 	}
 	return nil
-}
-
-// Rules is what a healthy kube-proxy in iptables mode programs for st on a
-// node of a cluster without node-local policies: every expected frontend
-// with the endpoints of its scope, as the collector reads them.
-func Rules(st *audit.State) *audit.Observed {
-	exp := audit.ExpectedFor(st, "")
-	o := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}}
-	for i := range exp.Ports {
-		p := &exp.Ports[i]
-		for _, fe := range p.Frontends {
-			of := audit.ObservedFrontend{FrontendKey: fe.FrontendKey, Scope: fe.Scope}
-			for _, a := range p.Want(fe.Scope, audit.ModeIPTables) {
-				of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: a, Weight: -1})
-			}
-			o.Frontends = append(o.Frontends, of)
-		}
-	}
-	return o
 }
 
 // churnAddr is the address of the k-th endpoint the churn creates, past

@@ -111,29 +111,14 @@ func Delta(prev, next *State, seq uint64, full bool) *Report {
 		if pb == nb {
 			continue
 		}
-		var pe, ne []*entry
-		if pb != nil {
-			pe = pb.entries
-		}
-		if nb != nil {
-			ne = nb.entries
-		}
-		// Both sorted by key: one merge walk.
-		for len(pe) > 0 || len(ne) > 0 {
+		merge(pb, nb, func(p, n *entry) {
 			switch {
-			case len(ne) == 0 || (len(pe) > 0 && pe[0].Key < ne[0].Key):
-				r.Removed = append(r.Removed, pe[0].Key)
-				pe = pe[1:]
-			case len(pe) == 0 || ne[0].Key < pe[0].Key:
-				r.Frontends = append(r.Frontends, ne[0].Frontend)
-				ne = ne[1:]
-			default:
-				if pe[0].digest != ne[0].digest {
-					r.Frontends = append(r.Frontends, ne[0].Frontend)
-				}
-				pe, ne = pe[1:], ne[1:]
+			case n == nil:
+				r.Removed = append(r.Removed, p.Key)
+			case p == nil || p.digest != n.digest:
+				r.Frontends = append(r.Frontends, n.Frontend)
 			}
-		}
+		})
 	}
 	slices.SortFunc(r.Frontends, func(a, b Frontend) int { return strings.Compare(a.Key, b.Key) })
 	slices.Sort(r.Removed)
@@ -357,31 +342,41 @@ func (s *State) With(removed []string, fs []Frontend) *State {
 // buckets the two do not share.
 func ChangedKeys(a, b *State, f func(key string)) {
 	for i := range nBuckets {
-		ab, bb := a.buckets[i], b.buckets[i]
-		if ab == bb {
+		if a.buckets[i] == b.buckets[i] {
 			continue
 		}
-		var ae, be []*entry
-		if ab != nil {
-			ae = ab.entries
-		}
-		if bb != nil {
-			be = bb.entries
-		}
-		for len(ae) > 0 || len(be) > 0 {
+		merge(a.buckets[i], b.buckets[i], func(p, n *entry) {
 			switch {
-			case len(be) == 0 || (len(ae) > 0 && ae[0].Key < be[0].Key):
-				f(ae[0].Key)
-				ae = ae[1:]
-			case len(ae) == 0 || be[0].Key < ae[0].Key:
-				f(be[0].Key)
-				be = be[1:]
-			default:
-				if ae[0] != be[0] && !ae[0].equal(be[0]) {
-					f(be[0].Key)
-				}
-				ae, be = ae[1:], be[1:]
+			case n == nil:
+				f(p.Key)
+			case p == nil || (p != n && !p.equal(n)):
+				f(n.Key)
 			}
+		})
+	}
+}
+
+// merge walks two buckets' entries (sorted by key) together, calling f
+// with the entry of each key on either side (nil where absent).
+func merge(a, b *bucket, f func(p, n *entry)) {
+	var ae, be []*entry
+	if a != nil {
+		ae = a.entries
+	}
+	if b != nil {
+		be = b.entries
+	}
+	for len(ae) > 0 || len(be) > 0 {
+		switch {
+		case len(be) == 0 || (len(ae) > 0 && ae[0].Key < be[0].Key):
+			f(ae[0], nil)
+			ae = ae[1:]
+		case len(ae) == 0 || be[0].Key < ae[0].Key:
+			f(nil, be[0])
+			be = be[1:]
+		default:
+			f(ae[0], be[0])
+			ae, be = ae[1:], be[1:]
 		}
 	}
 }

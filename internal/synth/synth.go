@@ -279,3 +279,23 @@ func firstKey(m map[string]json.RawMessage) string {
 	}
 	return ""
 }
+
+// Rules is the audit model of what a healthy kube-proxy in iptables mode
+// programs for any cluster state st, on a node of a cluster without
+// node-local policies: every expected frontend with the endpoints of its
+// scope, as the collector reads them.
+func Rules(st *audit.State) *audit.Observed {
+	exp := audit.ExpectedFor(st, "")
+	o := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}}
+	for i := range exp.Ports {
+		p := &exp.Ports[i]
+		for _, fe := range p.Frontends {
+			of := audit.ObservedFrontend{FrontendKey: fe.FrontendKey, Scope: fe.Scope}
+			for _, a := range p.Want(fe.Scope, audit.ModeIPTables) {
+				of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: a, Weight: -1})
+			}
+			o.Frontends = append(o.Frontends, of)
+		}
+	}
+	return o
+}
