@@ -123,6 +123,18 @@ func (f *Fleet) Thaw(i int) {
 	n.mu.Unlock()
 }
 
+// Sent returns the version node name last reported (nil before any).
+func (f *Fleet) Sent(name string) *Version {
+	for _, n := range f.nodes {
+		if n.name == name {
+			n.mu.Lock()
+			defer n.mu.Unlock()
+			return n.sent
+		}
+	}
+	return nil
+}
+
 // Name returns node i's name.
 func (f *Fleet) Name(i int) string { return f.nodes[i].name }
 

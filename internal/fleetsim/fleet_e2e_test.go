@@ -179,7 +179,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 				}
 				t.Errorf("false finding: %s", k)
 				if res.FalseFindings <= 3 {
-					diagnose(t, ctx, client, api, truth, f)
+					diagnose(t, ctx, client, api, truth, fleet, f)
 				}
 			}
 		}
@@ -299,7 +299,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 
 // diagnose logs, for a false finding, what the API server, the simulated
 // kube-proxies' truth and the aggregator each say about the service.
-func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, api *apiClient, truth *fleetsim.Truth, f audit.TimedFinding) {
+func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, api *apiClient, truth *fleetsim.Truth, fleet *fleetsim.Fleet, f audit.TimedFinding) {
 	ns, name, _ := strings.Cut(f.Service, "/")
 	if sl, err := client.DiscoveryV1().EndpointSlices(ns).Get(ctx, name+"-0", metav1.GetOptions{}); err == nil {
 		var addrs []string
@@ -310,6 +310,24 @@ func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, ap
 	}
 	if v := truth.Latest(); v != nil {
 		t.Logf("  simulated kube-proxies' newest version %d (changes from %s)", v.Seq, v.At.Format("15:04:05.000"))
+	}
+	if v := fleet.Sent(f.Node); v != nil {
+		var eps []string
+		v.State.Keys(func(key string) {
+			if fe, ok := v.State.Get(key); ok && fe.Name == "" {
+				for _, e := range fe.Endpoints {
+					if strings.HasPrefix(e, f.Endpoint) || (f.Endpoint != "" && strings.HasPrefix(f.Endpoint, strings.Split(e, ":")[0]+":")) {
+						eps = append(eps, key+" "+strings.Join(fe.Endpoints, ","))
+					}
+				}
+			}
+		})
+		t.Logf("  %s last sent version %d (changes from %s); frontends holding %s: %v", f.Node, v.Seq, v.At.Format("15:04:05.000"), f.Endpoint, eps)
+	}
+	var ex aggregator.ExplainResponse
+	if err := api.get("/api/v1/nodes/"+f.Node+"/explain?service="+f.Service, &ex); err == nil {
+		b, _ := json.Marshal(ex)
+		t.Logf("  aggregator's explain: %.1500s", b)
 	}
 	var nr aggregator.NodeResponse
 	if err := api.get("/api/v1/nodes/"+f.Node, &nr); err == nil {
