@@ -135,8 +135,58 @@ func FromModel(o *audit.Observed) *State {
 	for i, of := range o.Frontends {
 		fs[i] = FromObserved(of)
 	}
-	s.replace(nil, fs)
+	s.fill(fs)
 	return s
+}
+
+// fill builds an empty, unpooled state from frontends (a later one wins
+// over an earlier one with the same key) with a handful of allocations:
+// the collector builds one per read, and its memory is what a node pays.
+// A pooled state must not use it: one shared entry would keep the whole
+// backing array alive.
+func (s *State) fill(fs []Frontend) {
+	entries := make([]entry, len(fs))
+	which := make([]uint8, len(fs))
+	var count, start [nBuckets]int
+	for i := range fs {
+		b := bucketOf(fs[i].Key)
+		which[i], count[b] = uint8(b), count[b]+1
+		entries[i] = entry{Frontend: fs[i], digest: fs[i].Digest()}
+	}
+	for b, off := 0, 0; b < nBuckets; b++ {
+		start[b], off = off, off+count[b]
+	}
+	ptrs := make([]*entry, len(fs))
+	next := start
+	for i := range entries {
+		ptrs[next[which[i]]] = &entries[i]
+		next[which[i]]++
+	}
+	buckets := make([]bucket, nBuckets)
+	s.n = 0
+	for b := range nBuckets {
+		es := ptrs[start[b] : start[b]+count[b] : start[b]+count[b]]
+		// Stable: of two entries with one key, the later stays last.
+		slices.SortStableFunc(es, func(x, y *entry) int { return strings.Compare(x.Key, y.Key) })
+		out := es[:0]
+		for i, e := range es {
+			if i+1 < len(es) && es[i+1].Key == e.Key {
+				continue
+			}
+			out = append(out, e)
+		}
+		if len(out) == 0 {
+			s.buckets[b] = nil
+			continue
+		}
+		bk := &buckets[b]
+		bk.entries = out
+		for _, e := range out {
+			bk.sum += e.digest
+		}
+		s.buckets[b] = bk
+		s.n += len(out)
+	}
 }
 
 // replace removes keys and puts frontends (which win over a removal of
@@ -216,7 +266,11 @@ func (s *State) Apply(r *Report) (bool, error) {
 		next = State{pool: s.pool}
 	}
 	next.Mode, next.NoRules, next.Families = r.Mode, r.NoRules, slices.Clone(r.Families)
-	next.replace(r.Removed, r.Frontends)
+	if r.Full && next.pool == nil {
+		next.fill(r.Frontends)
+	} else {
+		next.replace(r.Removed, r.Frontends)
+	}
 	if next.n > MaxFrontends {
 		return false, fmt.Errorf("node state grew to %d frontends: more than %d", next.n, MaxFrontends)
 	}

@@ -290,3 +290,31 @@ func TestBudget(t *testing.T) {
 		t.Fatalf("took %d", got)
 	}
 }
+
+// The collector's bulk build and the aggregator's pooled one hold the same
+// rules, duplicates resolved the same way (the later frontend wins).
+func TestFillMatchesReplace(t *testing.T) {
+	o := observed(t, synth.Spec{Services: 300, EndpointsPerService: 3})
+	full := Delta(NewState(), FromModel(o), 1, true)
+	dup := full.Frontends[7]
+	dup.Endpoints = []string{"198.18.99.1:80"}
+	full.Frontends = append(full.Frontends, dup)
+	bulk, pooled := NewState(), NewPooledState(NewPool())
+	for _, s := range []*State{bulk, pooled} {
+		if _, err := s.Apply(full); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if bulk.Root() != pooled.Root() || bulk.Len() != pooled.Len() || bulk.Len() != len(full.Frontends)-1 {
+		t.Fatalf("bulk %d frontends root %x, pooled %d root %x", bulk.Len(), bulk.Root(), pooled.Len(), pooled.Root())
+	}
+	if got, _ := bulk.Get(dup.Key); !reflect.DeepEqual(got.Endpoints, dup.Endpoints) {
+		t.Fatalf("duplicate key kept %v, want the later %v", got.Endpoints, dup.Endpoints)
+	}
+	// A bulk-built state takes deltas like any other.
+	cp := *bulk
+	d := Delta(&cp, FromModel(observed(t, synth.Spec{Services: 299, EndpointsPerService: 3})), 2, false)
+	if ok, err := bulk.Apply(d); !ok || err != nil {
+		t.Fatalf("delta on a bulk-built state: %v %v", ok, err)
+	}
+}
