@@ -170,13 +170,6 @@ func (h *History) Owner(k FrontendKey, mode Mode) (string, bool) {
 	return ownerOf(h.owner, &ObservedFrontend{FrontendKey: k}, mode)
 }
 
-// Owners calls f for every frontend a kept version has, with its owner.
-func (h *History) Owners(f func(FrontendKey, string)) {
-	for k, o := range h.owner {
-		f(k, o)
-	}
-}
-
 // ServiceKeys lists the frontends any kept version of the service has
 // (cluster, external and load-balancer IPs per port, and node ports).
 func (h *History) ServiceKeys(service string) []FrontendKey {

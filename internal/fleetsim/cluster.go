@@ -184,7 +184,8 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 	next := 0
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	base := spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService)
+	// Addresses past the synthetic cluster's own endpoints.
+	first := spec.Services * spec.EndpointsPerService
 	for ctx.Err() == nil {
 		if err := lim.Wait(ctx); err != nil {
 			return
@@ -204,7 +205,7 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 		go func() {
 			defer wg.Done()
 			j := rand.IntN(len(s.Endpoints))
-			s.Endpoints[j].Addresses = []string{churnAddr(base, k).String()}
+			s.Endpoints[j].Addresses = []string{spec.EndpointAddr(0, first+k).String()}
 			got, err := client.DiscoveryV1().EndpointSlices(s.Namespace).Update(ctx, s, metav1.UpdateOptions{})
 			mu.Lock()
 			defer mu.Unlock()

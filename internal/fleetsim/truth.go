@@ -8,7 +8,6 @@ package fleetsim
 
 import (
 	"context"
-	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -226,13 +225,4 @@ func (t *Truth) After(seq uint64) *Version {
 		}
 	}
 	return nil
-}
-
-// churnAddr is the address of the k-th endpoint the churn creates, past
-// the synthetic cluster's own endpoints.
-func churnAddr(base netip.Addr, k int) netip.Addr {
-	b := base.As4()
-	n := uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3])
-	n += uint32(k)
-	return netip.AddrFrom4([4]byte{byte(n >> 24), byte(n >> 16), byte(n >> 8), byte(n)})
 }

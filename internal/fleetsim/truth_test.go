@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
@@ -60,5 +59,4 @@ func TestTruthFollowsTheCluster(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	var _ discoveryv1.EndpointSlice
 }
