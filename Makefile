@@ -52,8 +52,11 @@ FLEET_SIZES ?= 250 500 1000
 FLEET_ARGS ?= -fleet-services 10000 -fleet-interval 10s -fleet-steady 60s -fleet-rounds 2
 fleet-sim: deps cluster-binaries
 	@for n in $(FLEET_SIZES); do \
+		log=$$(mktemp); \
 		$(GO) test -count=1 -timeout 60m -v -run '^TestE2EFleetSimulation$$' ./internal/fleetsim \
-			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl | grep --line-buffered -E 'RESULT|fleet_e2e|FAIL|^ok' || exit 1; \
+			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl > $$log 2>&1; rc=$$?; \
+		grep -E 'RESULT|fleet_e2e|FAIL|^ok' $$log; \
+		if [ $$rc -ne 0 ]; then echo "fleet-sim: $$n nodes failed; full log in $$log"; exit $$rc; fi; rm -f $$log; \
 	done
 
 ## fuzz: every Fuzz target in the repository (readers, stream decoder) for FUZZTIME (default 30s)
