@@ -23,9 +23,7 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 	now := time.Now()
 	for v := range 3 {
 		for i := range 50 * v {
-			s := *sl[i].DeepCopy()
-			s.Endpoints[0].Addresses = []string{spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService+i).String()}
-			sl[i] = s
+			sl[i] = spec.Replaced(sl[i], 0, i)
 		}
 		st := audit.FromAPI(svcs, sl, nil)
 		h.Update(st, now.Add(time.Duration(v-3)*time.Second))
@@ -76,9 +74,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 	pool := stream.NewPool()
 	for v := range 2 {
 		for i := range 1000 * v {
-			s := *sl[i].DeepCopy()
-			s.Endpoints[0].Addresses = []string{spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService+i).String()}
-			sl[i] = s
+			sl[i] = spec.Replaced(sl[i], 0, i)
 		}
 		st := audit.FromAPI(svcs, sl, nil)
 		states = append(states, st)

@@ -37,9 +37,7 @@ func (c cluster) churned(n int) cluster {
 	sl := make([]discoveryv1.EndpointSlice, len(c.slices))
 	copy(sl, c.slices)
 	for i := range n {
-		s := *sl[i].DeepCopy()
-		s.Endpoints[0].Addresses = []string{anchor.EndpointAddr(0, anchor.Services*anchor.EndpointsPerService+i).String()}
-		sl[i] = s
+		sl[i] = anchor.Replaced(sl[i], 0, i)
 	}
 	return cluster{svcs: c.svcs, slices: sl, st: audit.FromAPI(c.svcs, sl, nil)}
 }

@@ -36,10 +36,8 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 		// The cluster changes.
 		for range rng.IntN(6) {
 			i := rng.IntN(len(sl))
-			s := *sl[i].DeepCopy()
-			s.Endpoints[rng.IntN(len(s.Endpoints))].Addresses = []string{spec.EndpointAddr(0, spec.Services*spec.EndpointsPerService+next).String()}
+			sl[i] = spec.Replaced(sl[i], rng.IntN(len(sl[i].Endpoints)), next)
 			next++
-			sl[i] = s
 		}
 		if rng.IntN(10) == 0 {
 			deleted[rng.IntN(len(svcs))] = !deleted[rng.IntN(len(svcs))]

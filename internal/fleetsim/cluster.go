@@ -184,8 +184,6 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 	next := 0
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	// Addresses past the synthetic cluster's own endpoints.
-	first := spec.Services * spec.EndpointsPerService
 	for ctx.Err() == nil {
 		if err := lim.Wait(ctx); err != nil {
 			return
@@ -197,16 +195,13 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 			continue
 		}
 		busy[i] = true
-		s := slices[i].DeepCopy()
-		k := next
+		s := spec.Replaced(*slices[i], rand.IntN(len(slices[i].Endpoints)), next)
 		next = (next + 1) % 4096
 		mu.Unlock()
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			j := rand.IntN(len(s.Endpoints))
-			s.Endpoints[j].Addresses = []string{spec.EndpointAddr(0, first+k).String()}
-			got, err := client.DiscoveryV1().EndpointSlices(s.Namespace).Update(ctx, s, metav1.UpdateOptions{})
+			got, err := client.DiscoveryV1().EndpointSlices(s.Namespace).Update(ctx, &s, metav1.UpdateOptions{})
 			mu.Lock()
 			defer mu.Unlock()
 			delete(busy, i)

@@ -80,6 +80,14 @@ func addAddr(a netip.Addr, n int) netip.Addr {
 	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
 }
 
+// Replaced returns a copy of sl whose endpoint j is the k-th address past
+// the cluster's own endpoints: a pod replaced by a new one.
+func (s Spec) Replaced(sl discoveryv1.EndpointSlice, j, k int) discoveryv1.EndpointSlice {
+	c := *sl.DeepCopy()
+	c.Endpoints[j].Addresses = []string{s.EndpointAddr(0, s.Services*s.EndpointsPerService+k).String()}
+	return c
+}
+
 // Objects returns the Services and EndpointSlices of the cluster, one slice
 // per service (slices of up to 1,000 endpoints, as the controller makes).
 func (s Spec) Objects() ([]corev1.Service, []discoveryv1.EndpointSlice) {
