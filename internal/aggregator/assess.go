@@ -137,3 +137,56 @@ func (a *Aggregator) currentServices(st *audit.State) map[string]*audit.Service 
 	}
 	return a.current
 }
+
+// assessed is one node's rules judged at one cluster generation: every
+// node of the same class showing the very same rules gets its findings.
+type assessed struct {
+	rules *stream.State
+	as    []audit.ServiceAssessment
+}
+
+// assess judges one node's rules through compute, once per distinct rules
+// and node class at a cluster generation: a fleet mostly shows a handful
+// of versions of the same rules. compute says how it assessed (computed in
+// full, incremental).
+func (a *Aggregator) assess(node string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
+	key := [2]uint64{a.classes(node), rules.Root()}
+	for _, m := range a.memo[key] {
+		if m.rules.Same(rules) {
+			a.cfg.Metrics.Assessments.WithLabelValues("shared").Inc()
+			return forNode(m.as, node)
+		}
+	}
+	t := a.cfg.Clock.Now()
+	as, how := compute()
+	a.cfg.Metrics.Reconcile.WithLabelValues("assess").Observe(a.cfg.Clock.Since(t).Seconds())
+	a.cfg.Metrics.Assessments.WithLabelValues(how).Inc()
+	a.memo[key] = append(a.memo[key], assessed{rules: rules, as: as})
+	return as
+}
+
+// forNode copies assessments made for another node of the same class.
+func forNode(as []audit.ServiceAssessment, node string) []audit.ServiceAssessment {
+	if len(as) == 0 {
+		return nil
+	}
+	out := make([]audit.ServiceAssessment, len(as))
+	for i, x := range as {
+		x.Findings = renamed(x.Findings, node)
+		x.Draining = renamed(x.Draining, node)
+		out[i] = x
+	}
+	return out
+}
+
+func renamed(fs []audit.Finding, node string) []audit.Finding {
+	if fs == nil {
+		return nil
+	}
+	out := make([]audit.Finding, len(fs))
+	for i, f := range fs {
+		f.Node = node
+		out[i] = f
+	}
+	return out
+}
