@@ -72,7 +72,8 @@ func run(args []string, stderr io.Writer) int {
 	httpListen := fs.String("http-listen", ":8080", "address for the HTTP API, /metrics, /healthz and /readyz")
 	grace := fs.Duration("grace", 30*time.Second, "how long a node may lag or differ before it is a finding (the network-programming SLO)")
 	leaderElect := fs.Bool("leader-elect", true, "elect a leader through a Lease; with false this replica always leads (run only one)")
-	leNamespace := fs.String("leader-elect-namespace", envOr("POD_NAMESPACE", "default"), "namespace of the leader-election Lease [POD_NAMESPACE]")
+	leNamespace := fs.String("leader-elect-namespace", envOr("POD_NAMESPACE", "default"), "namespace of the leader-election Lease and of the watch barrier's Service and EndpointSlice [POD_NAMESPACE]")
+	barrier := fs.Bool("watch-barrier", true, "stamp a Service and an EndpointSlice named "+aggregator.BarrierName+" every second and judge a report only once the stamps written after it arrived through the watches: a healthy node ahead of this replica's watches is never called divergent, and a watch stuck for one kind makes the view stale. Needs patch on them, and create where they do not exist (the chart creates them)")
 	leName := fs.String("leader-elect-lease-name", "proxyaudit-aggregator", "name of the leader-election Lease")
 	leDuration := fs.Duration("leader-elect-lease-duration", 10*time.Second, "how long followers wait after the last renewal before taking over")
 	leRenew := fs.Duration("leader-elect-renew-deadline", 7*time.Second, "how long the leader keeps trying to renew before it steps down")
@@ -219,6 +220,11 @@ func run(args []string, stderr io.Writer) int {
 		canary = &aggregator.Canary{Namespace: *leNamespace, Lease: *leName, Timeout: *leDuration}
 	}
 	view := aggregator.NewView(client, 4**grace, log.Named("view"), clk, canary)
+	var agg *aggregator.Aggregator
+	if *barrier {
+		view.UseBarrier(aggregator.Barrier{Namespace: *leNamespace, Identity: self, Every: time.Second, Timeout: 10 * time.Second,
+			Active: func() bool { _, leading := agg.Leader(); return leading }})
+	}
 	rpolicy := remediate.Policy{Mode: mode, MaxConcurrent: *rMaxNodes, MaxShare: *rMaxShare, Cooldown: *rCooldown,
 		RestartBudget: *rBudget, BudgetWindow: *rWindow, Recheck: *rRecheck}
 	executor := &remediate.Executor{Client: client, Policy: rpolicy, ProxyNamespace: *proxyNS, ProxySelector: *proxySel,
@@ -257,7 +263,7 @@ func run(args []string, stderr io.Writer) int {
 	if notifier != nil {
 		acfg.Notifier = notifier
 	}
-	agg := aggregator.New(acfg, view)
+	agg = aggregator.New(acfg, view)
 	if *pprofListen != "" {
 		mux := http.NewServeMux()
 		mux.HandleFunc("/debug/pprof/", pprof.Index)

@@ -41,6 +41,11 @@ type harness struct {
 // start runs an aggregator over a fake API holding the synth cluster and
 // nodes n1..n3, leading, with the given authenticator.
 func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
+	return startWith(t, grace, auth, fakeCluster(), nil)
+}
+
+// fakeCluster is a fake API holding the synth cluster and nodes n1..n3.
+func fakeCluster() *fake.Clientset {
 	svcs, slices := spec.Objects()
 	var objs []runtime.Object
 	for i := range svcs {
@@ -52,10 +57,18 @@ func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
 	for _, n := range []string{"n1", "n2", "n3"} {
 		objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}})
 	}
-	client := fake.NewClientset(objs...)
+	return fake.NewClientset(objs...)
+}
+
+// startWith is start over the given fake API; setup, when not nil, sees
+// the view before it runs.
+func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, setup func(*View)) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	view := NewView(client, 4*grace, log, clock.RealClock{}, nil)
+	if setup != nil {
+		setup(view)
+	}
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
 	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20}, view)

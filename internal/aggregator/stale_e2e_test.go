@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"go.uber.org/zap/zaptest"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
@@ -27,11 +28,12 @@ import (
 type stallable struct {
 	rt      http.RoundTripper
 	stalled atomic.Bool
+	only    string // when set, only watches of this resource (URL path part)
 }
 
 func (s *stallable) RoundTrip(r *http.Request) (*http.Response, error) {
 	resp, err := s.rt.RoundTrip(r)
-	if err == nil && r.URL.Query().Get("watch") == "true" {
+	if err == nil && r.URL.Query().Get("watch") == "true" && (s.only == "" || strings.Contains(r.URL.Path, "/"+s.only)) {
 		resp.Body = &stallBody{ReadCloser: resp.Body, s: s}
 	}
 	return resp, err
@@ -72,18 +74,31 @@ func (n *notices) kinds() []string {
 
 // A leader whose watches stop delivering while its requests succeed keeps
 // its Lease, so leader election does not save it. Its view goes stale:
-// it must notice through its canary (its own Lease renewals no longer
-// arrive through the watch), stop judging and repairing, say so once, and
-// resume on its own when the watches deliver again.
+// it must notice (its own Lease renewals, or its own barrier stamps, no
+// longer arrive through the watch), stop judging and repairing, say so
+// once, and resume on its own when the watches deliver again. Two ways:
+// every watch stuck (the canary sees it), and only the EndpointSlices
+// watch stuck while the Lease watch flows (only the barrier sees it).
 func TestE2EStuckWatchStopsJudgement(t *testing.T) {
 	c := localcluster.Shared(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	const leaseNS, lease = "proxyaudit-stale", "stale-test"
-	if err := c.EnsureNamespace(ctx, leaseNS); err != nil {
+	const leaseNS = "proxyaudit-stale"
+	if err := c.EnsureNamespace(context.Background(), leaseNS); err != nil {
 		t.Fatal(err)
 	}
-	st := &stallable{}
+	for _, tc := range []struct {
+		name, only, lease, want string
+	}{
+		{"every watch", "", "stale-test", "Lease " + leaseNS + "/stale-test"},
+		{"only EndpointSlices", "endpointslices", "stale-test-slices", "the EndpointSlices watch has not delivered"},
+	} {
+		t.Run(tc.name, func(t *testing.T) { stuckWatch(t, c, leaseNS, tc.lease, tc.only, tc.want) })
+	}
+}
+
+func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, want string) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := &stallable{only: only}
 	cfg := rest.CopyConfig(c.RESTConfig)
 	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { st.rt = rt; return st }
 	client, err := kubernetes.NewForConfig(cfg)
@@ -95,6 +110,8 @@ func TestE2EStuckWatchStopsJudgement(t *testing.T) {
 	heard := &notices{}
 	p := audit.DefaultPolicy()
 	agg := New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, view)
+	view.UseBarrier(Barrier{Namespace: leaseNS, Identity: lease, Every: time.Second, Timeout: 6 * time.Second,
+		Active: func() bool { _, ok := agg.Leader(); return ok }})
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
@@ -102,7 +119,7 @@ func TestE2EStuckWatchStopsJudgement(t *testing.T) {
 	go func() { defer wg.Done(); view.Run(ctx, 50*time.Millisecond) }()
 	go func() {
 		defer wg.Done()
-		RunElection(ctx, client, Election{Namespace: leaseNS, Name: lease, Identity: "stale-test",
+		RunElection(ctx, client, Election{Namespace: leaseNS, Name: lease, Identity: lease,
 			LeaseDuration: 6 * time.Second, RenewDeadline: 4 * time.Second, RetryPeriod: time.Second}, agg)
 	}()
 	go func() { defer wg.Done(); agg.Run(ctx) }()
@@ -124,14 +141,35 @@ func TestE2EStuckWatchStopsJudgement(t *testing.T) {
 	if since, why := view.Stale(); !since.IsZero() {
 		t.Fatalf("stale from the start: %s", why)
 	}
+	// The barrier's stamps come back: reports are judged within seconds.
+	until(10*time.Second, "the barrier to cover the last seconds", func() bool { return time.Since(view.Covered()) < 3*time.Second })
+	for _, get := range []func() (metav1.Object, error){
+		func() (metav1.Object, error) { return c.Client.CoreV1().Services(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{}) },
+		func() (metav1.Object, error) {
+			return c.Client.DiscoveryV1().EndpointSlices(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{})
+		},
+	} {
+		o, err := get()
+		if err != nil {
+			t.Fatalf("the barrier object: %v", err)
+		}
+		t.Logf("barrier %s stamped %s", o.GetName(), o.GetLabels()[barrierAt])
+	}
 
 	st.stalled.Store(true)
-	t.Log("injected: every watch stream of the aggregator held still; requests (Lease renewals) still succeed")
+	what := "every watch stream"
+	if only != "" {
+		what = "the " + only + " watch stream"
+	}
+	t.Logf("injected: %s of the aggregator held still; requests (Lease renewals, barrier stamps) still succeed", what)
 	took := until(20*time.Second, "the view to go stale", func() bool { s, _ := agg.Stale(); return !s.IsZero() })
 	_, why := agg.Stale()
 	t.Logf("stale after %s: %s", took.Round(100*time.Millisecond), why)
-	if !strings.Contains(why, "Lease "+leaseNS+"/"+lease) {
-		t.Errorf("reason does not name the canary: %s", why)
+	if !strings.Contains(why, want) {
+		t.Errorf("reason does not say %q: %s", want, why)
+	}
+	if only != "" && strings.Contains(why, "Lease") {
+		t.Errorf("the Lease watch flows but is blamed: %s", why)
 	}
 	if _, ok := agg.Leader(); !ok {
 		t.Error("the leader lost its Lease: this test needs renewals to keep working")

@@ -31,8 +31,9 @@ import (
 // History of recent versions. It is kept warm on followers too, so a new
 // leader judges from a full history at once.
 type View struct {
-	log   *zap.Logger
-	clock clock.Clock
+	log    *zap.Logger
+	clock  clock.Clock
+	client kubernetes.Interface
 
 	factory informers.SharedInformerFactory
 	leases  informers.SharedInformerFactory // the canary's, nil without one
@@ -42,9 +43,10 @@ type View struct {
 	synced  []cache.InformerSynced
 
 	dirtyMu    sync.Mutex
-	dirtySince time.Time // first change not yet in State; zero when clean
-	rebuilding bool      // a rebuild has taken the changes and not yet published
-	listedAt   time.Time // when the published State's caches were read
+	dirtySince time.Time     // first change not yet in State; zero when clean
+	rebuilding bool          // a rebuild has taken the changes and not yet published
+	barrier    *barrierState // nil without UseBarrier
+	listedAt   time.Time     // when the published State's caches were read
 	kick       chan struct{}
 	// What changed since the last rebuild: services by namespace/name
 	// (their own events and their slices'), and whether any Node did.
@@ -103,7 +105,7 @@ const staleAfter = 5 * time.Second
 func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, clk clock.Clock, canary *Canary) *View {
 	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(Trim))
 	v := &View{
-		log: log, clock: clk, factory: f,
+		log: log, clock: clk, client: client, factory: f,
 		svcs:      f.Core().V1().Services().Lister(),
 		slices:    f.Discovery().V1().EndpointSlices().Lister(),
 		nodes:     f.Core().V1().Nodes().Lister(),
@@ -156,6 +158,10 @@ func (v *View) watch(kind string, inf cache.SharedIndexInformer, on func(any)) {
 		v.freshMu.Lock()
 		delete(v.failing, kind)
 		v.freshMu.Unlock()
+		if isBarrier(obj) {
+			v.stamped(kind, obj)
+			return
+		}
 		on(obj)
 	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -217,6 +223,12 @@ func (v *View) Stale() (time.Time, string) {
 			why = append(why, fmt.Sprintf("no renewal of Lease %s/%s seen through the watch for %s (API server unreachable, or watches stuck)",
 				v.canary.Namespace, v.canary.Lease, quiet.Round(time.Second)))
 		}
+	}
+	if bs, bwhy := v.barrierStale(now); len(bwhy) > 0 {
+		if since.IsZero() || bs.Before(since) {
+			since = bs
+		}
+		why = append(why, bwhy...)
 	}
 	return since, strings.Join(why, "; ")
 }
@@ -312,6 +324,7 @@ func (v *View) Run(ctx context.Context, debounce time.Duration) {
 		v.leases.Start(ctx.Done())
 		defer v.leases.Shutdown()
 	}
+	go v.runBarrier(ctx)
 	if !cache.WaitForCacheSync(ctx.Done(), v.synced...) {
 		return
 	}
@@ -359,6 +372,7 @@ func (v *View) rebuild() {
 	v.rebuilding = true
 	dirty, dirtyNodes := v.dirtySvcs, v.dirtyNodes
 	v.dirtySvcs, v.dirtyNodes = map[string]bool{}, false
+	stamps := v.barrierTaken()
 	v.dirtyMu.Unlock()
 	if at.IsZero() {
 		at = start
@@ -368,12 +382,18 @@ func (v *View) rebuild() {
 		svcs, _ := v.svcs.List(labels.Everything())
 		slices, _ := v.slices.List(labels.Everything())
 		sv := make([]corev1.Service, len(svcs))
-		for i, s := range svcs {
-			sv[i] = *s
+		sv = sv[:0]
+		for _, s := range svcs {
+			if !isBarrier(s) {
+				sv = append(sv, *s)
+			}
 		}
 		sl := make([]discoveryv1.EndpointSlice, len(slices))
-		for i, s := range slices {
-			sl[i] = *s
+		sl = sl[:0]
+		for _, s := range slices {
+			if !isBarrier(s) {
+				sl = append(sl, *s)
+			}
 		}
 		sort.Slice(sl, func(i, j int) bool { return sl[i].Name < sl[j].Name }) // as reduce orders them
 		for _, s := range audit.FromAPI(sv, sl, nil).Services {
@@ -420,6 +440,7 @@ func (v *View) rebuild() {
 	v.mu.Unlock()
 	v.dirtyMu.Lock()
 	v.rebuilding, v.listedAt = false, start
+	v.barrierPublished(stamps)
 	v.dirtyMu.Unlock()
 	if v.onRebuild != nil {
 		v.onRebuild(v.clock.Since(start))
@@ -456,9 +477,9 @@ func (v *View) Covered() time.Time {
 	v.dirtyMu.Lock()
 	defer v.dirtyMu.Unlock()
 	if v.dirtySince.IsZero() && !v.rebuilding && !v.listedAt.IsZero() {
-		return v.clock.Now()
+		return v.barrierCovered(v.clock.Now(), true)
 	}
-	return v.listedAt
+	return v.barrierCovered(v.listedAt, false)
 }
 
 // Read runs f with the current State and History held still.

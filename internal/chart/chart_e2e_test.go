@@ -14,6 +14,7 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	coordv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -273,6 +274,7 @@ func TestE2EChartRBAC(t *testing.T) {
 	}
 	apply()
 	agg := serviceAccount(t, c, ns, "proxyaudit-aggregator")
+	barrierStamp := []byte(`{"metadata":{"labels":{"proxyaudit.io/barrier-at":"1"}}}`)
 	nodePatch := []byte(`{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)
 	reads := []check{
 		{"list services", func(ctx context.Context) error {
@@ -307,6 +309,14 @@ func TestE2EChartRBAC(t *testing.T) {
 			if err == nil {
 				w.Stop()
 			}
+			return err
+		}},
+		{"stamp its watch barrier Service", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Services(ns).Patch(ctx, "proxyaudit-barrier", types.MergePatchType, barrierStamp, metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}},
+		{"stamp its watch barrier EndpointSlice", func(ctx context.Context) error {
+			_, err := agg.DiscoveryV1().EndpointSlices(ns).Patch(ctx, "proxyaudit-barrier", types.MergePatchType, barrierStamp, metav1.PatchOptions{DryRun: dryRun})
 			return err
 		}},
 		{"record a node Event", func(ctx context.Context) error {
@@ -356,6 +366,18 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 		{"take another Lease", func(ctx context.Context) error {
 			_, err := agg.CoordinationV1().Leases(ns).Get(ctx, "kube-scheduler", metav1.GetOptions{})
+			return err
+		}},
+		{"create a Service", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Services(ns).Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "s"}, Spec: corev1.ServiceSpec{ClusterIP: corev1.ClusterIPNone}}, metav1.CreateOptions{DryRun: dryRun})
+			return err
+		}},
+		{"patch another Service", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Services(ns).Patch(ctx, "proxyaudit-aggregator", types.MergePatchType, barrierStamp, metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}},
+		{"create an EndpointSlice", func(ctx context.Context) error {
+			_, err := agg.DiscoveryV1().EndpointSlices(ns).Create(ctx, &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Name: "s"}, AddressType: discoveryv1.AddressTypeIPv4}, metav1.CreateOptions{DryRun: dryRun})
 			return err
 		}},
 		{"create pods", func(ctx context.Context) error {
