@@ -15,6 +15,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Barrier bounds how far the view's Services and EndpointSlices watches
@@ -45,10 +47,9 @@ type Barrier struct {
 // manages. The service-proxy-name label keeps them out of every
 // kube-proxy's watch (kube-proxy filters on it server-side).
 const (
-	BarrierName  = "proxyaudit-barrier"
-	barrierAt    = "proxyaudit.io/barrier-at"
-	barrierBy    = "proxyaudit.io/barrier-by"
-	barrierProxy = "service.kubernetes.io/service-proxy-name"
+	BarrierName = "proxyaudit-barrier"
+	barrierAt   = "proxyaudit.io/barrier-at"
+	barrierBy   = "proxyaudit.io/barrier-by"
 )
 
 var barrierKinds = [...]string{"Services", "EndpointSlices"}
@@ -73,12 +74,12 @@ func isBarrier(obj any) bool {
 		obj = d.Obj
 	}
 	m, err := meta.Accessor(obj)
-	return err == nil && m.GetLabels()[barrierProxy] == BarrierName
+	return err == nil && m.GetLabels()[audit.LabelServiceProxyName] == BarrierName
 }
 
 // stampLabels are a barrier object's labels stamped by by at at.
 func stampLabels(by string, at time.Time) map[string]string {
-	return map[string]string{barrierProxy: BarrierName, barrierAt: strconv.FormatInt(at.UnixNano(), 10), barrierBy: by,
+	return map[string]string{audit.LabelServiceProxyName: BarrierName, barrierAt: strconv.FormatInt(at.UnixNano(), 10), barrierBy: by,
 		"endpointslice.kubernetes.io/managed-by": "proxyaudit.io"}
 }
 

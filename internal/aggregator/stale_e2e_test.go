@@ -144,7 +144,9 @@ func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, wan
 	// The barrier's stamps come back: reports are judged within seconds.
 	until(10*time.Second, "the barrier to cover the last seconds", func() bool { return time.Since(view.Covered()) < 3*time.Second })
 	for _, get := range []func() (metav1.Object, error){
-		func() (metav1.Object, error) { return c.Client.CoreV1().Services(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{}) },
+		func() (metav1.Object, error) {
+			return c.Client.CoreV1().Services(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{})
+		},
 		func() (metav1.Object, error) {
 			return c.Client.DiscoveryV1().EndpointSlices(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{})
 		},
