@@ -101,6 +101,10 @@ type node struct {
 	version  uint64 // bumps when state changes
 	noRules  bool
 
+	// readNowFor is the grace deadline a read-now request was last sent
+	// for: one request per crossing.
+	readNowFor time.Time
+
 	assessedVersion, assessedGen uint64
 	assessments                  []audit.ServiceAssessment
 	base                         *baseline // Evaluate's goroutine only
@@ -605,13 +609,50 @@ func (a *Aggregator) Evaluate() {
 	}
 	prev := a.verdict
 	a.verdict = &v
+	asks := a.readNowDue(now, &v, recovering)
 	a.mu.Unlock()
+	for _, c := range asks {
+		a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
+		a.cfg.Metrics.ReadNow.Inc()
+	}
 	a.cfg.Metrics.setVerdict(&v)
 	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
 	a.logChanges(prev, &v)
 	if !recovering {
 		a.remediate(&v)
 	}
+}
+
+// maxReadNow bounds the read-now requests of one evaluation: a change
+// every node lags behind (an API burst) must not make the whole fleet read
+// at once.
+const maxReadNow = 100
+
+// readNowDue picks the lagging nodes whose oldest missing change crossed
+// the grace period after their last report: without a word from them the
+// finding waits for their next interval (up to 10 s by default). Each
+// crossing is asked once. a.mu held.
+func (a *Aggregator) readNowDue(now time.Time, v *audit.Verdict, recovering bool) []*conn {
+	if recovering {
+		return nil
+	}
+	var out []*conn
+	for _, s := range v.Nodes {
+		if s.State != audit.NodeLagging || s.Watermark.IsZero() {
+			continue
+		}
+		due := s.Watermark.Add(a.cfg.Policy.Grace)
+		n := a.nodes[s.Node]
+		if n == nil || n.conn == nil || now.Before(due) || !n.heard.Before(due) || n.readNowFor.Equal(due) {
+			continue
+		}
+		n.readNowFor = due
+		out = append(out, n.conn)
+		if len(out) == maxReadNow {
+			break
+		}
+	}
+	return out
 }
 
 // holdBackDrift keeps only CollectorMissing findings and shows drifted

@@ -235,10 +235,14 @@ func TestStreamResync(t *testing.T) {
 }
 
 func (h *harness) collector(ctx context.Context, node string, read func() *audit.Observed) {
+	h.collectorEvery(ctx, node, time.Second, read)
+}
+
+func (h *harness) collectorEvery(ctx context.Context, node string, interval time.Duration, read func() *audit.Observed) {
 	h.wg.Add(1)
 	go func() {
 		defer h.wg.Done()
-		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: time.Second, TokenFile: "",
+		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, TokenFile: "",
 			Log:  zaptest.NewLogger(h.t).Named(node),
 			Read: func(context.Context) (*audit.Observed, error) { return read(), nil }})
 	}()
@@ -381,5 +385,37 @@ func TestQuietNodes(t *testing.T) {
 	Trim(n)
 	if len(n.Status.Images) != 0 || len(n.Status.Conditions) != 1 || quietReason(n) != "not Ready" {
 		t.Errorf("trimmed node: %+v", n.Status)
+	}
+}
+
+// A stuck node whose collector reads every 30 s would be found up to 30 s
+// after grace: the verdict waits for its next report. Once a report shows
+// the node lagging, the aggregator asks it for a read when the missed
+// change crosses grace, and the finding comes within seconds of it.
+func TestReadNowBringsTheFindingForward(t *testing.T) {
+	const grace = 3 * time.Second
+	h := start(t, grace, InsecureNoAuth{})
+	old := rules(t)
+	sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &sl.Items[0]
+	s.Endpoints = s.Endpoints[:len(s.Endpoints)-1]
+	if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	changed := time.Now()
+	h.eventually(5*time.Second, "the view to hold the change", func() bool { return h.agg.view.Covered().After(changed) })
+	t.Log("changed a slice; n1's kube-proxy missed it and its collector reads every 30 s")
+	h.collectorEvery(h.ctx, "n1", 30*time.Second, func() *audit.Observed { return old })
+	h.eventually(grace+8*time.Second, "n1 reported stuck", func() bool {
+		return strings.Contains(kindsOf(h.verdict()), "n1:StuckProxy")
+	})
+	n := testutil.ToFloat64(h.agg.cfg.Metrics.ReadNow)
+	t.Logf("StuckProxy %.1f s after the change (grace %s, collector interval 30 s); read-now requests: %.0f",
+		time.Since(changed).Seconds(), grace, n)
+	if n != 1 {
+		t.Errorf("%v read-now requests, want one per crossing", n)
 	}
 }

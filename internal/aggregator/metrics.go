@@ -23,6 +23,7 @@ type Metrics struct {
 	Streams        prometheus.Gauge
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
+	ReadNow        prometheus.Counter
 
 	Reconcile   *prometheus.HistogramVec
 	Assessments *prometheus.CounterVec
@@ -72,6 +73,8 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(64, 4, 10)}),
 		Resyncs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_resyncs_total", Help: "Full resyncs requested because a collector's digest differed from the aggregator's copy."}),
+		ReadNow: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_read_now_total", Help: "Immediate reads asked of collectors whose lag was crossing the grace period before their next report."}),
 		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
@@ -87,7 +90,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.ReadNow, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

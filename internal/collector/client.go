@@ -209,6 +209,8 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 	tick := time.NewTicker(c.cfg.Interval)
 	defer tick.Stop()
 	for {
+		lastRead := time.Now()
+		var soon <-chan time.Time // a read-now request waiting out minReadGap
 		report := c.read(ctx, sent, full)
 		if err := stream.Write(conn, &stream.Message{Type: stream.TypeReport, Report: report}); err != nil {
 			return "", err
@@ -228,6 +230,17 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 				case stream.TypeResync:
 					full = true
 					break wait // answer at once
+				case stream.TypeReadNow:
+					// Reads start at least minReadGap apart: a read
+					// costs seconds of CPU at the anchors. A request
+					// inside the gap is answered when it ends.
+					left := minReadGap - time.Since(lastRead)
+					if left <= 0 {
+						break wait
+					}
+					if soon == nil {
+						soon = time.After(left)
+					}
 				case stream.TypeRedirect:
 					if m.Redirect != nil && m.Redirect.Leader != "" {
 						return m.Redirect.Leader, nil
@@ -240,10 +253,16 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 				}
 			case <-tick.C:
 				break wait
+			case <-soon:
+				break wait
 			}
 		}
 	}
 }
+
+// minReadGap is the least time between the starts of two reads that the
+// aggregator's read-now requests can cause.
+const minReadGap = time.Second
 
 // read reads the rules once and builds the report against what was sent.
 func (c *client) read(ctx context.Context, sent *stream.State, full bool) *stream.Report {

@@ -94,3 +94,49 @@ func TestClientProtocol(t *testing.T) {
 		t.Fatalf("resync carried %d frontends", len(r.Frontends))
 	}
 }
+
+// A read-now request is answered with a report at once, but no sooner than
+// minReadGap after the last read began: an aggregator cannot make a node
+// read its rules in a loop.
+func TestClientReadNow(t *testing.T) {
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	var reads atomic.Int32
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go Run(ctx, Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Read: func(context.Context) (*audit.Observed, error) { reads.Add(1); return synthRules(t, 2), nil }})
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
+		t.Fatalf("hello: %+v %v", m, err)
+	}
+	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
+	report := func() time.Time {
+		t.Helper()
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		m, _, err := stream.Read(conn, 1<<20)
+		if err != nil || m.Type != stream.TypeReport {
+			t.Fatalf("want a report: %+v %v", m, err)
+		}
+		return time.Now()
+	}
+	first := report()
+	for i := 0; i < 5; i++ { // a burst: one read, after the gap
+		stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
+	}
+	second := report()
+	if gap := second.Sub(first); gap < minReadGap-50*time.Millisecond || gap > minReadGap+2*time.Second {
+		t.Errorf("answered %s after the first read; want about %s (the gap), well before the 1 h interval", gap, minReadGap)
+	}
+	conn.SetReadDeadline(time.Now().Add(1500 * time.Millisecond))
+	if m, _, err := stream.Read(conn, 1<<20); err == nil {
+		t.Errorf("a burst of requests caused more than one read: %+v", m.Type)
+	}
+	if n := reads.Load(); n != 2 {
+		t.Errorf("%d reads, want 2", n)
+	}
+}

@@ -38,6 +38,7 @@ type Fleet struct {
 	BytesSent    atomic.Int64
 	Reports      atomic.Int64
 	Resyncs      atomic.Int64
+	ReadNows     atomic.Int64 // read-now requests received
 	Rejects      atomic.Int64
 }
 
@@ -181,8 +182,10 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 	n.mu.Lock()
 	n.full, n.sent = true, nil
 	n.mu.Unlock()
-	// The aggregator asks for a full snapshot when its copy differs.
+	// The aggregator asks for a full snapshot when its copy differs, and
+	// for a read at once when a change the node missed crosses grace.
 	errc := make(chan error, 1)
+	readNow := make(chan struct{}, 1)
 	go func() {
 		for {
 			m, _, err := stream.Read(c, 1<<20)
@@ -196,6 +199,12 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 				n.mu.Lock()
 				n.full = true
 				n.mu.Unlock()
+			case stream.TypeReadNow:
+				f.ReadNows.Add(1)
+				select {
+				case readNow <- struct{}{}:
+				default:
+				}
 			case stream.TypeReject:
 				f.Rejects.Add(1)
 				errc <- fmt.Errorf("rejected: %s", m.Reject.Reason)
@@ -236,6 +245,11 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 		case err := <-errc:
 			return err
 		case <-tick.C:
+		case <-readNow:
+			// As the collector: reads start at least a second apart.
+			if left := time.Second - time.Since(began); left > 0 {
+				time.Sleep(left)
+			}
 		}
 	}
 }

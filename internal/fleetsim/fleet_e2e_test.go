@@ -65,6 +65,7 @@ type Result struct {
 	DetectionMax               float64
 	FalseFindings              int
 	Resyncs                    int64
+	ReadNows                   int64    // read-now requests the aggregator sent
 	WriteBlockedMaxSeconds     float64  // longest a report waited to be read
 	TruthMaxLagSeconds         float64  // longest the simulated kube-proxies took to hold a change
 	Missed                     []string `json:",omitempty"`
@@ -277,6 +278,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	}
 	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
 	res.Resyncs = fleet.Resyncs.Load()
+	res.ReadNows = fleet.ReadNows.Load()
 	res.WriteBlockedMaxSeconds = time.Duration(fleet.WriteBlocked.Load()).Seconds()
 	res.TruthMaxLagSeconds = truth.MaxLag().Seconds()
 	if errs := fleet.LastErrors(); len(errs) > 0 {

@@ -52,6 +52,7 @@ const (
 	TypeReject   = "reject"
 	TypeReport   = "report"
 	TypeResync   = "resync"
+	TypeReadNow  = "read"
 )
 
 // Message is one frame. Type says which of the fields is set.
@@ -62,6 +63,7 @@ type Message struct {
 	Reject   *Reject   `json:"reject,omitempty"`
 	Report   *Report   `json:"report,omitempty"`
 	Resync   *Resync   `json:"resync,omitempty"`
+	ReadNow  *ReadNow  `json:"read,omitempty"`
 }
 
 // Hello opens a stream: who the collector is and its credentials.
@@ -87,6 +89,14 @@ type Reject struct {
 
 // Resync asks the collector for a full snapshot in its next report.
 type Resync struct {
+	Reason string `json:"reason"`
+}
+
+// ReadNow asks the collector to read and report at once instead of at its
+// next interval: a change the node has not shown is crossing the grace
+// period, and the verdict waits for the node's next word. A collector that
+// does not know it ignores it.
+type ReadNow struct {
 	Reason string `json:"reason"`
 }
 
