@@ -508,6 +508,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 		return &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 2}}
 	}
 	revoked := l.revokedToken(ctx, t, "agg-ipt")
+	expired := l.expiredToken(ctx, t, "agg-ipt")
 	huge := make([]byte, 4)
 	binary.BigEndian.PutUint32(huge, 100<<20)
 	for _, tc := range []struct {
@@ -522,6 +523,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 		{"wrong audience", hello("agg-ipt", other), nil, "audience"},
 		{"forged token", hello("agg-ipt", "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), nil, "unauthenticated"},
 		{"token of a pod that is gone", hello("agg-ipt", revoked), nil, "unauthenticated"},
+		{"expired token", hello("agg-ipt", expired), nil, "token has expired"},
 		{"garbage", nil, []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "larger than the limit"},
 		{"100 MB message", nil, huge, "larger than the limit"},
 	} {
@@ -913,6 +915,40 @@ func (l *live) partitioned(ctx context.Context, t *testing.T) {
 	if d := l.metrics(t)["proxyaudit_stream_resyncs_total"] - resyncs; d > 1 {
 		t.Errorf("%.0f resyncs after healing, want at most 1", d)
 	}
+}
+
+// expiredToken is node's collector token as the API server would have
+// issued it two hours ago for one hour (see localcluster.Redate). The same
+// token re-signed with its expiry ahead must pass a TokenReview, so the
+// rejection is the expiry's, not the signature's.
+func (l *live) expiredToken(ctx context.Context, t *testing.T, node string) string {
+	t.Helper()
+	now := time.Now()
+	review := func(tok string) authnv1.TokenReviewStatus {
+		tr, err := l.c.Client.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{
+			Token: tok, Audiences: []string{audience}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tr.Status
+	}
+	valid, err := l.c.Redate(l.tokens[node], now.Add(-time.Minute), now.Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := review(valid); !st.Authenticated {
+		t.Fatalf("re-signed token with its expiry ahead refused (%s): the re-signing is not the API server's", st.Error)
+	}
+	expired, err := l.c.Redate(l.tokens[node], now.Add(-2*time.Hour), now.Add(-time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := review(expired)
+	if st.Authenticated {
+		t.Fatal("the API server accepts a token that expired an hour ago")
+	}
+	t.Logf("expired token: the API server says %q", st.Error)
+	return expired
 }
 
 // revokedToken is a collector token bound to a pod on node that has since

@@ -2,9 +2,19 @@ package localcluster
 
 import (
 	"context"
+	"crypto"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
+	"os"
 	"path/filepath"
+	"strings"
+	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -191,3 +201,52 @@ func (c *Cluster) ImpersonatingKubeconfig(user, path string) error {
 
 // Kubectl returns the genuine kubectl built with the cluster's binaries.
 func (c *Cluster) Kubectl() string { return filepath.Join(c.bin, "kubectl") }
+
+// Redate gives a token this cluster's API server issued new issue and
+// expiry times and signs it again with the API server's own
+// service-account key: the token the API server would have issued at
+// issued, valid until expires. With both in the past it is a genuinely
+// expired token, which TokenRequest cannot make (its shortest lifetime is
+// ten minutes); with expires ahead it must still be accepted (the check
+// that the signing is the API server's).
+func (c *Cluster) Redate(token string, issued, expires time.Time) (string, error) {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return "", fmt.Errorf("not a JWT: %d parts", len(parts))
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	if err != nil {
+		return "", fmt.Errorf("JWT claims: %w", err)
+	}
+	var claims map[string]any
+	if err := json.Unmarshal(raw, &claims); err != nil {
+		return "", fmt.Errorf("JWT claims: %w", err)
+	}
+	claims["iat"], claims["nbf"], claims["exp"] = issued.Unix(), issued.Unix(), expires.Unix()
+	if k8s, ok := claims["kubernetes.io"].(map[string]any); ok {
+		delete(k8s, "warnafter")
+	}
+	body, err := json.Marshal(claims)
+	if err != nil {
+		return "", err
+	}
+	pemKey, err := os.ReadFile(c.pki.SAKey)
+	if err != nil {
+		return "", err
+	}
+	block, _ := pem.Decode(pemKey)
+	if block == nil {
+		return "", fmt.Errorf("%s: no PEM block", c.pki.SAKey)
+	}
+	key, err := x509.ParsePKCS1PrivateKey(block.Bytes)
+	if err != nil {
+		return "", err
+	}
+	signed := parts[0] + "." + base64.RawURLEncoding.EncodeToString(body)
+	sum := sha256.Sum256([]byte(signed))
+	sig, err := rsa.SignPKCS1v15(rand.Reader, key, crypto.SHA256, sum[:])
+	if err != nil {
+		return "", err
+	}
+	return signed + "." + base64.RawURLEncoding.EncodeToString(sig), nil
+}
