@@ -104,6 +104,8 @@ func run(args []string, stderr io.Writer) int {
 	slackChannel := fs.String("slack-channel", os.Getenv("PROXYAUDIT_SLACK_CHANNEL"), "Slack channel ID incidents open in, with a bot token [PROXYAUDIT_SLACK_CHANNEL]")
 	slackWebhookFile := fs.String("slack-webhook-file", os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), "file holding a Slack incoming-webhook URL, for teams without a bot (no threads) [PROXYAUDIT_SLACK_WEBHOOK_FILE]")
 	slackAPI := fs.String("slack-api-url", "", "Slack API base URL (tests and proxies)")
+	readers := fs.String("http-readers", "", "NAMESPACE/SERVICE: serve findings (/api/) only to callers whose token the API server authenticates for --http-reader-audience and allows get on services/proxy of that Service (the permission its service proxy checks; `proxyaudit report` mints such a token). Empty: anyone who reaches --http-listen reads them")
+	readerAudience := fs.String("http-reader-audience", aggregator.DefaultReaderAudience, "audience of reader tokens (--http-readers)")
 	pprofListen := fs.String("debug-pprof-listen", "", "address for Go's /debug/pprof profiles (e.g. 127.0.0.1:6060); empty: off. Profiles show internals: bind it to localhost")
 	cluster := fs.String("cluster-name", envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"), "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
 	if err := fs.Parse(args); err != nil {
@@ -257,7 +259,18 @@ func run(args []string, stderr io.Writer) int {
 		executor.Notifier = notifier
 		log.Info("paging on Slack", zap.Bool("bot", slackCfg.Token != ""), zap.String("channel", *slackChannel))
 	}
-	acfg := aggregator.Config{Policy: policy, Auth: auth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
+	var readerAuth *aggregator.ReaderAuth
+	if *readers != "" {
+		rns, rsvc, ok := strings.Cut(*readers, "/")
+		if !ok || rns == "" || rsvc == "" {
+			return fail("--http-readers %q: want namespace/service", *readers)
+		}
+		readerAuth = &aggregator.ReaderAuth{Client: client, Audience: *readerAudience, Namespace: rns, Service: rsvc, Clock: clk,
+			Denied: func(r string) { metrics.HTTPDenied.WithLabelValues(r).Inc() }}
+	} else {
+		log.Warn("--http-readers is empty: anyone who reaches the HTTP port reads the findings (restrict it with a NetworkPolicy)")
+	}
+	acfg := aggregator.Config{Policy: policy, Auth: auth, Readers: readerAuth, Insecure: *insecure, MaxMessageBytes: *maxMsg,
 		Self: self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: *recoveryGrace,
 		Remediation: &aggregator.Remediation{Policy: rpolicy, Executor: executor, ExemptLabel: *rExempt}}
 	if notifier != nil {

@@ -9,12 +9,15 @@ import (
 	"io"
 	"net/http"
 	neturl "net/url"
+	"os"
 	"slices"
 	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	authnv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -30,6 +33,11 @@ Usage:
 Without --aggregator it goes the way kubectl does: the current kubeconfig and
 context, through the API server's proxy to the aggregator's Service
 (--aggregator-service, --aggregator-service-port) in the namespace (-n, default proxyaudit).
+The API server's proxy drops your credentials, so report first mints a
+10-minute token for the reader ServiceAccount (--reader-service-account) and
+shows it to the aggregator, which serves findings only to callers allowed to
+use that proxy (the chart's report-reader Role allows both). With --aggregator,
+pass such a token with --token-file.
 
 Exit status: 0 no findings, 1 findings, 2 usage error, aggregator unreachable,
 or the aggregator's view of the API stale (the findings shown are the last
@@ -123,6 +131,7 @@ func banner(rep *FleetReport) string {
 // access is how the CLI reaches the aggregator's API.
 type access struct {
 	url, kubeconfig, context, namespace, service, port *string
+	reader, audience, tokenFile                        *string
 	timeout                                            *time.Duration
 }
 
@@ -135,6 +144,9 @@ func accessFlags(fs *flag.FlagSet) *access {
 		service:    fs.String("aggregator-service", "proxyaudit-aggregator", "the aggregator's Service"),
 		port:       fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
 		timeout:    fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator"),
+		reader:     fs.String("reader-service-account", "proxyaudit-reader", "through the API server: mint a 10-minute token for this ServiceAccount (in --namespace) to show the aggregator; the chart's report-reader Role allows it. Empty: send none"),
+		audience:   fs.String("reader-audience", aggregator.DefaultReaderAudience, "audience of that token (the aggregator's --http-reader-audience)"),
+		tokenFile:  fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
 	}
 	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
 	return a
@@ -145,7 +157,16 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 	ctx, cancel := context.WithTimeout(context.Background(), *a.timeout)
 	if *a.url != "" {
 		base := strings.TrimSuffix(*a.url, "/")
-		return func(path string) ([]byte, error) { return httpGet(ctx, base+path) }, cancel, nil
+		var token string
+		if *a.tokenFile != "" {
+			b, err := os.ReadFile(*a.tokenFile)
+			if err != nil {
+				cancel()
+				return nil, nil, fmt.Errorf("--token-file: %v", err)
+			}
+			token = strings.TrimSpace(string(b))
+		}
+		return func(path string) ([]byte, error) { return httpGet(ctx, base+path, token) }, cancel, nil
 	}
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = *a.kubeconfig
@@ -159,26 +180,49 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 		cancel()
 		return nil, nil, err
 	}
+	// The API server's proxy drops the caller's credentials; an aggregator
+	// that serves findings only to readers (--http-readers) checks this
+	// short-lived token instead. Not being allowed to mint one is not an
+	// error here: an aggregator without --http-readers needs none, and one
+	// with it says what is missing.
+	var token, noToken string
+	if *a.reader != "" {
+		exp := int64(600)
+		tr, err := client.CoreV1().ServiceAccounts(*a.namespace).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
+			Spec: authnv1.TokenRequestSpec{Audiences: []string{*a.audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+		if err != nil {
+			noToken = fmt.Sprintf("; no reader token was sent: minting one for ServiceAccount %s/%s failed: %v", *a.namespace, *a.reader, err)
+		} else {
+			token = tr.Status.Token
+		}
+	}
 	return func(path string) ([]byte, error) {
 		p, query, _ := strings.Cut(path, "?")
-		params := map[string]string{}
+		req := client.CoreV1().RESTClient().Get().Namespace(*a.namespace).Resource("services").
+			Name("http:" + *a.service + ":" + *a.port).SubResource("proxy").Suffix(p)
 		if v, err := neturl.ParseQuery(query); err == nil {
 			for k := range v {
-				params[k] = v.Get(k)
+				req = req.Param(k, v.Get(k))
 			}
 		}
-		b, err := client.CoreV1().Services(*a.namespace).ProxyGet("http", *a.service, *a.port, p, params).DoRaw(ctx)
+		if token != "" {
+			req = req.SetHeader(aggregator.TokenHeader, token)
+		}
+		b, err := req.DoRaw(ctx)
 		if err != nil {
-			return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w (is proxyaudit installed there? -n selects the namespace)", *a.namespace, *a.service, *a.port, err)
+			return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w%s (is proxyaudit installed there? -n selects the namespace)", *a.namespace, *a.service, *a.port, err, noToken)
 		}
 		return b, nil
 	}, cancel, nil
 }
 
-func httpGet(ctx context.Context, url string) ([]byte, error) {
+func httpGet(ctx context.Context, url, token string) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {

@@ -128,7 +128,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		}
 		writeJSON(w, http.StatusOK, resp)
 	})
-	mux.HandleFunc("/api/", func(w http.ResponseWriter, r *http.Request) {
+	var apiOrProxy http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		leader, leading := a.Leader()
 		switch {
 		case leading && a.Verdict() != nil:
@@ -152,6 +152,10 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 			p.ServeHTTP(w, r)
 		}
 	})
+	if a.cfg.Readers != nil {
+		apiOrProxy = a.cfg.Readers.Wrap(apiOrProxy)
+	}
+	mux.Handle("/api/", apiOrProxy)
 	return mux
 }
 

@@ -69,6 +69,7 @@ type live struct {
 	aggSpec, colSpec *corev1.PodSpec
 	kubeconfig       string // the aggregator ServiceAccount's
 	sreKubeconfig    string // a user bound to the report-reader Role only
+	reader           string // a reader token for the HTTP API (aggregator.readersOnly)
 }
 
 func buildBinaries(t *testing.T) string {
@@ -171,7 +172,9 @@ func (l *live) startCollector(n *localcluster.Node) {
 func (l *live) get(path string, v any) error {
 	var errs []string
 	for _, ip := range replicaIPs {
-		r, err := l.http.Get("http://" + ip + ":8080" + path)
+		req, _ := http.NewRequest(http.MethodGet, "http://"+ip+":8080"+path, nil)
+		req.Header.Set(aggregator.TokenHeader, l.reader)
+		r, err := l.http.Do(req)
 		if err != nil {
 			errs = append(errs, err.Error())
 			continue
@@ -315,6 +318,7 @@ func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 		}
 	}
 	l.deploy(ctx, sets)
+	l.reader = l.mintToken(ctx, "proxyaudit-reader", aggregator.DefaultReaderAudience)
 	for _, ip := range replicaIPs {
 		if err := c.AddHostAddress(ctx, ip); err != nil {
 			t.Fatal(err)
@@ -451,6 +455,7 @@ func TestE2ELiveSystem(t *testing.T) {
 	defer cancel()
 	l := newLive(ctx, t)
 	t.Run("bad streams are rejected and record nothing", func(t *testing.T) { l.badStreams(ctx, t) })
+	t.Run("the HTTP API serves findings to readers only", func(t *testing.T) { l.readersOnly(ctx, t) })
 	t.Run("churn gives no findings", func(t *testing.T) { l.churn(ctx, t) })
 	t.Run("a flood of churn gives no findings", func(t *testing.T) { l.flood(ctx, t) })
 	t.Run("a partitioned collector is missing, not stale", func(t *testing.T) { l.partitioned(ctx, t) })
@@ -914,6 +919,68 @@ func (l *live) partitioned(ctx context.Context, t *testing.T) {
 	}
 	if d := l.metrics(t)["proxyaudit_stream_resyncs_total"] - resyncs; d > 1 {
 		t.Errorf("%.0f resyncs after healing, want at most 1", d)
+	}
+}
+
+// mintToken is a one-hour token of ServiceAccount name in the release
+// namespace for audience.
+func (l *live) mintToken(ctx context.Context, name, audience string) string {
+	l.t.Helper()
+	exp := int64(3600)
+	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences: []string{audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+	if err != nil {
+		l.t.Fatalf("token for %s/%s: %v", ns, name, err)
+	}
+	return tr.Status.Token
+}
+
+// readersOnly: a pod that reaches the aggregator's port reads findings only
+// with a token the real API server authenticates for the reader audience
+// and whose subject RBAC lets through the service proxy; the SRE's CLI gets
+// one through the API server.
+func (l *live) readersOnly(ctx context.Context, t *testing.T) {
+	if _, err := l.c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "not-a-reader"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	leader := strings.TrimSuffix(l.leader(ctx), ":9443")
+	get := func(header, value string) (int, string) {
+		req, _ := http.NewRequest(http.MethodGet, "http://"+leader+":8080/api/v1/findings", nil)
+		if header != "" {
+			req.Header.Set(header, value)
+		}
+		r, err := l.http.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Body.Close()
+		b, _ := io.ReadAll(r.Body)
+		return r.StatusCode, string(b)
+	}
+	for _, tc := range []struct {
+		name, header, value string
+		code                int
+		says                string
+	}{
+		{"no token", "", "", 401, "findings are for readers only"},
+		{"a collector's token (another audience)", aggregator.TokenHeader, l.tokens["agg-ipt"], 401, "audience"},
+		{"a ServiceAccount RBAC does not let through", "Authorization", "Bearer " + l.mintToken(ctx, "not-a-reader", aggregator.DefaultReaderAudience), 403, "may not read findings"},
+		{"the reader", aggregator.TokenHeader, l.reader, 200, `"findings"`},
+	} {
+		code, body := get(tc.header, tc.value)
+		if code != tc.code || !strings.Contains(body, tc.says) {
+			t.Errorf("%s: %d %s, want %d saying %q", tc.name, code, strings.TrimSpace(body), tc.code, tc.says)
+		} else {
+			t.Logf("%s: %d", tc.name, code)
+		}
+	}
+	if out, code := l.report(t); code != 0 {
+		t.Errorf("the SRE's report through the API server: exit %d\n%s", code, out)
+	}
+	m := l.metrics(t)
+	if m[`proxyaudit_http_denied_total{reason="no_token"}`] < 1 || m[`proxyaudit_http_denied_total{reason="forbidden"}`] < 1 {
+		t.Errorf("denials not counted: %v", m)
 	}
 }
 

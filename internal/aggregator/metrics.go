@@ -24,6 +24,7 @@ type Metrics struct {
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
 	ReadNow        prometheus.Counter
+	HTTPDenied     *prometheus.CounterVec
 
 	Reconcile   *prometheus.HistogramVec
 	Assessments *prometheus.CounterVec
@@ -73,6 +74,8 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(64, 4, 10)}),
 		Resyncs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_resyncs_total", Help: "Full resyncs requested because a collector's digest differed from the aggregator's copy."}),
+		HTTPDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_http_denied_total", Help: "HTTP API requests refused: no_token, unauthenticated, forbidden, review_failed (the API server could not be asked)."}, []string{"reason"}),
 		ReadNow: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_read_now_total", Help: "Immediate reads asked of collectors whose lag was crossing the grace period before their next report."}),
 		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -90,7 +93,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.ReadNow, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.ReadNow, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

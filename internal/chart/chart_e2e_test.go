@@ -12,6 +12,7 @@ import (
 	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
 	coordv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -296,6 +297,11 @@ func TestE2EChartRBAC(t *testing.T) {
 			_, err := agg.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: "x"}}, metav1.CreateOptions{})
 			return err
 		}},
+		{"ask whether an HTTP API caller may read", func(ctx context.Context) error {
+			_, err := agg.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authzv1.SubjectAccessReview{Spec: authzv1.SubjectAccessReviewSpec{
+				User: "u", ResourceAttributes: &authzv1.ResourceAttributes{Namespace: ns, Verb: "get", Resource: "services", Subresource: "proxy", Name: "proxyaudit-aggregator"}}}, metav1.CreateOptions{})
+			return err
+		}},
 		{"create its Lease", func(ctx context.Context) error {
 			_, err := agg.CoordinationV1().Leases(ns).Create(ctx, &coordv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit-aggregator"}}, metav1.CreateOptions{DryRun: dryRun})
 			return err
@@ -421,8 +427,20 @@ func TestE2EChartRBAC(t *testing.T) {
 			return err
 		}
 	}
-	verify(ctx, t, "report reader", []check{{"read the report", proxy("proxyaudit-aggregator")}}, []check{
+	mint := func(sa string) func(ctx context.Context) error {
+		return func(ctx context.Context) error {
+			_, err := sre.CoreV1().ServiceAccounts(ns).CreateToken(ctx, sa, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+				Audiences: []string{"proxyaudit-api"}}}, metav1.CreateOptions{})
+			return err
+		}
+	}
+	verify(ctx, t, "report reader", []check{
+		{"read the report", proxy("proxyaudit-aggregator")},
+		{"mint a reader token", mint("proxyaudit-reader")},
+	}, []check{
 		{"proxy to another service", proxy("other")},
+		{"mint a token for the aggregator", mint("proxyaudit-aggregator")},
+		{"mint a token for the collector", mint("proxyaudit-collector")},
 		{"list pods", func(ctx context.Context) error {
 			_, err := sre.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 			return err

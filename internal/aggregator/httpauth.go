@@ -1,0 +1,172 @@
+package aggregator
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
+)
+
+// ReaderAuth decides who may read findings over the HTTP API: a caller
+// with a token the API server authenticates for Audience, whom the API
+// server allows to GET the aggregator's Service through its proxy
+// (services/proxy on Namespace/Service). That is the permission the
+// API server itself checks on the way in through its service proxy, which
+// strips the caller's credentials; so `proxyaudit report` mints a
+// short-lived token for a reader ServiceAccount (allowed by the chart's
+// report-reader Role) and sends it in the TokenHeader, and a pod that
+// reaches the port directly gets nothing without such a token.
+type ReaderAuth struct {
+	Client             kubernetes.Interface
+	Audience           string
+	Namespace, Service string
+	Clock              clock.Clock
+	// Denied observes every refusal by reason (metrics).
+	Denied func(reason string)
+
+	mu    sync.Mutex
+	cache map[[32]byte]readerDecision
+}
+
+// TokenHeader carries the reader token through the API server's service
+// proxy, which drops Authorization.
+const TokenHeader = "X-Proxyaudit-Token"
+
+// DefaultReaderAudience is the audience reader tokens are minted for.
+const DefaultReaderAudience = "proxyaudit-api"
+
+type readerDecision struct {
+	err     error
+	code    int
+	expires time.Time
+	// keepUntil: a reader allowed before goes on reading while the API
+	// server cannot be asked (an outage is when findings matter most).
+	keepUntil time.Time
+}
+
+// readerCacheFor is how long a decision stands: a revoked binding or token
+// stops working within it. readerKeepFor is how long an allowed reader
+// may go on reading while the API server cannot review tokens.
+const (
+	readerCacheFor = 30 * time.Second
+	readerKeepFor  = 10 * time.Minute
+)
+
+// Wrap returns next behind the check.
+func (ra *ReaderAuth) Wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		token := r.Header.Get(TokenHeader)
+		if token == "" {
+			if h := r.Header.Get("Authorization"); strings.HasPrefix(h, "Bearer ") {
+				token = strings.TrimPrefix(h, "Bearer ")
+			}
+		}
+		if token == "" {
+			ra.deny(w, http.StatusUnauthorized, "no_token", fmt.Sprintf(
+				"findings are for readers only: send a token with audience %q in %s or Authorization: Bearer "+
+					"(`proxyaudit report` mints one for the reader ServiceAccount when you are bound to the proxyaudit report-reader Role)",
+				ra.Audience, TokenHeader))
+			return
+		}
+		code, err := ra.decide(r.Context(), token)
+		if err != nil {
+			reason := map[int]string{http.StatusUnauthorized: "unauthenticated", http.StatusForbidden: "forbidden"}[code]
+			if reason == "" {
+				reason = "review_failed"
+			}
+			ra.deny(w, code, reason, err.Error())
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (ra *ReaderAuth) deny(w http.ResponseWriter, code int, reason, msg string) {
+	if ra.Denied != nil {
+		ra.Denied(reason)
+	}
+	writeError(w, code, msg)
+}
+
+// decide reviews the token and the access, or answers from the cache.
+func (ra *ReaderAuth) decide(ctx context.Context, token string) (int, error) {
+	key := sha256.Sum256([]byte(token))
+	now := ra.Clock.Now()
+	ra.mu.Lock()
+	d, ok := ra.cache[key]
+	ra.mu.Unlock()
+	if ok && now.Before(d.expires) {
+		return d.code, d.err
+	}
+	code, err := ra.review(ctx, token)
+	if code == http.StatusServiceUnavailable {
+		// The API's trouble, not the caller's: ask again next time, and
+		// let a reader allowed shortly before go on reading.
+		if ok && d.code == http.StatusOK && now.Before(d.keepUntil) {
+			return http.StatusOK, nil
+		}
+		return code, err
+	}
+	nd := readerDecision{err: err, code: code, expires: now.Add(readerCacheFor)}
+	if code == http.StatusOK {
+		nd.keepUntil = now.Add(readerKeepFor)
+	}
+	ra.mu.Lock()
+	if ra.cache == nil || len(ra.cache) >= 4096 {
+		ra.cache = map[[32]byte]readerDecision{}
+	}
+	ra.cache[key] = nd
+	ra.mu.Unlock()
+	return code, err
+}
+
+func (ra *ReaderAuth) review(ctx context.Context, token string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tr, err := ra.Client.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
+		Spec: authnv1.TokenReviewSpec{Token: token, Audiences: []string{ra.Audience}}}, metav1.CreateOptions{})
+	if err != nil {
+		return http.StatusServiceUnavailable, fmt.Errorf("cannot review the token with the API server (retry): %v", err)
+	}
+	if !tr.Status.Authenticated {
+		return http.StatusUnauthorized, fmt.Errorf("token refused by the API server: %s (expired, revoked, or not issued for audience %q)",
+			orUnknown(tr.Status.Error), ra.Audience)
+	}
+	if !slices.Contains(tr.Status.Audiences, ra.Audience) {
+		return http.StatusUnauthorized, fmt.Errorf("token not issued for audience %q", ra.Audience)
+	}
+	u := tr.Status.User
+	extra := map[string]authzv1.ExtraValue{}
+	for k, v := range u.Extra {
+		extra[k] = authzv1.ExtraValue(v)
+	}
+	sar, err := ra.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authzv1.SubjectAccessReview{Spec: authzv1.SubjectAccessReviewSpec{
+		User: u.Username, Groups: u.Groups, UID: u.UID, Extra: extra,
+		ResourceAttributes: &authzv1.ResourceAttributes{Namespace: ra.Namespace, Verb: "get", Resource: "services", Subresource: "proxy", Name: ra.Service},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		return http.StatusServiceUnavailable, fmt.Errorf("cannot check %s's access with the API server (retry): %v", u.Username, err)
+	}
+	if !sar.Status.Allowed {
+		return http.StatusForbidden, fmt.Errorf("%s may not read findings: it needs get on services/proxy %s/%s (the proxyaudit report-reader Role)",
+			u.Username, ra.Namespace, ra.Service)
+	}
+	return http.StatusOK, nil
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "no reason given"
+	}
+	return s
+}
