@@ -119,6 +119,26 @@ type Change struct {
 	At      time.Time
 }
 
+// Passed records a version of one service that the cluster held between
+// two States and no State showed: a caller that folds several changes into
+// one Update (a debounced rebuild) passes the ones in between first, with
+// the same time, because a kube-proxy may have programmed any of them. A
+// version equal to the newest kept one is ignored. Update must follow.
+func (h *History) Passed(svc *Service, at time.Time) {
+	key := svc.Namespace + "/" + svc.Name
+	vs := h.svcs[key]
+	if n := len(vs); n > 0 && vs[n-1].Svc != nil && reflect.DeepEqual(vs[n-1].Svc, svc) {
+		return
+	}
+	cp := *svc
+	if len(vs) == 0 {
+		vs = append(vs, Version{Since: at})
+	}
+	h.svcs[key] = h.prune(append(vs, Version{Since: at, Svc: &cp}), at)
+	h.record(key, at)
+	h.touch(key, at)
+}
+
 // maxChanges bounds the change log: at 100 endpoint changes per second it
 // spans more than ten minutes.
 const maxChanges = 1 << 16

@@ -3,6 +3,7 @@ package aggregator
 import (
 	"context"
 	"errors"
+	"fmt"
 	"reflect"
 	"sort"
 	"strings"
@@ -225,4 +226,69 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 		t.Fatal(err)
 	}
 	converge("node zone")
+}
+
+// Two changes to one service inside one debounce window reach the State as
+// one, but a kube-proxy syncing between them may have programmed the
+// version in between; the History keeps it, so a node showing it is behind,
+// not divergent. (The 1,000-node simulation called healthy nodes divergent
+// for exactly this.)
+func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
+	svcs, slices := spec.Objects()
+	client := fake.NewClientset(&svcs[0], &slices[0])
+	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	go func() { view.Run(ctx, 500*time.Millisecond); close(done) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for view.Synced() != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("view never synced")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	key := svcs[0].Namespace + "/" + svcs[0].Name
+	sl := slices[0].DeepCopy()
+	var wantBetween []string
+	for i := range 2 { // drop the last endpoint, then the next: two changes within the window
+		sl.Endpoints = sl.Endpoints[:len(sl.Endpoints)-1]
+		if i == 0 {
+			for _, e := range sl.Endpoints {
+				wantBetween = append(wantBetween, e.Addresses[0])
+			}
+		}
+		if _, err := client.DiscoveryV1().EndpointSlices(sl.Namespace).Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	since := time.Now()
+	for !view.Covered().After(since) {
+		if time.Now().After(deadline) {
+			t.Fatal("the view never covered the changes")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var got [][]string
+	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
+		for _, v := range h.Versions(key) {
+			if v.Svc == nil {
+				continue // before the service was first seen
+			}
+			var eps []string
+			for _, sl := range v.Svc.Slices {
+				for _, e := range sl.Endpoints {
+					eps = append(eps, e.Addr.String())
+				}
+			}
+			got = append(got, eps)
+		}
+	})
+	if len(got) != 3 {
+		t.Fatalf("kept versions %v, want the first, the one in between and the last", got)
+	}
+	if fmt.Sprint(got[1]) != fmt.Sprint(wantBetween) {
+		t.Errorf("version in between %v, want %v", got[1], wantBetween)
+	}
 }

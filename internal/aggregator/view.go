@@ -3,6 +3,7 @@ package aggregator
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"sort"
 	"strings"
@@ -52,6 +53,12 @@ type View struct {
 	// (their own events and their slices'), and whether any Node did.
 	dirtySvcs  map[string]bool
 	dirtyNodes bool
+	// interim are the versions each changed service went through since
+	// the last rebuild, reduced as their events arrived (after the first
+	// rebuild): a rebuild folds them into one, but a kube-proxy syncing
+	// in between may have programmed any of them.
+	interim map[string][]audit.Service
+	built   bool // the first rebuild is done: record interim versions
 
 	// The rebuild's own memory (Run's goroutine only): every service
 	// reduced once and kept until it changes, so a rebuild under churn
@@ -112,6 +119,7 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 		kick:      make(chan struct{}, 1),
 		history:   audit.NewHistory(keep),
 		dirtySvcs: map[string]bool{},
+		interim:   map[string][]audit.Service{},
 		reduced:   map[string]audit.Service{},
 		state:     &audit.State{Nodes: map[string]audit.NodeInfo{}},
 		failing:   map[string]watchFailure{},
@@ -300,12 +308,22 @@ func (v *View) changed(obj any) {
 	if v.dirtySince.IsZero() {
 		v.dirtySince = v.clock.Now()
 	}
-	if key := ServiceOf(obj); key != "" {
+	key := ServiceOf(obj)
+	if key != "" {
 		v.dirtySvcs[key] = true
 	} else {
 		v.dirtyNodes = true // a Node, or something unrecognised: recount nodes
 	}
+	built := v.built
 	v.dirtyMu.Unlock()
+	if key != "" && built {
+		svc, ok := v.reduceFrom(key)
+		v.dirtyMu.Lock()
+		if list := v.interim[key]; ok && (len(list) == 0 || !reflect.DeepEqual(list[len(list)-1], svc)) {
+			v.interim[key] = append(list, svc)
+		}
+		v.dirtyMu.Unlock()
+	}
 	select {
 	case v.kick <- struct{}{}:
 	default:
@@ -370,8 +388,8 @@ func (v *View) rebuild() {
 	at := v.dirtySince
 	v.dirtySince = time.Time{}
 	v.rebuilding = true
-	dirty, dirtyNodes := v.dirtySvcs, v.dirtyNodes
-	v.dirtySvcs, v.dirtyNodes = map[string]bool{}, false
+	dirty, dirtyNodes, interim := v.dirtySvcs, v.dirtyNodes, v.interim
+	v.dirtySvcs, v.dirtyNodes, v.interim = map[string]bool{}, false, map[string][]audit.Service{}
 	stamps := v.barrierTaken()
 	v.dirtyMu.Unlock()
 	if at.IsZero() {
@@ -433,13 +451,21 @@ func (v *View) rebuild() {
 	})
 	v.mu.Lock()
 	v.expected = expected
+	for key, list := range interim {
+		final, ok := v.reduced[key]
+		for i := range list {
+			if !ok || !reflect.DeepEqual(list[i], final) {
+				v.history.Passed(&list[i], at)
+			}
+		}
+	}
 	v.history.Update(st, at)
 	v.state = st
 	v.gen++
 	v.rebuilt = v.clock.Now()
 	v.mu.Unlock()
 	v.dirtyMu.Lock()
-	v.rebuilding, v.listedAt = false, start
+	v.rebuilding, v.listedAt, v.built = false, start, true
 	v.barrierPublished(stamps)
 	v.dirtyMu.Unlock()
 	if v.onRebuild != nil {
@@ -450,11 +476,20 @@ func (v *View) rebuild() {
 // reduce recomputes one service (namespace/name) from the caches: its
 // Service and the EndpointSlices labelled for it.
 func (v *View) reduce(key string) {
+	if svc, ok := v.reduceFrom(key); ok {
+		v.reduced[key] = svc
+	} else {
+		delete(v.reduced, key) // gone (an informer cache has no other errors)
+	}
+}
+
+// reduceFrom reduces one service from the caches; false when it is gone.
+// Safe from any goroutine (it only reads the informer caches).
+func (v *View) reduceFrom(key string) (audit.Service, bool) {
 	ns, name, _ := strings.Cut(key, "/")
 	svc, err := v.svcs.Services(ns).Get(name)
 	if err != nil {
-		delete(v.reduced, key) // gone (an informer cache has no other errors)
-		return
+		return audit.Service{}, false
 	}
 	objs, _ := v.sliceIdx.ByIndex(byService, key)
 	sl := make([]discoveryv1.EndpointSlice, 0, len(objs))
@@ -464,8 +499,9 @@ func (v *View) reduce(key string) {
 	// The index has no order; the reduced service must not change with it.
 	slices.SortFunc(sl, func(a, b discoveryv1.EndpointSlice) int { return strings.Compare(a.Name, b.Name) })
 	if st := audit.FromAPI([]corev1.Service{*svc}, sl, nil); len(st.Services) == 1 {
-		v.reduced[key] = st.Services[0]
+		return st.Services[0], true
 	}
+	return audit.Service{}, false
 }
 
 // Covered is the time up to which the published State holds every change
