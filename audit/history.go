@@ -66,16 +66,7 @@ func (h *History) Update(st *State, now time.Time) {
 			}
 			continue
 		}
-		cp := *s
-		if len(vs) == 0 {
-			// Before its first version the service did not exist (or
-			// existed before the aggregator started: a node still without
-			// it is lagging from now, not divergent).
-			vs = append(vs, Version{Since: now})
-		}
-		h.svcs[key] = h.prune(append(vs, Version{Since: now, Svc: &cp}), now)
-		h.record(key, now)
-		h.touch(key, now)
+		h.push(key, s, now)
 	}
 	for key, vs := range h.svcs {
 		if present[key] {
@@ -130,8 +121,17 @@ func (h *History) Passed(svc *Service, at time.Time) {
 	if n := len(vs); n > 0 && vs[n-1].Svc != nil && reflect.DeepEqual(vs[n-1].Svc, svc) {
 		return
 	}
-	cp := *svc
+	h.push(key, svc, at)
+}
+
+// push makes a copy of s key's newest version, seen at at.
+func (h *History) push(key string, s *Service, at time.Time) {
+	vs := h.svcs[key]
+	cp := *s
 	if len(vs) == 0 {
+		// Before its first version the service did not exist (or existed
+		// before the aggregator started: a node still without it is
+		// lagging from now, not divergent).
 		vs = append(vs, Version{Since: at})
 	}
 	h.svcs[key] = h.prune(append(vs, Version{Since: at, Svc: &cp}), at)
