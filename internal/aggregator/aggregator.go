@@ -614,8 +614,12 @@ func (a *Aggregator) Evaluate() {
 	a.verdict = &v
 	asks := a.readNowDue(now, &v, recovering)
 	a.mu.Unlock()
+	// Each on its own: a collector slow to read its socket must not hold
+	// up the evaluation (a write may wait out its 10 s deadline).
 	for _, c := range asks {
-		a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
+		go func() {
+			a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
+		}()
 		a.cfg.Metrics.ReadNow.Inc()
 	}
 	a.cfg.Metrics.setVerdict(&v)
