@@ -593,7 +593,7 @@ func (a *Aggregator) Evaluate() {
 			lags := a.judge.Observe(j.n.name, j.at, services, j.noRule, as, h)
 			a.mu.Unlock()
 			for _, l := range lags {
-				a.cfg.Metrics.ProgrammingLag.WithLabelValues(j.n.name).Observe(max(l, 0).Seconds())
+				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())
 			}
 		}
 	})

@@ -14,7 +14,7 @@ type Metrics struct {
 
 	Findings       *prometheus.GaugeVec
 	Nodes          *prometheus.GaugeVec
-	ProgrammingLag *prometheus.HistogramVec
+	ProgrammingLag prometheus.Histogram
 	NoRulesSeen    *prometheus.CounterVec
 
 	StreamMessages *prometheus.CounterVec
@@ -55,10 +55,13 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_findings", Help: "Current findings by kind (after grace)."}, []string{"kind"}),
 		Nodes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "proxyaudit_nodes", Help: "Nodes by state: InSync, Lagging, Divergent, Stuck, NoRules, Missing, Pending."}, []string{"state"}),
-		ProgrammingLag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		// Fleet-wide: one series per bucket, not per node (13 × 5,000
+		// series at the scalability anchors). Each node's own p50/p90/p99
+		// is in GET /api/v1/nodes.
+		ProgrammingLag: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "proxyaudit_programming_lag_seconds",
-			Help:    "Time from a Service or EndpointSlice change until the node's reported rules showed it (upper bound at the collector's interval).",
-			Buckets: []float64{0.5, 1, 2, 5, 10, 15, 20, 30, 60, 120, 300}}, []string{"node"}),
+			Help:    "Time from a Service or EndpointSlice change until a node's reported rules showed it, over every node (upper bound at the collector's interval); per node in GET /api/v1/nodes.",
+			Buckets: []float64{0.5, 1, 2, 5, 10, 15, 20, 30, 60, 120, 300}}),
 		NoRulesSeen: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_no_rules_observed_total", Help: "Times a node was seen without any kube-proxy rules (a flush), whether or not it lasted past grace."}, []string{"node"}),
 		StreamMessages: prometheus.NewCounterVec(prometheus.CounterOpts{
