@@ -210,10 +210,23 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 		}
 		b, err := req.DoRaw(ctx)
 		if err != nil {
-			return nil, fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w%s (is proxyaudit installed there? -n selects the namespace)", *a.namespace, *a.service, *a.port, err, noToken)
+			return nil, proxyError(err, b, *a.namespace, *a.service, *a.port, noToken)
 		}
 		return b, nil
 	}, cancel, nil
+}
+
+// proxyError says who refused a request through the service proxy: client-go
+// words a 401 passed through from the aggregator as if the kubeconfig's
+// credentials were wrong, while the body is the aggregator's own reason.
+func proxyError(err error, body []byte, namespace, service, port, noToken string) error {
+	var agg struct {
+		Error string `json:"error"`
+	}
+	if json.Unmarshal(body, &agg) == nil && agg.Error != "" {
+		return fmt.Errorf("the aggregator behind service %s/%s refused: %s%s", namespace, service, agg.Error, noToken)
+	}
+	return fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w%s (is proxyaudit installed there? -n selects the namespace)", namespace, service, port, err, noToken)
 }
 
 func httpGet(ctx context.Context, url, token string) ([]byte, error) {

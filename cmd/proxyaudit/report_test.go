@@ -182,3 +182,66 @@ func TestReportWarnings(t *testing.T) {
 		}
 	}
 }
+
+// Through the API server, report mints a reader token and shows it to the
+// aggregator; when it may not mint one, the aggregator's refusal reaches
+// the user in its own words (client-go would call a passed-through 401 a
+// problem with the kubeconfig's credentials). The API server here is a
+// stand-in answering the two paths; the real one is in TestE2ELiveSystem.
+func TestReportShowsAReaderToken(t *testing.T) {
+	fr, nr := fleet()
+	fr.Findings = nil
+	const proxy = "/api/v1/namespaces/proxyaudit/services/http:proxyaudit-aggregator:http/proxy"
+	var mayMint bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case r.Method == http.MethodPost && r.URL.Path == "/api/v1/namespaces/proxyaudit/serviceaccounts/proxyaudit-reader/token":
+			if !mayMint {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusForbidden)
+				w.Write([]byte(`{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Forbidden","code":403,"message":"serviceaccounts \"proxyaudit-reader\" is forbidden"}`))
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			json.NewEncoder(w).Encode(map[string]any{"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+				"status": map[string]any{"token": "reader-token", "expirationTimestamp": time.Now().Add(time.Hour).Format(time.RFC3339)}})
+		case strings.HasPrefix(r.URL.Path, proxy+"/"):
+			if r.Header.Get(aggregator.TokenHeader) != "reader-token" {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusUnauthorized)
+				w.Write([]byte(`{"error": "findings are for readers only: send a token"}`))
+				return
+			}
+			switch strings.TrimPrefix(r.URL.Path, proxy) {
+			case "/api/v1/findings":
+				json.NewEncoder(w).Encode(fr)
+			case "/api/v1/nodes":
+				json.NewEncoder(w).Encode(nr)
+			default:
+				http.NotFound(w, r)
+			}
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	os.WriteFile(kubeconfig, []byte("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: "+srv.URL+"}}]\n"+
+		"users: [{name: u, user: {token: user-token}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"), 0o600)
+
+	mayMint = true
+	var out, errb bytes.Buffer
+	if code := run([]string{"report", "--kubeconfig", kubeconfig}, &out, &errb); code != exitClean {
+		t.Fatalf("with a reader token: exit %d\n%s%s", code, out.String(), errb.String())
+	}
+	mayMint = false
+	out.Reset()
+	errb.Reset()
+	code := run([]string{"report", "--kubeconfig", kubeconfig}, &out, &errb)
+	msg := errb.String()
+	if code != exitUsage || !strings.Contains(msg, "the aggregator behind service proxyaudit/proxyaudit-aggregator refused: findings are for readers only") ||
+		!strings.Contains(msg, `minting one for ServiceAccount proxyaudit/proxyaudit-reader failed`) {
+		t.Errorf("without a reader token: exit %d, %q", code, msg)
+	}
+	t.Logf("what the user reads: %s", strings.TrimSpace(msg))
+}
