@@ -70,31 +70,16 @@ func (a *TokenReviewAuth) Authenticate(ctx context.Context, node, token string) 
 	}
 	a.mu.Unlock()
 
-	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	tr, err := a.Client.AuthenticationV1().TokenReviews().Create(rctx, &authnv1.TokenReview{
-		Spec: authnv1.TokenReviewSpec{Token: token, Audiences: []string{a.Audience}},
-	}, metav1.CreateOptions{})
+	user, err := reviewToken(ctx, a.Client, token, a.Audience)
 	if err != nil {
-		return fmt.Errorf("cannot review the token with the API server (the aggregator needs create on tokenreviews): %w", err)
+		return err
 	}
-	s := tr.Status
-	switch {
-	case !s.Authenticated:
-		reason := s.Error
-		if reason == "" {
-			reason = "token not valid"
-		}
-		return fmt.Errorf("%w: %s (expired, revoked, or not issued for audience %q)", ErrUnauthenticated, reason, a.Audience)
-	case !slices.Contains(s.Audiences, a.Audience):
-		return fmt.Errorf("%w: token audiences %v do not include %q", ErrUnauthenticated, s.Audiences, a.Audience)
-	}
-	sa, ok := strings.CutPrefix(s.User.Username, "system:serviceaccount:")
+	sa, ok := strings.CutPrefix(user.Username, "system:serviceaccount:")
 	sa = strings.Replace(sa, ":", "/", 1)
 	if !ok || !slices.Contains(a.ServiceAccounts, sa) {
-		return fmt.Errorf("%w: %s is not a collector service account (allowed: %s)", ErrUnauthenticated, s.User.Username, strings.Join(a.ServiceAccounts, ", "))
+		return fmt.Errorf("%w: %s is not a collector service account (allowed: %s)", ErrUnauthenticated, user.Username, strings.Join(a.ServiceAccounts, ", "))
 	}
-	bound := s.User.Extra[NodeNameExtra]
+	bound := user.Extra[NodeNameExtra]
 	if len(bound) != 1 {
 		return fmt.Errorf("%w: token of %s is not bound to a pod on a node (use a projected ServiceAccount token from the collector pod)", ErrUnauthenticated, sa)
 	}
@@ -112,6 +97,36 @@ func (a *TokenReviewAuth) Authenticate(ctx context.Context, node, token string) 
 		return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
 	}
 	return nil
+}
+
+// ErrReviewUnavailable wraps a TokenReview the API server could not answer:
+// the token is neither good nor bad yet.
+var ErrReviewUnavailable = errors.New("cannot review the token with the API server (the aggregator needs create on tokenreviews)")
+
+// reviewToken asks the API server who token belongs to, accepting it only
+// for audience. Errors wrap ErrUnauthenticated (the token is refused) or
+// ErrReviewUnavailable (the API server could not say).
+func reviewToken(ctx context.Context, client kubernetes.Interface, token, audience string) (authnv1.UserInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tr, err := client.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
+		Spec: authnv1.TokenReviewSpec{Token: token, Audiences: []string{audience}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return authnv1.UserInfo{}, fmt.Errorf("%w: %v", ErrReviewUnavailable, err)
+	}
+	s := tr.Status
+	switch {
+	case !s.Authenticated:
+		reason := s.Error
+		if reason == "" {
+			reason = "token not valid"
+		}
+		return authnv1.UserInfo{}, fmt.Errorf("%w: %s (expired, revoked, or not issued for audience %q)", ErrUnauthenticated, reason, audience)
+	case !slices.Contains(s.Audiences, audience):
+		return authnv1.UserInfo{}, fmt.Errorf("%w: token audiences %v do not include %q", ErrUnauthenticated, s.Audiences, audience)
+	}
+	return s.User, nil
 }
 
 // InsecureNoAuth accepts every stream. For local experiments only: the

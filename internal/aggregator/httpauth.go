@@ -3,14 +3,13 @@ package aggregator
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"time"
 
-	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -131,21 +130,14 @@ func (ra *ReaderAuth) decide(ctx context.Context, token string) (int, error) {
 }
 
 func (ra *ReaderAuth) review(ctx context.Context, token string) (int, error) {
+	u, err := reviewToken(ctx, ra.Client, token, ra.Audience)
+	if errors.Is(err, ErrReviewUnavailable) {
+		return http.StatusServiceUnavailable, fmt.Errorf("%v (retry)", err)
+	} else if err != nil {
+		return http.StatusUnauthorized, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	tr, err := ra.Client.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
-		Spec: authnv1.TokenReviewSpec{Token: token, Audiences: []string{ra.Audience}}}, metav1.CreateOptions{})
-	if err != nil {
-		return http.StatusServiceUnavailable, fmt.Errorf("cannot review the token with the API server (retry): %v", err)
-	}
-	if !tr.Status.Authenticated {
-		return http.StatusUnauthorized, fmt.Errorf("token refused by the API server: %s (expired, revoked, or not issued for audience %q)",
-			orUnknown(tr.Status.Error), ra.Audience)
-	}
-	if !slices.Contains(tr.Status.Audiences, ra.Audience) {
-		return http.StatusUnauthorized, fmt.Errorf("token not issued for audience %q", ra.Audience)
-	}
-	u := tr.Status.User
 	extra := map[string]authzv1.ExtraValue{}
 	for k, v := range u.Extra {
 		extra[k] = authzv1.ExtraValue(v)
@@ -162,11 +154,4 @@ func (ra *ReaderAuth) review(ctx context.Context, token string) (int, error) {
 			u.Username, ra.Namespace, ra.Service)
 	}
 	return http.StatusOK, nil
-}
-
-func orUnknown(s string) string {
-	if s == "" {
-		return "no reason given"
-	}
-	return s
 }
