@@ -45,7 +45,14 @@ func fleet() (aggregator.FindingsResponse, aggregator.NodesResponse) {
 }
 
 func serve(t *testing.T, fr aggregator.FindingsResponse, nr aggregator.NodesResponse) string {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := httptest.NewServer(aggregatorAPI(fr, nr))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// aggregatorAPI answers the two paths report reads, as the aggregator does.
+func aggregatorAPI(fr aggregator.FindingsResponse, nr aggregator.NodesResponse) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case "/api/v1/findings":
 			json.NewEncoder(w).Encode(fr)
@@ -54,9 +61,7 @@ func serve(t *testing.T, fr aggregator.FindingsResponse, nr aggregator.NodesResp
 		default:
 			http.NotFound(w, r)
 		}
-	}))
-	t.Cleanup(srv.Close)
-	return srv.URL
+	})
 }
 
 func TestReportGolden(t *testing.T) {
@@ -193,6 +198,7 @@ func TestReportShowsAReaderToken(t *testing.T) {
 	fr.Findings = nil
 	const proxy = "/api/v1/namespaces/proxyaudit/services/http:proxyaudit-aggregator:http/proxy"
 	var mayMint bool
+	api := http.StripPrefix(proxy, aggregatorAPI(fr, nr))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case r.Method == http.MethodPost && r.URL.Path == "/api/v1/namespaces/proxyaudit/serviceaccounts/proxyaudit-reader/token":
@@ -212,14 +218,7 @@ func TestReportShowsAReaderToken(t *testing.T) {
 				w.Write([]byte(`{"error": "findings are for readers only: send a token"}`))
 				return
 			}
-			switch strings.TrimPrefix(r.URL.Path, proxy) {
-			case "/api/v1/findings":
-				json.NewEncoder(w).Encode(fr)
-			case "/api/v1/nodes":
-				json.NewEncoder(w).Encode(nr)
-			default:
-				http.NotFound(w, r)
-			}
+			api.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}

@@ -17,7 +17,6 @@ import (
 	"go.uber.org/zap/zaptest"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/utils/clock"
 
@@ -46,14 +45,7 @@ func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
 
 // fakeCluster is a fake API holding the synth cluster and nodes n1..n3.
 func fakeCluster() *fake.Clientset {
-	svcs, slices := spec.Objects()
-	var objs []runtime.Object
-	for i := range svcs {
-		objs = append(objs, &svcs[i])
-	}
-	for i := range slices {
-		objs = append(objs, &slices[i])
-	}
+	objs := spec.APIObjects()
 	for _, n := range []string{"n1", "n2", "n3"} {
 		objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}})
 	}

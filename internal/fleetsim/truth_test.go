@@ -8,7 +8,6 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -21,14 +20,7 @@ import (
 func TestTruthFollowsTheCluster(t *testing.T) {
 	spec := synth.Spec{Services: 50, EndpointsPerService: 4}
 	svcs, sl := spec.Objects()
-	var objs []runtime.Object
-	for i := range svcs {
-		objs = append(objs, &svcs[i])
-	}
-	for i := range sl {
-		objs = append(objs, &sl[i])
-	}
-	client := fake.NewClientset(objs...)
+	client := fake.NewClientset(spec.APIObjects()...)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	truth := NewTruth(client, time.Minute)

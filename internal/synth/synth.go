@@ -22,6 +22,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -86,6 +87,19 @@ func (s Spec) Replaced(sl discoveryv1.EndpointSlice, j, k int) discoveryv1.Endpo
 	c := *sl.DeepCopy()
 	c.Endpoints[j].Addresses = []string{s.EndpointAddr(0, s.Services*s.EndpointsPerService+k).String()}
 	return c
+}
+
+// APIObjects is Objects as one list, for a fake clientset.
+func (s Spec) APIObjects() []runtime.Object {
+	svcs, slices := s.Objects()
+	objs := make([]runtime.Object, 0, len(svcs)+len(slices))
+	for i := range svcs {
+		objs = append(objs, &svcs[i])
+	}
+	for i := range slices {
+		objs = append(objs, &slices[i])
+	}
+	return objs
 }
 
 // Objects returns the Services and EndpointSlices of the cluster, one slice
