@@ -44,7 +44,9 @@ Usage:
   proxyaudit-aggregator [flags]
 
 HTTP API (on --http-listen): GET /api/v1/findings, /api/v1/nodes,
-/api/v1/nodes/{name}, /metrics, /healthz, /readyz.
+/api/v1/nodes/{name}, /metrics, /healthz, /readyz. With --http-readers,
+/api/ answers only a reader token (X-Proxyaudit-Token or Authorization:
+Bearer); the others stay open.
 
 Flags (environment fallbacks in brackets):
 `
