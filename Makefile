@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench bench-ipvs fleet-sim fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build test unit e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -37,9 +37,17 @@ fixtures: deps cluster-binaries
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 ./audit -update
 
-## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md)
+## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md);
+## the long cost measurements are bench-cost
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m ./...
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m $$($(GO) list ./... | grep -v /internal/e2e/cost)
+
+## bench-cost: what the collector costs a node at the anchors (10k services, 100k endpoints), beside
+## genuine kube-proxies: a quiet node over 10 minutes, and kube-proxy's sync and programming
+## latency with and without a collector under 100 changes/s (about 40 minutes; docs/benchmarks.md)
+COST_BENCH ?= QuietNodeCollector|KubeProxyPerturbation
+bench-cost: deps cluster-binaries
+	$(GO) test -run '^$$' -bench '$(COST_BENCH)' -benchtime 1x -timeout 120m -v ./internal/e2e/cost
 
 ## bench-ipvs: the IPVS read (netlink vs ipvsadm -Sn, 10k services x 10 real servers) in the IPVS VM
 IPVS_BENCH ?= -test.count 3 -test.benchtime 5x

@@ -30,6 +30,9 @@ type NodeInfo struct {
 	// kubelets of the releases whose IPVS mode could hang (deprecated
 	// since 1.29, so often empty today).
 	KubeProxyVersion string
+	// Quiet is why the node's collector is not expected to report ("":
+	// it is).
+	Quiet Quiet
 }
 
 // Service is one Service with the endpoints of all its EndpointSlices.
@@ -126,7 +129,7 @@ func ParseClusterList(data []byte) (*State, error) {
 func FromAPI(services []corev1.Service, slices []discoveryv1.EndpointSlice, nodes []corev1.Node) *State {
 	st := &State{Nodes: map[string]NodeInfo{}}
 	for _, n := range nodes {
-		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone], KubeProxyVersion: n.Status.NodeInfo.KubeProxyVersion}
+		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone], KubeProxyVersion: n.Status.NodeInfo.KubeProxyVersion, Quiet: QuietOf(&n)}
 	}
 	bySvc := map[[2]string][]Slice{}
 	for i := range slices {

@@ -8,27 +8,6 @@ import (
 	"time"
 )
 
-// Node- and fleet-level finding kinds, raised by a Judge over time.
-const (
-	// StuckProxy: the node's rules fell behind cluster changes for longer
-	// than the grace period. One finding per node, naming its services.
-	StuckProxy Kind = "StuckProxy"
-	// CollectorMissing: no report from the node's collector for three of
-	// its intervals (or it reports only read errors). Absence is not
-	// staleness: nothing else is said about the node meanwhile.
-	CollectorMissing Kind = "CollectorMissing"
-	// MassDivergence: more than the configured share of nodes drifted at
-	// once; the aggregator's view or the control-plane path is the more
-	// likely culprit, so the node findings are folded into this one.
-	MassDivergence Kind = "MassDivergence"
-)
-
-// TimedFinding is a finding with the time its condition began.
-type TimedFinding struct {
-	Finding
-	Since time.Time `json:"since"`
-}
-
 // Policy is when a difference becomes a finding.
 type Policy struct {
 	// Grace is how long a node may lag or differ before it is a finding:
@@ -107,6 +86,8 @@ type NodeStatus struct {
 	ReadError string    `json:"readError,omitempty"`
 	// KubeProxy is what kube-proxy's own metrics said last.
 	KubeProxy *KubeProxySignal `json:"kubeProxy,omitempty"`
+	// Collector is what the node's collector says its reads cost.
+	Collector *CollectorCost `json:"collector,omitempty"`
 	// Warnings are facts about the node that are not findings (a
 	// kube-proxy release known to misbehave in the node's mode).
 	Warnings []string `json:"warnings,omitempty"`
@@ -142,6 +123,7 @@ type nodeRecord struct {
 	readError     string
 	readErrSince  time.Time
 	kubeProxy     *KubeProxySignal
+	cost          *CollectorCost
 
 	assessed       time.Time
 	services       int
@@ -187,6 +169,23 @@ type Heartbeat struct {
 	ReadError string
 	// KubeProxy, when set, replaces what kube-proxy's metrics said.
 	KubeProxy *KubeProxySignal
+	// Cost, when set, replaces what the collector said its reads cost.
+	Cost *CollectorCost
+}
+
+// CollectorCost is what a node's collector says its reads of the rules
+// cost: reads by reason since it started (change, backstop, read-now,
+// resync, heartbeat) and the last read's wall time, CPU (its own and the
+// dump tool's) and bytes. A quiet node's collector reads only when the
+// rules changed, or at its backstop interval.
+type CollectorCost struct {
+	Reads                   map[string]uint64 `json:"reads"`
+	LastReadSeconds         float64           `json:"lastReadSeconds"`
+	LastReadCPUSeconds      float64           `json:"lastReadCPUSeconds"`
+	LastReadBytes           int64             `json:"lastReadBytes"`
+	FullReadIntervalSeconds float64           `json:"fullReadIntervalSeconds,omitempty"`
+	// SignalLost counts change announcements the node's kernel dropped.
+	SignalLost uint64 `json:"signalLost,omitempty"`
 }
 
 // KubeProxySignal is kube-proxy's own account of its syncs, from its
@@ -202,50 +201,6 @@ type KubeProxySignal struct {
 	Version string `json:"version,omitempty"`
 }
 
-// knownBad are kube-proxy releases whose IPVS graceful termination could
-// hang, retrying forever to delete old real servers (kubernetes#71071,
-// fixed by #72361): [minor, first patch, last patch] of 1.x.
-var knownBad = [][3]int{{11, 5, 6}, {12, 2, 4}, {13, 0, 1}}
-
-// WarnKnownBad adds a warning to every IPVS node of the verdict whose
-// kube-proxy release is in the known-bad window. The version comes from
-// kube-proxy's own metrics when they carry it (kubernetes_build_info),
-// else from the Node's status.nodeInfo.kubeProxyVersion.
-func WarnKnownBad(v *Verdict, nodes map[string]NodeInfo) {
-	for i := range v.Nodes {
-		n := &v.Nodes[i]
-		if n.Mode != ModeIPVS {
-			continue
-		}
-		version := nodes[n.Node].KubeProxyVersion
-		if n.KubeProxy != nil && n.KubeProxy.Version != "" {
-			version = n.KubeProxy.Version
-		}
-		if w := KnownBadKubeProxy(version); w != "" {
-			n.Warnings = append(n.Warnings, w)
-		}
-	}
-}
-
-// KnownBadKubeProxy returns why a kube-proxy version is unsafe in IPVS
-// mode, or "" ("v1.12.3", "v1.12.3-gke.1" and "1.12.3+k3s1" all parse).
-func KnownBadKubeProxy(version string) string {
-	v := strings.TrimPrefix(version, "v")
-	if i := strings.IndexAny(v, "-+"); i >= 0 {
-		v = v[:i]
-	}
-	var major, minor, patch int
-	if n, _ := fmt.Sscanf(v, "%d.%d.%d", &major, &minor, &patch); n != 3 || major != 1 {
-		return ""
-	}
-	for _, b := range knownBad {
-		if minor == b[0] && patch >= b[1] && patch <= b[2] {
-			return fmt.Sprintf("kube-proxy %s is in the known-bad window 1.11.5–1.11.6, 1.12.2–1.12.4, 1.13.0–1.13.1: its IPVS graceful termination can hang and keep old real servers for days (kubernetes#71071); upgrade kube-proxy", version)
-		}
-	}
-	return ""
-}
-
 // Heard records that node's collector reported.
 func (j *Judge) Heard(node string, hb Heartbeat) {
 	r := j.record(node, hb.At)
@@ -255,6 +210,9 @@ func (j *Judge) Heard(node string, hb Heartbeat) {
 	}
 	if hb.KubeProxy != nil {
 		r.kubeProxy = hb.KubeProxy
+	}
+	if hb.Cost != nil {
+		r.cost = hb.Cost
 	}
 	if hb.ReadError == "" {
 		r.readError, r.readErrSince = "", time.Time{}
@@ -356,6 +314,14 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 	return samples
 }
 
+// Cost is what node's collector last said its reads cost (nil: nothing).
+func (j *Judge) Cost(node string) *CollectorCost {
+	if r := j.nodes[node]; r != nil {
+		return r.cost
+	}
+	return nil
+}
+
 // Forget drops a node's memory (it left the cluster).
 func (j *Judge) Forget(node string) { delete(j.nodes, node) }
 
@@ -434,7 +400,7 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 	if interval <= 0 {
 		interval = p.DefaultInterval
 	}
-	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy}
+	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy, Collector: r.cost}
 	switch {
 	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending

@@ -110,18 +110,47 @@ func ParseNFTables(r io.Reader) (*Observed, error) {
 	if !sawArray {
 		return nil, fmt.Errorf("nft JSON has no \"nftables\" array (expected the output of \"nft -j list table ip kube-proxy\")")
 	}
+	var srcs []nftSource
+	for _, fam := range []string{"ip", "ip6"} {
+		if t := tables[fam]; t != nil {
+			srcs = append(srcs, t)
+		}
+	}
+	return reduceNFT(srcs)
+}
+
+// nftSource is kube-proxy's table in one family as a reader decoded it:
+// nft's JSON (parsed lazily, chain by chain) or the collector's netlink
+// dump (NFTTable). reduceNFT turns either into the observed model.
+type nftSource interface {
+	familyOf() int
+	// dispatches reports whether the services chain still looks up
+	// service-ips: without that rule (a flushed table) no service
+	// traffic is translated.
+	dispatches() bool
+	serviceIPs(fn func(FrontendKey, string)) error
+	nodePorts(fn func(FrontendKey, string)) error
+	noEndpoints(fn func(FrontendKey)) error
+	// rules is a chain's rules, each as its statements.
+	rules(chain string) [][]NFTStatement
+}
+
+func reduceNFT(srcs []nftSource) (*Observed, error) {
 	obs := &Observed{Mode: ModeNFTables, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
 	dispatch := false
-	for _, fam := range []string{"ip", "ip6"} {
-		t := tables[fam]
-		if t == nil {
-			continue
-		}
-		obs.Families = append(obs.Families, t.family)
+	for _, t := range srcs {
+		obs.Families = append(obs.Families, t.familyOf())
 		if t.dispatches() {
 			dispatch = true
 		}
-		if err := t.frontends(obs); err != nil {
+		add := func(k FrontendKey, target string) { addFrontend(t, obs, k, target) }
+		if err := t.serviceIPs(add); err != nil {
+			return nil, err
+		}
+		if err := t.nodePorts(add); err != nil {
+			return nil, err
+		}
+		if err := t.noEndpoints(func(k FrontendKey) { obs.Rejects[k] = true }); err != nil {
 			return nil, err
 		}
 	}
@@ -136,8 +165,17 @@ func ParseNFTables(r io.Reader) (*Observed, error) {
 	return obs, nil
 }
 
-// dispatches reports whether the services chain still looks up service-ips:
-// without that rule (a flushed table) no service traffic is translated.
+func (t *nftTable) familyOf() int { return t.family }
+
+func (t *nftTable) rules(chain string) [][]NFTStatement {
+	raw := t.chains[chain]
+	out := make([][]NFTStatement, len(raw))
+	for i, r := range raw {
+		out[i] = statements(r)
+	}
+	return out
+}
+
 func (t *nftTable) dispatches() bool {
 	for _, rule := range t.chains["services"] {
 		if bytes.Contains(rule, []byte(`"@service-ips"`)) {
@@ -247,78 +285,99 @@ func jsonPort(raw []byte) (uint16, bool) {
 	return uint16(n), true
 }
 
-func (t *nftTable) frontends(obs *Observed) error {
-	if m := t.maps["service-ips"]; m != nil {
-		err := elements(m, func(el nftElem) error {
-			if len(el.key) != 3 {
-				return fmt.Errorf("nft map service-ips: unexpected element key with %d parts", len(el.key))
-			}
-			ip, err := netip.ParseAddr(jsonString(el.key[0]))
-			port, okp := jsonPort(el.key[2])
-			if err != nil || !okp {
-				return fmt.Errorf("nft map service-ips: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
-			}
-			t.addFrontend(obs, FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}, el.target)
-			return nil
-		})
-		if err != nil {
-			return err
-		}
+func (t *nftTable) serviceIPs(fn func(FrontendKey, string)) error {
+	m := t.maps["service-ips"]
+	if m == nil {
+		return nil
 	}
-	if m := t.maps["service-nodeports"]; m != nil {
-		err := elements(m, func(el nftElem) error {
-			if len(el.key) != 2 {
-				return fmt.Errorf("nft map service-nodeports: unexpected element key with %d parts", len(el.key))
-			}
-			port, okp := jsonPort(el.key[1])
-			if !okp {
-				return fmt.Errorf("nft map service-nodeports: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
-			}
-			t.addFrontend(obs, FrontendKey{NodePort: true, Protocol: strings.ToUpper(jsonString(el.key[0])), Port: port}, el.target)
-			return nil
-		})
-		if err != nil {
-			return err
+	return elements(m, func(el nftElem) error {
+		if len(el.key) != 3 {
+			return fmt.Errorf("nft map service-ips: unexpected element key with %d parts", len(el.key))
 		}
-	}
-	if m := t.maps["no-endpoint-services"]; m != nil {
-		err := elements(m, func(el nftElem) error {
-			if len(el.key) == 3 {
-				if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
-					port, _ := jsonPort(el.key[2])
-					obs.Rejects[FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}] = true
-				}
-			}
-			return nil
-		})
-		if err != nil {
-			return err
+		ip, err := netip.ParseAddr(jsonString(el.key[0]))
+		port, okp := jsonPort(el.key[2])
+		if err != nil || !okp {
+			return fmt.Errorf("nft map service-ips: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 		}
-	}
-	return nil
+		fn(FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}, el.target)
+		return nil
+	})
 }
 
-func (t *nftTable) addFrontend(obs *Observed, key FrontendKey, target string) {
-	scope, policy := t.policy(target, 0)
+func (t *nftTable) nodePorts(fn func(FrontendKey, string)) error {
+	m := t.maps["service-nodeports"]
+	if m == nil {
+		return nil
+	}
+	return elements(m, func(el nftElem) error {
+		if len(el.key) != 2 {
+			return fmt.Errorf("nft map service-nodeports: unexpected element key with %d parts", len(el.key))
+		}
+		port, okp := jsonPort(el.key[1])
+		if !okp {
+			return fmt.Errorf("nft map service-nodeports: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
+		}
+		fn(FrontendKey{NodePort: true, Protocol: strings.ToUpper(jsonString(el.key[0])), Port: port}, el.target)
+		return nil
+	})
+}
+
+func (t *nftTable) noEndpoints(fn func(FrontendKey)) error {
+	m := t.maps["no-endpoint-services"]
+	if m == nil {
+		return nil
+	}
+	return elements(m, func(el nftElem) error {
+		if len(el.key) == 3 {
+			if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
+				port, _ := jsonPort(el.key[2])
+				fn(FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port})
+			}
+		}
+		return nil
+	})
+}
+
+// addFrontend follows a map element's target to the frontend's policy
+// chain and its endpoints: DNATs in the chain (a numgen map or a plain
+// address) and in the endpoint chains it goes to (session affinity).
+func addFrontend(t nftSource, obs *Observed, key FrontendKey, target string) {
+	scope, policy := nftPolicy(t, target, 0)
 	if policy == "" {
 		return
 	}
-	f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy)}
-	for _, rule := range t.chains[policy] {
-		for _, st := range statements(rule) {
-			for _, a := range st.dnat {
-				f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: policy})
-			}
-			for _, ch := range st.gotos {
-				if !strings.HasPrefix(ch, "endpoint-") {
-					continue
+	// The endpoints come from the policy chain's DNATs and from the
+	// endpoint chains it goes to; counted first, so that 100k endpoints
+	// are one allocation per frontend, not a slice grown ten times.
+	type part struct {
+		chain string
+		rules [][]NFTStatement
+	}
+	parts := []part{{policy, t.rules(policy)}}
+	n := 0
+	for _, rule := range parts[0].rules {
+		for _, st := range rule {
+			n += len(st.DNAT)
+			for _, ch := range st.Gotos {
+				if strings.HasPrefix(ch, "endpoint-") {
+					parts = append(parts, part{ch, t.rules(ch)})
 				}
-				for _, er := range t.chains[ch] {
-					for _, est := range statements(er) {
-						for _, a := range est.dnat {
-							f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: ch})
-						}
-					}
+			}
+		}
+	}
+	for _, p := range parts[1:] {
+		for _, rule := range p.rules {
+			for _, st := range rule {
+				n += len(st.DNAT)
+			}
+		}
+	}
+	f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy), Endpoints: make([]Endpoint, 0, n)}
+	for _, p := range parts {
+		for _, rule := range p.rules {
+			for _, st := range rule {
+				for _, a := range st.DNAT {
+					f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: p.chain})
 				}
 			}
 		}
@@ -326,9 +385,9 @@ func (t *nftTable) addFrontend(obs *Observed, key FrontendKey, target string) {
 	obs.Frontends = append(obs.Frontends, f) // normalize sorts and removes duplicate endpoints
 }
 
-// policy follows an external-… chain to the service-… (cluster) or local-…
-// chain its last unconditional goto names.
-func (t *nftTable) policy(chain string, depth int) (Scope, string) {
+// nftPolicy follows an external-… chain to the service-… (cluster) or
+// local-… chain its last unconditional goto names.
+func nftPolicy(t nftSource, chain string, depth int) (Scope, string) {
 	switch {
 	case depth > 3:
 		return "", ""
@@ -337,10 +396,10 @@ func (t *nftTable) policy(chain string, depth int) (Scope, string) {
 	case strings.HasPrefix(chain, "local-"):
 		return ScopeLocal, chain
 	case strings.HasPrefix(chain, "external-"):
-		rules := t.chains[chain]
+		rules := t.rules(chain)
 		for i := len(rules) - 1; i >= 0; i-- {
-			if sts := statements(rules[i]); len(sts) == 1 && len(sts[0].gotos) == 1 && sts[0].verdict {
-				return t.policy(sts[0].gotos[0], depth+1)
+			if sts := rules[i]; len(sts) == 1 && len(sts[0].Gotos) == 1 && sts[0].Verdict {
+				return nftPolicy(t, sts[0].Gotos[0], depth+1)
 			}
 		}
 	}
@@ -367,23 +426,23 @@ func nftChainName(chain string) string {
 	return parts[0] + "/" + parts[1] + ":" + parts[3]
 }
 
-// nftStatement is what the audit reads of one rule statement: DNAT
-// destinations (a plain address or a numgen map of [i, {"concat": [ip,
-// port]}]) and chains it goes to (a goto/jump verdict, verdict true, or a
-// numgen vmap of [i, {"goto": …}]).
-type nftStatement struct {
-	dnat    []netip.AddrPort
-	gotos   []string
-	verdict bool
+// NFTStatement is what the audit reads of one rule statement: DNAT
+// destinations (a plain address, or the values of a numgen map) and the
+// chains it goes to (a goto or jump verdict, Verdict true; or the values
+// of a numgen verdict map).
+type NFTStatement struct {
+	DNAT    []netip.AddrPort
+	Gotos   []string
+	Verdict bool
 }
 
 // statements reads a rule's expression list. Unreadable rules read as
 // empty: they route nothing the audit can name.
-func statements(rule []byte) []nftStatement {
-	var out []nftStatement
+func statements(rule []byte) []NFTStatement {
+	var out []NFTStatement
 	sc := at(rule)
 	err := sc.array(func(int) error {
-		var st nftStatement
+		var st NFTStatement
 		if sc.peek() != '{' {
 			return sc.skip()
 		}
@@ -392,10 +451,10 @@ func statements(rule []byte) []nftStatement {
 			case "dnat":
 				return readDNAT(sc, &st)
 			case "goto", "jump":
-				st.verdict = true
+				st.Verdict = true
 				t, err := verdictBody(sc)
 				if t != "" {
-					st.gotos = append(st.gotos, t)
+					st.Gotos = append(st.Gotos, t)
 				}
 				return err
 			case "vmap":
@@ -406,7 +465,7 @@ func statements(rule []byte) []nftStatement {
 					return mapSet(sc, func(v *jscan) error {
 						t, err := verdictTarget(v)
 						if t != "" {
-							st.gotos = append(st.gotos, t)
+							st.Gotos = append(st.Gotos, t)
 						}
 						return err
 					})
@@ -498,7 +557,7 @@ func mapSet(sc *jscan, fn func(*jscan) error) error {
 	})
 }
 
-func readDNAT(sc *jscan, st *nftStatement) error {
+func readDNAT(sc *jscan, st *NFTStatement) error {
 	var addr netip.Addr
 	var port uint16
 	err := sc.object(func(k []byte) error {
@@ -526,7 +585,7 @@ func readDNAT(sc *jscan, st *nftStatement) error {
 						return mapSet(sc, func(v *jscan) error {
 							ap, err := concatAddrPort(v)
 							if ap.IsValid() {
-								st.dnat = append(st.dnat, ap)
+								st.DNAT = append(st.DNAT, ap)
 							}
 							return err
 						})
@@ -542,7 +601,7 @@ func readDNAT(sc *jscan, st *nftStatement) error {
 		return sc.skip()
 	})
 	if addr.IsValid() {
-		st.dnat = append(st.dnat, netip.AddrPortFrom(addr, port))
+		st.DNAT = append(st.DNAT, netip.AddrPortFrom(addr, port))
 	}
 	return err
 }

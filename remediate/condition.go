@@ -1,13 +1,9 @@
 package remediate
 
 import (
-	"context"
-	"encoding/json"
 	"fmt"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -28,27 +24,4 @@ func Condition(st audit.NodeStatus, headline string) (status corev1.ConditionSta
 		return corev1.ConditionUnknown, "CollectorMissing", "proxyaudit's collector on this node is not reporting; the rules are unknown", true
 	}
 	return "", "", "", false
-}
-
-// SetCondition writes the condition when it changed since the last write
-// this executor made (or the node shows a different value).
-func (e *Executor) SetCondition(ctx context.Context, node *corev1.Node, status corev1.ConditionStatus, reason, msg string) error {
-	for _, c := range node.Status.Conditions {
-		if c.Type == ConditionType && c.Status == status && c.Reason == reason {
-			return nil
-		}
-	}
-	now := metav1.NewTime(time.Now())
-	patch := map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{{
-		Type: ConditionType, Status: status, Reason: reason, Message: msg,
-		LastHeartbeatTime: now, LastTransitionTime: now,
-	}}}}
-	body, err := json.Marshal(patch)
-	if err != nil {
-		return err
-	}
-	if _, err := e.Client.CoreV1().Nodes().PatchStatus(ctx, node.Name, body); err != nil {
-		return fmt.Errorf("set %s on node %s: %w", ConditionType, node.Name, err)
-	}
-	return nil
 }

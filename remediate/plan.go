@@ -220,6 +220,10 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 	return out
 }
 
+// StaticProxyAdvice is what to do about a static kube-proxy, which the API
+// cannot restart.
+const StaticProxyAdvice = "kube-proxy runs as a static pod here, which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back, or `crictl stop` its container"
+
 // blocked says why the node may not be restarted now, or "".
 func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int) string {
 	switch {
@@ -228,7 +232,7 @@ func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int) str
 	case n.Leaving != "":
 		return "node is going away (" + n.Leaving + ")"
 	case n.StaticProxy:
-		return "kube-proxy runs as a static pod here, which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back, or `crictl stop` its container"
+		return StaticProxyAdvice
 	case n.NoProxyPod:
 		return "no kube-proxy pod found on the node (check the kube-proxy selector)"
 	case len(inc.Restarts) >= p.RestartBudget:

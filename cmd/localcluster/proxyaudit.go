@@ -11,8 +11,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -83,8 +84,8 @@ func (a *aggClient) wait(ctx context.Context, d time.Duration, what string, cond
 	deadline := time.Now().Add(d)
 	var last error
 	for time.Now().Before(deadline) {
-		var fr aggregator.FindingsResponse
-		var nr aggregator.NodesResponse
+		var fr api.FindingsResponse
+		var nr api.NodesResponse
 		if last = a.get("/api/v1/findings", &fr); last == nil {
 			if last = a.get("/api/v1/nodes", &nr); last == nil && cond(fr.Findings, nr.Nodes) {
 				return nil

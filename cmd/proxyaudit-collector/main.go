@@ -25,11 +25,19 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/sirupsen/logrus"
 )
 
-const usage = `proxyaudit-collector reads this node's kube-proxy rules (iptables, nftables)
-every interval and streams them to the proxyaudit aggregator, which compares
-them with the cluster's Services and EndpointSlices.
+const usage = `proxyaudit-collector reads this node's kube-proxy rules (iptables, nftables,
+IPVS) and streams them to the proxyaudit aggregator, which compares them with
+the cluster's Services and EndpointSlices.
+
+It reads only when the rules may have changed: nf_tables (iptables-nft and
+nftables mode) announces every commit and numbers the ruleset's generations;
+the legacy iptables backend is watched through its nat table's size. A quiet
+node sends a ~100-byte heartbeat every --interval and reads nothing; a change
+is read about 0.1 s after it is committed; --full-read-interval bounds what a
+signal can miss. IPVS has no change signal and is read every interval.
 
 Usage:
   proxyaudit-collector --node-name NODE --aggregator HOST:PORT [flags]
@@ -58,11 +66,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 	node := fs.String("node-name", os.Getenv("NODE_NAME"), "name of this node, as the API knows it [NODE_NAME]")
 	agg := fs.String("aggregator", os.Getenv("PROXYAUDIT_AGGREGATOR"), "aggregator stream address host:port (or several, comma-separated); a DNS name is resolved to every replica and the leader is found [PROXYAUDIT_AGGREGATOR]")
 	mode := fs.String("mode", envOr("PROXYAUDIT_MODE", "auto"), "rules to read: auto (detect what kube-proxy programs), iptables, iptables-legacy, nftables, ipvs [PROXYAUDIT_MODE]")
-	interval := fs.Duration("interval", 10*time.Second, "how often to read the rules; the aggregator declares the collector missing after 3 intervals without a report")
+	interval := fs.Duration("interval", 10*time.Second, "heartbeat: how often to report (reading only when the change signal moved; IPVS always reads); the aggregator declares the collector missing after 3 intervals without a report")
+	fullRead := fs.Duration("full-read-interval", collector.DefaultFullReadInterval, "longest time between two reads of rules that have a change signal: the backstop for what a signal can miss (a same-size rewrite of one rule on the legacy iptables backend)")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
 	serverName := fs.String("tls-server-name", os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"), "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name (replicas are dialled by IP, so an IP-only --aggregator needs this) [PROXYAUDIT_TLS_SERVER_NAME]")
 	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
+	nftReader := fs.String("nft-reader", envOr("PROXYAUDIT_NFT_READER", "netlink"), "how to read nftables mode: netlink (the kernel's nf_tables dumps, decoding only what the audit needs) or nft-json (`nft -j list table ip kube-proxy`, slower; a fallback) [PROXYAUDIT_NFT_READER]")
+	memLimit := fs.Int64("memory-limit-mib", 40, "soft limit for the Go heap in MiB (GOMEMLIMIT, which wins when set): the collector reads rarely, so the garbage collector keeps a quiet node's collector small instead of letting a read's garbage double the footprint; a heap that needs more grows past it; 0 turns it off")
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
@@ -76,8 +87,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit-collector: "+format+"\n", a...)
 		return 2
 	}
+	if os.Getenv("GOMEMLIMIT") == "" && *memLimit > 0 {
+		debug.SetMemoryLimit(*memLimit << 20)
+	}
+	host := collector.NewHost()
+	switch *nftReader {
+	case "netlink":
+	case "nft-json":
+		host.NFTJSON = true
+	default:
+		return fail("--nft-reader %q: want netlink or nft-json", *nftReader)
+	}
 	if *once {
-		return readOnce(*mode, *snapshot, stdout, fail)
+		return readOnce(host, *mode, *snapshot, stdout, fail)
 	}
 	if *node == "" {
 		return fail("--node-name is required (in a DaemonSet, set NODE_NAME from spec.nodeName)")
@@ -88,13 +110,17 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if *interval < time.Second {
 		return fail("--interval %s is too short: at least 1s", *interval)
 	}
-	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version(), KubeProxyMetrics: *kpMetrics}
+	if *fullRead < *interval {
+		return fail("--full-read-interval %s is shorter than --interval %s", *fullRead, *interval)
+	}
+	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, FullReadInterval: *fullRead, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version(), KubeProxyMetrics: *kpMetrics}
 	src, fixed, err := collector.ParseMode(*mode)
 	if err != nil {
 		return fail("%v", err)
 	}
+	cfg.Host = host
 	if fixed {
-		cfg.Source = &src
+		cfg.Reader = host.Reader(src)
 	}
 	if *caFile != "" {
 		pem, err := os.ReadFile(*caFile)
@@ -120,6 +146,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	defer log.Sync()
 	cfg.Log = log.With(zap.String("node", *node))
+	// moby/ipvs logs through logrus (when it runs modprobe ip_vs).
+	logrus.SetOutput(zap.NewStdLog(log.Named("ipvs")).Writer())
 	if cfg.TLS == nil {
 		cfg.Log.Warn("streaming without TLS (--ca-file not set): use only for local experiments")
 	}
@@ -167,26 +195,30 @@ type Footprint struct {
 	ToolCPUSeconds  float64 `json:"toolCPUSeconds"`
 }
 
-func readOnce(mode, snapshot string, stdout io.Writer, fail func(string, ...any) int) int {
+func readOnce(host *collector.Host, mode, snapshot string, stdout io.Writer, fail func(string, ...any) int) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	src, fixed, err := collector.ParseMode(mode)
 	if err != nil {
 		return fail("%v", err)
 	}
+	// moby/ipvs warns through logrus when modprobe is missing (a
+	// collector image has none): the read says whether the table is there.
+	logrus.SetOutput(io.Discard)
 	if !fixed {
-		if src, err = collector.Detect(ctx); err != nil {
+		if src, err = host.Detect(ctx); err != nil {
 			return fail("%v", err)
 		}
 	}
+	reader := host.Reader(src)
 	start := time.Now()
-	obs, err := src.Read(ctx)
+	obs, err := reader.Read(ctx)
 	if err != nil {
-		return fail("read %s rules: %v", src, err)
+		return fail("read %s rules: %v", reader, err)
 	}
 	took := time.Since(start)
 	st := stream.FromModel(obs)
-	msg := &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true)}
+	msg := &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true, false)}
 	var size countWriter
 	stream.Write(&size, msg)
 	if snapshot != "" {
@@ -198,7 +230,7 @@ func readOnce(mode, snapshot string, stdout io.Writer, fail func(string, ...any)
 			return fail("--snapshot: %v", err)
 		}
 	}
-	f := Footprint{Mode: src.String(), NoRules: obs.NoRules, Frontends: len(obs.Frontends), SnapshotBytes: int(size), ReadSeconds: took.Seconds()}
+	f := Footprint{Mode: reader.String(), NoRules: obs.NoRules, Frontends: len(obs.Frontends), SnapshotBytes: int(size), ReadSeconds: took.Seconds()}
 	for _, fe := range obs.Frontends {
 		f.Endpoints += len(fe.Endpoints)
 	}

@@ -7,11 +7,14 @@ import (
 	"fmt"
 	"io"
 	"net/url"
+	"sort"
 	"strings"
 	"text/tabwriter"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 )
 
 const explainUsage = `proxyaudit explain: one node's kube-proxy rules traced against the cluster.
@@ -69,7 +72,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
 		return exitUsage
 	}
-	var resp aggregator.ExplainResponse
+	var resp api.ExplainResponse
 	if err := json.Unmarshal(b, &resp); err != nil {
 		fmt.Fprintf(stderr, "proxyaudit explain: not the aggregator's answer: %v\n", err)
 		return exitUsage
@@ -104,8 +107,12 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	return exitClean
 }
 
-func explainTable(w io.Writer, r aggregator.ExplainResponse, bad int) {
+func explainTable(w io.Writer, r api.ExplainResponse, bad int) {
 	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s)\n", r.Node, r.Mode, bad)
+	if c := r.Collector; c != nil {
+		fmt.Fprintf(w, "collector: %s; last read %s, %s CPU, %s\n", readCounts(c.Reads), seconds(c.LastReadSeconds),
+			seconds(c.LastReadCPUSeconds), bytesOf(c.LastReadBytes))
+	}
 	for _, p := range r.Ports {
 		name := p.Service
 		if name == "" {
@@ -133,4 +140,34 @@ func mark(status string) string {
 		return "ok"
 	}
 	return strings.ToUpper(status)
+}
+
+// readCounts is "12 reads (change 9, backstop 2, resync 1)".
+func readCounts(m map[string]uint64) string {
+	var total uint64
+	keys := make([]string, 0, len(m))
+	for k, n := range m {
+		total += n
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %d", k, m[k]))
+	}
+	return fmt.Sprintf("%d read(s) (%s)", total, strings.Join(parts, ", "))
+}
+
+func seconds(s float64) string {
+	return (time.Duration(s * float64(time.Second))).Round(time.Millisecond).String()
+}
+
+func bytesOf(n int64) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MB read", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f kB read", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d bytes read", n)
 }

@@ -16,13 +16,14 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 )
 
 const reportUsage = `proxyaudit report: the fleet at a glance, from the aggregator.
@@ -46,8 +47,8 @@ known, not current).
 
 // FleetReport is report's JSON output.
 type FleetReport struct {
-	At    time.Time             `json:"at"`
-	Stale *aggregator.StaleView `json:"stale,omitempty"`
+	At    time.Time      `json:"at"`
+	Stale *api.StaleView `json:"stale,omitempty"`
 	// RecoveringUntil: node drift is held back until then (the aggregator's
 	// view just came back from an API outage; kube-proxies reconnect).
 	RecoveringUntil *time.Time              `json:"recoveringUntil,omitempty"`
@@ -145,7 +146,7 @@ func accessFlags(fs *flag.FlagSet) *access {
 		port:       fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
 		timeout:    fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator"),
 		reader:     fs.String("reader-service-account", "proxyaudit-reader", "through the API server: mint a 10-minute token for this ServiceAccount (in --namespace) to show the aggregator; the chart's report-reader Role allows it. Empty: send none"),
-		audience:   fs.String("reader-audience", aggregator.DefaultReaderAudience, "audience of that token (the aggregator's --http-reader-audience)"),
+		audience:   fs.String("reader-audience", api.DefaultReaderAudience, "audience of that token (the aggregator's --http-reader-audience)"),
 		tokenFile:  fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
 	}
 	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
@@ -206,7 +207,7 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 			}
 		}
 		if token != "" {
-			req = req.SetHeader(aggregator.TokenHeader, token)
+			req = req.SetHeader(api.TokenHeader, token)
 		}
 		b, err := req.DoRaw(ctx)
 		if err != nil {
@@ -254,8 +255,8 @@ func httpGet(ctx context.Context, url, token string) ([]byte, error) {
 
 // fetchReport reads the findings and the nodes and summarises the fleet.
 func fetchReport(get func(string) ([]byte, error)) (*FleetReport, error) {
-	var fr aggregator.FindingsResponse
-	var nr aggregator.NodesResponse
+	var fr api.FindingsResponse
+	var nr api.NodesResponse
 	for path, v := range map[string]any{"/api/v1/findings": &fr, "/api/v1/nodes": &nr} {
 		b, err := get(path)
 		if err != nil {

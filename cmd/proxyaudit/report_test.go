@@ -12,8 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
@@ -21,7 +22,7 @@ var update = flag.Bool("update", false, "rewrite the golden files under testdata
 
 // fleet is the demo's situation as the aggregator's API returns it: node-b
 // stuck behind a kube-dns roll, node-d's collector silent.
-func fleet() (aggregator.FindingsResponse, aggregator.NodesResponse) {
+func fleet() (api.FindingsResponse, api.NodesResponse) {
 	at := time.Date(2026, 11, 21, 16, 19, 3, 0, time.UTC)
 	since := at.Add(-17 * time.Second)
 	f := func(node, svc, port string, kind audit.Kind, ep, detail string, s time.Time) audit.TimedFinding {
@@ -40,18 +41,18 @@ func fleet() (aggregator.FindingsResponse, aggregator.NodesResponse) {
 		{Node: "node-c", State: audit.NodeInSync, Mode: audit.ModeNFTables, Services: 5, InSync: 5, Lag: audit.LagStats{Samples: 40, P50: 1.5, P90: 2, P99: 4.4, Max: 5.0}},
 		{Node: "node-d", State: audit.NodeMissing, Mode: audit.ModeIPTables},
 	}
-	return aggregator.FindingsResponse{At: at, Leader: "10.0.0.5:9443", Grace: "30s", Findings: findings},
-		aggregator.NodesResponse{At: at, Nodes: nodes}
+	return api.FindingsResponse{At: at, Leader: "10.0.0.5:9443", Grace: "30s", Findings: findings},
+		api.NodesResponse{At: at, Nodes: nodes}
 }
 
-func serve(t *testing.T, fr aggregator.FindingsResponse, nr aggregator.NodesResponse) string {
+func serve(t *testing.T, fr api.FindingsResponse, nr api.NodesResponse) string {
 	srv := httptest.NewServer(aggregatorAPI(fr, nr))
 	t.Cleanup(srv.Close)
 	return srv.URL
 }
 
 // aggregatorAPI answers the two paths report reads, as the aggregator does.
-func aggregatorAPI(fr aggregator.FindingsResponse, nr aggregator.NodesResponse) http.Handler {
+func aggregatorAPI(fr api.FindingsResponse, nr api.NodesResponse) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case "/api/v1/findings":
@@ -120,9 +121,11 @@ func TestExplainGolden(t *testing.T) {
 	// The cluster moved svc-00001 to a new endpoint; the node did not follow.
 	slices[1].Endpoints[1].Addresses = []string{"198.18.99.7"}
 	st := audit.FromAPI(svcs, slices, nil)
-	resp := aggregator.ExplainResponse{Node: "node-b", Mode: "iptables",
+	resp := api.ExplainResponse{Node: "node-b", Mode: "iptables",
 		States: map[string]audit.ServiceState{"synth/svc-00001": audit.Lagging},
-		Ports:  audit.Explain(audit.ExpectedFor(st, "node-b"), obs, "")}
+		Ports:  audit.Explain(audit.ExpectedFor(st, "node-b"), obs, ""),
+		Collector: &audit.CollectorCost{Reads: map[string]uint64{"resync": 1, "change": 9, "backstop": 2}, LastReadSeconds: 0.412,
+			LastReadCPUSeconds: 0.388, LastReadBytes: 7_340_032}}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/api/v1/nodes/node-b/explain" {
 			http.NotFound(w, r)
@@ -154,7 +157,7 @@ func TestExplainGolden(t *testing.T) {
 // aggregator holding drift back after an API outage says that instead.
 func TestReportStaleAndRecovering(t *testing.T) {
 	fr, nr := fleet()
-	fr.Stale = &aggregator.StaleView{Since: fr.At.Add(-time.Minute), Reason: "the EndpointSlices watch has failed since …"}
+	fr.Stale = &api.StaleView{Since: fr.At.Add(-time.Minute), Reason: "the EndpointSlices watch has failed since …"}
 	url := serve(t, fr, nr)
 	for format, first := range map[string]string{"table": "STALE: the aggregator cannot see the API", "markdown": "> **STALE:", "json": "{\n  \"at\""} {
 		var out, errb bytes.Buffer
@@ -198,7 +201,7 @@ func TestReportShowsAReaderToken(t *testing.T) {
 	fr.Findings = nil
 	const proxy = "/api/v1/namespaces/proxyaudit/services/http:proxyaudit-aggregator:http/proxy"
 	var mayMint bool
-	api := http.StripPrefix(proxy, aggregatorAPI(fr, nr))
+	agg := http.StripPrefix(proxy, aggregatorAPI(fr, nr))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case r.Method == http.MethodPost && r.URL.Path == "/api/v1/namespaces/proxyaudit/serviceaccounts/proxyaudit-reader/token":
@@ -212,13 +215,13 @@ func TestReportShowsAReaderToken(t *testing.T) {
 			json.NewEncoder(w).Encode(map[string]any{"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
 				"status": map[string]any{"token": "reader-token", "expirationTimestamp": time.Now().Add(time.Hour).Format(time.RFC3339)}})
 		case strings.HasPrefix(r.URL.Path, proxy+"/"):
-			if r.Header.Get(aggregator.TokenHeader) != "reader-token" {
+			if r.Header.Get(api.TokenHeader) != "reader-token" {
 				w.Header().Set("Content-Type", "application/json")
 				w.WriteHeader(http.StatusUnauthorized)
 				w.Write([]byte(`{"error": "findings are for readers only: send a token"}`))
 				return
 			}
-			api.ServeHTTP(w, r)
+			agg.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}

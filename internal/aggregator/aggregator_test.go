@@ -13,15 +13,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap/zaptest"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
-	"k8s.io/utils/clock"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -35,7 +38,13 @@ type harness struct {
 	addr   string
 	ctx    context.Context
 	wg     *sync.WaitGroup
+	// clk is the time of the view, the aggregator and the harness's
+	// collectors: it moves only when the test steps it (until, advance).
+	clk *clocktesting.FakeClock
 }
+
+// t0 is where the harness's clock starts.
+var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
 
 // start runs an aggregator over a fake API holding the synth cluster and
 // nodes n1..n3, leading, with the given authenticator.
@@ -52,18 +61,17 @@ func fakeCluster() *fake.Clientset {
 	return fake.NewClientset(objs...)
 }
 
-// startWith is start over the given fake API; setup, when not nil, sees
-// the view before it runs.
-func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, setup func(*View)) *harness {
+// startWith is start over the given fake API, with the barrier when not
+// nil. Nothing evaluates on its own: until and advance do, as they step
+// the clock.
+func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, barrier *Barrier) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
-	view := NewView(client, 4*grace, log, clock.RealClock{}, nil)
-	if setup != nil {
-		setup(view)
-	}
+	clk := clocktesting.NewFakeClock(t0)
+	view := NewView(ViewConfig{Client: client, Keep: 4 * grace, Debounce: 50 * time.Millisecond, Log: log, Clock: clk, Barrier: barrier})
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
-	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20}, view)
+	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}, view)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -71,16 +79,16 @@ func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fa
 	var wg sync.WaitGroup
 	t.Cleanup(wg.Wait) // runs after cancel: cleanups run last-in first-out
 	t.Cleanup(cancel)
-	wg.Add(3)
-	go func() { defer wg.Done(); view.Run(ctx, 50*time.Millisecond) }()
+	wg.Add(2)
+	go func() { defer wg.Done(); view.Run(ctx) }()
 	go func() { defer wg.Done(); agg.Serve(ctx, ln) }()
 	agg.StartedLeading()
-	go func() { defer wg.Done(); agg.Run(ctx) }()
-	h := &harness{t: t, client: client, agg: agg, addr: ln.Addr().String(), ctx: ctx, wg: &wg}
+	h := &harness{t: t, client: client, agg: agg, addr: ln.Addr().String(), ctx: ctx, wg: &wg, clk: clk}
 	h.eventually(10*time.Second, "informers synced", func() bool { return view.Synced() == nil })
 	return h
 }
 
+// eventually waits in real time for something that needs no clock.
 func (h *harness) eventually(d time.Duration, what string, cond func() bool) {
 	h.t.Helper()
 	deadline := time.Now().Add(d)
@@ -88,7 +96,49 @@ func (h *harness) eventually(d time.Duration, what string, cond func() bool) {
 		if time.Now().After(deadline) {
 			h.t.Fatalf("timed out after %s waiting for %s", d, what)
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// step is how far until and advance move the clock at a time, and yield
+// the real time they give the goroutines (informers, streams, collectors)
+// after each step.
+const (
+	step  = 50 * time.Millisecond
+	yield = 5 * time.Millisecond
+)
+
+// until steps the clock and evaluates until cond holds, failing after
+// limit of the harness's time (or a minute of real time). It returns the
+// time that passed on the clock.
+func (h *harness) until(limit time.Duration, what string, cond func() bool) time.Duration {
+	h.t.Helper()
+	start := h.clk.Now()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		h.agg.Evaluate()
+		if cond() {
+			return h.clk.Since(start)
+		}
+		if h.clk.Since(start) > limit || time.Now().After(deadline) {
+			h.t.Fatalf("timed out after %s (real %s left) waiting for %s", h.clk.Since(start), time.Until(deadline).Round(time.Second), what)
+		}
+		h.clk.Step(step)
+		time.Sleep(yield)
+	}
+}
+
+// advance steps the clock by d, evaluating as it goes, and calls each
+// (when not nil) after every evaluation.
+func (h *harness) advance(d time.Duration, each func()) {
+	h.t.Helper()
+	for end := h.clk.Now().Add(d); h.clk.Now().Before(end); {
+		h.clk.Step(step)
+		time.Sleep(yield)
+		h.agg.Evaluate()
+		if each != nil {
+			each()
+		}
 	}
 }
 
@@ -116,6 +166,9 @@ func expect(t *testing.T, c net.Conn, typ, contains string) {
 		t.Fatalf("want %s, read: %v", typ, err)
 	}
 	if m.Type != typ {
+		if m.Reject != nil {
+			t.Fatalf("want %s, got reject: %s", typ, m.Reject.Reason)
+		}
 		t.Fatalf("want %s, got %+v", typ, m)
 	}
 	if contains != "" && (m.Reject == nil || !strings.Contains(m.Reject.Reason, contains)) {
@@ -141,8 +194,8 @@ func rules(t *testing.T, drop ...int) *audit.Observed {
 }
 
 // tokens: "t-NODE" is valid for NODE only.
-var tokens = AuthFunc(func(_ context.Context, node, token string) error {
-	if token != "t-"+node {
+var tokens = AuthFunc(func(_ context.Context, h Hello) error {
+	if h.Token != "t-"+h.Node {
 		return errors.New("unauthenticated: token is bound to another node")
 	}
 	return nil
@@ -151,12 +204,14 @@ var tokens = AuthFunc(func(_ context.Context, node, token string) error {
 // Bad streams are refused with a reason, counted, and leave no node behind.
 func TestStreamRejects(t *testing.T) {
 	h := start(t, 2*time.Second, tokens)
-	rejected := func(reason string) float64 {
-		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(reason))
+	rejected := func(reason RejectReason) float64 {
+		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)))
 	}
 	cases := []struct {
-		name, reason, says string
-		send               func(c net.Conn)
+		name   string
+		reason RejectReason
+		says   string
+		send   func(c net.Conn)
 	}{
 		{"garbage", ReasonMalformed, "malformed", func(c net.Conn) { c.Write([]byte("\x00\x00\x00\x05hello")) }},
 		{"100 MB message", ReasonTooLarge, "larger than the limit", func(c net.Conn) {
@@ -194,7 +249,7 @@ func TestStreamRejects(t *testing.T) {
 	c := h.dial("n1")
 	expect(t, c, stream.TypeWelcome, "")
 	st := stream.NewState()
-	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 1, true)})
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 1, true, false)})
 	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Root: st.Root()}})
 	expect(t, c, stream.TypeReject, "replayed")
 	c = h.dial("n1")
@@ -202,6 +257,13 @@ func TestStreamRejects(t *testing.T) {
 	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true,
 		Frontends: []stream.Frontend{{Key: "198.19.0.10:53/UDP", Scope: string(audit.ScopeCluster), Endpoints: []string{"not-an-endpoint"}}}}})
 	expect(t, c, stream.TypeReject, "bad endpoint")
+	// What a collector says its reads cost is validated too: reasons are a
+	// closed set (they become a metric's label values).
+	c = h.dial("n1")
+	expect(t, c, stream.TypeWelcome, "")
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true,
+		Reads: &stream.ReadStats{Reads: map[stream.ReadReason]uint64{"made-up": 1}}}})
+	expect(t, c, stream.TypeReject, "unknown reason")
 	h.agg.mu.Lock()
 	defer h.agg.mu.Unlock()
 	if n := h.agg.nodes["n1"]; n == nil || n.complete || n.state.Len() != 0 {
@@ -221,7 +283,7 @@ func TestStreamResync(t *testing.T) {
 	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Root: 42}})
 	expect(t, c, stream.TypeResync, "")
 	st := stream.NewState()
-	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 2, true)})
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), 2, true, false)})
 	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 3, Root: st.Root() + 1}})
 	expect(t, c, stream.TypeResync, "")
 }
@@ -234,9 +296,9 @@ func (h *harness) collectorEvery(ctx context.Context, node string, interval time
 	h.wg.Add(1)
 	go func() {
 		defer h.wg.Done()
-		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, TokenFile: "",
-			Log:  zaptest.NewLogger(h.t).Named(node),
-			Read: func(context.Context) (*audit.Observed, error) { return read(), nil }})
+		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, TokenFile: "", Clock: h.clk,
+			Log:    zaptest.NewLogger(h.t).Named(node),
+			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return read(), nil }}})
 	}()
 }
 
@@ -271,7 +333,7 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	h.collector(n3ctx, "n3", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
 	// n4 shows n3's rules: judged once for both, reported for each.
 	h.collector(h.ctx, "n4", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
-	h.eventually(10*time.Second, "four nodes in sync", func() bool {
+	h.until(10*time.Second, "four nodes in sync", func() bool {
 		v := h.verdict()
 		in := 0
 		for _, n := range v.Nodes {
@@ -290,34 +352,41 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, sl, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	changed := time.Now()
 	mu.Lock()
 	current = rules(t, 2)
 	mu.Unlock()
-	h.eventually(15*time.Second, "StuckProxy on n3 and n4", func() bool {
+	took := h.until(15*time.Second, "StuckProxy on n3 and n4", func() bool {
 		return kindsOf(h.verdict()) == "n3:StuckProxy n3:StaleEndpoint n4:StuckProxy n4:StaleEndpoint"
 	})
 	if shared := testutil.ToFloat64(h.agg.cfg.Metrics.Assessments.WithLabelValues("shared")); shared == 0 {
 		t.Error("nodes showing the same rules were each assessed on their own")
 	}
-	if d := time.Since(changed); d < 2*time.Second {
-		t.Fatalf("finding raised %s after the change, before grace", d)
+	if took < 2*time.Second {
+		t.Fatalf("finding raised %s after the change, before grace", took)
 	}
 	for _, n := range h.verdict().Nodes {
 		if n.Node != "n3" && n.Node != "n4" && n.Lag.Samples == 0 {
 			t.Errorf("%s: no programming-lag samples after catching up: %+v", n.Node, n)
 		}
+		// A reader without a change signal reads at every heartbeat, and
+		// says so.
+		if n.Collector == nil || n.Collector.Reads["heartbeat"] == 0 {
+			t.Errorf("%s: the collector's read cost did not arrive: %+v", n.Node, n.Collector)
+		}
+	}
+	if reads := testutil.ToFloat64(h.agg.cfg.Metrics.CollectorReads.WithLabelValues("heartbeat")); reads < 4 {
+		t.Errorf("proxyaudit_collector_reads_total{reason=heartbeat} = %v over four collectors", reads)
 	}
 
 	// The HTTP API serves the verdict.
 	srv := httptest.NewServer(h.agg.Handler("0"))
 	defer srv.Close()
-	var fr FindingsResponse
+	var fr api.FindingsResponse
 	getJSON(t, srv.URL+"/api/v1/findings?node=n3", &fr)
 	if len(fr.Findings) != 2 || fr.Findings[1].Since.IsZero() || fr.Summary.NodesDrifted != 1 {
 		t.Fatalf("findings API: %+v", fr)
 	}
-	var nr NodeResponse
+	var nr api.NodeResponse
 	getJSON(t, srv.URL+"/api/v1/nodes/n3", &nr)
 	if nr.State != audit.NodeStuck || nr.Lagging != 1 || len(nr.Findings) != 2 {
 		t.Fatalf("node API: %+v", nr)
@@ -335,9 +404,9 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	mu.Lock()
 	stuck = rules(t, 2)
 	mu.Unlock()
-	h.eventually(10*time.Second, "n3 recovered", func() bool { return len(h.verdict().Findings) == 0 })
+	h.until(10*time.Second, "n3 recovered", func() bool { return len(h.verdict().Findings) == 0 })
 	stopN3()
-	h.eventually(15*time.Second, "n3 missing", func() bool { return kindsOf(h.verdict()) == "n3:CollectorMissing" })
+	h.until(15*time.Second, "n3 missing", func() bool { return kindsOf(h.verdict()) == "n3:CollectorMissing" })
 }
 
 func getJSON(t *testing.T, url string, v any) {
@@ -359,23 +428,23 @@ func TestQuietNodes(t *testing.T) {
 	now := metav1.Now()
 	for _, tc := range []struct {
 		node corev1.Node
-		want string
+		want audit.Quiet
 	}{
 		{corev1.Node{}, ""},
 		{corev1.Node{Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}}}, ""},
-		{corev1.Node{Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionUnknown}}}}, "not Ready"},
-		{corev1.Node{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}}, "being deleted"},
-		{corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: ToBeDeletedTaint, Effect: corev1.TaintEffectNoSchedule}}}}, "removed by the cluster autoscaler"},
+		{corev1.Node{Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionUnknown}}}}, audit.QuietNotReady},
+		{corev1.Node{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}}, audit.QuietDeleting},
+		{corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: audit.ToBeDeletedTaint, Effect: corev1.TaintEffectNoSchedule}}}}, audit.QuietAutoscaler},
 	} {
-		if got := quietReason(&tc.node); got != tc.want {
+		if got := audit.QuietOf(&tc.node); got != tc.want {
 			t.Errorf("%+v: %q, want %q", tc.node, got, tc.want)
 		}
 	}
-	// Trim keeps what quietReason reads.
+	// Trim keeps what audit.QuietOf reads.
 	n := &corev1.Node{Status: corev1.NodeStatus{Images: make([]corev1.ContainerImage, 3),
 		Conditions: []corev1.NodeCondition{{Type: corev1.NodeMemoryPressure}, {Type: corev1.NodeReady, Status: corev1.ConditionFalse, Message: "kubelet stopped"}}}}
 	Trim(n)
-	if len(n.Status.Images) != 0 || len(n.Status.Conditions) != 1 || quietReason(n) != "not Ready" {
+	if len(n.Status.Images) != 0 || len(n.Status.Conditions) != 1 || audit.QuietOf(n) != audit.QuietNotReady {
 		t.Errorf("trimmed node: %+v", n.Status)
 	}
 }
@@ -397,19 +466,19 @@ func TestReadNowBringsTheFindingForward(t *testing.T) {
 	if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	changed := time.Now()
-	h.eventually(5*time.Second, "the view to hold the change", func() bool { return h.agg.view.Covered().After(changed) })
+	changed := h.clk.Now()
+	h.until(5*time.Second, "the view to hold the change", func() bool { return h.agg.view.Covered().After(changed) })
 	t.Log("changed a slice; n1's kube-proxy missed it and its collector reads every 30 s")
 	// Its first report comes when it is already further behind than a
 	// healthy kube-proxy ever is (readNowMinLag), but within grace.
-	time.Sleep(readNowMinLag + 500*time.Millisecond)
+	h.advance(readNowMinLag+500*time.Millisecond, nil)
 	h.collectorEvery(h.ctx, "n1", 30*time.Second, func() *audit.Observed { return old })
-	h.eventually(grace+8*time.Second, "n1 reported stuck", func() bool {
+	h.until(grace+8*time.Second, "n1 reported stuck", func() bool {
 		return strings.Contains(kindsOf(h.verdict()), "n1:StuckProxy")
 	})
 	n := testutil.ToFloat64(h.agg.cfg.Metrics.ReadNow)
 	t.Logf("StuckProxy %.1f s after the change (grace %s, collector interval 30 s); read-now requests: %.0f",
-		time.Since(changed).Seconds(), grace, n)
+		h.clk.Since(changed).Seconds(), grace, n)
 	if n != 1 {
 		t.Errorf("%v read-now requests, want one per crossing", n)
 	}

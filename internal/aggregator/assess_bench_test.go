@@ -34,7 +34,7 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 	var shows []*stream.State
 	for _, st := range states {
 		s := stream.NewPooledState(pool)
-		if _, err := s.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true)); err != nil {
+		if _, err := s.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true, false)); err != nil {
 			b.Fatal(err)
 		}
 		shows = append(shows, s)
@@ -79,7 +79,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 		st := audit.FromAPI(svcs, sl, nil)
 		states = append(states, st)
 		r := stream.NewPooledState(pool)
-		if _, err := r.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true)); err != nil {
+		if _, err := r.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st)), 1, true, false)); err != nil {
 			b.Fatal(err)
 		}
 		rules = append(rules, r)

@@ -76,7 +76,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 			obs.Frontends = append(obs.Frontends[:i], obs.Frontends[i+1:]...)
 		}
 		rules := stream.NewPooledState(pool)
-		if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true)); err != nil {
+		if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
 			t.Fatal(err)
 		}
 		a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(st)

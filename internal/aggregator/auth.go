@@ -19,7 +19,16 @@ import (
 // Authenticator decides whether a stream may report for the node its hello
 // names. An error is the reason, told to the collector and logged.
 type Authenticator interface {
-	Authenticate(ctx context.Context, node, token string) error
+	// Authenticate returns until when the credentials hold (zero: no
+	// end): the stream must be renewed in-band before then.
+	Authenticate(ctx context.Context, h Hello) (time.Time, error)
+}
+
+// Hello is what a collector's hello claims, and where it came from.
+type Hello struct {
+	Node, Token string
+	// Source is the stream's remote host.
+	Source string
 }
 
 // ErrUnauthenticated wraps every refusal, so callers can count them apart
@@ -43,6 +52,11 @@ type TokenReviewAuth struct {
 	// CacheFor keeps a positive review (the token re-sent on a reconnect
 	// is not reviewed again); zero means one minute.
 	CacheFor time.Duration
+	// Budget bounds the reviews of collectors' tokens: a hello waits up to
+	// BudgetWait for one, then is refused as busy (the collector retries
+	// with its backoff). Nil: unbounded.
+	Budget     *Budget
+	BudgetWait time.Duration
 
 	mu    sync.Mutex
 	cache map[[32]byte]cached
@@ -51,12 +65,14 @@ type TokenReviewAuth struct {
 type cached struct {
 	node    string
 	expires time.Time
+	token   time.Time // the token's own expiry
 }
 
 // Authenticate implements Authenticator.
-func (a *TokenReviewAuth) Authenticate(ctx context.Context, node, token string) error {
+func (a *TokenReviewAuth) Authenticate(ctx context.Context, h Hello) (time.Time, error) {
+	node, token := h.Node, h.Token
 	if token == "" {
-		return fmt.Errorf("%w: no token in hello (mount a projected ServiceAccount token with audience %q and pass --token-file)", ErrUnauthenticated, a.Audience)
+		return time.Time{}, fmt.Errorf("%w: no token in hello (mount a projected ServiceAccount token with audience %q and pass --token-file)", ErrUnauthenticated, a.Audience)
 	}
 	key := sha256.Sum256([]byte(token))
 	now := a.Clock.Now()
@@ -64,39 +80,52 @@ func (a *TokenReviewAuth) Authenticate(ctx context.Context, node, token string) 
 	if c, ok := a.cache[key]; ok && now.Before(c.expires) {
 		a.mu.Unlock()
 		if c.node != node {
-			return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, c.node, node)
+			return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, c.node, node)
 		}
-		return nil
+		return c.token, nil
 	}
 	a.mu.Unlock()
-
+	// What could never pass is refused without asking the API server.
+	if err := precheck(token, a.Audience, node, now); err != nil {
+		return time.Time{}, err
+	}
+	if err := a.Budget.take(ctx, h.Source, a.BudgetWait); err != nil {
+		return time.Time{}, err
+	}
 	user, err := reviewToken(ctx, a.Client, token, a.Audience)
 	if err != nil {
-		return err
+		return time.Time{}, err
 	}
 	sa, ok := strings.CutPrefix(user.Username, "system:serviceaccount:")
 	sa = strings.Replace(sa, ":", "/", 1)
 	if !ok || !slices.Contains(a.ServiceAccounts, sa) {
-		return fmt.Errorf("%w: %s is not a collector service account (allowed: %s)", ErrUnauthenticated, user.Username, strings.Join(a.ServiceAccounts, ", "))
+		return time.Time{}, fmt.Errorf("%w: %s is not a collector service account (allowed: %s)", ErrUnauthenticated, user.Username, strings.Join(a.ServiceAccounts, ", "))
 	}
 	bound := user.Extra[NodeNameExtra]
 	if len(bound) != 1 {
-		return fmt.Errorf("%w: token of %s is not bound to a pod on a node (use a projected ServiceAccount token from the collector pod)", ErrUnauthenticated, sa)
+		return time.Time{}, fmt.Errorf("%w: token of %s is not bound to a pod on a node (use a projected ServiceAccount token from the collector pod)", ErrUnauthenticated, sa)
 	}
-	expiry := a.CacheFor
-	if expiry <= 0 {
-		expiry = time.Minute
+	// The API server verified the token's signature: its expiry is
+	// the API server's word.
+	expires := tokenExpiry(token)
+	keep := a.CacheFor
+	if keep <= 0 {
+		keep = time.Minute
 	}
 	a.mu.Lock()
 	if a.cache == nil || len(a.cache) > 100_000 {
 		a.cache = map[[32]byte]cached{}
 	}
-	a.cache[key] = cached{node: bound[0], expires: now.Add(expiry)}
+	until := now.Add(keep)
+	if !expires.IsZero() && expires.Before(until) {
+		until = expires
+	}
+	a.cache[key] = cached{node: bound[0], expires: until, token: expires}
 	a.mu.Unlock()
 	if bound[0] != node {
-		return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
+		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
 	}
-	return nil
+	return expires, nil
 }
 
 // ErrReviewUnavailable wraps a TokenReview the API server could not answer:
@@ -134,12 +163,14 @@ func reviewToken(ctx context.Context, client kubernetes.Interface, token, audien
 type InsecureNoAuth struct{}
 
 // Authenticate implements Authenticator.
-func (InsecureNoAuth) Authenticate(context.Context, string, string) error { return nil }
+func (InsecureNoAuth) Authenticate(context.Context, Hello) (time.Time, error) {
+	return time.Time{}, nil
+}
 
-// AuthFunc adapts a function to an Authenticator.
-type AuthFunc func(ctx context.Context, node, token string) error
+// AuthFunc adapts a function that grants no end to an Authenticator.
+type AuthFunc func(ctx context.Context, h Hello) error
 
 // Authenticate implements Authenticator.
-func (f AuthFunc) Authenticate(ctx context.Context, node, token string) error {
-	return f(ctx, node, token)
+func (f AuthFunc) Authenticate(ctx context.Context, h Hello) (time.Time, error) {
+	return time.Time{}, f(ctx, h)
 }

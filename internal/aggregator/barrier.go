@@ -44,8 +44,8 @@ type Barrier struct {
 
 // The barrier objects: a headless Service without selector (no cluster IP,
 // no endpoints controller) and an EndpointSlice nobody's controller
-// manages. The service-proxy-name label keeps them out of every
-// kube-proxy's watch (kube-proxy filters on it server-side).
+// manages. Their labels keep them out of every kube-proxy's watches, which
+// filter server-side (see stampLabels).
 const (
 	BarrierName = "proxyaudit-barrier"
 	barrierAt   = "proxyaudit.io/barrier-at"
@@ -78,9 +78,14 @@ func isBarrier(obj any) bool {
 }
 
 // stampLabels are a barrier object's labels stamped by by at at.
+// kube-proxy's Services watch leaves out service-proxy-name; its
+// EndpointSlices watch leaves out only service.kubernetes.io/headless
+// (cmd/kube-proxy/app/server.go): without that label every kube-proxy
+// received the barrier slice every second, and logged that it has no
+// service-name label.
 func stampLabels(by string, at time.Time) map[string]string {
 	return map[string]string{audit.LabelServiceProxyName: BarrierName, barrierAt: strconv.FormatInt(at.UnixNano(), 10), barrierBy: by,
-		"endpointslice.kubernetes.io/managed-by": "proxyaudit.io"}
+		"endpointslice.kubernetes.io/managed-by": "proxyaudit.io", corev1.IsHeadlessService: ""}
 }
 
 func identityHash(id string) string {
@@ -89,18 +94,16 @@ func identityHash(id string) string {
 	return strconv.FormatUint(h.Sum64(), 16)
 }
 
-// UseBarrier turns the barrier on; call before Run.
-func (v *View) UseBarrier(b Barrier) {
+// newBarrierState is the View's record for stamps of b.
+func newBarrierState(b Barrier) *barrierState {
 	if b.Every <= 0 {
 		b.Every = time.Second
 	}
 	if b.Active == nil {
 		b.Active = func() bool { return true }
 	}
-	v.dirtyMu.Lock()
-	v.barrier = &barrierState{cfg: &b, by: identityHash(b.Identity), pending: map[string]time.Time{},
+	return &barrierState{cfg: &b, by: identityHash(b.Identity), pending: map[string]time.Time{},
 		passed: map[string]time.Time{}, unseen: map[string][]time.Time{}}
-	v.dirtyMu.Unlock()
 }
 
 // stamped records a barrier object seen through kind's watch.

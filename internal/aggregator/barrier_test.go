@@ -86,13 +86,12 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 			client := fakeCluster()
 			g := &gate{}
 			g.install(client)
-			var view *View
-			h := startWith(t, grace, InsecureNoAuth{}, client, func(v *View) {
-				view = v
-				if barrier {
-					v.UseBarrier(Barrier{Namespace: "proxyaudit", Identity: "test", Every: 100 * time.Millisecond, Timeout: 4 * time.Second})
-				}
-			})
+			var b *Barrier
+			if barrier {
+				b = &Barrier{Namespace: "proxyaudit", Identity: "test", Every: 100 * time.Millisecond, Timeout: 4 * time.Second}
+			}
+			h := startWith(t, grace, InsecureNoAuth{}, client, b)
+			view := h.agg.view
 			var mu sync.Mutex
 			current := rules(t)
 			h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
@@ -104,7 +103,7 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 				}
 				return false
 			}
-			h.eventually(10*time.Second, "n1 in sync", inSync)
+			h.until(10*time.Second, "n1 in sync", inSync)
 			// n2 and n3 have no collector here: only n1's findings count.
 			n1 := func() string {
 				var out []string
@@ -143,19 +142,17 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 			t.Log("the node's kube-proxy followed the change; the aggregator has not seen it")
 
 			if !barrier {
-				h.eventually(4*grace+5*time.Second, "the false finding the barrier exists to prevent", func() bool {
+				h.until(4*grace+5*time.Second, "the false finding the barrier exists to prevent", func() bool {
 					return n1() != ""
 				})
 				t.Logf("without the barrier: %s", n1())
 				return
 			}
-			deadline := time.Now().Add(4*grace + 5*time.Second)
-			for time.Now().Before(deadline) {
+			h.advance(4*grace+5*time.Second, func() {
 				if k := n1(); k != "" {
 					t.Fatalf("a healthy node ahead of the view was reported: %s", k)
 				}
-				time.Sleep(50 * time.Millisecond)
-			}
+			})
 			since, why := h.agg.Stale()
 			if since.IsZero() || !strings.Contains(why, "EndpointSlices watch has not delivered") {
 				t.Fatalf("the stuck EndpointSlices watch did not make the view stale: %q", why)
@@ -167,7 +164,7 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 
 			g.stalled.Store(false)
 			t.Log("healed: the EndpointSlices watch delivers again")
-			h.eventually(15*time.Second, "fresh and n1 in sync", func() bool {
+			h.until(15*time.Second, "fresh and n1 in sync", func() bool {
 				s, _ := h.agg.Stale()
 				return s.IsZero() && inSync()
 			})
@@ -181,8 +178,7 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 // Stamps count only once a published State holds what arrived before them,
 // and only this replica's: another replica's clock proves nothing here.
 func TestBarrierCoversOnlyPublishedOwnStamps(t *testing.T) {
-	v := NewView(fake.NewClientset(), time.Minute, nil, nil, nil)
-	v.UseBarrier(Barrier{Namespace: "ns", Identity: "me"})
+	v := NewView(ViewConfig{Client: fake.NewClientset(), Keep: time.Minute, Barrier: &Barrier{Namespace: "ns", Identity: "me"}})
 	t0 := time.Unix(1000, 0)
 	stamp := func(kind, by string, at time.Time) {
 		v.stamped(kind, stampObject(by, at))

@@ -96,11 +96,11 @@ func BenchmarkApplyReport(b *testing.B) {
 	from := stream.FromModel(synth.Rules(c.st))
 	to := stream.FromModel(synth.Rules(c.churned(100).st))
 	cp := *from
-	r := stream.Delta(&cp, to, 1, false)
+	r := stream.Delta(&cp, to, 1, false, false)
 	if len(r.Frontends) != 100 {
 		b.Fatalf("delta of %d frontends", len(r.Frontends))
 	}
-	full := stream.Delta(stream.NewState(), from, 1, true)
+	full := stream.Delta(stream.NewState(), from, 1, true, false)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for range b.N {
@@ -122,7 +122,7 @@ func BenchmarkApplyReport(b *testing.B) {
 // and pooled (identical frontends and buckets kept once).
 func BenchmarkNodeCopyMemory(b *testing.B) {
 	c := anchorCluster()
-	full := stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(c.st)), 1, true)
+	full := stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(c.st)), 1, true, false)
 	const copies = 8
 	for _, pooled := range []bool{false, true} {
 		b.Run(map[bool]string{false: "apart", true: "pooled"}[pooled], func(b *testing.B) {

@@ -11,29 +11,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/api"
 )
-
-// FindingsResponse is GET /api/v1/findings: the audit's finding contract
-// with since per finding, and the summary `proxyaudit diff` prints.
-type FindingsResponse struct {
-	At    time.Time  `json:"at"`
-	Stale *StaleView `json:"stale,omitempty"`
-	// RecoveringUntil: node drift is held back until then, after the
-	// aggregator's view came back from an API outage.
-	RecoveringUntil *time.Time           `json:"recoveringUntil,omitempty"`
-	Leader          string               `json:"leader"`
-	Grace           string               `json:"grace"`
-	Findings        []audit.TimedFinding `json:"findings"`
-	Summary         audit.Summary        `json:"summary"`
-}
-
-// StaleView is set while the leader's view of the API is stale: the
-// findings and node states are the last ones judged before Since, not
-// current, and nothing is repaired.
-type StaleView struct {
-	Since  time.Time `json:"since"`
-	Reason string    `json:"reason"`
-}
 
 func (a *Aggregator) recoveringUntil() *time.Time {
 	if r := a.Recovering(); a.cfg.Clock.Now().Before(r) {
@@ -42,27 +21,12 @@ func (a *Aggregator) recoveringUntil() *time.Time {
 	return nil
 }
 
-func (a *Aggregator) staleView() *StaleView {
+func (a *Aggregator) staleView() *api.StaleView {
 	since, why := a.Stale()
 	if since.IsZero() {
 		return nil
 	}
-	return &StaleView{Since: since, Reason: why}
-}
-
-// NodesResponse is GET /api/v1/nodes.
-type NodesResponse struct {
-	At    time.Time          `json:"at"`
-	Stale *StaleView         `json:"stale,omitempty"`
-	Nodes []audit.NodeStatus `json:"nodes"`
-}
-
-// NodeResponse is GET /api/v1/nodes/{name}: the node and its findings.
-type NodeResponse struct {
-	At    time.Time  `json:"at"`
-	Stale *StaleView `json:"stale,omitempty"`
-	audit.NodeStatus
-	Findings []audit.TimedFinding `json:"findings"`
+	return &api.StaleView{Since: since, Reason: why}
 }
 
 // Handler serves the read-only HTTP API, /metrics, /healthz and /readyz.
@@ -79,10 +43,10 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		}
 		w.Write([]byte("ok\n"))
 	})
-	api := http.NewServeMux()
-	api.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
+	v1 := http.NewServeMux()
+	v1.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
-		resp := FindingsResponse{At: v.At, Stale: a.staleView(), RecoveringUntil: a.recoveringUntil(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
+		resp := api.FindingsResponse{At: v.At, Stale: a.staleView(), RecoveringUntil: a.recoveringUntil(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
 		node, kind := r.URL.Query().Get("node"), r.URL.Query().Get("kind")
 		var plain []audit.Finding
 		for _, f := range v.Findings {
@@ -98,18 +62,18 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		resp.Summary = audit.Summarize(names, plain)
 		writeJSON(w, http.StatusOK, resp)
 	})
-	api.HandleFunc("GET /api/v1/nodes", func(w http.ResponseWriter, _ *http.Request) {
+	v1.HandleFunc("GET /api/v1/nodes", func(w http.ResponseWriter, _ *http.Request) {
 		v := a.Verdict()
-		writeJSON(w, http.StatusOK, NodesResponse{At: v.At, Stale: a.staleView(), Nodes: append([]audit.NodeStatus{}, v.Nodes...)})
+		writeJSON(w, http.StatusOK, api.NodesResponse{At: v.At, Stale: a.staleView(), Nodes: append([]audit.NodeStatus{}, v.Nodes...)})
 	})
-	api.HandleFunc("GET /api/v1/nodes/{name}", func(w http.ResponseWriter, r *http.Request) {
+	v1.HandleFunc("GET /api/v1/nodes/{name}", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
 		name := r.PathValue("name")
 		for _, n := range v.Nodes {
 			if n.Node != name {
 				continue
 			}
-			resp := NodeResponse{At: v.At, Stale: a.staleView(), NodeStatus: n, Findings: []audit.TimedFinding{}}
+			resp := api.NodeResponse{At: v.At, Stale: a.staleView(), NodeStatus: n, Findings: []audit.TimedFinding{}}
 			for _, f := range v.Findings {
 				if f.Node == name {
 					resp.Findings = append(resp.Findings, f)
@@ -120,7 +84,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		}
 		writeError(w, http.StatusNotFound, "no node "+name+" in the cluster or among the reporting collectors")
 	})
-	api.HandleFunc("GET /api/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
+	v1.HandleFunc("GET /api/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
 		resp, ok := a.Explain(r.PathValue("name"), r.URL.Query().Get("service"))
 		if !ok {
 			writeError(w, http.StatusNotFound, "no rules from node "+r.PathValue("name")+" yet: its collector has not sent a full snapshot to the leader")
@@ -132,7 +96,7 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		leader, leading := a.Leader()
 		switch {
 		case leading && a.Verdict() != nil:
-			api.ServeHTTP(w, r)
+			v1.ServeHTTP(w, r)
 		case leading:
 			writeError(w, http.StatusServiceUnavailable, "leading, but the first verdict is not ready yet (informers syncing); retry in a few seconds")
 		case leader == "":
@@ -171,27 +135,17 @@ func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, map[string]string{"error": msg})
 }
 
-// ExplainResponse is GET /api/v1/nodes/{name}/explain[?service=ns/name]:
-// the node's rules traced service by service against the cluster.
-type ExplainResponse struct {
-	Node string `json:"node"`
-	Mode string `json:"mode"`
-	// States are the services that are not in sync, with their state.
-	States map[string]audit.ServiceState `json:"states"`
-	Ports  []audit.PortTrace             `json:"ports"`
-}
-
 // Explain traces a node's current rules; ok is false when the node has no
 // complete snapshot on this replica.
-func (a *Aggregator) Explain(node, service string) (ExplainResponse, bool) {
+func (a *Aggregator) Explain(node, service string) (api.ExplainResponse, bool) {
 	a.mu.Lock()
 	n := a.nodes[node]
 	if n == nil || !n.complete {
 		a.mu.Unlock()
-		return ExplainResponse{}, false
+		return api.ExplainResponse{}, false
 	}
 	rules := *n.state // a copy: its buckets are immutable
-	resp := ExplainResponse{Node: node, Mode: rules.Mode, States: map[string]audit.ServiceState{}}
+	resp := api.ExplainResponse{Node: node, Mode: rules.Mode, States: map[string]audit.ServiceState{}, Collector: a.judge.Cost(node)}
 	for _, as := range n.assessments {
 		resp.States[as.Service] = as.State
 	}

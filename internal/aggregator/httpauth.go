@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
 	authzv1 "k8s.io/api/authorization/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -23,7 +24,7 @@ import (
 // API server itself checks on the way in through its service proxy, which
 // strips the caller's credentials; so `proxyaudit report` mints a
 // short-lived token for a reader ServiceAccount (allowed by the chart's
-// report-reader Role) and sends it in the TokenHeader, and a pod that
+// report-reader Role) and sends it in the api.TokenHeader, and a pod that
 // reaches the port directly gets nothing without such a token.
 type ReaderAuth struct {
 	Client             kubernetes.Interface
@@ -31,18 +32,15 @@ type ReaderAuth struct {
 	Namespace, Service string
 	Clock              clock.Clock
 	// Denied observes every refusal by reason (metrics).
-	Denied func(reason string)
+	Denied func(reason DenyReason)
+	// Budget bounds the reviews of tokens not decided yet (a budget of the
+	// readers' own: their flood cannot delay a collector); a reader over
+	// it gets 429 and Retry-After. Nil: unbounded.
+	Budget *Budget
 
 	mu    sync.Mutex
 	cache map[[32]byte]readerDecision
 }
-
-// TokenHeader carries the reader token through the API server's service
-// proxy, which drops Authorization.
-const TokenHeader = "X-Proxyaudit-Token"
-
-// DefaultReaderAudience is the audience reader tokens are minted for.
-const DefaultReaderAudience = "proxyaudit-api"
 
 type readerDecision struct {
 	err     error
@@ -64,24 +62,28 @@ const (
 // Wrap returns next behind the check.
 func (ra *ReaderAuth) Wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		token := r.Header.Get(TokenHeader)
+		token := r.Header.Get(api.TokenHeader)
 		if token == "" {
 			if h := r.Header.Get("Authorization"); strings.HasPrefix(h, "Bearer ") {
 				token = strings.TrimPrefix(h, "Bearer ")
 			}
 		}
 		if token == "" {
-			ra.deny(w, http.StatusUnauthorized, "no_token", fmt.Sprintf(
+			ra.deny(w, http.StatusUnauthorized, DenyNoToken, fmt.Sprintf(
 				"findings are for readers only: send a token with audience %q in %s or Authorization: Bearer "+
 					"(`proxyaudit report` mints one for the reader ServiceAccount when you are bound to the proxyaudit report-reader Role)",
-				ra.Audience, TokenHeader))
+				ra.Audience, api.TokenHeader))
 			return
 		}
 		code, err := ra.decide(r.Context(), token)
+		if code == http.StatusTooManyRequests {
+			w.Header().Set("Retry-After", "1")
+		}
 		if err != nil {
-			reason := map[int]string{http.StatusUnauthorized: "unauthenticated", http.StatusForbidden: "forbidden"}[code]
+			reason := map[int]DenyReason{http.StatusUnauthorized: DenyUnauthenticated, http.StatusForbidden: DenyForbidden,
+				http.StatusTooManyRequests: DenyBusy}[code]
 			if reason == "" {
-				reason = "review_failed"
+				reason = DenyReviewFailed
 			}
 			ra.deny(w, code, reason, err.Error())
 			return
@@ -90,7 +92,7 @@ func (ra *ReaderAuth) Wrap(next http.Handler) http.Handler {
 	})
 }
 
-func (ra *ReaderAuth) deny(w http.ResponseWriter, code int, reason, msg string) {
+func (ra *ReaderAuth) deny(w http.ResponseWriter, code int, reason DenyReason, msg string) {
 	if ra.Denied != nil {
 		ra.Denied(reason)
 	}
@@ -106,6 +108,9 @@ func (ra *ReaderAuth) decide(ctx context.Context, token string) (int, error) {
 	ra.mu.Unlock()
 	if ok && now.Before(d.expires) {
 		return d.code, d.err
+	}
+	if err := ra.Budget.take(ctx, "", 0); err != nil {
+		return http.StatusTooManyRequests, errors.New("too many reader tokens to review at once; retry in a second")
 	}
 	code, err := ra.review(ctx, token)
 	if code == http.StatusServiceUnavailable {

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -49,9 +51,9 @@ func TestReaderAuth(t *testing.T) {
 		return true, sar, nil
 	})
 	clk := clocktesting.NewFakeClock(time.Unix(1000, 0))
-	denied := map[string]int{}
-	ra := &ReaderAuth{Client: client, Audience: DefaultReaderAudience, Namespace: "pa", Service: "agg", Clock: clk,
-		Denied: func(r string) { denied[r]++ }}
+	denied := map[DenyReason]int{}
+	ra := &ReaderAuth{Client: client, Audience: api.DefaultReaderAudience, Namespace: "pa", Service: "agg", Clock: clk,
+		Denied: func(r DenyReason) { denied[r]++ }}
 	h := ra.Wrap(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("findings")) }))
 	get := func(header, value string) (int, string) {
 		r := httptest.NewRequest("GET", "/api/v1/findings", nil)
@@ -68,10 +70,10 @@ func TestReaderAuth(t *testing.T) {
 		says                string
 	}{
 		{"no token", "", "", 401, "findings are for readers only"},
-		{"garbage token", TokenHeader, "nonsense", 401, "invalid bearer token"},
+		{"garbage token", api.TokenHeader, "nonsense", 401, "invalid bearer token"},
 		{"token for another audience", "Authorization", "Bearer other-audience", 401, "audience"},
-		{"authenticated, not allowed", TokenHeader, "stranger", 403, "system:serviceaccount:pa:stranger may not read findings"},
-		{"reader through the service proxy header", TokenHeader, "reader", 200, "findings"},
+		{"authenticated, not allowed", api.TokenHeader, "stranger", 403, "system:serviceaccount:pa:stranger may not read findings"},
+		{"reader through the service proxy header", api.TokenHeader, "reader", 200, "findings"},
 		{"reader with Authorization", "Authorization", "Bearer reader", 200, "findings"},
 	} {
 		code, body := get(tc.header, tc.value)
@@ -79,11 +81,11 @@ func TestReaderAuth(t *testing.T) {
 			t.Errorf("%s: %d %s, want %d saying %q", tc.name, code, body, tc.code, tc.says)
 		}
 	}
-	if denied["no_token"] != 1 || denied["unauthenticated"] != 2 || denied["forbidden"] != 1 {
+	if denied[DenyNoToken] != 1 || denied[DenyUnauthenticated] != 2 || denied[DenyForbidden] != 1 {
 		t.Errorf("denials counted %v", denied)
 	}
 	n := reviews.Load()
-	get(TokenHeader, "reader")
+	get(api.TokenHeader, "reader")
 	if reviews.Load() != n {
 		t.Error("a decision was not cached")
 	}
@@ -92,14 +94,14 @@ func TestReaderAuth(t *testing.T) {
 	// a token never seen is refused with 503 (ask again), not 401.
 	down.Store(1)
 	clk.Step(time.Minute)
-	if code, body := get(TokenHeader, "reader"); code != 200 {
+	if code, body := get(api.TokenHeader, "reader"); code != 200 {
 		t.Errorf("allowed reader during an API outage: %d %s", code, body)
 	}
-	if code, body := get(TokenHeader, "stranger-2"); code != 503 || !strings.Contains(body, "retry") {
+	if code, body := get(api.TokenHeader, "stranger-2"); code != 503 || !strings.Contains(body, "retry") {
 		t.Errorf("unknown token during an outage: %d %s", code, body)
 	}
 	clk.Step(readerKeepFor)
-	if code, _ := get(TokenHeader, "reader"); code != 503 {
+	if code, _ := get(api.TokenHeader, "reader"); code != 503 {
 		t.Errorf("a reader still allowed %s into an outage: %d", readerKeepFor+time.Minute, code)
 	}
 }

@@ -23,8 +23,13 @@ type Metrics struct {
 	Streams        prometheus.Gauge
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
+	Refs           *prometheus.CounterVec
 	ReadNow        prometheus.Counter
-	HTTPDenied     *prometheus.CounterVec
+	// What the collectors say their reads cost, over the fleet.
+	CollectorReads       *prometheus.CounterVec
+	CollectorReadSeconds prometheus.Histogram
+	CollectorReadBytes   prometheus.Histogram
+	HTTPDenied           *prometheus.CounterVec
 
 	Reconcile   *prometheus.HistogramVec
 	Assessments *prometheus.CounterVec
@@ -34,16 +39,40 @@ type Metrics struct {
 	Slack       *prometheus.CounterVec
 }
 
-// Reasons a stream is refused or cut, the values of the reason label.
+// RejectReason is why a stream is refused or cut: the value of
+// proxyaudit_stream_rejected_total's reason label.
+type RejectReason string
+
+// Reasons a stream is refused or cut.
 const (
-	ReasonAuth      = "auth"
-	ReasonTooLarge  = "too_large"
-	ReasonMalformed = "malformed"
-	ReasonProtocol  = "protocol"
-	ReasonInvalid   = "invalid_report"
-	ReasonReplay    = "replay"
-	ReasonRate      = "rate"
-	ReasonTimeout   = "timeout"
+	ReasonAuth      RejectReason = "auth"
+	ReasonTooLarge  RejectReason = "too_large"
+	ReasonMalformed RejectReason = "malformed"
+	ReasonProtocol  RejectReason = "protocol"
+	ReasonInvalid   RejectReason = "invalid_report"
+	ReasonReplay    RejectReason = "replay"
+	ReasonRate      RejectReason = "rate"
+	ReasonTimeout   RejectReason = "timeout"
+	// ReasonBusy: the budget of token reviews is spent; the collector
+	// retries with its backoff.
+	ReasonBusy RejectReason = "busy"
+	// ReasonUnauthenticatedLimit: too many connections not yet past their
+	// hello, overall or from the source address; closed unread.
+	ReasonUnauthenticatedLimit RejectReason = "unauthenticated_limit"
+)
+
+// DenyReason is why the HTTP API refused a reader: the value of
+// proxyaudit_http_denied_total's reason label.
+type DenyReason string
+
+// Reasons a reader is refused.
+const (
+	DenyNoToken         DenyReason = "no_token"
+	DenyUnauthenticated DenyReason = "unauthenticated"
+	DenyForbidden       DenyReason = "forbidden"
+	DenyReviewFailed    DenyReason = "review_failed"
+	// DenyBusy: the readers' review budget is spent (429).
+	DenyBusy DenyReason = "busy"
 )
 
 // NewMetrics registers the aggregator's metrics (and the Go and process
@@ -69,7 +98,7 @@ func NewMetrics() *Metrics {
 		StreamBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_bytes_total", Help: "Stream bytes by direction (in, out)."}, []string{"direction"}),
 		StreamRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "proxyaudit_stream_rejected_total", Help: "Streams refused or cut, by reason: auth, too_large, malformed, protocol, invalid_report, replay, rate, timeout."}, []string{"reason"}),
+			Name: "proxyaudit_stream_rejected_total", Help: "Streams refused or cut, by reason: auth, busy (the token-review budget is spent; the collector retries), unauthenticated_limit (too many connections not past their hello, overall or from one address; closed unread), too_large, malformed, protocol, invalid_report, replay, rate, timeout."}, []string{"reason"}),
 		Streams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_streams", Help: "Collector streams currently open on this replica."}),
 		ReportBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -77,10 +106,21 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(64, 4, 10)}),
 		Resyncs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_resyncs_total", Help: "Full resyncs requested because a collector's digest differed from the aggregator's copy."}),
+		Refs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_refs_total", Help: "Frontends collectors named by content hash instead of sending them, by outcome: known (some node's copy held that content), wanted (asked of the collector)."}, []string{"outcome"}),
 		HTTPDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "proxyaudit_http_denied_total", Help: "HTTP API requests refused: no_token, unauthenticated, forbidden, review_failed (the API server could not be asked)."}, []string{"reason"}),
+			Name: "proxyaudit_http_denied_total", Help: "HTTP API requests refused: no_token, unauthenticated, forbidden, review_failed (the API server could not be asked), busy (the readers' review budget is spent)."}, []string{"reason"}),
 		ReadNow: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_read_now_total", Help: "Immediate reads asked of collectors whose lag was crossing the grace period before their next report."}),
+		CollectorReads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_collector_reads_total",
+			Help: "Reads of kube-proxy's rules the collectors report, over the fleet, by reason: change (the kernel's change signal moved), backstop (the full-read interval), read-now (asked by the aggregator), resync (a new stream or a resync with nothing read yet), heartbeat (a source without a change signal: IPVS)."}, []string{"reason"}),
+		CollectorReadSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "proxyaudit_collector_read_duration_seconds", Help: "Wall time of the collectors' reads of the rules, over the fleet; each node's last one in GET /api/v1/nodes.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 4, 9)}),
+		CollectorReadBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "proxyaudit_collector_read_bytes", Help: "Bytes the collectors' reads of the rules took in (the dump tool's output, or netlink), over the fleet.",
+			Buckets: prometheus.ExponentialBuckets(1024, 4, 10)}),
 		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
@@ -96,7 +136,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.ReadNow, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Refs, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

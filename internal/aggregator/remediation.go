@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
+
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 
@@ -17,7 +19,7 @@ import (
 // Remediation wires the planner and the executor into the aggregator.
 type Remediation struct {
 	Policy   remediate.Policy
-	Executor *remediate.Executor
+	Executor *effect.Executor
 	// ExemptLabel: nodes carrying this label key are never touched.
 	ExemptLabel string
 }
@@ -57,8 +59,8 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
 			n.Exempt = "label " + r.ExemptLabel
 		}
-		if why := quietReason(node); why != "" && why != "not Ready" {
-			n.Leaving = why
+		if q := audit.QuietOf(node); q.Leaving() {
+			n.Leaving = string(q)
 		}
 		n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
 		fleet.Nodes = append(fleet.Nodes, n)

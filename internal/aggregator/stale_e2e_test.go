@@ -14,7 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
@@ -106,17 +105,19 @@ func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, wan
 		t.Fatal(err)
 	}
 	log := zaptest.NewLogger(t)
-	view := NewView(client, time.Minute, log, clock.RealClock{}, &Canary{Namespace: leaseNS, Lease: lease, Timeout: 6 * time.Second})
+	var agg *Aggregator
+	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 50 * time.Millisecond, Log: log,
+		Canary: &Canary{Namespace: leaseNS, Lease: lease, Timeout: 6 * time.Second},
+		Barrier: &Barrier{Namespace: leaseNS, Identity: lease, Every: time.Second, Timeout: 6 * time.Second,
+			Active: func() bool { _, ok := agg.Leader(); return ok }}})
 	heard := &notices{}
 	p := audit.DefaultPolicy()
-	agg := New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, view)
-	view.UseBarrier(Barrier{Namespace: leaseNS, Identity: lease, Every: time.Second, Timeout: 6 * time.Second,
-		Active: func() bool { _, ok := agg.Leader(); return ok }})
+	agg = New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, view)
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
 	wg.Add(3)
-	go func() { defer wg.Done(); view.Run(ctx, 50*time.Millisecond) }()
+	go func() { defer wg.Done(); view.Run(ctx) }()
 	go func() {
 		defer wg.Done()
 		RunElection(ctx, client, Election{Namespace: leaseNS, Name: lease, Identity: lease,

@@ -21,7 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
-	"k8s.io/utils/clock"
+	clocktesting "k8s.io/utils/clock/testing"
 )
 
 // An API server that goes away (the open watch ends, lists and watches are
@@ -49,21 +49,24 @@ func TestFailingWatchMakesTheViewStale(t *testing.T) {
 		}
 		return false, nil, nil
 	})
-	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	clk := clocktesting.NewFakeClock(t0)
+	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx, 10*time.Millisecond); close(done) }()
+	go func() { view.Run(ctx); close(done) }()
 
+	// The informers list and retry in real time; staleness is judged on
+	// the view's clock.
 	wait := func(what string, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(staleAfter + 20*time.Second)
+		deadline := time.Now().Add(30 * time.Second)
 		for !cond() {
 			if time.Now().After(deadline) {
 				_, why := view.Stale()
 				t.Fatalf("waiting for %s (stale: %q)", what, why)
 			}
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(10 * time.Millisecond)
 		}
 	}
 	wait("informers synced", func() bool { return view.Synced() == nil })
@@ -72,9 +75,20 @@ func TestFailingWatchMakesTheViewStale(t *testing.T) {
 	}
 	failing.Store(true)
 	(<-watches).Stop()
-	wait("a stale view", func() bool { s, _ := view.Stale(); return !s.IsZero() })
-	if _, why := view.Stale(); !strings.Contains(why, "Services watch") || !strings.Contains(why, "connection refused") {
-		t.Errorf("reason: %s", why)
+	wait("the failure recorded", func() bool {
+		view.fresh.mu.Lock()
+		defer view.fresh.mu.Unlock()
+		_, ok := view.fresh.failing["Services"]
+		return ok
+	})
+	clk.Step(staleAfter - time.Second)
+	if s, why := view.Stale(); !s.IsZero() {
+		t.Fatalf("stale %s after the failure, before staleAfter: %s", staleAfter-time.Second, why)
+	}
+	clk.Step(2 * time.Second)
+	s, why := view.Stale()
+	if s.IsZero() || !strings.Contains(why, "Services watch") || !strings.Contains(why, "connection refused") {
+		t.Fatalf("%s after the failure: stale since %v: %q", staleAfter+time.Second, s, why)
 	}
 	failing.Store(false)
 	wait("a fresh view", func() bool { s, _ := view.Stale(); return s.IsZero() })
@@ -112,46 +126,60 @@ func TestHoldBackDriftKeepsOnlyCollectorMissing(t *testing.T) {
 // against an older cluster than the node may show.
 func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
-	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	const debounce = 600 * time.Millisecond
+	clk := clocktesting.NewFakeClock(t0)
+	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: debounce, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	const debounce = 600 * time.Millisecond
-	go func() { view.Run(ctx, debounce); close(done) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for view.Synced() != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("view never synced")
+	go func() { view.Run(ctx); close(done) }()
+	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
+	// The initial list's events kick one more rebuild: let it pass, until
+	// the view waits for nothing on its clock.
+	waitFor(t, "the view clean", func() bool {
+		if clk.HasWaiters() {
+			clk.Step(debounce)
+			return false
 		}
-		time.Sleep(10 * time.Millisecond)
+		view.dirtyMu.Lock()
+		defer view.dirtyMu.Unlock()
+		return view.dirtySince.IsZero() && !view.rebuilding && len(view.kick) == 0
+	})
+	clk.Step(time.Second)
+	if c := view.Covered(); !c.Equal(clk.Now()) {
+		t.Fatalf("a clean view covers %s, not now (%s)", c, clk.Now())
 	}
-	if c := view.Covered(); time.Since(c) > time.Second {
-		t.Fatalf("a clean view covers %s, not now", c)
-	}
-	before := time.Now()
+	view.dirtyMu.Lock()
+	listed := view.listedAt // when the published State's caches were read
+	view.dirtyMu.Unlock()
+	before := clk.Now()
 	if _, err := client.CoreV1().Services("default").Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "new"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	// Once the informer delivered the change, Covered stops following the
 	// clock: it is the read of the caches before the change.
-	for {
-		c := view.Covered()
-		if time.Since(c) > 100*time.Millisecond {
-			if c.After(before) {
-				t.Fatalf("with a change pending the view claims to cover %s (change at %s)", c.Format(time.StampMicro), before.Format(time.StampMicro))
-			}
-			break
-		}
-		if time.Since(before) > debounce {
-			t.Fatal("the change was never pending")
+	waitFor(t, "the change pending", func() bool {
+		view.dirtyMu.Lock()
+		defer view.dirtyMu.Unlock()
+		return !view.dirtySince.IsZero()
+	})
+	clk.Step(debounce / 2)
+	if c := view.Covered(); !c.Equal(listed) || !c.Before(clk.Now()) {
+		t.Fatalf("with a change pending the view claims to cover %s (caches read at %s, change at %s)", c, listed, before)
+	}
+	clk.Step(debounce / 2)
+	waitFor(t, "the view to cover the change", func() bool { return view.Covered().After(before) })
+}
+
+// waitFor waits in real time for what the informers deliver.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(5 * time.Millisecond)
-	}
-	for !view.Covered().After(before) {
-		if time.Now().After(deadline) {
-			t.Fatal("the view never covered the change")
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -174,11 +202,11 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}},
 		svc("a", "198.19.0.1"), svc("b", "198.19.0.2"), svc("c", "198.19.0.3"),
 		slice("a-1", "a", "198.18.0.1"), slice("b-1", "b", "198.18.0.2"), slice("c-1", "c", "198.18.0.3"), slice("c-2", "c", "198.18.0.4"))
-	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx, 10*time.Millisecond); close(done) }()
+	go func() { view.Run(ctx); close(done) }()
 
 	full := func() *audit.State {
 		sl, _ := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
@@ -236,18 +264,13 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 	svcs, slices := spec.Objects()
 	client := fake.NewClientset(&svcs[0], &slices[0])
-	view := NewView(client, time.Minute, zaptest.NewLogger(t), clock.RealClock{}, nil)
+	clk := clocktesting.NewFakeClock(t0)
+	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx, 500*time.Millisecond); close(done) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for view.Synced() != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("view never synced")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	go func() { view.Run(ctx); close(done) }()
+	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
 	key := svcs[0].Namespace + "/" + svcs[0].Name
 	sl := slices[0].DeepCopy()
 	var wantBetween []string
@@ -261,15 +284,16 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 		if _, err := client.DiscoveryV1().EndpointSlices(sl.Namespace).Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(50 * time.Millisecond)
+		waitFor(t, "the change delivered", func() bool {
+			view.dirtyMu.Lock()
+			defer view.dirtyMu.Unlock()
+			return len(view.interim[key]) == i+1
+		})
+		clk.Step(100 * time.Millisecond)
 	}
-	since := time.Now()
-	for !view.Covered().After(since) {
-		if time.Now().After(deadline) {
-			t.Fatal("the view never covered the changes")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	since := clk.Now()
+	clk.Step(500 * time.Millisecond)
+	waitFor(t, "the view to cover the changes", func() bool { return view.Covered().After(since) })
 	var got [][]string
 	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
 		for _, v := range h.Versions(key) {

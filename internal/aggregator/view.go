@@ -46,7 +46,7 @@ type View struct {
 	dirtyMu    sync.Mutex
 	dirtySince time.Time     // first change not yet in State; zero when clean
 	rebuilding bool          // a rebuild has taken the changes and not yet published
-	barrier    *barrierState // nil without UseBarrier
+	barrier    *barrierState // nil without a barrier
 	listedAt   time.Time     // when the published State's caches were read
 	kick       chan struct{}
 	// What changed since the last rebuild: services by namespace/name
@@ -77,53 +77,59 @@ type View struct {
 	// OnRebuild observes each rebuild's duration (metrics).
 	onRebuild func(time.Duration)
 
-	// Freshness: a view the API stopped updating must not be judged from.
-	freshMu  sync.Mutex
-	failing  map[string]watchFailure // informer kind → first error not yet followed by an event
-	canary   *Canary
-	canaryAt time.Time // last time the canary was seen to move
-	started  time.Time
+	debounce time.Duration
+
+	// fresh says whether the watches deliver: a view the API stopped
+	// updating must not be judged from.
+	fresh *freshness
 }
 
-type watchFailure struct {
-	since time.Time
-	err   string
+// ViewConfig is what a View needs.
+type ViewConfig struct {
+	Client kubernetes.Interface
+	// Keep is how long superseded versions stay matchable: more than the
+	// grace period, or a lagging node would look divergent.
+	Keep time.Duration
+	// Debounce is the least time between two rebuilds (default 1 s, like
+	// kube-proxy's minimum sync period).
+	Debounce time.Duration
+	Log      *zap.Logger
+	Clock    clock.Clock
+	// Canary, when set, also watches that Lease (see Canary).
+	Canary *Canary
+	// Barrier, when set, stamps and watches the barrier objects (see
+	// Barrier).
+	Barrier *Barrier
 }
 
-// Canary is an object somebody updates every few seconds (the leader
-// renews its Lease every retry period). Seeing its updates through a watch
-// proves the aggregator's watches deliver; not seeing them for Timeout
-// means the view may be old even though nothing reported an error: the
-// API server unreachable, a stuck watch, an API server whose watch cache
-// lags. It is the failure proxyaudit looks for in kube-proxy, turned on
-// itself.
-type Canary struct {
-	Namespace, Lease string
-	Timeout          time.Duration
-}
-
-// staleAfter is how long a watch may fail before the view counts as stale:
-// an ordinary "resource version too old" relist takes well under it.
-const staleAfter = 5 * time.Second
-
-// NewView prepares the informers; Run starts them. keep is how long
-// superseded versions stay matchable (more than the grace period).
-// A non-nil canary also watches that Lease (see Canary).
-func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, clk clock.Clock, canary *Canary) *View {
+// NewView prepares the informers; Run starts them.
+func NewView(cfg ViewConfig) *View {
+	if cfg.Log == nil {
+		cfg.Log = zap.NewNop()
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	if cfg.Debounce <= 0 {
+		cfg.Debounce = time.Second
+	}
+	client, canary := cfg.Client, cfg.Canary
 	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTransform(Trim))
 	v := &View{
-		log: log, clock: clk, client: client, factory: f,
+		log: cfg.Log, clock: cfg.Clock, client: client, factory: f, debounce: cfg.Debounce,
 		svcs:      f.Core().V1().Services().Lister(),
 		slices:    f.Discovery().V1().EndpointSlices().Lister(),
 		nodes:     f.Core().V1().Nodes().Lister(),
 		kick:      make(chan struct{}, 1),
-		history:   audit.NewHistory(keep),
+		history:   audit.NewHistory(cfg.Keep),
 		dirtySvcs: map[string]bool{},
 		interim:   map[string][]audit.Service{},
 		reduced:   map[string]audit.Service{},
 		state:     &audit.State{Nodes: map[string]audit.NodeInfo{}},
-		failing:   map[string]watchFailure{},
-		canary:    canary,
+		fresh:     &freshness{clock: cfg.Clock, failing: map[string]watchFailure{}, canary: canary},
+	}
+	if cfg.Barrier != nil {
+		v.barrier = newBarrierState(*cfg.Barrier)
 	}
 	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
 	if err := sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
@@ -148,11 +154,7 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 	if canary != nil {
 		lf := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(canary.Namespace),
 			informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "metadata.name=" + canary.Lease }))
-		v.watch("Lease", lf.Coordination().V1().Leases().Informer(), func(obj any) {
-			v.freshMu.Lock()
-			v.canaryAt = v.clock.Now()
-			v.freshMu.Unlock()
-		})
+		v.watch("Lease", lf.Coordination().V1().Leases().Informer(), func(any) { v.fresh.canarySeen() })
 		v.leases = lf
 	}
 	return v
@@ -163,9 +165,7 @@ func NewView(client kubernetes.Interface, keep time.Duration, log *zap.Logger, c
 // is recorded.
 func (v *View) watch(kind string, inf cache.SharedIndexInformer, on func(any)) {
 	seen := func(obj any) {
-		v.freshMu.Lock()
-		delete(v.failing, kind)
-		v.freshMu.Unlock()
+		v.fresh.delivered(kind)
 		if isBarrier(obj) {
 			v.stamped(kind, obj)
 			return
@@ -182,63 +182,13 @@ func (v *View) watch(kind string, inf cache.SharedIndexInformer, on func(any)) {
 	}
 	if err := inf.SetWatchErrorHandlerWithContext(func(ctx context.Context, r *cache.Reflector, err error) {
 		cache.DefaultWatchErrorHandler(ctx, r, err)
-		v.freshMu.Lock()
-		if _, ok := v.failing[kind]; !ok {
-			v.failing[kind] = watchFailure{since: v.clock.Now(), err: err.Error()}
-		}
-		v.freshMu.Unlock()
+		v.fresh.failed(kind, err)
 	}); err != nil {
 		panic(err) // only fails on a started informer
 	}
 	if kind != "Lease" {
 		v.synced = append(v.synced, inf.HasSynced)
 	}
-}
-
-// Stale says since when, and why, the view may be older than the API: a
-// watch failing for longer than staleAfter, or the canary not seen to
-// move for its timeout. Zero time: fresh.
-func (v *View) Stale() (time.Time, string) {
-	now := v.clock.Now()
-	v.freshMu.Lock()
-	defer v.freshMu.Unlock()
-	var since time.Time
-	var why []string
-	kinds := make([]string, 0, len(v.failing))
-	for k := range v.failing {
-		kinds = append(kinds, k)
-	}
-	sort.Strings(kinds)
-	for _, k := range kinds {
-		f := v.failing[k]
-		if now.Sub(f.since) < staleAfter {
-			continue
-		}
-		if since.IsZero() || f.since.Before(since) {
-			since = f.since
-		}
-		why = append(why, fmt.Sprintf("the %s watch has failed since %s: %s", k, f.since.UTC().Format(time.RFC3339), clip(f.err)))
-	}
-	if v.canary != nil && !v.started.IsZero() {
-		last := v.canaryAt
-		if last.IsZero() {
-			last = v.started
-		}
-		if quiet := now.Sub(last); quiet > v.canary.Timeout {
-			if since.IsZero() || last.Before(since) {
-				since = last
-			}
-			why = append(why, fmt.Sprintf("no renewal of Lease %s/%s seen through the watch for %s (API server unreachable, or watches stuck)",
-				v.canary.Namespace, v.canary.Lease, quiet.Round(time.Second)))
-		}
-	}
-	if bs, bwhy := v.barrierStale(now); len(bwhy) > 0 {
-		if since.IsZero() || bs.Before(since) {
-			since = bs
-		}
-		why = append(why, bwhy...)
-	}
-	return since, strings.Join(why, "; ")
 }
 
 // Trim drops what the audit never reads before an object enters the
@@ -331,11 +281,9 @@ func (v *View) changed(obj any) {
 }
 
 // Run starts the informers and rebuilds the State after changes, at most
-// every debounce, until ctx ends.
-func (v *View) Run(ctx context.Context, debounce time.Duration) {
-	v.freshMu.Lock()
-	v.started = v.clock.Now()
-	v.freshMu.Unlock()
+// once per debounce, until ctx ends.
+func (v *View) Run(ctx context.Context) {
+	v.fresh.start()
 	v.factory.Start(ctx.Done())
 	defer v.factory.Shutdown()
 	if v.leases != nil {
@@ -357,7 +305,7 @@ func (v *View) Run(ctx context.Context, debounce time.Duration) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-v.clock.After(debounce):
+		case <-v.clock.After(v.debounce):
 		}
 		v.rebuild()
 	}
@@ -431,9 +379,9 @@ func (v *View) rebuild() {
 		}
 		v.nodeInfo = audit.FromAPI(nil, nil, nd).Nodes
 		expected = make([]string, 0, len(nd))
-		for i := range nd {
-			if reason := quietReason(&nd[i]); reason == "" {
-				expected = append(expected, nd[i].Name)
+		for name, info := range v.nodeInfo {
+			if info.Quiet == "" {
+				expected = append(expected, name)
 			}
 		}
 		sort.Strings(expected)
@@ -526,38 +474,13 @@ func (v *View) Read(f func(st *audit.State, h *audit.History, gen uint64)) {
 }
 
 // ExpectedNodes lists the nodes whose collectors should report: every
-// node except those going away or known broken (see quietReason), sorted.
+// node except those going away or known broken (see audit.QuietOf), sorted.
 // A node left out is still judged while it reports; it is only never
 // called CollectorMissing.
 func (v *View) ExpectedNodes() []string {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	return v.expected
-}
-
-// ToBeDeletedTaint is the cluster autoscaler's mark on a node it removes.
-const ToBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
-
-// quietReason says why a node is not expected to report, or "": it is
-// being deleted, the autoscaler is removing it, or its kubelet is not
-// Ready (a broken node is the kubelet's finding; its collector being
-// down with it is not news). A node without a Ready condition at all is
-// expected (nothing says it is broken).
-func quietReason(n *corev1.Node) string {
-	if n.DeletionTimestamp != nil {
-		return "being deleted"
-	}
-	for _, t := range n.Spec.Taints {
-		if t.Key == ToBeDeletedTaint {
-			return "removed by the cluster autoscaler"
-		}
-	}
-	for _, c := range n.Status.Conditions {
-		if c.Type == corev1.NodeReady && c.Status != corev1.ConditionTrue {
-			return "not Ready"
-		}
-	}
-	return ""
 }
 
 // servicesProgrammed counts the services kube-proxy programs (not skipped).

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	coordv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	flowcontrolv1 "k8s.io/api/flowcontrol/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -528,3 +530,79 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 		t.Errorf("the policy holds the admin too: %v", err)
 	}
 }
+
+// The chart's FlowSchema is accepted by the API server and classifies the
+// aggregator's requests (its reviews above all: a fleet reconnect) into
+// the priority level it names, proven by the header the API server's
+// Priority and Fairness filter puts on every response.
+func TestE2EChartAPIPriority(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const ns = "pa-apf"
+	r, err := chart.Render(root(t), "proxyaudit", ns, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Apply(ctx, c.RESTConfig); err != nil {
+		t.Fatal(err)
+	}
+	fs, err := c.Client.FlowcontrolV1().FlowSchemas().Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	classified := func(user string, do func(kubernetes.Interface) error) (string, string) {
+		cfg := rest.CopyConfig(c.RESTConfig)
+		cfg.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"}}
+		var schema, level string
+		cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+				resp, err := rt.RoundTrip(req)
+				if err == nil {
+					schema, level = resp.Header.Get(flowcontrolv1.ResponseHeaderMatchedFlowSchemaUID), resp.Header.Get(flowcontrolv1.ResponseHeaderMatchedPriorityLevelConfigurationUID)
+				}
+				return resp, err
+			})
+		}
+		cl, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		do(cl)
+		return schema, level
+	}
+	review := func(cl kubernetes.Interface) error {
+		_, err := cl.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: "x"}}, metav1.CreateOptions{})
+		return err
+	}
+	watchSlices := func(cl kubernetes.Interface) error {
+		_, err := cl.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{Limit: 1})
+		return err
+	}
+	pl, err := c.Client.FlowcontrolV1().PriorityLevelConfigurations().Get(ctx, "workload-high", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The API server takes a new FlowSchema up within seconds.
+	deadline := time.Now().Add(time.Minute)
+	for _, do := range []func(kubernetes.Interface) error{review, watchSlices} {
+		for {
+			schema, level := classified("system:serviceaccount:"+ns+":proxyaudit-aggregator", do)
+			if schema == string(fs.UID) && level == string(pl.UID) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the aggregator's requests are classified by FlowSchema %q into level %q, want %q (%s) into %q (workload-high)", schema, level, fs.UID, fs.Name, pl.UID)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	// Nobody else rides on it: the collector's ServiceAccount does not.
+	if schema, _ := classified("system:serviceaccount:"+ns+":proxyaudit-collector", review); schema == string(fs.UID) {
+		t.Errorf("the collector's requests are classified by the aggregator's FlowSchema")
+	}
+}
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }

@@ -10,11 +10,12 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/utils/clock"
 
-	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -26,9 +27,11 @@ type Config struct {
 	// and each is tried until one answers (the leader, or a follower that
 	// redirects to it).
 	Aggregator string
-	// Source is the rule source; nil detects it (and retries detection
-	// every interval until kube-proxy has programmed the node).
-	Source   *Source
+	// Reader reads the rules; nil detects the mode on Host (and retries
+	// detection every interval until kube-proxy has programmed the node).
+	Reader RuleReader
+	// Host is the node's kernel and tools; nil is NewHost().
+	Host     *Host
 	Interval time.Duration
 	// TokenFile is the projected ServiceAccount token, re-read on every
 	// connection (the kubelet rotates it).
@@ -41,8 +44,12 @@ type Config struct {
 	// KubeProxyMetrics is kube-proxy's metrics URL, scraped with each read
 	// as a second signal; empty disables it.
 	KubeProxyMetrics string
-	// Read replaces Source.Read in tests of the protocol.
-	Read func(context.Context) (*audit.Observed, error)
+	// Clock paces reads, read-now gaps and reconnects (network deadlines
+	// stay on the real clock); nil is the real clock.
+	Clock clock.WithTicker
+	// FullReadInterval is the longest time between two reads of a source
+	// with a change signal, for what the signal can miss (default 5m).
+	FullReadInterval time.Duration
 }
 
 // Run connects to the aggregator and reports until ctx ends, reconnecting
@@ -61,7 +68,25 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.Log == nil {
 		cfg.Log = zap.NewNop()
 	}
-	c := &client{cfg: cfg, src: cfg.Source}
+	if cfg.Host == nil {
+		cfg.Host = NewHost()
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
+	}
+	if cfg.FullReadInterval <= 0 {
+		cfg.FullReadInterval = DefaultFullReadInterval
+	}
+	c := &client{cfg: cfg, reader: cfg.Reader}
+	c.cost.Reads = map[stream.ReadReason]uint64{}
+	if src, ok := cfg.Reader.(interface{ Source() Source }); ok {
+		c.openSignal(src.Source())
+	}
+	defer func() {
+		if c.signal != nil {
+			c.signal.Close()
+		}
+	}()
 	backoff := time.Second
 	preferred := ""
 	for ctx.Err() == nil {
@@ -73,27 +98,67 @@ func Run(ctx context.Context, cfg Config) error {
 			cfg.Log.Info("following the aggregator leader", zap.String("leader", leader))
 			preferred, backoff = leader, time.Second
 			continue
-		case err != nil:
-			cfg.Log.Warn("stream to the aggregator ended", zap.Error(err), zap.Duration("retry_in", backoff))
 		}
-		preferred = ""
-		jitter := time.Duration(rand.Int64N(int64(backoff)/2 + 1))
+		if c.streamed {
+			// A stream that was up ended (the leader went away): come
+			// back quickly, whatever it took to get that stream.
+			c.streamed, backoff = false, time.Second
+		}
+		wait := backoff/2 + time.Duration(rand.Int64N(int64(backoff)/2+1))
+		var busy *comeBack
+		if errors.As(err, &busy) {
+			// The aggregator said when it can take us (it spreads the
+			// crowd it refuses over its budget): come back then, to it,
+			// with a little jitter, without backing off.
+			wait = busy.after + time.Duration(rand.Int64N(int64(busy.after)/10+int64(100*time.Millisecond)))
+			cfg.Log.Info("aggregator busy admitting other collectors", zap.Duration("retry_in", wait))
+		} else {
+			preferred = ""
+			backoff = min(2*backoff, 30*time.Second)
+			if err != nil {
+				cfg.Log.Warn("stream to the aggregator ended", zap.Error(err), zap.Duration("retry_in", wait))
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(backoff/2 + jitter):
+		case <-cfg.Clock.After(wait):
 		}
-		backoff = min(2*backoff, 30*time.Second)
 	}
 	return nil
 }
 
 type client struct {
-	cfg    Config
-	src    *Source
-	seq    uint64
-	lastKP *stream.KubeProxy // sent on this stream
-	http   http.Client
+	cfg Config
+	// streamed: the aggregator welcomed the last session.
+	streamed bool
+	reader   RuleReader
+	seq      uint64
+	lastKP   *stream.KubeProxy // sent on this stream
+	http     http.Client
+
+	// The last successful read, kept across streams: its state, the
+	// change signal's token it reflects, and when it began.
+	cached *stream.State
+	token  uint64
+	readAt time.Time
+
+	signal      ChangeSignal
+	signalTried bool
+	// legacy: the signal is the legacy backend's, which kube-proxy's own
+	// sync time completes.
+	legacy bool
+	// kp is kube-proxy's metrics as last scraped; kpSyncAtRead its last
+	// sync time as of the last read.
+	kp           *stream.KubeProxy
+	kpSyncAtRead float64
+
+	cost struct {
+		Reads                       map[stream.ReadReason]uint64
+		LastSeconds, LastCPUSeconds float64
+		LastBytes                   int64
+	}
+	statsChanged bool
 }
 
 // addresses resolves the aggregator (host:port, or several separated by
@@ -153,16 +218,12 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
 
-	token := ""
-	if c.cfg.TokenFile != "" {
-		b, err := os.ReadFile(c.cfg.TokenFile)
-		if err != nil {
-			return "", fmt.Errorf("read token: %w", err)
-		}
-		token = strings.TrimSpace(string(b))
+	token, err := c.credentials()
+	if err != nil {
+		return "", err
 	}
 	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{
-		Node: c.cfg.Node, Token: token, Version: c.cfg.Version, IntervalSeconds: c.cfg.Interval.Seconds()}}
+		Node: c.cfg.Node, Token: token, Version: c.cfg.Version, IntervalSeconds: c.cfg.Interval.Seconds(), Refs: true}}
 	if err := stream.Write(conn, hello); err != nil {
 		return "", err
 	}
@@ -183,14 +244,23 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 		reason := "no reason given"
 		if reply.Reject != nil {
 			reason = reply.Reject.Reason
+			if after := reply.Reject.RetryAfterSeconds; after > 0 {
+				return "", &comeBack{after: time.Duration(min(after, maxComeBack.Seconds()) * float64(time.Second)), reason: reason}
+			}
 		}
 		return "", fmt.Errorf("aggregator rejected this collector: %s", reason)
 	default:
 		return "", fmt.Errorf("unexpected %q answer to hello", reply.Type)
 	}
-	c.cfg.Log.Info("streaming to the aggregator", zap.String("aggregator", conn.RemoteAddr().String()))
+	c.streamed = true
+	// refs: changed frontends go as their hashes; the aggregator asks for
+	// the content of those no node sent it yet. An aggregator that does
+	// not say so gets content.
+	refs := reply.Welcome != nil && reply.Welcome.Refs
+	c.cfg.Log.Info("streaming to the aggregator", zap.String("aggregator", conn.RemoteAddr().String()), zap.Bool("refs", refs))
 
-	// The aggregator may ask for a resync or name a new leader at any time.
+	// The aggregator may ask for a resync or a read, or name a new leader,
+	// at any time.
 	incoming := make(chan *stream.Message, 4)
 	readErr := make(chan error, 1)
 	go func() {
@@ -205,98 +275,329 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 	}()
 	sent := stream.NewState()
 	c.lastKP = nil
+	// full: the next report carries every frontend (a new stream, a
+	// resync, or the full snapshot a read error kept from being sent).
 	full := true
-	tick := time.NewTicker(c.cfg.Interval)
-	defer tick.Stop()
-	for {
-		lastRead := time.Now()
-		var soon <-chan time.Time // a read-now request waiting out minReadGap
-		report := c.read(ctx, sent, full)
-		if err := stream.Write(conn, &stream.Message{Type: stream.TypeReport, Report: report}); err != nil {
-			return "", err
-		}
-		if report.ReadError == "" {
+	// recent are the states the last reports moved the aggregator to,
+	// newest last: a Want names what a report sent, and a newer report
+	// may have changed it since.
+	var recent []stream.State
+	next := func(why stream.ReadReason) *stream.Report {
+		r := c.report(ctx, sent, full, why, refs)
+		if r.ReadError == "" {
 			full = false
+			if len(r.Refs) > 0 || len(recent) == 0 {
+				recent = append(recent[max(0, len(recent)-wantHistory+1):], *sent)
+			}
 		}
-	wait:
-		for {
-			select {
-			case <-ctx.Done():
-				return "", nil
-			case err := <-readErr:
-				return "", err
-			case m := <-incoming:
-				switch m.Type {
-				case stream.TypeResync:
-					full = true
-					break wait // answer at once
-				case stream.TypeReadNow:
-					// Reads start at least minReadGap apart: a read
-					// costs seconds of CPU at the anchors. A request
-					// inside the gap is answered when it ends.
-					left := minReadGap - time.Since(lastRead)
-					if left <= 0 {
-						break wait
-					}
-					if soon == nil {
-						soon = time.After(left)
-					}
-				case stream.TypeRedirect:
-					if m.Redirect != nil && m.Redirect.Leader != "" {
-						return m.Redirect.Leader, nil
-					}
-				case stream.TypeReject:
-					if m.Reject != nil {
-						return "", fmt.Errorf("aggregator ended the stream: %s", m.Reject.Reason)
-					}
-					return "", errors.New("aggregator ended the stream")
+		return r
+	}
+	send := func(r *stream.Report) error {
+		return stream.Write(conn, &stream.Message{Type: stream.TypeReport, Report: r})
+	}
+	// A new stream starts with a full snapshot: of what the last read saw
+	// when nothing changed since (a leader change reconnects the fleet at
+	// once; it must not make every node read), else of a new read.
+	if err := send(next(c.due(stream.ReadResync))); err != nil {
+		return "", err
+	}
+	tick := c.cfg.Clock.NewTicker(c.cfg.Interval)
+	defer tick.Stop()
+	var (
+		settle  <-chan time.Time  // a change announced, waiting to settle
+		pending stream.ReadReason // a read waiting out minReadGap
+		soon    <-chan time.Time
+	)
+	// readOrWait reads for why now, or once minReadGap has passed since
+	// the last read began.
+	readOrWait := func(why stream.ReadReason) *stream.Report {
+		if left := minReadGap - c.cfg.Clock.Since(c.readAt); left > 0 && !c.readAt.IsZero() {
+			if pending == "" {
+				pending, soon = why, c.cfg.Clock.After(left)
+			}
+			return nil
+		}
+		pending, soon = "", nil
+		return next(why)
+	}
+	for {
+		var r *stream.Report
+		select {
+		case <-ctx.Done():
+			return "", nil
+		case err := <-readErr:
+			return "", err
+		case m := <-incoming:
+			switch m.Type {
+			case stream.TypeResync:
+				full = true
+				r = next(c.due(stream.ReadResync))
+			case stream.TypeWant:
+				if m.Want == nil {
+					continue
 				}
-			case <-tick.C:
-				break wait
-			case <-soon:
-				break wait
+				if err := stream.Write(conn, &stream.Message{Type: stream.TypeContent, Content: stream.Answer(m.Want.Sums, recent)}); err != nil {
+					return "", err
+				}
+				continue
+			case stream.TypeReadNow:
+				// Reads start at least minReadGap apart: a read costs
+				// seconds of CPU at the anchors. A request inside the gap
+				// is answered when it ends.
+				r = readOrWait(stream.ReadAsked)
+			case stream.TypeRedirect:
+				if m.Redirect != nil && m.Redirect.Leader != "" {
+					return m.Redirect.Leader, nil
+				}
+			case stream.TypeReject:
+				if m.Reject != nil {
+					return "", fmt.Errorf("aggregator ended the stream: %s", m.Reject.Reason)
+				}
+				return "", errors.New("aggregator ended the stream")
+			}
+		case <-c.events():
+			if settle == nil {
+				settle = c.cfg.Clock.After(settleDelay)
+			}
+		case <-settle:
+			settle = nil
+			if why := c.due(""); why != "" {
+				r = readOrWait(why)
+			}
+		case <-soon:
+			r = readOrWait(pending)
+		case <-tick.C():
+			// The heartbeat: a read when something changed or the backstop
+			// is due, else a report of the last read (a steady node sends
+			// its root digest).
+			c.scrape(ctx)
+			// The kubelet rotates the projected token long before it
+			// expires; the stream lives on with the new one.
+			if fresh, err := c.credentials(); err != nil {
+				c.cfg.Log.Warn("cannot re-read the token; the stream ends when the current one expires", zap.Error(err))
+			} else if fresh != token {
+				if err := stream.Write(conn, &stream.Message{Type: stream.TypeAuth, Auth: &stream.Auth{Token: fresh}}); err != nil {
+					return "", err
+				}
+				token = fresh
+			}
+			if why := c.due(stream.ReadHeartbeat); why != "" {
+				r = readOrWait(why)
+			} else {
+				r = next("")
+			}
+		}
+		if r != nil {
+			if err := send(r); err != nil {
+				return "", err
 			}
 		}
 	}
 }
 
+// wantHistory is how many recent reports' states answer a Want.
+const wantHistory = 4
+
+// credentials reads the projected ServiceAccount token ("" without a file).
+func (c *client) credentials() (string, error) {
+	if c.cfg.TokenFile == "" {
+		return "", nil
+	}
+	b, err := os.ReadFile(c.cfg.TokenFile)
+	if err != nil {
+		return "", fmt.Errorf("read the token: %w", err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+// comeBack is a refusal that says when to retry: the aggregator is busy
+// reviewing the tokens of a fleet reconnecting.
+type comeBack struct {
+	after  time.Duration
+	reason string
+}
+
+func (e *comeBack) Error() string {
+	return fmt.Sprintf("aggregator busy: %s", e.reason)
+}
+
+// maxComeBack bounds how long an aggregator's busy refusal can park a
+// collector.
+const maxComeBack = time.Minute
+
+// DefaultFullReadInterval bounds how long a change a signal missed can go
+// unseen.
+const DefaultFullReadInterval = 5 * time.Minute
+
 // minReadGap is the least time between the starts of two reads that the
-// aggregator's read-now requests can cause.
+// aggregator's read-now requests or announced changes can cause.
 const minReadGap = time.Second
 
-// read reads the rules once and builds the report against what was sent.
-func (c *client) read(ctx context.Context, sent *stream.State, full bool) *stream.Report {
+// settleDelay lets a burst of announced commits (kube-proxy's sync of
+// several tables, a partial restore) end before the read.
+const settleDelay = 100 * time.Millisecond
+
+// events are the change signal's announcements (nil: none).
+func (c *client) events() <-chan struct{} {
+	if c.signal == nil {
+		return nil
+	}
+	return c.signal.Events()
+}
+
+// due says why the rules need a read now, or "" when the last read still
+// shows them: its token unchanged and younger than FullReadInterval.
+// orElse is the reason when there is no last read or no usable signal.
+func (c *client) due(orElse stream.ReadReason) stream.ReadReason {
+	if c.cached == nil || c.signal == nil {
+		return orElse
+	}
+	if c.cfg.Clock.Since(c.readAt) >= c.cfg.FullReadInterval {
+		return stream.ReadBackstop
+	}
+	tok, err := c.signal.Token()
+	if err != nil {
+		c.cfg.Log.Warn("cannot check whether the rules changed; reading them", zap.Error(err))
+		return orElse
+	}
+	if tok != c.token {
+		return stream.ReadChange
+	}
+	if c.legacy {
+		// The legacy signal does not see a rewrite that keeps the table's
+		// size, and kube-proxy replacing one pod by another is such a
+		// rewrite: its own last-sync time says it wrote. Without its
+		// metrics, every heartbeat reads.
+		if c.kp == nil || c.kp.Error != "" || c.kp.LastSync == 0 {
+			return orElse
+		}
+		if c.kp.LastSync != c.kpSyncAtRead {
+			return stream.ReadChange
+		}
+	}
+	return ""
+}
+
+// scrape reads kube-proxy's metrics (the second signal, and on the legacy
+// backend part of the change signal).
+func (c *client) scrape(ctx context.Context) {
+	if c.cfg.KubeProxyMetrics != "" {
+		c.kp = ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
+	}
+}
+
+// report builds the next report against what was sent: of a new read when
+// why is set, else of the last read.
+func (c *client) report(ctx context.Context, sent *stream.State, full bool, why stream.ReadReason, refs bool) *stream.Report {
 	c.seq++
 	var r *stream.Report
-	obs, err := c.readRules(ctx)
-	if err != nil {
-		c.cfg.Log.Warn("cannot read kube-proxy's rules", zap.Error(err))
-		r = &stream.Report{Seq: c.seq, Root: sent.Root(), Mode: sent.Mode, ReadError: err.Error()}
-	} else {
-		r = stream.Delta(sent, stream.FromModel(obs), c.seq, full)
-	}
-	if c.cfg.KubeProxyMetrics != "" {
-		kp := ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
-		if c.lastKP == nil || *kp != *c.lastKP {
-			r.KubeProxy, c.lastKP = kp, kp
+	if why != "" || c.cached == nil {
+		if why == "" {
+			why = stream.ReadResync
 		}
+		if err := c.read(ctx, why); err != nil {
+			c.cfg.Log.Warn("cannot read kube-proxy's rules", zap.Error(err))
+			r = &stream.Report{Seq: c.seq, Root: sent.Root(), Mode: sent.Mode, ReadError: err.Error(), Reads: c.stats()}
+		}
+	}
+	if r == nil {
+		r = stream.Delta(sent, c.cached, c.seq, full, refs)
+		if c.statsChanged {
+			r.Reads, c.statsChanged = c.stats(), false
+		}
+	}
+	if kp := c.kp; kp != nil && (c.lastKP == nil || *kp != *c.lastKP) {
+		r.KubeProxy, c.lastKP = kp, kp
 	}
 	return r
 }
 
-func (c *client) readRules(ctx context.Context) (*audit.Observed, error) {
-	if c.cfg.Read != nil {
-		return c.cfg.Read(ctx)
-	}
-	if c.src == nil {
-		src, err := Detect(ctx)
+// read reads the rules once, with the token it reflects, and counts it.
+func (c *client) read(ctx context.Context, why stream.ReadReason) error {
+	if c.reader == nil {
+		src, err := c.cfg.Host.Detect(ctx)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		c.cfg.Log.Info("detected kube-proxy mode", zap.Stringer("mode", src))
-		c.src = &src
+		c.reader = c.cfg.Host.Reader(src)
+		c.openSignal(src)
+	}
+	var tok uint64
+	var tokErr error
+	if c.signal != nil {
+		// Before the read: a commit during it moves the token again.
+		tok, tokErr = c.signal.Token()
 	}
 	rctx, cancel := context.WithTimeout(ctx, max(c.cfg.Interval, 30*time.Second))
 	defer cancel()
-	return c.src.Read(rctx)
+	// kube-proxy's metrics as last scraped (each heartbeat scrapes once:
+	// a frozen kube-proxy holds a scrape for its whole timeout): a sync
+	// after them moves them again, and the legacy signal reads once more.
+	if c.kp == nil {
+		c.scrape(ctx)
+	}
+	var kpSync float64
+	if c.kp != nil {
+		kpSync = c.kp.LastSync
+	}
+	c.readAt = c.cfg.Clock.Now()
+	before := cpuTime()
+	start := time.Now()
+	obs, err := c.reader.Read(rctx)
+	c.cost.Reads[why]++
+	c.cost.LastSeconds = time.Since(start).Seconds()
+	c.cost.LastCPUSeconds = (cpuTime() - before).Seconds()
+	if b, ok := c.reader.(interface{ BytesRead() int64 }); ok {
+		c.cost.LastBytes = b.BytesRead()
+	}
+	c.statsChanged = true
+	if err != nil {
+		return err
+	}
+	c.cached = stream.FromModel(obs)
+	c.token, c.kpSyncAtRead = tok, kpSync
+	if tokErr != nil {
+		c.token = 0 // unknown: the next check reads again
+	}
+	return nil
+}
+
+// openSignal opens the change signal of the detected (or configured)
+// source, once. Without one every heartbeat reads.
+func (c *client) openSignal(src Source) {
+	if c.signalTried || c.cfg.Host.OpenSignal == nil {
+		return
+	}
+	c.signalTried = true
+	sig, err := c.cfg.Host.OpenSignal(src)
+	switch {
+	case err != nil:
+		c.cfg.Log.Warn("no change signal for these rules: reading them every interval", zap.Stringer("mode", src), zap.Error(err))
+	case sig == nil:
+		c.cfg.Log.Info("this mode has no change signal: reading the rules every interval", zap.Stringer("mode", src))
+	default:
+		c.signal, c.legacy = sig, src.Legacy
+	}
+}
+
+// stats is the read cost as sent to the aggregator.
+func (c *client) stats() *stream.ReadStats {
+	rs := &stream.ReadStats{Reads: map[stream.ReadReason]uint64{}, LastSeconds: c.cost.LastSeconds, LastBytes: c.cost.LastBytes,
+		LastCPUSeconds: c.cost.LastCPUSeconds, FullReadIntervalSeconds: c.cfg.FullReadInterval.Seconds()}
+	if c.signal != nil {
+		rs.SignalLost = c.signal.Lost()
+	}
+	for k, v := range c.cost.Reads {
+		rs.Reads[k] = v
+	}
+	return rs
+}
+
+// cpuTime is the CPU this process and the children it waited for used.
+func cpuTime() time.Duration {
+	var self, kids syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &self)
+	syscall.Getrusage(syscall.RUSAGE_CHILDREN, &kids)
+	return time.Duration(self.Utime.Nano() + self.Stime.Nano() + kids.Utime.Nano() + kids.Stime.Nano())
 }

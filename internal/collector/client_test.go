@@ -1,4 +1,4 @@
-package collector
+package collector_test
 
 import (
 	"context"
@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -44,9 +46,9 @@ func TestClientProtocol(t *testing.T) {
 	services.Store(20)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	go Run(ctx, Config{
+	go collector.Run(ctx, collector.Config{
 		Node: "n1", Aggregator: follower.Addr().String(), Interval: 50 * time.Millisecond,
-		Read: func(context.Context) (*audit.Observed, error) { return synthRules(t, int(services.Load())), nil },
+		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return synthRules(t, int(services.Load())), nil }},
 	})
 
 	conn, err := leader.Accept()
@@ -96,16 +98,15 @@ func TestClientProtocol(t *testing.T) {
 }
 
 // A read-now request is answered with a report at once, but no sooner than
-// minReadGap after the last read began: an aggregator cannot make a node
+// collector.MinReadGap after the last read began: an aggregator cannot make a node
 // read its rules in a loop.
 func TestClientReadNow(t *testing.T) {
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	defer ln.Close()
-	var reads atomic.Int32
+	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) { return synthRules(t, 2), nil }}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	go Run(ctx, Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
-		Read: func(context.Context) (*audit.Observed, error) { reads.Add(1); return synthRules(t, 2), nil }})
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads})
 	conn, err := ln.Accept()
 	if err != nil {
 		t.Fatal(err)
@@ -129,14 +130,14 @@ func TestClientReadNow(t *testing.T) {
 		stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
 	}
 	second := report()
-	if gap := second.Sub(first); gap < minReadGap-50*time.Millisecond || gap > minReadGap+2*time.Second {
-		t.Errorf("answered %s after the first read; want about %s (the gap), well before the 1 h interval", gap, minReadGap)
+	if gap := second.Sub(first); gap < collector.MinReadGap-50*time.Millisecond || gap > collector.MinReadGap+2*time.Second {
+		t.Errorf("answered %s after the first read; want about %s (the gap), well before the 1 h interval", gap, collector.MinReadGap)
 	}
 	conn.SetReadDeadline(time.Now().Add(1500 * time.Millisecond))
 	if m, _, err := stream.Read(conn, 1<<20); err == nil {
 		t.Errorf("a burst of requests caused more than one read: %+v", m.Type)
 	}
-	if n := reads.Load(); n != 2 {
+	if n := reads.Reads(); n != 2 {
 		t.Errorf("%d reads, want 2", n)
 	}
 }

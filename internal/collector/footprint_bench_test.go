@@ -62,17 +62,21 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 		b.Fatal(err)
 	}
 	ctx := context.Background()
+	nftBare := []string{"nft", "-j", "list", "table", "ip", "kube-proxy"}
 	for _, m := range []struct {
-		mode string
-		load []string
-		data []byte
-		bare []string
+		name, mode string
+		args       []string
+		load       []string
+		data       []byte
+		bare       []string
 	}{
-		{"iptables", []string{"iptables-restore"}, ipt.Bytes(), []string{"iptables-save", "-t", "nat"}},
-		{"iptables-legacy", []string{"iptables-legacy-restore"}, ipt.Bytes(), []string{"iptables-legacy-save", "-t", "nat"}},
-		{"nftables", []string{"nft", "-j", "-f", "-"}, nftLoad, []string{"nft", "-j", "list", "table", "ip", "kube-proxy"}},
+		{"iptables", "iptables", nil, []string{"iptables-restore"}, ipt.Bytes(), []string{"iptables-save", "-t", "nat"}},
+		{"iptables-legacy", "iptables-legacy", nil, []string{"iptables-legacy-restore"}, ipt.Bytes(), []string{"iptables-legacy-save", "-t", "nat"}},
+		// The netlink reader (the default) and nft -j, each beside bare nft.
+		{"nftables", "nftables", nil, []string{"nft", "-j", "-f", "-"}, nftLoad, nftBare},
+		{"nftables-json", "nftables", []string{"--nft-reader", "nft-json"}, []string{"nft", "-j", "-f", "-"}, nftLoad, nftBare},
 	} {
-		b.Run(m.mode, func(b *testing.B) {
+		b.Run(m.name, func(b *testing.B) {
 			ns, err := localcluster.NewScratch(ctx, "footprint")
 			if err != nil {
 				b.Fatal(err)
@@ -101,7 +105,7 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 					b.Fatalf("GNU time output: %v", err)
 				}
 				toolRSS = max(toolRSS, kb*1024)
-				out, err = ns.Command(ctx, bin, "--once", "--mode", m.mode, "--kube-proxy-metrics", "").Output()
+				out, err = ns.Command(ctx, append([]string{bin, "--once", "--mode", m.mode, "--kube-proxy-metrics", ""}, m.args...)...).Output()
 				if err != nil {
 					b.Fatal(err)
 				}

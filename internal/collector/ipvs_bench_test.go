@@ -4,6 +4,7 @@ package collector
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"os"
@@ -30,7 +31,8 @@ func BenchmarkIPVSRead(b *testing.B) {
 		b.Skip("no IPVS in this kernel: `make bench-ipvs` runs this benchmark in the VM")
 	}
 	svcs, reals := envInt("PROXYAUDIT_BENCH_IPVS_SERVICES", 10_000), envInt("PROXYAUDIT_BENCH_IPVS_REAL", 10)
-	obs, err := readIPVS()
+	reader := NewHost().Reader(Source{Mode: audit.ModeIPVS})
+	obs, err := reader.Read(context.Background())
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -48,17 +50,25 @@ func BenchmarkIPVSRead(b *testing.B) {
 		}
 		return len(o.Frontends), eps
 	}
-	b.Run("netlink", func(b *testing.B) {
-		var o *audit.Observed
-		for b.Loop() {
-			if o, err = readIPVS(); err != nil {
-				b.Fatal(err)
+	// The collector's reader (mdlayher/genetlink, decoding only what the
+	// audit reads) beside moby/ipvs, which it replaced.
+	for _, r := range []struct {
+		name string
+		open func() (IPVS, error)
+	}{{"netlink", openIPVS}, {"netlink-moby", openMobyIPVS}} {
+		reader := (&Host{OpenIPVS: r.open}).Reader(Source{Mode: audit.ModeIPVS})
+		b.Run(r.name, func(b *testing.B) {
+			var o *audit.Observed
+			for b.Loop() {
+				if o, err = reader.Read(context.Background()); err != nil {
+					b.Fatal(err)
+				}
 			}
-		}
-		fe, eps := count(o)
-		b.ReportMetric(float64(fe), "virtual-servers")
-		b.ReportMetric(float64(eps), "real-servers")
-	})
+			fe, eps := count(o)
+			b.ReportMetric(float64(fe), "virtual-servers")
+			b.ReportMetric(float64(eps), "real-servers")
+		})
+	}
 	ipvsadm := func(b *testing.B, parse bool) {
 		var tool time.Duration
 		var o *audit.Observed

@@ -1,109 +1,270 @@
 package collector
 
 import (
+	"encoding/binary"
 	"fmt"
-	"io"
 	"net/netip"
 	"os"
-	"sync"
 	"syscall"
 
-	"github.com/moby/ipvs"
-	"github.com/sirupsen/logrus"
+	"github.com/mdlayher/genetlink"
+	"github.com/mdlayher/netlink"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// ipvsReader holds the one netlink handle the collector reads IPVS with.
-// A moby/ipvs Handle is not safe for concurrent use: reads are serialised
-// here, and a handle that failed is closed and reopened on the next read.
-var ipvsReader struct {
-	mu sync.Mutex
-	h  *ipvs.Handle
+// genlIPVS reads the IPVS table over generic netlink (mdlayher/genetlink):
+// one services dump, then one destinations dump per virtual server (the
+// kernel answers destinations only per service). It decodes only the
+// attributes the audit reads, with the allocation-free attribute walker,
+// straight into the audit's virtual servers.
+type genlIPVS struct {
+	c   *genetlink.Conn
+	fam genetlink.Family
 }
 
-// readIPVS dumps the kernel's IPVS table over generic netlink: one
-// GetServices dump, then one destinations dump per virtual server. It is
-// the table `ipvsadm -Sn` prints, read without forking a tool.
-func readIPVS() (*audit.Observed, error) {
-	ipvsReader.mu.Lock()
-	defer ipvsReader.mu.Unlock()
-	if ipvsReader.h == nil {
-		// Without the module the netlink family is missing and moby/ipvs
-		// would still return a handle (and log through logrus).
-		if _, err := os.Stat("/proc/net/ip_vs"); err != nil {
-			return nil, fmt.Errorf("open IPVS netlink: this kernel has no IPVS table (%v): is the ip_vs module loaded? kube-proxy in IPVS mode loads it", err)
-		}
-		// moby/ipvs logs through logrus when it runs modprobe ip_vs (a
-		// collector image needs no kmod: the table is there or not, and
-		// the Stat above says so); its errors come back as values.
-		logrus.SetOutput(io.Discard)
-		h, err := ipvs.New("")
-		if err != nil {
-			return nil, fmt.Errorf("open IPVS netlink: %w (is the ip_vs module loaded?)", err)
-		}
-		ipvsReader.h = h
+// IPVS generic netlink commands and attributes (linux/ip_vs.h).
+const (
+	ipvsCmdGetService = 4
+	ipvsCmdGetDest    = 8
+
+	ipvsCmdAttrService = 1
+	ipvsCmdAttrDest    = 2
+
+	ipvsSvcAttrAF       = 1
+	ipvsSvcAttrProtocol = 2
+	ipvsSvcAttrAddr     = 3
+	ipvsSvcAttrPort     = 4
+	ipvsSvcAttrFWMark   = 5
+	ipvsSvcAttrSched    = 6
+	ipvsSvcAttrFlags    = 7
+	ipvsSvcAttrTimeout  = 8
+
+	ipvsDestAttrAddr          = 1
+	ipvsDestAttrPort          = 2
+	ipvsDestAttrWeight        = 4
+	ipvsDestAttrActiveConns   = 7
+	ipvsDestAttrInactiveConns = 8
+	ipvsDestAttrAF            = 11
+
+	ipvsSvcPersistent = 0x1 // IP_VS_SVC_F_PERSISTENT: session affinity
+)
+
+func openIPVS() (IPVS, error) {
+	// Without the module the IPVS family does not exist. A collector image
+	// needs no kmod: the table is there or not, and this says so.
+	if _, err := os.Stat("/proc/net/ip_vs"); err != nil {
+		return nil, fmt.Errorf("open IPVS netlink: this kernel has no IPVS table (%v): is the ip_vs module loaded? kube-proxy in IPVS mode loads it", err)
 	}
-	obs, err := dumpIPVS(ipvsReader.h)
+	c, err := genetlink.Dial(nil)
 	if err != nil {
-		ipvsReader.h.Close()
-		ipvsReader.h = nil
-		return nil, err
+		return nil, fmt.Errorf("open generic netlink: %w", err)
 	}
-	return obs, nil
+	fam, err := c.GetFamily("IPVS")
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("IPVS netlink family: %w (is the ip_vs module loaded?)", err)
+	}
+	return &genlIPVS{c: c, fam: fam}, nil
 }
 
-func dumpIPVS(h *ipvs.Handle) (*audit.Observed, error) {
-	svcs, err := h.GetServices()
+func (g *genlIPVS) Close() { g.c.Close() }
+
+// ipvsService is a virtual server as the dump names it: its key for the
+// destinations request, and what the audit reads.
+type ipvsService struct {
+	af, proto uint16
+	addr      []byte
+	port      []byte // big-endian, as sent back
+	fwmark    uint32
+	vs        audit.VirtualServer
+	ok        bool
+}
+
+func (g *genlIPVS) VirtualServers() ([]audit.VirtualServer, error) {
+	msgs, err := g.c.Execute(genetlink.Message{Header: genetlink.Header{Command: ipvsCmdGetService, Version: g.fam.Version}},
+		g.fam.ID, netlink.Request|netlink.Dump)
 	if err != nil {
 		return nil, fmt.Errorf("IPVS services: %w", err)
 	}
-	vs := make([]audit.VirtualServer, 0, len(svcs))
-	for _, s := range svcs {
-		if s.FWMark != 0 {
+	vs := make([]audit.VirtualServer, 0, len(msgs))
+	for _, m := range msgs {
+		s, err := decodeIPVSService(m.Data)
+		if err != nil {
+			return nil, fmt.Errorf("IPVS services: %w", err)
+		}
+		if !s.ok || s.fwmark != 0 {
 			continue // kube-proxy programs no firewall-mark services
 		}
-		v, ok := virtualServer(s)
-		if !ok {
-			continue
+		if err := g.destinations(&s); err != nil {
+			return nil, fmt.Errorf("IPVS real servers of %s: %w", s.vs.Addr, err)
 		}
-		dsts, err := h.GetDestinations(s)
-		if err != nil {
-			return nil, fmt.Errorf("IPVS real servers of %s: %w", v.Addr, err)
-		}
-		for _, d := range dsts {
-			a, ok := netip.AddrFromSlice(d.Address)
-			if !ok {
-				continue
-			}
-			v.Real = append(v.Real, audit.RealServer{Addr: netip.AddrPortFrom(a.Unmap(), d.Port), Weight: d.Weight,
-				ActiveConns: d.ActiveConnections, InactiveConns: d.InactiveConnections})
-		}
-		vs = append(vs, v)
+		vs = append(vs, s.vs)
 	}
-	return audit.FromIPVS(vs), nil
+	return vs, nil
 }
 
-func virtualServer(s *ipvs.Service) (audit.VirtualServer, bool) {
-	a, ok := netip.AddrFromSlice(s.Address)
-	if !ok {
-		return audit.VirtualServer{}, false
+// destinations dumps one virtual server's real servers.
+func (g *genlIPVS) destinations(s *ipvsService) error {
+	ae := netlink.NewAttributeEncoder()
+	ae.Nested(ipvsCmdAttrService, func(nae *netlink.AttributeEncoder) error {
+		nae.Uint16(ipvsSvcAttrAF, s.af)
+		nae.Uint16(ipvsSvcAttrProtocol, s.proto)
+		nae.Bytes(ipvsSvcAttrAddr, s.addr)
+		nae.Bytes(ipvsSvcAttrPort, s.port)
+		return nil
+	})
+	req, err := ae.Encode()
+	if err != nil {
+		return err
 	}
-	var proto string
-	switch s.Protocol {
+	msgs, err := g.c.Execute(genetlink.Message{Header: genetlink.Header{Command: ipvsCmdGetDest, Version: g.fam.Version}, Data: req},
+		g.fam.ID, netlink.Request|netlink.Dump)
+	if err != nil {
+		return err
+	}
+	s.vs.Real = make([]audit.RealServer, 0, len(msgs))
+	for _, m := range msgs {
+		rs, ok, err := decodeIPVSDest(m.Data, s.af)
+		if err != nil {
+			return err
+		}
+		if ok {
+			s.vs.Real = append(s.vs.Real, rs)
+		}
+	}
+	return nil
+}
+
+// decodeIPVSService reads one IPVS_CMD_NEW_SERVICE message body. Host-order
+// integers, except ports (network order).
+func decodeIPVSService(data []byte) (ipvsService, error) {
+	var s ipvsService
+	a := attrs{b: data}
+	for a.next() {
+		if a.typ != ipvsCmdAttrService {
+			continue
+		}
+		sa := attrs{b: a.val}
+		var flags, timeout uint32
+		for sa.next() {
+			switch sa.typ {
+			case ipvsSvcAttrAF:
+				s.af = nativeU16(sa.val)
+			case ipvsSvcAttrProtocol:
+				s.proto = nativeU16(sa.val)
+			case ipvsSvcAttrAddr:
+				s.addr = sa.val
+			case ipvsSvcAttrPort:
+				s.port = sa.val
+			case ipvsSvcAttrFWMark:
+				s.fwmark = nativeU32(sa.val)
+			case ipvsSvcAttrSched:
+				s.vs.Scheduler = sa.str()
+			case ipvsSvcAttrFlags:
+				flags = nativeU32(sa.val)
+			case ipvsSvcAttrTimeout:
+				timeout = nativeU32(sa.val)
+			}
+		}
+		if sa.err != nil {
+			return s, sa.err
+		}
+		if flags&ipvsSvcPersistent != 0 {
+			s.vs.PersistentSeconds = int(timeout)
+		}
+		ip, ok := ipvsAddr(s.af, s.addr)
+		proto, okp := ipvsProto(s.proto)
+		if ok && okp && len(s.port) == 2 {
+			s.vs.Addr = netip.AddrPortFrom(ip, binary.BigEndian.Uint16(s.port))
+			s.vs.Protocol = proto
+			s.ok = true
+		}
+	}
+	return s, a.err
+}
+
+// decodeIPVSDest reads one IPVS_CMD_NEW_DEST message body; a real server
+// whose family the kernel does not say (before Linux 4.10) has its
+// service's.
+func decodeIPVSDest(data []byte, svcAF uint16) (audit.RealServer, bool, error) {
+	var rs audit.RealServer
+	var addr, port []byte
+	var af uint16
+	a := attrs{b: data}
+	for a.next() {
+		if a.typ != ipvsCmdAttrDest {
+			continue
+		}
+		da := attrs{b: a.val}
+		for da.next() {
+			switch da.typ {
+			case ipvsDestAttrAddr:
+				addr = da.val
+			case ipvsDestAttrPort:
+				port = da.val
+			case ipvsDestAttrWeight:
+				rs.Weight = int(nativeU32(da.val))
+			case ipvsDestAttrActiveConns:
+				rs.ActiveConns = int(nativeU32(da.val))
+			case ipvsDestAttrInactiveConns:
+				rs.InactiveConns = int(nativeU32(da.val))
+			case ipvsDestAttrAF:
+				af = nativeU16(da.val)
+			}
+		}
+		if da.err != nil {
+			return rs, false, da.err
+		}
+	}
+	if a.err != nil {
+		return rs, false, a.err
+	}
+	if af == 0 {
+		af = svcAF
+	}
+	ip, ok := ipvsAddr(af, addr)
+	if !ok || len(port) != 2 {
+		return rs, false, nil
+	}
+	rs.Addr = netip.AddrPortFrom(ip, binary.BigEndian.Uint16(port))
+	return rs, true, nil
+}
+
+// ipvsAddr reads an address: union nf_inet_addr, 16 bytes, the first 4
+// for IPv4.
+func ipvsAddr(af uint16, b []byte) (netip.Addr, bool) {
+	switch {
+	case af == syscall.AF_INET && len(b) >= 4:
+		return netip.AddrFrom4([4]byte(b[:4])), true
+	case af == syscall.AF_INET6 && len(b) >= 16:
+		return netip.AddrFrom16([16]byte(b[:16])).Unmap(), true
+	}
+	return netip.Addr{}, false
+}
+
+func ipvsProto(p uint16) (string, bool) {
+	switch p {
 	case syscall.IPPROTO_TCP:
-		proto = "TCP"
+		return "TCP", true
 	case syscall.IPPROTO_UDP:
-		proto = "UDP"
+		return "UDP", true
 	case syscall.IPPROTO_SCTP:
-		proto = "SCTP"
-	default:
-		return audit.VirtualServer{}, false
+		return "SCTP", true
 	}
-	v := audit.VirtualServer{Addr: netip.AddrPortFrom(a.Unmap(), s.Port), Protocol: proto, Scheduler: s.SchedName}
-	const persistent = 0x1 // IP_VS_SVC_F_PERSISTENT: session affinity
-	if s.Flags&persistent != 0 {
-		v.PersistentSeconds = int(s.Timeout)
+	return "", false
+}
+
+func nativeU16(b []byte) uint16 {
+	if len(b) < 2 {
+		return 0
 	}
-	return v, true
+	return binary.NativeEndian.Uint16(b)
+}
+
+func nativeU32(b []byte) uint32 {
+	if len(b) < 4 {
+		return 0
+	}
+	return binary.NativeEndian.Uint32(b)
 }

@@ -2,12 +2,8 @@
 
 package collector
 
-import (
-	"errors"
+import "errors"
 
-	"github.com/proxyaudit/proxyaudit/audit"
-)
-
-func readIPVS() (*audit.Observed, error) {
+func openIPVS() (IPVS, error) {
 	return nil, errors.New("IPVS can only be read on Linux")
 }

@@ -1,6 +1,11 @@
 // Package collector is the node side of proxyaudit: it finds out which
 // rules kube-proxy programs on this node, reads them through the cheapest
 // real source, and streams them to the aggregator.
+//
+// The kernel and the tools are reached only through Host's narrow
+// interfaces (a command runner, iptables chain checks, the IPVS table),
+// with fakes in collectortest: mode detection and every reader's handling
+// of what the kernel says run without root.
 package collector
 
 import (
@@ -8,17 +13,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
-	"os/exec"
-	"strings"
 
-	"github.com/coreos/go-iptables/iptables"
+	utilexec "k8s.io/utils/exec"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// Source reads one node's kube-proxy rules.
+// Source names where one node's kube-proxy rules are read from.
 type Source struct {
 	Mode audit.Mode
 	// Legacy selects the iptables-legacy backend.
@@ -33,47 +35,6 @@ func (s Source) String() string {
 		return "iptables (nf_tables backend)"
 	}
 	return string(s.Mode)
-}
-
-// ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
-// programmed this node (yet), or runs in a mode proxyaudit cannot read.
-var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip kube-proxy, no KUBE-SERVICES chain in either iptables backend")
-
-// Detect finds the mode kube-proxy programs on this node. IPVS comes first:
-// in IPVS mode kube-proxy also keeps an iptables KUBE-SERVICES chain. Each
-// check is a small query, never a listing of the whole ruleset, and none
-// takes the xtables lock.
-func Detect(ctx context.Context) (Source, error) {
-	if _, err := net.InterfaceByName("kube-ipvs0"); err == nil {
-		return Source{Mode: audit.ModeIPVS}, nil
-	}
-	if out, err := exec.CommandContext(ctx, "nft", "-j", "list", "chain", "ip", "kube-proxy", "services").Output(); err == nil && bytes.Contains(out, []byte(`"services"`)) {
-		return Source{Mode: audit.ModeNFTables}, nil
-	}
-	var errs []error
-	for _, b := range []struct {
-		path   string
-		legacy bool
-	}{{"iptables", false}, {"iptables-legacy", true}} {
-		path, err := exec.LookPath(b.path)
-		if err != nil {
-			continue
-		}
-		ipt, err := iptables.New(iptables.Path(path))
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", b.path, err))
-			continue
-		}
-		if ok, err := ipt.ChainExists("nat", "KUBE-SERVICES"); err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", b.path, err))
-		} else if ok {
-			return Source{Mode: audit.ModeIPTables, Legacy: b.legacy}, nil
-		}
-	}
-	if len(errs) > 0 {
-		return Source{}, fmt.Errorf("%w (%v)", ErrNoKubeProxy, errors.Join(errs...))
-	}
-	return Source{}, ErrNoKubeProxy
 }
 
 // ParseMode turns a --mode value into a Source; "auto" returns ok false.
@@ -93,66 +54,107 @@ func ParseMode(mode string) (Source, bool, error) {
 	return Source{}, false, fmt.Errorf("--mode %q: want auto, iptables, iptables-legacy, nftables or ipvs", mode)
 }
 
-// Read reads the rules once: one `iptables-save -t nat` whose output is
-// parsed as it streams (the text is never held whole), one `nft -j list
-// table ip kube-proxy`, or one netlink dump of the IPVS table.
-func (s Source) Read(ctx context.Context) (*audit.Observed, error) {
-	if s.Mode == audit.ModeIPVS {
-		return readIPVS()
-	}
-	var argv []string
-	parse := audit.ParseIPTables
-	switch {
-	case s.Mode == audit.ModeIPTables && s.Legacy:
-		argv = []string{"iptables-legacy-save", "-t", "nat"}
-	case s.Mode == audit.ModeIPTables:
-		argv = []string{"iptables-save", "-t", "nat"}
-	case s.Mode == audit.ModeNFTables:
-		argv, parse = []string{"nft", "-j", "list", "table", "ip", "kube-proxy"}, audit.ParseNFTables
-	default:
-		return nil, fmt.Errorf("reading %s rules is not supported yet", s.Mode)
-	}
-	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &limitedBuffer{b: &stderr, max: 4096}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("%s: %w", argv[0], err)
-	}
-	obs, perr := parse(out)
-	if perr != nil {
-		// Drain so the child is not blocked writing, then reap it.
-		_, _ = io.Copy(io.Discard, out)
-	}
-	werr := cmd.Wait()
-	if werr != nil {
-		if s.Mode == audit.ModeNFTables && strings.Contains(stderr.String(), "No such file or directory") {
-			// The table is gone: kube-proxy's rules were removed.
-			return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, Families: []int{4}}, nil
-		}
-		return nil, fmt.Errorf("%s: %w: %s", strings.Join(argv, " "), werr, strings.TrimSpace(stderr.String()))
-	}
-	if perr != nil {
-		return nil, fmt.Errorf("%s output: %w", strings.Join(argv, " "), perr)
-	}
-	return obs, nil
+// IPTables checks iptables chains through one backend's binary
+// (go-iptables in production). It never lists a whole table.
+type IPTables interface {
+	ChainExists(table, chain string) (bool, error)
 }
 
-type limitedBuffer struct {
-	b   *bytes.Buffer
-	max int
+// IPVS reads the kernel's IPVS table (moby/ipvs over generic netlink in
+// production). It is not safe for concurrent use.
+type IPVS interface {
+	VirtualServers() ([]audit.VirtualServer, error)
+	Close()
 }
 
-func (l *limitedBuffer) Write(p []byte) (int, error) {
-	if room := l.max - l.b.Len(); room > 0 {
-		if len(p) > room {
-			l.b.Write(p[:room])
-		} else {
-			l.b.Write(p)
+// ChangeSignal tells the collector when kube-proxy's rules may have
+// changed, so that a quiet node is not read at all.
+type ChangeSignal interface {
+	// Token is a cheap summary of the rules' source that changes whenever
+	// the rules may have (the nf_tables generation; the legacy table's
+	// size and entry count).
+	Token() (uint64, error)
+	// Events, when not nil, fires soon after the kernel announces a
+	// change (or lost announcements), coalesced; the caller then compares
+	// tokens.
+	Events() <-chan struct{}
+	// Lost counts announcements the kernel dropped (a full socket buffer).
+	Lost() uint64
+	Close()
+}
+
+// Host is this node's kernel and tools as the collector reaches them.
+// NewHost wires the real ones; tests put fakes in the fields.
+type Host struct {
+	// Exec runs iptables-save, iptables-legacy-save and nft.
+	Exec utilexec.Interface
+	// IPTables opens chain checks on the nf_tables (false) or legacy
+	// (true) backend; an error means that backend's binary is missing.
+	IPTables func(legacy bool) (IPTables, error)
+	// OpenIPVS opens the IPVS table.
+	OpenIPVS func() (IPVS, error)
+	// HasInterface says whether a network interface exists.
+	HasInterface func(name string) bool
+	// OpenSignal opens the change signal of a source; nil (and no error)
+	// when the source has none (IPVS).
+	OpenSignal func(src Source) (ChangeSignal, error)
+	// NFTJSON reads nftables mode with `nft -j list table ip kube-proxy`
+	// instead of netlink (the fallback for a kernel the netlink reader
+	// cannot decode).
+	NFTJSON bool
+}
+
+// NewHost returns the real host: tools from PATH, go-iptables, moby/ipvs,
+// the kernel's interfaces.
+func NewHost() *Host {
+	return &Host{
+		Exec:     utilexec.New(),
+		IPTables: openIPTables,
+		OpenIPVS: openIPVS,
+		HasInterface: func(name string) bool {
+			_, err := net.InterfaceByName(name)
+			return err == nil
+		},
+		OpenSignal: openSignal,
+	}
+}
+
+// ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
+// programmed this node (yet), or runs in a mode proxyaudit cannot read.
+var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip kube-proxy, no KUBE-SERVICES chain in either iptables backend")
+
+// Detect finds the mode kube-proxy programs on this node, in this order:
+// IPVS (a kube-ipvs0 interface; in IPVS mode kube-proxy also keeps an
+// iptables KUBE-SERVICES chain), nftables (its services chain), then
+// KUBE-SERVICES in the nf_tables iptables backend and in the legacy one.
+// Each check is a small query, never a listing of the whole ruleset, and
+// none takes the xtables lock.
+func (h *Host) Detect(ctx context.Context) (Source, error) {
+	if h.HasInterface("kube-ipvs0") {
+		return Source{Mode: audit.ModeIPVS}, nil
+	}
+	if out, err := h.Exec.CommandContext(ctx, "nft", "-j", "list", "chain", "ip", "kube-proxy", "services").Output(); err == nil && bytes.Contains(out, []byte(`"services"`)) {
+		return Source{Mode: audit.ModeNFTables}, nil
+	}
+	var errs []error
+	for _, legacy := range []bool{false, true} {
+		name := map[bool]string{false: "iptables", true: "iptables-legacy"}[legacy]
+		ipt, err := h.IPTables(legacy)
+		if errors.Is(err, utilexec.ErrExecutableNotFound) {
+			continue // that backend is not installed
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", name, err))
+			continue
+		}
+		if ok, err := ipt.ChainExists("nat", "KUBE-SERVICES"); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", name, err))
+		} else if ok {
+			return Source{Mode: audit.ModeIPTables, Legacy: legacy}, nil
 		}
 	}
-	return len(p), nil
+	if len(errs) > 0 {
+		return Source{}, fmt.Errorf("%w (%v)", ErrNoKubeProxy, errors.Join(errs...))
+	}
+	return Source{}, ErrNoKubeProxy
 }

@@ -2,12 +2,15 @@ package e2e
 
 import (
 	"context"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
 // TestE2ELiveDiff builds the service matrix on the real cluster, hangs the
@@ -44,6 +47,20 @@ func TestE2ELiveDiff(t *testing.T) {
 			obs, err := audit.ParseRules(strings.NewReader(rules))
 			if err != nil {
 				t.Fatalf("%s: %v", n.Name, err)
+			}
+			if n.Mode == localcluster.ModeNFTables {
+				// The collector's netlink reader sees what nft -j shows.
+				var viaNetlink *audit.Observed
+				if err := localcluster.InNetNS(n.NetNS, func() error {
+					var err error
+					viaNetlink, err = collector.NewHost().Reader(collector.Source{Mode: audit.ModeNFTables}).Read(ctx)
+					return err
+				}); err != nil {
+					t.Fatalf("%s: netlink read: %v", n.Name, err)
+				}
+				if a, b := stream.FromModel(viaNetlink).Root(), stream.FromModel(obs).Root(); a != b || !reflect.DeepEqual(viaNetlink, obs) {
+					t.Errorf("%s: the netlink reader and nft -j read different rules (roots %x, %x)", n.Name, a, b)
+				}
 			}
 			out[n.Name] = audit.Diff(audit.ExpectedFor(st, n.Name), obs)
 		}

@@ -13,10 +13,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -234,8 +235,19 @@ func TestE2EIPVS(t *testing.T) {
 	t.Logf("injected: kube-proxy frozen, 198.18.128.77 removed from two-slices, its real server set to weight 0 (limit %s)", weightZero)
 	for time.Since(zeroed) < weightZero-3*time.Second {
 		fs, _, err := agg.get()
-		if err == nil && len(fs) > 0 {
-			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(fs))
+		// The emulated VM can stall for seconds when the host is busy (CI
+		// runs packages side by side): a late report is the truth about
+		// the collector, not a verdict on the draining server.
+		var early []audit.TimedFinding
+		for _, f := range fs {
+			if f.Node == vmName && f.Kind == audit.CollectorMissing {
+				t.Logf("the VM's reports stalled (%s after the weight was zeroed): %s", time.Since(zeroed).Round(time.Second), f.Detail)
+				continue
+			}
+			early = append(early, f)
+		}
+		if err == nil && len(early) > 0 {
+			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(early))
 		}
 		time.Sleep(time.Second)
 	}
@@ -436,8 +448,8 @@ func startFleet(ctx context.Context, t *testing.T, c *localcluster.Cluster, vm *
 }
 
 func (f *fleet) get() ([]audit.TimedFinding, map[string]audit.NodeStatus, error) {
-	var fr aggregator.FindingsResponse
-	var nr aggregator.NodesResponse
+	var fr api.FindingsResponse
+	var nr api.NodesResponse
 	for path, v := range map[string]any{"/api/v1/findings": &fr, "/api/v1/nodes": &nr} {
 		r, err := f.http.Get("http://" + aggIP + ":8080" + path)
 		if err != nil {

@@ -198,6 +198,9 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 		s := spec.Replaced(*slices[i], rand.IntN(len(slices[i].Endpoints)), next)
 		next = (next + 1) % 4096
 		mu.Unlock()
+		// As the EndpointSlice controller does: kube-proxy measures its
+		// network programming latency from this.
+		s.Annotations = map[string]string{"endpoints.kubernetes.io/last-change-trigger-time": time.Now().UTC().Format(time.RFC3339Nano)}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

@@ -30,16 +30,20 @@ type Fleet struct {
 	// reports caches encoded reports by transition (from → to version),
 	// shared by every node making the same transition.
 	rmu     sync.Mutex
-	reports map[[2]uint64]*encoded
+	reports map[transitionKey]*encoded
 
 	// WriteBlocked is the longest a report waited for the aggregator to
 	// read it (ns): a report read late is dated late.
 	WriteBlocked atomic.Int64
 	BytesSent    atomic.Int64
-	Reports      atomic.Int64
-	Resyncs      atomic.Int64
-	ReadNows     atomic.Int64 // read-now requests received
-	Rejects      atomic.Int64
+	// BytesSentRefs is what the nodes naming frontends by hash sent,
+	// content asked of them included.
+	BytesSentRefs atomic.Int64
+	Wants         atomic.Int64 // wants received
+	Reports       atomic.Int64
+	Resyncs       atomic.Int64
+	ReadNows      atomic.Int64 // read-now requests received
+	Rejects       atomic.Int64
 }
 
 type simNode struct {
@@ -48,8 +52,10 @@ type simNode struct {
 	phase time.Duration
 
 	mu     sync.Mutex
+	refs   bool     // offers to name frontends by hash
 	frozen *Version // non-nil while stuck
 	sent   *Version // what the aggregator's copy holds
+	before *Version // what it held before the last report
 	full   bool     // the next report is a full snapshot
 	seq    uint64
 	syncs  float64
@@ -61,11 +67,16 @@ type encoded struct {
 	rest []byte // the report's JSON after `{"seq":0,`
 }
 
+type transitionKey struct {
+	from, to uint64
+	refs     bool
+}
+
 // NewFleet prepares n nodes named name(i), reporting every interval to
 // the aggregator's stream address. Each node's kube-proxy lags the API by
 // a programming latency drawn from minLag..maxLag.
 func NewFleet(truth *Truth, addr string, n int, name func(int) string, interval, minLag, maxLag time.Duration) *Fleet {
-	f := &Fleet{truth: truth, addr: addr, interval: interval, reports: map[[2]uint64]*encoded{}}
+	f := &Fleet{truth: truth, addr: addr, interval: interval, reports: map[transitionKey]*encoded{}}
 	rng := rand.New(rand.NewPCG(1, uint64(n)))
 	for i := range n {
 		f.nodes = append(f.nodes, &simNode{
@@ -76,6 +87,15 @@ func NewFleet(truth *Truth, addr string, n int, name func(int) string, interval,
 		})
 	}
 	return f
+}
+
+// UseRefs makes the nodes pick says name changed frontends by hash where
+// the aggregator accepts it (the others send content, as collectors before
+// refs did). Call before Run.
+func (f *Fleet) UseRefs(pick func(i int) bool) {
+	for i, n := range f.nodes {
+		n.refs = pick(i)
+	}
 }
 
 // Run connects every node (spread over rampUp) and streams until ctx ends.
@@ -162,7 +182,7 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
 	w := bufio.NewWriterSize(c, 64<<10)
-	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: n.name, Version: "fleetsim", IntervalSeconds: f.interval.Seconds()}}
+	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: n.name, Version: "fleetsim", IntervalSeconds: f.interval.Seconds(), Refs: n.refs}}
 	if err := stream.Write(c, hello); err != nil {
 		return err
 	}
@@ -179,13 +199,15 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 		}
 		return fmt.Errorf("answer to hello: %s", m.Type)
 	}
+	refs := n.refs && m.Welcome != nil && m.Welcome.Refs
 	n.mu.Lock()
-	n.full, n.sent = true, nil
+	n.full, n.sent, n.before = true, nil, nil
 	n.mu.Unlock()
 	// The aggregator asks for a full snapshot when its copy differs, and
 	// for a read at once when a change the node missed crosses grace.
 	errc := make(chan error, 1)
 	readNow := make(chan struct{}, 1)
+	wants := make(chan *stream.Want, 4)
 	go func() {
 		for {
 			m, _, err := stream.Read(c, 1<<20)
@@ -199,6 +221,15 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 				n.mu.Lock()
 				n.full = true
 				n.mu.Unlock()
+			case stream.TypeWant:
+				f.Wants.Add(1)
+				if m.Want != nil {
+					select {
+					case wants <- m.Want:
+					case <-ctx.Done():
+						return
+					}
+				}
 			case stream.TypeReadNow:
 				f.ReadNows.Add(1)
 				select {
@@ -221,8 +252,14 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 	}
 	tick := time.NewTicker(f.interval)
 	defer tick.Stop()
+	sent := func(frame []byte) {
+		f.BytesSent.Add(int64(len(frame)))
+		if refs {
+			f.BytesSentRefs.Add(int64(len(frame)))
+		}
+	}
 	for {
-		frame, err := f.report(n, time.Now())
+		frame, err := f.report(n, time.Now(), refs)
 		if err != nil {
 			return err
 		}
@@ -237,13 +274,39 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 		if d := int64(time.Since(began)); d > f.WriteBlocked.Load() {
 			f.WriteBlocked.Store(d)
 		}
-		f.BytesSent.Add(int64(len(frame)))
+		sent(frame)
 		f.Reports.Add(1)
+	wait:
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-errc:
 			return err
+		case want := <-wants:
+			// As the collector: the content of what the last reports
+			// named, from the versions the aggregator was moved to.
+			n.mu.Lock()
+			recent := []stream.State{}
+			for _, v := range []*Version{n.before, n.sent} {
+				if v != nil {
+					recent = append(recent, *v.State)
+				}
+			}
+			n.mu.Unlock()
+			m := &stream.Message{Type: stream.TypeContent, Content: stream.Answer(want.Sums, recent)}
+			body, err := json.Marshal(m)
+			if err != nil {
+				return err
+			}
+			frame := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+			if _, err := w.Write(frame); err != nil {
+				return err
+			}
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			sent(frame)
+			goto wait
 		case <-tick.C:
 		case <-readNow:
 			// As the collector: reads start at least a second apart.
@@ -258,7 +321,7 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 // aggregator holds to what the node shows now, with the node's own seq and
 // kube-proxy signal (its syncs go on while stuck: the health check stays
 // green).
-func (f *Fleet) report(n *simNode, now time.Time) ([]byte, error) {
+func (f *Fleet) report(n *simNode, now time.Time, refs bool) ([]byte, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	show := n.frozen
@@ -269,13 +332,16 @@ func (f *Fleet) report(n *simNode, now time.Time) ([]byte, error) {
 	if !n.full && n.sent != nil {
 		from = n.sent.Seq
 	}
-	e, err := f.transition(n.sent, show, from == 0)
+	e, err := f.transition(n.sent, show, from == 0, refs)
 	if err != nil {
 		return nil, err
 	}
 	n.seq++
 	if n.sent == nil || n.sent.Seq != show.Seq || n.full {
 		n.syncs++
+	}
+	if n.sent != show {
+		n.before = n.sent
 	}
 	n.sent, n.full = show, false
 	kp, _ := json.Marshal(&stream.KubeProxy{LastSync: float64(now.Add(-n.lag).UnixNano()) / 1e9, EndpointChangesTotal: n.syncs})
@@ -294,10 +360,10 @@ func (f *Fleet) report(n *simNode, now time.Time) ([]byte, error) {
 
 // transition encodes the report moving the aggregator's copy from one
 // version to another (a full snapshot when full), once per pair.
-func (f *Fleet) transition(from, to *Version, full bool) (*encoded, error) {
-	key := [2]uint64{0, to.Seq}
+func (f *Fleet) transition(from, to *Version, full, refs bool) (*encoded, error) {
+	key := transitionKey{to: to.Seq, refs: refs}
 	if !full {
-		key[0] = from.Seq
+		key.from = from.Seq
 	}
 	f.rmu.Lock()
 	defer f.rmu.Unlock()
@@ -309,7 +375,7 @@ func (f *Fleet) transition(from, to *Version, full bool) (*encoded, error) {
 		cp := *from.State // Delta overwrites *prev: hand it a copy
 		prev = &cp
 	}
-	r := stream.Delta(prev, to.State, 0, full)
+	r := stream.Delta(prev, to.State, 0, full, refs)
 	b, err := json.Marshal(r)
 	if err != nil {
 		return nil, err
@@ -324,7 +390,7 @@ func (f *Fleet) transition(from, to *Version, full bool) (*encoded, error) {
 	if len(f.reports) > 256 {
 		oldest := f.truth.oldest()
 		for k := range f.reports {
-			if k[1] < oldest {
+			if k.to < oldest {
 				delete(f.reports, k)
 			}
 		}

@@ -15,11 +15,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/api"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -37,6 +38,7 @@ var (
 	fleetSteady   = flag.Duration("fleet-steady", 30*time.Second, "churn window measured without faults")
 	fleetRounds   = flag.Int("fleet-rounds", 2, "rounds of stuck nodes")
 	fleetReport   = flag.String("fleet-report", "", "append the result as one JSON line to this file")
+	fleetRefs     = flag.String("fleet-refs", "half", "which nodes name changed frontends by hash: all, none, or half (every other node, measured side by side)")
 	fleetAgg      = flag.String("fleet-aggregator", "", "aggregator binary to run (default: built from this tree), e.g. an older build to compare")
 )
 
@@ -58,7 +60,12 @@ type Result struct {
 	IngestBytesPerSecondChurn            float64
 	BytesPerNodePerIntervalQuiet         float64
 	BytesPerNodePerIntervalChurn         float64
-	InitialSyncSeconds                   float64 // every node in sync after the fleet connected
+	// With -fleet-refs half, the two halves of one run side by side.
+	Refs                                string
+	BytesPerNodePerIntervalChurnRefs    float64 `json:",omitempty"`
+	BytesPerNodePerIntervalChurnContent float64 `json:",omitempty"`
+	Wants                               int64
+	InitialSyncSeconds                  float64 // every node in sync after the fleet connected
 
 	DetectionSamples           int
 	DetectionP50, DetectionP99 float64 // seconds after grace
@@ -127,10 +134,23 @@ func TestE2EFleetSimulation(t *testing.T) {
 		}
 		agg.Stop()
 	}()
-	api := &apiClient{base: "http://" + httpAddr}
-	waitFor(t, 5*time.Minute, "aggregator ready", func() bool { return api.ready() })
+	aggAPI := &apiClient{base: "http://" + httpAddr}
+	waitFor(t, 5*time.Minute, "aggregator ready", func() bool { return aggAPI.ready() })
 
 	fleet := fleetsim.NewFleet(truth, streamAddr, N, nodeName, *fleetInterval, 300*time.Millisecond, 2*time.Second)
+	res.Refs = *fleetRefs
+	refsNodes := 0
+	switch *fleetRefs {
+	case "all":
+		fleet.UseRefs(func(int) bool { return true })
+		refsNodes = N
+	case "half":
+		fleet.UseRefs(func(i int) bool { return i%2 == 1 })
+		refsNodes = N / 2
+	case "none":
+	default:
+		t.Fatalf("-fleet-refs %q: want all, none or half", *fleetRefs)
+	}
 	fctx, fstop := context.WithCancel(ctx)
 	fdone := make(chan struct{})
 	ramp := time.Duration(N) * 20 * time.Millisecond
@@ -139,7 +159,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 
 	connected := time.Now()
 	waitFor(t, 10*time.Minute+ramp, "every simulated node in sync", func() bool {
-		v, err := api.verdict()
+		v, err := aggAPI.verdict()
 		return err == nil && len(v.Findings) == 0 && countState(v.Nodes, audit.NodeInSync) == N
 	})
 	res.InitialSyncSeconds = time.Since(connected).Seconds()
@@ -162,7 +182,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	stuck := map[string]time.Time{} // node → frozen at
 	falseSeen := map[string]bool{}
 	check := func() audit.Verdict {
-		v, err := api.verdict()
+		v, err := aggAPI.verdict()
 		if err != nil {
 			t.Logf("verdict: %v", err)
 			return v
@@ -180,7 +200,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 				}
 				t.Errorf("false finding: %s", k)
 				if res.FalseFindings <= 3 {
-					diagnose(t, ctx, client, api, truth, fleet, f)
+					diagnose(t, ctx, client, aggAPI, truth, fleet, f)
 				}
 			}
 		}
@@ -192,7 +212,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b0, a0, m0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load()
+	b0, a0, m0, r0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load(), fleet.BytesSentRefs.Load()
 	for time.Since(a0) < *fleetSteady {
 		check()
 		time.Sleep(500 * time.Millisecond)
@@ -206,6 +226,17 @@ func TestE2EFleetSimulation(t *testing.T) {
 	res.AggregatorCPUCores = (agg1.CPU - agg0.CPU).Seconds() / wall
 	res.IngestBytesPerSecondChurn = float64(fleet.BytesSent.Load()-b0) / wall
 	res.BytesPerNodePerIntervalChurn = res.IngestBytesPerSecondChurn / float64(N) * fleetInterval.Seconds()
+	perNode := func(bytes int64, nodes int) float64 {
+		return float64(bytes) / wall / float64(nodes) * fleetInterval.Seconds()
+	}
+	if refsNodes > 0 {
+		res.BytesPerNodePerIntervalChurnRefs = perNode(fleet.BytesSentRefs.Load()-r0, refsNodes)
+	}
+	if refsNodes < N {
+		res.BytesPerNodePerIntervalChurnContent = perNode(fleet.BytesSent.Load()-b0-(fleet.BytesSentRefs.Load()-r0), N-refsNodes)
+	}
+	t.Logf("per node per interval under churn: %.0f B naming frontends by hash, %.0f B sending them",
+		res.BytesPerNodePerIntervalChurnRefs, res.BytesPerNodePerIntervalChurnContent)
 	t.Logf("churn %.0f/s (%d failed): aggregator %.2f cores, ingest %.0f B/s (%.0f B per node per interval)",
 		res.ChurnPerSecond, churn.Failed.Load(), res.AggregatorCPUCores, res.IngestBytesPerSecondChurn, res.BytesPerNodePerIntervalChurn)
 
@@ -279,6 +310,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
 	res.Resyncs = fleet.Resyncs.Load()
 	res.ReadNows = fleet.ReadNows.Load()
+	res.Wants = fleet.Wants.Load()
 	res.WriteBlockedMaxSeconds = time.Duration(fleet.WriteBlocked.Load()).Seconds()
 	res.TruthMaxLagSeconds = truth.MaxLag().Seconds()
 	if errs := fleet.LastErrors(); len(errs) > 0 {
@@ -301,7 +333,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 
 // diagnose logs, for a false finding, what the API server, the simulated
 // kube-proxies' truth and the aggregator each say about the service.
-func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, api *apiClient, truth *fleetsim.Truth, fleet *fleetsim.Fleet, f audit.TimedFinding) {
+func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, agg *apiClient, truth *fleetsim.Truth, fleet *fleetsim.Fleet, f audit.TimedFinding) {
 	ns, name, _ := strings.Cut(f.Service, "/")
 	if sl, err := client.DiscoveryV1().EndpointSlices(ns).Get(ctx, name+"-0", metav1.GetOptions{}); err == nil {
 		var addrs []string
@@ -326,13 +358,13 @@ func diagnose(t *testing.T, ctx context.Context, client kubernetes.Interface, ap
 		})
 		t.Logf("  %s last sent version %d (changes from %s); frontends holding %s: %v", f.Node, v.Seq, v.At.Format("15:04:05.000"), f.Endpoint, eps)
 	}
-	var ex aggregator.ExplainResponse
-	if err := api.get("/api/v1/nodes/"+f.Node+"/explain?service="+f.Service, &ex); err == nil {
+	var ex api.ExplainResponse
+	if err := agg.get("/api/v1/nodes/"+f.Node+"/explain?service="+f.Service, &ex); err == nil {
 		b, _ := json.Marshal(ex)
 		t.Logf("  aggregator's explain: %.1500s", b)
 	}
-	var nr aggregator.NodeResponse
-	if err := api.get("/api/v1/nodes/"+f.Node, &nr); err == nil {
+	var nr api.NodeResponse
+	if err := agg.get("/api/v1/nodes/"+f.Node, &nr); err == nil {
 		t.Logf("  aggregator on %s: state %s, last report %s, watermark %s, since %s, kube-proxy %+v", f.Node, nr.State,
 			nr.LastReport.Format("15:04:05.000"), nr.Watermark.Format("15:04:05.000"), f.Since.Format("15:04:05.000"), nr.KubeProxy)
 	}
@@ -389,11 +421,11 @@ func (a *apiClient) ready() bool {
 // verdict reads findings and nodes.
 func (a *apiClient) verdict() (audit.Verdict, error) {
 	var v audit.Verdict
-	var fr aggregator.FindingsResponse
+	var fr api.FindingsResponse
 	if err := a.get("/api/v1/findings", &fr); err != nil {
 		return v, err
 	}
-	var nr aggregator.NodesResponse
+	var nr api.NodesResponse
 	if err := a.get("/api/v1/nodes", &nr); err != nil {
 		return v, err
 	}

@@ -78,6 +78,11 @@ type NodeSpec struct {
 	// LegacyIPTables makes kube-proxy (iptables mode) use the legacy
 	// x_tables backend instead of nf_tables.
 	LegacyIPTables bool
+	// ProxyReady bounds how long kube-proxy may take to program
+	// default/kubernetes (60 s): its first sync programs every service, and
+	// at the anchors (10k services) that and reading the rules back to check
+	// take minutes on this machine.
+	ProxyReady time.Duration
 }
 
 // Config configures Start.
@@ -125,6 +130,8 @@ type Node struct {
 	HostIP string // host end of the node's veth
 	IP     string // the node's InternalIP
 	Legacy bool
+	// proxyReady: see NodeSpec.ProxyReady.
+	proxyReady time.Duration
 
 	c        *Cluster
 	mu       sync.Mutex
@@ -394,7 +401,7 @@ func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
 		return nil, fmt.Errorf("at most %d nodes", maxNodes)
 	}
 	n := &Node{
-		Name: spec.Name, Mode: spec.Mode, Zone: spec.Zone, Index: idx, Legacy: spec.LegacyIPTables,
+		Name: spec.Name, Mode: spec.Mode, Zone: spec.Zone, Index: idx, Legacy: spec.LegacyIPTables, proxyReady: spec.ProxyReady,
 		NetNS:  namePrefix + spec.Name,
 		HostIP: fmt.Sprintf("198.18.0.%d", 4*idx+1),
 		IP:     fmt.Sprintf("198.18.0.%d", 4*idx+2),

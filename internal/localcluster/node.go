@@ -41,7 +41,11 @@ func (n *Node) StartProxy(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	return n.c.waitProcess(ctx, p, 60*time.Second, "kube-proxy rules on "+n.Name, func() bool {
+	ready := n.proxyReady
+	if ready <= 0 {
+		ready = 60 * time.Second
+	}
+	return n.c.waitProcess(ctx, p, ready, "kube-proxy rules on "+n.Name, func() bool {
 		rules, err := n.Rules(ctx)
 		return err == nil && n.RoutesTo(rules, fmt.Sprintf("%s:%d", APIServerIP, APIServerPort))
 	})

@@ -13,7 +13,7 @@ import (
 func FuzzDecode(f *testing.F) {
 	st := NewState()
 	o := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}}
-	full := Delta(st, FromModel(o), 1, true)
+	full := Delta(st, FromModel(o), 1, true, false)
 	var b bytes.Buffer
 	Write(&b, &Message{Type: TypeReport, Report: full})
 	f.Add(b.Bytes())

@@ -1,6 +1,8 @@
 package stream
 
 import (
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"runtime"
@@ -18,11 +20,15 @@ import (
 // can hold the same buckets (see Pool).
 const nBuckets = 256
 
-// entry is one frontend with its digest.
+// entry is one frontend with its digest (for change detection) and its
+// content hash (its name in a Ref).
 type entry struct {
 	Frontend
 	digest uint64
+	sum    [sumLen]byte
 }
+
+func newEntry(f Frontend) entry { return entry{Frontend: f, digest: f.Digest(), sum: f.sum()} }
 
 // bucket holds the entries whose keys hash to it, sorted by key, and the
 // sum of their digests.
@@ -95,15 +101,23 @@ func (s *State) Same(o *State) bool {
 
 // Delta builds the report that moves prev (what the other end has) to
 // next, and makes prev next: the caller hands next over and must not
-// change it afterwards. With full, every frontend is sent.
-func Delta(prev, next *State, seq uint64, full bool) *Report {
+// change it afterwards. With full, every frontend is sent. With refs, new
+// and changed frontends are named by hash (Report.Refs) instead of sent.
+func Delta(prev, next *State, seq uint64, full, refs bool) *Report {
 	r := &Report{Seq: seq, Full: full, Mode: next.Mode, NoRules: next.NoRules, Families: next.Families}
+	add := func(e *entry) {
+		if refs {
+			r.Refs = append(r.Refs, Ref{Key: e.Key, Sum: hex.EncodeToString(e.sum[:])})
+		} else {
+			r.Frontends = append(r.Frontends, e.Frontend)
+		}
+	}
 	for i := range nBuckets {
 		pb, nb := prev.buckets[i], next.buckets[i]
 		if full {
 			if nb != nil {
 				for _, e := range nb.entries {
-					r.Frontends = append(r.Frontends, e.Frontend)
+					add(e)
 				}
 			}
 			continue
@@ -116,11 +130,12 @@ func Delta(prev, next *State, seq uint64, full bool) *Report {
 			case n == nil:
 				r.Removed = append(r.Removed, p.Key)
 			case p == nil || p.digest != n.digest:
-				r.Frontends = append(r.Frontends, n.Frontend)
+				add(n)
 			}
 		})
 	}
 	slices.SortFunc(r.Frontends, func(a, b Frontend) int { return strings.Compare(a.Key, b.Key) })
+	slices.SortFunc(r.Refs, func(a, b Ref) int { return strings.Compare(a.Key, b.Key) })
 	slices.Sort(r.Removed)
 	r.Root = next.Root()
 	*prev = *next // next is the caller's fresh read: it becomes what was sent
@@ -151,7 +166,7 @@ func (s *State) fill(fs []Frontend) {
 	for i := range fs {
 		b := bucketOf(fs[i].Key)
 		which[i], count[b] = uint8(b), count[b]+1
-		entries[i] = entry{Frontend: fs[i], digest: fs[i].Digest()}
+		entries[i] = newEntry(fs[i])
 	}
 	for b, off := 0, 0; b < nBuckets; b++ {
 		start[b], off = off, off+count[b]
@@ -189,9 +204,9 @@ func (s *State) fill(fs []Frontend) {
 	}
 }
 
-// replace removes keys and puts frontends (which win over a removal of
-// the same key), rebuilding only the buckets they touch.
-func (s *State) replace(removed []string, fs []Frontend) {
+// replace removes keys and puts frontends and resolved entries (which win
+// over a removal of the same key), rebuilding only the buckets they touch.
+func (s *State) replace(removed []string, fs []Frontend, resolved []*entry) {
 	touched := map[int]map[string]*entry{}
 	at := func(key string) map[string]*entry {
 		i := bucketOf(key)
@@ -206,7 +221,11 @@ func (s *State) replace(removed []string, fs []Frontend) {
 		at(k)[k] = nil
 	}
 	for _, f := range fs {
-		at(f.Key)[f.Key] = &entry{Frontend: f, digest: f.Digest()}
+		e := newEntry(f)
+		at(f.Key)[f.Key] = &e
+	}
+	for _, e := range resolved {
+		at(e.Key)[e.Key] = e
 	}
 	for i, m := range touched {
 		old := s.buckets[i]
@@ -239,12 +258,24 @@ func (s *State) replace(removed []string, fs []Frontend) {
 	}
 }
 
+// MissingError says which of a report's Refs name content the state's
+// pool does not hold: the aggregator asks the collector for it (Want) and
+// applies the report once it has it.
+type MissingError struct {
+	Sums []string
+}
+
+func (e *MissingError) Error() string {
+	return fmt.Sprintf("%d referenced frontends not known", len(e.Sums))
+}
+
 // Apply validates a report and applies it to s. It returns whether the
 // root matches afterwards; false means the two ends disagree and the
-// collector must resync. On a validation error s is unchanged.
+// collector must resync. On a validation error s is unchanged, and a
+// *MissingError when Refs name content the pool does not hold.
 func (s *State) Apply(r *Report) (bool, error) {
-	if len(r.Frontends) > MaxFrontends || len(r.Removed) > MaxFrontends {
-		return false, fmt.Errorf("report claims %d frontends: more than the %d a node can have", len(r.Frontends)+len(r.Removed), MaxFrontends)
+	if len(r.Frontends)+len(r.Refs) > MaxFrontends || len(r.Removed) > MaxFrontends {
+		return false, fmt.Errorf("report claims %d frontends: more than the %d a node can have", len(r.Frontends)+len(r.Refs)+len(r.Removed), MaxFrontends)
 	}
 	eps := 0
 	for _, f := range r.Frontends {
@@ -261,15 +292,19 @@ func (s *State) Apply(r *Report) (bool, error) {
 			return false, err
 		}
 	}
+	resolved, err := s.pool.resolve(r.Refs)
+	if err != nil {
+		return false, err
+	}
 	next := *s
 	if r.Full {
 		next = State{pool: s.pool}
 	}
 	next.Mode, next.NoRules, next.Families = r.Mode, r.NoRules, slices.Clone(r.Families)
-	if r.Full && next.pool == nil {
+	if r.Full && next.pool == nil && len(resolved) == 0 {
 		next.fill(r.Frontends)
 	} else {
-		next.replace(r.Removed, r.Frontends)
+		next.replace(r.Removed, r.Frontends, resolved)
 	}
 	if next.n > MaxFrontends {
 		return false, fmt.Errorf("node state grew to %d frontends: more than %d", next.n, MaxFrontends)
@@ -309,13 +344,13 @@ func (s *State) Observed() *audit.Observed {
 // nobody holds any more are dropped by the garbage collector.
 type Pool struct {
 	mu      sync.Mutex
-	entries map[uint64]weak.Pointer[entry]
+	entries map[[sumLen]byte]weak.Pointer[entry]
 	buckets map[uint64]weak.Pointer[bucket]
 }
 
 // NewPool returns an empty pool.
 func NewPool() *Pool {
-	return &Pool{entries: map[uint64]weak.Pointer[entry]{}, buckets: map[uint64]weak.Pointer[bucket]{}}
+	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[uint64]weak.Pointer[bucket]{}}
 }
 
 func (p *Pool) entry(e *entry) *entry {
@@ -324,15 +359,56 @@ func (p *Pool) entry(e *entry) *entry {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if have := p.entries[e.digest].Value(); have != nil {
+	if have := p.entries[e.sum].Value(); have != nil {
 		if have.equal(e) {
 			return have
 		}
-		return e // a digest collision: kept apart
+		return e // a hash collision: kept apart
 	}
-	p.entries[e.digest] = weak.Make(e)
-	runtime.AddCleanup(e, p.forgetEntry, e.digest)
+	p.entries[e.sum] = weak.Make(e)
+	runtime.AddCleanup(e, p.forgetEntry, e.sum)
 	return e
+}
+
+// resolve finds the entries refs name. It fails on a malformed ref or one
+// whose hash the pool holds under another key, and with a *MissingError
+// naming the hashes it does not hold.
+func (p *Pool) resolve(refs []Ref) ([]*entry, error) {
+	if len(refs) == 0 {
+		return nil, nil
+	}
+	sums := make([][sumLen]byte, len(refs))
+	for i, r := range refs {
+		if _, err := ParseKey(r.Key); err != nil {
+			return nil, err
+		}
+		var ok bool
+		if sums[i], ok = parseSum(r.Sum); !ok {
+			return nil, fmt.Errorf("frontend %s: malformed hash %q", r.Key, clip(r.Sum))
+		}
+	}
+	if p == nil {
+		return nil, errors.New("report names frontends by hash on a stream that holds none")
+	}
+	out := make([]*entry, 0, len(refs))
+	var missing []string
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, r := range refs {
+		e := p.entries[sums[i]].Value()
+		switch {
+		case e == nil:
+			missing = append(missing, r.Sum)
+		case e.Key != r.Key:
+			return nil, fmt.Errorf("frontend %s named by the hash of frontend %s", r.Key, e.Key)
+		default:
+			out = append(out, e)
+		}
+	}
+	if missing != nil {
+		return nil, &MissingError{Sums: missing}
+	}
+	return out, nil
 }
 
 func (p *Pool) bucket(b *bucket) *bucket {
@@ -354,11 +430,11 @@ func (p *Pool) bucket(b *bucket) *bucket {
 	return b
 }
 
-func (p *Pool) forgetEntry(d uint64) {
+func (p *Pool) forgetEntry(sum [sumLen]byte) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if wp, ok := p.entries[d]; ok && wp.Value() == nil {
-		delete(p.entries, d)
+	if wp, ok := p.entries[sum]; ok && wp.Value() == nil {
+		delete(p.entries, sum)
 	}
 }
 
@@ -378,7 +454,7 @@ func (p *Pool) Size() (frontends, buckets int) {
 }
 
 func (e *entry) equal(o *entry) bool {
-	return e.digest == o.digest && e.Key == o.Key && e.Scope == o.Scope && e.Chain == o.Chain && e.Name == o.Name &&
+	return e.digest == o.digest && e.sum == o.sum && e.Key == o.Key && e.Scope == o.Scope && e.Chain == o.Chain && e.Name == o.Name &&
 		slices.Equal(e.Endpoints, o.Endpoints) && slices.Equal(e.Weights, o.Weights)
 }
 
@@ -387,7 +463,7 @@ func (e *entry) equal(o *entry) bool {
 // touched are shared with s, which is unchanged.
 func (s *State) With(removed []string, fs []Frontend) *State {
 	next := *s
-	next.replace(removed, fs)
+	next.replace(removed, fs, nil)
 	return &next
 }
 
@@ -433,6 +509,49 @@ func merge(a, b *bucket, f func(p, n *entry)) {
 			ae, be = ae[1:], be[1:]
 		}
 	}
+}
+
+// Find returns the frontends of the state whose content hashes are among
+// sums, by hash, in one walk: the collector answers a Want from what it
+// last sent.
+func (s *State) Find(sums []string) map[string]Frontend {
+	want := make(map[[sumLen]byte]string, len(sums))
+	for _, sum := range sums {
+		if b, ok := parseSum(sum); ok {
+			want[b] = sum
+		}
+	}
+	out := map[string]Frontend{}
+	for _, b := range s.buckets {
+		if b == nil || len(out) == len(want) {
+			continue
+		}
+		for _, e := range b.entries {
+			if sum, ok := want[e.sum]; ok {
+				out[sum] = e.Frontend
+			}
+		}
+	}
+	return out
+}
+
+// Answer finds the frontends with the wanted hashes in the states recent
+// reports sent, newest first; one no longer there is left out and the
+// aggregator asks for a full snapshot.
+func Answer(sums []string, recent []State) *Content {
+	ct := &Content{Frontends: []Frontend{}}
+	left := slices.Clone(sums)
+	for i := len(recent) - 1; i >= 0 && len(left) > 0; i-- {
+		found := recent[i].Find(left)
+		left = slices.DeleteFunc(left, func(sum string) bool {
+			f, ok := found[sum]
+			if ok {
+				ct.Frontends = append(ct.Frontends, f)
+			}
+			return ok
+		})
+	}
+	return ct
 }
 
 // Keys calls f with every frontend key of the state.

@@ -10,7 +10,9 @@ package stream
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -21,6 +23,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -44,6 +48,16 @@ const maxOtherObjects = 16
 // not read.
 var ErrTooLarge = errors.New("message larger than the limit")
 
+// Known says whether t is a message type of this protocol (metrics are
+// labelled with known types only: a peer makes up any string).
+func Known(t string) bool {
+	switch t {
+	case TypeHello, TypeWelcome, TypeRedirect, TypeReject, TypeReport, TypeResync, TypeReadNow, TypeAuth, TypeWant, TypeContent:
+		return true
+	}
+	return false
+}
+
 // Message types.
 const (
 	TypeHello    = "hello"
@@ -53,6 +67,14 @@ const (
 	TypeReport   = "report"
 	TypeResync   = "resync"
 	TypeReadNow  = "read"
+	// TypeAuth carries a collector's fresh token on an open stream: the
+	// stream lives no longer than the token it was opened with, unless
+	// renewed this way.
+	TypeAuth = "auth"
+	// TypeWant asks the collector for the content of frontends a report
+	// named by hash only; TypeContent is its answer.
+	TypeWant    = "want"
+	TypeContent = "content"
 )
 
 // Message is one frame. Type says which of the fields is set.
@@ -64,6 +86,38 @@ type Message struct {
 	Report   *Report   `json:"report,omitempty"`
 	Resync   *Resync   `json:"resync,omitempty"`
 	ReadNow  *ReadNow  `json:"read,omitempty"`
+	Auth     *Auth     `json:"auth,omitempty"`
+	Welcome  *Welcome  `json:"welcome,omitempty"`
+	Want     *Want     `json:"want,omitempty"`
+	Content  *Content  `json:"content,omitempty"`
+}
+
+// Welcome accepts a stream and says what the aggregator speaks. An
+// aggregator that predates it sends none: the collector then sends every
+// frontend's content.
+type Welcome struct {
+	// Refs: the collector may name changed frontends by hash (Report.Refs).
+	Refs bool `json:"refs,omitempty"`
+}
+
+// Want asks for the content of the frontends with these hashes, which a
+// report named and the aggregator holds for no node.
+type Want struct {
+	Seq  uint64   `json:"seq"`
+	Sums []string `json:"sums"`
+}
+
+// Content answers a Want with the frontends that have the wanted hashes;
+// one the collector no longer has is left out (the aggregator then asks
+// for a full snapshot).
+type Content struct {
+	Frontends []Frontend `json:"frontends"`
+}
+
+// Auth renews a stream's credentials with the token the kubelet rotated
+// in (it rotates a projected token at 80 % of its life).
+type Auth struct {
+	Token string `json:"token"`
 }
 
 // Hello opens a stream: who the collector is and its credentials.
@@ -74,6 +128,8 @@ type Hello struct {
 	// IntervalSeconds is the collector's read interval: the aggregator
 	// declares it missing after three intervals without a report.
 	IntervalSeconds float64 `json:"intervalSeconds"`
+	// Refs: the collector can name frontends by hash and answer a Want.
+	Refs bool `json:"refs,omitempty"`
 }
 
 // Redirect tells a collector that connected to a follower where the
@@ -85,6 +141,10 @@ type Redirect struct {
 // Reject ends a stream with the reason.
 type Reject struct {
 	Reason string `json:"reason"`
+	// RetryAfterSeconds, when set, is when the aggregator expects to take
+	// the collector (it is busy reviewing tokens): the collector comes
+	// back then, with jitter, instead of backing off further.
+	RetryAfterSeconds float64 `json:"retryAfterSeconds,omitempty"`
 }
 
 // Resync asks the collector for a full snapshot in its next report.
@@ -111,6 +171,9 @@ type Report struct {
 	Families []int  `json:"families,omitempty"`
 	// Frontends are new or changed frontends (all of them when Full).
 	Frontends []Frontend `json:"frontends,omitempty"`
+	// Refs are new or changed frontends named by their content hash
+	// instead of sent (only on a stream whose Welcome allowed them).
+	Refs []Ref `json:"refs,omitempty"`
 	// Removed are keys of frontends gone since the last report.
 	Removed []string `json:"removed,omitempty"`
 	// ReadError is set when the collector could not read the rules; such
@@ -119,6 +182,63 @@ type Report struct {
 	// KubeProxy is kube-proxy's own account of its syncs, sent when it
 	// changed since the last report.
 	KubeProxy *KubeProxy `json:"kubeProxy,omitempty"`
+	// Reads is what the collector's reads cost, sent after a read.
+	Reads *ReadStats `json:"reads,omitempty"`
+}
+
+// ReadStats is what a collector's reads of the rules cost: how many it
+// made and why (cumulative since it started), and the last one's wall
+// time, CPU (its own and the tool's) and bytes read.
+type ReadStats struct {
+	Reads          map[ReadReason]uint64 `json:"reads"`
+	LastSeconds    float64               `json:"lastSeconds"`
+	LastCPUSeconds float64               `json:"lastCPUSeconds"`
+	LastBytes      int64                 `json:"lastBytes"`
+	// FullReadIntervalSeconds is the collector's backstop: the longest
+	// time between two reads of a source with a change signal.
+	FullReadIntervalSeconds float64 `json:"fullReadIntervalSeconds,omitempty"`
+	// SignalLost counts the kernel's change announcements lost to a full
+	// socket buffer (each answered by a generation check).
+	SignalLost uint64 `json:"signalLost,omitempty"`
+}
+
+// ReadReason is why a collector read the rules.
+type ReadReason string
+
+// Reasons for a read.
+const (
+	// ReadChange: the change signal moved (a commit was announced, or the
+	// token differs at a heartbeat).
+	ReadChange ReadReason = "change"
+	// ReadBackstop: the full-read interval passed since the last read, for
+	// what a signal can miss (a same-size rewrite on the legacy backend).
+	ReadBackstop ReadReason = "backstop"
+	// ReadAsked: the aggregator asked (a missed change crossed grace).
+	ReadAsked ReadReason = "read-now"
+	// ReadResync: a new stream or the aggregator's resync, with no earlier
+	// read to send (or one the signal says is out of date).
+	ReadResync ReadReason = "resync"
+	// ReadHeartbeat: the interval, for a source without a change signal
+	// (IPVS), or one whose signal could not be read.
+	ReadHeartbeat ReadReason = "heartbeat"
+)
+
+// ReadReasons lists every ReadReason.
+var ReadReasons = []ReadReason{ReadChange, ReadBackstop, ReadAsked, ReadResync, ReadHeartbeat}
+
+// Validate checks what a collector claims about its reads: known reasons
+// only, and figures that are not negative or absurd.
+func (r *ReadStats) Validate() error {
+	for k := range r.Reads {
+		if !slices.Contains(ReadReasons, k) {
+			return fmt.Errorf("read stats: unknown reason %q", clip(string(k)))
+		}
+	}
+	if r.LastSeconds < 0 || r.LastSeconds > 3600 || r.LastCPUSeconds < 0 || r.LastCPUSeconds > 3600 || r.LastBytes < 0 ||
+		r.FullReadIntervalSeconds < 0 {
+		return fmt.Errorf("read stats out of range: %gs, %gs CPU, %d bytes", r.LastSeconds, r.LastCPUSeconds, r.LastBytes)
+	}
+	return nil
 }
 
 // KubeProxy is what kube-proxy's metrics endpoint says about its syncs:
@@ -147,6 +267,101 @@ type Frontend struct {
 	Weights []int `json:"w,omitempty"`
 }
 
+// CheckFacts validates what a report says about the node as a whole: a
+// known mode and at most the two IP families (a 16 MiB list of integers
+// once cost the aggregator a second per report).
+func (r *Report) CheckFacts() error {
+	switch audit.Mode(r.Mode) {
+	case "", audit.ModeIPTables, audit.ModeNFTables, audit.ModeIPVS:
+	default:
+		return fmt.Errorf("unknown proxy mode %q", clip(r.Mode))
+	}
+	if len(r.Families) > 2 {
+		return fmt.Errorf("%d IP families (a node has at most 4 and 6)", len(r.Families))
+	}
+	for i, f := range r.Families {
+		if (f != 4 && f != 6) || (i == 1 && f == r.Families[0]) {
+			return fmt.Errorf("bad IP families %v", r.Families)
+		}
+	}
+	return nil
+}
+
+// CleanText makes text from a node fit to show people: control characters
+// (terminal escapes among them) become U+FFFD, invalid UTF-8 likewise, and
+// it is cut at max bytes.
+func CleanText(s string, max int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return unicode.ReplacementChar
+		}
+		return r
+	}, s)
+	if len(s) > max {
+		cut := max
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
+}
+
+// Ref names a frontend by its key and content hash.
+type Ref struct {
+	Key string `json:"k"`
+	Sum string `json:"h"`
+}
+
+// sumLen is the bytes of SHA-256 a Sum keeps: 128 bits, so that no node
+// can make up a frontend with the hash of another node's (a Ref resolves
+// to content another node sent; the 64-bit FNV digests below are for
+// change detection only and are trivially forged).
+const sumLen = 16
+
+// Sum hashes everything a frontend holds, in order, chain names included:
+// two frontends with one Sum are the same frontend.
+func (f Frontend) Sum() string {
+	s := f.sum()
+	return hex.EncodeToString(s[:])
+}
+
+func (f Frontend) sum() [sumLen]byte {
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	put := func(s string) {
+		h.Write(n[:binary.PutUvarint(n[:], uint64(len(s)))])
+		h.Write([]byte(s))
+	}
+	put(f.Key)
+	put(f.Scope)
+	put(f.Chain)
+	put(f.Name)
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(f.Endpoints)))])
+	for _, e := range f.Endpoints {
+		put(e)
+	}
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(f.Weights)))])
+	for _, w := range f.Weights {
+		h.Write(n[:binary.PutVarint(n[:], int64(w))])
+	}
+	var full [sha256.Size]byte
+	return [sumLen]byte(h.Sum(full[:0]))
+}
+
+// parseSum decodes a Sum's wire form.
+func parseSum(s string) ([sumLen]byte, bool) {
+	var out [sumLen]byte
+	if len(s) != 2*sumLen {
+		return out, false
+	}
+	if _, err := hex.Decode(out[:], []byte(s)); err != nil {
+		return out, false
+	}
+	return out, hex.EncodeToString(out[:]) == s // lower case only: one spelling per hash
+}
+
 // Write sends one message.
 func Write(w io.Writer, m *Message) error {
 	body, err := json.Marshal(m)
@@ -172,7 +387,9 @@ func Read(r io.Reader, max int) (*Message, int, error) {
 }
 
 // ReadFrame receives one message's body of at most max bytes without
-// decoding it; n counts the frame with its header.
+// decoding it; n counts the frame with its header. Memory follows the
+// bytes that arrive, not the length the header claims: a peer that claims
+// 16 MiB and sends four bytes costs a few KiB.
 func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
@@ -182,12 +399,28 @@ func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
 	if n > max {
 		return nil, n, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, max)
 	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
-		return nil, n, fmt.Errorf("truncated message: %w", err)
+	body := make([]byte, 0, min(n, firstChunk))
+	for len(body) < n {
+		if len(body) == cap(body) {
+			// Four times what came so far: all the copies of a 3 MB
+			// snapshot add up to a third of it, and memory stays within
+			// four times the bytes received.
+			body = slices.Grow(body, min(n-len(body), 3*cap(body)))
+		}
+		m, err := r.Read(body[len(body):min(n, cap(body))])
+		body = body[:len(body)+m]
+		if err != nil && len(body) < n {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, n, fmt.Errorf("truncated message: %w", err)
+		}
 	}
 	return body, n + 4, nil
 }
+
+// firstChunk is what a frame's body gets before its bytes arrive.
+const firstChunk = 4 << 10
 
 // Decode decodes a message body.
 func Decode(body []byte) (*Message, error) {

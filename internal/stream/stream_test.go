@@ -9,7 +9,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"time"
+	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -71,7 +73,7 @@ func TestDeltasKeepBothEndsInSync(t *testing.T) {
 	spec := synth.Spec{Services: 50, EndpointsPerService: 4}
 	sent, agg := NewState(), NewState()
 	next := FromModel(observed(t, spec))
-	r := Delta(sent, next, 1, true)
+	r := Delta(sent, next, 1, true, false)
 	if ok, err := agg.Apply(r); !ok || err != nil || len(r.Frontends) != 50 {
 		t.Fatalf("full: ok=%v err=%v frontends=%d", ok, err, len(r.Frontends))
 	}
@@ -79,7 +81,7 @@ func TestDeltasKeepBothEndsInSync(t *testing.T) {
 		t.Fatal("aggregator copy differs from the collector's model")
 	}
 
-	steady := Delta(sent, FromModel(observed(t, spec)), 2, false)
+	steady := Delta(sent, FromModel(observed(t, spec)), 2, false, false)
 	if len(steady.Frontends)+len(steady.Removed) != 0 {
 		t.Fatalf("steady state sent %d frontends", len(steady.Frontends))
 	}
@@ -97,8 +99,8 @@ func TestDeltasKeepBothEndsInSync(t *testing.T) {
 		}
 	}
 	f.Endpoints = f.Endpoints[1:]
-	smaller.replace(nil, []Frontend{f})
-	d := Delta(sent, smaller, 3, false)
+	smaller.replace(nil, []Frontend{f}, nil)
+	d := Delta(sent, smaller, 3, false, false)
 	if len(d.Frontends) != 1 || len(d.Removed) != 1 {
 		t.Fatalf("delta: %d changed, %d removed", len(d.Frontends), len(d.Removed))
 	}
@@ -109,7 +111,7 @@ func TestDeltasKeepBothEndsInSync(t *testing.T) {
 	}
 
 	// A copy that missed report 3 cannot apply report 4 cleanly.
-	again := Delta(sent, FromModel(observed(t, synth.Spec{Services: 48, EndpointsPerService: 4})), 4, false)
+	again := Delta(sent, FromModel(observed(t, synth.Spec{Services: 48, EndpointsPerService: 4})), 4, false, false)
 	if ok, _ := lagging.Apply(again); ok {
 		t.Fatal("a copy that missed a delta matched the root")
 	}
@@ -127,7 +129,7 @@ func TestApplyRejectsHostileReports(t *testing.T) {
 	}
 	for name, r := range bad {
 		s := NewState()
-		s.replace(nil, []Frontend{{Key: "keep"}})
+		s.replace(nil, []Frontend{{Key: "keep"}}, nil)
 		if _, err := s.Apply(r); err == nil {
 			t.Errorf("%s: accepted", name)
 		} else if s.Len() != 1 {
@@ -157,7 +159,7 @@ func TestIPVSRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	recv := NewState()
-	if _, err := recv.Apply(Delta(NewState(), FromModel(obs), 1, true)); err != nil {
+	if _, err := recv.Apply(Delta(NewState(), FromModel(obs), 1, true, false)); err != nil {
 		t.Fatal(err)
 	}
 	got := recv.Observed()
@@ -206,7 +208,7 @@ func TestReadRefusesAMillionServicesInASmallMessage(t *testing.T) {
 func TestPoolSharesEqualRulesOnly(t *testing.T) {
 	pool := NewPool()
 	spec := synth.Spec{Services: 300, EndpointsPerService: 3}
-	full := Delta(NewState(), FromModel(observed(t, spec)), 1, true)
+	full := Delta(NewState(), FromModel(observed(t, spec)), 1, true, false)
 	a, b := NewPooledState(pool), NewPooledState(pool)
 	for _, s := range []*State{a, b} {
 		if ok, err := s.Apply(full); !ok || err != nil {
@@ -252,7 +254,7 @@ func TestPoolSharesEqualRulesOnly(t *testing.T) {
 func TestPoolForgetsWhatNobodyHolds(t *testing.T) {
 	pool := NewPool()
 	s := NewPooledState(pool)
-	if _, err := s.Apply(Delta(NewState(), FromModel(observed(t, synth.Spec{Services: 100, EndpointsPerService: 2})), 1, true)); err != nil {
+	if _, err := s.Apply(Delta(NewState(), FromModel(observed(t, synth.Spec{Services: 100, EndpointsPerService: 2})), 1, true, false)); err != nil {
 		t.Fatal(err)
 	}
 	if f, b := pool.Size(); f != 100 || b == 0 {
@@ -295,7 +297,7 @@ func TestBudget(t *testing.T) {
 // rules, duplicates resolved the same way (the later frontend wins).
 func TestFillMatchesReplace(t *testing.T) {
 	o := observed(t, synth.Spec{Services: 300, EndpointsPerService: 3})
-	full := Delta(NewState(), FromModel(o), 1, true)
+	full := Delta(NewState(), FromModel(o), 1, true, false)
 	dup := full.Frontends[7]
 	dup.Endpoints = []string{"198.18.99.1:80"}
 	full.Frontends = append(full.Frontends, dup)
@@ -313,8 +315,150 @@ func TestFillMatchesReplace(t *testing.T) {
 	}
 	// A bulk-built state takes deltas like any other.
 	cp := *bulk
-	d := Delta(&cp, FromModel(observed(t, synth.Spec{Services: 299, EndpointsPerService: 3})), 2, false)
+	d := Delta(&cp, FromModel(observed(t, synth.Spec{Services: 299, EndpointsPerService: 3})), 2, false, false)
 	if ok, err := bulk.Apply(d); !ok || err != nil {
 		t.Fatalf("delta on a bulk-built state: %v %v", ok, err)
+	}
+}
+
+// TestRefsResolveOnlyToWhatAnotherNodeSent: a report may name frontends by
+// hash; they resolve to content some node of the pool sent, under the
+// same key, and nothing else. What the pool does not hold is named in a
+// MissingError and leaves the state as it was.
+func TestRefsResolveOnlyToWhatAnotherNodeSent(t *testing.T) {
+	pool := NewPool()
+	rules := FromModel(observed(t, synth.Spec{Services: 50, EndpointsPerService: 3}))
+	content := Delta(NewState(), rules, 1, true, false)
+	cp := *rules
+	named := Delta(NewState(), &cp, 1, true, true)
+	if len(named.Frontends) != 0 || len(named.Refs) != len(content.Frontends) {
+		t.Fatalf("a full snapshot by refs carries %d frontends and %d refs", len(named.Frontends), len(named.Refs))
+	}
+
+	// Nobody sent the content yet: every hash is missing, nothing changes.
+	b := NewPooledState(pool)
+	_, err := b.Apply(named)
+	var me *MissingError
+	if !errors.As(err, &me) || len(me.Sums) != len(named.Refs) || b.Len() != 0 {
+		t.Fatalf("refs on an empty pool: %v, state of %d", err, b.Len())
+	}
+	// Node a sends the content; now b's refs resolve to a's entries.
+	a := NewPooledState(pool)
+	if ok, err := a.Apply(content); !ok || err != nil {
+		t.Fatalf("content: %v %v", ok, err)
+	}
+	if ok, err := b.Apply(named); !ok || err != nil {
+		t.Fatalf("refs after content: %v %v", ok, err)
+	}
+	if !a.Same(b) {
+		t.Fatal("a node named by refs does not share the buckets of the node that sent the content")
+	}
+	// Both ends agree on what was sent: the collector finds the content of
+	// the hashes it named.
+	sums := []string{named.Refs[0].Sum, named.Refs[7].Sum, "00000000000000000000000000000000"}
+	found := cp.Find(sums)
+	if len(found) != 2 || found[sums[0]].Key != named.Refs[0].Key || found[sums[0]].Sum() != sums[0] {
+		t.Fatalf("Find: %+v", found)
+	}
+
+	// Hostile refs: another key's hash, a malformed hash, refs on a stream
+	// that holds no pool.
+	other := named.Refs[1]
+	for name, r := range map[string]*Report{
+		"another frontend's hash": {Seq: 2, Mode: named.Mode, Refs: []Ref{{Key: named.Refs[0].Key, Sum: other.Sum}}},
+		"upper-case hash":         {Seq: 2, Mode: named.Mode, Refs: []Ref{{Key: other.Key, Sum: strings.ToUpper(other.Sum)}}},
+		"short hash":              {Seq: 2, Mode: named.Mode, Refs: []Ref{{Key: other.Key, Sum: other.Sum[:8]}}},
+		"bad key":                 {Seq: 2, Mode: named.Mode, Refs: []Ref{{Key: "nope", Sum: other.Sum}}},
+	} {
+		before := *b
+		if _, err := b.Apply(r); err == nil || errors.As(err, &me) {
+			t.Errorf("%s: applied (%v)", name, err)
+		}
+		if !before.Same(b) {
+			t.Errorf("%s: state changed", name)
+		}
+	}
+	if _, err := NewState().Apply(named); err == nil || errors.As(err, &me) {
+		t.Errorf("refs on an unpooled state: %v", err)
+	}
+
+	// A collision in the 64-bit change digest does not make a ref resolve:
+	// hashes are SHA-256.
+	f := content.Frontends[3]
+	forged := Frontend{Key: f.Key, Scope: f.Scope, Endpoints: []string{"198.18.99.99:80"}}
+	if forged.Sum() == f.Sum() {
+		t.Fatal("distinct frontends share a hash")
+	}
+}
+
+// TestSumCoversEverything: every field of a frontend, and the order of its
+// endpoints, changes its hash; field boundaries cannot be shifted.
+func TestSumCoversEverything(t *testing.T) {
+	base := Frontend{Key: "198.19.0.10:53/UDP", Scope: "Cluster", Chain: "KUBE-SVC-X", Name: "kube-system/dns:dns",
+		Endpoints: []string{"198.18.0.2:53", "198.18.0.3:53"}, Weights: []int{1, 1}}
+	seen := map[string]string{base.Sum(): "base"}
+	for name, f := range map[string]Frontend{
+		"key":       {Key: "198.19.0.11:53/UDP", Scope: base.Scope, Chain: base.Chain, Name: base.Name, Endpoints: base.Endpoints, Weights: base.Weights},
+		"scope":     {Key: base.Key, Scope: "Local", Chain: base.Chain, Name: base.Name, Endpoints: base.Endpoints, Weights: base.Weights},
+		"chain":     {Key: base.Key, Scope: base.Scope, Chain: "KUBE-SVC-Y", Name: base.Name, Endpoints: base.Endpoints, Weights: base.Weights},
+		"shifted":   {Key: base.Key, Scope: base.Scope, Chain: "KUBE-SVC-Xk", Name: "ube-system/dns:dns", Endpoints: base.Endpoints, Weights: base.Weights},
+		"order":     {Key: base.Key, Scope: base.Scope, Chain: base.Chain, Name: base.Name, Endpoints: []string{"198.18.0.3:53", "198.18.0.2:53"}, Weights: base.Weights},
+		"weight":    {Key: base.Key, Scope: base.Scope, Chain: base.Chain, Name: base.Name, Endpoints: base.Endpoints, Weights: []int{1, 0}},
+		"no weight": {Key: base.Key, Scope: base.Scope, Chain: base.Chain, Name: base.Name, Endpoints: base.Endpoints},
+	} {
+		s := f.Sum()
+		if prev, ok := seen[s]; ok {
+			t.Errorf("%s hashes like %s", name, prev)
+		}
+		seen[s] = name
+	}
+}
+
+// TestReadFrameMemoryFollowsBytesReceived: a header claiming the largest
+// message followed by four bytes costs a few KiB, not 16 MiB (3,000 such
+// connections grew the heap by 194 MB when the body was allocated from the
+// header). A whole frame read in pieces is still read whole.
+func TestReadFrameMemoryFollowsBytesReceived(t *testing.T) {
+	lying := binary.BigEndian.AppendUint32(nil, DefaultMaxMessageBytes)
+	lying = append(lying, "{\"ty"...)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for range 100 {
+		if _, _, err := ReadFrame(bytes.NewReader(lying), DefaultMaxMessageBytes); err == nil || !strings.Contains(err.Error(), "truncated") {
+			t.Fatalf("truncated frame: %v", err)
+		}
+	}
+	runtime.ReadMemStats(&after)
+	if per := (after.TotalAlloc - before.TotalAlloc) / 100; per > 16<<10 {
+		t.Errorf("a frame claiming %d bytes and sending 4 allocated %d bytes", DefaultMaxMessageBytes, per)
+	}
+	body := bytes.Repeat([]byte("x"), 3<<20)
+	frame := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+	got, n, err := ReadFrame(iotest.OneByteReader(bytes.NewReader(frame[:1<<10])), DefaultMaxMessageBytes)
+	if err == nil {
+		t.Fatalf("1 KiB of a 3 MiB frame read as whole: %d bytes", len(got))
+	}
+	got, n, err = ReadFrame(iotest.HalfReader(bytes.NewReader(frame)), DefaultMaxMessageBytes)
+	if err != nil || n != len(frame) || !bytes.Equal(got, body) {
+		t.Fatalf("3 MiB frame read in pieces: %d bytes, n=%d, %v", len(got), n, err)
+	}
+}
+
+func TestReportFactsAndNodeText(t *testing.T) {
+	for _, r := range []Report{{Mode: "iptables", Families: []int{4}}, {Mode: "ipvs", Families: []int{6, 4}}, {}} {
+		if err := r.CheckFacts(); err != nil {
+			t.Errorf("%+v: %v", r, err)
+		}
+	}
+	huge := make([]int, 1<<20)
+	for _, r := range []Report{{Mode: "\x1b[31mnftables"}, {Families: huge}, {Families: []int{4, 4}}, {Families: []int{5}}} {
+		if err := r.CheckFacts(); err == nil {
+			t.Errorf("mode %q, %d families accepted", r.Mode, len(r.Families))
+		}
+	}
+	got := CleanText("iptables-save: \x1b]8;;http://evil\x07click\x1b]8;;\x07 \xff"+strings.Repeat("é", 600), 64)
+	if bytes.ContainsAny([]byte(got), "\x1b\x07") || bytes.IndexByte([]byte(got), 0xff) >= 0 || len(got) > 64+len("…") || !utf8.ValidString(got) {
+		t.Errorf("cleaned %q", got)
 	}
 }

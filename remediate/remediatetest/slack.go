@@ -1,5 +1,5 @@
 // Package remediatetest holds test helpers for code that pages through
-// remediate.Slack: slack-go's own test server, recording what it was sent.
+// effect.Slack: slack-go's own test server, recording what it was sent.
 package remediatetest
 
 import (

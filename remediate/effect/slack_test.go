@@ -1,4 +1,4 @@
-package remediate
+package effect
 
 import (
 	"context"
@@ -9,13 +9,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/remediate"
+
 	"go.uber.org/zap/zaptest"
 
 	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
 )
 
-func notice(kind ActionKind, reason string) Notice {
-	return Notice{Action: Action{Kind: kind, Node: "node-b", Reason: reason, Incident: Incident{Opened: t0}},
+var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
+
+func notice(kind remediate.ActionKind, reason string) remediate.Notice {
+	return remediate.Notice{Action: remediate.Action{Kind: kind, Node: "node-b", Reason: reason, Incident: remediate.Incident{Opened: t0}},
 		Evidence: []string{"StaleEndpoint kube-system/kube-dns dns 198.18.128.12:53"}, Since: t0}
 }
 
@@ -40,10 +44,10 @@ func TestSlackThreadPerIncident(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	go s.Run(ctx)
-	s.Notify(notice(RestartProxy, "StuckProxy: kube-proxy stopped following the API; restarting kube-proxy on the node"))
-	s.Notify(notice(RestartProxy, "StuckProxy: kube-proxy stopped following the API; restarting kube-proxy on the node")) // duplicate
-	s.Notify(notice(Cordon, "still drifted 2m0s after restarting kube-proxy: cordoning"))
-	s.Notify(notice(Uncordon, "rules back in sync; uncordons it"))
+	s.Notify(notice(remediate.RestartProxy, "StuckProxy: kube-proxy stopped following the API; restarting kube-proxy on the node"))
+	s.Notify(notice(remediate.RestartProxy, "StuckProxy: kube-proxy stopped following the API; restarting kube-proxy on the node")) // duplicate
+	s.Notify(notice(remediate.Cordon, "still drifted 2m0s after restarting kube-proxy: cordoning"))
+	s.Notify(notice(remediate.Uncordon, "rules back in sync; uncordons it"))
 	for ctx.Err() == nil && (len(srv.Posts()) < 3 || srv.Updates.Load() < 1) {
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -98,12 +102,45 @@ func TestSlackWebhookAndNeverBlocks(t *testing.T) {
 	// delivery, this loop would never end. It ends, and the overflow is
 	// dropped (and counted) instead.
 	for i := range 1000 {
-		s.Notify(notice(Page, "reason "+string(rune('a'+i%26))))
+		s.Notify(notice(remediate.Page, "reason "+string(rune('a'+i%26))))
 	}
 	if dropped.Load() == 0 {
 		t.Fatal("1000 notices against a hung hook: none dropped, so the queue is unbounded")
 	}
 	if _, err := NewSlack(SlackConfig{Token: "xoxb"}); err == nil {
 		t.Error("a bot token without a channel accepted")
+	}
+}
+
+// A node that leaves the cluster mid-incident gets a last word in its
+// thread, and nothing of it is kept: an autoscaler replacing nodes must
+// not grow the notifier.
+func TestSlackForgetsLeftNodes(t *testing.T) {
+	srv := remediatetest.NewSlack(t, !remediatetest.Flaky)
+	s, err := NewSlack(SlackConfig{Token: "xoxb-test", Channel: "C1", Cluster: "prod-eu", APIURL: srv.URL, Log: zaptest.NewLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go s.Run(ctx)
+	s.Notify(notice(remediate.Page, "Divergent: 1 finding"))
+	s.Forget("node-b")
+	s.Forget("node-never-seen") // nothing open: nothing posted
+	for ctx.Err() == nil && len(srv.Posts()) < 2 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // the second Forget is processed
+	ps := srv.Posts()
+	if len(ps) != 2 {
+		t.Fatalf("posts: %d, want the opening and the last word", len(ps))
+	}
+	if ps[1].Get("thread_ts") == "" || !strings.Contains(ps[1].Get("text"), "left the cluster") {
+		t.Errorf("last word: %v", ps[1])
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.threads) != 0 || len(s.last) != 0 {
+		t.Errorf("kept %d threads, %d last notices of nodes that left", len(s.threads), len(s.last))
 	}
 }

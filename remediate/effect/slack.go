@@ -1,4 +1,4 @@
-package remediate
+package effect
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/proxyaudit/proxyaudit/remediate"
 
 	"github.com/slack-go/slack"
 	"go.uber.org/zap"
@@ -37,11 +39,18 @@ type SlackConfig struct {
 type Slack struct {
 	cfg    SlackConfig
 	client *slack.Client
-	queue  chan Notice
+	queue  chan queued
 
 	mu      sync.Mutex
 	threads map[string]thread // by node: the open incident's thread
 	last    map[string]string // by node: the last notice sent (de-duplication)
+}
+
+// queued is a notice to deliver, or (forget) a node that left the
+// cluster: through the same queue, so it follows the node's last notice.
+type queued struct {
+	notice remediate.Notice
+	forget bool
 }
 
 type thread struct {
@@ -63,7 +72,7 @@ func NewSlack(cfg SlackConfig) (*Slack, error) {
 	if cfg.Delivered == nil {
 		cfg.Delivered = func(string) {}
 	}
-	s := &Slack{cfg: cfg, queue: make(chan Notice, 256), threads: map[string]thread{}, last: map[string]string{}}
+	s := &Slack{cfg: cfg, queue: make(chan queued, 256), threads: map[string]thread{}, last: map[string]string{}}
 	if cfg.Token != "" {
 		var opts []slack.Option
 		if cfg.APIURL != "" {
@@ -75,13 +84,44 @@ func NewSlack(cfg SlackConfig) (*Slack, error) {
 }
 
 // Notify queues a notice (never blocks).
-func (s *Slack) Notify(n Notice) {
+func (s *Slack) Notify(n remediate.Notice) {
 	select {
-	case s.queue <- n:
+	case s.queue <- queued{notice: n}:
 	default:
 		s.cfg.Log.Warn("slack queue full: notice dropped", zap.String("node", n.Node), zap.String("action", string(n.Kind)))
 		s.cfg.Delivered("dropped")
 	}
+}
+
+// Forget closes the node's open thread, if any, saying it left the
+// cluster, and drops what is kept of it.
+func (s *Slack) Forget(node string) {
+	select {
+	case s.queue <- queued{notice: remediate.Notice{Action: remediate.Action{Node: node}}, forget: true}:
+	default:
+		// The queue is full: drop the memory now, without a last word.
+		s.mu.Lock()
+		delete(s.threads, node)
+		delete(s.last, node)
+		s.mu.Unlock()
+	}
+}
+
+// forget posts the last word in a left node's thread and drops it.
+func (s *Slack) forget(ctx context.Context, node string) error {
+	s.mu.Lock()
+	th, open := s.threads[node]
+	delete(s.threads, node)
+	delete(s.last, node)
+	s.mu.Unlock()
+	if !open || s.client == nil {
+		return nil
+	}
+	text := fmt.Sprintf("%s left the cluster (its Node was deleted): incident closed, nothing more will be done for it.", node)
+	return s.retry(ctx, func(ctx context.Context) error {
+		_, _, err := s.client.PostMessageContext(ctx, th.channel, slack.MsgOptionText(text, false), slack.MsgOptionTS(th.ts))
+		return err
+	})
 }
 
 // Run delivers queued notices until ctx ends.
@@ -90,8 +130,13 @@ func (s *Slack) Run(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case n := <-s.queue:
-			if err := s.deliver(ctx, n); err != nil && ctx.Err() == nil {
+		case q := <-s.queue:
+			n := q.notice
+			deliver := s.deliver
+			if q.forget {
+				deliver = func(ctx context.Context, n remediate.Notice) error { return s.forget(ctx, n.Node) }
+			}
+			if err := deliver(ctx, n); err != nil && ctx.Err() == nil {
 				s.cfg.Log.Warn("slack delivery failed", zap.String("node", n.Node), zap.String("action", string(n.Kind)), zap.Error(err))
 				s.cfg.Delivered("failed")
 			}
@@ -99,7 +144,7 @@ func (s *Slack) Run(ctx context.Context) {
 	}
 }
 
-func (s *Slack) deliver(ctx context.Context, n Notice) error {
+func (s *Slack) deliver(ctx context.Context, n remediate.Notice) error {
 	key := string(n.Kind) + "|" + n.Reason
 	s.mu.Lock()
 	dup := s.last[n.Node] == key
@@ -109,7 +154,7 @@ func (s *Slack) deliver(ctx context.Context, n Notice) error {
 	if dup {
 		return nil
 	}
-	closing := n.Kind == Resolve || n.Kind == Uncordon || n.Kind == ViewFresh
+	closing := n.Kind == remediate.Resolve || n.Kind == remediate.Uncordon || n.Kind == remediate.ViewFresh
 	text, blocks := Render(s.cfg.Cluster, n, open, th.opened)
 	if s.client == nil {
 		return s.retry(ctx, func(ctx context.Context) error {
@@ -146,7 +191,7 @@ func (s *Slack) deliver(ctx context.Context, n Notice) error {
 	// Mark the opening message resolved, so the channel reads at a glance.
 	return s.retry(ctx, func(ctx context.Context) error {
 		what := "kube-proxy drift on " + n.Node
-		if n.Kind == ViewFresh {
+		if n.Kind == remediate.ViewFresh {
 			what = "proxyaudit could not see the API"
 		}
 		_, _, _, err := s.client.UpdateMessageContext(ctx, th.channel, th.ts,
@@ -189,24 +234,24 @@ func (s *Slack) retry(ctx context.Context, f func(context.Context) error) error 
 
 // Render is a notice as Slack shows it: plain text (notifications,
 // webhooks without blocks) and Block Kit.
-func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, []slack.Block) {
+func Render(cluster string, n remediate.Notice, inThread bool, opened time.Time) (string, []slack.Block) {
 	dry := ""
 	if n.DryRun {
 		dry = " (dry-run: nothing was changed)"
 	}
 	var title string
 	switch n.Kind {
-	case RestartProxy:
+	case remediate.RestartProxy:
 		title = fmt.Sprintf(":arrows_counterclockwise: Restarting kube-proxy on %s%s", n.Node, dry)
-	case Cordon:
+	case remediate.Cordon:
 		title = fmt.Sprintf(":no_entry: Cordoning %s%s", n.Node, dry)
-	case Uncordon:
+	case remediate.Uncordon:
 		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", n.Node, dry)
-	case Resolve:
+	case remediate.Resolve:
 		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", n.Node)
-	case ViewStale:
+	case remediate.ViewStale:
 		title = ":see_no_evil: proxyaudit cannot see the API: findings are unknown, nothing is repaired"
-	case ViewFresh:
+	case remediate.ViewFresh:
 		title = ":white_check_mark: proxyaudit sees the API again"
 	default:
 		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", n.Node)
@@ -215,7 +260,7 @@ func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, 
 	var blocks []slack.Block
 	if !inThread {
 		header := fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, cluster)
-		if n.Kind == ViewStale || n.Kind == ViewFresh {
+		if n.Kind == remediate.ViewStale || n.Kind == remediate.ViewFresh {
 			header = fmt.Sprintf("proxyaudit's view of the API is stale (%s)", cluster)
 		}
 		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(header, 150), true, false)))
@@ -234,12 +279,12 @@ func Render(cluster string, n Notice, inThread bool, opened time.Time) (string, 
 	var ctxt []string
 	if !n.Since.IsZero() {
 		what := "drifting"
-		if n.Kind == ViewStale {
+		if n.Kind == remediate.ViewStale {
 			what = "stale"
 		}
 		ctxt = append(ctxt, what+" since "+n.Since.UTC().Format(time.RFC3339))
 	}
-	if (n.Kind == Resolve || n.Kind == Uncordon) && !opened.IsZero() {
+	if (n.Kind == remediate.Resolve || n.Kind == remediate.Uncordon) && !opened.IsZero() {
 		ctxt = append(ctxt, "incident opened "+opened.UTC().Format(time.RFC3339))
 	}
 	ctxt = append(ctxt, "cluster "+cluster)

@@ -1,4 +1,4 @@
-package aggregator_test
+package live
 
 import (
 	"context"

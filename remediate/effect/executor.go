@@ -1,4 +1,4 @@
-package remediate
+package effect
 
 import (
 	"context"
@@ -9,31 +9,19 @@ import (
 	"sync"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/remediate"
+
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
 )
 
 // MirrorPodAnnotation marks the API's copy of a static pod.
 const MirrorPodAnnotation = "kubernetes.io/config.mirror"
-
-// Notice is what people are told about an action.
-type Notice struct {
-	Action
-	// Evidence is the node's findings, one line each, worst first.
-	Evidence []string
-	// Since is when the drift began.
-	Since time.Time
-}
-
-// Notifier tells people (Slack). It must not block: the executor calls it
-// inline and detection and repair never wait for a chat service.
-type Notifier interface {
-	Notify(Notice)
-}
 
 // Outcome is what became of an action, for metrics.
 type Outcome string
@@ -52,19 +40,22 @@ const (
 // and the incident in the Node's annotations.
 type Executor struct {
 	Client kubernetes.Interface
-	Policy Policy
+	Policy remediate.Policy
 	// ProxyNamespace and ProxySelector find kube-proxy's pods.
 	ProxyNamespace, ProxySelector string
-	Notifier                      Notifier
+	Notifier                      remediate.Notifier
 	Log                           *zap.Logger
 	// Observe counts an action's outcome (metrics); may be nil.
-	Observe func(kind ActionKind, o Outcome)
+	Observe func(kind remediate.ActionKind, o Outcome)
 	// Component names the Events' source.
 	Component string
+	// Clock dates Events, conditions and the incidents just written; nil
+	// is the real clock.
+	Clock clock.PassiveClock
 
 	mu sync.Mutex
 	// dry holds incidents in dry-run, where annotations are not written.
-	dry map[string]Incident
+	dry map[string]remediate.Incident
 	// static and noPod remember what a restart attempt found on a node.
 	static, noPod map[string]bool
 	// written holds incidents just written, until the caller's (informer)
@@ -74,8 +65,15 @@ type Executor struct {
 }
 
 type writtenIncident struct {
-	inc Incident
+	inc remediate.Incident
 	at  time.Time
+}
+
+func (e *Executor) now() time.Time {
+	if e.Clock == nil {
+		return time.Now()
+	}
+	return e.Clock.Now()
 }
 
 // writtenTTL is how long a written incident overrides the caller's view.
@@ -83,23 +81,65 @@ const writtenTTL = 30 * time.Second
 
 func (e *Executor) init() {
 	if e.dry == nil {
-		e.dry, e.static, e.noPod, e.written = map[string]Incident{}, map[string]bool{}, map[string]bool{}, map[string]writtenIncident{}
+		e.dry, e.static, e.noPod, e.written = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}, map[string]writtenIncident{}
 	}
 }
 
 // Incident returns the node's incident: from its annotations, or from
 // memory in dry-run.
-func (e *Executor) Incident(n *corev1.Node) Incident {
+func (e *Executor) Incident(n *corev1.Node) remediate.Incident {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.init()
-	if e.Policy.Mode == DryRun {
+	if e.Policy.Mode == remediate.DryRun {
 		return e.dry[n.Name]
 	}
-	if w, ok := e.written[n.Name]; ok && time.Since(w.at) < writtenTTL {
+	if w, ok := e.written[n.Name]; ok && e.now().Sub(w.at) < writtenTTL {
 		return w.inc
 	}
-	return IncidentFromAnnotations(n.Annotations)
+	return remediate.IncidentFromAnnotations(n.Annotations)
+}
+
+// Forget drops what the executor remembers of a node that left the
+// cluster, and tells the notifier (an open Slack thread is closed): node
+// churn must not grow its memory.
+func (e *Executor) Forget(node string) {
+	e.mu.Lock()
+	e.init()
+	delete(e.dry, node)
+	delete(e.static, node)
+	delete(e.noPod, node)
+	delete(e.written, node)
+	e.mu.Unlock()
+	if f, ok := e.Notifier.(Forgetter); ok {
+		f.Forget(node)
+	}
+}
+
+// Forgetter is a notifier that keeps per-node state (Slack's threads).
+type Forgetter interface {
+	Forget(node string)
+}
+
+// Remembered counts the nodes the executor holds anything of: it must
+// follow the cluster's size, not the number of nodes it ever saw.
+func (e *Executor) Remembered() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	seen := map[string]bool{}
+	for n := range e.dry {
+		seen[n] = true
+	}
+	for n := range e.static {
+		seen[n] = true
+	}
+	for n := range e.noPod {
+		seen[n] = true
+	}
+	for n := range e.written {
+		seen[n] = true
+	}
+	return len(seen)
 }
 
 // Learned says what restart attempts found: a static kube-proxy, or none.
@@ -112,7 +152,7 @@ func (e *Executor) Learned(node string) (static, noPod bool) {
 
 // Execute carries out the planner's actions in order. One failing action
 // does not stop the others; the errors are returned joined.
-func (e *Executor) Execute(ctx context.Context, actions []Action, notices map[string]Notice) error {
+func (e *Executor) Execute(ctx context.Context, actions []remediate.Action, notices map[string]remediate.Notice) error {
 	e.mu.Lock()
 	e.init()
 	e.mu.Unlock()
@@ -127,10 +167,10 @@ func (e *Executor) Execute(ctx context.Context, actions []Action, notices map[st
 	return errors.Join(errs...)
 }
 
-func (e *Executor) execute(ctx context.Context, n *Notice) error {
+func (e *Executor) execute(ctx context.Context, n *remediate.Notice) error {
 	a := &n.Action
 	log := e.Log.With(zap.String("node", a.Node), zap.String("action", string(a.Kind)))
-	dry := e.Policy.Mode == DryRun || a.DryRun
+	dry := e.Policy.Mode == remediate.DryRun || a.DryRun
 	a.DryRun = dry
 	// One read of the Node serves the action (live annotations and spec)
 	// and its Event (the UID kubectl describe matches on).
@@ -153,13 +193,13 @@ func (e *Executor) execute(ctx context.Context, n *Notice) error {
 	case outcome == Refused:
 		log.Warn("remediation action refused by the executor", zap.String("reason", a.Reason))
 		e.event(ctx, node, corev1.EventTypeWarning, "ProxyauditActionRefused", a.Reason)
-	case dry && a.Kind != Page && a.Kind != Resolve:
+	case dry && a.Kind != remediate.Page && a.Kind != remediate.Resolve:
 		log.Info("dry-run: would act", zap.String("reason", a.Reason))
 		e.event(ctx, node, corev1.EventTypeNormal, "ProxyauditDryRun", "would "+string(a.Kind)+": "+a.Reason)
 	default:
 		log.Info("remediation action", zap.String("reason", a.Reason), zap.Bool("dry_run", dry))
 		typ := corev1.EventTypeWarning
-		if a.Kind == Resolve || a.Kind == Uncordon {
+		if a.Kind == remediate.Resolve || a.Kind == remediate.Uncordon {
 			typ = corev1.EventTypeNormal
 		}
 		e.event(ctx, node, typ, "Proxyaudit"+string(a.Kind), a.Reason)
@@ -171,7 +211,7 @@ func (e *Executor) execute(ctx context.Context, n *Notice) error {
 }
 
 // apply makes the change (or, in dry-run, records what it would be).
-func (e *Executor) apply(ctx context.Context, n *Notice, node *corev1.Node, dry bool) (Outcome, error) {
+func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.Node, dry bool) (Outcome, error) {
 	a := &n.Action
 	if dry {
 		e.mu.Lock()
@@ -181,22 +221,22 @@ func (e *Executor) apply(ctx context.Context, n *Notice, node *corev1.Node, dry 
 			e.dry[a.Node] = a.Incident
 		}
 		e.mu.Unlock()
-		if a.Kind == Page || a.Kind == Resolve {
+		if a.Kind == remediate.Page || a.Kind == remediate.Resolve {
 			return Done, nil
 		}
 		return Simulate, nil
 	}
 	switch a.Kind {
-	case RestartProxy, Cordon:
+	case remediate.RestartProxy, remediate.Cordon:
 		if why := e.overBudget(ctx, a.Node); why != "" {
-			a.Kind, a.Reason = Page, a.Reason+"; the executor refused: "+why
-			a.Incident.Restarts = IncidentFromAnnotations(node.Annotations).Restarts
+			a.Kind, a.Reason = remediate.Page, a.Reason+"; the executor refused: "+why
+			a.Incident.Restarts = remediate.IncidentFromAnnotations(node.Annotations).Restarts
 			a.Incident.Cordoned = time.Time{}
 			return Refused, e.annotate(ctx, node, a.Incident, nil)
 		}
 	}
 	switch a.Kind {
-	case RestartProxy:
+	case remediate.RestartProxy:
 		pod, static, err := e.proxyPod(ctx, a.Node)
 		if err != nil {
 			return Failed, err
@@ -205,13 +245,13 @@ func (e *Executor) apply(ctx context.Context, n *Notice, node *corev1.Node, dry 
 			e.mu.Lock()
 			e.static[a.Node], e.noPod[a.Node] = static, pod == nil
 			e.mu.Unlock()
-			a.Kind = Page
+			a.Kind = remediate.Page
 			if static {
-				a.Reason += "; not restarted: kube-proxy runs as a static pod here (mirror pod " + pod.Name + "), which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back"
+				a.Reason += "; not restarted (mirror pod " + pod.Name + "): " + remediate.StaticProxyAdvice
 			} else {
 				a.Reason += fmt.Sprintf("; not restarted: no pod matching %s in %s on this node", e.ProxySelector, e.ProxyNamespace)
 			}
-			a.Incident.Stage = StageOpen
+			a.Incident.Stage = remediate.StageOpen
 			a.Incident.Restarts = a.Incident.Restarts[:len(a.Incident.Restarts)-1]
 			return Refused, e.annotate(ctx, node, a.Incident, nil)
 		}
@@ -227,16 +267,16 @@ func (e *Executor) apply(ctx context.Context, n *Notice, node *corev1.Node, dry 
 		}
 		a.Reason += fmt.Sprintf(" (deleted pod %s/%s)", pod.Namespace, pod.Name)
 		return Done, nil
-	case Cordon:
+	case remediate.Cordon:
 		if node.Spec.Unschedulable {
 			a.Incident.Cordoned = time.Time{} // someone else's cordon: never ours to undo
-			a.Kind, a.Reason = Page, a.Reason+"; already cordoned by someone else"
+			a.Kind, a.Reason = remediate.Page, a.Reason+"; already cordoned by someone else"
 			return Refused, e.annotate(ctx, node, a.Incident, nil)
 		}
 		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": true})
-	case Uncordon:
-		if _, ours := node.Annotations[AnnotationCordoned]; !ours {
-			a.Kind = Resolve
+	case remediate.Uncordon:
+		if _, ours := node.Annotations[remediate.AnnotationCordoned]; !ours {
+			a.Kind = remediate.Resolve
 			return Refused, e.annotate(ctx, node, a.Incident, nil)
 		}
 		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": nil})
@@ -253,8 +293,8 @@ func (e *Executor) overBudget(ctx context.Context, self string) string {
 	}
 	busy := 0
 	for _, n := range nodes.Items {
-		inc := IncidentFromAnnotations(n.Annotations)
-		if n.Name != self && (inc.Stage == StageRestarted || !inc.Cordoned.IsZero()) {
+		inc := remediate.IncidentFromAnnotations(n.Annotations)
+		if n.Name != self && (inc.Stage == remediate.StageRestarted || !inc.Cordoned.IsZero()) {
 			busy++
 		}
 	}
@@ -284,7 +324,7 @@ func (e *Executor) proxyPod(ctx context.Context, node string) (*corev1.Pod, bool
 }
 
 // annotate writes the incident (and any spec change) in one merge patch.
-func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident, spec map[string]any) error {
+func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc remediate.Incident, spec map[string]any) error {
 	patch := map[string]any{"metadata": map[string]any{"annotations": inc.Annotations()}}
 	if spec != nil {
 		patch["spec"] = spec
@@ -297,7 +337,7 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident
 		return fmt.Errorf("record the incident on the node: %w", err)
 	}
 	e.mu.Lock()
-	e.written[node.Name] = writtenIncident{inc: inc, at: time.Now()}
+	e.written[node.Name] = writtenIncident{inc: inc, at: e.now()}
 	e.mu.Unlock()
 	return nil
 }
@@ -305,7 +345,7 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc Incident
 // event records an Event on the Node (its UID in the reference, which
 // kubectl describe node matches on); failures are logged, not fatal.
 func (e *Executor) event(ctx context.Context, node *corev1.Node, typ, reason, msg string) {
-	now := metav1.NewTime(time.Now())
+	now := metav1.NewTime(e.now())
 	if len(msg) > 1000 {
 		msg = msg[:1000] + "…"
 	}

@@ -1,0 +1,69 @@
+package audit
+
+import (
+	"sort"
+	"strings"
+	"time"
+)
+
+// Kind classifies a finding.
+type Kind string
+
+// Finding kinds.
+const (
+	// StaleEndpoint: the node routes to an address the cluster no longer
+	// lists for that service port and scope.
+	StaleEndpoint Kind = "StaleEndpoint"
+	// MissingEndpoint: an endpoint the node should route to is absent.
+	MissingEndpoint Kind = "MissingEndpoint"
+	// StaleService: the node has rules for a frontend no service has.
+	StaleService Kind = "StaleService"
+	// MissingService: a frontend the node should have is absent.
+	MissingService Kind = "MissingService"
+	// NoRules: the node has no kube-proxy service rules at all (flushed).
+	NoRules Kind = "NoRules"
+)
+
+// Finding is one way a node's rules differ from the cluster. The JSON field
+// names are a public contract (CLI and aggregator API).
+type Finding struct {
+	Node     string `json:"node"`
+	Service  string `json:"service"`
+	Port     string `json:"port"`
+	Protocol string `json:"protocol"`
+	Scope    Scope  `json:"scope"`
+	Kind     Kind   `json:"kind"`
+	Endpoint string `json:"endpoint"`
+	Detail   string `json:"detail"`
+}
+
+func (f Finding) key() string {
+	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
+}
+
+// SortFindings orders findings by node, service, port, protocol, scope,
+// kind and endpoint.
+func SortFindings(fs []Finding) {
+	sort.SliceStable(fs, func(i, j int) bool { return fs[i].key() < fs[j].key() })
+}
+
+// Node- and fleet-level finding kinds, raised by a Judge over time.
+const (
+	// StuckProxy: the node's rules fell behind cluster changes for longer
+	// than the grace period. One finding per node, naming its services.
+	StuckProxy Kind = "StuckProxy"
+	// CollectorMissing: no report from the node's collector for three of
+	// its intervals (or it reports only read errors). Absence is not
+	// staleness: nothing else is said about the node meanwhile.
+	CollectorMissing Kind = "CollectorMissing"
+	// MassDivergence: more than the configured share of nodes drifted at
+	// once; the aggregator's view or the control-plane path is the more
+	// likely culprit, so the node findings are folded into this one.
+	MassDivergence Kind = "MassDivergence"
+)
+
+// TimedFinding is a finding with the time its condition began.
+type TimedFinding struct {
+	Finding
+	Since time.Time `json:"since"`
+}

@@ -1,0 +1,195 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/api"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// options are the aggregator's flags. Detection and remediation defaults
+// come from audit.DefaultPolicy and remediate.DefaultPolicy, so the flags
+// cannot drift from the libraries.
+type options struct {
+	kubeconfig               string
+	streamListen, httpListen string
+	advertise                string
+
+	policy        audit.Policy
+	recoveryGrace time.Duration
+
+	leaderElect                   bool
+	leNamespace, leName           string
+	leDuration, leRenew, leRetry  time.Duration
+	barrier                       bool
+	audience, collectorSAs        string
+	insecure                      bool
+	certFile, keyFile             string
+	maxMessageBytes               int
+	readers, readerAudience       string
+	pprofListen                   string
+	reviewQPS, readerReviewQPS    float64
+	reviewBurst                   int
+	remediationMode               string
+	remediation                   remediate.Policy
+	exemptLabel                   string
+	proxyNamespace, proxySelector string
+	slackTokenFile, slackChannel  string
+	slackWebhookFile, slackAPI    string
+	clusterName                   string
+	self, streamPort, httpPort    string // derived by validate
+}
+
+func defaultOptions() options {
+	ns := envOr("POD_NAMESPACE", "default")
+	return options{
+		kubeconfig: os.Getenv("KUBECONFIG"), streamListen: ":9443", httpListen: ":8080", advertise: os.Getenv("POD_IP"),
+		policy: audit.DefaultPolicy(), recoveryGrace: 60 * time.Second,
+		leaderElect: true, leNamespace: ns, leName: "proxyaudit-aggregator",
+		leDuration: 10 * time.Second, leRenew: 7 * time.Second, leRetry: 2 * time.Second, barrier: true,
+		audience: "proxyaudit", collectorSAs: ns + "/proxyaudit-collector", maxMessageBytes: 16 << 20,
+		readerAudience: api.DefaultReaderAudience, reviewQPS: 200, reviewBurst: 400, readerReviewQPS: 10,
+		remediationMode: string(remediate.DefaultPolicy().Mode), remediation: remediate.DefaultPolicy(),
+		exemptLabel: "proxyaudit.io/exempt", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
+		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
+		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
+	}
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func (o *options) addFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file; empty means in-cluster configuration [KUBECONFIG]")
+	fs.StringVar(&o.streamListen, "stream-listen", o.streamListen, "address for collector streams")
+	fs.StringVar(&o.httpListen, "http-listen", o.httpListen, "address for the HTTP API, /metrics, /healthz and /readyz")
+	fs.DurationVar(&o.policy.Grace, "grace", o.policy.Grace, "how long a node may lag or differ before it is a finding (the network-programming SLO)")
+	fs.BoolVar(&o.leaderElect, "leader-elect", o.leaderElect, "elect a leader through a Lease; with false this replica always leads (run only one)")
+	fs.StringVar(&o.leNamespace, "leader-elect-namespace", o.leNamespace, "namespace of the leader-election Lease and of the watch barrier's Service and EndpointSlice [POD_NAMESPACE]")
+	fs.BoolVar(&o.barrier, "watch-barrier", o.barrier, "stamp a Service and an EndpointSlice named "+aggregator.BarrierName+" every second and judge a report only once the stamps written after it arrived through the watches: a healthy node ahead of this replica's watches is never called divergent, and a watch stuck for one kind makes the view stale. Needs patch on them, and create where they do not exist (the chart creates them)")
+	fs.StringVar(&o.leName, "leader-elect-lease-name", o.leName, "name of the leader-election Lease")
+	fs.DurationVar(&o.leDuration, "leader-elect-lease-duration", o.leDuration, "how long followers wait after the last renewal before taking over")
+	fs.DurationVar(&o.leRenew, "leader-elect-renew-deadline", o.leRenew, "how long the leader keeps trying to renew before it steps down")
+	fs.DurationVar(&o.recoveryGrace, "api-recovery-grace", o.recoveryGrace, "after this replica's view of the API comes back from stale (an API outage), node drift is neither reported nor repaired for this long: kube-proxies reconnect with client-go's backoff, up to 60 s")
+	fs.DurationVar(&o.leRetry, "leader-elect-retry-period", o.leRetry, "how often candidates try to acquire or renew the Lease")
+	fs.StringVar(&o.advertise, "advertise-address", o.advertise, "address collectors reach this replica at; with the stream port it is the leader identity followers redirect to [POD_IP]")
+	fs.StringVar(&o.audience, "token-audience", o.audience, "audience the collectors' projected ServiceAccount tokens must carry")
+	fs.StringVar(&o.collectorSAs, "collector-service-accounts", o.collectorSAs, "comma-separated namespace/name of the collectors' ServiceAccounts")
+	fs.BoolVar(&o.insecure, "insecure-no-auth", o.insecure, "accept streams without tokens: any client can report for any node (local experiments only; warns on every connection)")
+	fs.StringVar(&o.certFile, "tls-cert-file", o.certFile, "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
+	fs.StringVar(&o.keyFile, "tls-key-file", o.keyFile, "private key for --tls-cert-file")
+	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest stream message accepted; larger ones end the stream")
+	fs.DurationVar(&o.policy.WeightZeroLimit, "ipvs-weight-zero-limit", o.policy.WeightZeroLimit, "how long an IPVS real server may stay at weight 0 after its endpoint left the service (graceful termination keeps it while connections last) before it is a StaleEndpoint; raise it above your pods' longest terminationGracePeriodSeconds plus 15m; 0 never reports one")
+	fs.IntVar(&o.policy.MissingIntervals, "missing-intervals", o.policy.MissingIntervals, "collector intervals without a report before CollectorMissing")
+	fs.Float64Var(&o.policy.MassShare, "mass-divergence-share", o.policy.MassShare, "share of reporting nodes drifting at once that makes one MassDivergence finding instead of node findings")
+	fs.IntVar(&o.policy.MassMinNodes, "mass-divergence-min-nodes", o.policy.MassMinNodes, "fewest drifted nodes that can count as mass divergence")
+	fs.StringVar(&o.remediationMode, "remediation", o.remediationMode, "remediation mode: dry-run (findings, Events and pages; no changes), restart (delete the node's kube-proxy pod), restart-and-cordon (also cordon a node still drifted after a restart)")
+	fs.IntVar(&o.remediation.MaxConcurrent, "remediation-max-nodes", o.remediation.MaxConcurrent, "most nodes in remediation at once (restarted and not yet re-audited, or cordoned by proxyaudit)")
+	fs.Float64Var(&o.remediation.MaxShare, "remediation-max-share", o.remediation.MaxShare, "most nodes in remediation at once as a share of the fleet; the smaller limit holds")
+	fs.DurationVar(&o.remediation.Cooldown, "remediation-cooldown", o.remediation.Cooldown, "least time between two restarts of one node's kube-proxy; doubles with each further restart in the budget window")
+	fs.IntVar(&o.remediation.RestartBudget, "remediation-restart-budget", o.remediation.RestartBudget, "kube-proxy restarts per node within --remediation-budget-window")
+	fs.DurationVar(&o.remediation.BudgetWindow, "remediation-budget-window", o.remediation.BudgetWindow, "window of the per-node restart budget")
+	fs.DurationVar(&o.remediation.Recheck, "remediation-recheck", o.remediation.Recheck, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
+	fs.StringVar(&o.exemptLabel, "remediation-exempt-label", o.exemptLabel, "nodes with this label key are never restarted or cordoned, only paged")
+	fs.StringVar(&o.proxyNamespace, "kube-proxy-namespace", o.proxyNamespace, "namespace of the kube-proxy pods")
+	fs.StringVar(&o.proxySelector, "kube-proxy-selector", o.proxySelector, "label selector of the kube-proxy pods")
+	fs.StringVar(&o.slackTokenFile, "slack-token-file", o.slackTokenFile, "file holding a Slack bot token (chat:write): one thread per incident [PROXYAUDIT_SLACK_TOKEN_FILE]; the token may also come from SLACK_BOT_TOKEN (a Secret as env)")
+	fs.StringVar(&o.slackChannel, "slack-channel", o.slackChannel, "Slack channel ID incidents open in, with a bot token [PROXYAUDIT_SLACK_CHANNEL]")
+	fs.StringVar(&o.slackWebhookFile, "slack-webhook-file", o.slackWebhookFile, "file holding a Slack incoming-webhook URL, for teams without a bot (no threads) [PROXYAUDIT_SLACK_WEBHOOK_FILE]")
+	fs.StringVar(&o.slackAPI, "slack-api-url", o.slackAPI, "Slack API base URL (tests and proxies)")
+	fs.StringVar(&o.readers, "http-readers", o.readers, "NAMESPACE/SERVICE: serve findings (/api/) only to callers whose token the API server authenticates for --http-reader-audience and allows get on services/proxy of that Service (the permission its service proxy checks; `proxyaudit report` mints such a token). Empty: anyone who reaches --http-listen reads them")
+	fs.StringVar(&o.readerAudience, "http-reader-audience", o.readerAudience, "audience of reader tokens (--http-readers)")
+	fs.Float64Var(&o.reviewQPS, "token-review-qps", o.reviewQPS, "TokenReviews a second the leader may ask for collectors' hellos, on an API client of their own (a fleet reconnecting after a leader change: 5,000 nodes in 25 s at 200); a hello waits up to 5 s for one, then is refused as busy and retries with its backoff. One source address gets 1 a second (burst 5)")
+	fs.IntVar(&o.reviewBurst, "token-review-burst", o.reviewBurst, "burst of --token-review-qps")
+	fs.Float64Var(&o.readerReviewQPS, "reader-review-qps", o.readerReviewQPS, "token and access reviews a second for HTTP API readers not decided yet (decisions are cached 30 s): a budget of their own, so a flood of reader tokens cannot delay a collector; beyond it readers get 429")
+	fs.StringVar(&o.pprofListen, "debug-pprof-listen", o.pprofListen, "address for Go's /debug/pprof profiles (e.g. 127.0.0.1:6060); empty: off. Profiles show internals: bind it to localhost")
+	fs.StringVar(&o.clusterName, "cluster-name", o.clusterName, "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
+}
+
+// validate checks the flags against each other and derives the listen
+// ports and this replica's identity.
+func (o *options) validate() error {
+	p := o.policy
+	if p.WeightZeroLimit < 0 {
+		return fmt.Errorf("--ipvs-weight-zero-limit %s: must not be negative (0 turns the check off)", p.WeightZeroLimit)
+	}
+	if p.Grace < time.Second {
+		return fmt.Errorf("--grace %s is too short: at least 1s (the Kubernetes SLO is 30s)", p.Grace)
+	}
+	if p.MassShare <= 0 || p.MassShare > 1 {
+		return fmt.Errorf("--mass-divergence-share %g: want a share in (0, 1]", p.MassShare)
+	}
+	mode, err := remediate.ParseMode(o.remediationMode)
+	if err != nil {
+		return fmt.Errorf("--remediation: %v", err)
+	}
+	o.remediation.Mode = mode
+	r := o.remediation
+	if r.MaxShare < 0 || r.MaxShare > 1 || r.MaxConcurrent < 0 || r.RestartBudget < 0 {
+		return errors.New("--remediation-max-share must be in [0, 1], --remediation-max-nodes and --remediation-restart-budget at least 0")
+	}
+	if o.reviewQPS <= 0 || o.reviewBurst < 1 || o.readerReviewQPS <= 0 {
+		return errors.New("--token-review-qps and --reader-review-qps must be positive, --token-review-burst at least 1")
+	}
+	if (o.certFile == "") != (o.keyFile == "") {
+		return errors.New("--tls-cert-file and --tls-key-file go together")
+	}
+	if _, o.streamPort, err = net.SplitHostPort(o.streamListen); err != nil {
+		return fmt.Errorf("--stream-listen %q: %v", o.streamListen, err)
+	}
+	if _, o.httpPort, err = net.SplitHostPort(o.httpListen); err != nil {
+		return fmt.Errorf("--http-listen %q: %v", o.httpListen, err)
+	}
+	if o.leaderElect && o.advertise == "" {
+		return errors.New("--advertise-address is required with leader election (in a pod, set POD_IP from status.podIP): followers redirect collectors to it")
+	}
+	if o.advertise != "" {
+		o.self = net.JoinHostPort(o.advertise, o.streamPort)
+	}
+	if !o.insecure {
+		if _, err := o.serviceAccounts(); err != nil {
+			return err
+		}
+	}
+	if o.readers != "" {
+		if _, _, err := o.readerService(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// serviceAccounts parses --collector-service-accounts.
+func (o *options) serviceAccounts() ([]string, error) {
+	var sas []string
+	for _, s := range strings.Split(o.collectorSAs, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			if !strings.Contains(s, "/") {
+				return nil, fmt.Errorf("--collector-service-accounts %q: want namespace/name", s)
+			}
+			sas = append(sas, s)
+		}
+	}
+	return sas, nil
+}
+
+// readerService parses --http-readers.
+func (o *options) readerService() (string, string, error) {
+	ns, svc, ok := strings.Cut(o.readers, "/")
+	if !ok || ns == "" || svc == "" {
+		return "", "", fmt.Errorf("--http-readers %q: want namespace/service", o.readers)
+	}
+	return ns, svc, nil
+}

@@ -1,0 +1,235 @@
+package aggregator
+
+import (
+	"context"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"go.uber.org/zap"
+)
+
+// Evaluate assesses every node that reported since the last call and
+// concludes; the loop in Run calls it every second.
+func (a *Aggregator) Evaluate() {
+	a.mu.Lock()
+	leading := a.leading
+	a.mu.Unlock()
+	if !leading || a.view.Synced() != nil {
+		return
+	}
+	if a.blind() {
+		return
+	}
+	start := a.cfg.Clock.Now()
+	type job struct {
+		n      *node
+		snap   stream.State // a copy: its buckets are immutable
+		at     time.Time
+		reuse  bool
+		noRule bool
+	}
+	var nodeInfo map[string]audit.NodeInfo
+	// A report is judged once the cluster state covers its time (see
+	// View.Covered); a later cycle takes the rest.
+	covered := a.view.Covered()
+	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
+		nodeInfo = st.Nodes
+		var jobs []job
+		a.mu.Lock()
+		for _, n := range a.nodes {
+			if !n.fresh || !n.complete || n.heard.After(covered) {
+				continue
+			}
+			n.fresh = false
+			j := job{n: n, at: n.heard, noRule: n.noRules}
+			if n.assessedVersion == n.version && n.assessedGen == gen {
+				j.reuse = true
+			} else {
+				j.snap = *n.state
+				n.assessedVersion, n.assessedGen = n.version, gen
+			}
+			jobs = append(jobs, j)
+		}
+		a.mu.Unlock()
+		if a.memoGen != gen || a.memo == nil {
+			a.memo, a.memoGen, a.classes = map[[2]uint64][]assessed{}, gen, audit.NodeClasses(st)
+		}
+		services := servicesProgrammed(st)
+		for _, j := range jobs {
+			as := j.n.assessments
+			if !j.reuse {
+				as = a.assessNode(st, h, j.n, &j.snap)
+			}
+			a.mu.Lock()
+			j.n.assessments = as
+			lags := a.judge.Observe(j.n.name, j.at, services, j.noRule, as, h)
+			a.mu.Unlock()
+			for _, l := range lags {
+				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())
+			}
+		}
+	})
+	names := a.view.ExpectedNodes()
+	a.mu.Lock()
+	if !a.leading {
+		a.mu.Unlock()
+		return
+	}
+	now := a.cfg.Clock.Now()
+	v := a.judge.Evaluate(now, names)
+	gone := a.pruneLocked(&v)
+	audit.WarnKnownBad(&v, nodeInfo)
+	recovering := now.Before(a.recovering)
+	if recovering {
+		v = holdBackDrift(v)
+	}
+	prev := a.verdict
+	a.verdict = &v
+	asks := a.readNowDue(now, &v, recovering)
+	a.mu.Unlock()
+	// Each on its own: a collector slow to read its socket must not hold
+	// up the evaluation (a write may wait out its 10 s deadline).
+	for _, c := range asks {
+		go func() {
+			a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
+		}()
+		a.cfg.Metrics.ReadNow.Inc()
+	}
+	for _, name := range gone {
+		a.cfg.Metrics.NoRulesSeen.DeleteLabelValues(name)
+		if r := a.cfg.Remediation; r != nil {
+			r.Executor.Forget(name)
+		}
+	}
+	a.cfg.Metrics.setVerdict(&v)
+	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
+	a.logChanges(prev, &v)
+	if !recovering {
+		a.remediate(&v)
+	}
+}
+
+// pruneLocked drops the nodes the judge forgot (they left the cluster and
+// went silent) and whose stream is closed: their rules, baseline and
+// assessments. It returns their names, for the remediation's memory. Node
+// churn (autoscaling, unique names) must not grow the leader.
+func (a *Aggregator) pruneLocked(v *audit.Verdict) []string {
+	judged := make(map[string]bool, len(v.Nodes))
+	for _, s := range v.Nodes {
+		judged[s.Node] = true
+	}
+	var gone []string
+	for name, n := range a.nodes {
+		if n.conn == nil && !judged[name] {
+			delete(a.nodes, name)
+			gone = append(gone, name)
+		}
+	}
+	return gone
+}
+
+// maxReadNow bounds the read-now requests of one evaluation: a change
+// every node lags behind (an API burst) must not make the whole fleet read
+// at once.
+const maxReadNow = 100
+
+// readNowMinLag is how far behind a node must have been at its last report
+// to be asked: under churn a healthy kube-proxy is nearly always a change
+// or two behind (its minimum sync period is 1 s), and asking every such
+// node would double the fleet's reads (the 500-node simulation sent 5,504
+// requests for 10 stuck nodes without it).
+const readNowMinLag = 3 * time.Second
+
+// readNowDue picks the lagging nodes whose oldest missing change crossed
+// the grace period after their last report, and that were already more
+// than readNowMinLag behind then: without a word from them the finding
+// waits for their next interval (up to 10 s by default). Each crossing is
+// asked once. a.mu held.
+func (a *Aggregator) readNowDue(now time.Time, v *audit.Verdict, recovering bool) []*conn {
+	if recovering {
+		return nil
+	}
+	var out []*conn
+	for _, s := range v.Nodes {
+		if s.State != audit.NodeLagging || s.Watermark.IsZero() || s.LastReport.Sub(s.Watermark) < readNowMinLag {
+			continue
+		}
+		due := s.Watermark.Add(a.cfg.Policy.Grace)
+		n := a.nodes[s.Node]
+		if n == nil || n.conn == nil || now.Before(due) || !n.heard.Before(due) || n.readNowFor.Equal(due) {
+			continue
+		}
+		n.readNowFor = due
+		out = append(out, n.conn)
+		if len(out) == maxReadNow {
+			break
+		}
+	}
+	return out
+}
+
+// holdBackDrift keeps only CollectorMissing findings and shows drifted
+// nodes as Lagging: right after an API outage every kube-proxy is catching
+// up, and one still behind when the recovery grace ends is reported then,
+// with its drift dated from when it began.
+func holdBackDrift(v audit.Verdict) audit.Verdict {
+	var kept []audit.TimedFinding
+	for _, f := range v.Findings {
+		if f.Kind == audit.CollectorMissing {
+			kept = append(kept, f)
+		}
+	}
+	v.Findings = kept
+	nodes := make([]audit.NodeStatus, len(v.Nodes))
+	for i, n := range v.Nodes {
+		if n.State == audit.NodeStuck || n.State == audit.NodeDivergent || n.State == audit.NodeNoRules {
+			n.State = audit.NodeLagging
+		}
+		nodes[i] = n
+	}
+	v.Nodes = nodes
+	return v
+}
+
+// logChanges logs findings that appeared or cleared since the last verdict.
+func (a *Aggregator) logChanges(prev, cur *audit.Verdict) {
+	key := func(f audit.TimedFinding) string {
+		return f.Node + "|" + f.Service + "|" + f.Port + "|" + string(f.Kind) + "|" + f.Endpoint
+	}
+	old := map[string]bool{}
+	if prev != nil {
+		for _, f := range prev.Findings {
+			old[key(f)] = true
+		}
+	}
+	now := map[string]bool{}
+	for _, f := range cur.Findings {
+		now[key(f)] = true
+		if !old[key(f)] {
+			a.cfg.Log.Warn("finding", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service),
+				zap.String("port", f.Port), zap.String("endpoint", f.Endpoint), zap.Time("since", f.Since), zap.String("detail", f.Detail))
+		}
+	}
+	if prev != nil {
+		for _, f := range prev.Findings {
+			if !now[key(f)] {
+				a.cfg.Log.Info("finding cleared", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service), zap.String("endpoint", f.Endpoint))
+			}
+		}
+	}
+}
+
+// Run evaluates every second until ctx ends.
+func (a *Aggregator) Run(ctx context.Context) {
+	t := a.cfg.Clock.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C():
+			a.Evaluate()
+		}
+	}
+}

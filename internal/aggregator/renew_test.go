@@ -1,0 +1,172 @@
+package aggregator
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap/zaptest"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// expiring is an authenticator whose tokens say their node and their
+// expiry: "NODE/SECONDS" holds until t0+SECONDS on clk. A token past its
+// expiry or naming another node is refused, as a TokenReview would.
+type expiring struct{ clk *clocktesting.FakeClock }
+
+func (e expiring) Authenticate(_ context.Context, h Hello) (time.Time, error) {
+	node, secs, ok := strings.Cut(h.Token, "/")
+	n, err := strconv.Atoi(secs)
+	if !ok || err != nil {
+		return time.Time{}, fmt.Errorf("%w: malformed token", ErrUnauthenticated)
+	}
+	if node != h.Node {
+		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, node, h.Node)
+	}
+	until := t0.Add(time.Duration(n) * time.Second)
+	if !e.clk.Now().Before(until) {
+		return time.Time{}, fmt.Errorf("%w: token expired", ErrUnauthenticated)
+	}
+	return until, nil
+}
+
+// hello opens a raw stream with the given token and expects welcome.
+func (h *harness) hello(node, token string) net.Conn {
+	h.t.Helper()
+	c := h.dial("")
+	stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 1}})
+	expect(h.t, c, stream.TypeWelcome, "")
+	return c
+}
+
+// A stream lives no longer than the token it was opened with: a stolen
+// token that was valid once cannot keep reporting for a node forever. A
+// collector renews in-band with the token the kubelet rotated in, and the
+// renewal is held to the same node binding as a hello.
+func TestStreamLivesNoLongerThanItsToken(t *testing.T) {
+	h := startWith(t, 2*time.Second, nil, fakeCluster(), nil)
+	h.agg.cfg.Auth = expiring{h.clk}
+	rejected := func() float64 {
+		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonAuth)))
+	}
+	full := func(c net.Conn, st *stream.State, seq uint64) {
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), seq, true, false)})
+	}
+	// alive proves the stream still takes reports: a wrong digest is
+	// answered by a resync, not a rejection.
+	alive := func(c net.Conn, st *stream.State, seq uint64) {
+		t.Helper()
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: seq, Root: st.Root() + 1}})
+		expect(t, c, stream.TypeResync, "")
+	}
+
+	// Unrenewed: the first report after expiry ends the stream.
+	c := h.hello("n1", "n1/30")
+	st := stream.NewState()
+	full(c, st, 1)
+	alive(c, st, 2)
+	h.clk.Step(31 * time.Second)
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 3, Root: st.Root()}})
+	expect(t, c, stream.TypeReject, "expired")
+	// ... and the expired token opens no new one.
+	c = h.dial("")
+	stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: "n1", Token: "n1/30", IntervalSeconds: 1}})
+	expect(t, c, stream.TypeReject, "expired")
+
+	// Renewed: the stream outlives its first token.
+	c = h.hello("n1", "n1/60")
+	st = stream.NewState()
+	full(c, st, 1)
+	stream.Write(c, &stream.Message{Type: stream.TypeAuth, Auth: &stream.Auth{Token: "n1/3600"}})
+	alive(c, st, 2) // everything sent so far is taken before the clock moves
+	h.clk.Step(60 * time.Second)
+	alive(c, st, 3)
+
+	// A renewal with another node's token ends the stream, as such a hello
+	// would have been refused.
+	before := rejected()
+	stream.Write(c, &stream.Message{Type: stream.TypeAuth, Auth: &stream.Auth{Token: "n2/3600"}})
+	expect(t, c, stream.TypeReject, "bound to node")
+	if got := rejected(); got != before+1 {
+		t.Errorf("rejected{auth} = %v, want %v", got, before+1)
+	}
+}
+
+// The real collector re-reads its token file at each heartbeat and renews
+// its stream when the kubelet rotated it: the stream is not cut when the
+// first token expires.
+func TestCollectorRenewsRotatedToken(t *testing.T) {
+	h := startWith(t, 2*time.Second, nil, fakeCluster(), nil)
+	var (
+		mu   sync.Mutex
+		seen []string
+	)
+	h.agg.cfg.Auth = authRecorder(func(ctx context.Context, hello Hello) (time.Time, error) {
+		mu.Lock()
+		seen = append(seen, hello.Token)
+		mu.Unlock()
+		return expiring{h.clk}.Authenticate(ctx, hello)
+	})
+	file := filepath.Join(t.TempDir(), "token")
+	write := func(tok string) {
+		// As the kubelet does: a new file renamed over the old.
+		tmp := file + ".new"
+		if err := os.WriteFile(tmp, []byte(tok+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, file); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("n1/20")
+	ctx, cancel := context.WithCancel(h.ctx)
+	defer cancel()
+	h.wg.Add(1)
+	go func() {
+		defer h.wg.Done()
+		collector.Run(ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: time.Second, TokenFile: file, Clock: h.clk,
+			Log:    zaptest.NewLogger(t).Named("n1"),
+			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}})
+	}()
+	h.until(10*time.Second, "n1 reporting", func() bool {
+		h.agg.mu.Lock()
+		defer h.agg.mu.Unlock()
+		return h.agg.nodes["n1"] != nil && h.agg.nodes["n1"].complete
+	})
+	write("n1/3600")
+	h.advance(40*time.Second, nil)
+	if got := testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonAuth))); got != 0 {
+		t.Errorf("%v streams rejected for authentication; the rotated token should have renewed the stream", got)
+	}
+	// One hello with the first token, one renewal with the second: a
+	// reconnect would have shown as a second use of it.
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{"n1/20", "n1/3600"}; !slices.Equal(seen, want) {
+		t.Errorf("tokens authenticated: %q, want %q", seen, want)
+	}
+	for _, f := range h.verdict().Findings {
+		if f.Node != "n1" {
+			continue // n2 and n3 have no collector here
+		}
+		t.Errorf("finding while renewing: %+v", f)
+	}
+}
+
+type authRecorder func(context.Context, Hello) (time.Time, error)
+
+func (f authRecorder) Authenticate(ctx context.Context, h Hello) (time.Time, error) { return f(ctx, h) }

@@ -1,0 +1,596 @@
+package aggregator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"go.uber.org/zap"
+	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/util/validation"
+)
+
+type conn struct {
+	net.Conn
+	wmu sync.Mutex
+	// authenticated leaves the count of connections not past their hello.
+	authenticated func()
+}
+
+// pendingGate counts connections that have not passed their hello, overall and
+// by source address: each costs a goroutine and up to a hello's bytes
+// before anyone knows who sent it.
+type pendingGate struct {
+	mu             sync.Mutex
+	max, perSource int
+	n              int
+	bySource       map[string]int
+}
+
+// enter admits a connection from source unless a limit is reached; the
+// returned func leaves (call it once).
+func (g *pendingGate) enter(source string) (func(), bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.n >= g.max || g.bySource[source] >= g.perSource {
+		return nil, false
+	}
+	g.n++
+	g.bySource[source]++
+	return sync.OnceFunc(func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.n--
+		if g.bySource[source]--; g.bySource[source] <= 0 {
+			delete(g.bySource, source)
+		}
+	}), true
+}
+
+func (c *conn) send(m *stream.Message) (int, error) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	cw := &countingWriter{w: c.Conn}
+	err := stream.Write(cw, m)
+	return cw.n, err
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += n
+	return n, err
+}
+
+// redirect tells a collector where the leader is, when another replica
+// leads.
+func (a *Aggregator) redirect(c *conn, leader string) {
+	if leader != "" && leader != a.cfg.Self {
+		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}}))
+		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
+	}
+}
+
+func (a *Aggregator) sent(n int, _ error) {
+	a.cfg.Metrics.StreamBytes.WithLabelValues("out").Add(float64(n))
+}
+
+// Serve accepts collector streams on ln until ctx ends, then closes them
+// and returns once every stream's goroutine has finished.
+func (a *Aggregator) Serve(ctx context.Context, ln net.Listener) error {
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		open  = map[*conn]bool{}
+		ended bool
+	)
+	stop := context.AfterFunc(ctx, func() {
+		ln.Close()
+		mu.Lock()
+		ended = true
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	defer stop()
+	defer wg.Wait()
+	for {
+		nc, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return fmt.Errorf("accept collector streams: %w", err)
+		}
+		source, _, _ := net.SplitHostPort(nc.RemoteAddr().String())
+		leave, ok := a.unauth.enter(source)
+		if !ok {
+			// Nothing is read or written: a flood costs an accept and a close.
+			a.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonUnauthenticatedLimit)).Inc()
+			nc.Close()
+			continue
+		}
+		c := &conn{Conn: nc, authenticated: leave}
+		mu.Lock()
+		if ended {
+			mu.Unlock()
+			leave()
+			nc.Close()
+			return nil
+		}
+		open[c] = true
+		wg.Add(1)
+		mu.Unlock()
+		go func() {
+			defer wg.Done()
+			defer leave()
+			a.handle(ctx, c)
+			mu.Lock()
+			delete(open, c)
+			mu.Unlock()
+		}()
+	}
+}
+
+// reject refuses or ends a stream with a reason the collector logs.
+func (a *Aggregator) reject(log *zap.Logger, c *conn, reason RejectReason, why string) {
+	a.rejectWith(log, c, reason, &stream.Reject{Reason: why})
+}
+
+func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject) {
+	if reason == ReasonBusy {
+		// Expected by the thousand during a fleet reconnect: counted, not
+		// logged one by one.
+		log.Debug("collector stream rejected", zap.String("reason", string(reason)), zap.String("why", r.Reason))
+	} else {
+		log.Warn("collector stream rejected", zap.String("reason", string(reason)), zap.String("why", r.Reason))
+	}
+	a.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)).Inc()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
+	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r}))
+}
+
+func readReason(err error) RejectReason {
+	var ne net.Error
+	switch {
+	case errors.Is(err, stream.ErrTooLarge):
+		return ReasonTooLarge
+	case errors.As(err, &ne) && ne.Timeout():
+		return ReasonTimeout
+	default:
+		return ReasonMalformed
+	}
+}
+
+// read receives one message of at most max bytes. A large one is decoded
+// and held only within the decode budget; release returns its share once
+// the message is applied.
+func (a *Aggregator) read(c *conn, max int) (m *stream.Message, n int, release func(), err error) {
+	body, n, err := stream.ReadFrame(c, max)
+	if err != nil {
+		return nil, n, func() {}, err
+	}
+	release = func() {}
+	if len(body) > smallMessage {
+		took := a.budget.Take(len(body))
+		release = func() { a.budget.Give(took) }
+	}
+	if m, err = stream.Decode(body); err != nil {
+		release()
+		return nil, n, func() {}, err
+	}
+	a.cfg.Metrics.StreamBytes.WithLabelValues("in").Add(float64(n))
+	typ := m.Type
+	if !stream.Known(typ) {
+		typ = "unknown"
+	}
+	a.cfg.Metrics.StreamMessages.WithLabelValues("in", typ).Inc()
+	return m, n, release, nil
+}
+
+// smallMessage: a steady report (a root digest) or a small delta skips the
+// decode budget. maxHelloBytes bounds the one message read before a
+// collector is authenticated.
+const (
+	smallMessage  = 64 << 10
+	maxHelloBytes = 64 << 10
+)
+
+func (a *Aggregator) handle(ctx context.Context, c *conn) {
+	defer c.Close()
+	a.cfg.Metrics.Streams.Inc()
+	defer a.cfg.Metrics.Streams.Dec()
+	log := a.cfg.Log.With(zap.String("remote", c.RemoteAddr().String()))
+
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	m, _, release, err := a.read(c, maxHelloBytes)
+	release()
+	if err != nil {
+		if !errors.Is(err, io.EOF) {
+			a.reject(log, c, readReason(err), "cannot read hello: "+err.Error())
+		}
+		return
+	}
+	h := m.Hello
+	if m.Type != stream.TypeHello || h == nil {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("first message must be a hello, got %q", m.Type))
+		return
+	}
+	if errs := validation.IsDNS1123Subdomain(h.Node); len(errs) > 0 {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("hello names no valid node (%q): %s", clip(h.Node), errs[0]))
+		return
+	}
+	interval := time.Duration(h.IntervalSeconds * float64(time.Second))
+	if interval < time.Second || interval > 10*time.Minute {
+		a.reject(log, c, ReasonProtocol, fmt.Sprintf("interval %gs out of range (1s to 10m)", h.IntervalSeconds))
+		return
+	}
+	log = log.With(zap.String("node", h.Node))
+	// A follower sends the collector on before reviewing anything: a
+	// redirect carries nothing secret, and a fleet reconnecting after a
+	// leader change must not cost the API server a review at each replica.
+	a.mu.Lock()
+	leading, leader := a.leading, a.leader
+	a.mu.Unlock()
+	if !leading {
+		if leader == "" || leader == a.cfg.Self {
+			a.reject(log, c, ReasonProtocol, "this aggregator is not the leader and no leader is elected yet; retry shortly")
+			return
+		}
+		a.redirect(c, leader)
+		return
+	}
+	source, _, _ := net.SplitHostPort(c.RemoteAddr().String())
+	expires, err := a.cfg.Auth.Authenticate(ctx, Hello{Node: h.Node, Token: h.Token, Source: source})
+	if err != nil {
+		var busy *BusyError
+		switch {
+		case errors.As(err, &busy):
+			a.rejectWith(log, c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()})
+		case errors.Is(err, ErrBusy):
+			a.reject(log, c, ReasonBusy, err.Error())
+		default:
+			a.reject(log, c, ReasonAuth, err.Error())
+		}
+		return
+	}
+	c.authenticated()
+	if a.cfg.Insecure {
+		log.Warn("accepting an unauthenticated collector stream (--insecure-no-auth): any client can report for any node")
+	}
+
+	a.mu.Lock()
+	if !a.leading {
+		a.mu.Unlock()
+		a.reject(log, c, ReasonProtocol, "this aggregator stopped leading; reconnect to find the leader")
+		return
+	}
+	n := a.nodes[h.Node]
+	if n == nil {
+		n = &node{name: h.Node}
+		a.nodes[h.Node] = n
+	}
+	if n.conn != nil {
+		log.Info("a new stream replaces the node's previous one")
+		n.conn.Close()
+	}
+	n.conn, n.state, n.complete, n.lastSeq = c, stream.NewPooledState(a.pool), false, 0
+	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		if n.conn == c {
+			n.conn = nil
+		}
+		a.mu.Unlock()
+	}()
+
+	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true}}))
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
+	log.Info("collector stream open", zap.String("version", h.Version), zap.Duration("interval", interval))
+
+	// A collector sends one report per interval plus answers to resyncs.
+	limit := rate.NewLimiter(rate.Every(interval/4), 8)
+	// w holds a report that named frontends the aggregator does not hold,
+	// and the reports that came after it, until the collector sends them.
+	var w *waiting
+	// settle applies reports in order, parking at the first that needs
+	// content; false when the stream must end.
+	settle := func(rs []*stream.Report, asked map[string]bool) bool {
+		for i, r := range rs {
+			ok, reason, why, missing := a.apply(n, c, r, interval, asked != nil && i == 0)
+			if reason != "" {
+				a.reject(log, c, reason, why)
+				return false
+			}
+			if missing != nil {
+				if slices.ContainsFunc(missing, func(s string) bool { return asked[s] }) {
+					// Asked for and not sent: the collector no longer has it.
+					ok, why = false, "the collector could not send a frontend it named"
+				} else {
+					a.cfg.Metrics.Refs.WithLabelValues("wanted").Add(float64(len(missing)))
+					w = &waiting{report: r, queued: slices.Clone(rs[i+1:]), asked: map[string]bool{}}
+					for _, s := range missing {
+						w.asked[s] = true
+					}
+					a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWant).Inc()
+					_, err := c.send(&stream.Message{Type: stream.TypeWant, Want: &stream.Want{Seq: r.Seq, Sums: missing}})
+					return err == nil
+				}
+			} else if len(r.Refs) > 0 {
+				a.cfg.Metrics.Refs.WithLabelValues("known").Add(float64(len(r.Refs)))
+			}
+			asked = nil
+			if !ok {
+				a.cfg.Metrics.Resyncs.Inc()
+				a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeResync).Inc()
+				if _, err := c.send(&stream.Message{Type: stream.TypeResync, Resync: &stream.Resync{Reason: why}}); err != nil {
+					return false
+				}
+			}
+		}
+		return true
+	}
+	for {
+		c.SetReadDeadline(time.Now().Add(time.Duration(a.cfg.Policy.MissingIntervals)*interval + 15*time.Second))
+		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes)
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
+				log.Info("collector stream closed")
+			} else {
+				a.reject(log, c, readReason(err), err.Error())
+			}
+			return
+		}
+		if m.Type == stream.TypeAuth && m.Auth != nil {
+			release()
+			// The kubelet rotated the collector's token: the stream lives on
+			// with the new one, still bound to this node.
+			renewed, err := a.cfg.Auth.Authenticate(ctx, Hello{Node: h.Node, Token: m.Auth.Token, Source: source})
+			if err != nil {
+				a.reject(log, c, ReasonAuth, "renewing the stream's token: "+err.Error())
+				return
+			}
+			expires = renewed
+			continue
+		}
+		if !expires.IsZero() && a.cfg.Clock.Now().After(expires) {
+			release()
+			a.reject(log, c, ReasonAuth, fmt.Sprintf("the stream's token expired at %s and was not renewed: reconnect with the current one", expires.UTC().Format(time.RFC3339)))
+			return
+		}
+		if m.Type == stream.TypeContent && m.Content != nil {
+			if w == nil {
+				release()
+				a.reject(log, c, ReasonProtocol, "content nobody asked for")
+				return
+			}
+			err := w.fill(m.Content.Frontends)
+			release()
+			if err != nil {
+				a.reject(log, c, ReasonInvalid, "invalid content: "+err.Error())
+				return
+			}
+			rs, asked := append([]*stream.Report{w.report}, w.queued...), w.asked
+			w = nil
+			if !settle(rs, asked) {
+				return
+			}
+			continue
+		}
+		if m.Type != stream.TypeReport || m.Report == nil {
+			release()
+			a.reject(log, c, ReasonProtocol, fmt.Sprintf("expected a report, got %q", m.Type))
+			return
+		}
+		if !limit.AllowN(a.cfg.Clock.Now(), 1) {
+			release()
+			a.reject(log, c, ReasonRate, fmt.Sprintf("reports arrive faster than four per interval (%s)", interval))
+			return
+		}
+		a.cfg.Metrics.ReportBytes.Observe(float64(size))
+		if w != nil {
+			// Reports sent before the collector saw the Want wait their
+			// turn: they are deltas on top of the parked one. A collector
+			// answers a Want before its next read, so a few at most.
+			release()
+			if len(w.queued) >= maxQueued {
+				a.reject(log, c, ReasonProtocol, fmt.Sprintf("%d reports sent without answering the aggregator's want", len(w.queued)+1))
+				return
+			}
+			w.queued = append(w.queued, m.Report)
+			continue
+		}
+		ok := settle([]*stream.Report{m.Report}, nil)
+		release()
+		if !ok {
+			return
+		}
+	}
+}
+
+// maxReadError bounds the read error a node's report may carry.
+const maxReadError = 512
+
+// maxQueued bounds the reports held behind a parked one.
+const maxQueued = 4
+
+// waiting is a report parked until the collector sends the content of the
+// frontends it named by hash, with the reports that arrived meanwhile.
+type waiting struct {
+	report *stream.Report
+	queued []*stream.Report
+	asked  map[string]bool
+}
+
+// fill moves the frontends the collector sent from the parked report's
+// refs to its content. Only what was asked may come: each frontend must
+// hash to an asked sum named under its own key.
+func (w *waiting) fill(fs []stream.Frontend) error {
+	if len(fs) > len(w.asked) {
+		return fmt.Errorf("%d frontends sent for %d asked", len(fs), len(w.asked))
+	}
+	got := make(map[string]stream.Frontend, len(fs))
+	for _, f := range fs {
+		sum := f.Sum()
+		if !w.asked[sum] {
+			return fmt.Errorf("frontend %s was not asked for", clip(f.Key))
+		}
+		got[sum] = f
+	}
+	r := *w.report
+	r.Frontends = slices.Clone(r.Frontends)
+	r.Refs = nil
+	for _, ref := range w.report.Refs {
+		f, ok := got[ref.Sum]
+		switch {
+		case !ok:
+			r.Refs = append(r.Refs, ref)
+		case f.Key != ref.Key:
+			return fmt.Errorf("frontend %s sent for a hash named under %s", clip(f.Key), clip(ref.Key))
+		default:
+			r.Frontends = append(r.Frontends, f)
+		}
+	}
+	w.report = &r
+	return nil
+}
+
+// apply records one report. It returns whether the copy matches the
+// collector's root; a reason when the stream must end. The report is
+// validated and applied to a copy outside the lock (a full snapshot at the
+// anchors takes ~0.1 s): only this stream's goroutine changes its node's
+// copy, and a newer stream for the node supersedes it. missing names the
+// hashes of refs no node's copy holds: the report is not applied, and
+// applied again (resumed) once their content came.
+func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing []string) {
+	now := a.cfg.Clock.Now()
+	a.mu.Lock()
+	if n.conn != c || !a.leading {
+		a.mu.Unlock()
+		return true, ReasonProtocol, "stream superseded", nil
+	}
+	if r.Seq <= n.lastSeq && !(resumed && r.Seq == n.lastSeq) {
+		a.mu.Unlock()
+		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq), nil
+	}
+	if r.Reads != nil {
+		if err := r.Reads.Validate(); err != nil {
+			a.mu.Unlock()
+			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+		}
+	}
+	if err := r.CheckFacts(); err != nil {
+		a.mu.Unlock()
+		return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+	}
+	// A read error is shown to people (explain, report, Slack): clean
+	// and short.
+	r.ReadError = stream.CleanText(r.ReadError, maxReadError)
+	n.lastSeq = r.Seq
+	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy),
+		Cost: a.collectorCost(n, r.Reads)}
+	if r.ReadError != "" {
+		a.judge.Heard(n.name, hb)
+		a.mu.Unlock()
+		return true, "", "", nil
+	}
+	if !r.Full && !n.complete {
+		a.mu.Unlock()
+		return false, "", "no full snapshot on this stream yet", nil
+	}
+	next := *n.state
+	a.mu.Unlock()
+
+	match, err := next.Apply(r)
+
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n.conn != c || !a.leading {
+		return true, ReasonProtocol, "stream superseded", nil
+	}
+	if me := (*stream.MissingError)(nil); errors.As(err, &me) {
+		return true, "", "", me.Sums
+	}
+	if err != nil {
+		return false, ReasonInvalid, "invalid report: " + err.Error(), nil
+	}
+	*n.state = next
+	if !match {
+		n.complete = false
+		return false, "", "root digest differs from the aggregator's copy", nil
+	}
+	n.complete = true
+	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.NoRules != n.noRules {
+		n.version++
+	}
+	if r.NoRules && !n.noRules {
+		a.cfg.Log.Info("node has no kube-proxy rules (flushed, or kube-proxy not running)", zap.String("node", n.name))
+		a.cfg.Metrics.NoRulesSeen.WithLabelValues(n.name).Inc()
+	}
+	n.noRules = r.NoRules
+	n.heard, n.fresh = now, true
+	a.judge.Heard(n.name, hb)
+	return true, "", "", nil
+}
+
+func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
+	if k == nil {
+		return nil
+	}
+	unix := func(f float64) time.Time {
+		if f <= 0 {
+			return time.Time{}
+		}
+		return time.Unix(0, int64(f*1e9)).UTC()
+	}
+	return &audit.KubeProxySignal{LastSync: unix(k.LastSync), LastQueued: unix(k.LastQueued),
+		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: clip(k.Error),
+		Version: clip(k.Version)}
+}
+
+// collectorCost turns what a collector says its reads cost into the
+// node's record and the fleet's metrics (a.mu held): counts are
+// cumulative per collector, so the metrics add what grew since its last
+// word (a restarted collector starts from zero).
+func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.CollectorCost {
+	if rs == nil {
+		return nil
+	}
+	cost := &audit.CollectorCost{Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
+		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost}
+	grew := false
+	for reason, count := range rs.Reads {
+		cost.Reads[string(reason)] = count
+		prev := n.reads[reason]
+		if count < prev {
+			prev = 0
+		}
+		if count > prev {
+			grew = true
+			a.cfg.Metrics.CollectorReads.WithLabelValues(string(reason)).Add(float64(count - prev))
+		}
+	}
+	if grew {
+		a.cfg.Metrics.CollectorReadSeconds.Observe(rs.LastSeconds)
+		a.cfg.Metrics.CollectorReadBytes.Observe(float64(rs.LastBytes))
+	}
+	n.reads = rs.Reads
+	return cost
+}

@@ -1,0 +1,69 @@
+// Package collectortest has fakes of the collector's kernel interfaces,
+// for tests that run without root.
+package collectortest
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+)
+
+var (
+	_ collector.IPTables   = (*IPTables)(nil)
+	_ collector.IPVS       = (*IPVS)(nil)
+	_ collector.RuleReader = (*Reader)(nil)
+)
+
+// IPTables answers chain checks from a set of "table/chain" names.
+type IPTables struct {
+	Chains map[string]bool
+	Err    error
+}
+
+// ChainExists implements collector.IPTables.
+func (f *IPTables) ChainExists(table, chain string) (bool, error) {
+	return f.Chains[table+"/"+chain], f.Err
+}
+
+// IPVS serves a fixed table.
+type IPVS struct {
+	mu      sync.Mutex
+	Servers []audit.VirtualServer
+	Err     error
+	Closed  int
+}
+
+// VirtualServers implements collector.IPVS.
+func (f *IPVS) VirtualServers() ([]audit.VirtualServer, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.Servers, f.Err
+}
+
+// Close implements collector.IPVS.
+func (f *IPVS) Close() {
+	f.mu.Lock()
+	f.Closed++
+	f.mu.Unlock()
+}
+
+// Reader is a RuleReader whose rules come from a function; it counts
+// reads.
+type Reader struct {
+	Rules func() (*audit.Observed, error)
+	reads atomic.Int64
+}
+
+// Read implements collector.RuleReader.
+func (r *Reader) Read(context.Context) (*audit.Observed, error) {
+	r.reads.Add(1)
+	return r.Rules()
+}
+
+// Reads is how many times Read was called.
+func (r *Reader) Reads() int64 { return r.reads.Load() }
+
+func (r *Reader) String() string { return "fake" }

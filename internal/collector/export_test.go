@@ -1,0 +1,4 @@
+package collector
+
+// MinReadGap is minReadGap, for the tests of package collector_test.
+const MinReadGap = minReadGap

@@ -1,0 +1,261 @@
+package collector
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"github.com/mdlayher/netlink"
+	"github.com/proxyaudit/proxyaudit/audit"
+	"golang.org/x/sys/unix"
+)
+
+// nftSignal watches nf_tables, where both iptables-nft and kube-proxy's
+// nftables mode keep their rules: every commit to any table of the network
+// namespace bumps the ruleset generation (NFT_MSG_GETGEN), and ends with a
+// NEWGEN message to the NFNLGRP_NFTABLES multicast group. The generation
+// is exact: unchanged means no table of the namespace changed.
+type nftSignal struct {
+	mu   sync.Mutex
+	conn *netlink.Conn // requests (GETGEN)
+
+	events chan struct{}
+	mon    *netlink.Conn // the multicast subscription
+	done   chan struct{}
+	lost   atomic.Uint64
+}
+
+var _ ChangeSignal = (*nftSignal)(nil)
+
+// nftGenType is the message type of a generation (request and reply).
+const (
+	nftGetGen = netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETGEN)
+	nftNewGen = netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_NEWGEN)
+)
+
+func openNFTSignal() (ChangeSignal, error) {
+	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return nil, fmt.Errorf("open nf_tables netlink: %w", err)
+	}
+	s := &nftSignal{conn: conn, events: make(chan struct{}, 1), done: make(chan struct{})}
+	if _, err := s.Token(); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	// A subscription that cannot be opened leaves the generation check
+	// at every interval: slower, never silent.
+	if mon, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{Groups: 1 << (unix.NFNLGRP_NFTABLES - 1)}); err == nil {
+		s.mon = mon
+		go s.watch()
+	}
+	return s, nil
+}
+
+// Token is the ruleset generation.
+func (s *nftSignal) Token() (uint64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	msgs, err := s.conn.Execute(netlink.Message{
+		Header: netlink.Header{Type: nftGetGen, Flags: netlink.Request},
+		Data:   []byte{unix.AF_UNSPEC, unix.NFNETLINK_V0, 0, 0},
+	})
+	if err != nil {
+		return 0, fmt.Errorf("nf_tables generation: %w", err)
+	}
+	for _, m := range msgs {
+		if m.Header.Type != nftNewGen {
+			continue
+		}
+		if id, ok := genID(m.Data); ok {
+			return uint64(id), nil
+		}
+	}
+	return 0, errors.New("nf_tables generation: no NFTA_GEN_ID in the kernel's answer")
+}
+
+// genID reads NFTA_GEN_ID from a NEWGEN message body (nfgenmsg header,
+// then attributes).
+func genID(data []byte) (uint32, bool) {
+	if len(data) < 4 {
+		return 0, false
+	}
+	ad, err := netlink.NewAttributeDecoder(data[4:])
+	if err != nil {
+		return 0, false
+	}
+	ad.ByteOrder = binary.BigEndian
+	for ad.Next() {
+		if ad.Type() == unix.NFTA_GEN_ID {
+			return ad.Uint32(), ad.Err() == nil
+		}
+	}
+	return 0, false
+}
+
+// Events fires after commits; a lost notification (the socket's buffer
+// overran: ENOBUFS) fires too, so the caller checks the generation.
+func (s *nftSignal) Events() <-chan struct{} {
+	if s.mon == nil {
+		return nil
+	}
+	return s.events
+}
+
+func (s *nftSignal) Lost() uint64 { return s.lost.Load() }
+
+func (s *nftSignal) fire() {
+	select {
+	case s.events <- struct{}{}:
+	default:
+	}
+}
+
+// watch reads the multicast group. Only the message types are looked at:
+// a commit's NEWGEN closes it; an overrun may have hidden one.
+func (s *nftSignal) watch() {
+	for {
+		msgs, err := s.mon.Receive()
+		select {
+		case <-s.done:
+			return
+		default:
+		}
+		if err != nil {
+			if errors.Is(err, unix.ENOBUFS) {
+				s.lost.Add(1)
+				s.fire()
+				continue
+			}
+			// The subscription broke: say so once, through a generation
+			// check, and stop (the interval check remains).
+			s.fire()
+			return
+		}
+		for _, m := range msgs {
+			if m.Header.Type == nftNewGen {
+				s.fire()
+				break
+			}
+		}
+	}
+}
+
+func (s *nftSignal) Close() {
+	close(s.done)
+	if s.mon != nil {
+		s.mon.Close()
+	}
+	s.conn.Close()
+}
+
+// legacySignal watches the legacy (x_tables) nat table through
+// IPT_SO_GET_INFO: its size, entry count and hook offsets. It misses a
+// rewrite that keeps all of them (one DNAT address replaced by another of
+// the same length): the full read every FullReadInterval catches that.
+// There are no notifications; a poller checks the info every second (one
+// getsockopt, about a microsecond).
+type legacySignal struct {
+	fd     int
+	mu     sync.Mutex
+	events chan struct{}
+	done   chan struct{}
+}
+
+var _ ChangeSignal = (*legacySignal)(nil)
+
+// iptGetinfo is struct ipt_getinfo.
+type iptGetinfo struct {
+	Name       [32]byte
+	ValidHooks uint32
+	HookEntry  [5]uint32
+	Underflow  [5]uint32
+	NumEntries uint32
+	Size       uint32
+}
+
+// iptSoGetInfo is IPT_SO_GET_INFO (IPT_BASE_CTL).
+const iptSoGetInfo = 64
+
+func openLegacySignal() (ChangeSignal, error) {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
+	if err != nil {
+		return nil, fmt.Errorf("open a raw socket for IPT_SO_GET_INFO: %w (the collector needs NET_RAW)", err)
+	}
+	s := &legacySignal{fd: fd, events: make(chan struct{}, 1), done: make(chan struct{})}
+	last, err := s.Token()
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	go func() {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-s.done:
+				return
+			case <-t.C:
+			}
+			if tok, err := s.Token(); err != nil || tok != last {
+				last = tok
+				select {
+				case s.events <- struct{}{}:
+				default:
+				}
+			}
+		}
+	}()
+	return s, nil
+}
+
+// Token digests the nat table's info.
+func (s *legacySignal) Token() (uint64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var info iptGetinfo
+	copy(info.Name[:], "nat")
+	size := uint32(unsafe.Sizeof(info))
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(s.fd), unix.SOL_IP, iptSoGetInfo,
+		uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0)
+	if errno != 0 {
+		if errno == syscall.ENOENT {
+			return 0, nil // no nat table (yet): a token of its own
+		}
+		return 0, fmt.Errorf("IPT_SO_GET_INFO nat: %w", errno)
+	}
+	h := fnv.New64a()
+	binary.Write(h, binary.LittleEndian, [13]uint32{info.ValidHooks, info.HookEntry[0], info.HookEntry[1], info.HookEntry[2],
+		info.HookEntry[3], info.HookEntry[4], info.Underflow[0], info.Underflow[1], info.Underflow[2], info.Underflow[3],
+		info.Underflow[4], info.NumEntries, info.Size})
+	return h.Sum64() | 1, nil // never 0, the token of a missing table
+}
+
+func (s *legacySignal) Events() <-chan struct{} { return s.events }
+
+func (s *legacySignal) Lost() uint64 { return 0 }
+
+func (s *legacySignal) Close() {
+	close(s.done)
+	unix.Close(s.fd)
+}
+
+// openSignal opens the change signal of src: nf_tables for iptables-nft
+// and nftables mode, IPT_SO_GET_INFO for the legacy backend, none for
+// IPVS (which has neither a generation nor notifications).
+func openSignal(src Source) (ChangeSignal, error) {
+	switch {
+	case src.Mode == audit.ModeIPVS:
+		return nil, nil
+	case src.Legacy:
+		return openLegacySignal()
+	default:
+		return openNFTSignal()
+	}
+}

@@ -1,0 +1,5 @@
+//go:build !linux
+
+package collector
+
+func openSignal(Source) (ChangeSignal, error) { return nil, nil }

@@ -1,0 +1,220 @@
+package collector_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"testing"
+
+	utilexec "k8s.io/utils/exec"
+	fakeexec "k8s.io/utils/exec/testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+// fakeHost is a host whose kernel holds what the arguments say: a
+// kube-ipvs0 interface, nft's answer to the services-chain query, and the
+// chains of each iptables backend (nil: that binary is not installed).
+func fakeHost(ipvs bool, nftServices string, nft, legacy map[string]bool) (*collector.Host, *[]string) {
+	var ran []string
+	h := &collector.Host{
+		HasInterface: func(name string) bool { return ipvs && name == "kube-ipvs0" },
+		IPTables: func(isLegacy bool) (collector.IPTables, error) {
+			chains := nft
+			if isLegacy {
+				chains = legacy
+			}
+			if chains == nil {
+				return nil, fmt.Errorf("lookup: %w", exec.ErrNotFound)
+			}
+			return &collectortest.IPTables{Chains: chains}, nil
+		},
+		Exec: &fakeexec.FakeExec{ExactOrder: true, CommandScript: []fakeexec.FakeCommandAction{
+			func(cmd string, args ...string) utilexec.Cmd {
+				ran = append(ran, cmd+" "+strings.Join(args, " "))
+				return fakeexec.InitFakeCmd(&fakeexec.FakeCmd{OutputScript: []fakeexec.FakeAction{
+					func() ([]byte, []byte, error) {
+						if nftServices == "" {
+							return nil, []byte("Error: No such file or directory"), &fakeexec.FakeExitError{Status: 1}
+						}
+						return []byte(nftServices), nil, nil
+					}}}, cmd, args...)
+			}}},
+	}
+	return h, &ran
+}
+
+// Detection tries IPVS, then nftables, then each iptables backend, and
+// settles on the first that has kube-proxy's rules.
+func TestDetectOrder(t *testing.T) {
+	kube := map[string]bool{"nat/KUBE-SERVICES": true}
+	none := map[string]bool{}
+	nftChain := `{"nftables": [{"chain": {"family": "ip", "table": "kube-proxy", "name": "services"}}]}`
+	for _, tc := range []struct {
+		name         string
+		ipvs         bool
+		nft          string
+		ipt, legacy  map[string]bool
+		want         collector.Source
+		wantErr      string
+		wantNFTQuery bool
+	}{
+		// IPVS mode keeps an iptables KUBE-SERVICES chain too: the
+		// interface decides first.
+		{name: "ipvs", ipvs: true, nft: nftChain, ipt: kube, want: collector.Source{Mode: audit.ModeIPVS}},
+		{name: "nftables", nft: nftChain, ipt: kube, want: collector.Source{Mode: audit.ModeNFTables}, wantNFTQuery: true},
+		{name: "iptables nf_tables backend first", ipt: kube, legacy: kube, want: collector.Source{Mode: audit.ModeIPTables}, wantNFTQuery: true},
+		{name: "iptables legacy", ipt: none, legacy: kube, want: collector.Source{Mode: audit.ModeIPTables, Legacy: true}, wantNFTQuery: true},
+		{name: "legacy only installed", legacy: kube, want: collector.Source{Mode: audit.ModeIPTables, Legacy: true}, wantNFTQuery: true},
+		{name: "nothing programmed", ipt: none, legacy: none, wantErr: "no kube-proxy rules found", wantNFTQuery: true},
+		{name: "no iptables at all", wantErr: "no kube-proxy rules found", wantNFTQuery: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, ran := fakeHost(tc.ipvs, tc.nft, tc.ipt, tc.legacy)
+			got, err := h.Detect(context.Background())
+			if tc.wantErr != "" {
+				if err == nil || !errors.Is(err, collector.ErrNoKubeProxy) || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("got %v, %v; want %q", got, err, tc.wantErr)
+				}
+			} else if err != nil || got != tc.want {
+				t.Fatalf("got %v, %v; want %v", got, err, tc.want)
+			}
+			if queried := len(*ran) == 1 && (*ran)[0] == "nft -j list chain ip kube-proxy services"; queried != tc.wantNFTQuery {
+				t.Errorf("nft queries %q", *ran)
+			}
+		})
+	}
+	// A backend whose chain check fails is named in the error.
+	h, _ := fakeHost(false, "", nil, nil)
+	h.IPTables = func(bool) (collector.IPTables, error) {
+		return &collectortest.IPTables{Err: errors.New("Permission denied (you must be root)")}, nil
+	}
+	if _, err := h.Detect(context.Background()); err == nil || !strings.Contains(err.Error(), "iptables-legacy: Permission denied") {
+		t.Errorf("failing chain check: %v", err)
+	}
+}
+
+// toolHost runs one dump tool whose stdout, stderr and exit are given.
+func toolHost(stdout, stderr string, exit error) (*collector.Host, *[]string) {
+	var ran []string
+	return &collector.Host{Exec: &fakeexec.FakeExec{CommandScript: []fakeexec.FakeCommandAction{
+		func(cmd string, args ...string) utilexec.Cmd {
+			ran = append(ran, cmd+" "+strings.Join(args, " "))
+			return fakeexec.InitFakeCmd(&fakeexec.FakeCmd{
+				StdoutPipeResponse: fakeexec.FakeStdIOPipeResponse{ReadCloser: io.NopCloser(strings.NewReader(stdout))},
+				StderrPipeResponse: fakeexec.FakeStdIOPipeResponse{ReadCloser: io.NopCloser(strings.NewReader(stderr))},
+				WaitResponse:       exit,
+			}, cmd, args...)
+		}}}}, &ran
+}
+
+func TestToolReaders(t *testing.T) {
+	spec := synth.Spec{Services: 3, EndpointsPerService: 2, Comments: true}
+	var save, nftJSON strings.Builder
+	if err := spec.WriteIPTablesSave(&save); err != nil {
+		t.Fatal(err)
+	}
+	if err := spec.WriteNFTJSON(&nftJSON); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, tc := range []struct {
+		src  collector.Source
+		argv string
+		dump string
+	}{
+		{collector.Source{Mode: audit.ModeIPTables}, "iptables-save -t nat", save.String()},
+		{collector.Source{Mode: audit.ModeIPTables, Legacy: true}, "iptables-legacy-save -t nat", save.String()},
+		{collector.Source{Mode: audit.ModeNFTables}, "nft -j list table ip kube-proxy", nftJSON.String()},
+	} {
+		t.Run(tc.src.String(), func(t *testing.T) {
+			h, ran := toolHost(tc.dump, "", nil)
+			h.NFTJSON = true
+			r := h.Reader(tc.src)
+			got, err := r.Read(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(*ran) != 1 || (*ran)[0] != tc.argv || r.String() != tc.src.String() {
+				t.Errorf("ran %q as %s", *ran, r)
+			}
+			if len(got.Frontends) != 3 || got.Mode != tc.src.Mode {
+				t.Errorf("read %s with %d frontends", got.Mode, len(got.Frontends))
+			}
+			// The tool failing: its own words, whatever it printed.
+			h, _ = toolHost(tc.dump[:len(tc.dump)/2], "can't initialize iptables table `nat': Permission denied", &fakeexec.FakeExitError{Status: 4})
+			h.NFTJSON = true
+			if _, err := h.Reader(tc.src).Read(ctx); err == nil || !strings.Contains(err.Error(), "Permission denied") || !strings.Contains(err.Error(), tc.argv) {
+				t.Errorf("failing tool: %v", err)
+			}
+			// Output that is not a dump: the parser's complaint.
+			h, _ = toolHost("garbage\n", "", nil)
+			h.NFTJSON = true
+			if _, err := h.Reader(tc.src).Read(ctx); err == nil || !strings.Contains(err.Error(), "output:") {
+				t.Errorf("garbage output: %v", err)
+			}
+		})
+	}
+	// nftables mode: a table that is gone is a flushed node, not an error
+	// (kube-proxy's rules were removed); an iptables backend saying the
+	// same is an error.
+	h, _ := toolHost("", "Error: No such file or directory\nlist table ip kube-proxy\n                ^^^^^^^^^^", &fakeexec.FakeExitError{Status: 1})
+	h.NFTJSON = true
+	got, err := h.Reader(collector.Source{Mode: audit.ModeNFTables}).Read(ctx)
+	if err != nil || !got.NoRules || got.Mode != audit.ModeNFTables {
+		t.Errorf("nft table gone: %+v, %v", got, err)
+	}
+	h, _ = toolHost("", "iptables-save: No such file or directory", &fakeexec.FakeExitError{Status: 1})
+	if _, err := h.Reader(collector.Source{Mode: audit.ModeIPTables}).Read(ctx); err == nil {
+		t.Error("iptables-save failing read as no rules")
+	}
+}
+
+// The IPVS reader keeps one handle and reopens it after a failed dump.
+func TestIPVSReaderReopensAfterAFailure(t *testing.T) {
+	vip := netip.MustParseAddrPort("198.19.0.10:53")
+	table := &collectortest.IPVS{Servers: []audit.VirtualServer{{Addr: vip, Protocol: "UDP", Scheduler: "rr",
+		Real: []audit.RealServer{{Addr: netip.MustParseAddrPort("198.18.128.5:53"), Weight: 1}}}}}
+	opened := 0
+	h := &collector.Host{OpenIPVS: func() (collector.IPVS, error) { opened++; return table, nil }}
+	r := h.Reader(collector.Source{Mode: audit.ModeIPVS})
+	ctx := context.Background()
+	for range 2 {
+		got, err := r.Read(ctx)
+		if err != nil || len(got.Frontends) != 1 || got.Frontends[0].Endpoints[0].Weight != 1 {
+			t.Fatalf("read %+v, %v", got, err)
+		}
+	}
+	table.Err = errors.New("netlink: no buffer space available")
+	if _, err := r.Read(ctx); err == nil || table.Closed != 1 {
+		t.Fatalf("failed dump: %v, closed %d", err, table.Closed)
+	}
+	table.Err = nil
+	if _, err := r.Read(ctx); err != nil || opened != 2 {
+		t.Fatalf("after the failure: %v, opened %d times", err, opened)
+	}
+	// No IPVS in the kernel: the opener's error, every time.
+	h = &collector.Host{OpenIPVS: func() (collector.IPVS, error) { return nil, errors.New("this kernel has no IPVS table") }}
+	if _, err := h.Reader(collector.Source{Mode: audit.ModeIPVS}).Read(ctx); err == nil || !strings.Contains(err.Error(), "no IPVS") {
+		t.Errorf("no IPVS: %v", err)
+	}
+}
+func TestParseMode(t *testing.T) {
+	for _, m := range []string{"auto", "iptables", "iptables-legacy", "nftables", "ipvs"} {
+		if _, _, err := collector.ParseMode(m); err != nil {
+			t.Errorf("%s: %v", m, err)
+		}
+	}
+	for _, m := range []string{"userspace", "kernelspace"} {
+		if _, _, err := collector.ParseMode(m); err == nil {
+			t.Errorf("%s accepted", m)
+		}
+	}
+}
