@@ -78,6 +78,17 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		}
 	}
 	matched := map[FrontendKey]bool{}
+	// Frontends sharing one endpoint slice (one policy chain) and one
+	// expected port and scope find the same endpoints, and emit dedupes
+	// them: compared once, so a dump pointing thousands of frontends at
+	// one chain costs its size, not its square.
+	type compared struct {
+		first *Endpoint
+		n     int
+		port  *ExpectedPort
+		scope Scope
+	}
+	done := map[compared]bool{}
 	for _, of := range obs.Frontends {
 		e, ok := idx.match(of.FrontendKey, obs.Mode)
 		key := e.fe.FrontendKey
@@ -86,6 +97,13 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			continue
 		}
 		matched[key] = true
+		if len(of.Endpoints) > 0 {
+			c := compared{&of.Endpoints[0], len(of.Endpoints), e.port, e.fe.Scope}
+			if done[c] {
+				continue
+			}
+			done[c] = true
+		}
 		scope := e.fe.Scope
 		want := e.port.Want(scope, obs.Mode)
 		got := map[netip.AddrPort]Endpoint{}
@@ -128,7 +146,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Scope: fe.Scope, Kind: MissingService}
 			switch {
 			case len(want) > 0:
-				f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", fe.Kind, fe.FrontendKey, joinAddrs(want))
+				f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", fe.Kind, fe.FrontendKey, joinAddrs(want, len(want)))
 				emit(f)
 			case fe.Kind == KindClusterIP && fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[fe.FrontendKey]:
 				f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", fe.Kind, fe.FrontendKey)
@@ -193,13 +211,13 @@ func staleService(of ObservedFrontend) Finding {
 		svc, port, _ := strings.Cut(of.Name, ":")
 		f.Service, f.Port = svc, port
 	}
-	eps := make([]netip.AddrPort, len(of.Endpoints))
-	for i, e := range of.Endpoints {
-		eps[i] = e.Addr
+	eps := make([]netip.AddrPort, min(len(of.Endpoints), maxListed+1))
+	for i := range eps {
+		eps[i] = of.Endpoints[i].Addr
 	}
 	target := "no endpoints"
 	if len(eps) > 0 {
-		target = joinAddrs(eps)
+		target = joinAddrs(eps, len(of.Endpoints))
 	}
 	f.Detail = fmt.Sprintf("rules for %s (%s) route to %s, but no service has that frontend any more", of.FrontendKey, of.Chain, target)
 	return f

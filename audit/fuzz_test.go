@@ -5,7 +5,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
+	"time"
 )
 
 // seeds adds the rule dumps matching glob, whole and cut down to their
@@ -31,11 +33,38 @@ func seeds(f *testing.F, glob string, extra ...string) {
 	}
 }
 
+// Reading and diffing a dump may allocate at most allocPerByte per input
+// byte plus allocBase, and take at most timePerByte per byte plus
+// timeBase: what a hostile dump costs follows its size (the captures
+// allocate 10-40 bytes per byte; a dump pointing n frontends at one chain
+// of n endpoints used to allocate n² of them). The time bound is loose:
+// fuzzing machines are shared, it catches blowups, not slowness.
+const (
+	allocPerByte = 200
+	allocBase    = 4 << 20
+	timePerByte  = 20 * time.Microsecond
+	timeBase     = 2 * time.Second
+)
+
 // fuzzReader checks one reader: no panic, an error or a model whose
-// invariants hold, and a diff that does not panic either.
+// invariants hold, a diff that does not panic either, and both within
+// their allocation and time bounds.
 func fuzzReader(f *testing.F, parse func(io.Reader) (*Observed, error)) {
 	st := &State{Nodes: map[string]NodeInfo{}}
 	f.Fuzz(func(t *testing.T, data []byte) {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		start := time.Now()
+		defer func() {
+			took := time.Since(start)
+			runtime.ReadMemStats(&after)
+			if alloc := after.TotalAlloc - before.TotalAlloc; alloc > allocBase+allocPerByte*uint64(len(data)) {
+				t.Errorf("%d input bytes allocated %d bytes (%d per byte; the bound is %d per byte)", len(data), alloc, alloc/uint64(max(len(data), 1)), allocPerByte)
+			}
+			if took > timeBase+timePerByte*time.Duration(len(data)) {
+				t.Errorf("%d input bytes took %s", len(data), took)
+			}
+		}()
 		obs, err := parse(bytes.NewReader(data))
 		if err != nil {
 			if obs != nil {
@@ -56,11 +85,13 @@ func FuzzParseIPTables(f *testing.F) {
 	seeds(f, "testdata/capture/clean/ipt-*.rules",
 		"*nat\n-A KUBE-SERVICES -d 1.2.3.4/32 -p tcp --dport 80 -j KUBE-SVC-X\n-A KUBE-SVC-X -j KUBE-SEP-Y\n-A KUBE-SEP-Y -p tcp -j DNAT --to-destination 5.6.7.8:80\nCOMMIT\n",
 		"*nat\n:KUBE-SEP-AAAAAAAAAAAAAAAA - [0:0]\n-A KUBE-SEP-AAAAAAAAAAAAAAAA -j DNAT --to-destination [fd00::1]:80\n")
+	f.Add(sharedChainIPTables(600))
 	fuzzReader(f, ParseIPTables)
 }
 
 func FuzzParseNFTables(f *testing.F) {
 	seeds(f, "testdata/capture/clean/nft-*.rules", `{"nftables": []}`, `{"nftables": [{"map": {"family": "ip", "table": "kube-proxy", "name": "service-ips", "elem": [[{"concat": ["1.2.3.4", "tcp", 80]}, {"goto": {"target": "service-X"}}]]}}]}`)
+	f.Add(sharedChainNFT(1000))
 	fuzzReader(f, ParseNFTables)
 }
 

@@ -372,26 +372,37 @@ func (p *iptables) resolve(sawFilter bool) *Observed {
 	p.flushPolicy()
 	o := &Observed{Mode: ModeIPTables}
 	fams := map[int]bool{}
+	// Frontends that jump to one policy chain share its endpoints: read
+	// once, one slice. kube-proxy points a few frontends at a chain (cluster
+	// IP, node port, external and load-balancer IPs); a dump pointing
+	// thousands at one costs no more than the dump's size.
+	shared := map[string][]Endpoint{}
 	add := func(key FrontendKey, r iptRule) {
 		scope, policy := p.policyOf(r.jump, 0)
 		if policy == "" {
 			return
 		}
 		f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: commentName(r.comment)}
-		seps := p.policy[keyString(policy)]
-		f.Endpoints = make([]Endpoint, 0, len(seps))
-		for _, sep := range seps {
-			ti, ok := p.lookupDNAT(sep)
-			if !ok {
-				continue // an endpoint chain without DNAT routes nothing
+		eps, ok := shared[policy]
+		if !ok {
+			seps := p.policy[keyString(policy)]
+			eps = make([]Endpoint, 0, len(seps))
+			for _, sep := range seps {
+				ti, ok := p.lookupDNAT(sep)
+				if !ok {
+					continue // an endpoint chain without DNAT routes nothing
+				}
+				ap := p.targets[ti]
+				name := p.sepName(sep)
+				eps = append(eps, Endpoint{Addr: ap, Weight: -1, Chain: name})
+				for _, more := range p.moreDNAT[sep] {
+					eps = append(eps, Endpoint{Addr: more, Weight: -1, Chain: name})
+				}
 			}
-			ap := p.targets[ti]
-			name := p.sepName(sep)
-			f.Endpoints = append(f.Endpoints, Endpoint{Addr: ap, Weight: -1, Chain: name})
-			for _, more := range p.moreDNAT[sep] {
-				f.Endpoints = append(f.Endpoints, Endpoint{Addr: more, Weight: -1, Chain: name})
-			}
+			eps = sortEndpoints(eps)
+			shared[policy] = eps
 		}
+		f.Endpoints = eps
 		o.Frontends = append(o.Frontends, f)
 	}
 	for _, r := range p.rules[keyString("KUBE-SERVICES")] {

@@ -3,6 +3,7 @@ package audit
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -119,16 +120,23 @@ type Observed struct {
 func (o *Observed) normalize() {
 	sort.Slice(o.Frontends, func(i, j int) bool { return o.Frontends[i].FrontendKey.less(o.Frontends[j].FrontendKey) })
 	out := o.Frontends[:0]
+	// Frontends may share one endpoint slice (a policy chain several
+	// frontends go to): sorted once.
+	type slice struct {
+		first *Endpoint
+		n     int
+	}
+	done := map[slice][]Endpoint{}
 	for _, f := range o.Frontends {
-		sort.Slice(f.Endpoints, func(i, j int) bool { return f.Endpoints[i].Addr.Compare(f.Endpoints[j].Addr) < 0 })
-		eps := f.Endpoints[:0]
-		for _, e := range f.Endpoints {
-			if len(eps) > 0 && eps[len(eps)-1].Addr == e.Addr {
-				continue
+		if len(f.Endpoints) > 0 {
+			k := slice{&f.Endpoints[0], len(f.Endpoints)}
+			sorted, ok := done[k]
+			if !ok {
+				sorted = sortEndpoints(f.Endpoints)
+				done[k] = sorted
 			}
-			eps = append(eps, e)
+			f.Endpoints = sorted
 		}
-		f.Endpoints = eps
 		if len(out) > 0 && out[len(out)-1].FrontendKey == f.FrontendKey {
 			continue // e.g. the localhost and primary-address node port rules
 		}
@@ -136,6 +144,13 @@ func (o *Observed) normalize() {
 	}
 	o.Frontends = out
 	sort.Ints(o.Families)
+}
+
+// sortEndpoints sorts endpoints by address and drops repeats (the first
+// stays), in place.
+func sortEndpoints(eps []Endpoint) []Endpoint {
+	slices.SortStableFunc(eps, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
+	return slices.CompactFunc(eps, func(a, b Endpoint) bool { return a.Addr == b.Addr })
 }
 
 // ServicePortName is namespace/name plus the port name ("" when unnamed).
@@ -180,10 +195,20 @@ type Expected struct {
 	Ports []ExpectedPort
 }
 
-func joinAddrs(as []netip.AddrPort) string {
-	s := make([]string, len(as))
-	for i, a := range as {
-		s[i] = a.String()
+// maxListed is how many addresses a finding's detail names; the rest are
+// counted. A person reads a handful; a dump with thousands behind one
+// frontend must not make every detail that long.
+const maxListed = 8
+
+func joinAddrs(as []netip.AddrPort, total int) string {
+	n := min(len(as), maxListed)
+	s := make([]string, n)
+	for i := range n {
+		s[i] = as[i].String()
 	}
-	return strings.Join(s, ", ")
+	out := strings.Join(s, ", ")
+	if total > n {
+		out += fmt.Sprintf(" and %d more", total-n)
+	}
+	return out
 }

@@ -143,7 +143,10 @@ func reduceNFT(srcs []nftSource) (*Observed, error) {
 		if t.dispatches() {
 			dispatch = true
 		}
-		add := func(k FrontendKey, target string) { addFrontend(t, obs, k, target) }
+		// Frontends that go to one policy chain share its endpoints, read
+		// once (see the iptables reader).
+		shared := map[string][]Endpoint{}
+		add := func(k FrontendKey, target string) { addFrontend(t, obs, k, target, shared) }
 		if err := t.serviceIPs(add); err != nil {
 			return nil, err
 		}
@@ -341,25 +344,38 @@ func (t *nftTable) noEndpoints(fn func(FrontendKey)) error {
 // addFrontend follows a map element's target to the frontend's policy
 // chain and its endpoints: DNATs in the chain (a numgen map or a plain
 // address) and in the endpoint chains it goes to (session affinity).
-func addFrontend(t nftSource, obs *Observed, key FrontendKey, target string) {
+func addFrontend(t nftSource, obs *Observed, key FrontendKey, target string, shared map[string][]Endpoint) {
 	scope, policy := nftPolicy(t, target, 0)
 	if policy == "" {
 		return
 	}
-	// The endpoints come from the policy chain's DNATs and from the
-	// endpoint chains it goes to; counted first, so that 100k endpoints
-	// are one allocation per frontend, not a slice grown ten times.
+	eps, ok := shared[policy]
+	if !ok {
+		eps = policyEndpoints(t, policy)
+		shared[policy] = eps
+	}
+	obs.Frontends = append(obs.Frontends, ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy), Endpoints: eps})
+}
+
+// policyEndpoints reads a policy chain's endpoints: its DNATs (a numgen
+// map or a plain address) and those of the endpoint chains it goes to
+// (session affinity), sorted and without repeats.
+func policyEndpoints(t nftSource, policy string) []Endpoint {
+	// Counted first, so that 100k endpoints are one allocation, not a
+	// slice grown ten times.
 	type part struct {
 		chain string
 		rules [][]NFTStatement
 	}
 	parts := []part{{policy, t.rules(policy)}}
+	seen := map[string]bool{}
 	n := 0
 	for _, rule := range parts[0].rules {
 		for _, st := range rule {
 			n += len(st.DNAT)
 			for _, ch := range st.Gotos {
-				if strings.HasPrefix(ch, "endpoint-") {
+				if strings.HasPrefix(ch, "endpoint-") && !seen[ch] { // each endpoint chain once
+					seen[ch] = true
 					parts = append(parts, part{ch, t.rules(ch)})
 				}
 			}
@@ -372,17 +388,17 @@ func addFrontend(t nftSource, obs *Observed, key FrontendKey, target string) {
 			}
 		}
 	}
-	f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy), Endpoints: make([]Endpoint, 0, n)}
+	eps := make([]Endpoint, 0, n)
 	for _, p := range parts {
 		for _, rule := range p.rules {
 			for _, st := range rule {
 				for _, a := range st.DNAT {
-					f.Endpoints = append(f.Endpoints, Endpoint{Addr: a, Weight: -1, Chain: p.chain})
+					eps = append(eps, Endpoint{Addr: a, Weight: -1, Chain: p.chain})
 				}
 			}
 		}
 	}
-	obs.Frontends = append(obs.Frontends, f) // normalize sorts and removes duplicate endpoints
+	return sortEndpoints(eps)
 }
 
 // nftPolicy follows an external-… chain to the service-… (cluster) or
