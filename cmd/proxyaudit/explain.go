@@ -99,7 +99,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		enc.SetIndent("", "  ")
 		enc.Encode(resp)
 	} else {
-		explainTable(stdout, resp, bad)
+		shown(stdout, func(w io.Writer) { explainTable(w, resp, bad) })
 	}
 	if bad > 0 {
 		return exitFindings

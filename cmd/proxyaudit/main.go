@@ -21,6 +21,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -197,9 +198,9 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 			return exitUsage
 		}
 	case "markdown":
-		writeMarkdown(stdout, rep, nodes)
+		shown(stdout, func(w io.Writer) { writeMarkdown(w, rep, nodes) })
 	default:
-		writeTable(stdout, rep, nodes)
+		shown(stdout, func(w io.Writer) { writeTable(w, rep, nodes) })
 	}
 	if len(findings) > 0 {
 		return exitFindings
@@ -324,8 +325,18 @@ func orDash(s string) string {
 	return s
 }
 
-// markdownCell escapes text for a Markdown table cell.
-var markdownCell = strings.NewReplacer("|", `\|`, "\n", " ")
+// mdCell is text as one inert Markdown table cell: node names, details
+// and chain names come from nodes and dumps.
+func mdCell(s string) string { return safetext.Markdown(s) }
+
+// shown writes what render prints with every control character,
+// bidirectional override and invalid byte shown as an escape (\x1b), so
+// that text from a node or a dump cannot drive the reader's terminal.
+func shown(w io.Writer, render func(io.Writer)) {
+	var b strings.Builder
+	render(&b)
+	io.WriteString(w, safetext.Terminal(b.String()))
+}
 
 func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	s := rep.Summary
@@ -338,8 +349,7 @@ func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	defer writeDraining(w, rep.Draining)
 	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
-	esc := markdownCell
 	for _, f := range rep.Findings {
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", esc.Replace(f.Node), esc.Replace(svcPort(f)), orDash(string(f.Scope)), f.Kind, orDash(f.Endpoint), esc.Replace(f.Detail))
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", mdCell(f.Node), mdCell(svcPort(f)), orDash(string(f.Scope)), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)), mdCell(f.Detail))
 	}
 }

@@ -101,9 +101,9 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 		enc.SetIndent("", "  ")
 		enc.Encode(rep)
 	case "markdown":
-		reportMarkdown(stdout, rep)
+		shown(stdout, func(w io.Writer) { reportMarkdown(w, rep) })
 	default:
-		reportTable(stdout, rep)
+		shown(stdout, func(w io.Writer) { reportTable(w, rep) })
 	}
 	switch {
 	case rep.Stale != nil:
@@ -387,8 +387,12 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 		fmt.Fprintf(w, "> **%s**\n", strings.TrimSpace(l))
 	}
 	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
-	for _, l := range warnings(rep) {
-		fmt.Fprintf(w, "- **Warning** %s\n", markdownCell.Replace(l))
+	ws := warnings(rep)
+	for _, l := range ws {
+		fmt.Fprintf(w, "- **Warning** %s\n", mdCell(l))
+	}
+	if len(ws) > 0 {
+		fmt.Fprintln(w) // a list item would swallow the table
 	}
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "No findings: every reporting node's kube-proxy rules match the cluster.")
@@ -396,7 +400,6 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 	}
 	fmt.Fprintln(w, "| Node | Service | Kind | Endpoint | Since | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
-	esc := markdownCell
 	nodes, m := byNode(rep)
 	for _, n := range nodes {
 		for _, f := range m[n] {
@@ -404,8 +407,8 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 			if f.Service != "" {
 				sp = svcPort(f.Finding)
 			}
-			fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", orDash(esc.Replace(f.Node)), esc.Replace(sp), f.Kind, orDash(f.Endpoint),
-				f.Since.UTC().Format(time.RFC3339), esc.Replace(f.Detail))
+			fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", orDash(mdCell(f.Node)), mdCell(sp), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)),
+				f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))
 		}
 	}
 }

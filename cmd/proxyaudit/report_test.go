@@ -247,3 +247,59 @@ func TestReportShowsAReaderToken(t *testing.T) {
 	}
 	t.Logf("what the user reads: %s", strings.TrimSpace(msg))
 }
+
+// hostileText is what a compromised node or aggregator, or a crafted dump,
+// could put where the CLI prints node text: a terminal title and hidden
+// line, a bidirectional override, a Markdown link and a cell break.
+const hostileText = "\x1b]0;pwned\x07\x1b[2K\rall in sync\u202e [click](https://evil.example) | <b>x</b>"
+
+// The CLI is the last sink before a person: whatever the API or a dump
+// holds, the terminal gets escapes shown, never obeyed, and a Markdown
+// report keeps one finding per row with no live link.
+func TestReportShowsHostileTextInert(t *testing.T) {
+	fr, nr := fleet()
+	fr.Findings[0].Detail = hostileText
+	fr.Findings[0].Node = "node-b\x1b[8m"
+	nr.Nodes[0].Warnings = []string{hostileText}
+	url := serve(t, fr, nr)
+	for _, format := range []string{"table", "markdown"} {
+		var out, errb bytes.Buffer
+		if code := run([]string{"report", "--aggregator", url, "-o", format}, &out, &errb); code != exitFindings {
+			t.Fatalf("%s: exit %d: %s", format, code, errb.String())
+		}
+		got := out.String()
+		if strings.ContainsAny(got, "\x1b\x07\r\u202e") || !strings.Contains(got, `x1b`) || !strings.Contains(got, "pwned") {
+			t.Errorf("%s: control characters reach the terminal:\n%q", format, got)
+		}
+		if format == "markdown" {
+			for _, line := range strings.Split(got, "\n") {
+				if strings.HasPrefix(line, "| node-b") && strings.Count(line, "|")-strings.Count(line, `\|`) != 7 {
+					t.Errorf("a finding's row has extra cells: %q", line)
+				}
+			}
+			if strings.Count(got, "](https://evil") != strings.Count(got, `\](https://evil`) || strings.Contains(got, "<b>") {
+				t.Errorf("markdown keeps a live link or tag:\n%s", got)
+			}
+		}
+	}
+}
+
+// diff prints names from the dump itself: a chain named with a terminal
+// escape is shown escaped.
+func TestDiffShowsHostileDumpInert(t *testing.T) {
+	dir := t.TempDir()
+	cluster := filepath.Join(dir, "cluster.json")
+	rules := filepath.Join(dir, "n.rules")
+	os.WriteFile(cluster, []byte(`{"kind":"List","items":[{"kind":"Node","metadata":{"name":"n"}}]}`), 0o644)
+	os.WriteFile(rules, []byte("*nat\n-A KUBE-SERVICES -d 198.19.0.1/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-\x1b]0;pwned\x07\n"+
+		"-A KUBE-SVC-\x1b]0;pwned\x07 -j KUBE-SEP-AAAAAAAAAAAAAAAA\n-A KUBE-SEP-AAAAAAAAAAAAAAAA -p tcp -m tcp -j DNAT --to-destination 198.18.0.1:80\nCOMMIT\n"), 0o644)
+	for _, format := range []string{"table", "markdown"} {
+		var out, errb bytes.Buffer
+		if code := run([]string{"diff", "--cluster", cluster, "--rules", "n=" + rules, "-o", format}, &out, &errb); code != exitFindings {
+			t.Fatalf("%s: exit %d: %s\n%s", format, code, errb.String(), out.String())
+		}
+		if got := out.String(); strings.ContainsAny(got, "\x1b\x07") || !strings.Contains(got, `x1b`) {
+			t.Errorf("%s: %q", format, got)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"go.uber.org/zap"
 	"golang.org/x/time/rate"
@@ -502,7 +503,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 	}
 	// A read error is shown to people (explain, report, Slack): clean
 	// and short.
-	r.ReadError = stream.CleanText(r.ReadError, maxReadError)
+	r.ReadError = safetext.Clean(r.ReadError, maxReadError)
 	n.lastSeq = r.Seq
 	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy),
 		Cost: a.collectorCost(n, r.Reads)}
@@ -561,7 +562,7 @@ func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
 		return time.Unix(0, int64(f*1e9)).UTC()
 	}
 	return &audit.KubeProxySignal{LastSync: unix(k.LastSync), LastQueued: unix(k.LastQueued),
-		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: clip(k.Error),
+		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: safetext.Clean(k.Error, maxReadError),
 		Version: clip(k.Version)}
 }
 

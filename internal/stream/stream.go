@@ -23,10 +23,9 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 )
 
 // DefaultMaxMessageBytes bounds one message: a full snapshot of a node at
@@ -287,27 +286,6 @@ func (r *Report) CheckFacts() error {
 	return nil
 }
 
-// CleanText makes text from a node fit to show people: control characters
-// (terminal escapes among them) become U+FFFD, invalid UTF-8 likewise, and
-// it is cut at max bytes.
-func CleanText(s string, max int) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.Map(func(r rune) rune {
-		if unicode.IsControl(r) {
-			return unicode.ReplacementChar
-		}
-		return r
-	}, s)
-	if len(s) > max {
-		cut := max
-		for cut > 0 && !utf8.RuneStart(s[cut]) {
-			cut--
-		}
-		s = s[:cut] + "…"
-	}
-	return s
-}
-
 // Ref names a frontend by its key and content hash.
 type Ref struct {
 	Key string `json:"k"`
@@ -536,7 +514,9 @@ func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
 	if len(f.Weights) != 0 && len(f.Weights) != len(f.Endpoints) {
 		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: %d weights for %d endpoints", f.Key, len(f.Weights), len(f.Endpoints))
 	}
-	of := audit.ObservedFrontend{FrontendKey: k, Scope: audit.Scope(f.Scope), Chain: f.Chain, Name: f.Name}
+	// Names are shown to people (details, explain, Slack): cleaned and
+	// bounded here, where they enter.
+	of := audit.ObservedFrontend{FrontendKey: k, Scope: audit.Scope(f.Scope), Chain: safetext.Clean(f.Chain, maxName), Name: safetext.Clean(f.Name, maxName)}
 	for i, e := range f.Endpoints {
 		ap, err := netip.ParseAddrPort(e)
 		if err != nil {
@@ -546,7 +526,7 @@ func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
 		if len(f.Weights) > 0 {
 			w = f.Weights[i]
 		}
-		of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: ap, Weight: w, Chain: f.Chain})
+		of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: ap, Weight: w, Chain: of.Chain})
 	}
 	return of, nil
 }
@@ -573,9 +553,9 @@ func (f Frontend) Digest() uint64 {
 	return h.Sum64()
 }
 
-func clip(s string) string {
-	if len(s) > 80 {
-		return s[:80] + "…"
-	}
-	return s
-}
+// clip is a node's text quoted in an error: cleaned and short.
+func clip(s string) string { return safetext.Clean(s, 80) }
+
+// maxName bounds a frontend's chain and rule names; kube-proxy's are at
+// most a few dozen bytes (nft chain names carry the service's name).
+const maxName = 256

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,7 +21,7 @@ func (e *Executor) SetCondition(ctx context.Context, node *corev1.Node, status c
 	}
 	now := metav1.NewTime(e.now())
 	patch := map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{{
-		Type: remediate.ConditionType, Status: status, Reason: reason, Message: msg,
+		Type: remediate.ConditionType, Status: status, Reason: reason, Message: nodeText(msg),
 		LastHeartbeatTime: now, LastTransitionTime: now,
 	}}}}
 	body, err := json.Marshal(patch)
@@ -32,3 +33,9 @@ func (e *Executor) SetCondition(ctx context.Context, node *corev1.Node, status c
 	}
 	return nil
 }
+
+// nodeText is a message for a Node condition or Event, which kubectl
+// describe prints to a terminal: escapes shown, not obeyed, and at most
+// 1000 bytes (the message may quote a node's text; the Node object is
+// read by every kubelet and controller).
+func nodeText(msg string) string { return safetext.Clip(safetext.Terminal(msg), 1000) }

@@ -346,9 +346,7 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc remediat
 // kubectl describe node matches on); failures are logged, not fatal.
 func (e *Executor) event(ctx context.Context, node *corev1.Node, typ, reason, msg string) {
 	now := metav1.NewTime(e.now())
-	if len(msg) > 1000 {
-		msg = msg[:1000] + "…"
-	}
+	msg = nodeText(msg)
 	ev := &corev1.Event{
 		ObjectMeta:     metav1.ObjectMeta{GenerateName: node.Name + ".proxyaudit.", Namespace: metav1.NamespaceDefault},
 		InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: node.Name, UID: node.UID, APIVersion: "v1"},

@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/remediate"
 
 	"github.com/slack-go/slack"
@@ -117,7 +119,7 @@ func (s *Slack) forget(ctx context.Context, node string) error {
 	if !open || s.client == nil {
 		return nil
 	}
-	text := fmt.Sprintf("%s left the cluster (its Node was deleted): incident closed, nothing more will be done for it.", node)
+	text := fmt.Sprintf("%s left the cluster (its Node was deleted): incident closed, nothing more will be done for it.", safetext.Slack(node))
 	return s.retry(ctx, func(ctx context.Context) error {
 		_, _, err := s.client.PostMessageContext(ctx, th.channel, slack.MsgOptionText(text, false), slack.MsgOptionTS(th.ts))
 		return err
@@ -190,12 +192,12 @@ func (s *Slack) deliver(ctx context.Context, n remediate.Notice) error {
 	s.mu.Unlock()
 	// Mark the opening message resolved, so the channel reads at a glance.
 	return s.retry(ctx, func(ctx context.Context) error {
-		what := "kube-proxy drift on " + n.Node
+		what := "kube-proxy drift on " + safetext.Slack(n.Node)
 		if n.Kind == remediate.ViewFresh {
 			what = "proxyaudit could not see the API"
 		}
 		_, _, _, err := s.client.UpdateMessageContext(ctx, th.channel, th.ts,
-			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: %s (%s)", what, s.cfg.Cluster), false))
+			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: %s (%s)", what, safetext.Slack(s.cfg.Cluster)), false))
 		return err
 	})
 }
@@ -234,7 +236,13 @@ func (s *Slack) retry(ctx context.Context, f func(context.Context) error) error 
 
 // Render is a notice as Slack shows it: plain text (notifications,
 // webhooks without blocks) and Block Kit.
-func Render(cluster string, n remediate.Notice, inThread bool, opened time.Time) (string, []slack.Block) {
+func Render(plainCluster string, n remediate.Notice, inThread bool, opened time.Time) (string, []slack.Block) {
+	// The reason and evidence carry text from nodes and rules (chain
+	// names, read errors): escaped, so that no node can page the channel
+	// (<!channel>) or dress up a link. Node and cluster names are tame,
+	// and escaped all the same.
+	node, cluster := safetext.Slack(n.Node), safetext.Slack(plainCluster)
+	reason := safetext.Slack(n.Reason)
 	dry := ""
 	if n.DryRun {
 		dry = " (dry-run: nothing was changed)"
@@ -242,36 +250,40 @@ func Render(cluster string, n remediate.Notice, inThread bool, opened time.Time)
 	var title string
 	switch n.Kind {
 	case remediate.RestartProxy:
-		title = fmt.Sprintf(":arrows_counterclockwise: Restarting kube-proxy on %s%s", n.Node, dry)
+		title = fmt.Sprintf(":arrows_counterclockwise: Restarting kube-proxy on %s%s", node, dry)
 	case remediate.Cordon:
-		title = fmt.Sprintf(":no_entry: Cordoning %s%s", n.Node, dry)
+		title = fmt.Sprintf(":no_entry: Cordoning %s%s", node, dry)
 	case remediate.Uncordon:
-		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", n.Node, dry)
+		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", node, dry)
 	case remediate.Resolve:
-		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", n.Node)
+		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", node)
 	case remediate.ViewStale:
 		title = ":see_no_evil: proxyaudit cannot see the API: findings are unknown, nothing is repaired"
 	case remediate.ViewFresh:
 		title = ":white_check_mark: proxyaudit sees the API again"
 	default:
-		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", n.Node)
+		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", node)
 	}
-	text := fmt.Sprintf("[%s] %s: %s", cluster, title, n.Reason)
+	text := fmt.Sprintf("[%s] %s: %s", cluster, title, reason)
 	var blocks []slack.Block
 	if !inThread {
-		header := fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, cluster)
+		header := fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, plainCluster)
 		if n.Kind == remediate.ViewStale || n.Kind == remediate.ViewFresh {
-			header = fmt.Sprintf("proxyaudit's view of the API is stale (%s)", cluster)
+			header = fmt.Sprintf("proxyaudit's view of the API is stale (%s)", plainCluster)
 		}
 		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(header, 150), true, false)))
 	}
-	blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType, clipText("*"+title+"*\n"+n.Reason, 2900), false, false), nil, nil))
+	blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType, clipText("*"+title+"*\n"+reason, 2900), false, false), nil, nil))
 	if len(n.Evidence) > 0 && !inThread {
 		ev := n.Evidence
 		more := ""
 		if len(ev) > 10 {
 			more = fmt.Sprintf("\n…and %d more", len(ev)-10)
 			ev = ev[:10]
+		}
+		ev = slices.Clone(ev)
+		for i := range ev {
+			ev[i] = safetext.Slack(ev[i])
 		}
 		blocks = append(blocks, slack.NewSectionBlock(slack.NewTextBlockObject(slack.MarkdownType,
 			clipText("*Evidence* (stale first):\n```"+strings.Join(ev, "\n")+"```"+more, 2900), false, false), nil, nil))
@@ -292,9 +304,16 @@ func Render(cluster string, n remediate.Notice, inThread bool, opened time.Time)
 	return text, blocks
 }
 
+// clipText cuts at n bytes on a rune boundary and never inside an entity
+// (&lt;), which Slack would show half-written.
 func clipText(s string, n int) string {
-	if len(s) > n {
-		return s[:n-1] + "…"
+	if len(s) <= n {
+		return s
 	}
-	return s
+	s = safetext.Clip(s, n-len("…"))
+	s = strings.TrimSuffix(s, "…")
+	if amp := strings.LastIndexByte(s, '&'); amp >= 0 && !strings.Contains(s[amp:], ";") {
+		s = s[:amp]
+	}
+	return s + "…"
 }

@@ -8,8 +8,10 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/slack-go/slack"
 
 	"go.uber.org/zap/zaptest"
 
@@ -142,5 +144,59 @@ func TestSlackForgetsLeftNodes(t *testing.T) {
 	defer s.mu.Unlock()
 	if len(s.threads) != 0 || len(s.last) != 0 {
 		t.Errorf("kept %d threads, %d last notices of nodes that left", len(s.threads), len(s.last))
+	}
+}
+
+// A node's text reaches Slack inert, through slack-go's test server: a
+// reason or evidence carrying <!channel>, a labelled link or a terminal
+// escape pages no one and links nowhere; a clipped message never ends in
+// half an entity.
+func TestSlackTextFromNodesIsInert(t *testing.T) {
+	srv := remediatetest.NewSlack(t, false)
+	s, err := NewSlack(SlackConfig{Token: "xoxb-test", Channel: "C1", Cluster: "prod-eu", APIURL: srv.URL, Log: zaptest.NewLogger(t), Delivered: func(string) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go s.Run(ctx)
+	hostile := "<!channel> read error: <https://evil.example/|kubernetes.io/docs> \x1b]0;x\x07 & more"
+	n := notice(remediate.RestartProxy, "StuckProxy: "+hostile)
+	n.Evidence = []string{"StaleService (KUBE-SVC-<!here>) " + hostile}
+	s.Notify(n)
+	for ctx.Err() == nil && len(srv.Posts()) < 1 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	ps := srv.Posts()
+	if len(ps) != 1 {
+		t.Fatalf("posts: %d", len(ps))
+	}
+	for _, field := range []string{"text", "blocks"} {
+		got := strings.NewReplacer(`\u0026`, "&", `\u003c`, "<", `\u003e`, ">").Replace(ps[0].Get(field)) // blocks are JSON
+		for _, bad := range []string{"<!channel>", "<!here>", "<https://", "\x1b", "\x07"} {
+			if strings.Contains(got, bad) {
+				t.Errorf("%s keeps %q: %s", field, bad, got)
+			}
+		}
+		if !strings.Contains(got, "&lt;!channel&gt;") || !strings.Contains(got, "&amp; more") {
+			t.Errorf("%s does not show the text escaped: %s", field, got)
+		}
+	}
+	long := strings.Repeat("<", 2000)
+	_, blocks := Render("c", notice(remediate.RestartProxy, long), false, t0)
+	for _, b := range blocks {
+		if sec, ok := b.(*slack.SectionBlock); ok && sec.Text != nil {
+			if txt := strings.TrimSuffix(sec.Text.Text, "…"); strings.HasSuffix(txt, "&") || strings.HasSuffix(txt, "&l") || strings.HasSuffix(txt, "&lt") || len(sec.Text.Text) > 3000 {
+				t.Errorf("clipped into an entity or over Slack's limit: …%q (%d bytes)", txt[max(0, len(txt)-8):], len(sec.Text.Text))
+			}
+		}
+	}
+}
+
+// Conditions and Events are read with kubectl describe, in a terminal.
+func TestNodeTextForConditionsAndEvents(t *testing.T) {
+	got := nodeText("StuckProxy: \x1b]0;x\x07" + strings.Repeat("é", 800))
+	if strings.ContainsAny(got, "\x1b\x07") || len(got) > 1000+len("…") || !utf8.ValidString(got) || !strings.HasSuffix(got, "…") {
+		t.Errorf("nodeText: %q (%d bytes)", got[:40], len(got))
 	}
 }
