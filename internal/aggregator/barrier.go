@@ -2,6 +2,10 @@ package aggregator
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"hash/fnv"
 	"strconv"
@@ -50,6 +54,7 @@ const (
 	BarrierName = "proxyaudit-barrier"
 	barrierAt   = "proxyaudit.io/barrier-at"
 	barrierBy   = "proxyaudit.io/barrier-by"
+	barrierSig  = "proxyaudit.io/barrier-sig"
 )
 
 var barrierKinds = [...]string{"Services", "EndpointSlices"}
@@ -58,6 +63,7 @@ var barrierKinds = [...]string{"Services", "EndpointSlices"}
 type barrierState struct {
 	cfg     *Barrier
 	by      string               // hash of cfg.Identity, as stamped
+	key     []byte               // this process's key: signs its stamps
 	pending map[string]time.Time // seen, not yet in a published State
 	passed  map[string]time.Time // seen and in a published State
 	unseen  map[string][]time.Time
@@ -65,6 +71,9 @@ type barrierState struct {
 	writeErr   error
 	writeSince time.Time
 	activeAt   time.Time // when stamping last started; zero while inactive
+	// forged counts stamps refused: another namespace or name, a bad
+	// signature, a time ahead of this replica's clock.
+	forged int
 }
 
 // isBarrier says whether obj (or an informer's tombstone of it) is one of
@@ -77,15 +86,27 @@ func isBarrier(obj any) bool {
 	return err == nil && m.GetLabels()[audit.LabelServiceProxyName] == BarrierName
 }
 
-// stampLabels are a barrier object's labels stamped by by at at.
-// kube-proxy's Services watch leaves out service-proxy-name; its
+// stampLabels are a barrier object's labels stamped by by at at, signed
+// with key. kube-proxy's Services watch leaves out service-proxy-name; its
 // EndpointSlices watch leaves out only service.kubernetes.io/headless
 // (cmd/kube-proxy/app/server.go): without that label every kube-proxy
 // received the barrier slice every second, and logged that it has no
 // service-name label.
-func stampLabels(by string, at time.Time) map[string]string {
-	return map[string]string{audit.LabelServiceProxyName: BarrierName, barrierAt: strconv.FormatInt(at.UnixNano(), 10), barrierBy: by,
+func stampLabels(key []byte, by string, at time.Time) map[string]string {
+	t := strconv.FormatInt(at.UnixNano(), 10)
+	return map[string]string{audit.LabelServiceProxyName: BarrierName, barrierAt: t, barrierBy: by, barrierSig: stampSig(key, by, t),
 		"endpointslice.kubernetes.io/managed-by": "proxyaudit.io", corev1.IsHeadlessService: ""}
+}
+
+// stampSig authenticates a stamp: HMAC-SHA256 under a key only this
+// process holds, 128 bits in hex (a label value). Whoever can write a
+// Service (any tenant, in their namespace) or read the barrier objects
+// cannot make a stamp this replica accepts, so cannot move "covered"
+// forward and hide a stuck watch.
+func stampSig(key []byte, by, at string) string {
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(by + "/" + at))
+	return hex.EncodeToString(m.Sum(nil)[:16])
 }
 
 func identityHash(id string) string {
@@ -102,7 +123,11 @@ func newBarrierState(b Barrier) *barrierState {
 	if b.Active == nil {
 		b.Active = func() bool { return true }
 	}
-	return &barrierState{cfg: &b, by: identityHash(b.Identity), pending: map[string]time.Time{},
+	key := make([]byte, 32)
+	if _, err := rand.Read(key); err != nil {
+		panic(fmt.Sprintf("barrier key: %v", err)) // crypto/rand does not fail on Linux
+	}
+	return &barrierState{cfg: &b, by: identityHash(b.Identity), key: key, pending: map[string]time.Time{},
 		passed: map[string]time.Time{}, unseen: map[string][]time.Time{}}
 }
 
@@ -115,17 +140,25 @@ func (v *View) stamped(kind string, obj any) {
 	if err != nil {
 		return
 	}
+	now := v.clock.Now()
 	v.dirtyMu.Lock()
 	defer v.dirtyMu.Unlock()
 	b := v.barrier
-	if b == nil || m.GetLabels()[barrierBy] != b.by {
-		return
+	labels := m.GetLabels()
+	if b == nil || labels[barrierBy] != b.by {
+		return // another replica's (or an older process's) stamps prove nothing here
 	}
-	ns, err := strconv.ParseInt(m.GetLabels()[barrierAt], 10, 64)
-	if err != nil {
-		return
-	}
+	ns, err := strconv.ParseInt(labels[barrierAt], 10, 64)
 	at := time.Unix(0, ns)
+	if err != nil || m.GetNamespace() != b.cfg.Namespace || m.GetName() != BarrierName ||
+		!hmac.Equal([]byte(labels[barrierSig]), []byte(stampSig(b.key, b.by, labels[barrierAt]))) || at.After(now) {
+		b.forged++
+		if b.forged == 1 || b.forged%1000 == 0 {
+			v.log.Warn("refused a forged watch-barrier stamp: only this replica's own signed stamps count",
+				zap.String("kind", kind), zap.String("object", m.GetNamespace()+"/"+m.GetName()), zap.Int("refused", b.forged))
+		}
+		return
+	}
 	if at.After(b.pending[kind]) {
 		b.pending[kind] = at
 	}
@@ -242,8 +275,8 @@ func (v *View) stamp(ctx context.Context, b *barrierState) {
 		b.activeAt = at
 	}
 	v.dirtyMu.Unlock()
-	labels := stampLabels(b.by, at)
-	patch := []byte(fmt.Sprintf(`{"metadata":{"labels":{%q:%q,%q:%q}}}`, barrierAt, labels[barrierAt], barrierBy, b.by))
+	labels := stampLabels(b.key, b.by, at)
+	patch := []byte(fmt.Sprintf(`{"metadata":{"labels":{%q:%q,%q:%q,%q:%q}}}`, barrierAt, labels[barrierAt], barrierBy, b.by, barrierSig, labels[barrierSig]))
 	ns := b.cfg.Namespace
 	meta := metav1.ObjectMeta{Name: BarrierName, Namespace: ns, Labels: labels}
 	wctx, cancel := context.WithTimeout(ctx, b.cfg.Every+5*time.Second)
