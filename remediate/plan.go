@@ -122,6 +122,11 @@ const (
 	// came back. Node is SelfNode.
 	ViewStale ActionKind = "ViewStale"
 	ViewFresh ActionKind = "ViewFresh"
+	// Storm and StormOver are about the fleet: most nodes drifted at once
+	// (MassDivergence; nothing is repaired and no node is paged on its
+	// own), and that ended. Node is SelfNode.
+	Storm     ActionKind = "Storm"
+	StormOver ActionKind = "StormOver"
 )
 
 // SelfNode is the Node of notices about proxyaudit itself.
@@ -140,7 +145,8 @@ type Action struct {
 // Fleet is what the planner decides over.
 type Fleet struct {
 	Nodes []Node
-	// Storm: the judge folded a mass divergence; nothing is touched.
+	// Storm: the judge folded a mass divergence; nothing is touched and
+	// no node is paged (the aggregator pages once for the fleet).
 	Storm bool
 }
 
@@ -175,10 +181,10 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		case !n.Drifted:
 			// Nothing to do: in sync without an incident, or not known.
 		case f.Storm:
-			if inc.Stage == "" {
-				inc.Stage, inc.Opened = StageOpen, now
-				act(Page, "most nodes drifted at once (MassDivergence): suspect the API or the aggregator's view, not this node; no repair is attempted", inc)
-			}
+			// Nothing per node: the aggregator pages once for the fleet
+			// (Storm), not once per node (500 drifted nodes were 500
+			// pages). Incidents open when the storm is over, for nodes
+			// still drifted then.
 		case inc.Stage == "":
 			inc.Stage, inc.Opened = StageOpen, now
 			why := blocked(n, p, inc, now, busy, limit)

@@ -88,6 +88,9 @@ type Aggregator struct {
 	freshSince time.Time // a stale view first looked fresh again
 	// recovering: until when node drift is held back after a stale view.
 	recovering time.Time
+	// stormSince: since when most nodes drift at once (MassDivergence),
+	// paged once for the fleet (zero: no storm).
+	stormSince time.Time
 }
 
 // node is one node's stream: the copy of its rules and what was last

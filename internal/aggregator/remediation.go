@@ -40,6 +40,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		}
 		byNode[f.Node] = append(byNode[f.Node], f)
 	}
+	a.stormNotice(storm, v)
 	fleet := remediate.Fleet{Storm: storm}
 	notices := map[string]remediate.Notice{}
 	for _, st := range v.Nodes {
@@ -66,7 +67,10 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		fleet.Nodes = append(fleet.Nodes, n)
 		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
 		if r.Policy.Mode != remediate.DryRun {
-			if status, reason, msg, ok := remediate.Condition(st, n.Summary); ok {
+			// In a storm the drift is most likely the aggregator's or the
+			// API's: no node is marked, as node-health controllers (NHC,
+			// draino) may act on the condition across the whole fleet.
+			if status, reason, msg, ok := remediate.Condition(st, n.Summary); ok && !(storm && status == corev1.ConditionTrue) {
 				if err := r.Executor.SetCondition(ctx, node, status, reason, msg); err != nil {
 					a.cfg.Log.Warn("cannot set the node condition", zap.String("node", st.Node), zap.Error(err))
 				}
@@ -80,6 +84,38 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	if err := r.Executor.Execute(ctx, actions, notices); err != nil {
 		a.cfg.Log.Warn("remediation round had failures", zap.Error(err))
 	}
+}
+
+// stormNotice pages once when a mass divergence begins and once when it
+// ends, for the fleet.
+func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
+	a.mu.Lock()
+	was := !a.stormSince.IsZero()
+	since := a.stormSince
+	switch {
+	case storm && !was:
+		a.stormSince = a.cfg.Clock.Now()
+		since = a.stormSince
+	case !storm && was:
+		a.stormSince = time.Time{}
+	}
+	a.mu.Unlock()
+	if storm == was || a.cfg.Remediation.Executor.Notifier == nil {
+		return
+	}
+	n := remediate.Notice{Action: remediate.Action{Kind: remediate.StormOver, Node: remediate.SelfNode,
+		Reason: fmt.Sprintf("the mass divergence that began %s is over; nodes still drifted are handled one by one again", since.UTC().Format(time.RFC3339))}}
+	if storm {
+		detail := ""
+		for _, f := range v.Findings {
+			if f.Kind == audit.MassDivergence {
+				detail = f.Detail
+			}
+		}
+		n = remediate.Notice{Action: remediate.Action{Kind: remediate.Storm, Node: remediate.SelfNode,
+			Reason: "MassDivergence: " + detail + "; suspect the API or the aggregator's view, not the nodes: nothing is repaired and no node is marked until it is over"}, Since: since}
+	}
+	a.cfg.Remediation.Executor.Notifier.Notify(n)
 }
 
 // summary is one line saying what is wrong with a node.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"time"
 
@@ -62,6 +63,10 @@ type Executor struct {
 	// view of the Node has caught up: the next round must not repeat an
 	// action because its copy of the annotations is a moment old.
 	written map[string]writtenIncident
+	// unrecorded holds incidents decided but not written (the Node patch
+	// failed), until a write succeeds: the planner must not decide the
+	// same again every round (a failed record re-paged every second).
+	unrecorded map[string]remediate.Incident
 }
 
 type writtenIncident struct {
@@ -82,6 +87,7 @@ const writtenTTL = 30 * time.Second
 func (e *Executor) init() {
 	if e.dry == nil {
 		e.dry, e.static, e.noPod, e.written = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}, map[string]writtenIncident{}
+		e.unrecorded = map[string]remediate.Incident{}
 	}
 }
 
@@ -93,6 +99,9 @@ func (e *Executor) Incident(n *corev1.Node) remediate.Incident {
 	e.init()
 	if e.Policy.Mode == remediate.DryRun {
 		return e.dry[n.Name]
+	}
+	if u, ok := e.unrecorded[n.Name]; ok {
+		return u
 	}
 	if w, ok := e.written[n.Name]; ok && e.now().Sub(w.at) < writtenTTL {
 		return w.inc
@@ -110,6 +119,7 @@ func (e *Executor) Forget(node string) {
 	delete(e.static, node)
 	delete(e.noPod, node)
 	delete(e.written, node)
+	delete(e.unrecorded, node)
 	e.mu.Unlock()
 	if f, ok := e.Notifier.(Forgetter); ok {
 		f.Forget(node)
@@ -137,6 +147,9 @@ func (e *Executor) Remembered() int {
 		seen[n] = true
 	}
 	for n := range e.written {
+		seen[n] = true
+	}
+	for n := range e.unrecorded {
 		seen[n] = true
 	}
 	return len(seen)
@@ -256,14 +269,26 @@ func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.
 			return Refused, e.annotate(ctx, node, a.Incident, nil)
 		}
 		// Record first: a leader that dies after the delete must not
-		// restart again on taking over.
+		// restart again on taking over. A restart that then does not
+		// happen is taken back (open, without it): the next round tries
+		// again instead of judging, and escalating on, a restart that
+		// never was.
+		undo := a.Incident
+		undo.Stage = remediate.StageOpen
+		undo.Restarts = slices.Clone(a.Incident.Restarts[:max(len(a.Incident.Restarts)-1, 0)])
 		if err := e.annotate(ctx, node, a.Incident, nil); err != nil {
+			e.mu.Lock()
+			e.unrecorded[a.Node] = undo
+			e.mu.Unlock()
+			a.Incident = undo
 			return Failed, err
 		}
 		uid := pod.UID
 		err = e.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 		if err != nil && !apierrors.IsNotFound(err) {
-			return Failed, fmt.Errorf("delete kube-proxy pod %s/%s: %w", pod.Namespace, pod.Name, err)
+			err = fmt.Errorf("delete kube-proxy pod %s/%s: %w", pod.Namespace, pod.Name, err)
+			a.Incident = undo
+			return Failed, errors.Join(err, e.annotate(ctx, node, undo, nil))
 		}
 		a.Reason += fmt.Sprintf(" (deleted pod %s/%s)", pod.Namespace, pod.Name)
 		return Done, nil
@@ -334,10 +359,18 @@ func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc remediat
 		return err
 	}
 	if _, err := e.Client.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		// Remembered, so that the planner does not decide it again each
+		// round; a cordon or uncordon failed with it is retried instead.
+		if spec == nil {
+			e.mu.Lock()
+			e.unrecorded[node.Name] = inc
+			e.mu.Unlock()
+		}
 		return fmt.Errorf("record the incident on the node: %w", err)
 	}
 	e.mu.Lock()
 	e.written[node.Name] = writtenIncident{inc: inc, at: e.now()}
+	delete(e.unrecorded, node.Name)
 	e.mu.Unlock()
 	return nil
 }

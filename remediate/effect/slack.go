@@ -156,7 +156,7 @@ func (s *Slack) deliver(ctx context.Context, n remediate.Notice) error {
 	if dup {
 		return nil
 	}
-	closing := n.Kind == remediate.Resolve || n.Kind == remediate.Uncordon || n.Kind == remediate.ViewFresh
+	closing := n.Kind == remediate.Resolve || n.Kind == remediate.Uncordon || n.Kind == remediate.ViewFresh || n.Kind == remediate.StormOver
 	text, blocks := Render(s.cfg.Cluster, n, open, th.opened)
 	if s.client == nil {
 		return s.retry(ctx, func(ctx context.Context) error {
@@ -193,8 +193,11 @@ func (s *Slack) deliver(ctx context.Context, n remediate.Notice) error {
 	// Mark the opening message resolved, so the channel reads at a glance.
 	return s.retry(ctx, func(ctx context.Context) error {
 		what := "kube-proxy drift on " + safetext.Slack(n.Node)
-		if n.Kind == remediate.ViewFresh {
+		switch n.Kind {
+		case remediate.ViewFresh:
 			what = "proxyaudit could not see the API"
+		case remediate.StormOver:
+			what = "most nodes drifted at once"
 		}
 		_, _, _, err := s.client.UpdateMessageContext(ctx, th.channel, th.ts,
 			slack.MsgOptionText(fmt.Sprintf(":white_check_mark: Resolved: %s (%s)", what, safetext.Slack(s.cfg.Cluster)), false))
@@ -261,6 +264,10 @@ func Render(plainCluster string, n remediate.Notice, inThread bool, opened time.
 		title = ":see_no_evil: proxyaudit cannot see the API: findings are unknown, nothing is repaired"
 	case remediate.ViewFresh:
 		title = ":white_check_mark: proxyaudit sees the API again"
+	case remediate.Storm:
+		title = ":rotating_light: most nodes drifted at once: suspect the API or proxyaudit's view; nothing is repaired"
+	case remediate.StormOver:
+		title = ":white_check_mark: the mass divergence is over"
 	default:
 		title = fmt.Sprintf(":rotating_light: kube-proxy drift on %s", node)
 	}
@@ -268,8 +275,11 @@ func Render(plainCluster string, n remediate.Notice, inThread bool, opened time.
 	var blocks []slack.Block
 	if !inThread {
 		header := fmt.Sprintf("kube-proxy drift on %s (%s)", n.Node, plainCluster)
-		if n.Kind == remediate.ViewStale || n.Kind == remediate.ViewFresh {
+		switch n.Kind {
+		case remediate.ViewStale, remediate.ViewFresh:
 			header = fmt.Sprintf("proxyaudit's view of the API is stale (%s)", plainCluster)
+		case remediate.Storm, remediate.StormOver:
+			header = fmt.Sprintf("kube-proxy drift on most nodes at once (%s)", plainCluster)
 		}
 		blocks = append(blocks, slack.NewHeaderBlock(slack.NewTextBlockObject(slack.PlainTextType, clipText(header, 150), true, false)))
 	}
@@ -291,8 +301,11 @@ func Render(plainCluster string, n remediate.Notice, inThread bool, opened time.
 	var ctxt []string
 	if !n.Since.IsZero() {
 		what := "drifting"
-		if n.Kind == remediate.ViewStale {
+		switch n.Kind {
+		case remediate.ViewStale:
 			what = "stale"
+		case remediate.Storm:
+			what = "most nodes drifting"
 		}
 		ctxt = append(ctxt, what+" since "+n.Since.UTC().Format(time.RFC3339))
 	}
