@@ -105,7 +105,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			done[c] = true
 		}
 		scope := e.fe.Scope
-		want := e.port.Want(scope, obs.Mode)
+		want := e.port.WantFor(&of, scope, obs.Mode)
 		got := map[netip.AddrPort]Endpoint{}
 		for _, ep := range of.Endpoints {
 			got[ep.Addr] = ep

@@ -121,6 +121,11 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 			cl = filter(all, func(c cep) bool { return c.serving && c.terminating })
 		}
 		ep.Endpoints[ScopeCluster] = cl
+		if mode != "" {
+			if without := filter(all, func(c cep) bool { return c.ready }); !slices.Equal(without, cl) {
+				ep.NoTopology = without
+			}
+		}
 	}
 	if usesLocal {
 		loc := filter(all, func(c cep) bool { return c.local && c.ready })
@@ -143,6 +148,33 @@ func (p *ExpectedPort) Want(scope Scope, mode Mode) []netip.AddrPort {
 		return p.Endpoints[ScopeCluster]
 	}
 	return want
+}
+
+// WantFor is Want for the observed frontend of (nil: not there): when
+// hints narrow the cluster scope and of routes to exactly the endpoints
+// without them, that is kube-proxy ignoring hints for want of its zone
+// (topology.go: "node is missing label"), which it does on its own view of
+// its Node; every one of them is a live, ready endpoint, so it is not
+// drift.
+func (p *ExpectedPort) WantFor(of *ObservedFrontend, scope Scope, mode Mode) []netip.AddrPort {
+	want := p.Want(scope, mode)
+	if p.NoTopology == nil || of == nil || !slices.Equal(want, p.Endpoints[ScopeCluster]) {
+		return want
+	}
+	i := 0
+	for _, e := range of.Endpoints {
+		if e.draining() {
+			continue
+		}
+		if i == len(p.NoTopology) || e.Addr != p.NoTopology[i] {
+			return want
+		}
+		i++
+	}
+	if i != len(p.NoTopology) {
+		return want
+	}
+	return p.NoTopology
 }
 
 func filter(all []cep, keep func(cep) bool) []netip.AddrPort {

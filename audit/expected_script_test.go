@@ -29,6 +29,9 @@ import (
 //	    replaces the cluster
 //	expected node=N [zone=Z]
 //	    what node N should have; zone overrides its Node's zone label
+//	diff node=N [zone=Z]
+//	<frontend endpoint…, one line per frontend, e.g. 198.19.0.1:80/TCP 198.18.128.3:80>
+//	    the findings for a node whose rules route so (iptables mode)
 func TestExpectedScripts(t *testing.T) {
 	datadriven.Walk(t, "testdata/expected", func(t *testing.T, path string) {
 		var st *audit.State
@@ -48,6 +51,14 @@ func TestExpectedScripts(t *testing.T) {
 					st.Nodes[node] = info
 				}
 				return expectedText(st, audit.ExpectedFor(st, node))
+			case "diff":
+				node := arg(t, d, "node")
+				if zone, ok := d.Arg("zone"); ok {
+					info := st.Nodes[node]
+					info.Zone = zone.SingleVal(t)
+					st.Nodes[node] = info
+				}
+				return diffText(t, st, node, d.Input)
 			}
 			t.Fatalf("%s: unknown command %q", d.Pos, d.Cmd)
 			return ""
@@ -125,9 +136,52 @@ func expectedText(st *audit.State, exp audit.Expected) string {
 			}
 			fmt.Fprintf(&b, "  %s endpoints: %s\n", scope, list)
 		}
+		if p.NoTopology != nil {
+			s := make([]string, len(p.NoTopology))
+			for i, e := range p.NoTopology {
+				s[i] = e.String()
+			}
+			fmt.Fprintf(&b, "  without hints (accepted too): %s\n", strings.Join(s, " "))
+		}
 	}
 	if b.Len() == 0 {
 		return "nothing\n"
+	}
+	return b.String()
+}
+
+// diffText is the findings for node with the given frontends, one line
+// per finding, or "in sync".
+func diffText(t *testing.T, st *audit.State, node, in string) string {
+	t.Helper()
+	obs := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}}
+	for _, line := range strings.Split(strings.TrimSpace(in), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		addr, proto, _ := strings.Cut(f[0], "/")
+		ap, err := netip.ParseAddrPort(addr)
+		if err != nil {
+			t.Fatalf("frontend %q: %v", f[0], err)
+		}
+		of := audit.ObservedFrontend{FrontendKey: audit.FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port()}, Scope: audit.ScopeCluster, Chain: "KUBE-SVC-TEST"}
+		for _, e := range f[1:] {
+			ep, err := netip.ParseAddrPort(e)
+			if err != nil {
+				t.Fatalf("endpoint %q: %v", e, err)
+			}
+			of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: ep, Weight: -1})
+		}
+		obs.Frontends = append(obs.Frontends, of)
+	}
+	fs := audit.Diff(audit.ExpectedFor(st, node), obs)
+	if len(fs) == 0 {
+		return "in sync\n"
+	}
+	var b strings.Builder
+	for _, f := range fs {
+		fmt.Fprintf(&b, "%s %s %s\n", f.Kind, f.Service, f.Endpoint)
 	}
 	return b.String()
 }

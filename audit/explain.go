@@ -63,9 +63,9 @@ func Explain(exp Expected, obs *Observed, service string) []PortTrace {
 		}
 		pt := PortTrace{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol}
 		for _, fe := range p.Frontends {
-			want := p.Want(fe.Scope, obs.Mode)
-			ft := FrontendTrace{Frontend: fe.FrontendKey.String(), Kind: fe.Kind, Scope: fe.Scope, Status: TraceOK}
 			of := byKey[fe.FrontendKey]
+			want := p.WantFor(of, fe.Scope, obs.Mode)
+			ft := FrontendTrace{Frontend: fe.FrontendKey.String(), Kind: fe.Kind, Scope: fe.Scope, Status: TraceOK}
 			if of == nil {
 				ft.Status = TraceMissing
 			} else {

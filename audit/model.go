@@ -185,6 +185,12 @@ type ExpectedPort struct {
 	Frontends []ExpectedFrontend
 	// Endpoints per scope, sorted. A scope the port does not use is absent.
 	Endpoints map[Scope][]netip.AddrPort
+	// NoTopology is the cluster scope's endpoints when topology hints are
+	// ignored, set only where hints narrow them. kube-proxy ignores hints
+	// whenever it does not know its node's zone (its own view of its Node
+	// can lack the label the cluster has), and then routes to every ready
+	// endpoint: live pods, not drift (see Observed).
+	NoTopology []netip.AddrPort
 	// Affinity is ClientIP session affinity.
 	Affinity bool
 }
