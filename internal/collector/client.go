@@ -429,6 +429,13 @@ const maxComeBack = time.Minute
 // unseen.
 const DefaultFullReadInterval = 5 * time.Minute
 
+// exactBackstop stretches the backstop where the signal is exact (the
+// nf_tables generation: nothing to miss): with the default
+// FullReadInterval, one read an hour, as kube-proxy's own full resync. At
+// the anchors one nftables read costs ~0.5 s of CPU: every 5 minutes that
+// was most of a quiet node's cost.
+const exactBackstop = 12
+
 // minReadGap is the least time between the starts of two reads that the
 // aggregator's read-now requests or announced changes can cause.
 const minReadGap = time.Second
@@ -452,7 +459,11 @@ func (c *client) due(orElse stream.ReadReason) stream.ReadReason {
 	if c.cached == nil || c.signal == nil {
 		return orElse
 	}
-	if c.cfg.Clock.Since(c.readAt) >= c.cfg.FullReadInterval {
+	backstop := c.cfg.FullReadInterval
+	if c.signal.Exact() {
+		backstop *= exactBackstop
+	}
+	if c.cfg.Clock.Since(c.readAt) >= backstop {
 		return stream.ReadBackstop
 	}
 	tok, err := c.signal.Token()

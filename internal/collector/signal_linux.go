@@ -110,6 +110,9 @@ func (s *nftSignal) Events() <-chan struct{} {
 
 func (s *nftSignal) Lost() uint64 { return s.lost.Load() }
 
+// Exact: every commit to any table of the namespace bumps the generation.
+func (s *nftSignal) Exact() bool { return true }
+
 func (s *nftSignal) fire() {
 	select {
 	case s.events <- struct{}{}:
@@ -240,6 +243,9 @@ func (s *legacySignal) Token() (uint64, error) {
 func (s *legacySignal) Events() <-chan struct{} { return s.events }
 
 func (s *legacySignal) Lost() uint64 { return 0 }
+
+// Exact: a rewrite that keeps the table's size keeps the token.
+func (s *legacySignal) Exact() bool { return false }
 
 func (s *legacySignal) Close() {
 	close(s.done)

@@ -80,6 +80,10 @@ type ChangeSignal interface {
 	Events() <-chan struct{}
 	// Lost counts announcements the kernel dropped (a full socket buffer).
 	Lost() uint64
+	// Exact says an unchanged token proves the rules unchanged (the
+	// nf_tables generation); the backstop read is then only a guard
+	// against the unforeseen, every exactBackstop × FullReadInterval.
+	Exact() bool
 	Close()
 }
 
