@@ -239,6 +239,20 @@ func (o *options) slack(metrics *aggregator.Metrics, log *zap.Logger) (*effect.S
 	return effect.NewSlack(cfg)
 }
 
+// httpTimeouts bound what one HTTP client can hold: the headers, the
+// whole request, the response (the largest, /api/v1/findings of a 5,000-node
+// fleet, is a few MB) and an idle keep-alive connection. Without them a
+// client that sends slowly or never reads keeps a goroutine and its
+// buffers for good.
+var httpTimeouts = struct{ header, read, write, idle time.Duration }{10 * time.Second, 30 * time.Second, 2 * time.Minute, 2 * time.Minute}
+
+// apiServer is the HTTP server of the API, /metrics and the probes.
+func apiServer(h http.Handler) *http.Server {
+	t := httpTimeouts
+	return &http.Server{Handler: h, ReadHeaderTimeout: t.header, ReadTimeout: t.read, WriteTimeout: t.write, IdleTimeout: t.idle,
+		MaxHeaderBytes: 64 << 10}
+}
+
 // serve runs the replica until SIGINT or SIGTERM and returns the exit code.
 func (s *server) serve(log *zap.Logger) int {
 	o := s.o
@@ -263,7 +277,7 @@ func (s *server) serve(log *zap.Logger) int {
 	if s.notifier != nil {
 		go s.notifier.Run(ctx)
 	}
-	srv := &http.Server{Handler: s.agg.Handler(o.httpPort), ReadHeaderTimeout: 10 * time.Second}
+	srv := apiServer(s.agg.Handler(o.httpPort))
 	go srv.Serve(s.http)
 	streamErr := make(chan error, 1)
 	go func() { streamErr <- s.agg.Serve(ctx, s.streams) }()

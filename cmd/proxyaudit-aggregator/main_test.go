@@ -2,8 +2,12 @@ package main
 
 import (
 	"bytes"
+	"io"
+	"net"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestFlagsAndHelp(t *testing.T) {
@@ -29,5 +33,48 @@ func TestFlagsAndHelp(t *testing.T) {
 		if code := run(tc.args, &errb); code != 2 || !strings.Contains(errb.String(), tc.says) {
 			t.Errorf("%s: exit %d: %q", name, code, errb.String())
 		}
+	}
+}
+
+// A client that sends its request slowly, or opens a connection and goes
+// quiet, is cut off: before, only the headers had a deadline.
+func TestAPIServerCutsSlowAndIdleClients(t *testing.T) {
+	saved := httpTimeouts
+	defer func() { httpTimeouts = saved }()
+	httpTimeouts.header, httpTimeouts.read, httpTimeouts.write, httpTimeouts.idle = 300*time.Millisecond, 300*time.Millisecond, 300*time.Millisecond, 300*time.Millisecond
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := apiServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Write([]byte("ok"))
+	}))
+	go srv.Serve(ln)
+	defer srv.Close()
+	closedWithin := func(c net.Conn, d time.Duration) bool {
+		c.SetReadDeadline(time.Now().Add(d))
+		_, err := io.Copy(io.Discard, c)
+		return err == nil // EOF: the server closed it
+	}
+	// A body promised and never finished.
+	slow, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Close()
+	io.WriteString(slow, "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 1000\r\n\r\nonly a little")
+	if !closedWithin(slow, 5*time.Second) {
+		t.Error("a request body that never ends keeps its connection")
+	}
+	// A keep-alive connection after its request, then silence.
+	idle, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	io.WriteString(idle, "GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+	if !closedWithin(idle, 5*time.Second) {
+		t.Error("an idle keep-alive connection is kept")
 	}
 }
