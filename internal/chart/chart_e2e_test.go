@@ -451,7 +451,7 @@ func TestE2EChartRBAC(t *testing.T) {
 
 	apply("remediation.mode=restart-and-cordon")
 	verify(ctx, t, "aggregator (restart-and-cordon)", append(reads, remediation...), never)
-	t.Run("admission policy holds remediation to kube-proxy pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg) })
+	t.Run("admission policy holds remediation to kube-proxy pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg, ns) })
 }
 
 // RBAC lets the remediating aggregator delete any pod in kube-system and
@@ -459,11 +459,17 @@ func TestE2EChartRBAC(t *testing.T) {
 // that to kube-proxy pods, proxyaudit.io/ annotations, the cordon and the
 // KubeProxyRulesStale condition. Every request is a server-side dry run
 // against real objects, so admission runs and nothing changes.
-func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster, agg kubernetes.Interface) {
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "pa-admission", Labels: map[string]string{"zone": "a"},
-		Annotations: map[string]string{"team": "net"}}}
-	if _, err := c.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
+func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster, agg kubernetes.Interface, ns string) {
+	for _, node := range []*corev1.Node{
+		{ObjectMeta: metav1.ObjectMeta{Name: "pa-admission", Labels: map[string]string{"zone": "a"}, Annotations: map[string]string{"team": "net"}}},
+		// Cordoned by an admin, and by proxyaudit (its record on the node).
+		{ObjectMeta: metav1.ObjectMeta{Name: "pa-admission-admin"}, Spec: corev1.NodeSpec{Unschedulable: true}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "pa-admission-ours", Annotations: map[string]string{"proxyaudit.io/cordoned-at": "2026-11-23T10:00:00Z"}},
+			Spec: corev1.NodeSpec{Unschedulable: true}},
+	} {
+		if _, err := c.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
 	}
 	// No controller manager here makes the namespace's default account.
 	if _, err := c.Client.CoreV1().ServiceAccounts("kube-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
@@ -477,13 +483,26 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 			t.Fatal(err)
 		}
 	}
-	patch := func(sub, body string) func(context.Context) error {
+	patchNode := func(node, sub, body string) func(context.Context) error {
 		return func(ctx context.Context) error {
 			var subs []string
 			if sub != "" {
 				subs = []string{sub}
 			}
-			_, err := agg.CoreV1().Nodes().Patch(ctx, "pa-admission", types.MergePatchType, []byte(body), metav1.PatchOptions{DryRun: dryRun}, subs...)
+			_, err := agg.CoreV1().Nodes().Patch(ctx, node, types.MergePatchType, []byte(body), metav1.PatchOptions{DryRun: dryRun}, subs...)
+			return err
+		}
+	}
+	patch := func(sub, body string) func(context.Context) error { return patchNode("pa-admission", sub, body) }
+	barrierSvc := func(body string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			_, err := agg.CoreV1().Services(ns).Patch(ctx, "proxyaudit-barrier", types.MergePatchType, []byte(body), metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}
+	}
+	barrierSlice := func(body string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			_, err := agg.DiscoveryV1().EndpointSlices(ns).Patch(ctx, "proxyaudit-barrier", types.MergePatchType, []byte(body), metav1.PatchOptions{DryRun: dryRun})
 			return err
 		}
 	}
@@ -500,6 +519,19 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 		{"write another annotation", patch("", `{"metadata":{"annotations":{"team":"other"}}}`)},
 		{"remove another annotation", patch("", `{"metadata":{"annotations":{"team":null}}}`)},
 		{"set the Ready condition", patch("status", `{"status":{"conditions":[{"type":"Ready","status":"False","reason":"x"}]}}`)},
+		// The garbage collector would delete the Node (and so its pods).
+		{"give a node an owner", patch("", `{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"Namespace","name":"kube-system","uid":"6f1a5c1e-0000-4000-8000-000000000001"}]}}`)},
+		{"add a finalizer to a node", patch("", `{"metadata":{"finalizers":["example.com/hold"]}}`)},
+		{"label a node through its status", patch("status", `{"metadata":{"labels":{"zone":"b"}}}`)},
+		{"annotate a node through its status", patch("status", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)},
+		{"rewrite a node's addresses", patch("status", `{"status":{"addresses":[{"type":"InternalIP","address":"198.18.9.9"}]}}`)},
+		{"rewrite a node's capacity", patch("status", `{"status":{"capacity":{"pods":"1"}}}`)},
+		{"uncordon a node an admin cordoned", patchNode("pa-admission-admin", "", `{"spec":{"unschedulable":null}}`)},
+		// CVE-2020-8554: a Service that intercepts traffic to addresses it names.
+		{"give the barrier Service external IPs", barrierSvc(`{"spec":{"externalIPs":["198.18.0.9"]}}`)},
+		{"make the barrier Service an ExternalName", barrierSvc(`{"spec":{"type":"ExternalName","externalName":"evil.example","clusterIP":null}}`)},
+		{"relabel the barrier Service", barrierSvc(`{"metadata":{"labels":{"service.kubernetes.io/service-proxy-name":null}}}`)},
+		{"add an endpoint to the barrier slice", barrierSlice(`{"endpoints":[{"addresses":["198.18.0.9"]}]}`)},
 	}
 	// The policy takes effect once the API server has loaded it.
 	deadline := time.Now().Add(30 * time.Second)
@@ -511,6 +543,9 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 		{"record an incident annotation", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"restarted"}}}`)},
 		{"cordon", patch("", `{"spec":{"unschedulable":true}}`)},
 		{"set KubeProxyRulesStale", patch("status", `{"status":{"conditions":[{"type":"KubeProxyRulesStale","status":"True","reason":"Drifted"}]}}`)},
+		{"uncordon a node it cordoned", patchNode("pa-admission-ours", "", `{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":null}},"spec":{"unschedulable":null}}`)},
+		{"stamp the barrier Service", barrierSvc(`{"metadata":{"labels":{"proxyaudit.io/barrier-at":"2","proxyaudit.io/barrier-by":"x","proxyaudit.io/barrier-sig":"y"}}}`)},
+		{"stamp the barrier slice", barrierSlice(`{"metadata":{"labels":{"proxyaudit.io/barrier-at":"2"}}}`)},
 	}
 	for _, ch := range allowed {
 		if err := ch.do(ctx); err != nil {
