@@ -48,12 +48,21 @@ type Policy struct {
 	// Recheck is how long after a restart the node is re-audited: still
 	// drifted then means the restart did not help.
 	Recheck time.Duration
+	// BreakerShare and BreakerWindow: once more than BreakerShare of the
+	// fleet (at least one node) had kube-proxy restarted within
+	// BreakerWindow, no further node is restarted until the window moves
+	// on (NodeHealthCheck's maxUnhealthy, over time): a cause that makes
+	// node after node drift — a bad kube-proxy rollout, a false alarm in
+	// proxyaudit — is likelier than that many broken kube-proxies, and
+	// MassDivergence only sees the ones drifting at once.
+	BreakerShare  float64
+	BreakerWindow time.Duration
 }
 
 // DefaultPolicy is dry-run with conservative limits.
 func DefaultPolicy() Policy {
 	return Policy{Mode: DryRun, MaxConcurrent: 1, MaxShare: 0.1, Cooldown: 10 * time.Minute,
-		RestartBudget: 3, BudgetWindow: 24 * time.Hour, Recheck: 2 * time.Minute}
+		RestartBudget: 3, BudgetWindow: 24 * time.Hour, Recheck: 2 * time.Minute, BreakerShare: 0.1, BreakerWindow: time.Hour}
 }
 
 // Stage is where a node's incident is on the ladder.
@@ -157,10 +166,29 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
 	limit := min(p.MaxConcurrent, int(math.Floor(p.MaxShare*float64(len(nodes)))))
 	busy := 0 // nodes in remediation: restarted and waiting, or cordoned by us
+	// Nodes restarted within the breaker's window, this round's included.
+	restarted, breaker := 0, max(1, int(math.Ceil(p.BreakerShare*float64(len(nodes)))))
 	for _, n := range nodes {
 		if n.Incident.Stage == StageRestarted || !n.Incident.Cordoned.IsZero() {
 			busy++
 		}
+		if p.BreakerWindow > 0 && len(recent(n.Incident.Restarts, now, p.BreakerWindow)) > 0 {
+			restarted++
+		}
+	}
+	// fresh is 1 for a node the breaker does not count yet.
+	fresh := func(n Node) int {
+		if p.BreakerWindow > 0 && len(recent(n.Incident.Restarts, now, p.BreakerWindow)) == 0 {
+			return 1
+		}
+		return 0
+	}
+	tripped := func(n Node) string {
+		if fresh(n) == 0 || restarted < breaker {
+			return ""
+		}
+		return fmt.Sprintf("remediation breaker open: %d node(s) had kube-proxy restarted in the last %s (limit %d: --remediation-breaker-share %g of the fleet); a cause common to them (a kube-proxy rollout, the API, proxyaudit itself) is likelier than that many broken kube-proxies",
+			restarted, p.BreakerWindow, breaker, p.BreakerShare)
 	}
 	dry := p.Mode == DryRun
 	var out []Action
@@ -188,6 +216,9 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		case inc.Stage == "":
 			inc.Stage, inc.Opened = StageOpen, now
 			why := blocked(n, p, inc, now, busy, limit)
+			if why == "" {
+				why = tripped(n)
+			}
 			if why != "" {
 				act(Page, n.Summary+"; not repaired: "+why, inc)
 				continue
@@ -195,6 +226,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			inc.Stage = StageRestarted
 			inc.Restarts = append(inc.Restarts, now)
 			busy++
+			restarted += fresh(n)
 			act(RestartProxy, n.Summary+"; restarting kube-proxy on the node", inc)
 		case inc.Stage == StageRestarted && now.Sub(last(inc.Restarts)) < p.Recheck:
 			// Give the new kube-proxy time to sync before re-auditing.
@@ -204,10 +236,15 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if inc.Stage == StageRestarted {
 				busy-- // its restart has been judged
 			}
-			if why := blocked(n, p, inc, now, busy, limit); why == "" {
+			why := blocked(n, p, inc, now, busy, limit)
+			if why == "" {
+				why = tripped(n)
+			}
+			if why == "" {
 				inc.Stage = StageRestarted
 				inc.Restarts = append(inc.Restarts, now)
 				busy++
+				restarted += fresh(n)
 				act(RestartProxy, n.Summary+fmt.Sprintf("; still drifted, restarting kube-proxy again (%d of %d in %s)", len(inc.Restarts), p.RestartBudget, p.BudgetWindow), inc)
 				continue
 			} else if inc.Stage == StageOpen {

@@ -11,7 +11,7 @@ var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
 
 func policy(mode Mode) Policy {
 	p := DefaultPolicy()
-	p.Mode, p.MaxConcurrent, p.MaxShare = mode, 2, 0.5
+	p.Mode, p.MaxConcurrent, p.MaxShare, p.BreakerShare = mode, 2, 0.5, 1
 	return p
 }
 
@@ -109,6 +109,15 @@ func TestPlan(t *testing.T) {
 				n.Incident.Restarts = []time.Time{ago(30 * time.Hour), ago(28 * time.Hour), ago(26 * time.Hour)}
 				return n
 			}())}, "d:RestartProxy", ""},
+		{"breaker: once a share of the fleet was restarted within the window, no new node is", func() Policy { p := policy(Restart); p.BreakerShare = 0.1; return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g", "h"), Node{Name: "i", Healthy: true, Incident: Incident{Restarts: []time.Time{ago(30 * time.Minute)}}},
+				drifted("j"))}, "j:Page", "breaker open: 1 node(s)"},
+		{"breaker: restarts before the window do not count", func() Policy { p := policy(Restart); p.BreakerShare = 0.1; return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g", "h"), Node{Name: "i", Healthy: true, Incident: Incident{Restarts: []time.Time{ago(2 * time.Hour)}}},
+				drifted("j"))}, "j:RestartProxy", ""},
+		{"breaker: this round's restarts count", func() Policy { p := policy(Restart); p.BreakerShare, p.MaxConcurrent = 0.1, 5; return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"), drifted("r"), drifted("s"), drifted("t"))},
+			"r:RestartProxy s:RestartProxy t:Page", "breaker open: 2 node(s)"},
 		{"storm guard: page only", policy(RestartAndCordon),
 			Fleet{Storm: true, Nodes: append(healthy("a"), drifted("b"), drifted("c"), drifted("d"))}, "", ""},
 		{"exempt by label", policy(Restart),
@@ -142,8 +151,8 @@ func TestPlan(t *testing.T) {
 			if d := describe(got); d != tc.want {
 				t.Fatalf("got %q, want %q\n%s", d, tc.want, reasons(got))
 			}
-			if tc.says != "" && !strings.Contains(got[0].Reason, tc.says) {
-				t.Errorf("reason %q does not say %q", got[0].Reason, tc.says)
+			if last := len(got) - 1; tc.says != "" && !strings.Contains(got[0].Reason, tc.says) && !strings.Contains(got[last].Reason, tc.says) {
+				t.Errorf("reasons %q do not say %q", reasons(got), tc.says)
 			}
 		})
 	}

@@ -101,6 +101,8 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.remediation.Cooldown, "remediation-cooldown", o.remediation.Cooldown, "least time between two restarts of one node's kube-proxy; doubles with each further restart in the budget window")
 	fs.IntVar(&o.remediation.RestartBudget, "remediation-restart-budget", o.remediation.RestartBudget, "kube-proxy restarts per node within --remediation-budget-window")
 	fs.DurationVar(&o.remediation.BudgetWindow, "remediation-budget-window", o.remediation.BudgetWindow, "window of the per-node restart budget")
+	fs.Float64Var(&o.remediation.BreakerShare, "remediation-breaker-share", o.remediation.BreakerShare, "once more than this share of the fleet (at least one node) had kube-proxy restarted within --remediation-breaker-window, restart no further node until the window moves on: a common cause is likelier")
+	fs.DurationVar(&o.remediation.BreakerWindow, "remediation-breaker-window", o.remediation.BreakerWindow, "window of the remediation breaker (0: no breaker)")
 	fs.DurationVar(&o.remediation.Recheck, "remediation-recheck", o.remediation.Recheck, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
 	fs.StringVar(&o.exemptLabel, "remediation-exempt-label", o.exemptLabel, "nodes with this label key are never restarted or cordoned, only paged")
 	fs.StringVar(&o.proxyNamespace, "kube-proxy-namespace", o.proxyNamespace, "namespace of the kube-proxy pods")
@@ -139,6 +141,9 @@ func (o *options) validate() error {
 	r := o.remediation
 	if r.MaxShare < 0 || r.MaxShare > 1 || r.MaxConcurrent < 0 || r.RestartBudget < 0 {
 		return errors.New("--remediation-max-share must be in [0, 1], --remediation-max-nodes and --remediation-restart-budget at least 0")
+	}
+	if r.BreakerShare < 0 || r.BreakerShare > 1 || r.BreakerWindow < 0 {
+		return fmt.Errorf("--remediation-breaker-share %g must be in [0, 1] and --remediation-breaker-window %s at least 0", r.BreakerShare, r.BreakerWindow)
 	}
 	if o.reviewQPS <= 0 || o.reviewBurst < 1 || o.readerReviewQPS <= 0 {
 		return errors.New("--token-review-qps and --reader-review-qps must be positive, --token-review-burst at least 1")
