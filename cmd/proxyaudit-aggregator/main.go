@@ -22,6 +22,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 
 	"go.uber.org/zap"
@@ -31,6 +32,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
@@ -144,12 +146,21 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	if err != nil {
 		return nil, fmt.Errorf("--stream-listen: %v", err)
 	}
+	var pair *tlsfile.KeyPair
 	if o.certFile != "" {
-		cert, err := tls.LoadX509KeyPair(o.certFile, o.keyFile)
-		if err != nil {
+		// Re-read when the files change (cert-manager renewing the Secret):
+		// the next handshake uses the new pair, no restart.
+		if pair, err = tlsfile.LoadKeyPair(o.certFile, o.keyFile); err != nil {
 			return nil, fmt.Errorf("--tls-cert-file/--tls-key-file: %v", err)
 		}
-		ln = tls.NewListener(ln, &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})
+		pair.Reloaded = func(notAfter time.Time, err error) {
+			if err != nil {
+				log.Error("the TLS certificate files changed but do not load: still serving the previous pair", zap.Error(err))
+				return
+			}
+			log.Info("TLS certificate reloaded", zap.Time("not_after", notAfter))
+		}
+		ln = tls.NewListener(ln, &tls.Config{GetCertificate: pair.GetCertificate, MinVersion: tls.VersionTLS12})
 	} else {
 		log.Warn("collector streams are not encrypted (no --tls-cert-file): use only for local experiments")
 	}
@@ -168,6 +179,11 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 		log.Warn("--insecure-no-auth: collector streams are not authenticated; any client can report for any node")
 	}
 	metrics := aggregator.NewMetrics()
+	if pair != nil {
+		metrics.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "proxyaudit_tls_certificate_expiry_timestamp_seconds",
+			Help: "When the stream listener's TLS certificate expires (Unix seconds); it is re-read when its files change."},
+			func() float64 { return float64(pair.NotAfter().Unix()) }))
+	}
 	// Superseded versions stay matchable for four graces: a node lagging
 	// less than that is lagging, not divergent. With leader election, the
 	// Lease renewals (every retry period) are the canary that proves this

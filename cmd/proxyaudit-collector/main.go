@@ -6,7 +6,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -25,6 +24,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 	"github.com/sirupsen/logrus"
 )
 
@@ -123,13 +123,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 		cfg.Reader = host.Reader(src)
 	}
 	if *caFile != "" {
-		pem, err := os.ReadFile(*caFile)
+		pool, err := tlsfile.LoadCA(*caFile)
 		if err != nil {
 			return fail("--ca-file: %v", err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return fail("--ca-file %s: no PEM certificates in it", *caFile)
 		}
 		name := *serverName
 		if name == "" {
@@ -139,6 +135,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return fail("--ca-file: --aggregator names replicas by IP; set --tls-server-name to the name in the aggregator's certificate")
 		}
 		cfg.TLS = &tls.Config{RootCAs: pool, ServerName: name, MinVersion: tls.VersionTLS12}
+		cfg.CAFile = *caFile // re-read at each connection
 	}
 	log, err := zap.NewProduction()
 	if err != nil {

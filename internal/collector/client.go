@@ -17,6 +17,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 )
 
 // Config is what a collector needs to run.
@@ -37,7 +38,11 @@ type Config struct {
 	// connection (the kubelet rotates it).
 	TokenFile string
 	// TLS, when set, wraps the stream.
-	TLS             *tls.Config
+	TLS *tls.Config
+	// CAFile, when set, is re-read at every connection for TLS.RootCAs:
+	// a rotated CA (the Secret's mounted file) is trusted without a
+	// restart. A file that no longer loads keeps the last good pool.
+	CAFile          string
 	MaxMessageBytes int
 	Version         string
 	Log             *zap.Logger
@@ -202,6 +207,14 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 	for _, a := range addrs {
 		d := net.Dialer{Timeout: 5 * time.Second}
 		if c.cfg.TLS != nil {
+			if c.cfg.CAFile != "" {
+				if pool, err := tlsfile.LoadCA(c.cfg.CAFile); err == nil {
+					c.cfg.TLS = c.cfg.TLS.Clone()
+					c.cfg.TLS.RootCAs = pool
+				} else {
+					c.cfg.Log.Warn("cannot re-read the CA bundle: verifying with the one read before", zap.Error(err))
+				}
+			}
 			conn, err = (&tls.Dialer{NetDialer: &d, Config: c.cfg.TLS}).DialContext(ctx, "tcp", a)
 		} else {
 			conn, err = d.DialContext(ctx, "tcp", a)
