@@ -117,4 +117,3 @@ func TestLoadCA(t *testing.T) {
 		t.Error("a key file read as a CA bundle")
 	}
 }
-
