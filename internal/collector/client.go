@@ -157,6 +157,12 @@ type client struct {
 	// sync time as of the last read.
 	kp           *stream.KubeProxy
 	kpSyncAtRead float64
+	// scraped delivers a heartbeat's scrape, run off the stream's loop: a
+	// frozen kube-proxy holds a scrape for its whole timeout (3 s), and
+	// that must not delay the heartbeat (an IPVS node at a 2 s interval
+	// looked CollectorMissing while its kube-proxy was frozen).
+	scraped  chan *stream.KubeProxy
+	scraping bool
 
 	cost struct {
 		Reads                       map[stream.ReadReason]uint64
@@ -379,11 +385,20 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 			}
 		case <-soon:
 			r = readOrWait(pending)
+		case kp := <-c.scraped:
+			c.kp, c.scraping = kp, false
+			// On the legacy backend kube-proxy's sync time is part of the
+			// change signal: a pod swap keeps the table's size.
+			if c.legacy {
+				if why := c.due(""); why != "" {
+					r = readOrWait(why)
+				}
+			}
 		case <-tick.C():
 			// The heartbeat: a read when something changed or the backstop
 			// is due, else a report of the last read (a steady node sends
-			// its root digest).
-			c.scrape(ctx)
+			// its root digest). kube-proxy's metrics arrive on their own.
+			c.scrapeAsync(ctx)
 			// The kubelet rotates the projected token long before it
 			// expires; the stream lives on with the new one.
 			if fresh, err := c.credentials(); err != nil {
@@ -508,6 +523,19 @@ func (c *client) scrape(ctx context.Context) {
 	if c.cfg.KubeProxyMetrics != "" {
 		c.kp = ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
 	}
+}
+
+// scrapeAsync starts a scrape whose result arrives on c.scraped, unless
+// one is still running (a frozen kube-proxy: one scrape at a time).
+func (c *client) scrapeAsync(ctx context.Context) {
+	if c.cfg.KubeProxyMetrics == "" || c.scraping {
+		return
+	}
+	if c.scraped == nil {
+		c.scraped = make(chan *stream.KubeProxy, 1)
+	}
+	c.scraping = true
+	go func() { c.scraped <- ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics) }()
 }
 
 // report builds the next report against what was sent: of a new read when

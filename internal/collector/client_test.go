@@ -3,6 +3,8 @@ package collector_test
 import (
 	"context"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -139,5 +141,57 @@ func TestClientReadNow(t *testing.T) {
 	}
 	if n := reads.Reads(); n != 2 {
 		t.Errorf("%d reads, want 2", n)
+	}
+}
+
+// A frozen kube-proxy holds a metrics scrape for its whole timeout; the
+// heartbeats go on at the interval all the same. Before, each heartbeat
+// waited for the scrape, and an IPVS node with a 2 s interval looked
+// CollectorMissing while its kube-proxy was frozen.
+func TestFrozenKubeProxyDoesNotDelayHeartbeats(t *testing.T) {
+	frozen := make(chan struct{})
+	defer close(frozen)
+	metrics := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select { // SIGSTOPped: accepts, never answers
+		case <-frozen:
+		case <-r.Context().Done():
+		}
+	}))
+	defer metrics.Close()
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) { return synthRules(t, 2), nil }}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// Without a change signal every heartbeat reads, and reads keep
+	// MinReadGap apart: an interval above it.
+	const interval = collector.MinReadGap + 100*time.Millisecond
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: interval, Reader: reads, KubeProxyMetrics: metrics.URL})
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
+		t.Fatalf("hello: %+v %v", m, err)
+	}
+	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
+	var at []time.Time
+	for len(at) < 7 {
+		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		m, _, err := stream.Read(conn, 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Type == stream.TypeReport {
+			at = append(at, time.Now())
+		}
+	}
+	// The first report waits for one scrape (the first read's); the
+	// heartbeats after it follow the interval, not the 3 s timeout.
+	for i := 2; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap > interval+time.Second {
+			t.Errorf("report %d came %s after the one before (interval %s): the heartbeat waited for the frozen kube-proxy", i, gap.Round(time.Millisecond), interval)
+		}
 	}
 }

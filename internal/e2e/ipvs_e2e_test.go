@@ -235,19 +235,12 @@ func TestE2EIPVS(t *testing.T) {
 	t.Logf("injected: kube-proxy frozen, 198.18.128.77 removed from two-slices, its real server set to weight 0 (limit %s)", weightZero)
 	for time.Since(zeroed) < weightZero-3*time.Second {
 		fs, _, err := agg.get()
-		// The emulated VM can stall for seconds when the host is busy (CI
-		// runs packages side by side): a late report is the truth about
-		// the collector, not a verdict on the draining server.
-		var early []audit.TimedFinding
-		for _, f := range fs {
-			if f.Node == vmName && f.Kind == audit.CollectorMissing {
-				t.Logf("the VM's reports stalled (%s after the weight was zeroed): %s", time.Since(zeroed).Round(time.Second), f.Detail)
-				continue
-			}
-			early = append(early, f)
-		}
-		if err == nil && len(early) > 0 {
-			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(early))
+		// A frozen kube-proxy must not slow the collector's heartbeats
+		// either: its metrics scrape hangs, the reports go on
+		// (TestFrozenKubeProxyDoesNotDelayHeartbeats); before, this node
+		// looked CollectorMissing here.
+		if err == nil && len(fs) > 0 {
+			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(fs))
 		}
 		time.Sleep(time.Second)
 	}
