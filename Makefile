@@ -89,9 +89,13 @@ chart-lint:
 helm:
 	@deploy/k8s-tools/helm.sh
 
+## lint: gofmt, go vet, staticcheck (pinned, built from its module) and the chart's strict lint
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	$(GO) run $(STATICCHECK) ./...
+	$(MAKE) --no-print-directory chart-lint
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

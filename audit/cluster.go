@@ -129,6 +129,9 @@ func ParseClusterList(data []byte) (*State, error) {
 func FromAPI(services []corev1.Service, slices []discoveryv1.EndpointSlice, nodes []corev1.Node) *State {
 	st := &State{Nodes: map[string]NodeInfo{}}
 	for _, n := range nodes {
+		// Deprecated, and what it is for: kubelets of the known-bad
+		// kube-proxy releases wrote it.
+		//lint:ignore SA1019 the only version record of the known-bad releases
 		st.Nodes[n.Name] = NodeInfo{Zone: n.Labels[corev1.LabelTopologyZone], KubeProxyVersion: n.Status.NodeInfo.KubeProxyVersion, Quiet: QuietOf(&n)}
 	}
 	bySvc := map[[2]string][]Slice{}

@@ -330,7 +330,7 @@ func (r *Release) SecretData(name string) (map[string][]byte, error) {
 	for k, v := range data {
 		b, err := base64.StdEncoding.DecodeString(v)
 		if err != nil {
-			return nil, fmt.Errorf("Secret %s key %s: %w", name, k, err)
+			return nil, fmt.Errorf("secret %s key %s: %w", name, k, err)
 		}
 		out[k] = b
 	}

@@ -434,11 +434,11 @@ func TestReadFrameMemoryFollowsBytesReceived(t *testing.T) {
 	}
 	body := bytes.Repeat([]byte("x"), 3<<20)
 	frame := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
-	got, n, err := ReadFrame(iotest.OneByteReader(bytes.NewReader(frame[:1<<10])), DefaultMaxMessageBytes)
+	got, _, err := ReadFrame(iotest.OneByteReader(bytes.NewReader(frame[:1<<10])), DefaultMaxMessageBytes)
 	if err == nil {
 		t.Fatalf("1 KiB of a 3 MiB frame read as whole: %d bytes", len(got))
 	}
-	got, n, err = ReadFrame(iotest.HalfReader(bytes.NewReader(frame)), DefaultMaxMessageBytes)
+	got, n, err := ReadFrame(iotest.HalfReader(bytes.NewReader(frame)), DefaultMaxMessageBytes)
 	if err != nil || n != len(frame) || !bytes.Equal(got, body) {
 		t.Fatalf("3 MiB frame read in pieces: %d bytes, n=%d, %v", len(got), n, err)
 	}
