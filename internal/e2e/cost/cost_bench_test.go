@@ -1,6 +1,7 @@
 package cost
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -262,20 +263,30 @@ func BenchmarkQuietNodeCollector(b *testing.B) {
 }
 
 // kubeProxyMetrics scrapes a node's kube-proxy from inside its namespace.
+// The socket is made on the thread that entered the namespace (a socket
+// belongs to the namespace it was created in); an http.Client would dial
+// from another goroutine, on a thread in the host's namespace.
 func kubeProxyMetrics(n *localcluster.Node) (map[string]*dto.MetricFamily, error) {
-	var out map[string]*dto.MetricFamily
-	err := localcluster.InNetNS(n.NetNS, func() error {
-		c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-		resp, err := c.Get("http://127.0.0.1:10249/metrics")
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		var p expfmt.TextParser
-		out, err = p.TextToMetricFamilies(resp.Body)
+	var conn net.Conn
+	if err := localcluster.InNetNS(n.NetNS, func() error {
+		var err error
+		conn, err = net.DialTimeout("tcp", "127.0.0.1:10249", 10*time.Second)
 		return err
-	})
-	return out, err
+	}); err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.WriteString(conn, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"); err != nil {
+		return nil, err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var p expfmt.TextParser
+	return p.TextToMetricFamilies(resp.Body)
 }
 
 // histogram is a Prometheus histogram's cumulative buckets and count.
