@@ -152,9 +152,16 @@ func (v *View) stamped(kind string, obj any) {
 	at := time.Unix(0, ns)
 	if err != nil || m.GetNamespace() != b.cfg.Namespace || m.GetName() != BarrierName ||
 		!hmac.Equal([]byte(labels[barrierSig]), []byte(stampSig(b.key, b.by, labels[barrierAt]))) || at.After(now) {
+		// A restarted process sees its predecessor's last stamp once per
+		// kind (same identity, another key): expected, said quietly. A
+		// stream of them is someone writing stamps.
 		b.forged++
-		if b.forged == 1 || b.forged%1000 == 0 {
-			v.log.Warn("refused a forged watch-barrier stamp: only this replica's own signed stamps count",
+		switch {
+		case b.forged == 1:
+			v.log.Info("ignored a watch-barrier stamp this process did not write (an earlier process's, or forged)",
+				zap.String("kind", kind), zap.String("object", m.GetNamespace()+"/"+m.GetName()))
+		case b.forged == 100 || b.forged%1000 == 0:
+			v.log.Warn("refusing watch-barrier stamps this process did not write: someone writes forged stamps; only this replica's own signed stamps count",
 				zap.String("kind", kind), zap.String("object", m.GetNamespace()+"/"+m.GetName()), zap.Int("refused", b.forged))
 		}
 		return
