@@ -44,26 +44,26 @@ func TestExpectedScripts(t *testing.T) {
 				}
 				return ""
 			case "expected":
-				node := arg(t, d, "node")
-				if zone, ok := d.Arg("zone"); ok {
-					info := st.Nodes[node]
-					info.Zone = zone.SingleVal(t)
-					st.Nodes[node] = info
-				}
-				return expectedText(st, audit.ExpectedFor(st, node))
+				return expectedText(st, audit.ExpectedFor(st, nodeArg(t, st, d)))
 			case "diff":
-				node := arg(t, d, "node")
-				if zone, ok := d.Arg("zone"); ok {
-					info := st.Nodes[node]
-					info.Zone = zone.SingleVal(t)
-					st.Nodes[node] = info
-				}
-				return diffText(t, st, node, d.Input)
+				return diffText(t, st, nodeArg(t, st, d), d.Input)
 			}
 			t.Fatalf("%s: unknown command %q", d.Pos, d.Cmd)
 			return ""
 		})
 	})
+}
+
+// nodeArg is the command's node=N, with zone=Z (when given) overriding its
+// Node's zone label in st.
+func nodeArg(t *testing.T, st *audit.State, d *datadriven.TestData) string {
+	node := arg(t, d, "node")
+	if zone, ok := d.Arg("zone"); ok {
+		info := st.Nodes[node]
+		info.Zone = zone.SingleVal(t)
+		st.Nodes[node] = info
+	}
+	return node
 }
 
 // stateFromYAML reduces YAML documents to a State, as the aggregator does

@@ -109,15 +109,8 @@ func TestClientReadNow(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads})
-	conn, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn := welcome(t, ln)
 	defer conn.Close()
-	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
-		t.Fatalf("hello: %+v %v", m, err)
-	}
-	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
 	report := func() time.Time {
 		t.Helper()
 		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
@@ -167,15 +160,8 @@ func TestFrozenKubeProxyDoesNotDelayHeartbeats(t *testing.T) {
 	// MinReadGap apart: an interval above it.
 	const interval = collector.MinReadGap + 100*time.Millisecond
 	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: interval, Reader: reads, KubeProxyMetrics: metrics.URL})
-	conn, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn := welcome(t, ln)
 	defer conn.Close()
-	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
-		t.Fatalf("hello: %+v %v", m, err)
-	}
-	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
 	var at []time.Time
 	for len(at) < 7 {
 		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -194,4 +180,19 @@ func TestFrozenKubeProxyDoesNotDelayHeartbeats(t *testing.T) {
 			t.Errorf("report %d came %s after the one before (interval %s): the heartbeat waited for the frozen kube-proxy", i, gap.Round(time.Millisecond), interval)
 		}
 	}
+}
+
+// welcome accepts the collector's stream, reads its hello and welcomes it.
+func welcome(t *testing.T, ln net.Listener) net.Conn {
+	t.Helper()
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
+		conn.Close()
+		t.Fatalf("hello: %+v %v", m, err)
+	}
+	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
+	return conn
 }
