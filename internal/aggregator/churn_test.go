@@ -29,9 +29,7 @@ func (n *notes) Notify(x remediate.Notice) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.noticed++
-	// A Slack thread closes with a resolve, or for fleet notices (a storm
-	// while nodes come and go) when it is over.
-	n.open[x.Node] = x.Kind != remediate.Resolve && x.Kind != remediate.StormOver && x.Kind != remediate.ViewFresh
+	n.open[x.Node] = x.Kind != remediate.Resolve
 }
 
 func (n *notes) Forget(node string) {
@@ -120,11 +118,6 @@ func TestNodeChurnLeavesNothingBehind(t *testing.T) {
 	}
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
-	for k, open := range rec.open {
-		if !open {
-			delete(rec.open, k) // closed (a fleet storm that came and went is kept by name)
-		}
-	}
 	if rec.forgot != generations*size || len(rec.open) != 0 {
 		t.Errorf("notifier told to forget %d of %d nodes; %d threads left open: %v", rec.forgot, generations*size, len(rec.open), rec.open)
 	}

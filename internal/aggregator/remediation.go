@@ -87,7 +87,8 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 }
 
 // stormNotice pages once when a mass divergence begins and once when it
-// ends, for the fleet.
+// ends, for the fleet, through the notifier that says when the view is
+// stale (freshness.go).
 func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
 	a.mu.Lock()
 	was := !a.stormSince.IsZero()
@@ -100,7 +101,7 @@ func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
 		a.stormSince = time.Time{}
 	}
 	a.mu.Unlock()
-	if storm == was || a.cfg.Remediation.Executor.Notifier == nil {
+	if storm == was || a.cfg.Notifier == nil {
 		return
 	}
 	n := remediate.Notice{Action: remediate.Action{Kind: remediate.StormOver, Node: remediate.SelfNode,
@@ -115,7 +116,7 @@ func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
 		n = remediate.Notice{Action: remediate.Action{Kind: remediate.Storm, Node: remediate.SelfNode,
 			Reason: "MassDivergence: " + detail + "; suspect the API or the aggregator's view, not the nodes: nothing is repaired and no node is marked until it is over"}, Since: since}
 	}
-	a.cfg.Remediation.Executor.Notifier.Notify(n)
+	a.cfg.Notifier.Notify(n) // as the view's staleness is: about the fleet, not a node
 }
 
 // summary is one line saying what is wrong with a node.

@@ -62,6 +62,7 @@ func TestStormIsOnePageAndMarksNoNode(t *testing.T) {
 	p.Mode = remediate.Restart
 	ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy"}
 	h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
+	h.agg.cfg.Notifier = rec // fleet notices
 	ctx := context.Background()
 	var names []string
 	for i := range 7 {
