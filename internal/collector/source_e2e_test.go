@@ -122,15 +122,7 @@ func TestE2EFlushedTableReadsAsNoRules(t *testing.T) {
 }
 
 func TestDetectWithoutKubeProxy(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs root: make test runs it")
-	}
-	if err := localcluster.CanRun(); err != nil {
-		if os.Getenv(localcluster.RequireEnv) == "1" {
-			t.Fatal(err)
-		}
-		t.Skipf("END-TO-END TEST SKIPPED: %v", err)
-	}
+	localcluster.NeedRoot(t, false)
 	ctx := context.Background()
 	ns, err := localcluster.NewScratch(ctx, "collector")
 	if err != nil {
@@ -147,15 +139,7 @@ func TestDetectWithoutKubeProxy(t *testing.T) {
 // from genuine kube-proxy (audit/testdata/capture): each is loaded into a
 // real kernel table and read back over netlink.
 func TestE2ENetlinkReaderAgreesOnFixtures(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs root: make test runs it")
-	}
-	if err := localcluster.CanRun(); err != nil {
-		if os.Getenv(localcluster.RequireEnv) == "1" {
-			t.Fatal(err)
-		}
-		t.Skipf("END-TO-END TEST SKIPPED: %v", err)
-	}
+	localcluster.NeedRoot(t, false)
 	root, err := localcluster.RepoRoot()
 	if err != nil {
 		t.Fatal(err)

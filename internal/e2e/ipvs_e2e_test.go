@@ -42,16 +42,11 @@ const (
 // clock runs ten minutes ahead throughout: a clock-skewed node is judged
 // on time. With -capture the tables become audit/testdata/ipvs.
 func TestE2EIPVS(t *testing.T) {
+	localcluster.NeedRoot(t, true)
 	c := localcluster.Shared(t)
-	if err := localcluster.CanRunVM(); err != nil {
-		if os.Getenv(localcluster.RequireEnv) == "1" {
-			t.Fatalf("the IPVS VM cannot run: %v", err)
-		}
-		t.Skipf("END-TO-END TEST SKIPPED: the IPVS VM cannot run: %v", err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	bin := buildBinaries(t)
+	bin := localcluster.BuildForTest(t)
 	start := time.Now()
 	vm, err := c.AddVMNode(ctx, vmName, "zone-a")
 	if err != nil {
@@ -376,15 +371,6 @@ func findingLines(fs []audit.Finding) string {
 		out = append(out, string(f.Kind)+" "+f.Service+":"+f.Port+" "+f.Endpoint)
 	}
 	return strings.Join(out, "\n")
-}
-
-func buildBinaries(t *testing.T) string {
-	t.Helper()
-	dir := t.TempDir()
-	if err := localcluster.BuildProxyaudit(dir); err != nil {
-		t.Fatal(err)
-	}
-	return dir
 }
 
 // fleet is one aggregator on the host with a collector on every node: the

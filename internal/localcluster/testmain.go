@@ -62,6 +62,41 @@ func Main(m *testing.M, nodes ...NodeSpec) {
 	os.Exit(code)
 }
 
+// NeedRoot skips t when the machine cannot run what cannot (root,
+// iptables, nft; the IPVS VM with vm set), or fails it under
+// PROXYAUDIT_E2E_REQUIRE=1 (CI), where skipping would hide that nothing
+// ran. In -short mode (make unit) it always skips.
+func NeedRoot(t testing.TB, vm bool) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("needs root: make test runs it")
+	}
+	err := CanRun()
+	if err == nil && vm {
+		if err = CanRunVM(); err != nil {
+			err = fmt.Errorf("the IPVS VM cannot run: %w", err)
+		}
+	}
+	if err == nil {
+		return
+	}
+	if os.Getenv(RequireEnv) == "1" {
+		t.Fatal(err)
+	}
+	t.Skipf("END-TO-END TEST SKIPPED: %v", err)
+}
+
+// BuildForTest builds the proxyaudit binaries into a directory of the
+// test's, and returns it.
+func BuildForTest(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := BuildProxyaudit(dir); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
 // Shared returns the package's shared cluster, starting it on first use, or
 // skips the test with the reason the machine cannot run it.
 func Shared(t testing.TB) *Cluster {

@@ -3,7 +3,6 @@ package synth
 import (
 	"bytes"
 	"context"
-	"os"
 	"reflect"
 	"strings"
 	"testing"
@@ -67,15 +66,7 @@ func TestSynthRejectsImpossibleSpecs(t *testing.T) {
 // The generated text is what the real tools print: loaded into a kernel and
 // read back with iptables-save and nft, it audits the same.
 func TestE2ESynthRoundTripsThroughTheKernel(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs root and a kernel with nf_tables; make test runs it")
-	}
-	if err := localcluster.CanRun(); err != nil {
-		if os.Getenv(localcluster.RequireEnv) == "1" {
-			t.Fatal(err)
-		}
-		t.Skipf("END-TO-END TEST SKIPPED: %v", err)
-	}
+	localcluster.NeedRoot(t, false)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	ns, err := localcluster.NewScratch(ctx, "synth")

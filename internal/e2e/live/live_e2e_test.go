@@ -81,15 +81,6 @@ type live struct {
 	reader           string // a reader token for the HTTP API (aggregator.readersOnly)
 }
 
-func buildBinaries(t *testing.T) string {
-	t.Helper()
-	dir := t.TempDir()
-	if err := localcluster.BuildProxyaudit(dir); err != nil {
-		t.Fatal(err)
-	}
-	return dir
-}
-
 // deploy renders the chart with the e2e's values (and the test's), applies
 // it to the API server, and prepares what its pods would get: the
 // aggregator's ServiceAccount credentials and the pod specs the replicas
@@ -308,7 +299,7 @@ func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
 // be in sync. Everything stops with the test.
 func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 	c := localcluster.Shared(t)
-	l := &live{t: t, c: c, bin: buildBinaries(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
+	l := &live{t: t, c: c, bin: localcluster.BuildForTest(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
 		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{},
 		started: time.Now()}
 	t.Cleanup(func() {
