@@ -241,11 +241,17 @@ type check struct {
 
 // verify runs each action; allowed ones must not be Forbidden (a NotFound
 // or an invalid body still proves the authorizer let it through), the
-// others must be.
+// others must be. The API server's RBAC authorizer reads bindings from an
+// informer: one created a moment ago may take a moment to count, so an
+// allowed action gets 10 s.
 func verify(ctx context.Context, t *testing.T, who string, allowed, forbidden []check) {
 	t.Helper()
 	for _, ch := range allowed {
-		if err := ch.do(ctx); apierrors.IsForbidden(err) {
+		err := ch.do(ctx)
+		for deadline := time.Now().Add(10 * time.Second); apierrors.IsForbidden(err) && time.Now().Before(deadline); err = ch.do(ctx) {
+			time.Sleep(200 * time.Millisecond)
+		}
+		if apierrors.IsForbidden(err) {
 			t.Errorf("%s cannot %s: %v", who, ch.what, err)
 		}
 	}
