@@ -75,8 +75,9 @@ const (
 	StageEscalated Stage = "escalated" // the restart did not help; paged (and cordoned in restart-and-cordon)
 )
 
-// Incident is a node's remediation state. The executor keeps it in Node
-// annotations, so a new leader continues where the old one stopped.
+// Incident is a node's remediation state. The executor keeps it in a
+// record only proxyaudit writes (a ConfigMap in its namespace), so a new
+// leader continues where the old one stopped.
 type Incident struct {
 	Stage  Stage
 	Opened time.Time

@@ -198,6 +198,7 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	}
 	s.view = aggregator.NewView(vcfg)
 	executor := &effect.Executor{Client: client, Policy: o.remediation, ProxyNamespace: o.proxyNamespace, ProxySelector: o.proxySelector,
+		Incidents: &effect.Incidents{Client: client, Namespace: o.leNamespace, Name: o.incidents},
 		Log: log.Named("remediate"), Component: "proxyaudit-aggregator", Clock: clk,
 		Observe: func(k remediate.ActionKind, out effect.Outcome) {
 			metrics.Actions.WithLabelValues(string(k), string(out)).Inc()
@@ -224,6 +225,7 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 		acfg.Notifier = s.notifier
 	}
 	s.agg = aggregator.New(acfg, s.view)
+	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
 		zap.Float64("max_share", o.remediation.MaxShare))
 	return s, nil

@@ -40,7 +40,7 @@ type options struct {
 	reviewBurst                   int
 	remediationMode               string
 	remediation                   remediate.Policy
-	exemptLabel                   string
+	exemptLabel, incidents        string
 	proxyNamespace, proxySelector string
 	slackTokenFile, slackChannel  string
 	slackWebhookFile, slackAPI    string
@@ -58,7 +58,7 @@ func defaultOptions() options {
 		audience: "proxyaudit", collectorSAs: ns + "/proxyaudit-collector", maxMessageBytes: 16 << 20,
 		readerAudience: api.DefaultReaderAudience, reviewQPS: 200, reviewBurst: 400, readerReviewQPS: 10,
 		remediationMode: string(remediate.DefaultPolicy().Mode), remediation: remediate.DefaultPolicy(),
-		exemptLabel: "proxyaudit.io/exempt", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
+		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 	}
@@ -77,7 +77,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.httpListen, "http-listen", o.httpListen, "address for the HTTP API, /metrics, /healthz and /readyz")
 	fs.DurationVar(&o.policy.Grace, "grace", o.policy.Grace, "how long a node may lag or differ before it is a finding (the network-programming SLO)")
 	fs.BoolVar(&o.leaderElect, "leader-elect", o.leaderElect, "elect a leader through a Lease; with false this replica always leads (run only one)")
-	fs.StringVar(&o.leNamespace, "leader-elect-namespace", o.leNamespace, "namespace of the leader-election Lease and of the watch barrier's Service and EndpointSlice [POD_NAMESPACE]")
+	fs.StringVar(&o.leNamespace, "leader-elect-namespace", o.leNamespace, "namespace of the leader-election Lease, the incident record (--incident-configmap) and the watch barrier's Service and EndpointSlice [POD_NAMESPACE]")
 	fs.BoolVar(&o.barrier, "watch-barrier", o.barrier, "stamp a Service and an EndpointSlice named "+aggregator.BarrierName+" every second and judge a report only once the stamps written after it arrived through the watches: a healthy node ahead of this replica's watches is never called divergent, and a watch stuck for one kind makes the view stale. Needs patch on them, and create where they do not exist (the chart creates them)")
 	fs.StringVar(&o.leName, "leader-elect-lease-name", o.leName, "name of the leader-election Lease")
 	fs.DurationVar(&o.leDuration, "leader-elect-lease-duration", o.leDuration, "how long followers wait after the last renewal before taking over")
@@ -105,6 +105,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.remediation.BreakerWindow, "remediation-breaker-window", o.remediation.BreakerWindow, "window of the remediation breaker (0: no breaker)")
 	fs.DurationVar(&o.remediation.Recheck, "remediation-recheck", o.remediation.Recheck, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
 	fs.StringVar(&o.exemptLabel, "remediation-exempt-label", o.exemptLabel, "nodes with this label key are never restarted or cordoned, only paged")
+	fs.StringVar(&o.incidents, "incident-configmap", o.incidents, "ConfigMap in --leader-elect-namespace that holds every node's incident (stage, restarts, proxyaudit's cordon): kept there, not on the Node a node's kubelet may write; created on the first incident")
 	fs.StringVar(&o.proxyNamespace, "kube-proxy-namespace", o.proxyNamespace, "namespace of the kube-proxy pods")
 	fs.StringVar(&o.proxySelector, "kube-proxy-selector", o.proxySelector, "label selector of the kube-proxy pods")
 	fs.StringVar(&o.slackTokenFile, "slack-token-file", o.slackTokenFile, "file holding a Slack bot token (chat:write): one thread per incident [PROXYAUDIT_SLACK_TOKEN_FILE]; the token may also come from SLACK_BOT_TOKEN (a Secret as env)")

@@ -7,6 +7,7 @@
 package aggregator
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -65,6 +66,10 @@ type Aggregator struct {
 	mu      sync.Mutex
 	leading bool
 	leader  string
+	// leadCtx ends when this replica's leadership does; term orders
+	// leaderships (see Term): remediation acts only within both.
+	leadCtx context.Context
+	term    int64
 	judge   *audit.Judge
 	nodes   map[string]*node
 	// pool shares identical frontends among the nodes' copies: a fleet
@@ -150,11 +155,18 @@ func New(cfg Config, view *View) *Aggregator {
 }
 
 // StartedLeading makes this replica judge and accept streams, from a
-// clean memory (collectors resend full snapshots on connecting).
-func (a *Aggregator) StartedLeading() {
+// clean memory (collectors resend full snapshots on connecting), without
+// an election: it leads until the process ends, in term 0.
+func (a *Aggregator) StartedLeading() { a.Lead(context.Background(), 0) }
+
+// Lead makes this replica judge and accept streams until ctx ends (the
+// elector cancels it when the lease is lost). Its remediation acts only
+// while ctx lives and with term (negative: not known yet, no action).
+func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.leading, a.leader = true, a.cfg.Self
+	a.leadCtx, a.term = ctx, term
 	a.judge = audit.NewJudge(a.cfg.Policy)
 	a.nodes = map[string]*node{}
 	a.verdict = nil
@@ -192,6 +204,39 @@ func (a *Aggregator) StoppedLeading() {
 		c.Close()
 	}
 	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", leader), zap.Int("streams", len(open)))
+}
+
+// SetTerm sets the term of the current leadership once it is known.
+func (a *Aggregator) SetTerm(ctx context.Context, term int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.leadCtx == ctx {
+		a.term = term
+	}
+}
+
+// Term says whether this replica leads now and in which term: the
+// executor asks before every action and stamps every record write with
+// it, so a replica that lost the Lease cannot act on, or overwrite, what
+// the new leader decided.
+func (a *Aggregator) Term() (int64, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ok := a.leading && a.leadCtx != nil && a.leadCtx.Err() == nil && a.term >= 0
+	return a.term, ok
+}
+
+// leadContext is the current leadership's context (ended when not
+// leading).
+func (a *Aggregator) leadContext() context.Context {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.leading || a.leadCtx == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		return ctx
+	}
+	return a.leadCtx
 }
 
 // NewLeader records who leads (this replica or another).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
@@ -39,7 +40,10 @@ func RunElection(ctx context.Context, client kubernetes.Interface, e Election, a
 		ReleaseOnCancel: true,
 		Name:            e.Name,
 		Callbacks: leaderelection.LeaderCallbacks{
-			OnStartedLeading: func(context.Context) { a.StartedLeading() },
+			OnStartedLeading: func(ctx context.Context) {
+				a.Lead(ctx, -1)
+				a.SetTerm(ctx, leaseTerm(ctx, lock))
+			},
 			OnStoppedLeading: a.StoppedLeading,
 			OnNewLeader:      a.NewLeader,
 		},
@@ -52,4 +56,32 @@ func RunElection(ctx context.Context, client kubernetes.Interface, e Election, a
 		le.Run(ctx)
 	}
 	return nil
+}
+
+// leaseTerm orders leaderships of the Lease just acquired: its creation
+// time (a Lease deleted and created anew starts a later lineage, its
+// transitions from 0 again) and the transitions client-go counts, which
+// grow with every change of holder. It retries until it can read the
+// Lease; -1 when the leadership ended first.
+func leaseTerm(ctx context.Context, lock resourcelock.Interface) int64 {
+	for {
+		if rec, _, err := lock.Get(ctx); err == nil {
+			if ll, ok := lock.(*resourcelock.LeaseLock); ok {
+				if lease, err := ll.Client.Leases(ll.LeaseMeta.Namespace).Get(ctx, ll.LeaseMeta.Name, metav1.GetOptions{}); err == nil {
+					return Term(lease.CreationTimestamp.Time, rec.LeaderTransitions)
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return -1
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// Term is a leadership's term: later Lease lineages first, then more
+// transitions (up to 2^20 per lineage).
+func Term(created time.Time, transitions int) int64 {
+	return created.Unix()<<20 | int64(min(max(transitions, 0), 1<<20-1))
 }

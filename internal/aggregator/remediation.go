@@ -30,8 +30,19 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	if r == nil {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	// Every call ends when the leadership does: a replica that lost the
+	// Lease stops mid-round (the executor also asks before each action).
+	ctx, cancel := context.WithTimeout(a.leadContext(), 30*time.Second)
 	defer cancel()
+	if err := r.Executor.Load(ctx); err != nil {
+		a.cfg.Log.Warn("cannot read the incident record: nothing is repaired this round", zap.Error(err))
+		return
+	}
+	if len(v.Nodes) > 0 { // a view without nodes is not one to prune by
+		if err := r.Executor.Prune(ctx, func(name string) bool { return a.view.Node(name) != nil }); err != nil {
+			a.cfg.Log.Warn("cannot prune the incident record", zap.Error(err))
+		}
+	}
 	byNode := map[string][]audit.TimedFinding{}
 	storm := false
 	for _, f := range v.Findings {
@@ -55,7 +66,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			Healthy:       st.State == audit.NodeInSync,
 			Summary:       summary(st, fs),
 			Unschedulable: node.Spec.Unschedulable,
-			Incident:      r.Executor.Incident(node),
+			Incident:      r.Executor.Incident(st.Node),
 		}
 		if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
 			n.Exempt = "label " + r.ExemptLabel

@@ -60,7 +60,8 @@ func TestStormIsOnePageAndMarksNoNode(t *testing.T) {
 	// Out of dry-run, so that conditions and incidents would be written.
 	p := remediate.DefaultPolicy()
 	p.Mode = remediate.Restart
-	ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy"}
+	ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
+		Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
 	h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
 	h.agg.cfg.Notifier = rec // fleet notices
 	ctx := context.Background()
@@ -103,6 +104,9 @@ func TestStormIsOnePageAndMarksNoNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	unmarked := 0
+	if err := ex.Incidents.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
 	for _, n := range nodes.Items {
 		if paged[n.Name] {
 			continue
@@ -112,8 +116,8 @@ func TestStormIsOnePageAndMarksNoNode(t *testing.T) {
 				t.Errorf("node %s marked %s during the storm: %s", n.Name, c.Reason, c.Message)
 			}
 		}
-		if _, ok := n.Annotations[remediate.AnnotationStage]; ok {
-			t.Errorf("node %s has an incident during the storm: %v", n.Name, n.Annotations)
+		if inc := ex.Incidents.Get(n.Name, h.clk.Now()); inc.Stage != "" {
+			t.Errorf("node %s has an incident during the storm: %+v", n.Name, inc)
 		}
 		if n.Name != "n1" && n.Name != "n2" {
 			unmarked++ // drifting, and left alone

@@ -199,19 +199,9 @@ func Trim(obj any) (any, error) {
 	if m, err := meta.Accessor(obj); err == nil {
 		m.SetManagedFields(nil)
 		m.SetOwnerReferences(nil)
-		// Only a Node's incident annotations are read (remediation).
-		var keep map[string]string
-		if _, node := obj.(*corev1.Node); node {
-			for k, v := range m.GetAnnotations() {
-				if strings.HasPrefix(k, remediate.AnnotationPrefix) {
-					if keep == nil {
-						keep = map[string]string{}
-					}
-					keep[k] = v
-				}
-			}
-		}
-		m.SetAnnotations(keep)
+		// No annotation is read from the cache (remediation keeps its record
+		// in a ConfigMap and reads a Node afresh before acting on it).
+		m.SetAnnotations(nil)
 	}
 	switch o := obj.(type) {
 	case *discoveryv1.EndpointSlice:

@@ -284,7 +284,21 @@ func TestE2EChartRBAC(t *testing.T) {
 	apply()
 	agg := serviceAccount(t, c, ns, "proxyaudit-aggregator")
 	barrierStamp := []byte(`{"metadata":{"labels":{"proxyaudit.io/barrier-at":"1"}}}`)
-	nodePatch := []byte(`{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)
+	nodePatch := []byte(`{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":"2026-11-23T10:00:00Z"}},"spec":{"unschedulable":true}}`)
+	incidents := func(ctx context.Context, name string) error {
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}, Data: map[string]string{"n": `{"stage":"open"}`}}
+		if _, err := agg.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{DryRun: dryRun}); err != nil {
+			return err
+		}
+		if _, err := agg.CoreV1().ConfigMaps(ns).Get(ctx, name, metav1.GetOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+		_, err := agg.CoreV1().ConfigMaps(ns).Update(ctx, cm, metav1.UpdateOptions{DryRun: dryRun})
+		if apierrors.IsNotFound(err) {
+			err = nil // allowed, and not there yet
+		}
+		return err
+	}
 	reads := []check{
 		{"list services", func(ctx context.Context) error {
 			_, err := agg.CoreV1().Services("").List(ctx, metav1.ListOptions{Limit: 1})
@@ -340,7 +354,8 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 	}
 	remediation := []check{
-		{"annotate or cordon a node", func(ctx context.Context) error {
+		{"keep the incident record", func(ctx context.Context) error { return incidents(ctx, "proxyaudit-aggregator-incidents") }},
+		{"cordon a node with its marker", func(ctx context.Context) error {
 			_, err := agg.CoreV1().Nodes().Patch(ctx, "n", types.MergePatchType, nodePatch, metav1.PatchOptions{DryRun: dryRun})
 			return err
 		}},
@@ -357,6 +372,14 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 	}
 	never := []check{
+		{"read another ConfigMap", func(ctx context.Context) error {
+			_, err := agg.CoreV1().ConfigMaps(ns).Get(ctx, "kube-root-ca.crt", metav1.GetOptions{})
+			return err
+		}},
+		{"write another ConfigMap", func(ctx context.Context) error {
+			_, err := agg.CoreV1().ConfigMaps(ns).Update(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "other"}}, metav1.UpdateOptions{DryRun: dryRun})
+			return err
+		}},
 		{"read Secrets", func(ctx context.Context) error {
 			_, err := agg.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{})
 			return err
@@ -529,7 +552,9 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 		{"give a node an owner", patch("", `{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"Namespace","name":"kube-system","uid":"6f1a5c1e-0000-4000-8000-000000000001"}]}}`)},
 		{"add a finalizer to a node", patch("", `{"metadata":{"finalizers":["example.com/hold"]}}`)},
 		{"label a node through its status", patch("status", `{"metadata":{"labels":{"zone":"b"}}}`)},
-		{"annotate a node through its status", patch("status", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"open"}}}`)},
+		{"annotate a node through its status", patch("status", `{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":"2026-11-23T10:00:00Z"}}}`)},
+		// Incidents live in proxyaudit's ConfigMap, not on the Node.
+		{"write an incident annotation on a node", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"restarted"}}}`)},
 		{"rewrite a node's addresses", patch("status", `{"status":{"addresses":[{"type":"InternalIP","address":"198.18.9.9"}]}}`)},
 		{"rewrite a node's capacity", patch("status", `{"status":{"capacity":{"pods":"1"}}}`)},
 		{"uncordon a node an admin cordoned", patchNode("pa-admission-admin", "", `{"spec":{"unschedulable":null}}`)},
@@ -546,8 +571,8 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 	}
 	allowed := []check{
 		{"delete a kube-proxy pod", del("kube-proxy-pa")},
-		{"record an incident annotation", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":"restarted"}}}`)},
-		{"cordon", patch("", `{"spec":{"unschedulable":true}}`)},
+		{"cordon with its marker", patch("", `{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":"2026-11-23T10:00:00Z"}},"spec":{"unschedulable":true}}`)},
+		{"remove an older version's incident annotations", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":null,"proxyaudit.io/kube-proxy-restarts":null}}}`)},
 		{"set KubeProxyRulesStale", patch("status", `{"status":{"conditions":[{"type":"KubeProxyRulesStale","status":"True","reason":"Drifted"}]}}`)},
 		{"uncordon a node it cordoned", patchNode("pa-admission-ours", "", `{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":null}},"spec":{"unschedulable":null}}`)},
 		{"stamp the barrier Service", barrierSvc(`{"metadata":{"labels":{"proxyaudit.io/barrier-at":"2","proxyaudit.io/barrier-by":"x","proxyaudit.io/barrier-sig":"y"}}}`)},

@@ -33,15 +33,26 @@ const (
 	Simulate Outcome = "dry_run"
 	Refused  Outcome = "refused"
 	Failed   Outcome = "failed"
+	// Fenced: not taken, as this replica no longer leads or the record
+	// moved on under it.
+	Fenced Outcome = "fenced"
 )
 
 // Executor is the only code that changes the cluster. It enforces dry-run
-// and the fleet budget a second time, against the live Node objects, and
-// records every action as an Event on the Node, a log line and a metric,
-// and the incident in the Node's annotations.
+// and the fleet budget a second time, against the live incident record,
+// acts only while its replica leads, and records every action as an
+// Event on the Node, a log line and a metric, and the incident in the
+// record (Incidents) before the change it describes.
 type Executor struct {
 	Client kubernetes.Interface
 	Policy remediate.Policy
+	// Incidents is where incidents are kept (outside dry-run).
+	Incidents *Incidents
+	// Lead says whether this replica leads, and its term (the Lease's
+	// transitions when it began leading): asked before every action, and
+	// every record write carries the term. Nil: always leading, term 0
+	// (a single replica without election).
+	Lead func() (term int64, ok bool)
 	// ProxyNamespace and ProxySelector find kube-proxy's pods.
 	ProxyNamespace, ProxySelector string
 	Notifier                      remediate.Notifier
@@ -55,23 +66,17 @@ type Executor struct {
 	Clock clock.PassiveClock
 
 	mu sync.Mutex
-	// dry holds incidents in dry-run, where annotations are not written.
+	// dry holds incidents in dry-run, where nothing is written.
 	dry map[string]remediate.Incident
 	// static and noPod remember what a restart attempt found on a node.
 	static, noPod map[string]bool
-	// written holds incidents just written, until the caller's (informer)
-	// view of the Node has caught up: the next round must not repeat an
-	// action because its copy of the annotations is a moment old.
-	written map[string]writtenIncident
-	// unrecorded holds incidents decided but not written (the Node patch
-	// failed), until a write succeeds: the planner must not decide the
-	// same again every round (a failed record re-paged every second).
+	// unrecorded holds incidents decided but not written (the record's
+	// write failed), until a write succeeds: the planner must not decide
+	// the same again every round (a failed record re-paged every second).
 	unrecorded map[string]remediate.Incident
-}
-
-type writtenIncident struct {
-	inc remediate.Incident
-	at  time.Time
+	// planned is each node's incident as the planner was given it this
+	// round: an action whose record changed meanwhile is not carried out.
+	planned map[string]remediate.Incident
 }
 
 func (e *Executor) now() time.Time {
@@ -81,45 +86,93 @@ func (e *Executor) now() time.Time {
 	return e.Clock.Now()
 }
 
-// writtenTTL is how long a written incident overrides the caller's view.
-const writtenTTL = 30 * time.Second
-
 func (e *Executor) init() {
 	if e.dry == nil {
-		e.dry, e.static, e.noPod, e.written = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}, map[string]writtenIncident{}
-		e.unrecorded = map[string]remediate.Incident{}
+		e.dry, e.static, e.noPod = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}
+		e.unrecorded, e.planned = map[string]remediate.Incident{}, map[string]remediate.Incident{}
 	}
 }
 
-// Incident returns the node's incident: from its annotations, or from
-// memory in dry-run.
-func (e *Executor) Incident(n *corev1.Node) remediate.Incident {
+func (e *Executor) lead() (int64, bool) {
+	if e.Lead == nil {
+		return 0, true
+	}
+	return e.Lead()
+}
+
+// ErrNotLeading: the replica lost the lease; nothing is done or said.
+var ErrNotLeading = errors.New("not leading: this replica no longer acts")
+
+// Load reads the incident record at the start of a round (a no-op in
+// dry-run).
+func (e *Executor) Load(ctx context.Context) error {
+	e.mu.Lock()
+	e.init()
+	clear(e.planned)
+	e.mu.Unlock()
+	if e.Policy.Mode == remediate.DryRun {
+		return nil
+	}
+	if e.Incidents == nil {
+		return errors.New("no incident record configured")
+	}
+	return e.Incidents.Load(ctx)
+}
+
+// Incident returns the node's incident: from the record, or from memory
+// in dry-run.
+func (e *Executor) Incident(node string) remediate.Incident {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.init()
-	if e.Policy.Mode == remediate.DryRun {
-		return e.dry[n.Name]
+	inc := e.dry[node]
+	if e.Policy.Mode != remediate.DryRun {
+		if u, ok := e.unrecorded[node]; ok {
+			inc = u
+		} else if e.Incidents != nil {
+			inc = e.Incidents.Get(node, e.now())
+		}
 	}
-	if u, ok := e.unrecorded[n.Name]; ok {
-		return u
+	e.planned[node] = inc
+	return inc
+}
+
+// Prune drops from the record the nodes that left the cluster and the
+// ones left with nothing to remember (no incident, no restart within the
+// budget or breaker window), so the record follows the fleet's size.
+func (e *Executor) Prune(ctx context.Context, exists func(node string) bool) error {
+	if e.Policy.Mode == remediate.DryRun || e.Incidents == nil {
+		return nil
 	}
-	if w, ok := e.written[n.Name]; ok && e.now().Sub(w.at) < writtenTTL {
-		return w.inc
+	term, ok := e.lead()
+	if !ok {
+		return ErrNotLeading
 	}
-	return remediate.IncidentFromAnnotations(n.Annotations)
+	now := e.now()
+	keep := max(e.Policy.BudgetWindow, e.Policy.BreakerWindow)
+	return e.Incidents.Update(ctx, term, now, func(all map[string]remediate.Incident) (map[string]remediate.Incident, error) {
+		drop := map[string]remediate.Incident{}
+		for n, inc := range all {
+			live := inc.Stage != "" || !inc.Cordoned.IsZero() || slices.ContainsFunc(inc.Restarts, func(t time.Time) bool { return now.Sub(t) < keep })
+			if !exists(n) || !live {
+				drop[n] = remediate.Incident{}
+			}
+		}
+		return drop, nil
+	})
 }
 
 // Forget drops what the executor remembers of a node that left the
 // cluster, and tells the notifier (an open Slack thread is closed): node
-// churn must not grow its memory.
+// churn must not grow its memory. Its record goes with the next Prune.
 func (e *Executor) Forget(node string) {
 	e.mu.Lock()
 	e.init()
 	delete(e.dry, node)
 	delete(e.static, node)
 	delete(e.noPod, node)
-	delete(e.written, node)
 	delete(e.unrecorded, node)
+	delete(e.planned, node)
 	e.mu.Unlock()
 	if f, ok := e.Notifier.(Forgetter); ok {
 		f.Forget(node)
@@ -131,26 +184,22 @@ type Forgetter interface {
 	Forget(node string)
 }
 
-// Remembered counts the nodes the executor holds anything of: it must
-// follow the cluster's size, not the number of nodes it ever saw.
+// Remembered counts the nodes the executor holds anything of in memory
+// beyond the current round: it must follow the cluster's size, not the
+// number of nodes it ever saw.
 func (e *Executor) Remembered() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	seen := map[string]bool{}
-	for n := range e.dry {
-		seen[n] = true
+	for _, m := range []map[string]remediate.Incident{e.dry, e.unrecorded} {
+		for n := range m {
+			seen[n] = true
+		}
 	}
-	for n := range e.static {
-		seen[n] = true
-	}
-	for n := range e.noPod {
-		seen[n] = true
-	}
-	for n := range e.written {
-		seen[n] = true
-	}
-	for n := range e.unrecorded {
-		seen[n] = true
+	for _, m := range []map[string]bool{e.static, e.noPod} {
+		for n := range m {
+			seen[n] = true
+		}
 	}
 	return len(seen)
 }
@@ -164,7 +213,8 @@ func (e *Executor) Learned(node string) (static, noPod bool) {
 }
 
 // Execute carries out the planner's actions in order. One failing action
-// does not stop the others; the errors are returned joined.
+// does not stop the others; the errors are returned joined. Once the
+// replica no longer leads (or is fenced), nothing more is done.
 func (e *Executor) Execute(ctx context.Context, actions []remediate.Action, notices map[string]remediate.Notice) error {
 	e.mu.Lock()
 	e.init()
@@ -175,6 +225,9 @@ func (e *Executor) Execute(ctx context.Context, actions []remediate.Action, noti
 		n.Action = a
 		if err := e.execute(ctx, &n); err != nil {
 			errs = append(errs, fmt.Errorf("%s %s: %w", a.Kind, a.Node, err))
+			if errors.Is(err, ErrNotLeading) || errors.Is(err, ErrFenced) {
+				break
+			}
 		}
 	}
 	return errors.Join(errs...)
@@ -185,20 +238,27 @@ func (e *Executor) execute(ctx context.Context, n *remediate.Notice) error {
 	log := e.Log.With(zap.String("node", a.Node), zap.String("action", string(a.Kind)))
 	dry := e.Policy.Mode == remediate.DryRun || a.DryRun
 	a.DryRun = dry
-	// One read of the Node serves the action (live annotations and spec)
-	// and its Event (the UID kubectl describe matches on).
+	term, leading := e.lead()
+	if !leading || ctx.Err() != nil {
+		e.observe(a.Kind, Fenced)
+		return ErrNotLeading
+	}
+	// One read of the Node serves the action (its spec) and its Event
+	// (the UID kubectl describe matches on).
 	node, err := e.Client.CoreV1().Nodes().Get(ctx, a.Node, metav1.GetOptions{})
 	outcome := Failed
 	if err != nil {
 		err = fmt.Errorf("read node: %w", err)
 		node = &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.Node}}
 	} else {
-		outcome, err = e.apply(ctx, n, node, dry)
+		outcome, err = e.apply(ctx, term, n, node, dry)
 	}
-	if e.Observe != nil {
-		e.Observe(a.Kind, outcome)
-	}
+	e.observe(a.Kind, outcome)
 	switch {
+	case outcome == Fenced:
+		// Another replica leads or the record moved on: it decides now.
+		log.Warn("remediation action not taken", zap.Error(err))
+		return err
 	case err != nil:
 		log.Error("remediation action failed", zap.Error(err), zap.String("reason", a.Reason))
 		e.event(ctx, node, corev1.EventTypeWarning, "ProxyauditActionFailed", fmt.Sprintf("%s failed: %v (%s)", a.Kind, err, a.Reason))
@@ -223,12 +283,22 @@ func (e *Executor) execute(ctx context.Context, n *remediate.Notice) error {
 	return err
 }
 
+func (e *Executor) observe(k remediate.ActionKind, o Outcome) {
+	if e.Observe != nil {
+		e.Observe(k, o)
+	}
+}
+
+// errMoved: the node's record changed since the round was planned (another
+// writer): the action is left for the next round, planned afresh.
+var errMoved = errors.New("the node's incident record changed since this round was planned; re-planning")
+
 // apply makes the change (or, in dry-run, records what it would be).
-func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.Node, dry bool) (Outcome, error) {
+func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, node *corev1.Node, dry bool) (Outcome, error) {
 	a := &n.Action
 	if dry {
 		e.mu.Lock()
-		if a.Incident.Stage == "" && a.Incident.Cordoned.IsZero() && len(a.Incident.Restarts) == 0 {
+		if a.Incident.Empty() {
 			delete(e.dry, a.Node)
 		} else {
 			e.dry[a.Node] = a.Incident
@@ -239,15 +309,9 @@ func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.
 		}
 		return Simulate, nil
 	}
-	switch a.Kind {
-	case remediate.RestartProxy, remediate.Cordon:
-		if why := e.overBudget(ctx, a.Node); why != "" {
-			a.Kind, a.Reason = remediate.Page, a.Reason+"; the executor refused: "+why
-			a.Incident.Restarts = remediate.IncidentFromAnnotations(node.Annotations).Restarts
-			a.Incident.Cordoned = time.Time{}
-			return Refused, e.annotate(ctx, node, a.Incident, nil)
-		}
-	}
+	e.mu.Lock()
+	base := e.planned[a.Node]
+	e.mu.Unlock()
 	switch a.Kind {
 	case remediate.RestartProxy:
 		pod, static, err := e.proxyPod(ctx, a.Node)
@@ -266,7 +330,7 @@ func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.
 			}
 			a.Incident.Stage = remediate.StageOpen
 			a.Incident.Restarts = a.Incident.Restarts[:len(a.Incident.Restarts)-1]
-			return Refused, e.annotate(ctx, node, a.Incident, nil)
+			return e.record(ctx, term, a, base, false)
 		}
 		// Record first: a leader that dies after the delete must not
 		// restart again on taking over. A restart that then does not
@@ -276,19 +340,23 @@ func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.
 		undo := a.Incident
 		undo.Stage = remediate.StageOpen
 		undo.Restarts = slices.Clone(a.Incident.Restarts[:max(len(a.Incident.Restarts)-1, 0)])
-		if err := e.annotate(ctx, node, a.Incident, nil); err != nil {
-			e.mu.Lock()
-			e.unrecorded[a.Node] = undo
-			e.mu.Unlock()
-			a.Incident = undo
-			return Failed, err
+		if out, err := e.record(ctx, term, a, base, true); err != nil || out != Done {
+			if out == Failed {
+				e.mu.Lock()
+				e.unrecorded[a.Node] = undo
+				e.mu.Unlock()
+				a.Incident = undo
+			}
+			return out, err
 		}
 		uid := pod.UID
 		err = e.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 		if err != nil && !apierrors.IsNotFound(err) {
 			err = fmt.Errorf("delete kube-proxy pod %s/%s: %w", pod.Namespace, pod.Name, err)
+			recorded := a.Incident
 			a.Incident = undo
-			return Failed, errors.Join(err, e.annotate(ctx, node, undo, nil))
+			_, uerr := e.record(ctx, term, a, recorded, false)
+			return Failed, errors.Join(err, uerr)
 		}
 		a.Reason += fmt.Sprintf(" (deleted pod %s/%s)", pod.Namespace, pod.Name)
 		return Done, nil
@@ -296,38 +364,131 @@ func (e *Executor) apply(ctx context.Context, n *remediate.Notice, node *corev1.
 		if node.Spec.Unschedulable {
 			a.Incident.Cordoned = time.Time{} // someone else's cordon: never ours to undo
 			a.Kind, a.Reason = remediate.Page, a.Reason+"; already cordoned by someone else"
-			return Refused, e.annotate(ctx, node, a.Incident, nil)
+			if _, err := e.record(ctx, term, a, base, false); err != nil {
+				return Failed, err
+			}
+			return Refused, nil
 		}
-		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": true})
+		if out, err := e.record(ctx, term, a, base, true); err != nil || out != Done {
+			return out, err
+		}
+		if err := e.patchNode(ctx, node.Name, map[string]any{"unschedulable": true}, a.Incident.Cordoned); err != nil {
+			// Not cordoned: back to the record before, so the next round
+			// decides the cordon again.
+			recorded := a.Incident
+			a.Incident = base
+			_, uerr := e.record(ctx, term, a, recorded, false)
+			return Failed, errors.Join(err, uerr)
+		}
+		return Done, nil
 	case remediate.Uncordon:
-		if _, ours := node.Annotations[remediate.AnnotationCordoned]; !ours {
-			a.Kind = remediate.Resolve
-			return Refused, e.annotate(ctx, node, a.Incident, nil)
+		_, marked := node.Annotations[remediate.AnnotationCordoned]
+		switch {
+		case !node.Spec.Unschedulable:
+			a.Kind, a.Reason = remediate.Resolve, a.Reason+"; someone else uncordoned the node already"
+		case !marked:
+			a.Kind, a.Reason = remediate.Resolve, a.Reason+"; left cordoned: the node's "+remediate.AnnotationCordoned+" marker is gone (someone changed the node), so the cordon may no longer be proxyaudit's; uncordon by hand if it should go"
+		default:
+			if err := e.patchNode(ctx, node.Name, map[string]any{"unschedulable": nil}, time.Time{}); err != nil {
+				return Failed, err
+			}
+			return e.record(ctx, term, a, base, false)
 		}
-		return Done, e.annotate(ctx, node, a.Incident, map[string]any{"unschedulable": nil})
+		if _, err := e.record(ctx, term, a, base, false); err != nil {
+			return Failed, err
+		}
+		return Refused, nil
 	default: // Page, Resolve
-		return Done, e.annotate(ctx, node, a.Incident, nil)
+		return e.record(ctx, term, a, base, false)
 	}
 }
 
-// overBudget re-counts, from the live Nodes, the nodes in remediation.
-func (e *Executor) overBudget(ctx context.Context, self string) string {
-	nodes, err := e.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return "cannot list nodes to check the budget: " + err.Error()
-	}
-	busy := 0
-	for _, n := range nodes.Items {
-		inc := remediate.IncidentFromAnnotations(n.Annotations)
-		if n.Name != self && (inc.Stage == remediate.StageRestarted || !inc.Cordoned.IsZero()) {
-			busy++
+// record writes the action's incident, in one compare-and-swap with a
+// check that the node's record is still base (what the round was planned
+// on) and, with budget, that the fleet budget allows one more node in
+// remediation, counted from the record itself: two replicas that both
+// believe they lead cannot both spend the last slot. Over budget, the
+// action becomes a page (Refused) and the incident stays open.
+func (e *Executor) record(ctx context.Context, term int64, a *remediate.Action, base remediate.Incident, budget bool) (Outcome, error) {
+	var nodes map[string]bool
+	if budget {
+		list, err := e.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{ResourceVersion: "0"})
+		if err != nil {
+			// Cannot count the fleet: refuse, as a page.
+			a.Kind, a.Reason = remediate.Page, a.Reason+"; the executor refused: cannot list nodes to check the budget: "+err.Error()
+			a.Incident = refused(base, a.Incident)
+			return e.recordRefused(ctx, term, a, base)
+		}
+		nodes = make(map[string]bool, len(list.Items))
+		for _, n := range list.Items {
+			nodes[n.Name] = true
 		}
 	}
-	limit := min(e.Policy.MaxConcurrent, int(math.Floor(e.Policy.MaxShare*float64(len(nodes.Items)))))
-	if busy >= limit {
-		return fmt.Sprintf("%d other node(s) already in remediation, limit %d", busy, limit)
+	why := ""
+	err := e.Incidents.Update(ctx, term, e.now(), func(all map[string]remediate.Incident) (map[string]remediate.Incident, error) {
+		if all[a.Node].Encode() != base.Encode() {
+			return nil, errMoved
+		}
+		why = ""
+		if budget {
+			busy := 0
+			for n, inc := range all {
+				if n != a.Node && nodes[n] && (inc.Stage == remediate.StageRestarted || !inc.Cordoned.IsZero()) {
+					busy++
+				}
+			}
+			limit := min(e.Policy.MaxConcurrent, int(math.Floor(e.Policy.MaxShare*float64(len(nodes)))))
+			if busy >= limit {
+				why = fmt.Sprintf("%d other node(s) already in remediation, limit %d", busy, limit)
+				return map[string]remediate.Incident{a.Node: refused(base, a.Incident)}, nil
+			}
+		}
+		return map[string]remediate.Incident{a.Node: a.Incident}, nil
+	})
+	return e.recorded(a, err, why, base)
+}
+
+// recordRefused writes a refused action's incident (no budget check).
+func (e *Executor) recordRefused(ctx context.Context, term int64, a *remediate.Action, base remediate.Incident) (Outcome, error) {
+	if out, err := e.record(ctx, term, a, base, false); err != nil || out != Done {
+		return out, err
 	}
-	return ""
+	return Refused, nil
+}
+
+// recorded turns a record write's result into the action's outcome.
+func (e *Executor) recorded(a *remediate.Action, err error, refusedWhy string, base remediate.Incident) (Outcome, error) {
+	switch {
+	case errors.Is(err, ErrFenced) || errors.Is(err, errMoved):
+		return Fenced, err
+	case err != nil:
+		// Remembered, so that the planner does not decide it again each
+		// round (a cordon's record is taken back by the caller instead).
+		e.mu.Lock()
+		e.unrecorded[a.Node] = a.Incident
+		e.mu.Unlock()
+		return Failed, fmt.Errorf("record the incident: %w", err)
+	}
+	e.mu.Lock()
+	delete(e.unrecorded, a.Node)
+	e.mu.Unlock()
+	if refusedWhy != "" {
+		a.Kind, a.Reason = remediate.Page, a.Reason+"; the executor refused: "+refusedWhy
+		a.Incident = refused(base, a.Incident)
+		return Refused, nil
+	}
+	return Done, nil
+}
+
+// refused is the incident after a restart or cordon the budget refused:
+// open (or escalated, for a cordon) with the restarts and cordon it had.
+func refused(base, planned remediate.Incident) remediate.Incident {
+	inc := planned
+	inc.Restarts, inc.Cordoned = base.Restarts, base.Cordoned
+	if planned.Stage == remediate.StageRestarted {
+		inc.Stage = remediate.StageOpen
+	}
+	return inc
 }
 
 // proxyPod finds the node's kube-proxy pod and whether it is a mirror pod.
@@ -348,30 +509,24 @@ func (e *Executor) proxyPod(ctx context.Context, node string) (*corev1.Pod, bool
 	return nil, false, nil
 }
 
-// annotate writes the incident (and any spec change) in one merge patch.
-func (e *Executor) annotate(ctx context.Context, node *corev1.Node, inc remediate.Incident, spec map[string]any) error {
-	patch := map[string]any{"metadata": map[string]any{"annotations": inc.Annotations()}}
-	if spec != nil {
-		patch["spec"] = spec
+// patchNode cordons or uncordons the node, setting (or, with a zero time,
+// removing) the cordoned-at marker the admission policy checks, and
+// removing the annotations older versions kept the incident in.
+func (e *Executor) patchNode(ctx context.Context, name string, spec map[string]any, cordoned time.Time) error {
+	ann := map[string]any{remediate.AnnotationCordoned: nil}
+	if !cordoned.IsZero() {
+		ann[remediate.AnnotationCordoned] = cordoned.UTC().Format(time.RFC3339)
 	}
-	body, err := json.Marshal(patch)
+	for _, k := range remediate.LegacyAnnotations {
+		ann[k] = nil
+	}
+	body, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": ann}, "spec": spec})
 	if err != nil {
 		return err
 	}
-	if _, err := e.Client.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
-		// Remembered, so that the planner does not decide it again each
-		// round; a cordon or uncordon failed with it is retried instead.
-		if spec == nil {
-			e.mu.Lock()
-			e.unrecorded[node.Name] = inc
-			e.mu.Unlock()
-		}
-		return fmt.Errorf("record the incident on the node: %w", err)
+	if _, err := e.Client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("patch the node: %w", err)
 	}
-	e.mu.Lock()
-	e.written[node.Name] = writtenIncident{inc: inc, at: e.now()}
-	delete(e.unrecorded, node.Name)
-	e.mu.Unlock()
 	return nil
 }
 

@@ -32,8 +32,11 @@ func rounds(t *testing.T, ex *Executor, clk *clocktesting.FakeClock, p remediate
 		if err != nil {
 			t.Fatal(err)
 		}
+		if err := ex.Load(context.Background()); err != nil {
+			t.Log(err)
+		}
 		fleet := remediate.Fleet{Nodes: []remediate.Node{{Name: "node-a", Drifted: true, Summary: "StuckProxy: test", Exempt: exempt,
-			Unschedulable: node.Spec.Unschedulable, Incident: ex.Incident(node)}}}
+			Unschedulable: node.Spec.Unschedulable, Incident: ex.Incident("node-a")}}}
 		actions := remediate.Plan(clk.Now(), p, fleet)
 		for _, a := range actions {
 			acted = append(acted, a.Kind)
@@ -42,6 +45,20 @@ func rounds(t *testing.T, ex *Executor, clk *clocktesting.FakeClock, p remediate
 		clk.Step(time.Second)
 	}
 	return acted
+}
+
+// executor is one with the record in the fake client.
+func executor(t *testing.T, client *fake.Clientset, clk *clocktesting.FakeClock, p remediate.Policy, n remediate.Notifier) *Executor {
+	return &Executor{Client: client, Policy: p, Notifier: n, Clock: clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
+		Incidents: &Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
+}
+
+func stored(t *testing.T, ex *Executor, node string) remediate.Incident {
+	t.Helper()
+	if err := ex.Incidents.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return ex.Incidents.Get(node, ex.now())
 }
 
 func proxyNode() []runtime.Object {
@@ -56,14 +73,16 @@ func proxyNode() []runtime.Object {
 // planner saw no incident and paged again every round (10 in 10).
 func TestFailedIncidentRecordPagesOnce(t *testing.T) {
 	client := fake.NewClientset(proxyNode()...)
-	client.PrependReactor("patch", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) {
-		return true, nil, errors.New("etcd is unhappy")
-	})
+	for _, verb := range []string{"create", "update"} {
+		client.PrependReactor(verb, "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
+			return true, nil, errors.New("etcd is unhappy")
+		})
+	}
 	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
 	p := remediate.DefaultPolicy()
 	p.Mode = remediate.Restart
 	rec := &pages{}
-	ex := &Executor{Client: client, Policy: p, Notifier: rec, Clock: clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy"}
+	ex := executor(t, client, clk, p, rec)
 	if acted := rounds(t, ex, clk, p, 10, "label x"); len(acted) != 1 || len(rec.kinds) != 1 {
 		t.Errorf("10 rounds with the record failing: actions %v, notices %v; want one page", acted, rec.kinds)
 	}
@@ -85,7 +104,7 @@ func TestFailedRestartIsRetriedNotEscalated(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare, p.Cooldown = remediate.RestartAndCordon, 1, 0
-	ex := &Executor{Client: client, Policy: p, Notifier: &pages{}, Clock: clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy"}
+	ex := executor(t, client, clk, p, &pages{})
 	first := rounds(t, ex, clk, p, 1, "")
 	clk.Step(p.Recheck + time.Second) // long enough for the ladder to judge a restart
 	second := rounds(t, ex, clk, p, 1, "")
@@ -95,8 +114,126 @@ func TestFailedRestartIsRetriedNotEscalated(t *testing.T) {
 	if _, err := client.CoreV1().Pods("kube-system").Get(context.Background(), "kube-proxy-a", metav1.GetOptions{}); err == nil {
 		t.Error("the kube-proxy pod was not deleted on the retry")
 	}
-	node, _ := client.CoreV1().Nodes().Get(context.Background(), "node-a", metav1.GetOptions{})
-	if inc := remediate.IncidentFromAnnotations(node.Annotations); inc.Stage != remediate.StageRestarted || len(inc.Restarts) != 1 {
+	if inc := stored(t, ex, "node-a"); inc.Stage != remediate.StageRestarted || len(inc.Restarts) != 1 {
 		t.Errorf("incident after the retry: %+v, want restarted once", inc)
+	}
+}
+
+// What a node can write — its own Node's annotations — steers nothing: an
+// incident dated 2099 in the old annotations holds no budget, and the
+// cordon marker on an admin's cordon does not make proxyaudit uncordon.
+// Before, the kubelet of node-b held the fleet's only slot forever and
+// node-a was never repaired.
+func TestNodeCannotSteerItsRemediation(t *testing.T) {
+	objs := proxyNode()
+	objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-b", Annotations: map[string]string{
+		"proxyaudit.io/incident-stage": "restarted", "proxyaudit.io/kube-proxy-restarts": "2099-01-01T00:00:00Z",
+		remediate.AnnotationCordoned: "2026-11-23T10:00:00Z"}}, Spec: corev1.NodeSpec{Unschedulable: true}})
+	client := fake.NewClientset(objs...)
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxShare = remediate.RestartAndCordon, 1
+	ex := executor(t, client, clk, p, &pages{})
+	ctx := context.Background()
+	if err := ex.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	fleet := remediate.Fleet{Nodes: []remediate.Node{
+		{Name: "node-a", Drifted: true, Summary: "StuckProxy: test", Incident: ex.Incident("node-a")},
+		{Name: "node-b", Healthy: true, Unschedulable: true, Incident: ex.Incident("node-b")},
+	}}
+	actions := remediate.Plan(clk.Now(), p, fleet)
+	if err := ex.Execute(ctx, actions, nil); err != nil {
+		t.Fatal(err)
+	}
+	if len(actions) != 1 || actions[0].Kind != remediate.RestartProxy || actions[0].Node != "node-a" {
+		t.Fatalf("actions %+v; want only node-a's kube-proxy restarted", actions)
+	}
+	if _, err := client.CoreV1().Pods("kube-system").Get(ctx, "kube-proxy-a", metav1.GetOptions{}); err == nil {
+		t.Error("node-a's kube-proxy was not restarted")
+	}
+	if b, _ := client.CoreV1().Nodes().Get(ctx, "node-b", metav1.GetOptions{}); !b.Spec.Unschedulable {
+		t.Error("proxyaudit uncordoned node-b, whose cordon it never made")
+	}
+}
+
+// A record dated in the future is not believed: a restart "in 2099" would
+// otherwise keep its node "restarted" and the fleet's budget spent.
+func TestFutureRecordHoldsNoBudget(t *testing.T) {
+	objs := append(proxyNode(), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-b"}},
+		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
+			Data: map[string]string{"node-b": `{"stage":"restarted","opened":"2099-01-01T00:00:00Z","restarts":["2099-01-01T00:00:00Z"]}`}})
+	client := fake.NewClientset(objs...)
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxShare = remediate.Restart, 1
+	ex := executor(t, client, clk, p, &pages{})
+	if acted := rounds(t, ex, clk, p, 1, ""); len(acted) != 1 || acted[0] != remediate.RestartProxy {
+		t.Fatalf("actions %v; want node-a restarted", acted)
+	}
+	if _, err := client.CoreV1().Pods("kube-system").Get(context.Background(), "kube-proxy-a", metav1.GetOptions{}); err == nil {
+		t.Error("the executor refused node-a: the future record held the budget")
+	}
+}
+
+// A replica that no longer leads, or whose term is older than the
+// record's, does nothing and says nothing.
+func TestFencedReplicaActsNot(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		lead func() (int64, bool)
+	}{
+		{"lease lost", func() (int64, bool) { return 7, false }},
+		{"older term", func() (int64, bool) { return 3, true }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			objs := append(proxyNode(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents",
+				ResourceVersion: "1", Annotations: map[string]string{TermAnnotation: "5"}}})
+			client := fake.NewClientset(objs...)
+			clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+			p := remediate.DefaultPolicy()
+			p.Mode, p.MaxShare = remediate.Restart, 1
+			rec := &pages{}
+			ex := executor(t, client, clk, p, rec)
+			ex.Lead = tc.lead
+			outcomes := map[Outcome]int{}
+			ex.Observe = func(_ remediate.ActionKind, o Outcome) { outcomes[o]++ }
+			acted := rounds(t, ex, clk, p, 3, "")
+			if len(acted) == 0 || outcomes[Fenced] != len(acted) || len(rec.kinds) != 0 {
+				t.Errorf("planned %v, outcomes %v, notices %v; want every action fenced, no notice", acted, outcomes, rec.kinds)
+			}
+			if _, err := client.CoreV1().Pods("kube-system").Get(context.Background(), "kube-proxy-a", metav1.GetOptions{}); err != nil {
+				t.Error("a fenced replica deleted the kube-proxy pod")
+			}
+			evs, _ := client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{})
+			if len(evs.Items) != 0 {
+				t.Errorf("a fenced replica recorded %d Events", len(evs.Items))
+			}
+		})
+	}
+}
+
+// The record follows the fleet: nodes that left, and nodes with nothing
+// left to remember, are dropped.
+func TestPruneFollowsTheFleet(t *testing.T) {
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	old := clk.Now().Add(-48 * time.Hour).Format(time.RFC3339)
+	client := fake.NewClientset(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
+		Data: map[string]string{"gone": `{"stage":"open","opened":"2026-11-23T11:00:00Z"}`, "quiet": `{"restarts":["` + old + `"]}`,
+			"open": `{"stage":"open","opened":"2026-11-23T11:00:00Z"}`}})
+	p := remediate.DefaultPolicy()
+	p.Mode = remediate.Restart
+	ex := executor(t, client, clk, p, nil)
+	if err := ex.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := ex.Prune(context.Background(), func(n string) bool { return n != "gone" }); err != nil {
+		t.Fatal(err)
+	}
+	if err := ex.Incidents.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := ex.Incidents.Nodes(); len(got) != 1 || got[0] != "open" {
+		t.Errorf("record after pruning holds %v; want [open]", got)
 	}
 }

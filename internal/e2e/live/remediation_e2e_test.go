@@ -2,16 +2,21 @@ package live
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zaptest"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
 	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
 )
 
@@ -56,6 +61,30 @@ func (l *live) events(ctx context.Context, node, reason string) []string {
 		}
 	}
 	return out
+}
+
+// incident is the node's incident in proxyaudit's record (a ConfigMap in
+// its namespace).
+func (l *live) incident(ctx context.Context, node string) remediate.Incident {
+	cm, err := l.c.Client.CoreV1().ConfigMaps(ns).Get(ctx, "proxyaudit-aggregator-incidents", metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return remediate.Incident{}
+	}
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	inc, _ := remediate.DecodeIncident(cm.Data[node], time.Now())
+	return inc
+}
+
+// forgetRestarts drops a node from the record, as an operator would after
+// a drill: earlier restarts count against its budget and cooldown.
+func (l *live) forgetRestarts(ctx context.Context, node string) {
+	patch := []byte(`{"data":{"` + node + `":null}}`)
+	_, err := l.c.Client.CoreV1().ConfigMaps(ns).Patch(ctx, "proxyaudit-aggregator-incidents", types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		l.t.Fatal(err)
+	}
 }
 
 func condition(n *corev1.Node) corev1.ConditionStatus {
@@ -123,9 +152,9 @@ func TestE2ERemediation(t *testing.T) {
 		}
 		time.Sleep(3 * interval)
 		node := l.node(ctx, n.Name)
-		if n.ProxyRestarts() != 0 || node.Spec.Unschedulable || len(node.Annotations) > 0 && node.Annotations[remediate.AnnotationStage] != "" || condition(node) != "" {
-			t.Fatalf("dry-run changed the cluster: restarts %d, unschedulable %v, annotations %v, condition %q",
-				n.ProxyRestarts(), node.Spec.Unschedulable, node.Annotations, condition(node))
+		if n.ProxyRestarts() != 0 || node.Spec.Unschedulable || !l.incident(ctx, n.Name).Empty() || condition(node) != "" {
+			t.Fatalf("dry-run changed the cluster: restarts %d, unschedulable %v, incident %+v, condition %q",
+				n.ProxyRestarts(), node.Spec.Unschedulable, l.incident(ctx, n.Name), condition(node))
 		}
 		if err := undo(ctx); err != nil {
 			t.Fatal(err)
@@ -152,7 +181,7 @@ func TestE2ERemediation(t *testing.T) {
 		t.Logf("agg-ipt repaired by a restart %s after the change", took.Round(time.Second))
 		undo(ctx)
 		l.until(t, time.Minute, "the incident closed on agg-ipt", func() bool {
-			inc := remediate.IncidentFromAnnotations(l.node(ctx, n.Name).Annotations)
+			inc := l.incident(ctx, n.Name)
 			return inc.Stage == "" && len(inc.Restarts) == 1
 		})
 		if len(l.events(ctx, n.Name, "ProxyauditRestartProxy")) != 1 || len(l.events(ctx, n.Name, "ProxyauditResolve")) != 1 {
@@ -177,15 +206,16 @@ func TestE2ERemediation(t *testing.T) {
 		undo = l.drift(ctx, t, n, false)
 		l.until(t, grace+2*time.Minute, "agg-legacy cordoned", func() bool { return l.node(ctx, n.Name).Spec.Unschedulable })
 		node := l.node(ctx, n.Name)
-		if n.ProxyRestarts() != 1 || condition(node) != corev1.ConditionTrue || node.Annotations[remediate.AnnotationCordoned] == "" {
-			t.Fatalf("before the cordon: restarts %d, condition %q, annotations %v", n.ProxyRestarts(), condition(node), node.Annotations)
+		if n.ProxyRestarts() != 1 || condition(node) != corev1.ConditionTrue || node.Annotations[remediate.AnnotationCordoned] == "" || l.incident(ctx, n.Name).Cordoned.IsZero() {
+			t.Fatalf("before the cordon: restarts %d, condition %q, annotations %v, incident %+v", n.ProxyRestarts(), condition(node), node.Annotations, l.incident(ctx, n.Name))
 		}
 		if err := undo(ctx); err != nil {
 			t.Fatal(err)
 		}
 		l.until(t, 2*time.Minute, "agg-legacy uncordoned by proxyaudit", func() bool {
 			node := l.node(ctx, n.Name)
-			return !node.Spec.Unschedulable && node.Annotations[remediate.AnnotationCordoned] == "" && condition(node) == corev1.ConditionFalse
+			return !node.Spec.Unschedulable && node.Annotations[remediate.AnnotationCordoned] == "" && condition(node) == corev1.ConditionFalse &&
+				l.incident(ctx, n.Name).Cordoned.IsZero()
 		})
 
 		// A static kube-proxy: no delete, a page with instructions.
@@ -217,10 +247,7 @@ func TestE2ERemediation(t *testing.T) {
 		l := newLive(ctx, t, "remediation.mode=restart", "remediation.recheck=30s",
 			"remediation.maxNodes=1", "remediation.maxShare=0.5", "remediation.cooldown=10m")
 		n := c.Node("agg-ipt")
-		patch := []byte(`{"metadata":{"annotations":{"` + remediate.AnnotationRestarts + `":null}}}`)
-		if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		l.forgetRestarts(ctx, n.Name)
 		before := n.ProxyRestarts()
 		undo := l.drift(ctx, t, n, true)
 		defer undo(ctx)
@@ -239,7 +266,7 @@ func TestE2ERemediation(t *testing.T) {
 		t.Logf("injected: the leader SIGKILLed %d times in a minute, restarted each time; %s drifted (frozen kube-proxy)", kills, n.Name)
 		l.waitAllInSync(n.Name + " repaired")
 		l.until(t, 2*time.Minute, "the incident closed", func() bool {
-			return remediate.IncidentFromAnnotations(l.node(ctx, n.Name).Annotations).Stage == ""
+			return l.incident(ctx, n.Name).Stage == ""
 		})
 		if got := n.ProxyRestarts() - before; got != 1 {
 			t.Errorf("kube-proxy on %s restarted %d times through the crash loop, want exactly 1", n.Name, got)
@@ -254,10 +281,7 @@ func TestE2ERemediation(t *testing.T) {
 		// The earlier restarts count against the per-node budget and
 		// cooldown; clear them, as an operator would after a drill.
 		for _, n := range []*localcluster.Node{a, b} {
-			patch := []byte(`{"metadata":{"annotations":{"` + remediate.AnnotationRestarts + `":null}}}`)
-			if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			l.forgetRestarts(ctx, n.Name)
 		}
 		ra, rb := a.ProxyRestarts(), b.ProxyRestarts()
 		undoA, err := a.HangInformer(ctx)
@@ -290,7 +314,7 @@ func TestE2ERemediation(t *testing.T) {
 		l.aggs[ip].Kill()
 		l.until(t, 30*time.Second, "a new leader", func() bool { cur := l.leader(ctx); return cur != "" && cur != old })
 		l.startAggregator(ip)
-		// The new leader continues from the annotations: the restart did
+		// The new leader continues from the record: the restart did
 		// not help and the cooldown forbids another, so it pages.
 		l.until(t, 2*time.Minute, "the new leader escalates "+first.Name+" without restarting it again", func() bool {
 			for _, m := range l.events(ctx, first.Name, "ProxyauditPage") {
@@ -318,8 +342,113 @@ func TestE2ERemediation(t *testing.T) {
 		}
 		l.waitAllInSync("both nodes repaired by hand")
 		l.until(t, time.Minute, "both incidents closed", func() bool {
-			return remediate.IncidentFromAnnotations(l.node(ctx, a.Name).Annotations).Stage == "" &&
-				remediate.IncidentFromAnnotations(l.node(ctx, b.Name).Annotations).Stage == ""
+			return l.incident(ctx, a.Name).Stage == "" && l.incident(ctx, b.Name).Stage == ""
 		})
 	})
+}
+
+// Two replicas that both believe they lead (the old one has not yet
+// noticed it lost the Lease) race to repair two drifted nodes with room
+// for one. On the real API server the record's compare-and-swap lets
+// exactly one restart through, whichever writes first, and once the new
+// leader has written, the old term is fenced out entirely. Before, each
+// counted the budget from a list of Nodes and patched without a
+// resourceVersion: both restarted.
+func TestE2EIncidentRecordFencing(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const rns = "pa-fence"
+	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: rns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	// No controller manager here makes the namespace's default account.
+	if _, err := c.Client.CoreV1().ServiceAccounts(rns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	nodes := []string{"pa-fence-a", "pa-fence-b"}
+	for _, n := range nodes {
+		if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, n := range nodes {
+			_ = c.Client.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{})
+		}
+		_ = c.Client.CoreV1().Namespaces().Delete(context.Background(), rns, metav1.DeleteOptions{})
+	})
+	zero := int64(0)
+	pods := func() (gone int) {
+		for _, n := range nodes {
+			p, err := c.Client.CoreV1().Pods(rns).Get(ctx, "kube-proxy-"+n, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) || err == nil && p.DeletionTimestamp != nil {
+				gone++
+			} else if err != nil {
+				t.Fatal(err)
+			}
+		}
+		return gone
+	}
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxConcurrent, p.MaxShare, p.BreakerWindow = remediate.Restart, 1, 1, 0
+	clk := clock.RealClock{}
+	replica := func(term int64) *effect.Executor {
+		return &effect.Executor{Client: c.Client, Policy: p, Clock: clk, Log: zaptest.NewLogger(t), ProxyNamespace: rns, ProxySelector: "k8s-app=kube-proxy",
+			Incidents: &effect.Incidents{Client: c.Client, Namespace: rns, Name: "incidents"}, Lead: func() (int64, bool) { return term, true }}
+	}
+	plan := func(ex *effect.Executor, drifted string) []remediate.Action {
+		if err := ex.Load(ctx); err != nil {
+			t.Fatal(err)
+		}
+		var f remediate.Fleet
+		for _, n := range nodes {
+			f.Nodes = append(f.Nodes, remediate.Node{Name: n, Drifted: n == drifted, Healthy: n != drifted, Summary: "StuckProxy: test", Incident: ex.Incident(n)})
+		}
+		return remediate.Plan(clk.Now(), p, f)
+	}
+	for round := range 10 {
+		_ = c.Client.CoreV1().ConfigMaps(rns).Delete(ctx, "incidents", metav1.DeleteOptions{})
+		for _, n := range nodes {
+			_ = c.Client.CoreV1().Pods(rns).Delete(ctx, "kube-proxy-"+n, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: rns, Name: "kube-proxy-" + n, Labels: map[string]string{"k8s-app": "kube-proxy"}},
+				Spec: corev1.PodSpec{NodeName: n, Containers: []corev1.Container{{Name: "c", Image: "none"}}}}
+			for {
+				_, err := c.Client.CoreV1().Pods(rns).Create(ctx, pod, metav1.CreateOptions{})
+				if err == nil {
+					break
+				}
+				if !apierrors.IsAlreadyExists(err) || ctx.Err() != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(100 * time.Millisecond) // the forced delete is finishing
+			}
+		}
+		old, cur := replica(1), replica(2)
+		oldActs, curActs := plan(old, nodes[0]), plan(cur, nodes[1])
+		start := make(chan struct{})
+		done := make(chan error, 2)
+		for _, r := range []struct {
+			ex   *effect.Executor
+			acts []remediate.Action
+		}{{old, oldActs}, {cur, curActs}} {
+			go func() { <-start; done <- r.ex.Execute(ctx, r.acts, nil) }()
+		}
+		close(start)
+		errOld, errCur := <-done, <-done
+		if got := pods(); got != 1 {
+			t.Fatalf("round %d: %d kube-proxy pods deleted with room for one (errors: %v; %v)", round, got, errOld, errCur)
+		}
+		// The new leader has written: the old one may do nothing more.
+		if err := old.Load(ctx); err != nil {
+			t.Fatal(err)
+		}
+		inc := old.Incident(nodes[1])
+		inc.Stage = remediate.StageEscalated
+		page := remediate.Action{Kind: remediate.Page, Node: nodes[1], Reason: "still drifted", Incident: inc}
+		if err := old.Execute(ctx, []remediate.Action{page}, nil); !errors.Is(err, effect.ErrFenced) {
+			t.Fatalf("round %d: the old leader acted after the new one wrote: %v", round, err)
+		}
+	}
 }
