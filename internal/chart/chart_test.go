@@ -2,7 +2,12 @@ package chart_test
 
 import (
 	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
+	encpem "encoding/pem"
 	"flag"
 	"fmt"
 	"os"
@@ -15,6 +20,7 @@ import (
 	"go.yaml.in/yaml/v3"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
@@ -201,6 +207,31 @@ func TestDefaultShape(t *testing.T) {
 		if !slices.Contains(r.Kinds(), k) {
 			t.Errorf("no %s in %v", k, r.Kinds())
 		}
+	}
+	// The generated pair: ECDSA P-256, the CA signing the aggregator's
+	// certificate for the names collectors dial.
+	sec := r.Find("Secret", "proxyaudit-aggregator-tls")
+	data, _, _ := unstructured.NestedStringMap(sec.Object, "data")
+	pem := func(k string) *x509.Certificate {
+		der, _ := base64.StdEncoding.DecodeString(data[k])
+		b, _ := encpem.Decode(der)
+		if b == nil {
+			t.Fatalf("Secret %s is not PEM", k)
+		}
+		c, err := x509.ParseCertificate(b.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	ca, leaf := pem("ca.crt"), pem("tls.crt")
+	for _, c := range []*x509.Certificate{ca, leaf} {
+		if k, ok := c.PublicKey.(*ecdsa.PublicKey); !ok || k.Curve != elliptic.P256() {
+			t.Errorf("certificate %s: key %T, want ECDSA P-256", c.Subject, c.PublicKey)
+		}
+	}
+	if err := leaf.CheckSignatureFrom(ca); err != nil || !slices.Contains(leaf.DNSNames, "proxyaudit-aggregator.proxyaudit.svc") {
+		t.Errorf("aggregator certificate: names %v, signed by the CA: %v", leaf.DNSNames, err)
 	}
 	for _, k := range r.Kinds() {
 		if strings.HasPrefix(k, "ServiceMonitor/") || strings.HasPrefix(k, "PrometheusRule/") || strings.HasPrefix(k, "NetworkPolicy/") ||
