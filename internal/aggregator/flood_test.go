@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/goleak"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -125,5 +126,80 @@ func TestNodeFactsAreValidated(t *testing.T) {
 	}
 	if !seen {
 		t.Error("n1's read error not recorded")
+	}
+}
+
+// TestStreamChurnLeaksNothing: streams that come and go every way a
+// network and a hostile peer make them — collectors closing mid-stream,
+// nodes the cluster does not have, bad tokens, junk, silence, half a
+// frame — leave no goroutine behind once gone, and grow /metrics by a
+// bounded number of series however many distinct names they made up.
+func TestStreamChurnLeaksNothing(t *testing.T) {
+	h := start(t, 2*time.Second, tokens)
+	series := func() int {
+		mfs, err := h.agg.cfg.Metrics.Registry.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, mf := range mfs {
+			n += len(mf.GetMetric())
+		}
+		return n
+	}
+	churn := func(from, to int) {
+		for i := from; i < to; i++ {
+			var c net.Conn
+			switch i % 6 {
+			case 0: // a collector that reports, then goes
+				c = h.dial(fmt.Sprintf("n%d", 1+i%3))
+				expect(t, c, stream.TypeWelcome, "")
+				stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true, Mode: "iptables", Families: []int{4}}})
+			case 1: // a node the cluster does not have, with a good token
+				c = h.dial(fmt.Sprintf("ghost-%d", i))
+				expect(t, c, stream.TypeWelcome, "")
+			case 2: // someone else's token
+				c = h.dial("")
+				stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: fmt.Sprintf("n%d", 1+i%3), Token: "t-other"}})
+				expect(t, c, stream.TypeReject, "")
+			case 3: // junk
+				c = h.dial("")
+				c.Write([]byte(strings.Repeat("\xff", 64)))
+			case 4: // silence
+				c = h.dial("")
+			case 5: // half a frame header
+				c = h.dial("")
+				c.Write([]byte{0, 0})
+			}
+			c.Close()
+		}
+	}
+	// One round first: whatever starts once (and stays) has started.
+	churn(0, 6)
+	settle := func() {
+		h.until(20*time.Second, "every churned stream gone and its node forgotten", func() bool {
+			h.agg.mu.Lock()
+			defer h.agg.mu.Unlock()
+			h.agg.unauth.mu.Lock()
+			defer h.agg.unauth.mu.Unlock()
+			for name, n := range h.agg.nodes {
+				if n.conn != nil || strings.HasPrefix(name, "ghost-") {
+					return false
+				}
+			}
+			return h.agg.unauth.n == 0
+		})
+	}
+	settle()
+	before, baseline := series(), goleak.IgnoreCurrent()
+	churn(6, 606)
+	settle()
+	if err := goleak.Find(baseline); err != nil {
+		t.Errorf("600 churned streams left goroutines behind: %v", err)
+	}
+	if after := series(); after > before+10 {
+		t.Errorf("600 churned streams (100 made-up node names) grew /metrics from %d to %d series", before, after)
+	} else {
+		t.Logf("/metrics: %d series before 600 churned streams, %d after", before, after)
 	}
 }
