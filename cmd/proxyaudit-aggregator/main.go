@@ -173,8 +173,15 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	var auth aggregator.Authenticator = aggregator.InsecureNoAuth{}
 	if !o.insecure {
 		sas, _ := o.serviceAccounts() // validated
-		auth = &aggregator.TokenReviewAuth{Client: reviews, Audience: o.audience, ServiceAccounts: sas, Clock: clk,
+		tra := &aggregator.TokenReviewAuth{Client: reviews, Audience: o.audience, ServiceAccounts: sas, Clock: clk,
 			Budget: aggregator.NewBudget(o.reviewQPS, o.reviewBurst, 1, 5), BudgetWait: 5 * time.Second}
+		auth = tra
+		if o.collectorDS != "" {
+			dsNS, dsName, _ := strings.Cut(o.collectorDS, "/") // validated
+			tra.Binding = &aggregator.DaemonSetBinding{Client: reviews, Namespace: dsNS, Name: dsName}
+		} else {
+			log.Warn("--collector-daemonset is empty: any pod on a node running as a collector ServiceAccount may report for that node")
+		}
 	} else {
 		log.Warn("--insecure-no-auth: collector streams are not authenticated; any client can report for any node")
 	}

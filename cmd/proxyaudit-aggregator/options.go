@@ -31,6 +31,7 @@ type options struct {
 	leDuration, leRenew, leRetry  time.Duration
 	barrier                       bool
 	audience, collectorSAs        string
+	collectorDS                   string
 	insecure                      bool
 	certFile, keyFile             string
 	maxMessageBytes               int
@@ -87,6 +88,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.advertise, "advertise-address", o.advertise, "address collectors reach this replica at; with the stream port it is the leader identity followers redirect to [POD_IP]")
 	fs.StringVar(&o.audience, "token-audience", o.audience, "audience the collectors' projected ServiceAccount tokens must carry")
 	fs.StringVar(&o.collectorSAs, "collector-service-accounts", o.collectorSAs, "comma-separated namespace/name of the collectors' ServiceAccounts")
+	fs.StringVar(&o.collectorDS, "collector-daemonset", o.collectorDS, "NAMESPACE/NAME of the collector DaemonSet: admit a collector only from a pod of it (its controller, by UID) that runs the DaemonSet's own containers, images, arguments and host network (its ControllerRevision). Empty: any pod on the node running as a collector ServiceAccount, which whoever may create pods in that namespace can make")
 	fs.BoolVar(&o.insecure, "insecure-no-auth", o.insecure, "accept streams without tokens: any client can report for any node (local experiments only; warns on every connection)")
 	fs.StringVar(&o.certFile, "tls-cert-file", o.certFile, "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
 	fs.StringVar(&o.keyFile, "tls-key-file", o.keyFile, "private key for --tls-cert-file")
@@ -173,6 +175,9 @@ func (o *options) validate() error {
 		if _, _, err := o.readerService(); err != nil {
 			return err
 		}
+	}
+	if ns, name, ok := strings.Cut(o.collectorDS, "/"); o.collectorDS != "" && (!ok || ns == "" || name == "") {
+		return fmt.Errorf("--collector-daemonset %q: want namespace/name", o.collectorDS)
 	}
 	return nil
 }

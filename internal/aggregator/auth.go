@@ -57,6 +57,8 @@ type TokenReviewAuth struct {
 	// with its backoff). Nil: unbounded.
 	Budget     *Budget
 	BudgetWait time.Duration
+	// Binding, when set, admits only pods of the collector DaemonSet.
+	Binding *DaemonSetBinding
 
 	mu    sync.Mutex
 	cache map[[32]byte]cached
@@ -105,6 +107,14 @@ func (a *TokenReviewAuth) Authenticate(ctx context.Context, h Hello) (time.Time,
 	if len(bound) != 1 {
 		return time.Time{}, fmt.Errorf("%w: token of %s is not bound to a pod on a node (use a projected ServiceAccount token from the collector pod)", ErrUnauthenticated, sa)
 	}
+	if bound[0] != node {
+		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
+	}
+	if a.Binding != nil {
+		if err := a.Binding.Check(ctx, user.Extra, node); err != nil {
+			return time.Time{}, fmt.Errorf("%w: %v", ErrUnauthenticated, err)
+		}
+	}
 	// The API server verified the token's signature: its expiry is
 	// the API server's word.
 	expires := tokenExpiry(token)
@@ -122,9 +132,6 @@ func (a *TokenReviewAuth) Authenticate(ctx context.Context, h Hello) (time.Time,
 	}
 	a.cache[key] = cached{node: bound[0], expires: until, token: expires}
 	a.mu.Unlock()
-	if bound[0] != node {
-		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, bound[0], node)
-	}
 	return expires, nil
 }
 

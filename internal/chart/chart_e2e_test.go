@@ -347,6 +347,19 @@ func TestE2EChartRBAC(t *testing.T) {
 			_, err := agg.DiscoveryV1().EndpointSlices(ns).Patch(ctx, "proxyaudit-barrier", types.MergePatchType, barrierStamp, metav1.PatchOptions{DryRun: dryRun})
 			return err
 		}},
+		{"read a collector's pod, its DaemonSet and its ControllerRevision", func(ctx context.Context) error {
+			if _, err := agg.CoreV1().Pods(ns).Get(ctx, "proxyaudit-collector-n", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+				return err
+			}
+			if _, err := agg.AppsV1().DaemonSets(ns).Get(ctx, "proxyaudit-collector", metav1.GetOptions{}); err != nil {
+				return err
+			}
+			_, err := agg.AppsV1().ControllerRevisions(ns).Get(ctx, "proxyaudit-collector-0", metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				err = nil
+			}
+			return err
+		}},
 		{"record a node Event", func(ctx context.Context) error {
 			_, err := agg.CoreV1().Events("default").Create(ctx, &corev1.Event{ObjectMeta: metav1.ObjectMeta{GenerateName: "n."},
 				InvolvedObject: corev1.ObjectReference{Kind: "Node", Name: "n"}, Reason: "Test", Message: "m", Type: "Normal"}, metav1.CreateOptions{DryRun: dryRun})
@@ -378,6 +391,14 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 		{"write another ConfigMap", func(ctx context.Context) error {
 			_, err := agg.CoreV1().ConfigMaps(ns).Update(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "other"}}, metav1.UpdateOptions{DryRun: dryRun})
+			return err
+		}},
+		{"list pods in its namespace", func(ctx context.Context) error {
+			_, err := agg.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			return err
+		}},
+		{"read another DaemonSet", func(ctx context.Context) error {
+			_, err := agg.AppsV1().DaemonSets(ns).Get(ctx, "other", metav1.GetOptions{})
 			return err
 		}},
 		{"read Secrets", func(ctx context.Context) error {

@@ -16,11 +16,13 @@ import (
 	"strings"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 )
 
 // EnsureNamespace creates the namespace if it does not exist.
@@ -174,6 +176,69 @@ func (c *Cluster) PodToken(ctx context.Context, namespace, serviceAccount, node,
 	}}, metav1.CreateOptions{})
 	if err != nil {
 		return "", fmt.Errorf("request a token for %s/%s bound to pod %s: %w", namespace, serviceAccount, pod.Name, err)
+	}
+	return tr.Status.Token, nil
+}
+
+// DaemonSetPodToken is PodToken for a pod of the DaemonSet namespace/name
+// (as applied to the API server), made as the DaemonSet controller makes
+// one, since no controller manager runs here: a ControllerRevision holding
+// the DaemonSet's template, and a pod from that template on node, owned by
+// the DaemonSet and labelled with the revision's hash. A pod made from an
+// older template is replaced.
+func (c *Cluster) DaemonSetPodToken(ctx context.Context, namespace, name, node, audience string) (string, error) {
+	ds, err := c.Client.AppsV1().DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return "", fmt.Errorf("DaemonSet %s/%s: %w", namespace, name, err)
+	}
+	data, err := json.Marshal(map[string]any{"spec": map[string]any{"template": ds.Spec.Template}})
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(data)
+	hash := fmt.Sprintf("%x", sum[:5])
+	owner := *metav1.NewControllerRef(ds, appsv1.SchemeGroupVersion.WithKind("DaemonSet"))
+	rev := &appsv1.ControllerRevision{ObjectMeta: metav1.ObjectMeta{Name: name + "-" + hash, Namespace: namespace, OwnerReferences: []metav1.OwnerReference{owner}},
+		Data: runtime.RawExtension{Raw: data}, Revision: 1}
+	if _, err := c.Client.AppsV1().ControllerRevisions(namespace).Create(ctx, rev, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return "", fmt.Errorf("ControllerRevision %s: %w", rev.Name, err)
+	}
+	pods := c.Client.CoreV1().Pods(namespace)
+	podName := name + "-" + node
+	pod, err := pods.Get(ctx, podName, metav1.GetOptions{})
+	if err == nil && (pod.Labels[appsv1.DefaultDaemonSetUniqueLabelKey] != hash || metav1.GetControllerOf(pod) == nil || metav1.GetControllerOf(pod).UID != ds.UID) {
+		zero := int64(0)
+		if err := pods.Delete(ctx, podName, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil && !apierrors.IsNotFound(err) {
+			return "", err
+		}
+		for err == nil {
+			if ctx.Err() != nil {
+				return "", ctx.Err()
+			}
+			time.Sleep(100 * time.Millisecond)
+			_, err = pods.Get(ctx, podName, metav1.GetOptions{})
+		}
+	}
+	if apierrors.IsNotFound(err) {
+		labels := map[string]string{appsv1.DefaultDaemonSetUniqueLabelKey: hash}
+		for k, v := range ds.Spec.Template.Labels {
+			labels[k] = v
+		}
+		spec := *ds.Spec.Template.Spec.DeepCopy()
+		spec.NodeName = node
+		pod, err = pods.Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: podName, Labels: labels, Annotations: ds.Spec.Template.Annotations,
+			OwnerReferences: []metav1.OwnerReference{owner}}, Spec: spec}, metav1.CreateOptions{})
+	}
+	if err != nil {
+		return "", fmt.Errorf("pod %s/%s of DaemonSet %s: %w", namespace, podName, name, err)
+	}
+	tr, err := c.Client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:         []string{audience},
+		ExpirationSeconds: ptrTo(int64(3600)),
+		BoundObjectRef:    &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		return "", fmt.Errorf("request a token bound to pod %s/%s: %w", namespace, pod.Name, err)
 	}
 	return tr.Status.Token, nil
 }

@@ -330,7 +330,7 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 			}
 			a.Incident.Stage = remediate.StageOpen
 			a.Incident.Restarts = a.Incident.Restarts[:len(a.Incident.Restarts)-1]
-			return e.record(ctx, term, a, base, false)
+			return e.recordRefused(ctx, term, a, base)
 		}
 		// Record first: a leader that dies after the delete must not
 		// restart again on taking over. A restart that then does not
@@ -364,10 +364,7 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 		if node.Spec.Unschedulable {
 			a.Incident.Cordoned = time.Time{} // someone else's cordon: never ours to undo
 			a.Kind, a.Reason = remediate.Page, a.Reason+"; already cordoned by someone else"
-			if _, err := e.record(ctx, term, a, base, false); err != nil {
-				return Failed, err
-			}
-			return Refused, nil
+			return e.recordRefused(ctx, term, a, base)
 		}
 		if out, err := e.record(ctx, term, a, base, true); err != nil || out != Done {
 			return out, err
@@ -394,10 +391,7 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 			}
 			return e.record(ctx, term, a, base, false)
 		}
-		if _, err := e.record(ctx, term, a, base, false); err != nil {
-			return Failed, err
-		}
-		return Refused, nil
+		return e.recordRefused(ctx, term, a, base)
 	default: // Page, Resolve
 		return e.record(ctx, term, a, base, false)
 	}

@@ -3,6 +3,7 @@ package effect
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -235,5 +236,28 @@ func TestPruneFollowsTheFleet(t *testing.T) {
 	}
 	if got := ex.Incidents.Nodes(); len(got) != 1 || got[0] != "open" {
 		t.Errorf("record after pruning holds %v; want [open]", got)
+	}
+}
+
+// A static kube-proxy is not restarted: the restart is refused, with an
+// ActionRefused Event saying what to do by hand, and the incident stays
+// open without a restart counted.
+func TestStaticProxyIsRefusedNotRestarted(t *testing.T) {
+	objs := proxyNode()
+	objs[1].(*corev1.Pod).Annotations = map[string]string{MirrorPodAnnotation: "x"}
+	client := fake.NewClientset(objs...)
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxShare = remediate.Restart, 1
+	ex := executor(t, client, clk, p, &pages{})
+	outcomes := map[Outcome]int{}
+	ex.Observe = func(_ remediate.ActionKind, o Outcome) { outcomes[o]++ }
+	rounds(t, ex, clk, p, 1, "")
+	evs, _ := client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{})
+	if outcomes[Refused] != 1 || len(evs.Items) != 1 || evs.Items[0].Reason != "ProxyauditActionRefused" || !strings.Contains(evs.Items[0].Message, "static pod") {
+		t.Errorf("outcomes %v, events %+v; want one refusal saying static pod", outcomes, evs.Items)
+	}
+	if inc := stored(t, ex, "node-a"); inc.Stage != remediate.StageOpen || len(inc.Restarts) != 0 {
+		t.Errorf("incident %+v; want open, no restart", inc)
 	}
 }

@@ -156,7 +156,7 @@ func (l *live) startCollector(n *localcluster.Node) {
 	l.t.Helper()
 	loc, err := l.rel.Localize(l.colSpec, "collector", filepath.Join(l.dir, "collector-"+n.Name),
 		chart.Pod{Fields: map[string]string{"spec.nodeName": n.Name}, Token: func(aud string) (string, error) {
-			return l.c.PodToken(context.Background(), ns, sa, n.Name, aud)
+			return l.c.DaemonSetPodToken(context.Background(), ns, sa, n.Name, aud)
 		}})
 	if err != nil {
 		l.t.Fatal(err)
@@ -336,7 +336,7 @@ func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 		l.startAggregator(ip)
 	}
 	for _, n := range c.Nodes() {
-		tok, err := c.PodToken(ctx, ns, sa, n.Name, audience)
+		tok, err := c.DaemonSetPodToken(ctx, ns, sa, n.Name, audience)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -529,6 +529,28 @@ func (l *live) rejectedBy(t *testing.T, hello *stream.Message, raw []byte) strin
 	return m.Reject.Reason
 }
 
+// roguePodToken is a collector token of a pod someone who may create pods
+// in the namespace put on node: the collector's ServiceAccount and image,
+// and spec.nodeName set by hand rather than by the DaemonSet.
+func (l *live) roguePodToken(ctx context.Context, t *testing.T, node string) string {
+	t.Helper()
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "rogue-" + node},
+		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: sa, HostNetwork: true, Containers: l.colSpec.Containers}}
+	p, err := l.c.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		p, err = l.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, sa, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences: []string{audience}, BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: p.Name, UID: p.UID}}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr.Status.Token
+}
+
 func (l *live) badStreams(ctx context.Context, t *testing.T) {
 	other, err := l.c.PodToken(ctx, ns, sa, "agg-ipt", "not-proxyaudit")
 	if err != nil {
@@ -538,6 +560,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 		return &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 2}}
 	}
 	revoked := l.revokedToken(ctx, t, "agg-ipt")
+	rogue := l.roguePodToken(ctx, t, "agg-ipt")
 	expired := l.expiredToken(ctx, t, "agg-ipt")
 	huge := make([]byte, 4)
 	binary.BigEndian.PutUint32(huge, 100<<20)
@@ -553,6 +576,8 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 		{"wrong audience", hello("agg-ipt", other), nil, "audience"},
 		{"forged token", hello("agg-ipt", "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), nil, "unauthenticated"},
 		{"token of a pod that is gone", hello("agg-ipt", revoked), nil, "unauthenticated"},
+		// Whoever may create pods in the namespace can put one on any node.
+		{"token of a pod on the node that is not the DaemonSet's", hello("agg-ipt", rogue), nil, "is not a pod of DaemonSet"},
 		// The aggregator refuses an expired token itself, before any TokenReview.
 		{"expired token", hello("agg-ipt", expired), nil, "the token expired at"},
 		{"garbage", nil, []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "larger than the limit"},
