@@ -136,6 +136,14 @@ type server struct {
 	notifier *effect.Slack
 	streams  net.Listener
 	http     net.Listener
+	// tlsSecret keeps the stream listener's pair in a Secret (--tls-secret).
+	tlsSecret *tlsfile.SecretPair
+}
+
+// servingPair is the stream listener's certificate, from files or a Secret.
+type servingPair interface {
+	GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error)
+	NotAfter() time.Time
 }
 
 // build wires the aggregator from the options: listeners, authentication,
@@ -146,23 +154,37 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	if err != nil {
 		return nil, fmt.Errorf("--stream-listen: %v", err)
 	}
-	var pair *tlsfile.KeyPair
-	if o.certFile != "" {
+	var pair servingPair
+	reloaded := func(notAfter time.Time, err error) {
+		if err != nil {
+			log.Error("the TLS certificate changed but does not load: still serving the previous pair", zap.Error(err))
+			return
+		}
+		log.Info("TLS certificate loaded", zap.Time("not_after", notAfter))
+	}
+	switch {
+	case o.certFile != "":
 		// Re-read when the files change (cert-manager renewing the Secret):
 		// the next handshake uses the new pair, no restart.
-		if pair, err = tlsfile.LoadKeyPair(o.certFile, o.keyFile); err != nil {
+		kp, err := tlsfile.LoadKeyPair(o.certFile, o.keyFile)
+		if err != nil {
 			return nil, fmt.Errorf("--tls-cert-file/--tls-key-file: %v", err)
 		}
-		pair.Reloaded = func(notAfter time.Time, err error) {
-			if err != nil {
-				log.Error("the TLS certificate files changed but do not load: still serving the previous pair", zap.Error(err))
-				return
-			}
-			log.Info("TLS certificate reloaded", zap.Time("not_after", notAfter))
+		kp.Reloaded, pair = reloaded, kp
+	case o.tlsSecret != "":
+		s.tlsSecret = &tlsfile.SecretPair{Client: client, Namespace: o.leNamespace, Name: o.tlsSecret, Names: o.tlsNames(), Validity: o.tlsValidity, Reloaded: reloaded}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := s.tlsSecret.Ensure(ctx)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("--tls-secret: %v (the aggregator needs get and create on that Secret)", err)
 		}
+		pair = s.tlsSecret
+	default:
+		log.Warn("collector streams are not encrypted (no --tls-cert-file or --tls-secret): use only for local experiments")
+	}
+	if pair != nil {
 		ln = tls.NewListener(ln, &tls.Config{GetCertificate: pair.GetCertificate, MinVersion: tls.VersionTLS12})
-	} else {
-		log.Warn("collector streams are not encrypted (no --tls-cert-file): use only for local experiments")
 	}
 	s.streams = ln
 	if s.http, err = net.Listen("tcp", o.httpListen); err != nil {
@@ -188,7 +210,7 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	metrics := aggregator.NewMetrics()
 	if pair != nil {
 		metrics.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "proxyaudit_tls_certificate_expiry_timestamp_seconds",
-			Help: "When the stream listener's TLS certificate expires (Unix seconds); it is re-read when its files change."},
+			Help: "When the stream listener's TLS certificate expires (Unix seconds); it is re-read when its files or Secret change."},
 			func() float64 { return float64(pair.NotAfter().Unix()) }))
 	}
 	// Superseded versions stay matchable for four graces: a node lagging
@@ -299,6 +321,9 @@ func (s *server) serve(log *zap.Logger) int {
 	done := make(chan struct{})
 	go func() { s.view.Run(ctx); close(done) }()
 	go s.agg.Run(ctx)
+	if s.tlsSecret != nil {
+		go s.tlsSecret.Run(ctx)
+	}
 	if s.notifier != nil {
 		go s.notifier.Run(ctx)
 	}

@@ -34,6 +34,8 @@ type options struct {
 	collectorDS                   string
 	insecure                      bool
 	certFile, keyFile             string
+	tlsSecret, tlsServerNames     string
+	tlsValidity                   time.Duration
 	maxMessageBytes               int
 	readers, readerAudience       string
 	pprofListen                   string
@@ -92,6 +94,9 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.insecure, "insecure-no-auth", o.insecure, "accept streams without tokens: any client can report for any node (local experiments only; warns on every connection)")
 	fs.StringVar(&o.certFile, "tls-cert-file", o.certFile, "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
 	fs.StringVar(&o.keyFile, "tls-key-file", o.keyFile, "private key for --tls-cert-file")
+	fs.StringVar(&o.tlsSecret, "tls-secret", o.tlsSecret, "Secret in --leader-elect-namespace holding the stream listener's pair (tls.crt, tls.key) and the CA collectors trust (ca.crt); made by the aggregator when absent (ECDSA P-256, for --tls-server-names, valid --tls-validity) and read again every 30 s, so deleting it rotates the pair. Instead of --tls-cert-file")
+	fs.StringVar(&o.tlsServerNames, "tls-server-names", o.tlsServerNames, "comma-separated DNS names of a certificate --tls-secret makes (the Service names collectors dial)")
+	fs.DurationVar(&o.tlsValidity, "tls-validity", 3650*24*time.Hour, "validity of a CA and certificate --tls-secret makes")
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest stream message accepted; larger ones end the stream")
 	fs.DurationVar(&o.policy.WeightZeroLimit, "ipvs-weight-zero-limit", o.policy.WeightZeroLimit, "how long an IPVS real server may stay at weight 0 after its endpoint left the service (graceful termination keeps it while connections last) before it is a StaleEndpoint; raise it above your pods' longest terminationGracePeriodSeconds plus 15m; 0 never reports one")
 	fs.IntVar(&o.policy.MissingIntervals, "missing-intervals", o.policy.MissingIntervals, "collector intervals without a report before CollectorMissing")
@@ -154,6 +159,9 @@ func (o *options) validate() error {
 	if (o.certFile == "") != (o.keyFile == "") {
 		return errors.New("--tls-cert-file and --tls-key-file go together")
 	}
+	if o.tlsSecret != "" && (o.certFile != "" || len(o.tlsNames()) == 0 || o.tlsValidity <= 0) {
+		return errors.New("--tls-secret takes --tls-server-names and a positive --tls-validity, and not --tls-cert-file")
+	}
 	if _, o.streamPort, err = net.SplitHostPort(o.streamListen); err != nil {
 		return fmt.Errorf("--stream-listen %q: %v", o.streamListen, err)
 	}
@@ -180,6 +188,17 @@ func (o *options) validate() error {
 		return fmt.Errorf("--collector-daemonset %q: want namespace/name", o.collectorDS)
 	}
 	return nil
+}
+
+// tlsNames parses --tls-server-names.
+func (o *options) tlsNames() []string {
+	var out []string
+	for _, n := range strings.Split(o.tlsServerNames, ",") {
+		if n = strings.TrimSpace(n); n != "" {
+			out = append(out, n)
+		}
+	}
+	return out
 }
 
 // serviceAccounts parses --collector-service-accounts.

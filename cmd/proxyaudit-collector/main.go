@@ -6,6 +6,7 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -122,9 +123,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if fixed {
 		cfg.Reader = host.Reader(src)
 	}
+	var caMissing error
 	if *caFile != "" {
 		pool, err := tlsfile.LoadCA(*caFile)
-		if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			// The chart's aggregator makes the CA on its first start; the
+			// kubelet projects it a little later. Read at each connection.
+			pool, caMissing = x509.NewCertPool(), err
+		} else if err != nil {
 			return fail("--ca-file: %v", err)
 		}
 		name := *serverName
@@ -143,6 +149,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	defer log.Sync()
 	cfg.Log = log.With(zap.String("node", *node))
+	if caMissing != nil {
+		cfg.Log.Warn("no CA bundle yet: connections fail verification until it appears (the aggregator makes it on its first start)", zap.Error(caMissing))
+	}
 	// moby/ipvs logs through logrus (when it runs modprobe ip_vs).
 	logrus.SetOutput(zap.NewStdLog(log.Named("ipvs")).Writer())
 	if cfg.TLS == nil {

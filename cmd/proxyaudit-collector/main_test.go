@@ -22,12 +22,18 @@ func TestFlagsAndHelp(t *testing.T) {
 		t.Errorf("--help: exit %d\n%s", code, out.String())
 	}
 	t.Setenv("NODE_NAME", "")
+	junk := filepath.Join(t.TempDir(), "ca.crt")
+	if err := os.WriteFile(junk, []byte("not PEM"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	for name, args := range map[string][]string{
 		"no node":       {"--aggregator", "a:1"},
 		"no aggregator": {"--node-name", "n"},
 		"bad mode":      {"--node-name", "n", "--aggregator", "a:1", "--mode", "userspace"},
 		"short":         {"--node-name", "n", "--aggregator", "a:1", "--interval", "10ms"},
-		"no CA":         {"--node-name", "n", "--aggregator", "a:1", "--ca-file", "/nonexistent"},
+		// A CA not there yet is waited for (the aggregator makes it on its
+		// first start); one that is there must be a CA.
+		"junk CA": {"--node-name", "n", "--aggregator", "a:1", "--ca-file", junk},
 	} {
 		var errb bytes.Buffer
 		if code := run(args, &errb, &errb); code != 2 || !strings.Contains(errb.String(), "proxyaudit-collector:") {

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 )
@@ -54,6 +55,9 @@ type Release struct {
 	Name, Namespace string
 	Manifest        []byte
 	Objects         []*unstructured.Unstructured
+	// Cluster, when set, supplies the Secrets the chart does not render
+	// (the TLS pair the aggregator makes), as the kubelet would.
+	Cluster kubernetes.Interface
 }
 
 // Render runs `helm template` with the values files and --set values.
@@ -322,6 +326,13 @@ func items(data map[string][]byte, keys []corev1.KeyToPath) (map[string][]byte, 
 // SecretData reads a rendered Secret's data and stringData.
 func (r *Release) SecretData(name string) (map[string][]byte, error) {
 	o := r.Find("Secret", name)
+	if o == nil && r.Cluster != nil {
+		s, err := r.Cluster.CoreV1().Secrets(r.Namespace).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("Secret %s/%s: %w", r.Namespace, name, err)
+		}
+		return s.Data, nil
+	}
 	if o == nil {
 		return nil, fmt.Errorf("the chart renders no Secret %s (an existing Secret is not available to a local run)", name)
 	}

@@ -27,6 +27,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 )
 
 // The chart's tests need only the API server: no nodes.
@@ -137,6 +138,35 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if strings.Contains(out, "WARNING") {
 		t.Errorf("default install warns:\n%s", out)
 	}
+	// The aggregator's first start makes the TLS pair (no pod runs here):
+	// as its ServiceAccount, with the flags the chart gave it.
+	dep, err := c.Client.AppsV1().Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	flag := func(name string) string {
+		for _, a := range dep.Spec.Template.Spec.Containers[0].Args {
+			if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+				return v
+			}
+		}
+		t.Fatalf("the aggregator has no --%s", name)
+		return ""
+	}
+	validity, err := time.ParseDuration(flag("tls-validity"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := &tlsfile.SecretPair{Client: serviceAccount(t, c, "proxyaudit", "proxyaudit-aggregator"), Namespace: "proxyaudit", Name: flag("tls-secret"),
+		Names: strings.Split(flag("tls-server-names"), ","), Validity: validity}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		if err = first.Ensure(ctx); err == nil || !apierrors.IsForbidden(err) || time.Now().After(deadline) {
+			break // a fresh RoleBinding takes a moment to count
+		}
+	}
+	if err != nil {
+		t.Fatalf("the aggregator's ServiceAccount cannot make its TLS pair: %v", err)
+	}
 	ca := func() []byte {
 		s, err := c.Client.CoreV1().Secrets("proxyaudit").Get(ctx, "proxyaudit-aggregator-tls", metav1.GetOptions{})
 		if err != nil {
@@ -146,7 +176,7 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	}
 	before := ca()
 	if len(before) == 0 {
-		t.Fatal("no generated CA")
+		t.Fatal("no CA in the aggregator's Secret")
 	}
 	// The README's commands, word for word, with the genuine kubectl.
 	for _, args := range [][]string{

@@ -2,12 +2,7 @@ package chart_test
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/x509"
-	"encoding/base64"
 	"encoding/json"
-	encpem "encoding/pem"
 	"flag"
 	"fmt"
 	"os"
@@ -20,7 +15,6 @@ import (
 	"go.yaml.in/yaml/v3"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
@@ -196,42 +190,22 @@ func TestDefaultShape(t *testing.T) {
 	if a.LivenessProbe.HTTPGet.Path != "/healthz" || a.ReadinessProbe.HTTPGet.Path != "/readyz" || agg.Affinity.PodAntiAffinity == nil {
 		t.Errorf("aggregator probes/affinity: %+v %+v %+v", a.LivenessProbe, a.ReadinessProbe, agg.Affinity)
 	}
-	for _, want := range []string{"--tls-cert-file=/etc/proxyaudit/tls/tls.crt", "--remediation=dry-run", "--leader-elect=true",
+	for _, want := range []string{"--tls-secret=proxyaudit-aggregator-tls", "--tls-validity=87600h", "--remediation=dry-run", "--leader-elect=true",
 		"--collector-service-accounts=proxyaudit/proxyaudit-collector", "--token-audience=proxyaudit"} {
 		if !slices.Contains(a.Args, want) {
 			t.Errorf("aggregator args lack %s: %v", want, a.Args)
 		}
 	}
 	for _, k := range []string{"PodDisruptionBudget/proxyaudit-aggregator", "Service/proxyaudit-aggregator", "Service/proxyaudit-aggregator-headless",
-		"Secret/proxyaudit-aggregator-tls", "Role/proxyaudit-report-reader"} {
+		"Role/proxyaudit-report-reader"} {
 		if !slices.Contains(r.Kinds(), k) {
 			t.Errorf("no %s in %v", k, r.Kinds())
 		}
 	}
-	// The generated pair: ECDSA P-256, the CA signing the aggregator's
-	// certificate for the names collectors dial.
-	sec := r.Find("Secret", "proxyaudit-aggregator-tls")
-	data, _, _ := unstructured.NestedStringMap(sec.Object, "data")
-	pem := func(k string) *x509.Certificate {
-		der, _ := base64.StdEncoding.DecodeString(data[k])
-		b, _ := encpem.Decode(der)
-		if b == nil {
-			t.Fatalf("Secret %s is not PEM", k)
-		}
-		c, err := x509.ParseCertificate(b.Bytes)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	ca, leaf := pem("ca.crt"), pem("tls.crt")
-	for _, c := range []*x509.Certificate{ca, leaf} {
-		if k, ok := c.PublicKey.(*ecdsa.PublicKey); !ok || k.Curve != elliptic.P256() {
-			t.Errorf("certificate %s: key %T, want ECDSA P-256", c.Subject, c.PublicKey)
-		}
-	}
-	if err := leaf.CheckSignatureFrom(ca); err != nil || !slices.Contains(leaf.DNSNames, "proxyaudit-aggregator.proxyaudit.svc") {
-		t.Errorf("aggregator certificate: names %v, signed by the CA: %v", leaf.DNSNames, err)
+	// No key in the manifest (or a Helm release): the aggregator makes the
+	// pair in the cluster.
+	if r.Find("Secret", "proxyaudit-aggregator-tls") != nil || strings.Contains(string(r.Manifest), "PRIVATE KEY") {
+		t.Error("the chart renders the TLS pair")
 	}
 	for _, k := range r.Kinds() {
 		if strings.HasPrefix(k, "ServiceMonitor/") || strings.HasPrefix(k, "PrometheusRule/") || strings.HasPrefix(k, "NetworkPolicy/") ||
@@ -259,6 +233,16 @@ func TestDefaultShape(t *testing.T) {
 }
 
 // Wrong values fail the render and say which value and why.
+// Rendered twice, the chart is the same: Argo CD and Flux render with
+// `helm template` on every sync, and a chart that generated its CA there
+// rolled a new one (and every pod with it) each time.
+func TestRenderIsStable(t *testing.T) {
+	a, b := render(t, nil), render(t, nil)
+	if !bytes.Equal(a.Manifest, b.Manifest) {
+		t.Error("two renders of the default chart differ")
+	}
+}
+
 func TestBadValuesAreRefused(t *testing.T) {
 	skipShort(t)
 	for set, says := range map[string]string{

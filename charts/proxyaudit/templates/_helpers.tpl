@@ -38,6 +38,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{/* The name in the aggregator's certificate; collectors verify it. */}}
 {{- define "proxyaudit.serverName" -}}{{ include "proxyaudit.aggregator" . }}.{{ .Release.Namespace }}.svc{{- end -}}
 
+{{- define "proxyaudit.tlsNames" -}}
+{{- $agg := include "proxyaudit.aggregator" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- join "," (list (include "proxyaudit.serverName" .) (printf "%s.%s.svc.cluster.local" $agg $ns) (printf "%s.%s" $agg $ns) $agg (printf "%s-headless.%s.svc" $agg $ns)) -}}
+{{- end }}
+
 {{- define "proxyaudit.tlsSecret" -}}
 {{- .Values.tls.existingSecret | default (printf "%s-tls" (include "proxyaudit.aggregator" .)) -}}
 {{- end -}}

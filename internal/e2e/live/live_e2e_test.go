@@ -102,6 +102,7 @@ func (l *live) deploy(ctx context.Context, sets []string) {
 	if l.rel, err = chart.Render(root, "proxyaudit", ns, nil, append(base, sets...)...); err != nil {
 		l.t.Fatal(err)
 	}
+	l.rel.Cluster = l.c.Client // the TLS Secret the aggregator makes
 	if err := l.rel.Apply(ctx, l.c.RESTConfig); err != nil {
 		l.t.Fatal(err)
 	}
@@ -491,7 +492,7 @@ func TestE2ELiveSystem(t *testing.T) {
 	})
 }
 
-// tlsConfig trusts the CA the chart generated, as the collectors do.
+// tlsConfig trusts the CA the aggregator made, as the collectors do.
 func (l *live) tlsConfig(t *testing.T) *tls.Config {
 	t.Helper()
 	data, err := l.rel.SecretData("proxyaudit-aggregator-tls")
