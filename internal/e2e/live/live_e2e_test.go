@@ -336,6 +336,14 @@ func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 		}
 		l.startAggregator(ip)
 	}
+	// The first replica to start makes the TLS pair; collectors mount its CA.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if _, err := l.rel.SecretData("proxyaudit-aggregator-tls"); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no TLS Secret made by the aggregators: %v\n%s", err, l.logs())
+		}
+	}
 	for _, n := range c.Nodes() {
 		tok, err := c.DaemonSetPodToken(ctx, ns, sa, n.Name, audience)
 		if err != nil {
