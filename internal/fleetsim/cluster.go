@@ -225,6 +225,10 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 type ProcStat struct {
 	RSS, PeakRSS int64         // bytes
 	CPU          time.Duration // user + system
+	// ChildCPU is the user + system time of the children it waited for:
+	// kube-proxy's iptables-restore and nft, the collector's
+	// iptables-save. Its own cost includes them.
+	ChildCPU time.Duration
 }
 
 // ReadProcStat reads pid's /proc status and stat.
@@ -256,11 +260,13 @@ func ReadProcStat(pid int) (ProcStat, error) {
 	// Fields after the command name (which may hold spaces) in parentheses.
 	s := string(stat)
 	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-	if len(f) < 13 {
+	if len(f) < 15 {
 		return ps, fmt.Errorf("short /proc/%d/stat", pid)
 	}
-	ut, _ := strconv.ParseInt(f[11], 10, 64)
-	st, _ := strconv.ParseInt(f[12], 10, 64)
-	ps.CPU = time.Duration(ut+st) * time.Second / 100 // USER_HZ is 100 on Linux
+	ticks := func(i int) time.Duration {
+		n, _ := strconv.ParseInt(f[i], 10, 64)
+		return time.Duration(n) * time.Second / 100 // USER_HZ is 100 on Linux
+	}
+	ps.CPU, ps.ChildCPU = ticks(11)+ticks(12), ticks(13)+ticks(14)
 	return ps, nil
 }
