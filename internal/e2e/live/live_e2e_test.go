@@ -539,12 +539,13 @@ func (l *live) rejectedBy(t *testing.T, hello *stream.Message, raw []byte) strin
 }
 
 // roguePodToken is a collector token of a pod someone who may create pods
-// in the namespace put on node: the collector's ServiceAccount and image,
-// and spec.nodeName set by hand rather than by the DaemonSet.
+// in the namespace put on node: the collector's own pod spec, with
+// spec.nodeName set by hand rather than by the DaemonSet.
 func (l *live) roguePodToken(ctx context.Context, t *testing.T, node string) string {
 	t.Helper()
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "rogue-" + node},
-		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: sa, HostNetwork: true, Containers: l.colSpec.Containers}}
+	spec := l.colSpec.DeepCopy()
+	spec.NodeName = node
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "rogue-" + node}, Spec: *spec}
 	p, err := l.c.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		p, err = l.c.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
