@@ -14,6 +14,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -140,7 +141,7 @@ func BenchmarkNodeCopyMemory(b *testing.B) {
 						held[i] = stream.NewPooledState(pool)
 					}
 					// Each node's report is decoded on its own.
-					if _, err := held[i].Apply(cloneReport(full)); err != nil {
+					if _, err := held[i].Apply(aggregator.CloneReport(full)); err != nil {
 						b.Fatal(err)
 					}
 				}
@@ -151,21 +152,6 @@ func BenchmarkNodeCopyMemory(b *testing.B) {
 			}
 		})
 	}
-}
-
-func cloneReport(r *stream.Report) *stream.Report {
-	cp := *r
-	cp.Frontends = make([]stream.Frontend, len(r.Frontends))
-	for i, f := range r.Frontends {
-		f.Key = string([]byte(f.Key))
-		eps := make([]string, len(f.Endpoints))
-		for j, e := range f.Endpoints {
-			eps[j] = string([]byte(e))
-		}
-		f.Endpoints = eps
-		cp.Frontends[i] = f
-	}
-	return &cp
 }
 
 func heapInUse() uint64 {
