@@ -41,6 +41,15 @@ func (f Finding) key() string {
 	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
 }
 
+// onNode is key without the node: a finding's identity within one node's
+// record. Assessments are shared among the nodes of a class showing the
+// same rules and name the node they were made for; the judge names the
+// node a finding is about when it reports it.
+func (f Finding) onNode() string {
+	f.Node = ""
+	return f.key()
+}
+
 // SortFindings orders findings by node, service, port, protocol, scope,
 // kind and endpoint.
 func SortFindings(fs []Finding) {

@@ -80,12 +80,14 @@ func BenchmarkNodeMemory(b *testing.B) {
 				for _, n := range ns[1:] {
 					a.judge.Forget(n.name)
 				}
+				clear(ns[1:]) // the backing array must not keep them
 				ns = ns[:1]
 				one := liveHeap()
 				b.ReportMetric(float64(int64(all)-int64(one))/(nodes-1)/1e3, "KB/node")
 				runtime.KeepAlive(ns)
 				runtime.KeepAlive(h)
 				runtime.KeepAlive(pool)
+				runtime.KeepAlive(a)
 			}
 		})
 	}

@@ -1,0 +1,47 @@
+package audit
+
+import (
+	"testing"
+	"time"
+)
+
+// Nodes of a class showing the same rules share one assessment, made for
+// the first of them: each node's findings still name that node, and a
+// draining real server keeps its age whichever node the shared copy was
+// made for.
+func TestSharedAssessmentsNameTheirNode(t *testing.T) {
+	p := DefaultPolicy()
+	p.Grace, p.WeightZeroLimit = time.Second, time.Minute
+	j := NewJudge(p)
+	h := NewHistory(time.Minute)
+	t0 := time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	h.Update(&State{}, t0)
+	made := func(node string) []ServiceAssessment {
+		return []ServiceAssessment{{Service: "ns/a", State: Divergent, Findings: []Finding{{Node: node, Kind: StaleEndpoint, Service: "ns/a", Endpoint: "198.18.5.5:80"}}},
+			{Service: "ns/b", State: InSync, Draining: []Finding{{Node: node, Kind: StaleEndpoint, Service: "ns/b", Endpoint: "198.18.6.6:80"}}}}
+	}
+	shared := made("n1")
+	for i, at := range []time.Time{t0, t0.Add(30 * time.Second), t0.Add(90 * time.Second)} {
+		as := shared
+		if i == 1 {
+			as = made("n3") // the next cycle's memo was made for another node
+		}
+		for _, n := range []string{"n1", "n2"} {
+			j.Heard(n, Heartbeat{At: at, Interval: time.Second})
+			j.Observe(n, at, 2, false, as, h)
+		}
+	}
+	v := j.Evaluate(t0.Add(90*time.Second), []string{"n1", "n2"})
+	got := map[string]int{}
+	for _, f := range v.Findings {
+		got[f.Node+" "+f.Endpoint]++
+	}
+	for _, n := range []string{"n1", "n2"} {
+		if got[n+" 198.18.5.5:80"] != 1 {
+			t.Errorf("%s: its divergent finding is not reported under its name: %v", n, got)
+		}
+		if got[n+" 198.18.6.6:80"] != 1 {
+			t.Errorf("%s: the real server draining for 90 s (limit 1m) is not reported under its name: %v", n, got)
+		}
+	}
+}
