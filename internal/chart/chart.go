@@ -329,7 +329,7 @@ func (r *Release) SecretData(name string) (map[string][]byte, error) {
 	if o == nil && r.Cluster != nil {
 		s, err := r.Cluster.CoreV1().Secrets(r.Namespace).Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
-			return nil, fmt.Errorf("Secret %s/%s: %w", r.Namespace, name, err)
+			return nil, fmt.Errorf("read the Secret %s/%s: %w", r.Namespace, name, err)
 		}
 		return s.Data, nil
 	}
