@@ -69,6 +69,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	mode := fs.String("mode", envOr("PROXYAUDIT_MODE", "auto"), "rules to read: auto (detect what kube-proxy programs), iptables, iptables-legacy, nftables, ipvs [PROXYAUDIT_MODE]")
 	interval := fs.Duration("interval", 10*time.Second, "heartbeat: how often to report (reading only when the change signal moved; IPVS always reads); the aggregator declares the collector missing after 3 intervals without a report")
 	fullRead := fs.Duration("full-read-interval", collector.DefaultFullReadInterval, "longest time between two reads of rules that have a change signal: the backstop for what a signal can miss (a same-size rewrite of one rule on the legacy iptables backend); on nf_tables, whose generation misses nothing, a guard read every 12 × this")
+	readBudget := fs.Float64("read-budget", collector.DefaultReadBudget, "share of a core reads may average while the rules keep changing: a read waits its predecessor's CPU divided by this after it began (at least 1 s, at most --interval), so a node under churn reads about once an interval at the anchors instead of after every kube-proxy commit; a change after a quiet spell is read at once")
 	tokenFile := fs.String("token-file", os.Getenv("PROXYAUDIT_TOKEN_FILE"), "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	caFile := fs.String("ca-file", os.Getenv("PROXYAUDIT_CA_FILE"), "CA bundle to verify the aggregator's TLS certificate; empty means plain TCP (local experiments only) [PROXYAUDIT_CA_FILE]")
 	serverName := fs.String("tls-server-name", os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"), "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name (replicas are dialled by IP, so an IP-only --aggregator needs this) [PROXYAUDIT_TLS_SERVER_NAME]")
@@ -114,7 +115,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if *fullRead < *interval {
 		return fail("--full-read-interval %s is shorter than --interval %s", *fullRead, *interval)
 	}
-	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, FullReadInterval: *fullRead, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version(), KubeProxyMetrics: *kpMetrics}
+	if *readBudget <= 0 || *readBudget > 1 {
+		return fail("--read-budget %g: want a share of a core in (0, 1]", *readBudget)
+	}
+	cfg := collector.Config{Node: *node, Aggregator: *agg, Interval: *interval, FullReadInterval: *fullRead, ReadBudget: *readBudget, TokenFile: *tokenFile, MaxMessageBytes: *maxMsg, Version: version(), KubeProxyMetrics: *kpMetrics}
 	src, fixed, err := collector.ParseMode(*mode)
 	if err != nil {
 		return fail("%v", err)

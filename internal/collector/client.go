@@ -55,7 +55,18 @@ type Config struct {
 	// FullReadInterval is the longest time between two reads of a source
 	// with a change signal, for what the signal can miss (default 5m).
 	FullReadInterval time.Duration
+	// ReadBudget is the share of a core reads may average while the rules
+	// keep changing: reads that changes or read-now requests cause start
+	// at least their last read's CPU divided by this apart (and at least
+	// 1 s, at most Interval). 0 means DefaultReadBudget.
+	ReadBudget float64
 }
+
+// DefaultReadBudget: 5 % of a core. At the anchors a read costs ~0.5 s of
+// CPU, so under sustained churn the collector reads every ~10 s (its
+// heartbeat interval) instead of after every kube-proxy commit; a change
+// after a quiet spell is still read at once.
+const DefaultReadBudget = 0.05
 
 // Run connects to the aggregator and reports until ctx ends, reconnecting
 // with jittered exponential backoff (1 s to 30 s) and following redirects
@@ -81,6 +92,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if cfg.FullReadInterval <= 0 {
 		cfg.FullReadInterval = DefaultFullReadInterval
+	}
+	if cfg.ReadBudget <= 0 {
+		cfg.ReadBudget = DefaultReadBudget
 	}
 	c := &client{cfg: cfg, reader: cfg.Reader}
 	c.cost.Reads = map[stream.ReadReason]uint64{}
@@ -327,10 +341,11 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 		pending stream.ReadReason // a read waiting out minReadGap
 		soon    <-chan time.Time
 	)
-	// readOrWait reads for why now, or once minReadGap has passed since
+	// readOrWait reads for why now, or once the read gap has passed since
 	// the last read began.
 	readOrWait := func(why stream.ReadReason) *stream.Report {
-		if left := minReadGap - c.cfg.Clock.Since(c.readAt); left > 0 && !c.readAt.IsZero() {
+		gap := readGap(time.Duration(c.cost.LastCPUSeconds*float64(time.Second)), c.cfg.ReadBudget, c.cfg.Interval)
+		if left := gap - c.cfg.Clock.Since(c.readAt); left > 0 && !c.readAt.IsZero() {
 			if pending == "" {
 				pending, soon = why, c.cfg.Clock.After(left)
 			}
@@ -467,6 +482,19 @@ const exactBackstop = 12
 // minReadGap is the least time between the starts of two reads that the
 // aggregator's read-now requests or announced changes can cause.
 const minReadGap = time.Second
+
+// readGap is the least time between the starts of two reads that changes
+// or read-now requests cause: minReadGap, stretched so that reads average
+// at most budget of a core (a read that cost cpu waits cpu/budget), never
+// longer than the heartbeat interval, so a node under churn still reports
+// what it shows at least once an interval.
+func readGap(cpu time.Duration, budget float64, interval time.Duration) time.Duration {
+	gap := minReadGap
+	if budget > 0 {
+		gap = max(gap, time.Duration(float64(cpu)/budget))
+	}
+	return min(gap, max(interval, minReadGap))
+}
 
 // settleDelay lets a burst of announced commits (kube-proxy's sync of
 // several tables, a partial restore) end before the read.

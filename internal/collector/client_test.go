@@ -137,6 +137,59 @@ func TestClientReadNow(t *testing.T) {
 	}
 }
 
+// Reads that cost CPU are spaced by their cost: with a budget of 5 % of a
+// core, a read that took 100 ms of CPU is followed by the next one no
+// sooner than 2 s after it began, however often the aggregator asks (or
+// kube-proxy commits). Before, a node under churn read once a second at
+// whatever a read cost: a quarter of a core at the anchors.
+func TestClientReadBudget(t *testing.T) {
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	burn := func() {
+		for start := collector.CPUTime(); collector.CPUTime()-start < 100*time.Millisecond; {
+		}
+	}
+	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) { burn(); return synthRules(t, 2), nil }}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads, ReadBudget: 0.05})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	report := func() time.Time {
+		t.Helper()
+		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		m, _, err := stream.Read(conn, 1<<20)
+		if err != nil || m.Type != stream.TypeReport {
+			t.Fatalf("want a report: %+v %v", m, err)
+		}
+		return time.Now()
+	}
+	first := report()
+	stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
+	if gap := report().Sub(first); gap < 1900*time.Millisecond || gap > 6*time.Second {
+		t.Errorf("a read costing 100 ms of CPU was followed %s later; want about 2 s (100 ms / 5 %%)", gap)
+	}
+}
+
+func TestReadGap(t *testing.T) {
+	for _, tc := range []struct {
+		cpu      time.Duration
+		budget   float64
+		interval time.Duration
+		want     time.Duration
+	}{
+		{10 * time.Millisecond, 0.05, 10 * time.Second, time.Second},       // cheap: the floor
+		{500 * time.Millisecond, 0.05, 10 * time.Second, 10 * time.Second}, // the anchors: every interval
+		{200 * time.Millisecond, 0.05, 10 * time.Second, 4 * time.Second},  // in between
+		{5 * time.Second, 0.05, 10 * time.Second, 10 * time.Second},        // never beyond the interval
+		{5 * time.Second, 0.05, 500 * time.Millisecond, time.Second},       // nor below the floor
+	} {
+		if got := collector.ReadGap(tc.cpu, tc.budget, tc.interval); got != tc.want {
+			t.Errorf("readGap(%s, %g, %s) = %s, want %s", tc.cpu, tc.budget, tc.interval, got, tc.want)
+		}
+	}
+}
+
 // A frozen kube-proxy holds a metrics scrape for its whole timeout; the
 // heartbeats go on at the interval all the same. Before, each heartbeat
 // waited for the scrape, and an IPVS node with a 2 s interval looked
