@@ -18,6 +18,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
 
 // Config is what an aggregator needs besides its View.
@@ -156,12 +157,13 @@ func New(cfg Config, view *View) *Aggregator {
 
 // StartedLeading makes this replica judge and accept streams, from a
 // clean memory (collectors resend full snapshots on connecting), without
-// an election: it leads until the process ends, in term 0.
-func (a *Aggregator) StartedLeading() { a.Lead(context.Background(), 0) }
+// an election: it leads until the process ends, unfenced (it is the only
+// replica).
+func (a *Aggregator) StartedLeading() { a.Lead(context.Background(), effect.Unfenced) }
 
 // Lead makes this replica judge and accept streams until ctx ends (the
 // elector cancels it when the lease is lost). Its remediation acts only
-// while ctx lives and with term (negative: not known yet, no action).
+// while ctx lives and with term (-1: not known yet, no action).
 func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -222,7 +224,7 @@ func (a *Aggregator) SetTerm(ctx context.Context, term int64) {
 func (a *Aggregator) Term() (int64, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	ok := a.leading && a.leadCtx != nil && a.leadCtx.Err() == nil && a.term >= 0
+	ok := a.leading && a.leadCtx != nil && a.leadCtx.Err() == nil && (a.term >= 0 || a.term == effect.Unfenced)
 	return a.term, ok
 }
 

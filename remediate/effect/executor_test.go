@@ -261,3 +261,26 @@ func TestStaticProxyIsRefusedNotRestarted(t *testing.T) {
 		t.Errorf("incident %+v; want open, no restart", inc)
 	}
 }
+
+// A replica that leads without an election (scaled down to one) is not
+// fenced by the term the last elected leader wrote, and leaves it.
+func TestUnelectedReplicaIsNotFenced(t *testing.T) {
+	objs := append(proxyNode(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents",
+		ResourceVersion: "1", Annotations: map[string]string{TermAnnotation: "5"}}})
+	client := fake.NewClientset(objs...)
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxShare = remediate.Restart, 1
+	ex := executor(t, client, clk, p, &pages{})
+	ex.Lead = func() (int64, bool) { return Unfenced, true }
+	if acted := rounds(t, ex, clk, p, 1, ""); len(acted) != 1 || acted[0] != remediate.RestartProxy {
+		t.Fatalf("actions %v", acted)
+	}
+	if _, err := client.CoreV1().Pods("kube-system").Get(context.Background(), "kube-proxy-a", metav1.GetOptions{}); err == nil {
+		t.Error("the unelected replica was fenced: kube-proxy not restarted")
+	}
+	cm, _ := client.CoreV1().ConfigMaps("proxyaudit").Get(context.Background(), "proxyaudit-incidents", metav1.GetOptions{})
+	if cm.Annotations[TermAnnotation] != "5" {
+		t.Errorf("recorded term %q, want the elected leader's 5 left as it was", cm.Annotations[TermAnnotation])
+	}
+}

@@ -39,6 +39,13 @@ type Incidents struct {
 // wrote it.
 const TermAnnotation = "proxyaudit.io/leader-term"
 
+// Unfenced is the term of a replica that leads without an election
+// (--leader-elect=false, one replica): its writes are not fenced and leave
+// the recorded term as it is. Without it, a fleet scaled from two
+// replicas to one would find every write refused by the last elected
+// leader's term.
+const Unfenced int64 = -2
+
 // ErrFenced refuses a write from a replica whose leadership term is older
 // than the record's: another replica has led since.
 var ErrFenced = errors.New("fenced: another replica has led since this one's term began")
@@ -113,7 +120,7 @@ func (s *Incidents) Update(ctx context.Context, term int64, now time.Time, chang
 			}
 			continue
 		}
-		if t := termOf(cm); t > term {
+		if t := termOf(cm); term != Unfenced && t > term {
 			return fmt.Errorf("%w (record written in term %d, this replica leads term %d)", ErrFenced, t, term)
 		}
 		all := make(map[string]remediate.Incident, len(cm.Data))
@@ -142,7 +149,9 @@ func (s *Incidents) Update(ctx context.Context, term int64, now time.Time, chang
 		if cm.Annotations == nil {
 			cm.Annotations = map[string]string{}
 		}
-		cm.Annotations[TermAnnotation] = strconv.FormatInt(term, 10)
+		if term != Unfenced {
+			cm.Annotations[TermAnnotation] = strconv.FormatInt(term, 10)
+		}
 		var out *corev1.ConfigMap
 		if !exists {
 			out, err = s.Client.CoreV1().ConfigMaps(s.Namespace).Create(ctx, cm, metav1.CreateOptions{})
