@@ -74,8 +74,8 @@ type Executor struct {
 	// write failed), until a write succeeds: the planner must not decide
 	// the same again every round (a failed record re-paged every second).
 	unrecorded map[string]remediate.Incident
-	// planned is each node's incident as the planner was given it this
-	// round: an action whose record changed meanwhile is not carried out.
+	// planned is each node's record as read this round: an action whose
+	// record changed meanwhile is not carried out.
 	planned map[string]remediate.Incident
 }
 
@@ -125,16 +125,20 @@ func (e *Executor) Incident(node string) remediate.Incident {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.init()
-	inc := e.dry[node]
-	if e.Policy.Mode != remediate.DryRun {
-		if u, ok := e.unrecorded[node]; ok {
-			inc = u
-		} else if e.Incidents != nil {
-			inc = e.Incidents.Get(node, e.now())
-		}
+	if e.Policy.Mode == remediate.DryRun {
+		return e.dry[node]
 	}
-	e.planned[node] = inc
-	return inc
+	var stored remediate.Incident
+	if e.Incidents != nil {
+		stored = e.Incidents.Get(node, e.now())
+	}
+	// The write is checked against the record as read, even when the
+	// planner is shown an incident whose write failed.
+	e.planned[node] = stored
+	if u, ok := e.unrecorded[node]; ok {
+		return u
+	}
+	return stored
 }
 
 // Prune drops from the record the nodes that left the cluster and the

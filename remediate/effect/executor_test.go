@@ -284,3 +284,39 @@ func TestUnelectedReplicaIsNotFenced(t *testing.T) {
 		t.Errorf("recorded term %q, want the elected leader's 5 left as it was", cm.Annotations[TermAnnotation])
 	}
 }
+
+// A record that could not be written is written with the next decision:
+// the page is not repeated meanwhile, and the resolve, once the node is
+// healthy, lands in the record and closes the page.
+func TestFailedRecordIsWrittenWithTheNextDecision(t *testing.T) {
+	client := fake.NewClientset(proxyNode()...)
+	failures := 1
+	for _, verb := range []string{"create", "update"} {
+		client.PrependReactor(verb, "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
+			if failures > 0 {
+				failures--
+				return true, nil, errors.New("etcd is unhappy")
+			}
+			return false, nil, nil
+		})
+	}
+	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	p := remediate.DefaultPolicy()
+	p.Mode = remediate.Restart
+	rec := &pages{}
+	ex := executor(t, client, clk, p, rec)
+	rounds(t, ex, clk, p, 3, "label x") // drifted, exempt: one page, its record failed
+	if err := ex.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	healthy := remediate.Fleet{Nodes: []remediate.Node{{Name: "node-a", Healthy: true, Incident: ex.Incident("node-a")}}}
+	if err := ex.Execute(context.Background(), remediate.Plan(clk.Now(), p, healthy), nil); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.kinds) != 2 || rec.kinds[0] != remediate.Page || rec.kinds[1] != remediate.Resolve {
+		t.Errorf("notices %v; want one page, then the resolve", rec.kinds)
+	}
+	if inc := stored(t, ex, "node-a"); !inc.Empty() || ex.Remembered() != 0 {
+		t.Errorf("after the resolve: record %+v, %d node(s) remembered; want nothing", inc, ex.Remembered())
+	}
+}
