@@ -129,12 +129,12 @@ func BenchmarkNodeCopyMemory(b *testing.B) {
 		b.Run(map[bool]string{false: "apart", true: "pooled"}[pooled], func(b *testing.B) {
 			for b.Loop() {
 				pool := stream.NewPool()
-				before := heapInUse()
+				before := aggregator.MemAfterGC().HeapInuse
 				held := make([]*stream.State, copies)
 				var first uint64
 				for i := range held {
 					if i == 1 {
-						first = heapInUse()
+						first = aggregator.MemAfterGC().HeapInuse
 					}
 					held[i] = stream.NewState()
 					if pooled {
@@ -145,19 +145,11 @@ func BenchmarkNodeCopyMemory(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				after := heapInUse()
+				after := aggregator.MemAfterGC().HeapInuse
 				b.ReportMetric(float64(first-before)/1e6, "MB-first-node")
 				b.ReportMetric(float64(after-first)/(copies-1)/1e6, "MB/further-node")
 				runtime.KeepAlive(held)
 			}
 		})
 	}
-}
-
-func heapInUse() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapInuse
 }

@@ -76,13 +76,13 @@ func BenchmarkNodeMemory(b *testing.B) {
 						b.Fatalf("a lagging node has %d assessments, want 200", len(ns[1].assessments))
 					}
 				}
-				all := liveHeap()
+				all := MemAfterGC().HeapAlloc
 				for _, n := range ns[1:] {
 					a.judge.Forget(n.name)
 				}
 				clear(ns[1:]) // the backing array must not keep them
 				ns = ns[:1]
-				one := liveHeap()
+				one := MemAfterGC().HeapAlloc
 				b.ReportMetric(float64(int64(all)-int64(one))/(nodes-1)/1e3, "KB/node")
 				runtime.KeepAlive(ns)
 				runtime.KeepAlive(h)
@@ -93,13 +93,14 @@ func BenchmarkNodeMemory(b *testing.B) {
 	}
 }
 
-// liveHeap is the bytes of live objects after two collections.
-func liveHeap() uint64 {
+// MemAfterGC is the memory statistics after two collections (also for
+// the package's external benchmarks).
+func MemAfterGC() runtime.MemStats {
 	runtime.GC()
 	runtime.GC()
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
-	return m.HeapAlloc
+	return m
 }
 
 // CloneReport copies a report's strings, as decoding each node's own

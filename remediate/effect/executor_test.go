@@ -62,6 +62,24 @@ func stored(t *testing.T, ex *Executor, node string) remediate.Incident {
 	return ex.Incidents.Get(node, ex.now())
 }
 
+// failing makes the fake API server refuse the first n of these verbs on
+// resource (every one when n < 0), as an unhappy etcd would.
+func failing(client *fake.Clientset, n int, resource string, verbs ...string) {
+	for _, verb := range verbs {
+		client.PrependReactor(verb, resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+			if n == 0 {
+				return false, nil, nil
+			}
+			n--
+			return true, nil, errors.New("the API server timed out")
+		})
+	}
+}
+
+func noon() *clocktesting.FakeClock {
+	return clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+}
+
 func proxyNode() []runtime.Object {
 	return []runtime.Object{
 		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}},
@@ -74,12 +92,8 @@ func proxyNode() []runtime.Object {
 // planner saw no incident and paged again every round (10 in 10).
 func TestFailedIncidentRecordPagesOnce(t *testing.T) {
 	client := fake.NewClientset(proxyNode()...)
-	for _, verb := range []string{"create", "update"} {
-		client.PrependReactor(verb, "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
-			return true, nil, errors.New("etcd is unhappy")
-		})
-	}
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	failing(client, -1, "configmaps", "create", "update")
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode = remediate.Restart
 	rec := &pages{}
@@ -94,15 +108,8 @@ func TestFailedIncidentRecordPagesOnce(t *testing.T) {
 // drifting after the recheck, the ladder cordoned it without a restart.
 func TestFailedRestartIsRetriedNotEscalated(t *testing.T) {
 	client := fake.NewClientset(proxyNode()...)
-	failures := 1
-	client.PrependReactor("delete", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
-		if failures > 0 {
-			failures--
-			return true, nil, errors.New("the API server timed out")
-		}
-		return false, nil, nil
-	})
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	failing(client, 1, "pods", "delete")
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare, p.Cooldown = remediate.RestartAndCordon, 1, 0
 	ex := executor(t, client, clk, p, &pages{})
@@ -131,7 +138,7 @@ func TestNodeCannotSteerItsRemediation(t *testing.T) {
 		"proxyaudit.io/incident-stage": "restarted", "proxyaudit.io/kube-proxy-restarts": "2099-01-01T00:00:00Z",
 		remediate.AnnotationCordoned: "2026-11-23T10:00:00Z"}}, Spec: corev1.NodeSpec{Unschedulable: true}})
 	client := fake.NewClientset(objs...)
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare = remediate.RestartAndCordon, 1
 	ex := executor(t, client, clk, p, &pages{})
@@ -165,7 +172,7 @@ func TestFutureRecordHoldsNoBudget(t *testing.T) {
 		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
 			Data: map[string]string{"node-b": `{"stage":"restarted","opened":"2099-01-01T00:00:00Z","restarts":["2099-01-01T00:00:00Z"]}`}})
 	client := fake.NewClientset(objs...)
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare = remediate.Restart, 1
 	ex := executor(t, client, clk, p, &pages{})
@@ -191,7 +198,7 @@ func TestFencedReplicaActsNot(t *testing.T) {
 			objs := append(proxyNode(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents",
 				ResourceVersion: "1", Annotations: map[string]string{TermAnnotation: "5"}}})
 			client := fake.NewClientset(objs...)
-			clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+			clk := noon()
 			p := remediate.DefaultPolicy()
 			p.Mode, p.MaxShare = remediate.Restart, 1
 			rec := &pages{}
@@ -217,7 +224,7 @@ func TestFencedReplicaActsNot(t *testing.T) {
 // The record follows the fleet: nodes that left, and nodes with nothing
 // left to remember, are dropped.
 func TestPruneFollowsTheFleet(t *testing.T) {
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	clk := noon()
 	old := clk.Now().Add(-48 * time.Hour).Format(time.RFC3339)
 	client := fake.NewClientset(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
 		Data: map[string]string{"gone": `{"stage":"open","opened":"2026-11-23T11:00:00Z"}`, "quiet": `{"restarts":["` + old + `"]}`,
@@ -246,7 +253,7 @@ func TestStaticProxyIsRefusedNotRestarted(t *testing.T) {
 	objs := proxyNode()
 	objs[1].(*corev1.Pod).Annotations = map[string]string{MirrorPodAnnotation: "x"}
 	client := fake.NewClientset(objs...)
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare = remediate.Restart, 1
 	ex := executor(t, client, clk, p, &pages{})
@@ -268,7 +275,7 @@ func TestUnelectedReplicaIsNotFenced(t *testing.T) {
 	objs := append(proxyNode(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents",
 		ResourceVersion: "1", Annotations: map[string]string{TermAnnotation: "5"}}})
 	client := fake.NewClientset(objs...)
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode, p.MaxShare = remediate.Restart, 1
 	ex := executor(t, client, clk, p, &pages{})
@@ -290,17 +297,8 @@ func TestUnelectedReplicaIsNotFenced(t *testing.T) {
 // healthy, lands in the record and closes the page.
 func TestFailedRecordIsWrittenWithTheNextDecision(t *testing.T) {
 	client := fake.NewClientset(proxyNode()...)
-	failures := 1
-	for _, verb := range []string{"create", "update"} {
-		client.PrependReactor(verb, "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
-			if failures > 0 {
-				failures--
-				return true, nil, errors.New("etcd is unhappy")
-			}
-			return false, nil, nil
-		})
-	}
-	clk := clocktesting.NewFakeClock(time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC))
+	failing(client, 1, "configmaps", "create", "update")
+	clk := noon()
 	p := remediate.DefaultPolicy()
 	p.Mode = remediate.Restart
 	rec := &pages{}
