@@ -8,6 +8,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/utils/ptr"
 )
 
 // Election is how replicas agree on a leader: a Lease, renewed by the
@@ -42,7 +43,7 @@ func RunElection(ctx context.Context, client kubernetes.Interface, e Election, a
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
 				a.Lead(ctx, -1)
-				a.SetTerm(ctx, leaseTerm(ctx, lock))
+				a.SetTerm(ctx, leaseTerm(ctx, client, e))
 			},
 			OnStoppedLeading: a.StoppedLeading,
 			OnNewLeader:      a.NewLeader,
@@ -61,16 +62,13 @@ func RunElection(ctx context.Context, client kubernetes.Interface, e Election, a
 // leaseTerm orders leaderships of the Lease just acquired: its creation
 // time (a Lease deleted and created anew starts a later lineage, its
 // transitions from 0 again) and the transitions client-go counts, which
-// grow with every change of holder. It retries until it can read the
-// Lease; -1 when the leadership ended first.
-func leaseTerm(ctx context.Context, lock resourcelock.Interface) int64 {
+// grow with every change of holder (up to 2^20 per lineage). It retries
+// until it can read the Lease; -1 when the leadership ended first.
+func leaseTerm(ctx context.Context, client kubernetes.Interface, e Election) int64 {
 	for {
-		if rec, _, err := lock.Get(ctx); err == nil {
-			if ll, ok := lock.(*resourcelock.LeaseLock); ok {
-				if lease, err := ll.Client.Leases(ll.LeaseMeta.Namespace).Get(ctx, ll.LeaseMeta.Name, metav1.GetOptions{}); err == nil {
-					return Term(lease.CreationTimestamp.Time, rec.LeaderTransitions)
-				}
-			}
+		if lease, err := client.CoordinationV1().Leases(e.Namespace).Get(ctx, e.Name, metav1.GetOptions{}); err == nil {
+			transitions := int64(min(max(ptr.Deref(lease.Spec.LeaseTransitions, 0), 0), 1<<20-1))
+			return lease.CreationTimestamp.Unix()<<20 | transitions
 		}
 		select {
 		case <-ctx.Done():
@@ -78,10 +76,4 @@ func leaseTerm(ctx context.Context, lock resourcelock.Interface) int64 {
 		case <-time.After(time.Second):
 		}
 	}
-}
-
-// Term is a leadership's term: later Lease lineages first, then more
-// transitions (up to 2^20 per lineage).
-func Term(created time.Time, transitions int) int64 {
-	return created.Unix()<<20 | int64(min(max(transitions, 0), 1<<20-1))
 }

@@ -54,7 +54,7 @@ func (b *DaemonSetBinding) Check(ctx context.Context, extra map[string]authnv1.E
 	}
 	pod, err := b.Client.CoreV1().Pods(b.Namespace).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
-		return fmt.Errorf("cannot read the token's pod %s/%s: %w", b.Namespace, name, err)
+		return fmt.Errorf("cannot read the token's pod %s/%s (the aggregator needs get on pods in %s): %w", b.Namespace, name, b.Namespace, err)
 	}
 	if string(pod.UID) != uid {
 		return fmt.Errorf("pod %s/%s is not the one the token was issued for", b.Namespace, name)
@@ -64,7 +64,7 @@ func (b *DaemonSetBinding) Check(ctx context.Context, extra map[string]authnv1.E
 	}
 	ref := metav1.GetControllerOf(pod)
 	if ref == nil || ref.Kind != "DaemonSet" || ref.Name != b.Name {
-		return fmt.Errorf("pod %s/%s is not a pod of DaemonSet %s/%s", b.Namespace, name, b.Namespace, b.Name)
+		return fmt.Errorf("pod %s/%s is not a pod of DaemonSet %s/%s (if the collectors run from another DaemonSet, name it in --collector-daemonset)", b.Namespace, name, b.Namespace, b.Name)
 	}
 	dsUID, err := b.daemonSet(ctx, ref.UID)
 	if err != nil {
@@ -102,7 +102,7 @@ func (b *DaemonSetBinding) daemonSet(ctx context.Context, want types.UID) (types
 	}
 	ds, err := b.Client.AppsV1().DaemonSets(b.Namespace).Get(ctx, b.Name, metav1.GetOptions{})
 	if err != nil {
-		return "", fmt.Errorf("cannot read DaemonSet %s/%s: %w", b.Namespace, b.Name, err)
+		return "", fmt.Errorf("cannot read DaemonSet %s/%s (--collector-daemonset; the aggregator needs get on it): %w", b.Namespace, b.Name, err)
 	}
 	b.mu.Lock()
 	b.uid = ds.UID
@@ -121,7 +121,7 @@ func (b *DaemonSetBinding) revision(ctx context.Context, name string, owner type
 	}
 	rev, err := b.Client.AppsV1().ControllerRevisions(b.Namespace).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
-		return nil, fmt.Errorf("cannot read its ControllerRevision %s: %w", name, err)
+		return nil, fmt.Errorf("cannot read its ControllerRevision %s (the aggregator needs get on controllerrevisions): %w", name, err)
 	}
 	if ref := metav1.GetControllerOf(rev); ref == nil || ref.UID != owner {
 		return nil, fmt.Errorf("ControllerRevision %s is not the DaemonSet's", name)
