@@ -227,7 +227,7 @@ func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (
 	}
 	s.view = aggregator.NewView(vcfg)
 	executor := &effect.Executor{Client: client, Policy: o.remediation, ProxyNamespace: o.proxyNamespace, ProxySelector: o.proxySelector,
-		Incidents: &effect.Incidents{Client: client, Namespace: o.leNamespace, Name: o.incidents},
+		Incidents: &effect.Incidents{Client: client, Namespace: o.leNamespace, Name: o.incidents, MaxAge: 30 * time.Second},
 		Log:       log.Named("remediate"), Component: "proxyaudit-aggregator", Clock: clk,
 		Observe: func(k remediate.ActionKind, out effect.Outcome) {
 			metrics.Actions.WithLabelValues(string(k), string(out)).Inc()

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -316,5 +317,59 @@ func TestFailedRecordIsWrittenWithTheNextDecision(t *testing.T) {
 	}
 	if inc := stored(t, ex, "node-a"); !inc.Empty() || ex.Remembered() != 0 {
 		t.Errorf("after the resolve: record %+v, %d node(s) remembered; want nothing", inc, ex.Remembered())
+	}
+}
+
+// The leader plans every second, but reads the record at most once per
+// MaxAge: its own writes keep its copy current, and a hand edit is seen
+// within MaxAge.
+func TestRecordIsReadOncePerMaxAge(t *testing.T) {
+	client := fake.NewClientset(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
+		Data: map[string]string{"node-a": `{"stage":"open","opened":"2026-11-23T11:00:00Z"}`}})
+	const maxAge = 300 * time.Millisecond
+	s := &Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents", MaxAge: maxAge}
+	gets := func() int {
+		n := 0
+		for _, a := range client.Actions() {
+			if a.GetVerb() == "get" && a.GetResource().Resource == "configmaps" {
+				n++
+			}
+		}
+		return n
+	}
+	ctx := context.Background()
+	now := time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	for range 10 {
+		if err := s.Load(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if g := gets(); g != 1 {
+		t.Fatalf("10 loads within MaxAge read the record %d times, want 1", g)
+	}
+	// Its own write is its copy: no read needed to see it.
+	err := s.Update(ctx, Unfenced, now, func(map[string]remediate.Incident) (map[string]remediate.Incident, error) {
+		return map[string]remediate.Incident{"node-b": {Stage: remediate.StageOpen, Opened: now}}, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if g, inc := gets(), s.Get("node-b", now); g != 1 || inc.Stage != remediate.StageOpen {
+		t.Fatalf("after its own write: %d reads, node-b %+v; want 1 read and the incident", g, inc)
+	}
+	// An operator clears node-a by hand: seen once the copy is MaxAge old.
+	if _, err := client.CoreV1().ConfigMaps("proxyaudit").Patch(ctx, "proxyaudit-incidents", types.MergePatchType,
+		[]byte(`{"data":{"node-a":null}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(maxAge + 50*time.Millisecond)
+	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if g, inc := gets(), s.Get("node-a", now); g != 2 || inc.Stage != "" {
+		t.Errorf("after MaxAge: %d reads, node-a %+v; want a second read showing the hand edit", g, inc)
 	}
 }

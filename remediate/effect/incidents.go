@@ -28,9 +28,16 @@ import (
 type Incidents struct {
 	Client          kubernetes.Interface
 	Namespace, Name string
+	// MaxAge: Load reads the record again only when the copy in hand is
+	// older (0: every Load reads). The leader plans every second; only it
+	// writes, and every write is a compare-and-swap that re-reads on a
+	// conflict, so a copy up to MaxAge old decides nothing wrongly: it
+	// only shows a hand edit that much later.
+	MaxAge time.Duration
 
-	mu sync.Mutex
-	cm *corev1.ConfigMap // last read or written; nil before the first Load
+	mu       sync.Mutex
+	cm       *corev1.ConfigMap // last read or written; nil before the first Load
+	copiedAt time.Time         // when cm was read or written (monotonic)
 	// exists: the API server has the ConfigMap (update, not create).
 	exists bool
 }
@@ -54,9 +61,22 @@ var ErrFenced = errors.New("fenced: another replica has led since this one's ter
 // (~6,000 incidents at once; a storm opens none).
 const maxRecordBytes = 900 << 10
 
-// Load reads the record; a missing one is empty (the first write creates
-// it). On error the last copy stays.
+// Load reads the record unless the copy in hand is younger than MaxAge;
+// a missing one is empty (the first write creates it). On error the last
+// copy stays.
 func (s *Incidents) Load(ctx context.Context) error {
+	s.mu.Lock()
+	fresh := s.cm != nil && s.MaxAge > 0 && time.Since(s.copiedAt) < s.MaxAge
+	s.mu.Unlock()
+	if fresh {
+		return nil
+	}
+	return s.read(ctx)
+}
+
+// read reads the record from the API server.
+func (s *Incidents) read(ctx context.Context) error {
+	at := time.Now()
 	cm, err := s.Client.CoreV1().ConfigMaps(s.Namespace).Get(ctx, s.Name, metav1.GetOptions{})
 	exists := err == nil
 	if apierrors.IsNotFound(err) {
@@ -67,7 +87,7 @@ func (s *Incidents) Load(ctx context.Context) error {
 		return fmt.Errorf("read the incident record (ConfigMap %s/%s): %w", s.Namespace, s.Name, err)
 	}
 	s.mu.Lock()
-	s.cm, s.exists = cm, exists
+	s.cm, s.exists, s.copiedAt = cm, exists, at
 	s.mu.Unlock()
 	return nil
 }
@@ -115,7 +135,7 @@ func (s *Incidents) Update(ctx context.Context, term int64, now time.Time, chang
 		cm, exists := s.cm.DeepCopy(), s.exists
 		s.mu.Unlock()
 		if cm == nil {
-			if err := s.Load(ctx); err != nil {
+			if err := s.read(ctx); err != nil {
 				return err
 			}
 			continue
@@ -160,12 +180,12 @@ func (s *Incidents) Update(ctx context.Context, term int64, now time.Time, chang
 		}
 		if err == nil {
 			s.mu.Lock()
-			s.cm, s.exists = out, true
+			s.cm, s.exists, s.copiedAt = out, true, time.Now()
 			s.mu.Unlock()
 			return nil
 		}
 		if (apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err)) && attempt < 5 {
-			if err := s.Load(ctx); err != nil {
+			if err := s.read(ctx); err != nil {
 				return err
 			}
 			continue
