@@ -117,8 +117,13 @@ func (o *options) client() (kubernetes.Interface, kubernetes.Interface, error) {
 		return nil, nil, fmt.Errorf("API client: %v", err)
 	}
 	rcfg := rest.CopyConfig(cfg)
-	rcfg.QPS = float32(o.reviewQPS + o.readerReviewQPS)
-	rcfg.Burst = o.reviewBurst + int(2*o.readerReviewQPS)
+	// Each admission is two requests: a collector's TokenReview and the
+	// GET of the pod its token names (--collector-daemonset); a reader's
+	// TokenReview and SubjectAccessReview. The budgets count admissions,
+	// so the client allows twice as many requests: at one each, the pod
+	// GETs halved the collectors admitted a second.
+	rcfg.QPS = float32(2 * (o.reviewQPS + o.readerReviewQPS))
+	rcfg.Burst = 2 * (o.reviewBurst + int(2*o.readerReviewQPS))
 	rcfg.UserAgent = "proxyaudit-aggregator/" + version() + " (reviews)"
 	reviews, err := kubernetes.NewForConfig(rcfg)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -79,6 +80,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
+	cpuProfile := fs.String("cpu-profile", "", "debugging: write a Go CPU profile of the whole run to this file (`go tool pprof`), finished when the collector stops")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -160,6 +162,17 @@ func run(args []string, stdout, stderr io.Writer) int {
 	logrus.SetOutput(zap.NewStdLog(log.Named("ipvs")).Writer())
 	if cfg.TLS == nil {
 		cfg.Log.Warn("streaming without TLS (--ca-file not set): use only for local experiments")
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fail("--cpu-profile: %v", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fail("--cpu-profile: %v", err)
+		}
+		defer f.Close()
+		defer pprof.StopCPUProfile()
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -152,6 +152,11 @@ func (r *rig) aggregator(b *testing.B, host string) {
 // collector starts the real collector on n, streaming to the aggregator.
 func (r *rig) collector(b *testing.B, n *localcluster.Node, args ...string) *localcluster.Process {
 	b.Helper()
+	// PROXYAUDIT_BENCH_PROFILE=DIR: a CPU profile of each collector run,
+	// DIR/collector-NODE.pprof.
+	if dir := os.Getenv("PROXYAUDIT_BENCH_PROFILE"); dir != "" {
+		args = append(args, "--cpu-profile", filepath.Join(dir, "collector-"+n.Name+".pprof"))
+	}
 	p, err := n.StartProcess("cost-collector-"+n.Name, append([]string{filepath.Join(r.bin, "proxyaudit-collector"),
 		"--node-name", n.Name, "--aggregator", r.stream}, args...)...)
 	if err != nil {
