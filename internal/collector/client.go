@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -106,51 +105,21 @@ func Run(ctx context.Context, cfg Config) error {
 			c.signal.Close()
 		}
 	}()
-	backoff := time.Second
-	preferred := ""
-	for ctx.Err() == nil {
-		leader, err := c.session(ctx, preferred)
+	Reconnect(ctx, cfg.Clock, c.session, func(err error, wait time.Duration) {
 		switch {
-		case ctx.Err() != nil:
-			return nil
-		case leader != "":
-			cfg.Log.Info("following the aggregator leader", zap.String("leader", leader))
-			preferred, backoff = leader, time.Second
-			continue
-		}
-		if c.streamed {
-			// A stream that was up ended (the leader went away): come
-			// back quickly, whatever it took to get that stream.
-			c.streamed, backoff = false, time.Second
-		}
-		wait := backoff/2 + time.Duration(rand.Int64N(int64(backoff)/2+1))
-		var busy *comeBack
-		if errors.As(err, &busy) {
-			// The aggregator said when it can take us (it spreads the
-			// crowd it refuses over its budget): come back then, to it,
-			// with a little jitter, without backing off.
-			wait = busy.after + time.Duration(rand.Int64N(int64(busy.after)/10+int64(100*time.Millisecond)))
+		case IsBusy(err):
 			cfg.Log.Info("aggregator busy admitting other collectors", zap.Duration("retry_in", wait))
-		} else {
-			preferred = ""
-			backoff = min(2*backoff, 30*time.Second)
-			if err != nil {
-				cfg.Log.Warn("stream to the aggregator ended", zap.Error(err), zap.Duration("retry_in", wait))
-			}
+		case err != nil:
+			cfg.Log.Warn("stream to the aggregator ended", zap.Error(err), zap.Duration("retry_in", wait))
 		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-cfg.Clock.After(wait):
-		}
-	}
+	})
 	return nil
 }
 
 type client struct {
 	cfg Config
-	// streamed: the aggregator welcomed the last session.
-	streamed bool
+	// welcomed: the aggregator welcomed the current session.
+	welcomed bool
 	reader   RuleReader
 	seq      uint64
 	lastKP   *stream.KubeProxy // sent on this stream
@@ -215,9 +184,16 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 	return out, errors.Join(errs...)
 }
 
-// session runs one connection. It returns the leader's address when the
+// session runs one connection (a Session for Reconnect).
+func (c *client) session(ctx context.Context, preferred string) (string, bool, error) {
+	c.welcomed = false
+	leader, err := c.connect(ctx, preferred)
+	return leader, c.welcomed, err
+}
+
+// connect runs one connection. It returns the leader's address when the
 // aggregator redirects, or the error that ended it.
-func (c *client) session(ctx context.Context, preferred string) (string, error) {
+func (c *client) connect(ctx context.Context, preferred string) (string, error) {
 	addrs, err := c.addresses(ctx, preferred)
 	if len(addrs) == 0 {
 		return "", err
@@ -266,26 +242,10 @@ func (c *client) session(ctx context.Context, preferred string) (string, error) 
 		return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
 	}
 	conn.SetReadDeadline(time.Time{})
-	switch reply.Type {
-	case stream.TypeWelcome:
-	case stream.TypeRedirect:
-		if reply.Redirect == nil || reply.Redirect.Leader == "" {
-			return "", errors.New("redirected without a leader address (no leader elected yet?)")
-		}
-		return reply.Redirect.Leader, nil
-	case stream.TypeReject:
-		reason := "no reason given"
-		if reply.Reject != nil {
-			reason = reply.Reject.Reason
-			if after := reply.Reject.RetryAfterSeconds; after > 0 {
-				return "", &comeBack{after: time.Duration(min(after, maxComeBack.Seconds()) * float64(time.Second)), reason: reason}
-			}
-		}
-		return "", fmt.Errorf("aggregator rejected this collector: %s", reason)
-	default:
-		return "", fmt.Errorf("unexpected %q answer to hello", reply.Type)
+	if leader, err := Answer(reply); leader != "" || err != nil {
+		return leader, err
 	}
-	c.streamed = true
+	c.welcomed = true
 	// refs: changed frontends go as their hashes; the aggregator asks for
 	// the content of those no node sent it yet. An aggregator that does
 	// not say so gets content.
@@ -452,21 +412,6 @@ func (c *client) credentials() (string, error) {
 	}
 	return strings.TrimSpace(string(b)), nil
 }
-
-// comeBack is a refusal that says when to retry: the aggregator is busy
-// reviewing the tokens of a fleet reconnecting.
-type comeBack struct {
-	after  time.Duration
-	reason string
-}
-
-func (e *comeBack) Error() string {
-	return fmt.Sprintf("aggregator busy: %s", e.reason)
-}
-
-// maxComeBack bounds how long an aggregator's busy refusal can park a
-// collector.
-const maxComeBack = time.Minute
 
 // DefaultFullReadInterval bounds how long a change a signal missed can go
 // unseen.
