@@ -80,6 +80,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
+	notifyMiB := fs.Int("notification-buffer-mib", collector.DefaultNotifyBuffer>>20, "receive buffer of the nf_tables change notifications in MiB (0: the kernel's default): one kube-proxy commit at 10k services announces tens of thousands of objects, and the nftables reader learns kube-proxy's new maps from them instead of dumping each; an overrun loses only that. The kernel charges it to the collector's cgroup while notifications wait to be read")
 	cpuProfile := fs.String("cpu-profile", "", "debugging: write a Go CPU profile of the whole run to this file (`go tool pprof`), finished when the collector stops")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -95,6 +96,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		debug.SetMemoryLimit(*memLimit << 20)
 	}
 	host := collector.NewHost()
+	if *notifyMiB < 0 || *notifyMiB > 1024 {
+		return fail("--notification-buffer-mib %d: want 0 to 1024", *notifyMiB)
+	}
+	host.NotifyBuffer = *notifyMiB << 20
 	switch *nftReader {
 	case "netlink":
 	case "nft-json":

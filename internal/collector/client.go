@@ -603,6 +603,13 @@ func (c *client) openSignal(src Source) {
 		c.cfg.Log.Info("this mode has no change signal: reading the rules every interval", zap.Stringer("mode", src))
 	default:
 		c.signal, c.legacy = sig, src.Legacy
+		// The nftables reader learns new maps from the notifications the
+		// signal receives anyway, instead of dumping each.
+		if f, ok := sig.(interface{ Feed(NotificationSink) }); ok {
+			if sink, ok := c.reader.(NotificationSink); ok {
+				f.Feed(sink)
+			}
+		}
 	}
 }
 

@@ -38,7 +38,18 @@ type nftNetlinkReader struct {
 	// tableHandle is the handle of the table the cache is of: a table
 	// deleted and created again numbers its sets from 1 again.
 	tableHandle uint64
+	// notes are the maps the change signal's notifications announced
+	// since (see mapNotes); noted and dumped count where the maps of the
+	// reads came from.
+	notes         mapNotes
+	noted, dumped atomic.Int64
 }
+
+// Note and Lost make the reader a NotificationSink of the change signal.
+func (r *nftNetlinkReader) Note(typ uint16, data []byte) { r.notes.Note(typ, data) }
+
+// Lost: see NotificationSink.
+func (r *nftNetlinkReader) Lost() { r.notes.Lost() }
 
 type cachedSet struct {
 	handle uint64
@@ -163,14 +174,27 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 				if !(st.vmap || st.dnatMap) || st.set == "" || looked[st.set] != nil {
 					continue
 				}
+				if els, ok := maps[st.set]; ok { // a named map, read above
+					looked[st.set] = decodeLookupMap(family, els)
+					continue
+				}
 				info, known := sets[st.set]
 				if c, ok := r.anon[st.set]; ok && known && info.anonymous && c.handle == info.handle {
 					looked[st.set], fresh[st.set] = c.m, c
 					continue
 				}
-				els, err := r.elements(ctx, fam, st.set, n)
-				if err != nil {
-					return nil, fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
+				els, ok := []nftElem(nil), false
+				if known && info.anonymous {
+					els, ok = r.notes.take(fam, info.handle)
+				}
+				if ok {
+					r.noted.Add(1)
+				} else {
+					var err error
+					if els, err = r.elements(ctx, fam, st.set, n); err != nil {
+						return nil, fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
+					}
+					r.dumped.Add(1)
 				}
 				m := decodeLookupMap(family, els)
 				looked[st.set] = m
@@ -180,6 +204,12 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 			}
 		}
 	}
+	// Maps announced but gone again (or never looked up) are forgotten.
+	var last uint64
+	for _, info := range sets {
+		last = max(last, info.handle)
+	}
+	r.notes.seen(fam, last)
 	for chain, rs := range rules {
 		out := make([][]audit.NFTStatement, len(rs))
 		for i, rule := range rs {

@@ -466,14 +466,21 @@ type setInfo struct {
 // decodeSet reads one NFT_MSG_NEWSET message body: the set's name, handle
 // and whether it is anonymous (bound to one rule, never changed).
 func decodeSet(data []byte) (string, setInfo, error) {
-	var name string
-	var info setInfo
+	_, name, info, err := decodeSetNote(data)
+	return name, info, err
+}
+
+// decodeSetNote is decodeSet with the set's table (a notification may be
+// of any table).
+func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
 	a, err := body(data, "set")
 	if err != nil {
-		return "", info, err
+		return "", "", info, err
 	}
 	for a.next() {
 		switch a.typ {
+		case unix.NFTA_SET_TABLE:
+			table = a.str()
 		case unix.NFTA_SET_NAME:
 			name = a.str()
 		case nftaSetHandle:
@@ -482,7 +489,24 @@ func decodeSet(data []byte) (string, setInfo, error) {
 			info.anonymous = a.u32()&unix.NFT_SET_ANONYMOUS != 0
 		}
 	}
-	return name, info, a.err
+	return table, name, info, a.err
+}
+
+// elemsOf reads the table and set an NFT_MSG_NEWSETELEM body is of.
+func elemsOf(data []byte) (table, set string) {
+	a, err := body(data, "set elements")
+	if err != nil {
+		return "", ""
+	}
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_SET_ELEM_LIST_TABLE:
+			table = a.str()
+		case unix.NFTA_SET_ELEM_LIST_SET:
+			set = a.str()
+		}
+	}
+	return table, set
 }
 
 // Attributes golang.org/x/sys does not name (linux/netfilter/nf_tables.h).

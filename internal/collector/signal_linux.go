@@ -29,7 +29,12 @@ type nftSignal struct {
 	mon    *netlink.Conn // the multicast subscription
 	done   chan struct{}
 	lost   atomic.Uint64
+	sink   atomic.Value // NotificationSink: every notification goes there too
 }
+
+// Feed hands every notification the subscription receives to sink (the
+// netlink reader learns new maps from them).
+func (s *nftSignal) Feed(sink NotificationSink) { s.sink.Store(sink) }
 
 var _ ChangeSignal = (*nftSignal)(nil)
 
@@ -39,7 +44,10 @@ const (
 	nftNewGen = netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_NEWGEN)
 )
 
-func openNFTSignal() (ChangeSignal, error) {
+// openNFTSignal opens the generation check and the notification
+// subscription, with a receive buffer of that many bytes (0: the
+// kernel's default).
+func openNFTSignal(buffer int) (ChangeSignal, error) {
 	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 	if err != nil {
 		return nil, fmt.Errorf("open nf_tables netlink: %w", err)
@@ -52,6 +60,12 @@ func openNFTSignal() (ChangeSignal, error) {
 	// A subscription that cannot be opened leaves the generation check
 	// at every interval: slower, never silent.
 	if mon, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{Groups: 1 << (unix.NFNLGRP_NFTABLES - 1)}); err == nil {
+		// Room for a commit's burst (SO_RCVBUFFORCE with CAP_NET_ADMIN):
+		// an overrun is survived, but costs the reader the maps it would
+		// have learnt.
+		if buffer > 0 {
+			_ = mon.SetReadBuffer(buffer)
+		}
 		s.mon = mon
 		go s.watch()
 	}
@@ -130,22 +144,33 @@ func (s *nftSignal) watch() {
 			return
 		default:
 		}
+		sink, _ := s.sink.Load().(NotificationSink)
 		if err != nil {
 			if errors.Is(err, unix.ENOBUFS) {
 				s.lost.Add(1)
+				if sink != nil {
+					sink.Lost()
+				}
 				s.fire()
 				continue
+			}
+			if sink != nil {
+				sink.Lost()
 			}
 			// The subscription broke: say so once, through a generation
 			// check, and stop (the interval check remains).
 			s.fire()
 			return
 		}
+		gen := false
 		for _, m := range msgs {
-			if m.Header.Type == nftNewGen {
-				s.fire()
-				break
+			if sink != nil {
+				sink.Note(uint16(m.Header.Type), m.Data)
 			}
+			gen = gen || m.Header.Type == nftNewGen
+		}
+		if gen {
+			s.fire()
 		}
 	}
 }
@@ -255,13 +280,13 @@ func (s *legacySignal) Close() {
 // openSignal opens the change signal of src: nf_tables for iptables-nft
 // and nftables mode, IPT_SO_GET_INFO for the legacy backend, none for
 // IPVS (which has neither a generation nor notifications).
-func openSignal(src Source) (ChangeSignal, error) {
+func openSignal(src Source, buffer int) (ChangeSignal, error) {
 	switch {
 	case src.Mode == audit.ModeIPVS:
 		return nil, nil
 	case src.Legacy:
 		return openLegacySignal()
 	default:
-		return openNFTSignal()
+		return openNFTSignal(buffer)
 	}
 }

@@ -2,4 +2,4 @@
 
 package collector
 
-func openSignal(Source) (ChangeSignal, error) { return nil, nil }
+func openSignal(Source, int) (ChangeSignal, error) { return nil, nil }

@@ -87,6 +87,14 @@ type ChangeSignal interface {
 	Close()
 }
 
+// NotificationSink takes the nf_tables notifications a change signal
+// receives anyway (NFNLGRP_NFTABLES): message type and body, in the order
+// the kernel sent them; Lost says some were dropped (ENOBUFS).
+type NotificationSink interface {
+	Note(typ uint16, data []byte)
+	Lost()
+}
+
 // Host is this node's kernel and tools as the collector reaches them.
 // NewHost wires the real ones; tests put fakes in the fields.
 type Host struct {
@@ -102,6 +110,9 @@ type Host struct {
 	// OpenSignal opens the change signal of a source; nil (and no error)
 	// when the source has none (IPVS).
 	OpenSignal func(src Source) (ChangeSignal, error)
+	// NotifyBuffer is the receive buffer of the nf_tables notification
+	// subscription in bytes (0: the kernel's default).
+	NotifyBuffer int
 	// NFTJSON reads nftables mode with `nft -j list table ip kube-proxy`
 	// instead of netlink (the fallback for a kernel the netlink reader
 	// cannot decode).
@@ -111,7 +122,8 @@ type Host struct {
 // NewHost returns the real host: tools from PATH, go-iptables, moby/ipvs,
 // the kernel's interfaces.
 func NewHost() *Host {
-	return &Host{
+	h := &Host{
+		NotifyBuffer: DefaultNotifyBuffer,
 		Exec:     utilexec.New(),
 		IPTables: openIPTables,
 		OpenIPVS: openIPVS,
@@ -119,9 +131,16 @@ func NewHost() *Host {
 			_, err := net.InterfaceByName(name)
 			return err == nil
 		},
-		OpenSignal: openSignal,
 	}
+	h.OpenSignal = func(src Source) (ChangeSignal, error) { return openSignal(src, h.NotifyBuffer) }
+	return h
 }
+
+// DefaultNotifyBuffer: one kube-proxy commit at 10k services announces
+// tens of thousands of objects (every new map element); room for such a
+// burst while the watcher catches up. The kernel charges it to the
+// collector's cgroup only while notifications wait to be read.
+const DefaultNotifyBuffer = 16 << 20
 
 // ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
 // programmed this node (yet), or runs in a mode proxyaudit cannot read.

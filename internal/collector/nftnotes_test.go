@@ -1,0 +1,161 @@
+//go:build linux
+
+package collector
+
+import (
+	"encoding/binary"
+	"testing"
+
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+)
+
+func msgType(t uint16) uint16 { return unix.NFNL_SUBSYS_NFTABLES<<8 | t }
+
+// setMsg builds an NFT_MSG_NEWSET (or DELSET) body.
+func setMsg(table, name string, handle uint64, flags uint32) []byte {
+	body, _ := netlink.MarshalAttributes([]netlink.Attribute{
+		{Type: unix.NFTA_SET_TABLE, Data: cstring(table)},
+		{Type: unix.NFTA_SET_NAME, Data: cstring(name)},
+		{Type: unix.NFTA_SET_FLAGS, Data: be32(flags)},
+		{Type: nftaSetHandle, Data: binary.BigEndian.AppendUint64(nil, handle)},
+	})
+	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
+}
+
+// setElemMsg is elemMsg for set name of table.
+func setElemMsg(table, set string, key byte, chain string) []byte {
+	m := elemMsg([]byte{key}, chain)
+	head, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: cstring(table)}})
+	// elemMsg names service-ips: rename by rebuilding its attributes.
+	ad, _ := netlink.NewAttributeDecoder(m[4:])
+	var rest []netlink.Attribute
+	for ad.Next() {
+		if ad.Type() == unix.NFTA_SET_ELEM_LIST_SET {
+			rest = append(rest, netlink.Attribute{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: cstring(set)})
+			continue
+		}
+		rest = append(rest, netlink.Attribute{Type: ad.Type() | ad.TypeFlags(), Data: ad.Bytes()})
+	}
+	b, _ := netlink.MarshalAttributes(rest)
+	return append(append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, head...), b...)
+}
+
+func tableMsg(name string) []byte {
+	b, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: cstring(name)}})
+	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, b...)
+}
+
+var genMsg = []byte{unix.NFPROTO_UNSPEC, 0, 0, 0}
+
+const anon = unix.NFT_SET_ANONYMOUS | unix.NFT_SET_CONSTANT | unix.NFT_SET_MAP
+
+// A map's elements are believed only from a commit that closed (NEWGEN)
+// with every notification received; anything doubtful is left to a dump.
+func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
+	fam := byte(unix.NFPROTO_IPV4)
+	commit := func(m *mapNotes, name string, handle uint64, close bool) {
+		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", name, handle, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", name, 0, "endpoint-a"))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", name, 1, "endpoint-b"))
+		if close {
+			m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		}
+	}
+	t.Run("whole commit", func(t *testing.T) {
+		var m mapNotes
+		commit(&m, "__map0", 7, true)
+		els, ok := m.take(fam, 7)
+		if !ok || len(els) != 2 || els[0].target != "endpoint-a" || els[1].target != "endpoint-b" {
+			t.Fatalf("take = %+v, %v; want both elements", els, ok)
+		}
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("a map was handed out twice")
+		}
+	})
+	t.Run("commit not closed yet", func(t *testing.T) {
+		var m mapNotes
+		commit(&m, "__map0", 7, false)
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("elements of an open commit were believed")
+		}
+	})
+	t.Run("notification lost mid-commit", func(t *testing.T) {
+		var m mapNotes
+		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "__map0", 0, "endpoint-a"))
+		m.Lost()
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "__map0", 1, "endpoint-b"))
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("a map with a lost notification was believed")
+		}
+	})
+	t.Run("lost after the commit", func(t *testing.T) {
+		var m mapNotes
+		commit(&m, "__map0", 7, true)
+		m.Lost()
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("what was learnt before an overrun survived it")
+		}
+	})
+	t.Run("table made again", func(t *testing.T) {
+		var m mapNotes
+		commit(&m, "__map0", 7, true)
+		m.Note(msgType(unix.NFT_MSG_DELTABLE), tableMsg("kube-proxy"))
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("a map of a deleted table answers for a new table's handle")
+		}
+	})
+	t.Run("other tables, named sets", func(t *testing.T) {
+		var m mapNotes
+		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("filter", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("filter", "__map0", 0, "x"))
+		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "service-ips", 8, unix.NFT_SET_MAP))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "service-ips", 0, "x"))
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("another table's map was taken for kube-proxy's")
+		}
+		if _, ok := m.take(fam, 8); ok {
+			t.Error("a named map (its elements change) was noted")
+		}
+	})
+	t.Run("deleted, and seen by a read", func(t *testing.T) {
+		var m mapNotes
+		commit(&m, "__map0", 7, true)
+		commit(&m, "__map1", 9, true)
+		m.Note(msgType(unix.NFT_MSG_DELSET), setMsg("kube-proxy", "__map0", 7, anon))
+		if _, ok := m.take(fam, 7); ok {
+			t.Error("a deleted map was handed out")
+		}
+		m.seen(fam, 9)
+		if len(m.done) != 0 || m.elems != 0 {
+			t.Errorf("after a read saw handles up to 9: %d maps, %d elements kept", len(m.done), m.elems)
+		}
+	})
+}
+
+// Hostile or garbled notifications: no panic, and never more than the
+// bound held.
+func FuzzMapNotes(f *testing.F) {
+	f.Add(uint16(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "__map0", 7, anon), setElemMsg("kube-proxy", "__map0", 0, "endpoint-a"))
+	f.Add(uint16(unix.NFT_MSG_NEWSETELEM), []byte{2, 0, 0, 0, 4, 0}, []byte{})
+	f.Fuzz(func(t *testing.T, typ uint16, a, b []byte) {
+		var m mapNotes
+		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "__map0", 7, anon))
+		for range 3 {
+			m.Note(msgType(typ&0xff), a)
+			m.Note(msgType(unix.NFT_MSG_NEWSETELEM), b)
+		}
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		if m.elems > maxNotedElems || m.elems < 0 {
+			t.Fatalf("%d elements held", m.elems)
+		}
+		m.take(byte(unix.NFPROTO_IPV4), 7)
+		m.seen(byte(unix.NFPROTO_IPV4), 1<<62)
+		if m.elems != 0 {
+			t.Fatalf("%d elements held after every map was seen", m.elems)
+		}
+	})
+}
