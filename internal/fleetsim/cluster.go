@@ -66,7 +66,7 @@ func Populate(ctx context.Context, client kubernetes.Interface, spec synth.Spec,
 		}
 	}
 	for i := range n {
-		if !send(func() error { return createNode(ctx, client, name(i), i) }) {
+		if !send(func() error { return CreateNode(ctx, client, name(i), i) }) {
 			break
 		}
 	}
@@ -136,10 +136,10 @@ func controllerLike(s *discoveryv1.EndpointSlice, svc *corev1.Service, nodes int
 	}
 }
 
-// createNode registers a node with the status a kubelet writes (Ready,
+// CreateNode registers a node with the status a kubelet writes (Ready,
 // addresses, system info, images), the size the aggregator's informer
 // holds for each node before its Trim transform.
-func createNode(ctx context.Context, client kubernetes.Interface, name string, i int) error {
+func CreateNode(ctx context.Context, client kubernetes.Interface, name string, i int) error {
 	n, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
 		"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "topology.kubernetes.io/zone": fmt.Sprintf("zone-%c", 'a'+i%3),
 	}}}, metav1.CreateOptions{})

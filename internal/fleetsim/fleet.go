@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -13,7 +14,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"k8s.io/utils/clock"
 )
 
 // Fleet is a set of simulated collectors, one per node, each streaming
@@ -22,7 +25,7 @@ import (
 // incident: kube-proxy's watch died, its syncs and health check go on).
 type Fleet struct {
 	truth    *Truth
-	addr     string
+	addrs    []string // every replica's stream address
 	interval time.Duration
 
 	nodes []*simNode
@@ -47,19 +50,26 @@ type Fleet struct {
 }
 
 type simNode struct {
-	name  string
 	lag   time.Duration
 	phase time.Duration
+	src   net.IP // source address: the aggregator limits reviews per source
 
-	mu     sync.Mutex
-	refs   bool     // offers to name frontends by hash
-	frozen *Version // non-nil while stuck
-	sent   *Version // what the aggregator's copy holds
-	before *Version // what it held before the last report
-	full   bool     // the next report is a full snapshot
-	seq    uint64
-	syncs  float64
-	last   string // last reject reason
+	mu    sync.Mutex
+	name  string
+	token string   // sent in the hello ("" without authentication)
+	conn  net.Conn // the stream up, if any
+	// welcomed is when the current stream was welcomed, heard when its
+	// first report was written (zero until then).
+	welcomed, heard time.Time
+	streams         int      // welcomed streams so far
+	refs            bool     // offers to name frontends by hash
+	frozen          *Version // non-nil while stuck
+	sent            *Version // what the aggregator's copy holds
+	before          *Version // what it held before the last report
+	full            bool     // the next report is a full snapshot
+	seq             uint64
+	syncs           float64
+	last            string // last reject reason
 }
 
 // encoded is a report without its seq: the frame is prefix + seq + rest.
@@ -73,10 +83,13 @@ type transitionKey struct {
 }
 
 // NewFleet prepares n nodes named name(i), reporting every interval to
-// the aggregator's stream address. Each node's kube-proxy lags the API by
-// a programming latency drawn from minLag..maxLag.
-func NewFleet(truth *Truth, addr string, n int, name func(int) string, interval, minLag, maxLag time.Duration) *Fleet {
-	f := &Fleet{truth: truth, addr: addr, interval: interval, reports: map[transitionKey]*encoded{}}
+// the aggregator's replicas at addrs (stream addresses; a follower
+// redirects to the leader). Each node's kube-proxy lags the API by a
+// programming latency drawn from minLag..maxLag. Each node connects from
+// a loopback address of its own (127.64.0.0/10), as collectors come from
+// their nodes' addresses.
+func NewFleet(truth *Truth, addrs []string, n int, name func(int) string, interval, minLag, maxLag time.Duration) *Fleet {
+	f := &Fleet{truth: truth, addrs: addrs, interval: interval, reports: map[transitionKey]*encoded{}}
 	rng := rand.New(rand.NewPCG(1, uint64(n)))
 	for i := range n {
 		f.nodes = append(f.nodes, &simNode{
@@ -84,9 +97,47 @@ func NewFleet(truth *Truth, addr string, n int, name func(int) string, interval,
 			lag:   minLag + time.Duration(rng.Int64N(int64(maxLag-minLag)+1)),
 			phase: time.Duration(rng.Int64N(int64(interval))),
 			full:  true,
+			src:   net.IPv4(127, 64+byte(i>>16&63), byte(i>>8), byte(i)),
 		})
 	}
 	return f
+}
+
+// SetToken gives node i the token its hellos carry from its next
+// connection on (the projected ServiceAccount token a collector reads).
+func (f *Fleet) SetToken(i int, token string) {
+	n := f.nodes[i]
+	n.mu.Lock()
+	n.token = token
+	n.mu.Unlock()
+}
+
+// Replace makes node i a new node: the old one left the cluster (its
+// stream ends), the new one, named name, connects with token (an
+// autoscaler's replacement). Its kube-proxy follows the API.
+func (f *Fleet) Replace(i int, name, token string) {
+	n := f.nodes[i]
+	n.mu.Lock()
+	n.name, n.token, n.frozen = name, token, nil
+	if n.conn != nil {
+		n.conn.Close()
+	}
+	n.mu.Unlock()
+}
+
+// Heard returns, for each node, how long after since the first report of
+// a stream welcomed after since was written; nodes not heard since then
+// are left out.
+func (f *Fleet) Heard(since time.Time) []time.Duration {
+	var out []time.Duration
+	for _, n := range f.nodes {
+		n.mu.Lock()
+		if !n.welcomed.Before(since) && !n.heard.IsZero() {
+			out = append(out, n.heard.Sub(since))
+		}
+		n.mu.Unlock()
+	}
+	return out
 }
 
 // UseRefs makes the nodes pick says name changed frontends by hash where
@@ -111,15 +162,17 @@ func (f *Fleet) Run(ctx context.Context, rampUp time.Duration) {
 				return
 			case <-time.After(delay):
 			}
-			for ctx.Err() == nil {
-				if err := f.stream(ctx, n); err != nil && ctx.Err() == nil {
+			// The collector's own reconnect policy: redirects, busy slots,
+			// backoff with jitter.
+			collector.Reconnect(ctx, clock.RealClock{}, func(ctx context.Context, preferred string) (string, bool, error) {
+				return f.session(ctx, n, i, preferred)
+			}, func(err error, _ time.Duration) {
+				if err != nil {
 					n.mu.Lock()
 					n.last = err.Error()
-					n.full = true
 					n.mu.Unlock()
-					time.Sleep(time.Second + time.Duration(rand.Int64N(int64(time.Second))))
 				}
-			}
+			})
 		}()
 	}
 	wg.Wait()
@@ -147,17 +200,23 @@ func (f *Fleet) Thaw(i int) {
 // Sent returns the version node name last reported (nil before any).
 func (f *Fleet) Sent(name string) *Version {
 	for _, n := range f.nodes {
+		n.mu.Lock()
 		if n.name == name {
-			n.mu.Lock()
 			defer n.mu.Unlock()
 			return n.sent
 		}
+		n.mu.Unlock()
 	}
 	return nil
 }
 
 // Name returns node i's name.
-func (f *Fleet) Name(i int) string { return f.nodes[i].name }
+func (f *Fleet) Name(i int) string {
+	n := f.nodes[i]
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.name
+}
 
 // LastErrors returns the last stream error of nodes that had one.
 func (f *Fleet) LastErrors() map[string]string {
@@ -172,33 +231,71 @@ func (f *Fleet) LastErrors() map[string]string {
 	return out
 }
 
-func (f *Fleet) stream(ctx context.Context, n *simNode) error {
-	d := net.Dialer{Timeout: 10 * time.Second}
-	c, err := d.DialContext(ctx, "tcp", f.addr)
-	if err != nil {
-		return err
+// session is one connection of node n (the i-th): to preferred first,
+// then to every replica, starting at one of its own so the fleet spreads.
+func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string) (string, bool, error) {
+	addrs := []string{}
+	if preferred != "" {
+		addrs = append(addrs, preferred)
+	}
+	for k := range f.addrs {
+		addrs = append(addrs, f.addrs[(i+k)%len(f.addrs)])
+	}
+	var c net.Conn
+	var err error
+	for _, a := range addrs {
+		d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: n.src}}
+		if c, err = d.DialContext(ctx, "tcp", a); err == nil {
+			break
+		}
+	}
+	if c == nil {
+		return "", false, err
 	}
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
-	w := bufio.NewWriterSize(c, 64<<10)
-	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: n.name, Version: "fleetsim", IntervalSeconds: f.interval.Seconds(), Refs: n.refs}}
+	n.mu.Lock()
+	name, token := n.name, n.token
+	n.mu.Unlock()
+	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: name, Token: token, Version: "fleetsim", IntervalSeconds: f.interval.Seconds(), Refs: n.refs}}
 	if err := stream.Write(c, hello); err != nil {
-		return err
+		return "", false, err
 	}
 	c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	m, _, err := stream.Read(c, 1<<20)
 	if err != nil {
-		return fmt.Errorf("hello: %w", err)
+		return "", false, fmt.Errorf("hello: %w", err)
 	}
 	c.SetReadDeadline(time.Time{})
-	if m.Type != stream.TypeWelcome {
-		f.Rejects.Add(1)
-		if m.Reject != nil {
-			return fmt.Errorf("rejected: %s", m.Reject.Reason)
+	if leader, err := collector.Answer(m); leader != "" || err != nil {
+		if m.Type == stream.TypeReject {
+			f.Rejects.Add(1)
 		}
-		return fmt.Errorf("answer to hello: %s", m.Type)
+		return leader, false, err
 	}
+	n.mu.Lock()
+	if n.name != name { // replaced while connecting
+		n.mu.Unlock()
+		return "", true, errors.New("replaced")
+	}
+	n.conn, n.welcomed, n.heard = c, time.Now(), time.Time{}
+	n.streams++
+	first := n.streams == 1
+	n.mu.Unlock()
+	defer func() {
+		n.mu.Lock()
+		if n.conn == c {
+			n.conn = nil
+		}
+		n.mu.Unlock()
+	}()
+	return "", true, f.stream(ctx, c, n, m, first)
+}
+
+// stream runs a welcomed stream until it ends.
+func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Message, first bool) error {
+	w := bufio.NewWriterSize(c, 64<<10)
 	refs := n.refs && m.Welcome != nil && m.Welcome.Refs
 	n.mu.Lock()
 	n.full, n.sent, n.before = true, nil, nil
@@ -243,12 +340,17 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 			}
 		}
 	}()
-	select {
-	case <-ctx.Done():
-		return nil
-	case err := <-errc:
-		return err
-	case <-time.After(n.phase):
+	// The first stream starts at the node's phase in the interval (the
+	// fleet spreads); a collector whose stream was replaced resends what
+	// it read last at once.
+	if first {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-errc:
+			return err
+		case <-time.After(n.phase):
+		}
 	}
 	tick := time.NewTicker(f.interval)
 	defer tick.Stop()
@@ -276,6 +378,11 @@ func (f *Fleet) stream(ctx context.Context, n *simNode) error {
 		}
 		sent(frame)
 		f.Reports.Add(1)
+		n.mu.Lock()
+		if n.heard.IsZero() {
+			n.heard = time.Now()
+		}
+		n.mu.Unlock()
 	wait:
 		select {
 		case <-ctx.Done():
