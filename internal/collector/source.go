@@ -124,9 +124,9 @@ type Host struct {
 func NewHost() *Host {
 	h := &Host{
 		NotifyBuffer: DefaultNotifyBuffer,
-		Exec:     utilexec.New(),
-		IPTables: openIPTables,
-		OpenIPVS: openIPVS,
+		Exec:         utilexec.New(),
+		IPTables:     openIPTables,
+		OpenIPVS:     openIPVS,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
 			return err == nil
