@@ -183,20 +183,21 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 					looked[st.set], fresh[st.set] = c.m, c
 					continue
 				}
-				els, ok := []nftElem(nil), false
+				var m *lookupMap
+				ok := false
 				if known && info.anonymous {
-					els, ok = r.notes.take(fam, info.handle)
+					m, ok = r.notes.take(fam, info.handle)
 				}
 				if ok {
 					r.noted.Add(1)
 				} else {
-					var err error
-					if els, err = r.elements(ctx, fam, st.set, n); err != nil {
+					els, err := r.elements(ctx, fam, st.set, n)
+					if err != nil {
 						return nil, fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
 					}
 					r.dumped.Add(1)
+					m = decodeLookupMap(family, els)
 				}
-				m := decodeLookupMap(family, els)
 				looked[st.set] = m
 				if known && info.anonymous {
 					fresh[st.set] = cachedSet{handle: info.handle, m: m}

@@ -65,9 +65,9 @@ func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 	t.Run("whole commit", func(t *testing.T) {
 		var m mapNotes
 		commit(&m, "__map0", 7, true)
-		els, ok := m.take(fam, 7)
-		if !ok || len(els) != 2 || els[0].target != "endpoint-a" || els[1].target != "endpoint-b" {
-			t.Fatalf("take = %+v, %v; want both elements", els, ok)
+		lm, ok := m.take(fam, 7)
+		if !ok || lm == nil || len(lm.targets) != 2 || lm.targets[0] != "endpoint-a" || lm.targets[1] != "endpoint-b" {
+			t.Fatalf("take = %+v, %v; want both elements", lm, ok)
 		}
 		if _, ok := m.take(fam, 7); ok {
 			t.Error("a map was handed out twice")
