@@ -1,6 +1,7 @@
 package aggregator
 
 import (
+	"encoding/binary"
 	"fmt"
 	"net"
 	"strings"
@@ -201,5 +202,66 @@ func TestStreamChurnLeaksNothing(t *testing.T) {
 		t.Errorf("600 churned streams (100 made-up node names) grew /metrics from %d to %d series", before, after)
 	} else {
 		t.Logf("/metrics: %d series before 600 churned streams, %d after", before, after)
+	}
+}
+
+// TestBehindLeaderLeavesBytesInSockets: while the decode budget is spent
+// (the leader is behind), a report's body stays in the connection, not
+// in the leader's heap: the sender's write does not complete until the
+// budget frees. A hello is not budgeted (an unauthenticated peer must not
+// be able to hold the budget), so it is read at once.
+func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
+	a := New(Config{DecodeBudget: 1 << 20}, &View{})
+	frame := func(size int) (hdr, body []byte) {
+		body = []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", size) + `"]}}`)
+		return binary.BigEndian.AppendUint32(nil, uint32(len(body))), body
+	}
+	held := a.budget.Take(1 << 20) // everything: the leader is behind
+	server, client := net.Pipe()
+	defer client.Close()
+	done := make(chan error, 1)
+	go func() {
+		_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true)
+		release()
+		done <- err
+	}()
+	hdr, body := frame(100 << 10)
+	if _, err := client.Write(hdr); err != nil {
+		t.Fatal(err)
+	}
+	client.SetWriteDeadline(time.Now().Add(300 * time.Millisecond))
+	n, err := client.Write(body)
+	if err == nil || n == len(body) {
+		t.Fatalf("the report's body was read (%d of %d bytes) while the budget was spent", n, len(body))
+	}
+	a.budget.Give(held)
+	client.SetWriteDeadline(time.Time{})
+	go client.Write(body[n:]) // what the first write left
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the report, read once the budget freed: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the report was not read once the budget freed")
+	}
+
+	// A hello is read whatever the budget.
+	held = a.budget.Take(1 << 20)
+	defer a.budget.Give(held)
+	server2, client2 := net.Pipe()
+	defer client2.Close()
+	go func() {
+		_, _, release, err := a.read(&conn{Conn: server2}, maxHelloBytes, false)
+		release()
+		done <- err
+	}()
+	hdr, body = frame(30 << 10)
+	client2.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	if _, err := client2.Write(append(hdr, body...)); err != nil {
+		t.Fatalf("a hello waited for the decode budget: %v", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -180,18 +180,31 @@ func readReason(err error) RejectReason {
 	}
 }
 
-// read receives one message of at most max bytes. A large one is decoded
-// and held only within the decode budget; release returns its share once
-// the message is applied.
-func (a *Aggregator) read(c *conn, max int) (m *stream.Message, n int, release func(), err error) {
-	body, n, err := stream.ReadFrame(c, max)
+// read receives one message of at most max bytes. With budgeted, a large
+// one is read, decoded and held only within the decode budget; release
+// returns its share once the message is applied. A hello is not budgeted:
+// an unauthenticated peer trickling one must not hold the budget
+// (hellos are small and their connections few, see pendingGate).
+func (a *Aggregator) read(c *conn, max int, budgeted bool) (m *stream.Message, n int, release func(), err error) {
+	size, err := stream.ReadHeader(c, max)
 	if err != nil {
-		return nil, n, func() {}, err
+		return nil, size + 4, func() {}, err
 	}
+	n = size + 4
 	release = func() {}
-	if len(body) > smallMessage {
-		took := a.budget.Take(len(body))
+	if budgeted && size > smallMessage {
+		// The budget is taken before the body is read: while the leader
+		// is behind, the bytes wait in the sockets (the collectors' writes
+		// slow down) instead of in its heap. A frame takes at most an
+		// eighth of the budget, so a few streams trickling huge frames
+		// cannot hold all of it (each is cut at its read deadline).
+		took := a.budget.Take(min(size, a.cfg.DecodeBudget/8))
 		release = func() { a.budget.Give(took) }
+	}
+	body, err := stream.ReadBody(c, size)
+	if err != nil {
+		release()
+		return nil, n, func() {}, err
 	}
 	if m, err = stream.Decode(body); err != nil {
 		release()
@@ -206,11 +219,13 @@ func (a *Aggregator) read(c *conn, max int) (m *stream.Message, n int, release f
 	return m, n, release, nil
 }
 
-// smallMessage: a steady report (a root digest) or a small delta skips the
-// decode budget. maxHelloBytes bounds the one message read before a
-// collector is authenticated.
+// smallMessage: a steady report (a root digest, ~200 bytes) or a small
+// delta skips the decode budget; everything larger counts (at 5,000 nodes
+// the ~60 KB reports under churn, exempt below 64 KB, took the leader to
+// 11 GB while it was behind). maxHelloBytes bounds the one message read
+// before a collector is authenticated.
 const (
-	smallMessage  = 64 << 10
+	smallMessage  = 4 << 10
 	maxHelloBytes = 64 << 10
 )
 
@@ -221,7 +236,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	log := a.cfg.Log.With(zap.String("remote", c.RemoteAddr().String()))
 
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	m, _, release, err := a.read(c, maxHelloBytes)
+	m, _, release, err := a.read(c, maxHelloBytes, false)
 	release()
 	if err != nil {
 		if !errors.Is(err, io.EOF) {
@@ -350,7 +365,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	}
 	for {
 		c.SetReadDeadline(time.Now().Add(time.Duration(a.cfg.Policy.MissingIntervals)*interval + 15*time.Second))
-		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes)
+		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes, true)
 		if err != nil {
 			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
 				log.Info("collector stream closed")

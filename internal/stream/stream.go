@@ -369,14 +369,30 @@ func Read(r io.Reader, max int) (*Message, int, error) {
 // bytes that arrive, not the length the header claims: a peer that claims
 // 16 MiB and sends four bytes costs a few KiB.
 func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
+	n, err := ReadHeader(r, max)
+	if err != nil {
+		return nil, n, err
+	}
+	body, err := ReadBody(r, n)
+	return body, n + 4, err
+}
+
+// ReadHeader reads a frame's length: the body's bytes, at most max.
+func ReadHeader(r io.Reader, max int) (int, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return nil, 0, err
+		return 0, err
 	}
 	n := int(binary.BigEndian.Uint32(hdr[:]))
 	if n > max {
-		return nil, n, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, max)
+		return n, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, max)
 	}
+	return n, nil
+}
+
+// ReadBody reads a frame's body of n bytes (its header read), growing
+// the buffer as the bytes arrive.
+func ReadBody(r io.Reader, n int) ([]byte, error) {
 	body := make([]byte, 0, min(n, firstChunk))
 	for len(body) < n {
 		if len(body) == cap(body) {
@@ -391,10 +407,10 @@ func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
 			if err == io.EOF {
 				err = io.ErrUnexpectedEOF
 			}
-			return nil, n, fmt.Errorf("truncated message: %w", err)
+			return nil, fmt.Errorf("truncated message: %w", err)
 		}
 	}
-	return body, n + 4, nil
+	return body, nil
 }
 
 // firstChunk is what a frame's body gets before its bytes arrive.
