@@ -118,6 +118,7 @@ const (
 type nodeRecord struct {
 	expectedSince time.Time // when the judge first expected reports
 	reported      time.Time
+	alive         time.Time // last heard from, report judged or not (Alive)
 	interval      time.Duration
 	mode          Mode
 	readError     string
@@ -199,6 +200,16 @@ type KubeProxySignal struct {
 	Error                  string    `json:"error,omitempty"`
 	// Version is kube-proxy's git version, from kubernetes_build_info.
 	Version string `json:"version,omitempty"`
+}
+
+// Alive records that node's collector was heard from at at, before its
+// report could be judged (it waits behind others): a node heard from is
+// not missing, though its rules are judged only from its reports.
+func (j *Judge) Alive(node string, at time.Time) {
+	r := j.record(node, at)
+	if at.After(r.alive) {
+		r.alive = at
+	}
 }
 
 // Heard records that node's collector reported.
@@ -348,7 +359,7 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 	}
 	names := make([]string, 0, len(j.nodes))
 	for n, r := range j.nodes {
-		if !inCluster[n] && (r.reported.IsZero() || now.Sub(r.reported) > j.allowance(r)) {
+		if last := r.lastHeard(); !inCluster[n] && (last.IsZero() || now.Sub(last) > j.allowance(r)) {
 			delete(j.nodes, n)
 			continue
 		}
@@ -412,17 +423,21 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 	}
 	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy, Collector: r.cost}
 	switch {
-	case r.reported.IsZero() && now.Sub(r.expectedSince) <= allowance:
+	case r.lastHeard().IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending
 		return st, nil, false
-	case r.reported.IsZero():
+	case r.lastHeard().IsZero():
 		st.State = NodeMissing
 		return st, []TimedFinding{{Since: r.expectedSince, Finding: Finding{Node: name, Kind: CollectorMissing,
 			Detail: fmt.Sprintf("no collector has reported for this node since the aggregator started expecting it (%s ago): check the collector DaemonSet pod on this node", now.Sub(r.expectedSince).Round(time.Second))}}}, true
-	case now.Sub(r.reported) > allowance:
+	case now.Sub(r.lastHeard()) > allowance:
 		st.State = NodeMissing
-		return st, []TimedFinding{{Since: r.reported, Finding: Finding{Node: name, Kind: CollectorMissing,
-			Detail: fmt.Sprintf("last report %s ago (%d intervals of %s): the collector or its stream is down; the node's rules are unknown, not stale", now.Sub(r.reported).Round(time.Second), p.MissingIntervals, interval)}}}, true
+		return st, []TimedFinding{{Since: r.lastHeard(), Finding: Finding{Node: name, Kind: CollectorMissing,
+			Detail: fmt.Sprintf("last report %s ago (%d intervals of %s): the collector or its stream is down; the node's rules are unknown, not stale", now.Sub(r.lastHeard()).Round(time.Second), p.MissingIntervals, interval)}}}, true
+	case r.reported.IsZero():
+		// Heard from, its first report still waiting to be judged.
+		st.State = NodePending
+		return st, nil, false
 	case r.readError != "" && now.Sub(r.readErrSince) > allowance:
 		st.State = NodeMissing
 		return st, []TimedFinding{{Since: r.readErrSince, Finding: Finding{Node: name, Kind: CollectorMissing,
@@ -546,4 +561,13 @@ func (k *KubeProxySignal) describe() string {
 		return fmt.Sprintf("; kube-proxy's own metrics show %d endpoint and %d service changes pending, last sync at %s (node clock): it knows, but is not syncing",
 			k.EndpointChangesPending, k.ServiceChangesPending, k.LastSync.UTC().Format(time.RFC3339))
 	}
+}
+
+// lastHeard is the last time the node's collector was heard from: its
+// last judged report, or a report still waiting to be judged.
+func (r *nodeRecord) lastHeard() time.Time {
+	if r.alive.After(r.reported) {
+		return r.alive
+	}
+	return r.reported
 }

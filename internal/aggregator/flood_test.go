@@ -220,8 +220,9 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	server, client := net.Pipe()
 	defer client.Close()
 	done := make(chan error, 1)
+	alive := make(chan struct{}, 1)
 	go func() {
-		_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true)
+		_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, func() { alive <- struct{}{} })
 		release()
 		done <- err
 	}()
@@ -233,6 +234,14 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	n, err := client.Write(body)
 	if err == nil || n == len(body) {
 		t.Fatalf("the report's body was read (%d of %d bytes) while the budget was spent", n, len(body))
+	}
+	select {
+	case <-alive: // its sender is alive, though its report waits
+	default:
+		t.Error("a report waiting for the budget did not count as its collector heard from")
+	}
+	if w := testutil.ToFloat64(a.cfg.Metrics.ReportsWaiting); w != 1 {
+		t.Errorf("proxyaudit_stream_reports_waiting = %v, want 1", w)
 	}
 	a.budget.Give(held)
 	client.SetWriteDeadline(time.Time{})
@@ -252,7 +261,7 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	server2, client2 := net.Pipe()
 	defer client2.Close()
 	go func() {
-		_, _, release, err := a.read(&conn{Conn: server2}, maxHelloBytes, false)
+		_, _, release, err := a.read(&conn{Conn: server2}, maxHelloBytes, false, nil)
 		release()
 		done <- err
 	}()

@@ -21,6 +21,7 @@ type Metrics struct {
 	StreamBytes    *prometheus.CounterVec
 	StreamRejected *prometheus.CounterVec
 	Streams        prometheus.Gauge
+	ReportsWaiting prometheus.Gauge
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
 	Refs           *prometheus.CounterVec
@@ -101,6 +102,8 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_stream_rejected_total", Help: "Streams refused or cut, by reason: auth, busy (the token-review budget is spent; the collector retries), unauthenticated_limit (too many connections not past their hello, overall or from one address; closed unread), too_large, malformed, protocol, invalid_report, replay, rate, timeout."}, []string{"reason"}),
 		Streams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_streams", Help: "Collector streams currently open on this replica."}),
+		ReportsWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_stream_reports_waiting", Help: "Reports whose bytes wait in their sockets for the decode budget: above a few for long, the leader is behind its fleet (its collectors are alive, not silent)."}),
 		ReportBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "proxyaudit_report_bytes", Help: "Size of collector reports: a root digest when steady, deltas under churn, snapshots on resync.",
 			Buckets: prometheus.ExponentialBuckets(64, 4, 10)}),
@@ -136,7 +139,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportBytes, m.Resyncs, m.Refs, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

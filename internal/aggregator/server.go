@@ -184,11 +184,16 @@ func readReason(err error) RejectReason {
 // one is read, decoded and held only within the decode budget; release
 // returns its share once the message is applied. A hello is not budgeted:
 // an unauthenticated peer trickling one must not hold the budget
-// (hellos are small and their connections few, see pendingGate).
-func (a *Aggregator) read(c *conn, max int, budgeted bool) (m *stream.Message, n int, release func(), err error) {
+// (hellos are small and their connections few, see pendingGate). alive,
+// when set, is called once a message has begun to arrive: its sender is
+// alive even while its report waits for the budget.
+func (a *Aggregator) read(c *conn, max int, budgeted bool, alive func()) (m *stream.Message, n int, release func(), err error) {
 	size, err := stream.ReadHeader(c, max)
 	if err != nil {
 		return nil, size + 4, func() {}, err
+	}
+	if alive != nil {
+		alive()
 	}
 	n = size + 4
 	release = func() {}
@@ -198,7 +203,9 @@ func (a *Aggregator) read(c *conn, max int, budgeted bool) (m *stream.Message, n
 		// slow down) instead of in its heap. A frame takes at most an
 		// eighth of the budget, so a few streams trickling huge frames
 		// cannot hold all of it (each is cut at its read deadline).
+		a.cfg.Metrics.ReportsWaiting.Inc()
 		took := a.budget.Take(min(size, a.cfg.DecodeBudget/8))
+		a.cfg.Metrics.ReportsWaiting.Dec()
 		release = func() { a.budget.Give(took) }
 	}
 	body, err := stream.ReadBody(c, size)
@@ -236,7 +243,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	log := a.cfg.Log.With(zap.String("remote", c.RemoteAddr().String()))
 
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	m, _, release, err := a.read(c, maxHelloBytes, false)
+	m, _, release, err := a.read(c, maxHelloBytes, false, nil)
 	release()
 	if err != nil {
 		if !errors.Is(err, io.EOF) {
@@ -363,9 +370,17 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		}
 		return true
 	}
+	// A report that begins to arrive proves its collector alive, even
+	// while it waits for the decode budget behind a fleet's worth of
+	// others: a leader that is behind must not call its fleet missing.
+	alive := func() {
+		a.mu.Lock()
+		a.judge.Alive(n.name, a.cfg.Clock.Now())
+		a.mu.Unlock()
+	}
 	for {
 		c.SetReadDeadline(time.Now().Add(time.Duration(a.cfg.Policy.MissingIntervals)*interval + 15*time.Second))
-		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes, true)
+		m, size, release, err := a.read(c, a.cfg.MaxMessageBytes, true, alive)
 		if err != nil {
 			if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || ctx.Err() != nil {
 				log.Info("collector stream closed")
