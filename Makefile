@@ -54,8 +54,9 @@ IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
 bench-ipvs: deps
 	$(GO) test -v -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
 
-## fleet-sim: the real aggregator against the real API server at the anchors (10k services, 100k
-## endpoints, 100 changes/s) with FLEET_SIZES simulated collectors; results in docs/benchmarks.md
+## fleet-sim: the real aggregator (two replicas) against the real API server at the anchors (10k
+## services, 100k endpoints, 100 changes/s) with FLEET_SIZES simulated collectors, each reviewed by a
+## real TokenReview; the leader is SIGKILLed mid-run, then nodes are replaced; results in docs/benchmarks.md
 FLEET_SIZES ?= 250 500 1000
 FLEET_ARGS ?= -fleet-services 10000 -fleet-interval 10s -fleet-steady 60s -fleet-rounds 2
 fleet-sim: deps cluster-binaries
