@@ -188,6 +188,9 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 func (c *client) session(ctx context.Context, preferred string) (string, bool, error) {
 	c.welcomed = false
 	leader, err := c.connect(ctx, preferred)
+	if leader != "" {
+		c.cfg.Log.Info("following the aggregator leader", zap.String("leader", leader))
+	}
 	return leader, c.welcomed, err
 }
 

@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -212,7 +211,7 @@ func tokenReviews(ctx context.Context, client kubernetes.Interface) (float64, er
 		return 0, fmt.Errorf("the API server's metrics: %w", err)
 	}
 	var sum float64
-	sc := bufio.NewScanner(io.Reader(bytes.NewReader(raw)))
+	sc := bufio.NewScanner(bytes.NewReader(raw))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()

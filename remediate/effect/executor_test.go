@@ -326,8 +326,9 @@ func TestFailedRecordIsWrittenWithTheNextDecision(t *testing.T) {
 func TestRecordIsReadOncePerMaxAge(t *testing.T) {
 	client := fake.NewClientset(&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "proxyaudit", Name: "proxyaudit-incidents", ResourceVersion: "1"},
 		Data: map[string]string{"node-a": `{"stage":"open","opened":"2026-11-23T11:00:00Z"}`}})
-	const maxAge = 300 * time.Millisecond
-	s := &Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents", MaxAge: maxAge}
+	const maxAge = 30 * time.Second
+	clk := noon()
+	s := &Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents", MaxAge: maxAge, Clock: clk}
 	gets := func() int {
 		n := 0
 		for _, a := range client.Actions() {
@@ -365,7 +366,14 @@ func TestRecordIsReadOncePerMaxAge(t *testing.T) {
 		[]byte(`{"data":{"node-a":null}}`), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(maxAge + 50*time.Millisecond)
+	clk.Step(maxAge - time.Second)
+	if err := s.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if g := gets(); g != 1 {
+		t.Fatalf("a load within MaxAge of its own write read the record (%d reads)", g)
+	}
+	clk.Step(time.Second)
 	if err := s.Load(ctx); err != nil {
 		t.Fatal(err)
 	}

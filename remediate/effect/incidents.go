@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
 )
 
 // Incidents keeps every node's incident in one ConfigMap in proxyaudit's
@@ -34,10 +35,12 @@ type Incidents struct {
 	// conflict, so a copy up to MaxAge old decides nothing wrongly: it
 	// only shows a hand edit that much later.
 	MaxAge time.Duration
+	// Clock dates the copy for MaxAge (nil: the real clock).
+	Clock clock.PassiveClock
 
 	mu       sync.Mutex
 	cm       *corev1.ConfigMap // last read or written; nil before the first Load
-	copiedAt time.Time         // when cm was read or written (monotonic)
+	copiedAt time.Time         // when cm was read or written
 	// exists: the API server has the ConfigMap (update, not create).
 	exists bool
 }
@@ -66,7 +69,7 @@ const maxRecordBytes = 900 << 10
 // copy stays.
 func (s *Incidents) Load(ctx context.Context) error {
 	s.mu.Lock()
-	fresh := s.cm != nil && s.MaxAge > 0 && time.Since(s.copiedAt) < s.MaxAge
+	fresh := s.cm != nil && s.MaxAge > 0 && s.now().Sub(s.copiedAt) < s.MaxAge
 	s.mu.Unlock()
 	if fresh {
 		return nil
@@ -74,9 +77,16 @@ func (s *Incidents) Load(ctx context.Context) error {
 	return s.read(ctx)
 }
 
+func (s *Incidents) now() time.Time {
+	if s.Clock == nil {
+		return time.Now()
+	}
+	return s.Clock.Now()
+}
+
 // read reads the record from the API server.
 func (s *Incidents) read(ctx context.Context) error {
-	at := time.Now()
+	at := s.now()
 	cm, err := s.Client.CoreV1().ConfigMaps(s.Namespace).Get(ctx, s.Name, metav1.GetOptions{})
 	exists := err == nil
 	if apierrors.IsNotFound(err) {
@@ -180,7 +190,7 @@ func (s *Incidents) Update(ctx context.Context, term int64, now time.Time, chang
 		}
 		if err == nil {
 			s.mu.Lock()
-			s.cm, s.exists, s.copiedAt = out, true, time.Now()
+			s.cm, s.exists, s.copiedAt = out, true, s.now()
 			s.mu.Unlock()
 			return nil
 		}
