@@ -105,14 +105,47 @@ func BootVM(ctx context.Context, name, dir string, logf func(string, ...any)) (*
 	if err != nil {
 		return nil, err
 	}
-	v := &VMNode{Name: name, IP: VMGuestIP, Dir: dir, lines: make(chan string, 4096)}
-	if err := os.MkdirAll(v.Dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
+	// Emulated (TCG) boots take ~9 s on an idle machine and ~25 s beside
+	// four busy cores, but a CI run once saw no console at all for 3
+	// minutes while cold builds ran beside it. A boot that stalls is
+	// retried once with a fresh QEMU; both consoles' tails go in the error.
+	var errs []string
+	for attempt := 1; attempt <= 2; attempt++ {
+		v, err := bootVM(ctx, name, dir, img)
+		if err == nil {
+			if logf != nil {
+				logf("VM %s booted in %s (attempt %d)", name, v.Boot.Round(time.Millisecond), attempt)
+			}
+			if _, err := v.Run(ctx, "grep -q 'IP Virtual Server' /proc/net/ip_vs"); err != nil {
+				v.Stop()
+				return nil, fmt.Errorf("VM %s has no IPVS: %w", name, err)
+			}
+			return v, nil
+		}
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		errs = append(errs, fmt.Sprintf("attempt %d: %v; the console's last lines:\n%s", attempt, err, tailFile(dir+".console.log", 15)))
+		if logf != nil {
+			logf("VM %s: boot attempt %d failed: %v", name, attempt, err)
+		}
+	}
+	return nil, fmt.Errorf("boot VM %s:\n%s", name, strings.Join(errs, "\n"))
+}
+
+// bootVM starts one QEMU and waits for the guest's ready line.
+func bootVM(ctx context.Context, name, dir, img string) (*VMNode, error) {
+	v := &VMNode{Name: name, IP: VMGuestIP, Dir: dir, lines: make(chan string, 4096)}
+	// loglevel=4: the kernel's warnings reach the console while it boots
+	// (a stalled boot says where); the guest's init lowers it before the
+	// console carries commands.
 	argv := []string{"qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", "1536", "-smp", "2",
 		"-nographic", "-no-reboot", "-monitor", "none", "-serial", "stdio",
 		"-kernel", filepath.Join(img, "vmlinuz"), "-initrd", filepath.Join(img, "initramfs.gz"),
-		"-append", "console=ttyS0 quiet loglevel=1 panic=-1 proxyaudit.work=" + v.Dir,
+		"-append", "console=ttyS0 loglevel=4 panic=-1 proxyaudit.work=" + v.Dir,
 		"-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
 		"-virtfs", "local,path=" + v.Dir + ",mount_tag=work,security_model=none",
 		"-netdev", "user,id=n0,net=" + vmNet + ",host=" + VMHostIP, "-device", "virtio-net-pci,netdev=n0"}
@@ -153,16 +186,9 @@ func BootVM(ctx context.Context, name, dir string, logf func(string, ...any)) (*
 	}()
 	if err := v.expect(ctx, 3*time.Minute, regexp.MustCompile(`@@proxyaudit-vm-ready (.*)`), nil); err != nil {
 		v.Stop()
-		return nil, fmt.Errorf("boot VM %s: %w", name, err)
+		return nil, err
 	}
 	v.Boot = time.Since(start)
-	if logf != nil {
-		logf("VM %s booted in %s", name, v.Boot.Round(time.Millisecond))
-	}
-	if _, err := v.Run(ctx, "grep -q 'IP Virtual Server' /proc/net/ip_vs"); err != nil {
-		v.Stop()
-		return nil, fmt.Errorf("VM %s has no IPVS: %w", name, err)
-	}
 	return v, nil
 }
 
