@@ -118,6 +118,11 @@ type Cluster struct {
 	mu    sync.Mutex
 	nodes map[string]*Node
 	extra []*process // StartProcess: stopped first
+
+	// Real nodes (kubelet.go): built once, on the first.
+	cpOnce      sync.Mutex
+	controllers []*process
+	images      []string
 }
 
 // Node is one simulated node: a network namespace running kube-proxy.
@@ -137,6 +142,7 @@ type Node struct {
 	mu       sync.Mutex
 	proxy    *process
 	restarts atomic.Int64
+	real     *realNode // a kubelet node (AddKubeletNode); nil for a namespace-only one
 }
 
 func (c *Cluster) logf(format string, args ...any) {
@@ -313,6 +319,10 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		"--service-account-key-file=" + c.pki.SAPub,
 		"--service-account-signing-key-file=" + c.pki.SAKey,
 		"--token-auth-file=" + filepath.Join(c.Dir, "tokens.csv"),
+		// Real nodes' kubelets authenticate with certificates this CA signs.
+		"--client-ca-file=" + c.pki.CACert,
+		"--enable-admission-plugins=NodeRestriction",
+		"--allow-privileged=true", // kube-proxy runs privileged, as kubeadm runs it
 		"--authorization-mode=Node,RBAC",
 		"--service-cluster-ip-range=" + ServiceCIDR,
 		"--cert-dir=" + filepath.Join(c.Dir, "certs"),
@@ -390,10 +400,26 @@ func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
 	if spec.Mode != ModeIPTables && spec.Mode != ModeNFTables {
 		return nil, fmt.Errorf("node %s: unsupported mode %q (want iptables or nftables)", spec.Name, spec.Mode)
 	}
+	n, err := c.newNodeNet(ctx, spec.Name, spec.Mode, spec.Zone)
+	if err != nil {
+		return nil, err
+	}
+	n.Legacy, n.proxyReady = spec.LegacyIPTables, spec.ProxyReady
+	if err := c.registerNode(ctx, n); err != nil {
+		return nil, err
+	}
+	if err := n.StartProxy(ctx); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// newNodeNet makes a node's namespace and its veth pair to the host.
+func (c *Cluster) newNodeNet(ctx context.Context, name string, mode Mode, zone string) (*Node, error) {
 	c.mu.Lock()
-	if _, dup := c.nodes[spec.Name]; dup {
+	if _, dup := c.nodes[name]; dup {
 		c.mu.Unlock()
-		return nil, fmt.Errorf("node %s already exists", spec.Name)
+		return nil, fmt.Errorf("node %s already exists", name)
 	}
 	idx := len(c.nodes) + 1
 	if idx > maxNodes {
@@ -401,13 +427,13 @@ func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
 		return nil, fmt.Errorf("at most %d nodes", maxNodes)
 	}
 	n := &Node{
-		Name: spec.Name, Mode: spec.Mode, Zone: spec.Zone, Index: idx, Legacy: spec.LegacyIPTables, proxyReady: spec.ProxyReady,
-		NetNS:  namePrefix + spec.Name,
+		Name: name, Mode: mode, Zone: zone, Index: idx,
+		NetNS:  namePrefix + name,
 		HostIP: fmt.Sprintf("198.18.0.%d", 4*idx+1),
 		IP:     fmt.Sprintf("198.18.0.%d", 4*idx+2),
 		c:      c,
 	}
-	c.nodes[spec.Name] = n
+	c.nodes[name] = n
 	c.mu.Unlock()
 
 	hostLink, nodeLink := fmt.Sprintf("pa-h%d", idx), fmt.Sprintf("pa-n%d", idx)
@@ -426,12 +452,6 @@ func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
 		if _, err := run(ctx, argv...); err != nil {
 			return nil, fmt.Errorf("node %s network: %w", n.Name, err)
 		}
-	}
-	if err := c.registerNode(ctx, n); err != nil {
-		return nil, err
-	}
-	if err := n.StartProxy(ctx); err != nil {
-		return nil, err
 	}
 	return n, nil
 }
@@ -506,6 +526,9 @@ func (c *Cluster) Stop() error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	err := CleanupStale(ctx)
+	if c.Dir != "" {
+		err = errors.Join(err, cleanupRealNodes(c.Dir+"/"))
+	}
 	if c.Dir != "" && !c.cfg.KeepWorkDir {
 		os.RemoveAll(c.Dir)
 	}
@@ -537,6 +560,10 @@ func CleanupStale(ctx context.Context) error {
 	if err := killMarked(); err != nil {
 		errs = append(errs, err)
 	}
+	// Real nodes' containers, mounts and cgroups (a crashed run's too).
+	if err := cleanupRealNodes(filepath.Join(os.TempDir(), "proxyaudit-localcluster-")); err != nil {
+		errs = append(errs, err)
+	}
 	for _, ns := range ourNetNS() {
 		if _, err := run(ctx, "ip", "netns", "del", ns); err != nil {
 			errs = append(errs, err)
@@ -566,6 +593,13 @@ func Leftovers() []string {
 	}
 	for _, l := range ourLinks() {
 		out = append(out, "link "+l)
+	}
+	cgroups, _ := filepath.Glob("/sys/fs/cgroup/*/" + namePrefix + "*")
+	for _, cg := range cgroups {
+		out = append(out, "cgroup "+cg)
+	}
+	for _, m := range mountsUnder(filepath.Join(os.TempDir(), "proxyaudit-localcluster-")) {
+		out = append(out, "mount "+m)
 	}
 	return out
 }

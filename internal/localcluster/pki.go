@@ -18,8 +18,8 @@ import (
 
 // pki holds the file paths of the credentials a local cluster needs.
 type pki struct {
-	CACert, ServingCert, ServingKey string
-	SAKey, SAPub                    string
+	CACert, CAKey, ServingCert, ServingKey string
+	SAKey, SAPub                           string
 }
 
 // writePKI creates a throwaway CA, a serving certificate for the API server
@@ -27,6 +27,7 @@ type pki struct {
 func writePKI(dir string, ips []net.IP) (pki, error) {
 	p := pki{
 		CACert:      filepath.Join(dir, "ca.crt"),
+		CAKey:       filepath.Join(dir, "ca.key"),
 		ServingCert: filepath.Join(dir, "apiserver.crt"),
 		ServingKey:  filepath.Join(dir, "apiserver.key"),
 		SAKey:       filepath.Join(dir, "sa.key"),
@@ -84,11 +85,16 @@ func writePKI(dir string, ips []net.IP) (pki, error) {
 		return p, err
 	}
 
+	caKeyDER, err := x509.MarshalECPrivateKey(caKey)
+	if err != nil {
+		return p, err
+	}
 	files := []struct {
 		path, typ string
 		der       []byte
 	}{
 		{p.CACert, "CERTIFICATE", caDER},
+		{p.CAKey, "EC PRIVATE KEY", caKeyDER},
 		{p.ServingCert, "CERTIFICATE", srvDER},
 		{p.ServingKey, "EC PRIVATE KEY", srvKeyDER},
 		{p.SAKey, "RSA PRIVATE KEY", x509.MarshalPKCS1PrivateKey(saKey)},
@@ -101,4 +107,60 @@ func writePKI(dir string, ips []net.IP) (pki, error) {
 		}
 	}
 	return p, nil
+}
+
+// clientCert signs a client certificate for user (CN) in groups (O) with
+// the cluster's CA and writes it and its key as base+".crt"/".key": how a
+// kubelet authenticates as system:node:NAME.
+func (p pki) clientCert(base, user string, groups ...string) (cert, key string, err error) {
+	caPEM, err := os.ReadFile(p.CACert)
+	if err != nil {
+		return "", "", err
+	}
+	caKeyPEM, err := os.ReadFile(p.CAKey)
+	if err != nil {
+		return "", "", err
+	}
+	cb, _ := pem.Decode(caPEM)
+	kb, _ := pem.Decode(caKeyPEM)
+	if cb == nil || kb == nil {
+		return "", "", fmt.Errorf("unreadable CA in %s", p.CACert)
+	}
+	ca, err := x509.ParseCertificate(cb.Bytes)
+	if err != nil {
+		return "", "", err
+	}
+	caKey, err := x509.ParseECPrivateKey(kb.Bytes)
+	if err != nil {
+		return "", "", err
+	}
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return "", "", err
+	}
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
+	if err != nil {
+		return "", "", err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial,
+		Subject:      pkix.Name{CommonName: user, Organization: groups},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     ca.NotAfter,
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &k.PublicKey, caKey)
+	if err != nil {
+		return "", "", err
+	}
+	keyDER, err := x509.MarshalECPrivateKey(k)
+	if err != nil {
+		return "", "", err
+	}
+	cert, key = base+".crt", base+".key"
+	if err := os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		return "", "", err
+	}
+	return cert, key, os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600)
 }

@@ -1,0 +1,465 @@
+// Package image builds container images without a container engine: a
+// root filesystem from Debian packages unpacked by version (apt-get
+// download, dpkg-deb -x) plus binaries built here, packed into an image
+// tarball that `ctr images import` takes. The same inputs give the same
+// bytes (sorted entries, fixed times and owners), so the digest says
+// whether an image changed.
+package image
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// Epoch is the time every file and the image's creation carry.
+var Epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// Package is a Debian package in an image, by exact version.
+type Package struct {
+	Name, Version string
+}
+
+func (p Package) String() string { return p.Name + "=" + p.Version }
+
+// File is a file put into the image: a host file (Src) or bytes (Data),
+// or a symbolic link (Link) at Path.
+type File struct {
+	Path string
+	Src  string
+	Data []byte
+	Link string
+	Mode fs.FileMode
+}
+
+// Spec is one image.
+type Spec struct {
+	// Ref is the image's name, e.g. ghcr.io/proxyaudit/proxyaudit:0.1.0.
+	Ref string
+	// Packages are Debian packages unpacked with what they depend on
+	// (Depends and Pre-Depends, recursively), except those only their
+	// maintainer scripts need (NoDeps names packages taken alone).
+	Packages []string
+	NoDeps   []string
+	Files    []File
+	// Entrypoint, Cmd, User, Env are the image's configuration.
+	Entrypoint []string
+	Cmd        []string
+	User       string
+	Env        []string
+}
+
+// Built is what Build made.
+type Built struct {
+	Ref      string
+	Digest   string
+	Packages []Package
+	Size     int64
+}
+
+// skipDeps are packages only maintainer scripts or init scripts need;
+// nothing in these images runs either.
+var skipDeps = map[string]bool{
+	"lsb-base": true, "sysvinit-utils": true, "debconf": true, "perl-base": true, "dpkg": true,
+	"init-system-helpers": true, "adduser": true, "openssl": true, "debianutils": true,
+}
+
+// Build builds spec into an image tarball at out. debCache holds
+// downloaded packages between builds.
+func Build(ctx context.Context, spec Spec, debCache, out string) (*Built, error) {
+	ref, err := name.NewTag(spec.Ref)
+	if err != nil {
+		return nil, fmt.Errorf("image name %q: %w", spec.Ref, err)
+	}
+	root, err := os.MkdirTemp("", "proxyaudit-image-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(root)
+	var pkgs []Package
+	if len(spec.Packages)+len(spec.NoDeps) > 0 {
+		names, err := closure(ctx, spec.Packages)
+		if err != nil {
+			return nil, err
+		}
+		names = append(names, spec.NoDeps...)
+		slices.Sort(names)
+		names = slices.Compact(names)
+		if pkgs, err = unpack(ctx, names, debCache, root); err != nil {
+			return nil, err
+		}
+	}
+	files, err := maintainerFiles(root, pkgs)
+	if err != nil {
+		return nil, err
+	}
+	layer, err := layerOf(root, append(files, spec.Files...))
+	if err != nil {
+		return nil, err
+	}
+	img, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		return nil, err
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return nil, err
+	}
+	cf = cf.DeepCopy()
+	cf.Architecture, cf.OS = "amd64", "linux"
+	cf.Created = v1.Time{Time: Epoch}
+	cf.Config.Entrypoint = spec.Entrypoint
+	cf.Config.Cmd = spec.Cmd
+	cf.Config.User = spec.User
+	cf.Config.Env = append([]string{"PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"}, spec.Env...)
+	labels := map[string]string{}
+	if len(pkgs) > 0 {
+		var s []string
+		for _, p := range pkgs {
+			s = append(s, p.String())
+		}
+		labels["io.proxyaudit.debian-packages"] = strings.Join(s, " ")
+	}
+	cf.Config.Labels = labels
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		return nil, err
+	}
+	if img, err = mutate.CreatedAt(img, v1.Time{Time: Epoch}); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
+		return nil, err
+	}
+	tmp := out + ".tmp"
+	if err := tarball.WriteToFile(tmp, ref, img); err != nil {
+		return nil, fmt.Errorf("write %s: %w", out, err)
+	}
+	if err := os.Rename(tmp, out); err != nil {
+		return nil, err
+	}
+	d, err := img.Digest()
+	if err != nil {
+		return nil, err
+	}
+	st, err := os.Stat(out)
+	if err != nil {
+		return nil, err
+	}
+	return &Built{Ref: ref.String(), Digest: d.String(), Packages: pkgs, Size: st.Size()}, nil
+}
+
+// closure lists pkgs and what they depend on, recursively, as apt
+// resolves it on this machine, less skipDeps.
+func closure(ctx context.Context, pkgs []string) ([]string, error) {
+	if len(pkgs) == 0 {
+		return nil, nil
+	}
+	args := append([]string{"depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+		"--no-breaks", "--no-replaces", "--no-enhances"}, pkgs...)
+	out, err := exec.CommandContext(ctx, "apt-cache", args...).Output()
+	if err != nil {
+		return nil, fmt.Errorf("apt-cache depends %s: %w (run apt-get update)", strings.Join(pkgs, " "), exitText(err))
+	}
+	var names []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if line == "" || line[0] == ' ' || line[0] == '<' || skipDeps[line] {
+			continue
+		}
+		names = append(names, line)
+	}
+	return names, nil
+}
+
+var debName = regexp.MustCompile(`^([a-z0-9][a-z0-9+.-]*)_([^_]+)_(amd64|all)\.deb$`)
+
+// unpack downloads each package (the version apt would install today,
+// kept in debCache by file name) and extracts it into root.
+func unpack(ctx context.Context, names []string, debCache, root string) ([]Package, error) {
+	if err := os.MkdirAll(debCache, 0o755); err != nil {
+		return nil, err
+	}
+	var pkgs []Package
+	for _, n := range names {
+		ver, err := candidate(ctx, n)
+		if err != nil {
+			return nil, err
+		}
+		deb, err := findDeb(debCache, n, ver)
+		if err != nil {
+			return nil, err
+		}
+		if deb == "" {
+			cmd := exec.CommandContext(ctx, "apt-get", "download", n+"="+ver)
+			cmd.Dir = debCache
+			if out, err := cmd.CombinedOutput(); err != nil {
+				return nil, fmt.Errorf("apt-get download %s=%s: %w\n%s", n, ver, err, out)
+			}
+			if deb, err = findDeb(debCache, n, ver); err != nil || deb == "" {
+				return nil, fmt.Errorf("apt-get download %s=%s left no .deb in %s", n, ver, debCache)
+			}
+		}
+		if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", deb, root).CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("dpkg-deb -x %s: %w\n%s", deb, err, out)
+		}
+		pkgs = append(pkgs, Package{Name: n, Version: ver})
+	}
+	return pkgs, nil
+}
+
+func candidate(ctx context.Context, pkg string) (string, error) {
+	out, err := exec.CommandContext(ctx, "apt-cache", "policy", pkg).Output()
+	if err != nil {
+		return "", fmt.Errorf("apt-cache policy %s: %w", pkg, exitText(err))
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Candidate: "); ok && v != "(none)" {
+			return v, nil
+		}
+	}
+	return "", fmt.Errorf("no installable version of Debian package %s (run apt-get update)", pkg)
+}
+
+// findDeb finds pkg's .deb of version ver in dir (apt-get writes an epoch's
+// colon as %3a).
+func findDeb(dir, pkg, ver string) (string, error) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return "", err
+	}
+	want := strings.ReplaceAll(ver, ":", "%3a")
+	for _, e := range ents {
+		m := debName.FindStringSubmatch(e.Name())
+		if m != nil && m[1] == pkg && m[2] == want {
+			return filepath.Join(dir, e.Name()), nil
+		}
+	}
+	return "", nil
+}
+
+func exitText(err error) error {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && len(ee.Stderr) > 0 {
+		return fmt.Errorf("%w: %s", err, strings.TrimSpace(string(ee.Stderr)))
+	}
+	return err
+}
+
+// entry is one file of the layer.
+type entry struct {
+	hdr  tar.Header
+	src  string // host file to copy, for regular files
+	data []byte
+}
+
+// layerOf packs root plus files (which win over root's) into one layer
+// with sorted entries, owners root:root and times at Epoch.
+func layerOf(root string, files []File) (v1.Layer, error) {
+	ents := map[string]*entry{}
+	addDirs := func(p string) {
+		for d := path.Dir(p); d != "." && d != "/"; d = path.Dir(d) {
+			if _, ok := ents[d+"/"]; !ok {
+				ents[d+"/"] = &entry{hdr: tar.Header{Typeflag: tar.TypeDir, Name: d + "/", Mode: 0o755}}
+			}
+		}
+	}
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || p == root {
+			return err
+		}
+		rel := filepath.ToSlash(strings.TrimPrefix(p, root+"/"))
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		e := &entry{hdr: tar.Header{Name: rel, Mode: int64(info.Mode().Perm() | info.Mode()&(fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky))}}
+		switch {
+		case info.IsDir():
+			e.hdr.Typeflag, e.hdr.Name = tar.TypeDir, rel+"/"
+		case info.Mode()&fs.ModeSymlink != 0:
+			e.hdr.Typeflag = tar.TypeSymlink
+			if e.hdr.Linkname, err = os.Readlink(p); err != nil {
+				return err
+			}
+		case info.Mode().IsRegular():
+			e.hdr.Typeflag, e.hdr.Size, e.src = tar.TypeReg, info.Size(), p
+		default:
+			return fmt.Errorf("%s: unexpected file type %s in a package", rel, info.Mode().Type())
+		}
+		ents[e.hdr.Name] = e
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range files {
+		p := strings.TrimPrefix(path.Clean(f.Path), "/")
+		mode := f.Mode
+		if mode == 0 {
+			mode = 0o644
+		}
+		e := &entry{hdr: tar.Header{Name: p, Mode: int64(mode.Perm())}}
+		switch {
+		case f.Link != "":
+			e.hdr.Typeflag, e.hdr.Linkname = tar.TypeSymlink, f.Link
+			e.hdr.Mode = 0o777
+		case f.Src != "":
+			st, err := os.Stat(f.Src)
+			if err != nil {
+				return nil, fmt.Errorf("image file %s: %w", f.Path, err)
+			}
+			e.hdr.Typeflag, e.hdr.Size, e.src = tar.TypeReg, st.Size(), f.Src
+		default:
+			e.hdr.Typeflag, e.hdr.Size, e.data = tar.TypeReg, int64(len(f.Data)), f.Data
+		}
+		delete(ents, p+"/")
+		ents[p] = e
+		addDirs(p)
+	}
+	names := make([]string, 0, len(ents))
+	for n := range ents {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, n := range names {
+		e := ents[n]
+		e.hdr.ModTime, e.hdr.Format = Epoch, tar.FormatPAX
+		e.hdr.Uid, e.hdr.Gid = 0, 0
+		if err := tw.WriteHeader(&e.hdr); err != nil {
+			return nil, err
+		}
+		switch {
+		case e.src != "":
+			f, err := os.Open(e.src)
+			if err != nil {
+				return nil, err
+			}
+			_, err = io.CopyN(tw, f, e.hdr.Size)
+			f.Close()
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", e.src, err)
+			}
+		case e.data != nil:
+			if _, err := tw.Write(e.data); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := tw.Close(); err != nil {
+		return nil, err
+	}
+	b := buf.Bytes()
+	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+}
+
+// maintainerFiles makes what the packages' maintainer scripts would have
+// made on install (none runs here): iptables' alternatives, set to the
+// nf_tables backend as `update-alternatives --set iptables
+// /usr/sbin/iptables-nft` does (the collector still finds which backend
+// kube-proxy programs), and the CA bundle update-ca-certificates writes.
+func maintainerFiles(root string, pkgs []Package) ([]File, error) {
+	var files []File
+	has := func(n string) bool {
+		return slices.ContainsFunc(pkgs, func(p Package) bool { return p.Name == n })
+	}
+	if has("iptables") {
+		for _, fam := range []string{"iptables", "ip6tables"} {
+			for _, suffix := range []string{"", "-save", "-restore"} {
+				files = append(files, File{Path: "/usr/sbin/" + fam + suffix, Link: fam + "-nft" + suffix})
+			}
+		}
+	}
+	if has("ca-certificates") {
+		b, err := caBundle(root)
+		if err != nil {
+			return nil, err
+		}
+		files = append(files, File{Path: "/etc/ssl/certs/ca-certificates.crt", Data: b})
+	}
+	return files, nil
+}
+
+// caBundle concatenates the certificates the ca-certificates package
+// ships, in name order.
+func caBundle(root string) ([]byte, error) {
+	var certs []string
+	err := filepath.WalkDir(filepath.Join(root, "usr/share/ca-certificates"), func(p string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && strings.HasSuffix(p, ".crt") {
+			certs = append(certs, p)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	sort.Strings(certs)
+	var b bytes.Buffer
+	for _, c := range certs {
+		data, err := os.ReadFile(c)
+		if err != nil {
+			return nil, err
+		}
+		b.Write(bytes.TrimSpace(data))
+		b.WriteByte('\n')
+	}
+	return b.Bytes(), nil
+}
+
+// Image references the local cluster and the chart use.
+const (
+	// KubeProxyRef is the tag kubeadm's kube-proxy DaemonSet names.
+	KubeProxyRef = "registry.k8s.io/kube-proxy:v1.36.3"
+	// PauseRef is the sandbox image the nodes' containerd is told to use.
+	PauseRef = "registry.k8s.io/pause:3.10"
+)
+
+// debianTools are the packages the collector's readers and an operator's
+// debugging need beside kube-proxy's rules (the Dockerfile installs the
+// same).
+var debianTools = []string{"iptables", "nftables", "ipvsadm", "conntrack"}
+
+// Proxyaudit is the project's image: the three binaries (in binDir) over
+// Debian's rule tools, as the Dockerfile describes it.
+func Proxyaudit(ref, binDir string) Spec {
+	s := Spec{Ref: ref, Packages: debianTools, NoDeps: []string{"ca-certificates"},
+		Entrypoint: []string{"/usr/local/bin/proxyaudit"}, User: "65532:65532"}
+	for _, b := range []string{"proxyaudit", "proxyaudit-aggregator", "proxyaudit-collector"} {
+		s.Files = append(s.Files, File{Path: "/usr/local/bin/" + b, Src: filepath.Join(binDir, b), Mode: 0o755})
+	}
+	return s
+}
+
+// KubeProxy is the genuine kube-proxy binary over the tools it runs
+// (iptables, ipset for IPVS mode, conntrack), as kube-proxy's own image
+// carries them.
+func KubeProxy(kubeProxy string) Spec {
+	return Spec{Ref: KubeProxyRef, Packages: []string{"iptables", "ipset", "conntrack", "nftables"},
+		Files:      []File{{Path: "/usr/local/bin/kube-proxy", Src: kubeProxy, Mode: 0o755}},
+		Entrypoint: []string{"/usr/local/bin/kube-proxy"}}
+}
+
+// Pause is the sandbox image: one static binary that sleeps.
+func Pause(pause string) Spec {
+	return Spec{Ref: PauseRef, Files: []File{{Path: "/pause", Src: pause, Mode: 0o755}},
+		Entrypoint: []string{"/pause"}, User: "65535:65535"}
+}

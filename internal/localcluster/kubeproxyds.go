@@ -1,0 +1,138 @@
+package localcluster
+
+import (
+	"context"
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/internal/image"
+)
+
+// ProxyModeLabel on a real node says which kube-proxy DaemonSet runs on
+// it (KubeletNodeSpec.Mode sets it).
+const ProxyModeLabel = "proxyaudit.io/proxy-mode"
+
+// KubeProxyDaemonSet names the DaemonSet DeployKubeProxy makes for mode:
+// kubeadm's own name for iptables, a suffixed one for the others.
+func KubeProxyDaemonSet(mode Mode) string {
+	if mode == ModeIPTables {
+		return "kube-proxy"
+	}
+	return "kube-proxy-" + string(mode)
+}
+
+// DeployKubeProxy runs the genuine kube-proxy as kubeadm does: a DaemonSet
+// in kube-system labelled k8s-app=kube-proxy, its configuration and
+// kubeconfig (the API server's own address: the Service address needs
+// kube-proxy first) in a ConfigMap, its ServiceAccount bound to
+// system:node-proxier. It runs on the real nodes labelled with mode.
+func (c *Cluster) DeployKubeProxy(ctx context.Context, mode Mode) error {
+	name := KubeProxyDaemonSet(mode)
+	ns := "kube-system"
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "kube-proxy", Namespace: ns}}
+	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	crb := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "kubeadm:node-proxier"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "system:node-proxier"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "kube-proxy", Namespace: ns}},
+	}
+	if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, crb, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	cm := &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "kube-proxy"}},
+		Data: map[string]string{
+			"config.conf": fmt.Sprintf(`apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+mode: %s
+clusterCIDR: %s
+conntrack:
+  maxPerCore: 0
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+`, mode, PodCIDR),
+			"kubeconfig.conf": fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- cluster:
+    certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt
+    server: https://%s:%d
+  name: default
+contexts:
+- context: {cluster: default, namespace: default, user: default}
+  name: default
+current-context: default
+users:
+- name: default
+  user:
+    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token
+`, APIServerIP, APIServerPort),
+		},
+	}
+	if _, err := c.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	labels := map[string]string{"k8s-app": "kube-proxy"}
+	if mode != ModeIPTables {
+		labels["proxyaudit.io/mode"] = string(mode)
+	}
+	hostPath := func(n, p string, t corev1.HostPathType) corev1.Volume {
+		return corev1.Volume{Name: n, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: p, Type: &t}}}
+	}
+	ds := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"k8s-app": "kube-proxy"}},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			UpdateStrategy: appsv1.DaemonSetUpdateStrategy{Type: appsv1.RollingUpdateDaemonSetStrategyType},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{
+					ServiceAccountName: "kube-proxy",
+					HostNetwork:        true,
+					PriorityClassName:  "system-node-critical",
+					NodeSelector:       map[string]string{"kubernetes.io/os": "linux", ProxyModeLabel: string(mode)},
+					Tolerations:        []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+					Containers: []corev1.Container{{
+						Name:            "kube-proxy",
+						Image:           KubeProxyImage,
+						ImagePullPolicy: corev1.PullIfNotPresent,
+						Command:         []string{"/usr/local/bin/kube-proxy", "--config=/var/lib/kube-proxy/config.conf", "--hostname-override=$(NODE_NAME)", "--v=2"},
+						Env: []corev1.EnvVar{{Name: "NODE_NAME", ValueFrom: &corev1.EnvVarSource{
+							FieldRef: &corev1.ObjectFieldSelector{FieldPath: "spec.nodeName"}}}},
+						SecurityContext: &corev1.SecurityContext{Privileged: ptrTo(true)},
+						VolumeMounts: []corev1.VolumeMount{
+							{Name: "kube-proxy", MountPath: "/var/lib/kube-proxy"},
+							{Name: "xtables-lock", MountPath: "/run/xtables.lock"},
+							{Name: "lib-modules", MountPath: "/lib/modules", ReadOnly: true},
+						},
+					}},
+					Volumes: []corev1.Volume{
+						{Name: "kube-proxy", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+							LocalObjectReference: corev1.LocalObjectReference{Name: name}}}},
+						hostPath("xtables-lock", "/run/xtables.lock", corev1.HostPathFileOrCreate),
+						// No type check, as kubeadm: a node without modules
+						// (a built-in netfilter) still runs kube-proxy.
+						hostPath("lib-modules", "/lib/modules", corev1.HostPathUnset),
+					},
+				},
+			},
+		},
+	}
+	if _, err := c.Client.AppsV1().DaemonSets(ns).Create(ctx, ds, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
+}
+
+// KubeProxyImage is the image reference of the kube-proxy image the real
+// nodes import (kubeadm's tag for this version).
+const KubeProxyImage = image.KubeProxyRef
