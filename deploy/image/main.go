@@ -2,7 +2,7 @@
 // engine (make image): the three binaries over Debian's rule tools, as the
 // Dockerfile describes it, written as an image tarball `ctr images import`
 // takes and tagged with the chart's default image reference. With -all it
-// also builds the kube-proxy and sandbox (pause) images the local cluster's
+// also builds the kube-proxy, sandbox (pause) and CoreDNS images the local cluster's
 // real nodes run. It prints each image's packages and digest, and the
 // project image's path last.
 package main
@@ -20,7 +20,7 @@ import (
 
 func main() {
 	out := flag.String("out", "bin", "directory the image tarballs are written to")
-	all := flag.Bool("all", false, "also build the kube-proxy and pause images the local cluster's real nodes run")
+	all := flag.Bool("all", false, "also build the kube-proxy, pause and CoreDNS images the local cluster's real nodes run")
 	flag.Parse()
 	ctx := context.Background()
 	paths, err := localcluster.BuildImages(ctx, *out, *all, func(b *image.Built, path string) {

@@ -431,6 +431,8 @@ const (
 	KubeProxyRef = "registry.k8s.io/kube-proxy:v1.36.3"
 	// PauseRef is the sandbox image the nodes' containerd is told to use.
 	PauseRef = "registry.k8s.io/pause:3.10"
+	// CoreDNSRef is the cluster DNS image (deploy/k8s-tools/coredns.sh's version).
+	CoreDNSRef = "registry.k8s.io/coredns/coredns:v1.14.7"
 )
 
 // debianTools are the packages the collector's readers and an operator's
@@ -462,4 +464,10 @@ func KubeProxy(kubeProxy string) Spec {
 func Pause(pause string) Spec {
 	return Spec{Ref: PauseRef, Files: []File{{Path: "/pause", Src: pause, Mode: 0o755}},
 		Entrypoint: []string{"/pause"}, User: "65535:65535"}
+}
+
+// CoreDNS is the cluster DNS image: CoreDNS's static binary alone.
+func CoreDNS(coredns string) Spec {
+	return Spec{Ref: CoreDNSRef, Files: []File{{Path: "/coredns", Src: coredns, Mode: 0o755}},
+		Entrypoint: []string{"/coredns"}, User: "65532:65532"}
 }

@@ -36,7 +36,8 @@ func ChartImage() (string, error) {
 
 // BuildImages builds the project's image into dir/proxyaudit-image.tar
 // (reproducibly: static binaries built with -trimpath, Debian packages by
-// version) and, with all, the kube-proxy and pause images beside it.
+// version) and, with all, the kube-proxy, pause and CoreDNS images beside
+// it.
 // built is called for each image. It returns the tarballs' paths, the
 // project's first.
 func BuildImages(ctx context.Context, dir string, all bool, built func(*image.Built, string)) ([]string, error) {
@@ -67,8 +68,12 @@ func BuildImages(ctx context.Context, dir string, all bool, built func(*image.Bu
 		if err != nil {
 			return nil, err
 		}
-		specs = append(specs, image.KubeProxy(filepath.Join(bin, "kube-proxy")), image.Pause(filepath.Join(tmp, "pause")))
-		files = append(files, "kube-proxy-image.tar", "pause-image.tar")
+		coredns, err := ensureTool(ctx, "coredns.sh")
+		if err != nil {
+			return nil, err
+		}
+		specs = append(specs, image.KubeProxy(filepath.Join(bin, "kube-proxy")), image.Pause(filepath.Join(tmp, "pause")), image.CoreDNS(coredns))
+		files = append(files, "kube-proxy-image.tar", "pause-image.tar", "coredns-image.tar")
 	}
 	cache := os.Getenv("PROXYAUDIT_CACHE")
 	if cache == "" {

@@ -37,6 +37,23 @@ func EnsureBinaries(ctx context.Context, logf func(string, ...any)) (string, err
 	return strings.TrimSpace(stdout.String()), nil
 }
 
+// ensureTool runs a build script in deploy/k8s-tools (which builds or
+// reuses a cached binary) and returns the path it prints.
+func ensureTool(ctx context.Context, script string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(root, "deploy", "k8s-tools", script)
+	cmd := exec.CommandContext(ctx, path)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("%s: %w\n%s", path, err, tail(stderr.String(), 30))
+	}
+	return strings.TrimSpace(stdout.String()), nil
+}
+
 // RepoRoot finds the proxyaudit repository root from the working directory.
 func RepoRoot() (string, error) {
 	dir, err := os.Getwd()
