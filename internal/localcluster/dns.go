@@ -92,7 +92,7 @@ func (c *Cluster) DeployDNS(ctx context.Context) error {
 					// The image runs as 65532 and has no file capabilities:
 					// port 53 is opened to it in the pod's own namespace.
 					SecurityContext: &corev1.PodSecurityContext{Sysctls: []corev1.Sysctl{{Name: "net.ipv4.ip_unprivileged_port_start", Value: "53"}}},
-					Tolerations:        []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+					Tolerations:     []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
 					Containers: []corev1.Container{{
 						Name:            "coredns",
 						Image:           image.CoreDNSRef,
