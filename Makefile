@@ -7,13 +7,19 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build test unit e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/...
 	cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
+
+## image: the project's container image without a container engine (Debian packages by version, the
+## binaries built here), as bin/proxyaudit-image.tar for `ctr images import` (path printed last);
+## IMAGE_ARGS=-all adds the kube-proxy, pause and CoreDNS images the local cluster's real nodes run
+image: deps
+	$(GO) run ./deploy/image -out $(BIN) $(IMAGE_ARGS)
 
 ## test: unit + end-to-end tests, then every fuzz target briefly (the README's test command; .ci/run calls it)
 test: deps cluster-binaries

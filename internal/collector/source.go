@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 
 	utilexec "k8s.io/utils/exec"
 
@@ -177,7 +178,23 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 		}
 	}
 	if len(errs) > 0 {
-		return Source{}, fmt.Errorf("%w (%v)", ErrNoKubeProxy, errors.Join(errs...))
+		joined := errors.Join(errs...)
+		if denied(joined) {
+			return Source{}, fmt.Errorf("%w (%v)", ErrNoPermission, joined)
+		}
+		return Source{}, fmt.Errorf("%w (%v)", ErrNoKubeProxy, joined)
 	}
 	return Source{}, ErrNoKubeProxy
+}
+
+// ErrNoPermission means the kernel refused to show the rules: the
+// collector lacks what its securityContext should grant.
+var ErrNoPermission = errors.New("cannot read kube-proxy's rules: permission denied. The collector needs root with CAP_NET_ADMIN " +
+	"(and CAP_NET_RAW for the legacy iptables backend) in the node's network namespace (hostNetwork); the chart's collector " +
+	"securityContext grants exactly these, so check that no admission policy or pod security setting removed them")
+
+// denied reports whether err is the kernel refusing a netfilter query.
+func denied(err error) bool {
+	s := err.Error()
+	return strings.Contains(s, "Permission denied") || strings.Contains(s, "Operation not permitted")
 }

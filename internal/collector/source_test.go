@@ -96,8 +96,13 @@ func TestDetectOrder(t *testing.T) {
 	h.IPTables = func(bool) (collector.IPTables, error) {
 		return &collectortest.IPTables{Err: errors.New("Permission denied (you must be root)")}, nil
 	}
-	if _, err := h.Detect(context.Background()); err == nil || !strings.Contains(err.Error(), "iptables-legacy: Permission denied") {
+	_, err := h.Detect(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "iptables-legacy: Permission denied") {
 		t.Errorf("failing chain check: %v", err)
+	}
+	// Refused by the kernel: say which capability is missing, not "no rules".
+	if !errors.Is(err, collector.ErrNoPermission) || errors.Is(err, collector.ErrNoKubeProxy) || !strings.Contains(err.Error(), "CAP_NET_ADMIN") {
+		t.Errorf("a refused read must name the missing capability: %v", err)
 	}
 }
 

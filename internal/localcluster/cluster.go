@@ -123,6 +123,7 @@ type Cluster struct {
 	cpOnce      sync.Mutex
 	controllers []*process
 	images      []string
+	undo        []func() // host settings to restore at Stop
 }
 
 // Node is one simulated node: a network namespace running kube-proxy.
@@ -195,6 +196,10 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	ips := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(APIServerIP), net.ParseIP(KubernetesServiceIP), net.ParseIP(VMHostIP)}
 	if c.pki, err = writePKI(c.Dir, ips); err != nil {
 		return c, fmt.Errorf("write certificates: %w", err)
+	}
+	// The API server's identity towards kubelets (logs, exec, port-forward).
+	if _, _, err := c.pki.clientCert(filepath.Join(c.Dir, "apiserver-kubelet-client"), "kube-apiserver-kubelet-client", "system:masters"); err != nil {
+		return c, err
 	}
 	c.adminToken = randomToken()
 	proxyToken := randomToken()
@@ -323,6 +328,8 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		"--client-ca-file=" + c.pki.CACert,
 		"--enable-admission-plugins=NodeRestriction",
 		"--allow-privileged=true", // kube-proxy runs privileged, as kubeadm runs it
+		"--kubelet-client-certificate=" + filepath.Join(c.Dir, "apiserver-kubelet-client.crt"),
+		"--kubelet-client-key=" + filepath.Join(c.Dir, "apiserver-kubelet-client.key"),
 		"--authorization-mode=Node,RBAC",
 		"--service-cluster-ip-range=" + ServiceCIDR,
 		"--cert-dir=" + filepath.Join(c.Dir, "certs"),
@@ -528,6 +535,13 @@ func (c *Cluster) Stop() error {
 	err := CleanupStale(ctx)
 	if c.Dir != "" {
 		err = errors.Join(err, cleanupRealNodes(c.Dir+"/"))
+	}
+	c.mu.Lock()
+	undo := c.undo
+	c.undo = nil
+	c.mu.Unlock()
+	for _, u := range undo {
+		u()
 	}
 	if c.Dir != "" && !c.cfg.KeepWorkDir {
 		os.RemoveAll(c.Dir)

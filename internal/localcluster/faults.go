@@ -32,9 +32,16 @@ func (n *Node) HangInformer(ctx context.Context) (Undo, error) {
 // HangInformer, a restarted kube-proxy opens a new connection and recovers:
 // this is the dead-HTTP/2-connection failure that a restart cures.
 func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
-	pid := n.ProxyPID()
-	if pid == 0 {
-		return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
+	// kube-proxy in a pod (a real node) is found by its name; the
+	// harness's own by its process.
+	match := `(("kube-proxy",`
+	who := "kube-proxy's pod"
+	if n.real == nil {
+		pid := n.ProxyPID()
+		if pid == 0 {
+			return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
+		}
+		match, who = "pid="+strconv.Itoa(pid)+",", fmt.Sprintf("kube-proxy (pid %d)", pid)
 	}
 	out, err := n.Exec(ctx, "ss", "-tnpH", "state", "established", "( dport = :"+strconv.Itoa(APIServerPort)+" )")
 	if err != nil {
@@ -42,7 +49,7 @@ func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
 	}
 	var rules [][]string
 	for _, line := range strings.Split(out, "\n") {
-		if !strings.Contains(line, "pid="+strconv.Itoa(pid)+",") {
+		if !strings.Contains(line, match) {
 			continue
 		}
 		f := strings.Fields(line)
@@ -60,7 +67,7 @@ func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
 			[]string{"INPUT", "-p", "tcp", "-s", APIServerIP, "--sport", strconv.Itoa(APIServerPort), "--dport", lport, "-j", "DROP"})
 	}
 	if len(rules) == 0 {
-		return nil, fmt.Errorf("no established API connection of kube-proxy (pid %d) on %s:\n%s", pid, n.Name, out)
+		return nil, fmt.Errorf("no established API connection of %s on %s:\n%s", who, n.Name, out)
 	}
 	return n.insertFilterRules(ctx, rules)
 }

@@ -205,6 +205,7 @@ cgroupRoot: /%s
 cgroupsPerQOS: true
 containerRuntimeEndpoint: unix://%s
 staticPodPath: %q
+podLogsDir: %q
 clusterDomain: cluster.local
 clusterDNS: [%s]
 resolvConf: %q
@@ -218,7 +219,7 @@ failSwapOn: false
 syncFrequency: 10s
 fileCheckFrequency: 5s
 nodeStatusReportFrequency: 10s
-`, n.IP, c.pki.CACert, namePrefix+n.Name, r.socket, n.StaticPodDir(), ClusterDNSIP, resolv, r.podCIDR)
+`, n.IP, c.pki.CACert, namePrefix+n.Name, r.socket, n.StaticPodDir(), filepath.Join(r.dir, "pod-logs"), ClusterDNSIP, resolv, r.podCIDR)
 	cfgPath := filepath.Join(r.dir, "kubelet.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
@@ -284,6 +285,17 @@ func (c *Cluster) ensureControlPlane(ctx context.Context) error {
 	defer c.cpOnce.Unlock()
 	if c.controllers != nil {
 		return nil
+	}
+	// Pods on one node reach pods on another through the host.
+	const fwd = "/proc/sys/net/ipv4/ip_forward"
+	if b, err := os.ReadFile(fwd); err == nil && strings.TrimSpace(string(b)) == "0" {
+		if err := os.WriteFile(fwd, []byte("1"), 0o644); err != nil {
+			return fmt.Errorf("enable IPv4 forwarding on the host for pod traffic between nodes: %w", err)
+		}
+		c.mu.Lock()
+		c.undo = append(c.undo, func() { _ = os.WriteFile(fwd, []byte("0"), 0o644) })
+		c.mu.Unlock()
+		c.logf("IPv4 forwarding on the host enabled (restored at Stop)")
 	}
 	start := time.Now()
 	imgs, err := BuildImages(ctx, filepath.Join(c.Dir, "images"), true, nil)

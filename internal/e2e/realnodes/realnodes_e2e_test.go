@@ -20,7 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/proxyaudit/proxyaudit/internal/api"
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
@@ -186,9 +186,17 @@ func helm(ctx context.Context, t *testing.T, c *localcluster.Cluster, args ...st
 	return string(out)
 }
 
+// fleetReport is what `proxyaudit report -o json` prints.
+type fleetReport struct {
+	Stale    any                  `json:"stale"`
+	Nodes    []audit.NodeStatus   `json:"nodes"`
+	Findings []audit.TimedFinding `json:"findings"`
+	Summary  audit.Summary        `json:"summary"`
+}
+
 // report runs `kubectl proxyaudit report -o json` as the chart's README
 // says, through the API server's proxy to the aggregator's pods.
-func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*api.FindingsResponse, string, error) {
+func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*fleetReport, string, error) {
 	t.Helper()
 	plugin := filepath.Join(shared.bin, "kubectl-proxyaudit")
 	if _, err := os.Stat(plugin); err != nil {
@@ -199,7 +207,7 @@ func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*api.Fi
 	cmd := exec.CommandContext(ctx, c.Kubectl(), "proxyaudit", "report", "-n", "proxyaudit", "-o", "json")
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig, "PATH="+shared.bin+":"+os.Getenv("PATH"))
 	out, err := cmd.Output()
-	var r api.FindingsResponse
+	var r fleetReport
 	if jerr := json.Unmarshal(out, &r); jerr != nil {
 		var ee *exec.ExitError
 		stderr := ""
@@ -212,15 +220,21 @@ func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*api.Fi
 }
 
 // waitInSync waits for a report with every node in sync and no finding.
-func waitInSync(ctx context.Context, t *testing.T, c *localcluster.Cluster, timeout time.Duration, what string) *api.FindingsResponse {
+// Every node must also have reported after since (zero: any time).
+func waitInSync(ctx context.Context, t *testing.T, c *localcluster.Cluster, timeout time.Duration, since time.Time, what string) *fleetReport {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {
 		r, raw, err := report(ctx, t, c)
-		if err == nil && r.Stale == nil && r.Summary.Nodes == len(fleet) && r.Summary.NodesInSync == len(fleet) && len(r.Findings) == 0 {
+		if err == nil && r.Stale == nil && r.Summary.Nodes == len(fleet) && r.Summary.NodesInSync == len(fleet) && len(r.Findings) == 0 &&
+			heardSince(r, since) == len(fleet) {
 			return r
 		}
 		if time.Now().After(deadline) {
+			if os.Getenv("HOLD") != "" {
+				t.Logf("HOLD: %s: %v\n%s", what, err, raw)
+				time.Sleep(10 * time.Minute)
+			}
 			t.Fatalf("%s: no report with %d nodes in sync within %s; last: %v\n%s", what, len(fleet), timeout, err, raw)
 		}
 		time.Sleep(time.Second)
@@ -240,6 +254,203 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=collector", len(fleet), 3*time.Minute)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	t.Logf("helm install: every pod Ready after %s", time.Since(start).Round(time.Millisecond))
-	r := waitInSync(ctx, t, c, 3*time.Minute, "after helm install")
-	t.Logf("report: %d nodes in sync %s after helm install; leader %s", r.Summary.NodesInSync, time.Since(start).Round(time.Millisecond), r.Leader)
+	r := waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
+	t.Logf("report: %d nodes in sync %s after helm install", r.Summary.NodesInSync, time.Since(start).Round(time.Millisecond))
+
+	// The leader's pod is deleted as a node drain or a rollout deletes it.
+	lease, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	if err != nil || lease.Spec.HolderIdentity == nil {
+		t.Fatalf("the aggregators' Lease: %v", err)
+	}
+	old := *lease.Spec.HolderIdentity
+	aggs := waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, time.Minute)
+	var leaderPod string
+	for _, p := range aggs {
+		if strings.HasPrefix(old, p.Status.PodIP+":") {
+			leaderPod = p.Name
+		}
+	}
+	if leaderPod == "" {
+		t.Fatalf("no aggregator pod holds the Lease (holder %s)", old)
+	}
+	killed := time.Now()
+	if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, leaderPod, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var took time.Duration
+	for {
+		l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+		if err == nil && l.Spec.HolderIdentity != nil && *l.Spec.HolderIdentity != "" && *l.Spec.HolderIdentity != old {
+			took = time.Since(killed)
+			t.Logf("leader pod %s deleted: %s holds the Lease after %s", leaderPod, *l.Spec.HolderIdentity, took.Round(time.Millisecond))
+			break
+		}
+		if time.Since(killed) > time.Minute {
+			t.Fatalf("no new leader within a minute of deleting %s (holder %v)", leaderPod, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	r = waitInSync(ctx, t, c, 2*time.Minute, killed, "after the leader's pod was deleted")
+	t.Logf("every collector heard again %s after the leader's pod was deleted; %d in sync, no finding",
+		time.Since(killed).Round(time.Millisecond), r.Summary.NodesInSync)
+	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 2*time.Minute)
+
+	// helm upgrade with changed values rolls every pod: no false finding
+	// on the way.
+	before := map[string]bool{}
+	for _, sel := range []string{"collector", "aggregator"} {
+		for _, p := range waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component="+sel, map[string]int{"collector": len(fleet), "aggregator": 2}[sel], time.Minute) {
+			before[string(p.UID)] = true
+		}
+	}
+	watch := watchFindings(ctx, t, c)
+	upgraded := time.Now()
+	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values",
+		"--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5", "--set", "grace=10s",
+		"--set", "collector.interval=5s")
+	rolled := func(sel string, want int) {
+		deadline := time.Now().Add(3 * time.Minute)
+		for {
+			pods := waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component="+sel, want, 3*time.Minute)
+			fresh := 0
+			for _, p := range pods {
+				if !before[string(p.UID)] {
+					fresh++
+				}
+			}
+			if fresh == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("helm upgrade: %d of %d %s pods rolled", fresh, want, sel)
+			}
+			time.Sleep(time.Second)
+		}
+	}
+	rolled("collector", len(fleet))
+	rolled("aggregator", 2)
+	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after helm upgrade")
+	if fs := watch(); len(fs) > 0 {
+		t.Errorf("false findings while helm upgrade rolled every pod:\n  %s", strings.Join(fs, "\n  "))
+	}
+	t.Logf("helm upgrade: every pod rolled and in sync %s after it, no finding on the way", time.Since(upgraded).Round(time.Millisecond))
+
+	// A kube-proxy pod whose API connection died (the watch hangs, its
+	// health check stays green): found past grace, its pod deleted by
+	// remediation, recreated by the DaemonSet controller, healed.
+	stuck := c.Node("real-ipt-b")
+	oldPod := kubeProxyPod(ctx, t, c, stuck.Name)
+	undo, err := stuck.DropAPIConnection(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer undo(context.Background())
+	watch = watchFindings(ctx, t, c)
+	svc, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "probe", Namespace: "default"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ApplySlice(ctx, localcluster.Slice(svc, "probe-1", "http", 8080, corev1.ProtocolTCP, "198.18.250.1")); err != nil {
+		t.Fatal(err)
+	}
+	changed := time.Now()
+	var newPod *corev1.Pod
+	for {
+		if p := kubeProxyPod(ctx, t, c, stuck.Name); p != nil && p.UID != oldPod.UID {
+			newPod = p
+			break
+		}
+		if time.Since(changed) > 3*time.Minute {
+			t.Fatalf("the stuck kube-proxy pod %s on %s was not replaced within 3 minutes; findings seen: %v", oldPod.Name, stuck.Name, watch())
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	t.Logf("stuck kube-proxy: pod %s deleted and %s made by the DaemonSet controller %s after the change (grace 10s)",
+		oldPod.Name, newPod.Name, time.Since(changed).Round(time.Millisecond))
+	if err := stuck.WaitRules(ctx, 2*time.Minute, "the probe service programmed by the new kube-proxy", func(rules string) bool {
+		return stuck.RoutesTo(rules, "198.18.250.1:8080")
+	}); err != nil {
+		t.Fatal(err)
+	}
+	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after the stuck node was healed")
+	seen := watch()
+	var stuckSeen bool
+	for _, f := range seen {
+		if strings.Contains(f, string(audit.StuckProxy)) && strings.Contains(f, stuck.Name) {
+			stuckSeen = true
+		} else if !strings.Contains(f, stuck.Name) {
+			t.Errorf("a finding on a healthy node: %s", f)
+		}
+	}
+	if !stuckSeen {
+		t.Errorf("no StuckProxy finding on %s before it was healed; seen: %v", stuck.Name, seen)
+	}
+	t.Logf("healed: %s in sync %s after the change", stuck.Name, time.Since(changed).Round(time.Millisecond))
+}
+
+// kubeProxyPod is the DaemonSet's kube-proxy pod on node (not being
+// deleted), or nil.
+func kubeProxyPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, node string) *corev1.Pod {
+	t.Helper()
+	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy",
+		FieldSelector: "spec.nodeName=" + node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range pods.Items {
+		if pods.Items[i].DeletionTimestamp == nil {
+			return &pods.Items[i]
+		}
+	}
+	return nil
+}
+
+// watchFindings polls the report every second until the returned function
+// is called, and returns every distinct finding seen ("Kind node
+// service").
+func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster) func() []string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			if r, _, err := report(ctx, t, c); err == nil {
+				mu.Lock()
+				for _, f := range r.Findings {
+					seen[fmt.Sprintf("%s %s %s", f.Kind, f.Node, f.Service)] = true
+				}
+				mu.Unlock()
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}()
+	return func() []string {
+		cancel()
+		<-done
+		mu.Lock()
+		defer mu.Unlock()
+		out := make([]string, 0, len(seen))
+		for f := range seen {
+			out = append(out, f)
+		}
+		return out
+	}
+}
+
+// heardSince counts the nodes whose last report came after since.
+func heardSince(r *fleetReport, since time.Time) int {
+	n := 0
+	for _, s := range r.Nodes {
+		if s.LastReport.After(since) {
+			n++
+		}
+	}
+	return n
 }
