@@ -1,93 +1,114 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
-	"strings"
-	"text/tabwriter"
 	"time"
 
-	"github.com/proxyaudit/proxyaudit/internal/api"
-
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
 // The demo shortens the grace period and the collector interval so that it
-// finishes in about a minute; production defaults are 30s and 10s.
+// finishes in a few minutes, and turns remediation on with room for one of
+// its three nodes; production defaults are 30s, 10s and dry-run.
 const (
 	demoGrace    = 15 * time.Second
 	demoInterval = 3 * time.Second
 )
 
-// replicas: two aggregators with addresses of their own, as pods have.
-var replicaIPs = []string{"198.18.1.1", "198.18.1.2"}
-
-type aggClient struct {
-	url string
+// proxyaudit is the chart installed on the demo cluster and the CLI that
+// reads it, as a user runs them.
+type proxyaudit struct {
+	c         *localcluster.Cluster
+	cli, helm string
+	root      string
 }
 
-// startProxyaudit runs two aggregator replicas on the host (leader
-// election on a Lease) and a collector in every node's namespace with a
-// ServiceAccount token bound to a pod on that node, the binaries next to
-// this one (make build puts them in bin/).
-func startProxyaudit(ctx context.Context, c *localcluster.Cluster) (*aggClient, error) {
+// fleetReport is what `proxyaudit report -o json` prints.
+type fleetReport struct {
+	Nodes    []audit.NodeStatus   `json:"nodes"`
+	Findings []audit.TimedFinding `json:"findings"`
+	Summary  audit.Summary        `json:"summary"`
+}
+
+func newProxyaudit(c *localcluster.Cluster) (*proxyaudit, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	bin := filepath.Dir(self)
-	for _, b := range []string{"proxyaudit-aggregator", "proxyaudit-collector"} {
-		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
-			return nil, fmt.Errorf("%s not found next to %s: run `make build`", b, self)
-		}
+	cli := filepath.Join(filepath.Dir(self), "proxyaudit")
+	if _, err := os.Stat(cli); err != nil {
+		return nil, fmt.Errorf("proxyaudit not found next to %s: run `make build`", self)
 	}
-	fmt.Printf("▶ starting proxyaudit: 2 aggregator replicas (%s), a collector per node (grace %s, interval %s for the demo)\n",
-		strings.Join(replicaIPs, ", "), demoGrace, demoInterval)
-	var streams []string
-	for _, ip := range replicaIPs {
-		if err := c.AddHostAddress(ctx, ip); err != nil {
-			return nil, err
-		}
-		if _, err := c.StartProcess("aggregator-"+ip, filepath.Join(bin, "proxyaudit-aggregator"),
-			"--kubeconfig="+c.AdminKubeconfig, "--stream-listen="+ip+":9443", "--http-listen="+ip+":8080",
-			"--advertise-address="+ip, "--grace="+demoGrace.String(), "--leader-elect-namespace=proxyaudit",
-			"--collector-service-accounts=proxyaudit/proxyaudit-collector"); err != nil {
-			return nil, err
-		}
-		streams = append(streams, ip+":9443")
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		return nil, err
 	}
-	for _, n := range c.Nodes() {
-		tok, err := c.PodToken(ctx, "proxyaudit", "proxyaudit-collector", n.Name, "proxyaudit")
-		if err != nil {
-			return nil, err
-		}
-		tokFile := filepath.Join(c.Dir, n.Name+".token")
-		if err := os.WriteFile(tokFile, []byte(tok), 0o600); err != nil {
-			return nil, err
-		}
-		if _, err := n.StartProcess("collector-"+n.Name, filepath.Join(bin, "proxyaudit-collector"),
-			"--node-name="+n.Name, "--aggregator="+strings.Join(streams, ","),
-			"--interval="+demoInterval.String(), "--token-file="+tokFile); err != nil {
-			return nil, err
-		}
+	helm, err := chart.Helm(root)
+	if err != nil {
+		return nil, err
 	}
-	return &aggClient{url: "http://" + replicaIPs[0] + ":8080"}, nil
+	return &proxyaudit{c: c, cli: cli, helm: helm, root: root}, nil
 }
 
-// wait polls the API (a follower proxies to the leader) until cond holds.
-func (a *aggClient) wait(ctx context.Context, d time.Duration, what string, cond func([]audit.TimedFinding, []audit.NodeStatus) bool) error {
+// install runs helm install with the demo's values.
+func (p *proxyaudit) install(ctx context.Context) error {
+	args := []string{"install", "proxyaudit", filepath.Join(p.root, chart.Dir), "--namespace", "proxyaudit", "--create-namespace",
+		"--set", "grace=" + demoGrace.String(), "--set", "collector.interval=" + demoInterval.String(),
+		"--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5"}
+	fmt.Printf("▶ $ helm %s\n", joinArgs(args))
+	cmd := exec.CommandContext(ctx, p.helm, args...)
+	home, err := os.MkdirTemp("", "proxyaudit-demo-helm-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(home)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+p.c.AdminKubeconfig, "HELM_CACHE_HOME="+home+"/cache",
+		"HELM_CONFIG_HOME="+home+"/config", "HELM_DATA_HOME="+home+"/data")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("helm install: %v\n%s", err, out)
+	}
+	start := time.Now()
+	if _, err := p.c.WaitPodsReady(ctx, "proxyaudit", "app.kubernetes.io/component=collector", 3, 3*time.Minute); err != nil {
+		return err
+	}
+	if _, err := p.c.WaitPodsReady(ctx, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute); err != nil {
+		return err
+	}
+	fmt.Printf("  · a collector on every node and two aggregator replicas Ready %s later\n", time.Since(start).Round(time.Second))
+	return nil
+}
+
+func (p *proxyaudit) report(ctx context.Context, format string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, p.cli, "report", "--kubeconfig", p.c.AdminKubeconfig, "-n", "proxyaudit", "-o", format)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if ee, ok := err.(*exec.ExitError); ok && ee.ExitCode() == 1 {
+		err = nil // findings
+	}
+	if err != nil {
+		return out, fmt.Errorf("%v: %s", err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return out, nil
+}
+
+// wait runs `proxyaudit report` every second until cond holds.
+func (p *proxyaudit) wait(ctx context.Context, d time.Duration, what string, cond func(*fleetReport) bool) error {
 	deadline := time.Now().Add(d)
 	var last error
 	for time.Now().Before(deadline) {
-		var fr api.FindingsResponse
-		var nr api.NodesResponse
-		if last = a.get("/api/v1/findings", &fr); last == nil {
-			if last = a.get("/api/v1/nodes", &nr); last == nil && cond(fr.Findings, nr.Nodes) {
+		var out []byte
+		if out, last = p.report(ctx, "json"); last == nil {
+			var r fleetReport
+			if last = json.Unmarshal(out, &r); last == nil && cond(&r) {
 				return nil
 			}
 		}
@@ -100,31 +121,23 @@ func (a *aggClient) wait(ctx context.Context, d time.Duration, what string, cond
 	return fmt.Errorf("after %s, still waiting for %s (last error: %v)", d, what, last)
 }
 
-func (a *aggClient) get(path string, v any) error {
-	r, err := http.Get(a.url + path)
+// show prints `proxyaudit report` as a user sees it.
+func (p *proxyaudit) show(ctx context.Context) {
+	out, err := p.report(ctx, "table")
 	if err != nil {
-		return err
+		fmt.Println("  (report:", err, ")")
+		return
 	}
-	defer r.Body.Close()
-	if r.StatusCode != http.StatusOK {
-		return fmt.Errorf("GET %s: %s", path, r.Status)
-	}
-	return json.NewDecoder(r.Body).Decode(v)
+	os.Stdout.Write(out)
 }
 
-func printFindings(fs []audit.TimedFinding) {
-	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "  NODE\tKIND\tSERVICE\tPORT\tENDPOINT\tSINCE")
-	var details []string
-	for _, f := range fs {
-		fmt.Fprintf(w, "  %s\t%s\t%s\t%s\t%s\t%s\n", f.Node, f.Kind, f.Service, f.Port, f.Endpoint, f.Since.Local().Format("15:04:05"))
-		if f.Kind == audit.StuckProxy || f.Kind == audit.NoRules || f.Kind == audit.MassDivergence {
-			details = append(details, fmt.Sprintf("  %s %s: %s", f.Node, f.Kind, f.Detail))
+func joinArgs(args []string) string {
+	var b bytes.Buffer
+	for i, a := range args {
+		if i > 0 {
+			b.WriteByte(' ')
 		}
+		b.WriteString(a)
 	}
-	w.Flush()
-	if len(details) > 0 {
-		fmt.Println()
-		fmt.Println(strings.Join(details, "\n"))
-	}
+	return b.String()
 }

@@ -118,6 +118,10 @@ func Run(ctx context.Context, cfg Config) error {
 
 type client struct {
 	cfg Config
+	// lookup resolves a host name (net.DefaultResolver's; tests replace
+	// it); resolved keeps each name's last answer.
+	lookup   func(ctx context.Context, host string) ([]string, error)
+	resolved map[string][]string
 	// welcomed: the aggregator welcomed the current session.
 	welcomed bool
 	reader   RuleReader
@@ -172,10 +176,29 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 			out = append(out, net.JoinHostPort(host, port))
 			continue
 		}
-		ips, err := net.DefaultResolver.LookupHost(ctx, host)
+		lookup := c.lookup
+		if lookup == nil {
+			lookup = net.DefaultResolver.LookupHost
+		}
+		ips, err := lookup(ctx, host)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("resolve %s: %w", host, err))
-			continue
+			// The node's DNS goes to the cluster DNS Service through this
+			// node's own kube-proxy: when that kube-proxy is stale and the
+			// DNS pods moved, the name cannot be resolved, which is when
+			// the node must be heard. Use what it resolved to last.
+			if last := c.resolved[host]; len(last) > 0 {
+				c.cfg.Log.Warn("cannot resolve the aggregator: using the addresses it resolved to last (the node's DNS goes through its own kube-proxy, which may be stale)",
+					zap.String("host", host), zap.Strings("addresses", last), zap.Error(err))
+				ips = last
+			} else {
+				errs = append(errs, fmt.Errorf("resolve %s: %w", host, err))
+				continue
+			}
+		} else {
+			if c.resolved == nil {
+				c.resolved = map[string][]string{}
+			}
+			c.resolved[host] = ips
 		}
 		for _, ip := range ips {
 			out = append(out, net.JoinHostPort(ip, port))

@@ -3,6 +3,8 @@ package localcluster
 import (
 	"context"
 	"fmt"
+	"strings"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -136,3 +138,44 @@ users:
 // KubeProxyImage is the image reference of the kube-proxy image the real
 // nodes import (kubeadm's tag for this version).
 const KubeProxyImage = image.KubeProxyRef
+
+// WaitPodsReady waits until exactly want pods match selector in ns, none
+// being deleted and all Ready, and returns them; the error lists what it
+// saw.
+func (c *Cluster) WaitPodsReady(ctx context.Context, ns, selector string, want int, timeout time.Duration) ([]corev1.Pod, error) {
+	deadline := time.Now().Add(timeout)
+	var last string
+	for {
+		pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector})
+		if err == nil {
+			ready := 0
+			var states []string
+			for _, p := range pods.Items {
+				isReady := false
+				for _, cond := range p.Status.Conditions {
+					if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
+						isReady = true
+					}
+				}
+				if p.DeletionTimestamp == nil && isReady {
+					ready++
+				}
+				states = append(states, fmt.Sprintf("%s@%s:%s ready=%v", p.Name, p.Spec.NodeName, p.Status.Phase, isReady))
+			}
+			last = strings.Join(states, " ")
+			if ready == want && len(pods.Items) == want {
+				return pods.Items, nil
+			}
+		} else {
+			last = err.Error()
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("pods %s in %s: want %d Ready within %s; have: %s", selector, ns, want, timeout, last)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}

@@ -5,13 +5,17 @@
 package realnodes
 
 import (
+	"archive/tar"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -19,9 +23,17 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
 
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/proxyaudit/proxyaudit/audit"
+
 	"github.com/proxyaudit/proxyaudit/internal/chart"
+	"github.com/proxyaudit/proxyaudit/internal/image"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -226,7 +238,7 @@ func waitInSync(ctx context.Context, t *testing.T, c *localcluster.Cluster, time
 	deadline := time.Now().Add(timeout)
 	for {
 		r, raw, err := report(ctx, t, c)
-		if err == nil && r.Stale == nil && r.Summary.Nodes == len(fleet) && r.Summary.NodesInSync == len(fleet) && len(r.Findings) == 0 &&
+		if err == nil && r.Stale == nil && inSync(r) == len(fleet) && len(r.Nodes) == len(fleet) && len(r.Findings) == 0 &&
 			heardSince(r, since) == len(fleet) {
 			return r
 		}
@@ -387,6 +399,128 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("no StuckProxy finding on %s before it was healed; seen: %v", stuck.Name, seen)
 	}
 	t.Logf("healed: %s in sync %s after the change", stuck.Name, time.Since(changed).Round(time.Millisecond))
+
+	// The collector's container as the chart runs it reads the rules; the
+	// same without CAP_NET_ADMIN says which capability it lacks.
+	ds, err := c.Client.AppsV1().DaemonSets("proxyaudit").Get(ctx, "proxyaudit-collector", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	once := func(name string, drop corev1.Capability) (corev1.PodPhase, string) {
+		spec := ds.Spec.Template.Spec.DeepCopy()
+		spec.NodeName, spec.RestartPolicy = "real-ipt-a", corev1.RestartPolicyNever
+		ctr := &spec.Containers[0]
+		ctr.Args = []string{"--once"}
+		var caps []corev1.Capability
+		for _, cp := range ctr.SecurityContext.Capabilities.Add {
+			if cp != drop {
+				caps = append(caps, cp)
+			}
+		}
+		ctr.SecurityContext.Capabilities.Add = caps
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "proxyaudit"}, Spec: *spec}
+		if _, err := c.Client.CoreV1().Pods("proxyaudit").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(500 * time.Millisecond) {
+			p, err := c.Client.CoreV1().Pods("proxyaudit").Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+				logs, err := c.Client.CoreV1().Pods("proxyaudit").GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+				if err != nil {
+					t.Fatalf("logs of %s: %v", name, err)
+				}
+				return p.Status.Phase, string(logs)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("pod %s did not finish: %s", name, p.Status.Phase)
+			}
+		}
+	}
+	if phase, logs := once("collector-once", ""); phase != corev1.PodSucceeded || !strings.Contains(logs, `"mode": "iptables (nf_tables backend)"`) {
+		t.Errorf("the collector's container as the chart runs it, --once: %s\n%s", phase, clip(logs))
+	}
+	if phase, logs := once("collector-once-no-net-admin", "NET_ADMIN"); phase != corev1.PodFailed || !strings.Contains(logs, "CAP_NET_ADMIN") {
+		t.Errorf("without NET_ADMIN the collector must fail naming it: %s\n%s", phase, clip(logs))
+	} else {
+		t.Logf("without NET_ADMIN: %s", clip(logs))
+	}
+
+	// helm uninstall leaves nothing but what the chart's README says.
+	helm(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	left := leftInNamespace(ctx, t, c, "proxyaudit")
+	documented := map[string]bool{
+		"Secret proxyaudit-aggregator-tls":          true, // the CA collectors trust, kept for a reinstall
+		"ConfigMap proxyaudit-aggregator-incidents": true, // open incidents, kept for a reinstall
+		"ConfigMap kube-root-ca.crt":                true, // every namespace's, made by the controller manager
+		"ServiceAccount default":                    true, // every namespace's
+	}
+	for _, o := range left {
+		if !documented[o] {
+			t.Errorf("helm uninstall left %s in namespace proxyaudit", o)
+		}
+	}
+	for _, o := range clusterScopedOf(ctx, t, c, "proxyaudit") {
+		t.Errorf("helm uninstall left cluster-scoped %s", o)
+	}
+	t.Logf("helm uninstall left only: %s", strings.Join(left, ", "))
+}
+
+// leftInNamespace lists every object of every listable namespaced kind in
+// ns ("Kind name"), Events aside.
+func leftInNamespace(ctx context.Context, t *testing.T, c *localcluster.Cluster, ns string) []string {
+	t.Helper()
+	return listAll(ctx, t, c, true, func(u *unstructured.Unstructured) bool { return u.GetNamespace() == ns })
+}
+
+// clusterScopedOf lists cluster-scoped objects whose name or instance
+// label says they belong to release.
+func clusterScopedOf(ctx context.Context, t *testing.T, c *localcluster.Cluster, release string) []string {
+	t.Helper()
+	return listAll(ctx, t, c, false, func(u *unstructured.Unstructured) bool {
+		return strings.Contains(u.GetName(), release) || u.GetLabels()["app.kubernetes.io/instance"] == release
+	})
+}
+
+func listAll(ctx context.Context, t *testing.T, c *localcluster.Cluster, namespaced bool, keep func(*unstructured.Unstructured) bool) []string {
+	t.Helper()
+	dc, err := discovery.NewDiscoveryClientForConfig(c.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(c.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lists, err := dc.ServerPreferredResources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, l := range lists {
+		gv, err := schema.ParseGroupVersion(l.GroupVersion)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range l.APIResources {
+			if r.Namespaced != namespaced || !slices.Contains(r.Verbs, "list") || r.Kind == "Event" {
+				continue
+			}
+			items, err := dyn.Resource(gv.WithResource(r.Name)).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				t.Fatalf("list %s: %v", r.Name, err)
+			}
+			for i := range items.Items {
+				if keep(&items.Items[i]) {
+					out = append(out, r.Kind+" "+items.Items[i].GetName())
+				}
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // kubeProxyPod is the DaemonSet's kube-proxy pod on node (not being
@@ -444,6 +578,17 @@ func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster) f
 	}
 }
 
+// inSync counts the nodes judged in sync.
+func inSync(r *fleetReport) int {
+	n := 0
+	for _, s := range r.Nodes {
+		if s.State == audit.NodeInSync {
+			n++
+		}
+	}
+	return n
+}
+
 // heardSince counts the nodes whose last report came after since.
 func heardSince(r *fleetReport, since time.Time) int {
 	n := 0
@@ -453,4 +598,90 @@ func heardSince(r *fleetReport, since time.Time) int {
 		}
 	}
 	return n
+}
+
+func clip(s string) string {
+	if len(s) > 600 {
+		return s[:600] + "…"
+	}
+	return s
+}
+
+// make image: the same inputs give the same bytes, and the image holds
+// what the Dockerfile describes.
+func TestE2EImageIsReproducible(t *testing.T) {
+	skipUnlessCluster(t) // apt-get download and go build, as root
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var digests, sums []string
+	var path string
+	for range 2 {
+		dir := t.TempDir()
+		var built *image.Built
+		paths, err := localcluster.BuildImages(ctx, dir, false, func(b *image.Built, _ string) { built = b })
+		if err != nil {
+			t.Fatal(err)
+		}
+		path = paths[0]
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		digests = append(digests, built.Digest)
+		sums = append(sums, fmt.Sprintf("%x", sha256.Sum256(b)))
+		if len(built.Packages) < 5 {
+			t.Errorf("packages: %v", built.Packages)
+		}
+	}
+	if digests[0] != digests[1] || sums[0] != sums[1] {
+		t.Fatalf("two builds differ: digests %v, tarballs %v", digests, sums)
+	}
+	img, err := tarball.ImageFromPath(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cf.Config.User != "65532:65532" || !slices.Equal(cf.Config.Entrypoint, []string{"/usr/local/bin/proxyaudit"}) ||
+		!strings.Contains(cf.Config.Labels["io.proxyaudit.debian-packages"], "iptables=") {
+		t.Errorf("image config: user %q, entrypoint %v, labels %v", cf.Config.User, cf.Config.Entrypoint, cf.Config.Labels)
+	}
+	want := map[string]func(*tar.Header) bool{
+		"usr/local/bin/proxyaudit-collector":  func(h *tar.Header) bool { return h.Mode&0o111 != 0 && h.Size > 1<<20 },
+		"usr/local/bin/proxyaudit-aggregator": func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
+		"usr/local/bin/proxyaudit":            func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
+		"usr/sbin/iptables-save":              func(h *tar.Header) bool { return h.Linkname == "iptables-nft-save" },
+		"usr/sbin/iptables-legacy-save":       func(h *tar.Header) bool { return h.Typeflag == tar.TypeSymlink },
+		"usr/sbin/nft":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+		"sbin/ipvsadm":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+		"usr/sbin/conntrack":                  func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+		"etc/ssl/certs/ca-certificates.crt":   func(h *tar.Header) bool { return h.Size > 100<<10 },
+	}
+	rc := mutate.Extract(img)
+	defer rc.Close()
+	tr := tar.NewReader(rc)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(image.Epoch) {
+			t.Errorf("%s: owner %d:%d, time %s", h.Name, h.Uid, h.Gid, h.ModTime)
+		}
+		if check, ok := want[h.Name]; ok {
+			if !check(h) {
+				t.Errorf("%s: %+v", h.Name, h)
+			}
+			delete(want, h.Name)
+		}
+	}
+	for name := range want {
+		t.Errorf("the image lacks %s", name)
+	}
+	t.Logf("two builds, one digest %s", digests[0])
 }
