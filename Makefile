@@ -117,9 +117,11 @@ fmt:
 deps:
 	@deploy/install-deps.sh
 
-## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd from Go modules
+## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet,
+## kube-controller-manager, kube-scheduler and CoreDNS from Go modules
 cluster-binaries:
 	@deploy/k8s-tools/build.sh >/dev/null
+	@deploy/k8s-tools/coredns.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

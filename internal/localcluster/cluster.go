@@ -111,6 +111,7 @@ type Cluster struct {
 	bin             string
 	pki             pki
 	adminToken      string
+	proxyToken      string
 	proxyKubeconfig string
 	release         func()
 	etcd, apiserver *process
@@ -202,8 +203,8 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	c.adminToken = randomToken()
-	proxyToken := randomToken()
-	tokens := fmt.Sprintf("%s,admin,1,system:masters\n%s,system:kube-proxy,2,\n", c.adminToken, proxyToken)
+	c.proxyToken = randomToken()
+	tokens := fmt.Sprintf("%s,admin,1,system:masters\n%s,system:kube-proxy,2,\n", c.adminToken, c.proxyToken)
 	if err := os.WriteFile(filepath.Join(c.Dir, "tokens.csv"), []byte(tokens), 0o600); err != nil {
 		return c, err
 	}
@@ -212,7 +213,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	c.proxyKubeconfig = filepath.Join(c.Dir, "kube-proxy.kubeconfig")
-	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, proxyToken, ""); err != nil {
+	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, c.proxyToken, ""); err != nil {
 		return c, err
 	}
 	if err := c.startEtcd(ctx); err != nil {
@@ -330,6 +331,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		"--allow-privileged=true", // kube-proxy runs privileged, as kubeadm runs it
 		"--kubelet-client-certificate=" + filepath.Join(c.Dir, "apiserver-kubelet-client.crt"),
 		"--kubelet-client-key=" + filepath.Join(c.Dir, "apiserver-kubelet-client.key"),
+		"--kubelet-preferred-address-types=InternalIP", // node names do not resolve here
 		"--authorization-mode=Node,RBAC",
 		"--service-cluster-ip-range=" + ServiceCIDR,
 		"--cert-dir=" + filepath.Join(c.Dir, "certs"),

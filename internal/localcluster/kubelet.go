@@ -29,8 +29,11 @@ import (
 type KubeletNodeSpec struct {
 	Name string
 	// Mode labels the node for the kube-proxy DaemonSet of that mode
-	// (DeployKubeProxy); empty means no kube-proxy from a DaemonSet.
+	// (DeployKubeProxy), or is the static pod's mode.
 	Mode Mode
+	// StaticProxy runs kube-proxy as a static pod instead
+	// (StaticKubeProxy); no DaemonSet's pod runs here.
+	StaticProxy bool
 	// Zone is the topology.kubernetes.io/zone label; empty means none.
 	Zone string
 	// Labels are more node labels (the kubelet sets them at registration).
@@ -58,8 +61,8 @@ func (n *Node) PodCIDR() string {
 func (n *Node) Real() bool { return n.real != nil }
 
 // AddKubeletNode creates a real node and returns once the kubelet has
-// registered it and it is Ready. kube-proxy is not started: it comes as
-// pods (DeployKubeProxy, or a static pod in StaticPodDir).
+// registered it and it is Ready. kube-proxy comes as a pod: the
+// DaemonSet's (DeployKubeProxy) or, with StaticProxy, a static pod.
 func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*Node, error) {
 	if err := c.ensureControlPlane(ctx); err != nil {
 		return nil, err
@@ -91,6 +94,11 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 	}
 	if err := c.startContainerd(ctx, n); err != nil {
 		return nil, err
+	}
+	if spec.StaticProxy {
+		if err := c.StaticKubeProxy(n, spec.Mode); err != nil {
+			return nil, err
+		}
 	}
 	if err := c.startKubelet(ctx, n, spec); err != nil {
 		return nil, err
@@ -230,7 +238,7 @@ nodeStatusReportFrequency: 10s
 	if spec.Zone != "" {
 		labels = append(labels, "topology.kubernetes.io/zone="+spec.Zone)
 	}
-	if spec.Mode != "" {
+	if spec.Mode != "" && !spec.StaticProxy {
 		labels = append(labels, ProxyModeLabel+"="+string(spec.Mode))
 	}
 	for k, v := range spec.Labels {

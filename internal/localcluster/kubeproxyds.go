@@ -3,6 +3,8 @@ package localcluster
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -178,4 +180,72 @@ func (c *Cluster) WaitPodsReady(ctx context.Context, ns, selector string, want i
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
+}
+
+// StaticKubeProxy runs kube-proxy on a real node as a static pod (a
+// manifest in the kubelet's manifest directory; the API shows its mirror
+// pod), as GKE and older kubeadm setups do. It authenticates with a
+// kubeconfig on the node (static pods cannot use ServiceAccounts), labelled
+// like the DaemonSet's pods so that the same selector finds it.
+func (c *Cluster) StaticKubeProxy(n *Node, mode Mode) error {
+	if n.real == nil {
+		return fmt.Errorf("node %s is not a real node", n.Name)
+	}
+	// What the pod mounts: its kubeconfig, the cluster's CA, its config.
+	dir := filepath.Join(n.real.dir, "static-kube-proxy")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	ca, err := os.ReadFile(c.pki.CACert)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "ca.crt"), ca, 0o644); err != nil {
+		return err
+	}
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := writeKubeconfig(kubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), filepath.Join(dir, "ca.crt"), c.proxyToken, ""); err != nil {
+		return err
+	}
+	config := fmt.Sprintf(`apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: %s
+mode: %s
+clusterCIDR: %s
+hostnameOverride: %s
+conntrack:
+  maxPerCore: 0
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+`, kubeconfig, mode, PodCIDR, n.Name)
+	cfgPath := filepath.Join(dir, "config.conf")
+	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
+		return err
+	}
+	manifest := fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata:
+  name: kube-proxy
+  namespace: kube-system
+  labels: {k8s-app: kube-proxy, tier: node, component: kube-proxy}
+spec:
+  hostNetwork: true
+  priorityClassName: system-node-critical
+  containers:
+  - name: kube-proxy
+    image: %s
+    imagePullPolicy: IfNotPresent
+    command: [/usr/local/bin/kube-proxy, --config=%s, --v=2]
+    securityContext: {privileged: true}
+    volumeMounts:
+    - {name: cluster, mountPath: %s, readOnly: true}
+    - {name: xtables-lock, mountPath: /run/xtables.lock}
+  volumes:
+  - name: cluster
+    hostPath: {path: %s}
+  - name: xtables-lock
+    hostPath: {path: /run/xtables.lock, type: FileOrCreate}
+`, KubeProxyImage, cfgPath, dir, dir)
+	return os.WriteFile(filepath.Join(n.StaticPodDir(), "kube-proxy.yaml"), []byte(manifest), 0o644)
 }

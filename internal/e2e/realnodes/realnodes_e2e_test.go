@@ -42,6 +42,9 @@ var fleet = []localcluster.KubeletNodeSpec{
 	{Name: "real-ipt-a", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
 	{Name: "real-ipt-b", Mode: localcluster.ModeIPTables, Zone: "zone-b"},
 	{Name: "real-nft-a", Mode: localcluster.ModeNFTables, Zone: "zone-a"},
+	// kube-proxy as a static pod (GKE, older kubeadm): its mirror pod
+	// cannot be restarted through the API.
+	{Name: "real-static", Mode: localcluster.ModeIPTables, Zone: "zone-b", StaticProxy: true},
 }
 
 var shared struct {
@@ -399,6 +402,61 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("no StuckProxy finding on %s before it was healed; seen: %v", stuck.Name, seen)
 	}
 	t.Logf("healed: %s in sync %s after the change", stuck.Name, time.Since(changed).Round(time.Millisecond))
+
+	// A static kube-proxy that gets stuck: paged with what to do, its
+	// mirror pod never deleted; healed as the page says.
+	static := c.Node("real-static")
+	mirror := kubeProxyPod(ctx, t, c, static.Name)
+	if mirror == nil || mirror.Annotations["kubernetes.io/config.mirror"] == "" {
+		t.Fatalf("no mirror pod of the static kube-proxy on %s: %v", static.Name, mirror)
+	}
+	undoStatic, err := static.DropAPIConnection(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer undoStatic(context.Background())
+	watch = watchFindings(ctx, t, c)
+	if err := c.ApplySlice(ctx, localcluster.Slice(svc, "probe-1", "http", 8080, corev1.ProtocolTCP, "198.18.250.2")); err != nil {
+		t.Fatal(err)
+	}
+	changed = time.Now()
+	var paged string
+	for paged == "" {
+		evs, err := c.Client.CoreV1().Events("default").List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + static.Name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range evs.Items {
+			if strings.Contains(e.Message, "mirror pod") {
+				paged = e.Reason + ": " + e.Message
+			}
+		}
+		if time.Since(changed) > 2*time.Minute {
+			t.Fatalf("no page about the static kube-proxy on %s within 2 minutes; findings: %v", static.Name, watch())
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	t.Logf("static kube-proxy stuck: paged %s after the change: %s", time.Since(changed).Round(time.Millisecond), clip(paged))
+	time.Sleep(30 * time.Second) // three grace periods: a loop would have deleted it by now
+	if now := kubeProxyPod(ctx, t, c, static.Name); now == nil || now.UID != mirror.UID {
+		t.Errorf("the static kube-proxy's mirror pod was replaced: %v -> %v", mirror.UID, now)
+	}
+	if fs := watch(); !slices.ContainsFunc(fs, func(f string) bool { return strings.HasPrefix(f, string(audit.StuckProxy)+" "+static.Name) }) {
+		t.Errorf("no StuckProxy on %s: %v", static.Name, fs)
+	}
+	// What the page says to do: move the manifest out and back.
+	manifest := filepath.Join(static.StaticPodDir(), "kube-proxy.yaml")
+	if err := os.Rename(manifest, manifest+".out"); err != nil {
+		t.Fatal(err)
+	}
+	for kubeProxyPod(ctx, t, c, static.Name) != nil {
+		time.Sleep(500 * time.Millisecond)
+	}
+	if err := os.Rename(manifest+".out", manifest); err != nil {
+		t.Fatal(err)
+	}
+	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after the static kube-proxy's manifest went out and back")
+	t.Logf("static kube-proxy healed by its manifest moved out and back, %s after the change", time.Since(changed).Round(time.Millisecond))
 
 	// The collector's container as the chart runs it reads the rules; the
 	// same without CAP_NET_ADMIN says which capability it lacks.
