@@ -427,7 +427,7 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, e := range evs.Items {
-			if strings.Contains(e.Message, "mirror pod") {
+			if strings.Contains(e.Message, "static pod") {
 				paged = e.Reason + ": " + e.Message
 			}
 		}
