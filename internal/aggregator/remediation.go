@@ -74,7 +74,11 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		if q := audit.QuietOf(node); q.Leaving() {
 			n.Leaving = string(q)
 		}
-		n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
+		if n.Drifted && !storm {
+			n.StaticProxy, n.NoProxyPod = r.Executor.Inspect(ctx, st.Node)
+		} else {
+			n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
+		}
 		fleet.Nodes = append(fleet.Nodes, n)
 		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
 		if r.Policy.Mode != remediate.DryRun {

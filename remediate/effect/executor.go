@@ -208,7 +208,25 @@ func (e *Executor) Remembered() int {
 	return len(seen)
 }
 
-// Learned says what restart attempts found: a static kube-proxy, or none.
+// Inspect looks up the node's kube-proxy pod and records what it found,
+// for a node the planner is about to decide on: the page's advice depends
+// on it (a static kube-proxy cannot be restarted through the API, and that
+// is what its page must say even while the breaker or the budget holds
+// restarts back). A failed lookup keeps what was learned before.
+func (e *Executor) Inspect(ctx context.Context, node string) (static, noPod bool) {
+	pod, mirror, err := e.proxyPod(ctx, node)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.init()
+	if err != nil {
+		e.Log.Warn("cannot look up the kube-proxy pod", zap.String("node", node), zap.Error(err))
+	} else {
+		e.static[node], e.noPod[node] = mirror, pod == nil
+	}
+	return e.static[node], e.noPod[node]
+}
+
+// Learned says what lookups found last: a static kube-proxy, or none.
 func (e *Executor) Learned(node string) (static, noPod bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()

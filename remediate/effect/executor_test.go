@@ -381,3 +381,25 @@ func TestRecordIsReadOncePerMaxAge(t *testing.T) {
 		t.Errorf("after MaxAge: %d reads, node-a %+v; want a second read showing the hand edit", g, inc)
 	}
 }
+
+// The planner learns a static kube-proxy before it decides (Inspect), so
+// a page held back by the breaker or the budget still says what to do; a
+// lookup that fails keeps what was known.
+func TestInspectFindsStaticBeforePlanning(t *testing.T) {
+	objs := proxyNode()
+	objs[1].(*corev1.Pod).Annotations = map[string]string{MirrorPodAnnotation: "x"}
+	client := fake.NewClientset(objs...)
+	ex := executor(t, client, noon(), remediate.DefaultPolicy(), &pages{})
+	if static, noPod := ex.Inspect(context.Background(), "node-a"); !static || noPod {
+		t.Fatalf("mirror pod: static %v, no pod %v", static, noPod)
+	}
+	client.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("apiserver away")
+	})
+	if static, _ := ex.Inspect(context.Background(), "node-a"); !static {
+		t.Error("a failed lookup forgot the static kube-proxy")
+	}
+	if static, noPod := ex.Inspect(context.Background(), "node-b"); static || noPod {
+		t.Errorf("never looked up: static %v, no pod %v", static, noPod)
+	}
+}

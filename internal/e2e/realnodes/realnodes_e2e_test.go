@@ -47,6 +47,9 @@ var fleet = []localcluster.KubeletNodeSpec{
 	{Name: "real-static", Mode: localcluster.ModeIPTables, Zone: "zone-b", StaticProxy: true},
 }
 
+// Debugging: PROXYAUDIT_KEEP=1 keeps the cluster's work directory (logs,
+// kubeconfigs) after the run; PROXYAUDIT_HOLD=1 holds a failing wait for
+// ten minutes so that the cluster can be looked at.
 var shared struct {
 	once sync.Once
 	c    *localcluster.Cluster
@@ -91,7 +94,7 @@ func cluster(t *testing.T) *localcluster.Cluster {
 	shared.once.Do(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 		defer cancel()
-		c, err := localcluster.Start(ctx, localcluster.Config{Logf: t.Logf, KeepWorkDir: os.Getenv("KEEP") != ""})
+		c, err := localcluster.Start(ctx, localcluster.Config{Logf: t.Logf, KeepWorkDir: os.Getenv("PROXYAUDIT_KEEP") != ""})
 		if err != nil {
 			shared.err = err
 			return
@@ -246,7 +249,7 @@ func waitInSync(ctx context.Context, t *testing.T, c *localcluster.Cluster, time
 			return r
 		}
 		if time.Now().After(deadline) {
-			if os.Getenv("HOLD") != "" {
+			if os.Getenv("PROXYAUDIT_HOLD") != "" { // debugging: look at the cluster before it goes
 				t.Logf("HOLD: %s: %v\n%s", what, err, raw)
 				time.Sleep(10 * time.Minute)
 			}
@@ -432,7 +435,12 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 			}
 		}
 		if time.Since(changed) > 2*time.Minute {
-			t.Fatalf("no page about the static kube-proxy on %s within 2 minutes; findings: %v", static.Name, watch())
+			var seen []string
+			for _, e := range evs.Items {
+				seen = append(seen, e.Reason+": "+e.Message)
+			}
+			t.Fatalf("no page about the static kube-proxy on %s within 2 minutes; findings: %v\nits events:\n  %s\naggregators:\n%s",
+				static.Name, watch(), strings.Join(seen, "\n  "), aggregatorLogs(ctx, c, static.Name))
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
@@ -742,4 +750,30 @@ func TestE2EImageIsReproducible(t *testing.T) {
 		t.Errorf("the image lacks %s", name)
 	}
 	t.Logf("two builds, one digest %s", digests[0])
+}
+
+// aggregatorLogs returns the aggregator pods' log lines that mention
+// what, for a failure's message.
+func aggregatorLogs(ctx context.Context, c *localcluster.Cluster, what string) string {
+	pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, p := range pods.Items {
+		b, err := c.Client.CoreV1().Pods("proxyaudit").GetLogs(p.Name, &corev1.PodLogOptions{}).DoRaw(ctx)
+		if err != nil {
+			out = append(out, p.Name+": "+err.Error())
+			continue
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.Contains(l, what) || strings.Contains(l, "remediation") {
+				out = append(out, p.Name+": "+clip(l))
+			}
+		}
+	}
+	if len(out) > 40 {
+		out = out[len(out)-40:]
+	}
+	return strings.Join(out, "\n")
 }
