@@ -198,8 +198,18 @@ func unpack(ctx context.Context, names []string, debCache, root string) ([]Packa
 		return nil, err
 	}
 	var pkgs []Package
+	updated := false
 	for _, n := range names {
 		ver, err := candidate(ctx, n)
+		if err != nil && !updated {
+			// A machine whose package lists were never fetched (or were
+			// cleaned) knows no candidate: fetch them once, as root may.
+			updated = true
+			if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
+				return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
+			}
+			ver, err = candidate(ctx, n)
+		}
 		if err != nil {
 			return nil, err
 		}
