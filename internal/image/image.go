@@ -99,7 +99,14 @@ func Build(ctx context.Context, spec Spec, debCache, out string) (*Built, error)
 	if len(spec.Packages)+len(spec.NoDeps) > 0 {
 		names, err := closure(ctx, spec.Packages)
 		if err != nil {
-			return nil, err
+			// No package lists yet (a fresh or cleaned machine): fetch
+			// them once and ask again.
+			if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
+				return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
+			}
+			if names, err = closure(ctx, spec.Packages); err != nil {
+				return nil, err
+			}
 		}
 		names = append(names, spec.NoDeps...)
 		slices.Sort(names)
