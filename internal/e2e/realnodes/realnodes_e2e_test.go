@@ -498,6 +498,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 				if err != nil {
 					t.Fatalf("logs of %s: %v", name, err)
 				}
+				if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+					t.Fatal(err)
+				}
 				return p.Status.Phase, string(logs)
 			}
 			if time.Now().After(deadline) {
@@ -516,10 +519,27 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 
 	// helm uninstall leaves nothing but what the chart's README says.
 	helm(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	// Pods end after their controllers are gone, with their grace period.
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(pods.Items) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pods still in namespace proxyaudit 2 minutes after helm uninstall", len(pods.Items))
+		}
+	}
 	left := leftInNamespace(ctx, t, c, "proxyaudit")
 	documented := map[string]bool{
-		"Secret proxyaudit-aggregator-tls":          true, // the CA collectors trust, kept for a reinstall
-		"ConfigMap proxyaudit-aggregator-incidents": true, // open incidents, kept for a reinstall
+		// What the aggregator made, named in the chart's README: kept for a
+		// reinstall (the CA collectors trust, open incidents), or harmless
+		// (the leader election's Lease).
+		"Secret proxyaudit-aggregator-tls":          true,
+		"ConfigMap proxyaudit-aggregator-incidents": true,
+		"Lease proxyaudit-aggregator":               true,
 		"ConfigMap kube-root-ca.crt":                true, // every namespace's, made by the controller manager
 		"ServiceAccount default":                    true, // every namespace's
 	}
@@ -529,7 +549,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		}
 	}
 	for _, o := range clusterScopedOf(ctx, t, c, "proxyaudit") {
-		t.Errorf("helm uninstall left cluster-scoped %s", o)
+		if o != "Namespace proxyaudit" { // --create-namespace's; Helm never deletes namespaces
+			t.Errorf("helm uninstall left cluster-scoped %s", o)
+		}
 	}
 	t.Logf("helm uninstall left only: %s", strings.Join(left, ", "))
 }
