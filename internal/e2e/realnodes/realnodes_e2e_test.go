@@ -453,14 +453,19 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("no StuckProxy on %s: %v", static.Name, fs)
 	}
 	// What the page says to do: move the manifest out and back.
+	// Out of the directory: the kubelet reads every file in it, whatever
+	// its name.
 	manifest := filepath.Join(static.StaticPodDir(), "kube-proxy.yaml")
-	if err := os.Rename(manifest, manifest+".out"); err != nil {
+	aside := filepath.Join(filepath.Dir(static.StaticPodDir()), "kube-proxy.yaml.aside")
+	if err := os.Rename(manifest, aside); err != nil {
 		t.Fatal(err)
 	}
-	for kubeProxyPod(ctx, t, c, static.Name) != nil {
-		time.Sleep(500 * time.Millisecond)
+	for deadline := time.Now().Add(2 * time.Minute); kubeProxyPod(ctx, t, c, static.Name) != nil; time.Sleep(500 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the static kube-proxy's mirror pod is still there 2 minutes after its manifest left the directory")
+		}
 	}
-	if err := os.Rename(manifest+".out", manifest); err != nil {
+	if err := os.Rename(aside, manifest); err != nil {
 		t.Fatal(err)
 	}
 	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after the static kube-proxy's manifest went out and back")
