@@ -580,6 +580,7 @@ func CleanupStale(ctx context.Context) error {
 	if err := cleanupRealNodes(filepath.Join(os.TempDir(), "proxyaudit-localcluster-")); err != nil {
 		errs = append(errs, err)
 	}
+	restoreForwarding()
 	for _, ns := range ourNetNS() {
 		if _, err := run(ctx, "ip", "netns", "del", ns); err != nil {
 			errs = append(errs, err)

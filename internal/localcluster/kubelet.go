@@ -297,13 +297,16 @@ func (c *Cluster) ensureControlPlane(ctx context.Context) error {
 		return nil
 	}
 	// Pods on one node reach pods on another through the host.
-	const fwd = "/proc/sys/net/ipv4/ip_forward"
-	if b, err := os.ReadFile(fwd); err == nil && strings.TrimSpace(string(b)) == "0" {
-		if err := os.WriteFile(fwd, []byte("1"), 0o644); err != nil {
+	if b, err := os.ReadFile(ipForward); err == nil && strings.TrimSpace(string(b)) == "0" {
+		// A mark a crashed run leaves for the next one's cleanup.
+		if err := os.WriteFile(forwardMark, []byte("0"), 0o644); err != nil {
+			return err
+		}
+		if err := os.WriteFile(ipForward, []byte("1"), 0o644); err != nil {
 			return fmt.Errorf("enable IPv4 forwarding on the host for pod traffic between nodes: %w", err)
 		}
 		c.mu.Lock()
-		c.undo = append(c.undo, func() { _ = os.WriteFile(fwd, []byte("0"), 0o644) })
+		c.undo = append(c.undo, restoreForwarding)
 		c.mu.Unlock()
 		c.logf("IPv4 forwarding on the host enabled (restored at Stop)")
 	}
@@ -521,4 +524,18 @@ func mountsUnder(prefix string) []string {
 		}
 	}
 	return points
+}
+
+const (
+	ipForward   = "/proc/sys/net/ipv4/ip_forward"
+	forwardMark = "/run/proxyaudit-localcluster-ip-forward"
+)
+
+// restoreForwarding turns the host's IPv4 forwarding off again if a real
+// node turned it on (its mark says so), after Stop or a crashed run.
+func restoreForwarding() {
+	if b, err := os.ReadFile(forwardMark); err == nil && strings.TrimSpace(string(b)) == "0" {
+		_ = os.WriteFile(ipForward, []byte("0"), 0o644)
+	}
+	_ = os.Remove(forwardMark)
 }
