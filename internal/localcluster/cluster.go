@@ -652,9 +652,16 @@ func randomToken() string {
 // writeKubeconfig writes a kubeconfig for a bearer token; as, when set,
 // impersonates that user.
 func writeKubeconfig(path, server, caFile, token, as string) error {
+	user := "token: " + token
 	if as != "" {
-		as = "\n    as: " + as
+		user += "\n    as: " + as
 	}
+	return kubeconfigFile(path, server, caFile, user)
+}
+
+// kubeconfigFile writes a kubeconfig for one cluster and one user, whose
+// credentials user holds (YAML lines under "user:").
+func kubeconfigFile(path, server, caFile, user string) error {
 	cfg := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
@@ -665,12 +672,12 @@ clusters:
 users:
 - name: user
   user:
-    token: %s%s
+    %s
 contexts:
 - name: local
   context: {cluster: local, user: user}
 current-context: local
-`, server, caFile, token, as)
+`, server, caFile, user)
 	return os.WriteFile(path, []byte(cfg), 0o600)
 }
 

@@ -376,24 +376,7 @@ func (c *Cluster) ensureControlPlane(ctx context.Context) error {
 }
 
 func writeCertKubeconfig(path, server, caFile, cert, key string) error {
-	cfg := fmt.Sprintf(`apiVersion: v1
-kind: Config
-clusters:
-- name: local
-  cluster:
-    server: %s
-    certificate-authority: %s
-users:
-- name: user
-  user:
-    client-certificate: %s
-    client-key: %s
-contexts:
-- name: local
-  context: {cluster: local, user: user}
-current-context: local
-`, server, caFile, cert, key)
-	return os.WriteFile(path, []byte(cfg), 0o600)
+	return kubeconfigFile(path, server, caFile, "client-certificate: "+cert+"\n    client-key: "+key)
 }
 
 // cleanupRealNodes ends what real nodes leave beyond marked processes:

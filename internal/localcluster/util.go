@@ -12,29 +12,18 @@ import (
 	"strings"
 )
 
-// EnsureBinaries returns the directory with kube-apiserver, kube-proxy and
-// etcd, building them from the pinned tools module (deploy/k8s-tools) when the
+// EnsureBinaries returns the directory with kube-apiserver, kube-proxy,
+// etcd, kubectl and the node components, building them from the pinned tools module (deploy/k8s-tools) when the
 // cache does not hold them yet. A cold build takes minutes; later calls reuse
 // the cache.
 func EnsureBinaries(ctx context.Context, logf func(string, ...any)) (string, error) {
 	if dir := os.Getenv("PROXYAUDIT_K8S_BIN"); dir != "" {
 		return dir, nil
 	}
-	root, err := RepoRoot()
-	if err != nil {
-		return "", err
-	}
-	script := filepath.Join(root, "deploy", "k8s-tools", "build.sh")
 	if logf != nil {
-		logf("ensuring cluster binaries with %s", script)
+		logf("ensuring cluster binaries with deploy/k8s-tools/build.sh")
 	}
-	cmd := exec.CommandContext(ctx, script)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("build cluster binaries (%s): %w\n%s", script, err, tail(stderr.String(), 30))
-	}
-	return strings.TrimSpace(stdout.String()), nil
+	return ensureTool(ctx, "build.sh")
 }
 
 // ensureTool runs a build script in deploy/k8s-tools (which builds or

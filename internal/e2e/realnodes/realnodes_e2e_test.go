@@ -129,42 +129,14 @@ func cluster(t *testing.T) *localcluster.Cluster {
 	return shared.c
 }
 
-// waitPods waits until want pods match selector in ns, all Running and
-// Ready, and returns them.
+// waitPods waits until want pods match selector in ns, all Ready.
 func waitPods(ctx context.Context, t *testing.T, c *localcluster.Cluster, ns, selector string, want int, timeout time.Duration) []corev1.Pod {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var last string
-	for {
-		pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector})
-		if err == nil {
-			ready := 0
-			var states []string
-			for _, p := range pods.Items {
-				ok := p.DeletionTimestamp == nil
-				isReady := false
-				for _, cond := range p.Status.Conditions {
-					if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
-						isReady = true
-					}
-				}
-				if ok && isReady {
-					ready++
-				}
-				states = append(states, fmt.Sprintf("%s@%s:%s ready=%v", p.Name, p.Spec.NodeName, p.Status.Phase, isReady))
-			}
-			last = strings.Join(states, " ")
-			if ready == want && len(pods.Items) == want {
-				return pods.Items
-			}
-		} else {
-			last = err.Error()
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pods %s in %s: want %d Ready within %s; have: %s", selector, ns, want, timeout, last)
-		}
-		time.Sleep(500 * time.Millisecond)
+	pods, err := c.WaitPodsReady(ctx, ns, selector, want, timeout)
+	if err != nil {
+		t.Fatal(err)
 	}
+	return pods
 }
 
 func TestE2ERealNodesRunKubeProxyAndDNS(t *testing.T) {
