@@ -92,13 +92,16 @@ func cluster(t *testing.T) *localcluster.Cluster {
 	t.Helper()
 	skipUnlessCluster(t)
 	shared.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-		defer cancel()
-		c, err := localcluster.Start(ctx, localcluster.Config{Logf: t.Logf, KeepWorkDir: os.Getenv("PROXYAUDIT_KEEP") != ""})
+		// Start waits for the machine-wide cluster lock while other
+		// packages' clusters run (go test's -timeout bounds that); the
+		// setup's own budget begins once this cluster is up.
+		c, err := localcluster.Start(context.Background(), localcluster.Config{Logf: t.Logf, KeepWorkDir: os.Getenv("PROXYAUDIT_KEEP") != ""})
 		if err != nil {
 			shared.err = err
 			return
 		}
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+		defer cancel()
 		shared.c = c
 		start := time.Now()
 		for _, s := range fleet {
