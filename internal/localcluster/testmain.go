@@ -108,14 +108,17 @@ func Shared(t testing.TB) *Cluster {
 		t.Skip("end-to-end test skipped in -short mode (make unit); make test runs it")
 	}
 	shared.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
-		defer cancel()
 		logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "localcluster: "+format+"\n", args...) }
-		c, err := Start(ctx, Config{Logf: logf})
+		// Start waits for the machine-wide lock while other packages'
+		// clusters run (go test's -timeout bounds that); the setup's own
+		// budget begins once this cluster is up.
+		c, err := Start(context.Background(), Config{Logf: logf})
 		if err != nil {
 			shared.err = err
 			return
 		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+		defer cancel()
 		shared.cluster = c
 		for _, spec := range shared.nodes {
 			if _, err := c.AddNode(ctx, spec); err != nil {
