@@ -111,6 +111,10 @@ type node struct {
 	fresh    bool   // a report since the last assessment
 	version  uint64 // bumps when state changes
 	noRules  bool
+	// shownSince: the first report on this stream showing the rules as
+	// they are now (their version); judged: the time the last judgement
+	// was made as of. See judgeAt.
+	shownSince, judged time.Time
 
 	// readNowFor is the grace deadline a read-now request was last sent
 	// for: one request per crossing.

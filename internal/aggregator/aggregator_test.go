@@ -65,10 +65,16 @@ func fakeCluster() *fake.Clientset {
 // nil. Nothing evaluates on its own: until and advance do, as they step
 // the clock.
 func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, barrier *Barrier) *harness {
+	return startView(t, grace, auth, client, ViewConfig{Debounce: 50 * time.Millisecond, Barrier: barrier})
+}
+
+// startView is startWith with the view's debounce and barrier in vc.
+func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc ViewConfig) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: client, Keep: 4 * grace, Debounce: 50 * time.Millisecond, Log: log, Clock: clk, Barrier: barrier})
+	vc.Client, vc.Keep, vc.Log, vc.Clock = client, 4*grace, log, clk
+	view := NewView(vc)
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
 	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}, view)

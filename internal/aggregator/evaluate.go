@@ -38,11 +38,16 @@ func (a *Aggregator) Evaluate() {
 		var jobs []job
 		a.mu.Lock()
 		for _, n := range a.nodes {
-			if !n.fresh || !n.complete || n.heard.After(covered) {
+			if !n.fresh || !n.complete {
 				continue
 			}
-			n.fresh = false
-			j := job{n: n, at: n.heard, noRule: n.noRules}
+			at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
+			if !ok {
+				continue
+			}
+			n.fresh = !at.Equal(n.heard) // judged as of an earlier time: its report's turn comes
+			n.judged = at
+			j := job{n: n, at: at, noRule: n.noRules}
 			if n.assessedVersion == n.version && n.assessedGen == gen {
 				j.reuse = true
 			} else {
@@ -108,6 +113,31 @@ func (a *Aggregator) Evaluate() {
 	if !recovering {
 		a.remediate(&v)
 	}
+}
+
+// judgeAt says as of when a node's latest report can be judged, given the
+// time covered up to which the view holds every change (View.Covered):
+// the report's own time once covered; before that, the covered time
+// itself, when the node already showed the same rules then (from
+// shownSince to its report) and no judgement was made as of it yet. Rules
+// shown over a span lag at its end at least as much as anywhere in it,
+// so judging them earlier never finds more than the report would.
+//
+// Without the second case a node that reports more often than the view
+// catches up waited for a report that happened to fall before the
+// covered time, and the next report moved it on again: under churn (the
+// view trails by a second or two) a stuck node reporting every 2 s, its
+// rules never changing, was found 15-45 s after grace in the fleet
+// simulation instead of 1-3 s, and at 5,000 nodes a quarter of the stuck
+// nodes 25 s late.
+func judgeAt(heard, shownSince, judged, covered time.Time) (time.Time, bool) {
+	switch {
+	case !heard.After(covered):
+		return heard, true
+	case !shownSince.IsZero() && !shownSince.After(covered) && covered.After(judged):
+		return covered, true
+	}
+	return time.Time{}, false
 }
 
 // pruneLocked drops the nodes the judge forgot (they left the cluster and

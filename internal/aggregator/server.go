@@ -570,6 +570,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 	n.complete = true
 	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.NoRules != n.noRules {
 		n.version++
+		n.shownSince = now
 	}
 	if r.NoRules && !n.noRules {
 		a.cfg.Log.Info("node has no kube-proxy rules (flushed, or kube-proxy not running)", zap.String("node", n.name))

@@ -39,6 +39,7 @@ var (
 	fleetReport   = flag.String("fleet-report", "", "append the result as one JSON line to this file")
 	fleetRefs     = flag.String("fleet-refs", "half", "which nodes name changed frontends by hash: all, none, or half (every other node, measured side by side)")
 	fleetAgg      = flag.String("fleet-aggregator", "", "aggregator binary to run (default: built from this tree), e.g. an older build to compare")
+	fleetAggArgs  = flag.String("fleet-aggregator-args", "", "more flags for every aggregator replica, space-separated (e.g. --token-review-qps=400)")
 	fleetAuth     = flag.Bool("fleet-auth", true, "authenticate every simulated collector by a real TokenReview (a token bound to a pod of the collector DaemonSet on its node); false: --insecure-no-auth")
 	fleetReplicas = flag.Int("fleet-replicas", 2, "aggregator replicas (leader election on; 1 with -fleet-kill=false runs one without election)")
 	fleetKill     = flag.Bool("fleet-kill", true, "SIGKILL the leader mid-run and measure how soon the fleet is heard again")
@@ -156,6 +157,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	} else {
 		args = append(args, "--insecure-no-auth")
 	}
+	args = append(args, strings.Fields(*fleetAggArgs)...)
 	if *fleetReplicas == 1 && !*fleetKill {
 		args = append(args, "--leader-elect=false")
 	}
@@ -287,10 +289,22 @@ func TestE2EFleetSimulation(t *testing.T) {
 			frozen[fleet.Name(i)] = v.Seq
 		}
 		found := map[string]time.Time{}
+		// What the leader said of each stuck node while it was looked for:
+		// for a slow detection, the reports it judged and when.
+		trace, last := map[string][]string{}, map[string]string{}
 		deadline := time.Now().Add(grace + 3**fleetInterval + 60*time.Second)
 		for len(found) < len(idx) && time.Now().Before(deadline) {
 			v := check()
 			now := time.Now()
+			for _, s := range v.Nodes {
+				if _, ok := frozen[s.Node]; ok {
+					line := fmt.Sprintf("%s last report %s watermark %s", s.State, s.LastReport.Format("15:04:05.000"), s.Watermark.Format("15:04:05.000"))
+					if line != last[s.Node] {
+						last[s.Node] = line
+						trace[s.Node] = append(trace[s.Node], now.Format("15:04:05.000")+" "+line)
+					}
+				}
+			}
 			for _, f := range v.Findings {
 				if _, ok := frozen[f.Node]; ok && found[f.Node].IsZero() {
 					found[f.Node] = now
@@ -309,6 +323,14 @@ func TestE2EFleetSimulation(t *testing.T) {
 			lat = append(lat, l)
 			t.Logf("round %d: %s stuck at version %d, first missed change at %s, found %.1f s after grace",
 				round, name, seq, missed.At.Format("15:04:05.000"), l)
+			// A report is due every interval, and read-now asks for one as
+			// the change crosses grace: later than that is a bug (a stuck
+			// node's reports once went unjudged for up to 45 s).
+			if late := max(5*time.Second, 2**fleetInterval) + 5*time.Second; l > late.Seconds() {
+				t.Errorf("round %d: %s found %.1f s after grace, more than %s; as the leader showed it:\n    %s", round, name, l, late, strings.Join(trace[name], "\n    "))
+			} else if l > 5 {
+				t.Logf("  %s as the leader showed it:\n    %s", name, strings.Join(trace[name], "\n    "))
+			}
 		}
 		for _, i := range idx {
 			fleet.Thaw(i)
