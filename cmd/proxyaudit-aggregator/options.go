@@ -59,7 +59,7 @@ func defaultOptions() options {
 		leaderElect: true, leNamespace: ns, leName: "proxyaudit-aggregator",
 		leDuration: 10 * time.Second, leRenew: 7 * time.Second, leRetry: 2 * time.Second, barrier: true,
 		audience: "proxyaudit", collectorSAs: ns + "/proxyaudit-collector", maxMessageBytes: 16 << 20,
-		readerAudience: api.DefaultReaderAudience, reviewQPS: 200, reviewBurst: 400, readerReviewQPS: 10,
+		readerAudience: api.DefaultReaderAudience, reviewQPS: 400, reviewBurst: 400, readerReviewQPS: 10,
 		remediationMode: string(remediate.DefaultPolicy().Mode), remediation: remediate.DefaultPolicy(),
 		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
@@ -121,7 +121,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.slackAPI, "slack-api-url", o.slackAPI, "Slack API base URL (tests and proxies)")
 	fs.StringVar(&o.readers, "http-readers", o.readers, "NAMESPACE/SERVICE: serve findings (/api/) only to callers whose token the API server authenticates for --http-reader-audience and allows get on services/proxy of that Service (the permission its service proxy checks; `proxyaudit report` mints such a token). Empty: anyone who reaches --http-listen reads them")
 	fs.StringVar(&o.readerAudience, "http-reader-audience", o.readerAudience, "audience of reader tokens (--http-readers)")
-	fs.Float64Var(&o.reviewQPS, "token-review-qps", o.reviewQPS, "TokenReviews a second the leader may ask for collectors' hellos, on an API client of their own (a fleet reconnecting after a leader change: 5,000 nodes in 25 s at 200); a hello waits up to 5 s for one, then is refused as busy and retries with its backoff. One source address gets 1 a second (burst 5)")
+	fs.Float64Var(&o.reviewQPS, "token-review-qps", o.reviewQPS, "TokenReviews a second the leader may ask for collectors' hellos, on an API client of their own (a fleet reconnecting after a leader change: 5,000 nodes heard again within 25 s of the leader's death at 400, lease included); a hello waits up to 5 s for one, then is refused as busy and retries with its backoff. One source address gets 1 a second (burst 5)")
 	fs.IntVar(&o.reviewBurst, "token-review-burst", o.reviewBurst, "burst of --token-review-qps")
 	fs.Float64Var(&o.readerReviewQPS, "reader-review-qps", o.readerReviewQPS, "token and access reviews a second for HTTP API readers not decided yet (decisions are cached 30 s): a budget of their own, so a flood of reader tokens cannot delay a collector; beyond it readers get 429")
 	fs.StringVar(&o.pprofListen, "debug-pprof-listen", o.pprofListen, "address for Go's /debug/pprof profiles (e.g. 127.0.0.1:6060); empty: off. Profiles show internals: bind it to localhost")
