@@ -214,11 +214,29 @@ func TestE2EFleetSimulation(t *testing.T) {
 	// false. A stuck node's findings are true until it is back in sync.
 	stuck := map[string]time.Time{} // node → frozen at
 	falseSeen := map[string]bool{}
+	// What the leader's verdict does over time: a view that goes stale
+	// judges nothing, and a verdict that stops moving delays detection.
+	var lastAt, movedAt time.Time
+	var wasStale string
 	check := func() audit.Verdict {
-		v, err := aggAPI.verdict()
+		v, stale, err := aggAPI.verdictStale()
 		if err != nil {
 			t.Logf("verdict: %v", err)
 			return v
+		}
+		now := time.Now()
+		if st := fmt.Sprint(stale != nil); stale != nil && wasStale != "true" {
+			t.Logf("the leader's view is stale since %s: %s", stale.Since.Format("15:04:05.000"), stale.Reason)
+			wasStale = st
+		} else if stale == nil && wasStale == "true" {
+			t.Logf("the leader's view is fresh again")
+			wasStale = st
+		}
+		if !v.At.Equal(lastAt) {
+			if !movedAt.IsZero() && now.Sub(movedAt) > 5*time.Second {
+				t.Logf("the leader's verdict did not move for %s (until %s)", now.Sub(movedAt).Round(100*time.Millisecond), v.At.Format("15:04:05.000"))
+			}
+			lastAt, movedAt = v.At, now
 		}
 		for _, f := range v.Findings {
 			if _, ok := stuck[f.Node]; ok {
@@ -510,16 +528,28 @@ func (a *apiClient) ready() bool {
 
 // verdict reads findings and nodes.
 func (a *apiClient) verdict() (audit.Verdict, error) {
+	v, _, err := a.verdictStale()
+	return v, err
+}
+
+// verdictStale is verdict and what the leader says of its view: stale (and
+// why) while it judges nothing.
+func (a *apiClient) verdictStale() (audit.Verdict, *api.StaleView, error) {
+	v, fr, err := a.findings()
+	return v, fr.Stale, err
+}
+
+func (a *apiClient) findings() (audit.Verdict, api.FindingsResponse, error) {
 	var v audit.Verdict
 	var fr api.FindingsResponse
 	if err := a.get("/api/v1/findings", &fr); err != nil {
-		return v, err
+		return v, fr, err
 	}
 	var nr api.NodesResponse
 	if err := a.get("/api/v1/nodes", &nr); err != nil {
-		return v, err
+		return v, fr, err
 	}
-	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, nil
+	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, fr, nil
 }
 
 func (a *apiClient) get(path string, v any) error {
