@@ -78,11 +78,7 @@ fleet-sim: deps cluster-binaries
 FUZZTIME ?= 30s
 TEST_FUZZTIME ?= 5s
 fuzz:
-	@for f in $$(grep -l '^func Fuzz' $$(git ls-files '*_test.go')); do \
-		for t in $$(grep -o '^func Fuzz[A-Za-z0-9_]*' $$f | cut -d' ' -f2); do \
-			echo "fuzz ./$$(dirname $$f) $$t for $(FUZZTIME)"; \
-			$(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 50x ./$$(dirname $$f) || exit 1; \
-		done; done
+	@GO=$(GO) deploy/fuzz.sh $(FUZZTIME)
 
 ## manifests: re-render deploy/manifests/proxyaudit.yaml and the chart README values table (tests fail when stale)
 manifests:
