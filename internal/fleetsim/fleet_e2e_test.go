@@ -217,7 +217,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	// What the leader's verdict does over time: a view that goes stale
 	// judges nothing, and a verdict that stops moving delays detection.
 	var lastAt, movedAt time.Time
-	var wasStale string
+	wasStale := false
 	check := func() audit.Verdict {
 		v, stale, err := aggAPI.verdictStale()
 		if err != nil {
@@ -225,13 +225,13 @@ func TestE2EFleetSimulation(t *testing.T) {
 			return v
 		}
 		now := time.Now()
-		if st := fmt.Sprint(stale != nil); stale != nil && wasStale != "true" {
+		switch {
+		case stale != nil && !wasStale:
 			t.Logf("the leader's view is stale since %s: %s", stale.Since.Format("15:04:05.000"), stale.Reason)
-			wasStale = st
-		} else if stale == nil && wasStale == "true" {
+		case stale == nil && wasStale:
 			t.Logf("the leader's view is fresh again")
-			wasStale = st
 		}
+		wasStale = stale != nil
 		if !v.At.Equal(lastAt) {
 			if !movedAt.IsZero() && now.Sub(movedAt) > 5*time.Second {
 				t.Logf("the leader's verdict did not move for %s (until %s)", now.Sub(movedAt).Round(100*time.Millisecond), v.At.Format("15:04:05.000"))
@@ -535,21 +535,16 @@ func (a *apiClient) verdict() (audit.Verdict, error) {
 // verdictStale is verdict and what the leader says of its view: stale (and
 // why) while it judges nothing.
 func (a *apiClient) verdictStale() (audit.Verdict, *api.StaleView, error) {
-	v, fr, err := a.findings()
-	return v, fr.Stale, err
-}
-
-func (a *apiClient) findings() (audit.Verdict, api.FindingsResponse, error) {
 	var v audit.Verdict
 	var fr api.FindingsResponse
 	if err := a.get("/api/v1/findings", &fr); err != nil {
-		return v, fr, err
+		return v, nil, err
 	}
 	var nr api.NodesResponse
 	if err := a.get("/api/v1/nodes", &nr); err != nil {
-		return v, fr, err
+		return v, nil, err
 	}
-	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, fr, nil
+	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, fr.Stale, nil
 }
 
 func (a *apiClient) get(path string, v any) error {
