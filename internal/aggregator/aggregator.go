@@ -113,8 +113,10 @@ type node struct {
 	noRules  bool
 	// shownSince: the first report on this stream showing the rules as
 	// they are now (their version); judged: the time the last judgement
-	// was made as of. See judgeAt.
+	// was made as of; before: the rules the report before showed, while
+	// no judgement reached them. See judgeAt.
 	shownSince, judged time.Time
+	before             *shown
 
 	// readNowFor is the grace deadline a read-now request was last sent
 	// for: one request per crossing.
@@ -125,6 +127,15 @@ type node struct {
 	assessedVersion, assessedGen uint64
 	assessments                  []audit.ServiceAssessment
 	base                         *baseline // Evaluate's goroutine only
+}
+
+// shown is what one of a node's reports showed: its rules (immutable
+// buckets, cheap to keep), their version, and the span they were shown.
+type shown struct {
+	state     stream.State
+	at, since time.Time
+	version   uint64
+	noRules   bool
 }
 
 // New returns an aggregator over view. It leads only after StartedLeading

@@ -41,18 +41,29 @@ func (a *Aggregator) Evaluate() {
 			if !n.fresh || !n.complete {
 				continue
 			}
+			rules, version, noRules := n.state, n.version, n.noRules
 			at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
+			if b := n.before; !ok && b != nil {
+				// The latest report's rules are newer than the view: the
+				// report before, if the view covers it.
+				rules, version, noRules = &b.state, b.version, b.noRules
+				at, ok = judgeAt(b.at, b.since, n.judged, covered)
+			}
 			if !ok {
 				continue
 			}
-			n.fresh = !at.Equal(n.heard) // judged as of an earlier time: its report's turn comes
-			n.judged = at
-			j := job{n: n, at: at, noRule: n.noRules}
-			if n.assessedVersion == n.version && n.assessedGen == gen {
+			// Judged as of an earlier time than the latest report: its
+			// turn comes.
+			n.fresh, n.judged = !at.Equal(n.heard), at
+			if version != n.version || !n.fresh {
+				n.before = nil
+			}
+			j := job{n: n, at: at, noRule: noRules}
+			if n.assessedVersion == version && n.assessedGen == gen {
 				j.reuse = true
 			} else {
-				j.snap = *n.state
-				n.assessedVersion, n.assessedGen = n.version, gen
+				j.snap = *rules
+				n.assessedVersion, n.assessedGen = version, gen
 			}
 			jobs = append(jobs, j)
 		}
@@ -115,7 +126,7 @@ func (a *Aggregator) Evaluate() {
 	}
 }
 
-// judgeAt says as of when a node's latest report can be judged, given the
+// judgeAt says as of when a node's report can be judged, given the
 // time covered up to which the view holds every change (View.Covered):
 // the report's own time once covered; before that, the covered time
 // itself, when the node already showed the same rules then (from
@@ -129,7 +140,10 @@ func (a *Aggregator) Evaluate() {
 // view trails by a second or two) a stuck node reporting every 2 s, its
 // rules never changing, was found 15-45 s after grace in the fleet
 // simulation instead of 1-3 s, and at 5,000 nodes a quarter of the stuck
-// nodes 25 s late.
+// nodes 25 s late. A node whose rules change at every report (one just
+// thawed, catching up under churn) has no earlier span of the same rules:
+// Evaluate then judges the report before the latest (node.before) when the
+// view covers that one, or its findings could outlive its repair.
 func judgeAt(heard, shownSince, judged, covered time.Time) (time.Time, bool) {
 	switch {
 	case !heard.After(covered):

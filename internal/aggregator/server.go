@@ -314,7 +314,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		log.Info("a new stream replaces the node's previous one")
 		n.conn.Close()
 	}
-	n.conn, n.state, n.complete, n.lastSeq = c, stream.NewPooledState(a.pool), false, 0
+	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
 	a.mu.Unlock()
 	defer func() {
 		a.mu.Lock()
@@ -562,6 +562,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 	if err != nil {
 		return false, ReasonInvalid, "invalid report: " + err.Error(), nil
 	}
+	prev, wasComplete := *n.state, n.complete
 	*n.state = next
 	if !match {
 		n.complete = false
@@ -569,6 +570,13 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 	}
 	n.complete = true
 	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.NoRules != n.noRules {
+		// The rules the last report showed, if no judgement reached it
+		// yet: judged in its stead while this report is newer than the
+		// view (judgeAt).
+		n.before = nil
+		if wasComplete && n.fresh && n.heard.After(n.judged) {
+			n.before = &shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules}
+		}
 		n.version++
 		n.shownSince = now
 	}
