@@ -55,8 +55,8 @@ func (a *Aggregator) Evaluate() {
 			// Judged as of an earlier time than the latest report: its
 			// turn comes.
 			n.fresh, n.judged = !at.Equal(n.heard), at
-			if version != n.version || !n.fresh {
-				n.before = nil
+			if b := n.before; b != nil && !at.Before(b.at) {
+				n.before = nil // judged as of its time or later
 			}
 			j := job{n: n, at: at, noRule: noRules}
 			if n.assessedVersion == version && n.assessedGen == gen {
@@ -130,9 +130,10 @@ func (a *Aggregator) Evaluate() {
 // time covered up to which the view holds every change (View.Covered):
 // the report's own time once covered; before that, the covered time
 // itself, when the node already showed the same rules then (from
-// shownSince to its report) and no judgement was made as of it yet. Rules
-// shown over a span lag at its end at least as much as anywhere in it,
-// so judging them earlier never finds more than the report would.
+// shownSince to its report). Never as of a time a judgement already
+// passed, nor after the report. Rules shown over a span lag at its end at
+// least as much as anywhere in it, so judging them earlier never finds
+// more than the report would.
 //
 // Without the second case a node that reports more often than the view
 // catches up waited for a report that happened to fall before the
@@ -146,9 +147,9 @@ func (a *Aggregator) Evaluate() {
 // view covers that one, or its findings could outlive its repair.
 func judgeAt(heard, shownSince, judged, covered time.Time) (time.Time, bool) {
 	switch {
-	case !heard.After(covered):
+	case !heard.After(covered) && heard.After(judged):
 		return heard, true
-	case !shownSince.IsZero() && !shownSince.After(covered) && covered.After(judged):
+	case heard.After(covered) && !shownSince.IsZero() && !shownSince.After(covered) && covered.After(judged):
 		return covered, true
 	}
 	return time.Time{}, false

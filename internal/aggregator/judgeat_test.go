@@ -27,6 +27,7 @@ func TestJudgeAt(t *testing.T) {
 		{"nothing new covered since the last judgement", at(10), at(2), at(9), at(9), zero, false},
 		{"rules first shown after the covered time wait", at(10), at(10), at(8), at(9), zero, false},
 		{"no rules shown yet on this stream", at(10), zero, zero, at(9), zero, false},
+		{"a report a judgement already passed", at(10), at(2), at(10), at(11), zero, false},
 	} {
 		got, ok := judgeAt(c.heard, c.shownSince, c.judged, c.cover)
 		if ok != c.ok || !got.Equal(c.want) {
