@@ -71,8 +71,13 @@ const (
 	MassDivergence Kind = "MassDivergence"
 )
 
-// TimedFinding is a finding with the time its condition began.
+// TimedFinding is a finding with the time its condition began and, from
+// the aggregator, the time it first reported it.
 type TimedFinding struct {
 	Finding
 	Since time.Time `json:"since"`
+	// Found is when the leading aggregator first published the finding
+	// (its detection: Found - Since is grace plus how long it took). Zero
+	// offline (proxyaudit diff); a new leader finds anew.
+	Found time.Time `json:"found,omitzero"`
 }

@@ -33,9 +33,11 @@ func (a *Aggregator) Evaluate() {
 	// A report is judged once the cluster state covers its time (see
 	// View.Covered); a later cycle takes the rest.
 	covered := a.view.Covered()
+	var jobs []job
+	var held, assessedAt time.Duration // for a slow cycle's log
 	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
+		held = a.cfg.Clock.Since(start)
 		nodeInfo = st.Nodes
-		var jobs []job
 		a.mu.Lock()
 		for _, n := range a.nodes {
 			if !n.fresh || !n.complete {
@@ -85,6 +87,7 @@ func (a *Aggregator) Evaluate() {
 				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())
 			}
 		}
+		assessedAt = a.cfg.Clock.Since(start)
 	})
 	names := a.view.ExpectedNodes()
 	a.mu.Lock()
@@ -101,6 +104,7 @@ func (a *Aggregator) Evaluate() {
 		v = holdBackDrift(v)
 	}
 	prev := a.verdict
+	a.markFound(prev, &v, now)
 	a.verdict = &v
 	asks := a.readNowDue(now, &v, recovering)
 	a.mu.Unlock()
@@ -119,12 +123,21 @@ func (a *Aggregator) Evaluate() {
 		}
 	}
 	a.cfg.Metrics.setVerdict(&v)
-	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
+	took := a.cfg.Clock.Since(start)
+	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(took.Seconds())
+	if took > slowEvaluation {
+		a.cfg.Log.Warn("slow evaluation: every finding waits for it", zap.Duration("took", took), zap.Int("reports_judged", len(jobs)),
+			zap.Int("nodes", len(v.Nodes)), zap.Duration("cluster_state_held_after", held), zap.Duration("assessed_after", assessedAt))
+	}
 	a.logChanges(prev, &v)
 	if !recovering {
 		a.remediate(&v)
 	}
 }
+
+// slowEvaluation is how long an evaluation cycle (every second) may take
+// before it is logged: findings are published only at its end.
+const slowEvaluation = 2 * time.Second
 
 // judgeAt says as of when a node's report can be judged, given the
 // time covered up to which the view holds every change (View.Covered):
@@ -237,11 +250,36 @@ func holdBackDrift(v audit.Verdict) audit.Verdict {
 	return v
 }
 
+// findingKey names a finding across verdicts.
+func findingKey(f audit.TimedFinding) string {
+	return f.Node + "|" + f.Service + "|" + f.Port + "|" + string(f.Kind) + "|" + f.Endpoint
+}
+
+// markFound dates each finding of cur by when a verdict first held it: a
+// finding prev held keeps its time; a new one is found now, and how long
+// after its condition began goes to proxyaudit_finding_delay_seconds. A
+// finding that cleared and came back is found again.
+func (a *Aggregator) markFound(prev, cur *audit.Verdict, now time.Time) {
+	found := map[string]time.Time{}
+	if prev != nil {
+		for _, f := range prev.Findings {
+			found[findingKey(f)] = f.Found
+		}
+	}
+	for i := range cur.Findings {
+		f := &cur.Findings[i]
+		if at, ok := found[findingKey(*f)]; ok && !at.IsZero() {
+			f.Found = at
+			continue
+		}
+		f.Found = now
+		a.cfg.Metrics.FindingDelay.WithLabelValues(string(f.Kind)).Observe(max(now.Sub(f.Since), 0).Seconds())
+	}
+}
+
 // logChanges logs findings that appeared or cleared since the last verdict.
 func (a *Aggregator) logChanges(prev, cur *audit.Verdict) {
-	key := func(f audit.TimedFinding) string {
-		return f.Node + "|" + f.Service + "|" + f.Port + "|" + string(f.Kind) + "|" + f.Endpoint
-	}
+	key := findingKey
 	old := map[string]bool{}
 	if prev != nil {
 		for _, f := range prev.Findings {

@@ -15,6 +15,7 @@ type Metrics struct {
 	Findings       *prometheus.GaugeVec
 	Nodes          *prometheus.GaugeVec
 	ProgrammingLag prometheus.Histogram
+	FindingDelay   *prometheus.HistogramVec
 	NoRulesSeen    *prometheus.CounterVec
 
 	StreamMessages *prometheus.CounterVec
@@ -92,6 +93,10 @@ func NewMetrics() *Metrics {
 			Name:    "proxyaudit_programming_lag_seconds",
 			Help:    "Time from a Service or EndpointSlice change until a node's reported rules showed it, over every node (upper bound at the collector's interval); per node in GET /api/v1/nodes.",
 			Buckets: []float64{0.5, 1, 2, 5, 10, 15, 20, 30, 60, 120, 300}}),
+		FindingDelay: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "proxyaudit_finding_delay_seconds",
+			Help:    "Time from when a finding's condition began (its since) until the leader first reported it, by kind: the grace period plus detection (\"found\" per finding in GET /api/v1/findings).",
+			Buckets: []float64{1, 2, 5, 10, 15, 20, 25, 30, 35, 40, 45, 60, 90, 120, 300, 600}}, []string{"kind"}),
 		NoRulesSeen: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_no_rules_observed_total", Help: "Times a node was seen without any kube-proxy rules (a flush), whether or not it lasted past grace."}, []string{"node"}),
 		StreamMessages: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -138,7 +143,7 @@ func NewMetrics() *Metrics {
 		Slack: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
+	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
 		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

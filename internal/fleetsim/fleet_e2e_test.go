@@ -11,9 +11,12 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -94,6 +97,11 @@ type Result struct {
 	Replacements                    int
 	HeapAfterHalfMB, HeapAfterAllMB float64
 	Ghosts                          int // departed nodes the leader still listed
+	// The leader's evaluation cycles (every second) over the run, before
+	// the kill: how many, their mean, and how many took over 2 s (its
+	// histogram's buckets): a slow cycle delays every finding.
+	Evaluations, EvaluationsOver2s int
+	EvaluationMeanSeconds          float64
 }
 
 // TestE2EFleetSimulation runs the real aggregator binary against the real
@@ -218,8 +226,10 @@ func TestE2EFleetSimulation(t *testing.T) {
 	// judges nothing, and a verdict that stops moving delays detection.
 	var lastAt, movedAt time.Time
 	wasStale := false
-	check := func() audit.Verdict {
-		v, stale, err := aggAPI.verdictStale()
+	// Findings are read on every look; the node list (megabytes at 5,000
+	// nodes, encoded by the leader on the same cores) only when asked for.
+	check := func(nodes bool) audit.Verdict {
+		v, stale, err := aggAPI.verdictStale(nodes)
 		if err != nil {
 			t.Logf("verdict: %v", err)
 			return v
@@ -265,7 +275,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	}
 	b0, a0, m0, r0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load(), fleet.BytesSentRefs.Load()
 	for time.Since(a0) < *fleetSteady {
-		check()
+		check(false)
 		time.Sleep(500 * time.Millisecond)
 	}
 	agg1, err := fleetsim.ReadProcStat(agg.PID())
@@ -311,25 +321,64 @@ func TestE2EFleetSimulation(t *testing.T) {
 		// for a slow detection, the reports it judged and when.
 		trace, last := map[string][]string{}, map[string]string{}
 		deadline := time.Now().Add(grace + 3**fleetInterval + 60*time.Second)
-		for len(found) < len(idx) && time.Now().Before(deadline) {
-			v := check()
-			now := time.Now()
-			for _, s := range v.Nodes {
-				if _, ok := frozen[s.Node]; ok {
-					line := fmt.Sprintf("%s last report %s watermark %s", s.State, s.LastReport.Format("15:04:05.000"), s.Watermark.Format("15:04:05.000"))
-					if line != last[s.Node] {
-						last[s.Node] = line
-						trace[s.Node] = append(trace[s.Node], now.Format("15:04:05.000")+" "+line)
+		// The trace is read beside the findings, never in their way: 50
+		// requests in a row take seconds on a busy box.
+		var traceMu sync.Mutex
+		tctx, tstop := context.WithCancel(ctx)
+		tdone := make(chan struct{})
+		go func() {
+			defer close(tdone)
+			for tctx.Err() == nil {
+				for name := range frozen {
+					traceMu.Lock()
+					done := !found[name].IsZero()
+					traceMu.Unlock()
+					if done {
+						continue
 					}
+					s, err := aggAPI.node(name)
+					if err != nil {
+						continue
+					}
+					line := fmt.Sprintf("%s last report %s watermark %s", s.State, s.LastReport.Format("15:04:05.000"), s.Watermark.Format("15:04:05.000"))
+					traceMu.Lock()
+					if line != last[name] {
+						last[name] = line
+						trace[name] = append(trace[name], time.Now().Format("15:04:05.000")+" "+line)
+					}
+					traceMu.Unlock()
+				}
+				select {
+				case <-tctx.Done():
+				case <-time.After(time.Second):
 				}
 			}
+		}()
+		for len(found) < len(idx) && time.Now().Before(deadline) {
+			v := check(false)
+			now := time.Now()
+			traceMu.Lock()
 			for _, f := range v.Findings {
-				if _, ok := frozen[f.Node]; ok && found[f.Node].IsZero() {
-					found[f.Node] = now
+				if _, ok := frozen[f.Node]; !ok {
+					continue
+				}
+				// Found when the leader first published any finding of
+				// the node (same machine, same clock), not when a poll
+				// saw it.
+				at := f.Found
+				if at.IsZero() {
+					at = v.At
+				}
+				if was := found[f.Node]; was.IsZero() || at.Before(was) {
+					found[f.Node] = at
+					trace[f.Node] = append(trace[f.Node], fmt.Sprintf("%s seen: found by the leader at %s", now.Format("15:04:05.000"), at.Format("15:04:05.000")))
 				}
 			}
+			traceMu.Unlock()
 			time.Sleep(250 * time.Millisecond)
 		}
+		tstop()
+		<-tdone
 		for name, seq := range frozen {
 			missed := truth.After(seq)
 			if found[name].IsZero() || missed == nil {
@@ -355,7 +404,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		}
 		// Thawed nodes catch up; their findings must clear.
 		waitFor(t, grace+4**fleetInterval+30*time.Second, "thawed nodes back in sync", func() bool {
-			v := check()
+			v := check(false)
 			for _, f := range v.Findings {
 				if _, ok := frozen[f.Node]; ok {
 					return false
@@ -369,6 +418,12 @@ func TestE2EFleetSimulation(t *testing.T) {
 	}
 	for round := range *fleetRounds {
 		stuckRound(round)
+	}
+	if h, err := aggAPI.evaluations(); err != nil {
+		t.Logf("the leader's evaluation durations: %v", err)
+	} else {
+		res.Evaluations, res.EvaluationsOver2s, res.EvaluationMeanSeconds = h.count, h.over2s, h.mean
+		t.Logf("the leader's evaluations: %d, mean %.3f s, %d over 2 s", h.count, h.mean, h.over2s)
 	}
 
 	if *fleetKill {
@@ -528,23 +583,84 @@ func (a *apiClient) ready() bool {
 
 // verdict reads findings and nodes.
 func (a *apiClient) verdict() (audit.Verdict, error) {
-	v, _, err := a.verdictStale()
+	v, _, err := a.verdictStale(true)
 	return v, err
 }
 
-// verdictStale is verdict and what the leader says of its view: stale (and
-// why) while it judges nothing.
-func (a *apiClient) verdictStale() (audit.Verdict, *api.StaleView, error) {
+// verdictStale is the leader's findings, its nodes when asked for, and
+// what it says of its view: stale (and why) while it judges nothing.
+func (a *apiClient) verdictStale(nodes bool) (audit.Verdict, *api.StaleView, error) {
 	var v audit.Verdict
 	var fr api.FindingsResponse
 	if err := a.get("/api/v1/findings", &fr); err != nil {
 		return v, nil, err
 	}
-	var nr api.NodesResponse
-	if err := a.get("/api/v1/nodes", &nr); err != nil {
-		return v, nil, err
+	v = audit.Verdict{At: fr.At, Findings: fr.Findings}
+	if nodes {
+		var nr api.NodesResponse
+		if err := a.get("/api/v1/nodes", &nr); err != nil {
+			return v, nil, err
+		}
+		v.Nodes = nr.Nodes
 	}
-	return audit.Verdict{At: fr.At, Findings: fr.Findings, Nodes: nr.Nodes}, fr.Stale, nil
+	return v, fr.Stale, nil
+}
+
+type evaluations struct {
+	count, over2s int
+	mean          float64
+}
+
+// evaluations reads the leader's evaluation cycle durations from its
+// /metrics (proxyaudit_reconcile_duration_seconds{phase="evaluate"}).
+func (a *apiClient) evaluations() (evaluations, error) {
+	var e evaluations
+	r, err := http.Get(a.base + "/metrics")
+	if err != nil {
+		return e, err
+	}
+	defer r.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	mf, err := parser.TextToMetricFamilies(r.Body)
+	if err != nil {
+		return e, err
+	}
+	f := mf["proxyaudit_reconcile_duration_seconds"]
+	if f == nil {
+		return e, fmt.Errorf("no proxyaudit_reconcile_duration_seconds in the leader's metrics")
+	}
+	for _, m := range f.GetMetric() {
+		phase := ""
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "phase" {
+				phase = l.GetValue()
+			}
+		}
+		h := m.GetHistogram()
+		if phase != "evaluate" || h == nil {
+			continue
+		}
+		e.count = int(h.GetSampleCount())
+		if e.count > 0 {
+			e.mean = h.GetSampleSum() / float64(e.count)
+		}
+		within := 0
+		for _, b := range h.GetBucket() {
+			if b.GetUpperBound() <= 2.048+1e-9 {
+				within = int(b.GetCumulativeCount())
+			}
+		}
+		e.over2s = e.count - within
+		return e, nil
+	}
+	return e, fmt.Errorf("no evaluate phase in the leader's proxyaudit_reconcile_duration_seconds")
+}
+
+// node is what the leader says of one node.
+func (a *apiClient) node(name string) (audit.NodeStatus, error) {
+	var nr api.NodeResponse
+	err := a.get("/api/v1/nodes/"+name, &nr)
+	return nr.NodeStatus, err
 }
 
 func (a *apiClient) get(path string, v any) error {

@@ -245,7 +245,7 @@ func (r *replicas) waitLeader(ctx context.Context, d time.Duration) string {
 // its live heap after the second half must not have grown beyond noise:
 // node churn may not grow the leader.
 func replaceNodes(ctx context.Context, t *testing.T, c *localcluster.Cluster, client kubernetes.Interface, fleet *fleetsim.Fleet, reps *replicas, leader string,
-	res *Result, n, R int, rate float64, check func() audit.Verdict) {
+	res *Result, n, R int, rate float64, check func(nodes bool) audit.Verdict) {
 	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
 	defer tick.Stop()
 	gen := 0
@@ -278,14 +278,14 @@ func replaceNodes(ctx context.Context, t *testing.T, c *localcluster.Cluster, cl
 			}
 			departed[old] = true
 			if gen%10 == 0 {
-				check()
+				check(false)
 			}
 		}
 		t.Logf("%d nodes replaced in %s", k, time.Since(start).Round(time.Second))
 		// Departed nodes are forgotten once silent past their allowance
 		// (three intervals); the new ones report.
 		waitFor(t, 2*time.Minute, "the leader listing exactly the fleet", func() bool {
-			v := check()
+			v := check(true)
 			// Under churn a healthy node is in sync or a change behind.
 			ghosts, healthy := 0, 0
 			for _, s := range v.Nodes {
