@@ -80,7 +80,7 @@ func run(args []string, stderr io.Writer) int {
 	if err := o.validate(); err != nil {
 		return fail("%v", err)
 	}
-	client, reviews, err := o.client()
+	client, reviews, election, err := o.client()
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -91,6 +91,9 @@ func run(args []string, stderr io.Writer) int {
 	defer log.Sync()
 	log = log.With(zap.String("replica", o.self))
 	s, err := o.build(client, reviews, log)
+	if err == nil {
+		s.election = election
+	}
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -98,23 +101,35 @@ func run(args []string, stderr io.Writer) int {
 }
 
 // client is the API client from --kubeconfig or the pod's service account,
-// and one of its own for token and access reviews (client-go's default of
-// 5 requests a second admitted 60 of 300 collectors in 10 s).
-func (o *options) client() (kubernetes.Interface, kubernetes.Interface, error) {
+// one of its own for token and access reviews (client-go's default of 5
+// requests a second admitted 60 of 300 collectors in 10 s), and one for
+// the leader election.
+func (o *options) client() (client, reviews, election kubernetes.Interface, err error) {
 	var cfg *rest.Config
-	var err error
 	if o.kubeconfig != "" {
 		cfg, err = clientcmd.BuildConfigFromFlags("", o.kubeconfig)
 	} else {
 		cfg, err = rest.InClusterConfig()
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("API client: %v (outside a cluster, pass --kubeconfig)", err)
+		return nil, nil, nil, fmt.Errorf("API client: %v (outside a cluster, pass --kubeconfig)", err)
 	}
 	cfg.UserAgent = "proxyaudit-aggregator/" + version()
-	client, err := kubernetes.NewForConfig(cfg)
+	// The Lease on a client of its own: its renewals never wait behind
+	// the leader's other requests (a remediation round's lookups and
+	// Events once queued behind client-go's default of 5 a second).
+	ecfg := rest.CopyConfig(cfg)
+	ecfg.UserAgent += " (leader election)"
+	election, err = kubernetes.NewForConfig(ecfg)
 	if err != nil {
-		return nil, nil, fmt.Errorf("API client: %v", err)
+		return nil, nil, nil, fmt.Errorf("API client: %v", err)
+	}
+	// The rest: the watch barrier's two writes a second, the incident
+	// record, kube-proxy pod lookups, Events, conditions, restarts.
+	cfg.QPS, cfg.Burst = 50, 100
+	client, err = kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("API client: %v", err)
 	}
 	rcfg := rest.CopyConfig(cfg)
 	// Each admission is two requests: a collector's TokenReview and the
@@ -125,17 +140,18 @@ func (o *options) client() (kubernetes.Interface, kubernetes.Interface, error) {
 	rcfg.QPS = float32(2 * (o.reviewQPS + o.readerReviewQPS))
 	rcfg.Burst = 2 * (o.reviewBurst + int(2*o.readerReviewQPS))
 	rcfg.UserAgent = "proxyaudit-aggregator/" + version() + " (reviews)"
-	reviews, err := kubernetes.NewForConfig(rcfg)
+	reviews, err = kubernetes.NewForConfig(rcfg)
 	if err != nil {
-		return nil, nil, fmt.Errorf("API client: %v", err)
+		return nil, nil, nil, fmt.Errorf("API client: %v", err)
 	}
-	return client, reviews, nil
+	return client, reviews, election, nil
 }
 
 // server is a built aggregator replica, ready to serve.
 type server struct {
 	o        *options
 	client   kubernetes.Interface
+	election kubernetes.Interface // the Lease's own client; nil: client
 	view     *aggregator.View
 	agg      *aggregator.Aggregator
 	notifier *effect.Slack
@@ -343,7 +359,11 @@ func (s *server) serve(log *zap.Logger) int {
 	if o.leaderElect {
 		go func() {
 			defer close(elected)
-			err := aggregator.RunElection(ctx, s.client, aggregator.Election{Namespace: o.leNamespace, Name: o.leName, Identity: o.self,
+			ec := s.election
+			if ec == nil {
+				ec = s.client
+			}
+			err := aggregator.RunElection(ctx, ec, aggregator.Election{Namespace: o.leNamespace, Name: o.leName, Identity: o.self,
 				LeaseDuration: o.leDuration, RenewDeadline: o.leRenew, RetryPeriod: o.leRetry}, s.agg)
 			if err != nil {
 				log.Error("leader election failed", zap.Error(err))

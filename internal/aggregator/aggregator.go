@@ -97,6 +97,13 @@ type Aggregator struct {
 	// stormSince: since when most nodes drift at once (MassDivergence),
 	// paged once for the fleet (zero: no storm).
 	stormSince time.Time
+	// repair hands verdicts to the remediation rounds, which run beside
+	// the evaluations (see handOff).
+	repair struct {
+		sync.Mutex
+		next    *audit.Verdict // the newest verdict no round took yet
+		running bool
+	}
 }
 
 // node is one node's stream: the copy of its rules and what was last
@@ -214,6 +221,9 @@ func (a *Aggregator) StoppedLeading() {
 	a.verdict = nil
 	leader := a.leader
 	a.mu.Unlock()
+	a.repair.Lock()
+	a.repair.next = nil // judged while leading: not for a later term
+	a.repair.Unlock()
 	// Writes happen outside the lock: a stuck collector must not hold up
 	// the rest (each write has its own deadline).
 	for _, c := range open {

@@ -68,8 +68,10 @@ type Executor struct {
 	mu sync.Mutex
 	// dry holds incidents in dry-run, where nothing is written.
 	dry map[string]remediate.Incident
-	// static and noPod remember what a restart attempt found on a node.
+	// static and noPod remember what a restart attempt found on a node;
+	// inspected when Inspect last looked.
 	static, noPod map[string]bool
+	inspected     map[string]time.Time
 	// unrecorded holds incidents decided but not written (the record's
 	// write failed), until a write succeeds: the planner must not decide
 	// the same again every round (a failed record re-paged every second).
@@ -88,7 +90,7 @@ func (e *Executor) now() time.Time {
 
 func (e *Executor) init() {
 	if e.dry == nil {
-		e.dry, e.static, e.noPod = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}
+		e.dry, e.static, e.noPod, e.inspected = map[string]remediate.Incident{}, map[string]bool{}, map[string]bool{}, map[string]time.Time{}
 		e.unrecorded, e.planned = map[string]remediate.Incident{}, map[string]remediate.Incident{}
 	}
 }
@@ -175,6 +177,7 @@ func (e *Executor) Forget(node string) {
 	delete(e.dry, node)
 	delete(e.static, node)
 	delete(e.noPod, node)
+	delete(e.inspected, node)
 	delete(e.unrecorded, node)
 	delete(e.planned, node)
 	e.mu.Unlock()
@@ -212,19 +215,33 @@ func (e *Executor) Remembered() int {
 // for a node the planner is about to decide on: the page's advice depends
 // on it (a static kube-proxy cannot be restarted through the API, and that
 // is what its page must say even while the breaker or the budget holds
-// restarts back). A failed lookup keeps what was learned before.
+// restarts back). A failed lookup keeps what was learned before. A node
+// looked at within inspectFresh is not looked at again: rounds run every
+// second, and fifty drifting nodes were fifty pod lists a second on the
+// client the watch barrier and the incident record share. A restart
+// looks the pod up again before it deletes anything.
 func (e *Executor) Inspect(ctx context.Context, node string) (static, noPod bool) {
+	e.mu.Lock()
+	e.init()
+	if at, ok := e.inspected[node]; ok && e.now().Sub(at) < inspectFresh && e.now().Sub(at) >= 0 {
+		defer e.mu.Unlock()
+		return e.static[node], e.noPod[node]
+	}
+	e.mu.Unlock()
 	pod, mirror, err := e.proxyPod(ctx, node)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.init()
 	if err != nil {
 		e.Log.Warn("cannot look up the kube-proxy pod", zap.String("node", node), zap.Error(err))
 	} else {
-		e.static[node], e.noPod[node] = mirror, pod == nil
+		e.static[node], e.noPod[node], e.inspected[node] = mirror, pod == nil, e.now()
 	}
 	return e.static[node], e.noPod[node]
 }
+
+// inspectFresh is how long what Inspect found is used without looking
+// again.
+const inspectFresh = 10 * time.Second
 
 // Learned says what lookups found last: a static kube-proxy, or none.
 func (e *Executor) Learned(node string) (static, noPod bool) {
@@ -342,7 +359,7 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 		}
 		if pod == nil || static {
 			e.mu.Lock()
-			e.static[a.Node], e.noPod[a.Node] = static, pod == nil
+			e.static[a.Node], e.noPod[a.Node], e.inspected[a.Node] = static, pod == nil, e.now()
 			e.mu.Unlock()
 			a.Kind = remediate.Page
 			if static {
