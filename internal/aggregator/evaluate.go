@@ -161,7 +161,9 @@ func (a *Aggregator) handOff(v *audit.Verdict) {
 				return
 			}
 			a.repair.Unlock()
+			start := a.cfg.Clock.Now()
 			a.remediate(v)
+			a.cfg.Metrics.Reconcile.WithLabelValues("remediate").Observe(a.cfg.Clock.Since(start).Seconds())
 		}
 	}()
 }

@@ -130,7 +130,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_collector_read_bytes", Help: "Bytes the collectors' reads of the rules took in (the dump tool's output, or netlink), over the fleet.",
 			Buckets: prometheus.ExponentialBuckets(1024, 4, 10)}),
 		Reconcile: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet).",
+			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet), remediate (one remediation round, beside the evaluations).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
 		Assessments: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed (in full), shared (another node of the same class showed the very same rules at the same cluster state), incremental (only the services that changed since the node's last one)."}, []string{"how"}),
