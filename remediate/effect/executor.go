@@ -223,9 +223,11 @@ func (e *Executor) Remembered() int {
 func (e *Executor) Inspect(ctx context.Context, node string) (static, noPod bool) {
 	e.mu.Lock()
 	e.init()
-	if at, ok := e.inspected[node]; ok && e.now().Sub(at) < inspectFresh && e.now().Sub(at) >= 0 {
-		defer e.mu.Unlock()
-		return e.static[node], e.noPod[node]
+	at, ok := e.inspected[node]
+	if age := e.now().Sub(at); ok && age >= 0 && age < inspectFresh {
+		static, noPod = e.static[node], e.noPod[node]
+		e.mu.Unlock()
+		return static, noPod
 	}
 	e.mu.Unlock()
 	pod, mirror, err := e.proxyPod(ctx, node)

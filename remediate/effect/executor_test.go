@@ -403,3 +403,35 @@ func TestInspectFindsStaticBeforePlanning(t *testing.T) {
 		t.Errorf("never looked up: static %v, no pod %v", static, noPod)
 	}
 }
+
+// TestInspectLooksAgainOnlyWhenStale: planning runs every second, so a
+// drifting node's kube-proxy pod is looked up once per inspectFresh, not
+// once per round; after that a change (the pod gone) is seen.
+func TestInspectLooksAgainOnlyWhenStale(t *testing.T) {
+	ctx := context.Background()
+	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "kube-proxy-a",
+		Labels: map[string]string{"k8s-app": "kube-proxy"}}, Spec: corev1.PodSpec{NodeName: "node-a"}})
+	lists := 0
+	client.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+		lists++
+		return false, nil, nil
+	})
+	clk := noon()
+	ex := executor(t, client, clk, remediate.DefaultPolicy(), nil)
+	for range 5 {
+		if static, noPod := ex.Inspect(ctx, "node-a"); static || noPod {
+			t.Fatalf("static %v, no pod %v: want the DaemonSet pod found", static, noPod)
+		}
+		clk.Step(time.Second)
+	}
+	if lists != 1 {
+		t.Fatalf("%d pod lists in 5 rounds within %s, want 1", lists, inspectFresh)
+	}
+	if err := client.CoreV1().Pods("kube-system").Delete(ctx, "kube-proxy-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	clk.Step(inspectFresh)
+	if _, noPod := ex.Inspect(ctx, "node-a"); !noPod || lists != 2 {
+		t.Fatalf("after %s: no pod %v after %d lists, want the pod's absence seen on a second list", inspectFresh, noPod, lists)
+	}
+}
