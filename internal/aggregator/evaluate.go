@@ -312,24 +312,23 @@ func (a *Aggregator) markFound(prev, cur *audit.Verdict, now time.Time) {
 
 // logChanges logs findings that appeared or cleared since the last verdict.
 func (a *Aggregator) logChanges(prev, cur *audit.Verdict) {
-	key := findingKey
 	old := map[string]bool{}
 	if prev != nil {
 		for _, f := range prev.Findings {
-			old[key(f)] = true
+			old[findingKey(f)] = true
 		}
 	}
 	now := map[string]bool{}
 	for _, f := range cur.Findings {
-		now[key(f)] = true
-		if !old[key(f)] {
+		now[findingKey(f)] = true
+		if !old[findingKey(f)] {
 			a.cfg.Log.Warn("finding", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service),
 				zap.String("port", f.Port), zap.String("endpoint", f.Endpoint), zap.Time("since", f.Since), zap.String("detail", f.Detail))
 		}
 	}
 	if prev != nil {
 		for _, f := range prev.Findings {
-			if !now[key(f)] {
+			if !now[findingKey(f)] {
 				a.cfg.Log.Info("finding cleared", zap.String("node", f.Node), zap.String("kind", string(f.Kind)), zap.String("service", f.Service), zap.String("endpoint", f.Endpoint))
 			}
 		}
