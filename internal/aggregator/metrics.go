@@ -26,6 +26,7 @@ type Metrics struct {
 	ReportBytes    prometheus.Histogram
 	Resyncs        prometheus.Counter
 	Refs           *prometheus.CounterVec
+	Named          *prometheus.CounterVec
 	ReadNow        prometheus.Counter
 	// What the collectors say their reads cost, over the fleet.
 	CollectorReads       *prometheus.CounterVec
@@ -116,6 +117,8 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_stream_resyncs_total", Help: "Full resyncs requested because a collector's digest differed from the aggregator's copy."}),
 		Refs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_refs_total", Help: "Frontends collectors named by content hash instead of sending them, by outcome: known (some node's copy held that content), wanted (asked of the collector)."}, []string{"outcome"}),
+		Named: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_stream_named_total", Help: "States (top) and buckets collectors named by hash instead of sending their changes, by outcome: known (some node's copy held it), wanted (the collector was asked one level down)."}, []string{"level", "outcome"}),
 		HTTPDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_http_denied_total", Help: "HTTP API requests refused: no_token, unauthenticated, forbidden, review_failed (the API server could not be asked), busy (the readers' review budget is spent)."}, []string{"reason"}),
 		ReadNow: prometheus.NewCounter(prometheus.CounterOpts{
@@ -144,7 +147,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

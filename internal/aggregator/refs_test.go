@@ -1,12 +1,15 @@
 package aggregator
 
 import (
+	"fmt"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -130,5 +133,152 @@ func TestRefsAskOnlyForUnknownContent(t *testing.T) {
 			t.Errorf("%s: n3's copy holds %d frontends", tc.name, n.state.Len())
 		}
 		h.agg.mu.Unlock()
+	}
+}
+
+// TestTopsOverRealCollectors: real collector clients name each new state
+// by its top; the first node to show a state is asked one level down at a
+// time, every node showing it after that costs one hash, and no copy ever
+// disagrees with its collector (no resync).
+func TestTopsOverRealCollectors(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	var mu sync.Mutex
+	nodes := []string{"n1", "n2", "n3"}
+	shows := map[string]*audit.Observed{}
+	for _, n := range nodes {
+		shows[n] = rules(t)
+		h.collector(h.ctx, n, func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return shows[n] })
+	}
+	// has: node n's copy holds what it shows.
+	has := func(n string) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		want := stream.FromModel(shows[n])
+		h.agg.mu.Lock()
+		defer h.agg.mu.Unlock()
+		nd := h.agg.nodes[n]
+		return nd != nil && nd.complete && nd.state.Root() == want.Root() && nd.state.Len() == want.Len()
+	}
+	for _, n := range nodes {
+		h.until(10*time.Second, n+"'s copy of the first rules", func() bool { return has(n) })
+	}
+	m := h.agg.cfg.Metrics
+	for _, drop := range [][]int{{2}, {2, 5}, {1, 2, 5, 7}} {
+		// One node shows the new rules first; the others follow once its
+		// copy holds them (nodes of a fleet report at their own phases).
+		for _, n := range nodes {
+			mu.Lock()
+			shows[n] = rules(t, drop...)
+			mu.Unlock()
+			h.until(10*time.Second, fmt.Sprintf("%s's copy of the rules without %v", n, drop), func() bool { return has(n) })
+		}
+	}
+	known, wanted := testutil.ToFloat64(m.Named.WithLabelValues("top", "known")), testutil.ToFloat64(m.Named.WithLabelValues("top", "wanted"))
+	if known != 6 || wanted != 3 {
+		t.Errorf("three new states over three nodes in turn: tops known %v (want 6), wanted %v (want 3)", known, wanted)
+	}
+	if rs := testutil.ToFloat64(m.Resyncs); rs != 0 {
+		t.Errorf("%v resyncs: a copy disagreed with its collector", rs)
+	}
+	h.agg.mu.Lock()
+	defer h.agg.mu.Unlock()
+	if !h.agg.nodes["n1"].state.Same(h.agg.nodes["n2"].state) || !h.agg.nodes["n2"].state.Same(h.agg.nodes["n3"].state) {
+		t.Error("nodes showing the same rules do not share their buckets")
+	}
+}
+
+// TestTopsHostileAnswers: a collector's answer must be what was asked, at
+// the level asked; one that no longer has what it named is resynced.
+func TestTopsHostileAnswers(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	v1, v2, v3 := stream.FromModel(rules(t)), stream.FromModel(rules(t, 3)), stream.FromModel(rules(t, 3, 4))
+	// open streams for node n, sends v1 in full and then v by top, and
+	// returns what the collector keeps to answer wants.
+	open := func(n string, v *stream.State) (net.Conn, []stream.Sent) {
+		c := h.helloRefs(n)
+		sent := stream.NewState()
+		cp := *v1
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(sent, &cp, 1, true, false)})
+		before := *sent
+		cp = *v
+		r := stream.Delta(sent, &cp, 2, false, true).ByTop(sent)
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: r})
+		return c, []stream.Sent{{Seq: 2, Prev: before, Next: *sent}}
+	}
+	// alive: a report with a wrong root is answered by a resync, the first
+	// answer after anything the stream was asked before.
+	alive := func(c net.Conn, seq uint64) *stream.Message {
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: seq, Root: 1}})
+		return next(t, c)
+	}
+	c, recent := open("n1", v2)
+	m := next(t, c)
+	if m.Type != stream.TypeWant || !m.Want.Buckets || m.Want.Seq != 2 {
+		t.Fatalf("an unknown top: %+v", m)
+	}
+	// The whole way down, answered as the collector does.
+	var levels []string
+	for m.Type == stream.TypeWant {
+		levels = append(levels, fmt.Sprintf("buckets=%v delta=%d sums=%d", m.Want.Buckets, len(m.Want.Delta), len(m.Want.Sums)))
+		stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent)})
+		m = alive(c, uint64(2+len(levels)))
+	}
+	if m.Type != stream.TypeResync || len(levels) != 3 {
+		t.Fatalf("after the wants %v: %+v", levels, m)
+	}
+	h.agg.mu.Lock()
+	differ := 0
+	stream.ChangedKeys(h.agg.nodes["n1"].state, v2, func(string) { differ++ })
+	if differ != 0 {
+		t.Errorf("n1's copy after the wants differs from v2 in %d frontends", differ)
+	}
+	h.agg.mu.Unlock()
+	// Another node showing v2 names it in one hash: asked for nothing.
+	c, _ = open("n2", v2)
+	if m := alive(c, 3); m.Type != stream.TypeResync {
+		t.Fatalf("a known top: %+v", m)
+	}
+
+	_, sentV3 := open("n9", v3)
+	names := stream.Reply(&stream.Want{Seq: 2, Buckets: true}, sentV3).Buckets
+	for _, tc := range []struct {
+		name, says string
+		answer     *stream.Content
+	}{
+		{"frontends for bucket names", "frontends sent for bucket names",
+			&stream.Content{Buckets: names, Frontends: []stream.Frontend{{Key: "198.19.250.1:80/TCP", Scope: "Cluster"}}}},
+		{"changed frontends for bucket names", "were not asked", &stream.Content{Removed: []string{"198.19.250.1:80/TCP"}}},
+		{"malformed bucket names", "malformed bucket names", &stream.Content{Buckets: "!!"}},
+	} {
+		c, _ := open("n3", v3)
+		if m := next(t, c); m.Type != stream.TypeWant || !m.Want.Buckets {
+			t.Fatalf("%s: %+v", tc.name, m)
+		}
+		stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: tc.answer})
+		expect(t, c, stream.TypeReject, tc.says)
+	}
+	// Bucket names, then a patch of buckets that were not asked.
+	c, _ = open("n3", v3)
+	next(t, c)
+	stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: &stream.Content{Buckets: names}})
+	if m := next(t, c); m.Type != stream.TypeWant || len(m.Want.Delta) == 0 {
+		t.Fatalf("after bucket names: %+v", m)
+	}
+	stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: &stream.Content{Refs: []stream.Ref{{Key: "nodeport:1/TCP", Sum: stream.Frontend{Key: "nodeport:1/TCP"}.Sum()}}}})
+	expect(t, c, stream.TypeReject, "outside the buckets")
+	// A collector that no longer has the report its top named answers
+	// with nothing: the aggregator asks for a full snapshot.
+	c, _ = open("n3", v3)
+	next(t, c)
+	stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: &stream.Content{Frontends: []stream.Frontend{}}})
+	if m := next(t, c); m.Type != stream.TypeResync {
+		t.Fatalf("nothing sent for bucket names: %+v", m)
+	}
+	h.agg.mu.Lock()
+	defer h.agg.mu.Unlock()
+	differ = 0
+	stream.ChangedKeys(h.agg.nodes["n3"].state, v1, func(string) { differ++ })
+	if differ != 0 {
+		t.Errorf("n3's copy changed by refused answers: %d frontends differ from v1", differ)
 	}
 }

@@ -324,18 +324,20 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		a.mu.Unlock()
 	}()
 
-	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true}}))
+	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
 	log.Info("collector stream open", zap.String("version", h.Version), zap.Duration("interval", interval))
 
 	// A collector sends one report per interval plus answers to resyncs.
 	limit := rate.NewLimiter(rate.Every(interval/4), 8)
-	// w holds a report that named frontends the aggregator does not hold,
-	// and the reports that came after it, until the collector sends them.
+	// w holds a report that named what the aggregator does not hold (its
+	// top, buckets or frontends), and the reports that came after it,
+	// until the collector sends the next level down.
 	var w *waiting
 	// settle applies reports in order, parking at the first that needs
-	// content; false when the stream must end.
-	settle := func(rs []*stream.Report, asked map[string]bool) bool {
+	// more of the collector; false when the stream must end. asked is
+	// what was wanted of the first.
+	settle := func(rs []*stream.Report, asked *waiting) bool {
 		for i, r := range rs {
 			ok, reason, why, missing := a.apply(n, c, r, interval, asked != nil && i == 0)
 			if reason != "" {
@@ -343,21 +345,19 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 				return false
 			}
 			if missing != nil {
-				if slices.ContainsFunc(missing, func(s string) bool { return asked[s] }) {
+				if asked != nil && i == 0 && asked.again(missing) {
 					// Asked for and not sent: the collector no longer has it.
-					ok, why = false, "the collector could not send a frontend it named"
+					ok, why = false, "the collector could not send what it named"
 				} else {
-					a.cfg.Metrics.Refs.WithLabelValues("wanted").Add(float64(len(missing)))
-					w = &waiting{report: r, queued: slices.Clone(rs[i+1:]), asked: map[string]bool{}}
-					for _, s := range missing {
-						w.asked[s] = true
-					}
+					w = &waiting{report: r, queued: slices.Clone(rs[i+1:])}
+					w.ask(r.Seq, missing)
+					a.countNamed(r, missing)
 					a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWant).Inc()
-					_, err := c.send(&stream.Message{Type: stream.TypeWant, Want: &stream.Want{Seq: r.Seq, Sums: missing}})
+					_, err := c.send(&stream.Message{Type: stream.TypeWant, Want: &w.want})
 					return err == nil
 				}
-			} else if len(r.Refs) > 0 {
-				a.cfg.Metrics.Refs.WithLabelValues("known").Add(float64(len(r.Refs)))
+			} else {
+				a.countNamed(r, nil)
 			}
 			asked = nil
 			if !ok {
@@ -412,13 +412,13 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 				a.reject(log, c, ReasonProtocol, "content nobody asked for")
 				return
 			}
-			err := w.fill(m.Content.Frontends)
+			err := w.fill(m.Content)
 			release()
 			if err != nil {
 				a.reject(log, c, ReasonInvalid, "invalid content: "+err.Error())
 				return
 			}
-			rs, asked := append([]*stream.Report{w.report}, w.queued...), w.asked
+			rs, asked := append([]*stream.Report{w.report}, w.queued...), w
 			w = nil
 			if !settle(rs, asked) {
 				return
@@ -462,18 +462,85 @@ const maxReadError = 512
 // maxQueued bounds the reports held behind a parked one.
 const maxQueued = 4
 
-// waiting is a report parked until the collector sends the content of the
-// frontends it named by hash, with the reports that arrived meanwhile.
+// waiting is a report parked until the collector sends the next level
+// down of what it named (bucket names for its top, changed frontends of
+// unknown buckets, content of unknown frontends), with the reports that
+// arrived meanwhile.
 type waiting struct {
 	report *stream.Report
 	queued []*stream.Report
+	want   stream.Want
 	asked  map[string]bool
 }
 
-// fill moves the frontends the collector sent from the parked report's
-// refs to its content. Only what was asked may come: each frontend must
-// hash to an asked sum named under its own key.
-func (w *waiting) fill(fs []stream.Frontend) error {
+// ask records what to want of the collector for what is missing.
+func (w *waiting) ask(seq uint64, m *stream.MissingError) {
+	w.want = stream.Want{Seq: seq}
+	switch {
+	case m.Top:
+		w.want.Buckets = true
+	case len(m.Buckets) > 0:
+		w.want.Delta = m.Buckets
+	default:
+		w.want.Sums = m.Sums
+		w.asked = make(map[string]bool, len(m.Sums))
+		for _, s := range m.Sums {
+			w.asked[s] = true
+		}
+	}
+}
+
+// again reports whether what is missing after the collector's answer is
+// what was asked: it no longer has it.
+func (w *waiting) again(m *stream.MissingError) bool {
+	switch {
+	case m.Top:
+		return w.want.Buckets
+	case len(m.Buckets) > 0:
+		return slices.ContainsFunc(m.Buckets, func(i int) bool { return slices.Contains(w.want.Delta, i) })
+	}
+	return slices.ContainsFunc(m.Sums, func(s string) bool { return w.asked[s] })
+}
+
+// fill moves the collector's answer into the parked report. Only what was
+// asked may come: bucket names when they were asked; changed frontends of
+// the buckets asked (checked where the report is applied); frontends that
+// each hash to an asked sum named under their own key.
+func (w *waiting) fill(ct *stream.Content) error {
+	if ct.Buckets != "" && !w.want.Buckets {
+		return errors.New("bucket names were not asked for")
+	}
+	if (len(ct.Refs) > 0 || len(ct.Removed) > 0) && len(w.want.Delta) == 0 {
+		return errors.New("changed frontends were not asked for")
+	}
+	r := *w.report
+	switch {
+	case w.want.Buckets:
+		if len(ct.Frontends) > 0 {
+			return errors.New("frontends sent for bucket names")
+		}
+		r.Buckets = ct.Buckets
+	case len(w.want.Delta) > 0:
+		if ct.Buckets != "" || len(ct.Frontends) > 0 {
+			return errors.New("content besides the changed frontends asked for")
+		}
+		if len(ct.Refs)+len(ct.Removed) > 0 {
+			// Nothing sent: the collector no longer has that report, and
+			// the buckets stay missing.
+			r.Refs, r.Removed, r.Patched = ct.Refs, ct.Removed, w.want.Delta
+		}
+	default:
+		if err := w.fillFrontends(&r, ct.Frontends); err != nil {
+			return err
+		}
+	}
+	w.report = &r
+	return nil
+}
+
+// fillFrontends moves the frontends the collector sent from the parked
+// report's refs to its content.
+func (w *waiting) fillFrontends(r *stream.Report, fs []stream.Frontend) error {
 	if len(fs) > len(w.asked) {
 		return fmt.Errorf("%d frontends sent for %d asked", len(fs), len(w.asked))
 	}
@@ -485,7 +552,6 @@ func (w *waiting) fill(fs []stream.Frontend) error {
 		}
 		got[sum] = f
 	}
-	r := *w.report
 	r.Frontends = slices.Clone(r.Frontends)
 	r.Refs = nil
 	for _, ref := range w.report.Refs {
@@ -499,8 +565,28 @@ func (w *waiting) fill(fs []stream.Frontend) error {
 			r.Frontends = append(r.Frontends, f)
 		}
 	}
-	w.report = &r
 	return nil
+}
+
+// countNamed counts what a report named by hash that the aggregator knew
+// or wanted (missing: what it wants next).
+func (a *Aggregator) countNamed(r *stream.Report, missing *stream.MissingError) {
+	m := a.cfg.Metrics
+	switch {
+	case missing == nil:
+		if r.Top != "" && r.Buckets == "" {
+			m.Named.WithLabelValues("top", "known").Inc()
+		}
+		if len(r.Refs) > 0 {
+			m.Refs.WithLabelValues("known").Add(float64(len(r.Refs)))
+		}
+	case missing.Top:
+		m.Named.WithLabelValues("top", "wanted").Inc()
+	case len(missing.Buckets) > 0:
+		m.Named.WithLabelValues("bucket", "wanted").Add(float64(len(missing.Buckets)))
+	default:
+		m.Refs.WithLabelValues("wanted").Add(float64(len(missing.Sums)))
+	}
 }
 
 // apply records one report. It returns whether the copy matches the
@@ -510,7 +596,7 @@ func (w *waiting) fill(fs []stream.Frontend) error {
 // copy, and a newer stream for the node supersedes it. missing names the
 // hashes of refs no node's copy holds: the report is not applied, and
 // applied again (resumed) once their content came.
-func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing []string) {
+func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
 	now := a.cfg.Clock.Now()
 	a.mu.Lock()
 	if n.conn != c || !a.leading {
@@ -557,7 +643,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 		return true, ReasonProtocol, "stream superseded", nil
 	}
 	if me := (*stream.MissingError)(nil); errors.As(err, &me) {
-		return true, "", "", me.Sums
+		return true, "", "", me
 	}
 	if err != nil {
 		return false, ReasonInvalid, "invalid report: " + err.Error(), nil
@@ -569,7 +655,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Dur
 		return false, "", "root digest differs from the aggregator's copy", nil
 	}
 	n.complete = true
-	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.NoRules != n.noRules {
+	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
 		// The rules the last report showed, if no judgement reached it
 		// yet: judged in its stead while this report is newer than the
 		// view (judgeAt).

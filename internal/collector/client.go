@@ -258,7 +258,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 		return "", err
 	}
 	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{
-		Node: c.cfg.Node, Token: token, Version: c.cfg.Version, IntervalSeconds: c.cfg.Interval.Seconds(), Refs: true}}
+		Node: c.cfg.Node, Token: token, Version: c.cfg.Version, IntervalSeconds: c.cfg.Interval.Seconds(), Refs: true, Tops: true}}
 	if err := stream.Write(conn, hello); err != nil {
 		return "", err
 	}
@@ -276,7 +276,11 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	// the content of those no node sent it yet. An aggregator that does
 	// not say so gets content.
 	refs := reply.Welcome != nil && reply.Welcome.Refs
-	c.cfg.Log.Info("streaming to the aggregator", zap.String("aggregator", conn.RemoteAddr().String()), zap.Bool("refs", refs))
+	// tops: a report of changes names the whole state it moves to; the
+	// aggregator asks one level down (bucket names, changed frontends,
+	// content) only for what no node's copy holds.
+	tops := refs && reply.Welcome.Tops
+	c.cfg.Log.Info("streaming to the aggregator", zap.String("aggregator", conn.RemoteAddr().String()), zap.Bool("refs", refs), zap.Bool("tops", tops))
 
 	// The aggregator may ask for a resync or a read, or name a new leader,
 	// at any time.
@@ -297,16 +301,20 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	// full: the next report carries every frontend (a new stream, a
 	// resync, or the full snapshot a read error kept from being sent).
 	full := true
-	// recent are the states the last reports moved the aggregator to,
-	// newest last: a Want names what a report sent, and a newer report
-	// may have changed it since.
-	var recent []stream.State
+	// recent are what the last reports of changes moved the aggregator
+	// from and to, newest last: a Want names a report, and a newer report
+	// may have changed the state since.
+	var recent []stream.Sent
 	next := func(why stream.ReadReason) *stream.Report {
+		before := *sent
 		r := c.report(ctx, sent, full, why, refs)
 		if r.ReadError == "" {
 			full = false
-			if len(r.Refs) > 0 || len(recent) == 0 {
-				recent = append(recent[max(0, len(recent)-wantHistory+1):], *sent)
+			if r.Full || len(r.Frontends)+len(r.Refs)+len(r.Removed) > 0 {
+				recent = append(recent[max(0, len(recent)-wantHistory+1):], stream.Sent{Seq: r.Seq, Prev: before, Next: *sent})
+				if tops && !r.Full {
+					r = r.ByTop(sent)
+				}
 			}
 		}
 		return r
@@ -356,7 +364,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 				if m.Want == nil {
 					continue
 				}
-				if err := stream.Write(conn, &stream.Message{Type: stream.TypeContent, Content: stream.Answer(m.Want.Sums, recent)}); err != nil {
+				if err := stream.Write(conn, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent)}); err != nil {
 					return "", err
 				}
 				continue

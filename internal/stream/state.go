@@ -1,10 +1,13 @@
 package stream
 
 import (
+	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"math/bits"
 	"runtime"
 	"slices"
 	"strings"
@@ -30,11 +33,33 @@ type entry struct {
 
 func newEntry(f Frontend) entry { return entry{Frontend: f, digest: f.Digest(), sum: f.sum()} }
 
-// bucket holds the entries whose keys hash to it, sorted by key, and the
-// sum of their digests.
+// bucket holds the entries whose keys hash to it, sorted by key, the sum
+// of their digests, and its name: a hash of its entries' content hashes,
+// by which a report names a whole bucket (see Report.Buckets).
 type bucket struct {
 	sum     uint64
+	name    [sumLen]byte
 	entries []*entry
+}
+
+// finish computes a built bucket's digest sum and name.
+func (b *bucket) finish() {
+	h := sha256.New()
+	b.sum = 0
+	for _, e := range b.entries {
+		b.sum += e.digest
+		h.Write(e.sum[:])
+	}
+	var full [sha256.Size]byte
+	b.name = [sumLen]byte(h.Sum(full[:0]))
+}
+
+// nameOf is a bucket's name; an empty bucket's is all zeros.
+func nameOf(b *bucket) (n [sumLen]byte) {
+	if b != nil {
+		n = b.name
+	}
+	return n
 }
 
 func bucketOf(key string) int {
@@ -196,9 +221,7 @@ func (s *State) fill(fs []Frontend) {
 		}
 		bk := &buckets[b]
 		bk.entries = out
-		for _, e := range out {
-			bk.sum += e.digest
-		}
+		bk.finish()
 		s.buckets[b] = bk
 		s.n += len(out)
 	}
@@ -251,28 +274,37 @@ func (s *State) replace(removed []string, fs []Frontend, resolved []*entry) {
 		}
 		slices.SortFunc(es, func(a, b *entry) int { return strings.Compare(a.Key, b.Key) })
 		b := &bucket{entries: es}
-		for _, e := range es {
-			b.sum += e.digest
-		}
+		b.finish()
 		s.buckets[i] = s.pool.bucket(b)
 	}
 }
 
-// MissingError says which of a report's Refs name content the state's
-// pool does not hold: the aggregator asks the collector for it (Want) and
-// applies the report once it has it.
+// MissingError says what of a report the state's pool does not hold:
+// its top (Report.Top: no node's copy was ever that state), named buckets
+// (Report.Buckets) no copy holds, or frontends named by hash (Refs). The
+// aggregator asks the collector for the next level down (Want) and applies
+// the report once it has it.
 type MissingError struct {
-	Sums []string
+	Top     bool
+	Buckets []int
+	Sums    []string
 }
 
 func (e *MissingError) Error() string {
+	switch {
+	case e.Top:
+		return "the state the report names is not known"
+	case len(e.Buckets) > 0:
+		return fmt.Sprintf("%d named buckets not known", len(e.Buckets))
+	}
 	return fmt.Sprintf("%d referenced frontends not known", len(e.Sums))
 }
 
 // Apply validates a report and applies it to s. It returns whether the
 // root matches afterwards; false means the two ends disagree and the
 // collector must resync. On a validation error s is unchanged, and a
-// *MissingError when Refs name content the pool does not hold.
+// *MissingError when the report names a state, buckets or frontends the
+// pool does not hold.
 func (s *State) Apply(r *Report) (bool, error) {
 	if len(r.Frontends)+len(r.Refs) > MaxFrontends || len(r.Removed) > MaxFrontends {
 		return false, fmt.Errorf("report claims %d frontends: more than the %d a node can have", len(r.Frontends)+len(r.Refs)+len(r.Removed), MaxFrontends)
@@ -292,6 +324,10 @@ func (s *State) Apply(r *Report) (bool, error) {
 			return false, err
 		}
 	}
+	top, named, err := s.lookup(r)
+	if err != nil {
+		return false, err
+	}
 	resolved, err := s.pool.resolve(r.Refs)
 	if err != nil {
 		return false, err
@@ -301,6 +337,24 @@ func (s *State) Apply(r *Report) (bool, error) {
 		next = State{pool: s.pool}
 	}
 	next.Mode, next.NoRules, next.Families = r.Mode, r.NoRules, slices.Clone(r.Families)
+	if top != nil {
+		next.buckets = *top
+		next.n = 0
+		for _, b := range top {
+			if b != nil {
+				next.n += len(b.entries)
+			}
+		}
+	}
+	for _, nb := range named {
+		if old := next.buckets[nb.i]; old != nil {
+			next.n -= len(old.entries)
+		}
+		if nb.b != nil {
+			next.n += len(nb.b.entries)
+		}
+		next.buckets[nb.i] = nb.b
+	}
 	if r.Full && next.pool == nil && len(resolved) == 0 {
 		next.fill(r.Frontends)
 	} else {
@@ -310,7 +364,221 @@ func (s *State) Apply(r *Report) (bool, error) {
 		return false, fmt.Errorf("node state grew to %d frontends: more than %d", next.n, MaxFrontends)
 	}
 	*s = next
+	s.pool.addTop(s)
 	return s.Root() == r.Root, nil
+}
+
+// namedBucket is bucket i as a report names it (nil: empty).
+type namedBucket struct {
+	i int
+	b *bucket
+}
+
+// lookup resolves what a report names whole: the state its top names
+// (every bucket), or the buckets its names name, except those it patches
+// with frontends (rebuilt from the copy's bucket instead).
+func (s *State) lookup(r *Report) (*[nBuckets]*bucket, []namedBucket, error) {
+	if r.Top == "" && r.Buckets == "" && len(r.Patched) == 0 {
+		return nil, nil, nil
+	}
+	if r.Full {
+		return nil, nil, errors.New("a full snapshot names no state or buckets")
+	}
+	if s.pool == nil {
+		return nil, nil, errors.New("report names buckets on a stream that holds none")
+	}
+	if r.Buckets == "" {
+		if len(r.Patched) > 0 {
+			return nil, nil, errors.New("report patches buckets it does not name")
+		}
+		if len(r.Frontends)+len(r.Refs)+len(r.Removed) > 0 {
+			return nil, nil, errors.New("a report naming its state carries no frontends")
+		}
+		t, ok := parseSum(r.Top)
+		if !ok {
+			return nil, nil, fmt.Errorf("malformed state hash %q", clip(r.Top))
+		}
+		bs := s.pool.top(t)
+		if bs == nil {
+			return nil, nil, &MissingError{Top: true}
+		}
+		return bs, nil, nil
+	}
+	names, err := decodeBuckets(r.Buckets)
+	if err != nil {
+		return nil, nil, err
+	}
+	patched := map[int]bool{}
+	for _, i := range r.Patched {
+		if _, ok := names[i]; !ok {
+			return nil, nil, fmt.Errorf("report patches bucket %d it does not name", i)
+		}
+		patched[i] = true
+	}
+	outside := func(k string) error {
+		if !patched[bucketOf(k)] {
+			return fmt.Errorf("frontend %s is outside the buckets the report patches", clip(k))
+		}
+		return nil
+	}
+	for _, f := range r.Frontends {
+		if err := outside(f.Key); err != nil {
+			return nil, nil, err
+		}
+	}
+	for _, f := range r.Refs {
+		if err := outside(f.Key); err != nil {
+			return nil, nil, err
+		}
+	}
+	for _, k := range r.Removed {
+		if err := outside(k); err != nil {
+			return nil, nil, err
+		}
+	}
+	var out []namedBucket
+	var missing []int
+	for i := range nBuckets {
+		name, ok := names[i]
+		if !ok || patched[i] {
+			continue
+		}
+		if name == ([sumLen]byte{}) {
+			out = append(out, namedBucket{i: i})
+			continue
+		}
+		b := s.pool.named(name, i)
+		if b == nil {
+			missing = append(missing, i)
+			continue
+		}
+		out = append(out, namedBucket{i: i, b: b})
+	}
+	if missing != nil {
+		return nil, nil, &MissingError{Buckets: missing}
+	}
+	return nil, out, nil
+}
+
+// top names the state's buckets as a whole: a hash of their names.
+func (s *State) top() [sumLen]byte {
+	h := sha256.New()
+	for _, b := range s.buckets {
+		n := nameOf(b)
+		h.Write(n[:])
+	}
+	var full [sha256.Size]byte
+	return [sumLen]byte(h.Sum(full[:0]))
+}
+
+// Top is the wire form of the state's top: what a report names when
+// another node's copy may already hold the very same rules.
+func (s *State) Top() string {
+	t := s.top()
+	return hex.EncodeToString(t[:])
+}
+
+// ByTop returns r naming the state s (what r moves the other end to) by
+// its top instead of carrying the changes: seq, root, node facts, signal
+// and read stats stay. The collector keeps r to answer the wants that
+// follow when the aggregator does not know the top.
+func (r *Report) ByTop(s *State) *Report {
+	return &Report{Seq: r.Seq, Root: r.Root, Mode: r.Mode, NoRules: r.NoRules, Families: r.Families, Top: s.Top(),
+		ReadError: r.ReadError, KubeProxy: r.KubeProxy, Reads: r.Reads}
+}
+
+// encodeBuckets names the buckets that differ between prev and next:
+// a bitmap of their indexes, then each one's name in order (all zeros
+// for a bucket that became empty), in base64.
+func encodeBuckets(prev, next *State) string {
+	out := make([]byte, nBuckets/8, nBuckets/8+nBuckets*sumLen)
+	for i := range nBuckets {
+		a, b := nameOf(prev.buckets[i]), nameOf(next.buckets[i])
+		if a == b {
+			continue
+		}
+		out[i/8] |= 1 << (i % 8)
+		out = append(out, b[:]...)
+	}
+	return base64.StdEncoding.EncodeToString(out)
+}
+
+// decodeBuckets reverses encodeBuckets.
+func decodeBuckets(s string) (map[int][sumLen]byte, error) {
+	if len(s) > base64.StdEncoding.EncodedLen(nBuckets/8+nBuckets*sumLen) {
+		return nil, fmt.Errorf("bucket names of %d bytes: more than %d buckets", len(s), nBuckets)
+	}
+	raw, err := base64.StdEncoding.DecodeString(s)
+	if err != nil {
+		return nil, fmt.Errorf("malformed bucket names: %v", err)
+	}
+	if len(raw) < nBuckets/8 {
+		return nil, fmt.Errorf("malformed bucket names: %d bytes", len(raw))
+	}
+	n := 0
+	for _, b := range raw[:nBuckets/8] {
+		n += bits.OnesCount8(b)
+	}
+	if len(raw) != nBuckets/8+n*sumLen {
+		return nil, fmt.Errorf("malformed bucket names: %d bytes for %d buckets", len(raw), n)
+	}
+	out := make(map[int][sumLen]byte, n)
+	at := nBuckets / 8
+	for i := range nBuckets {
+		if raw[i/8]&(1<<(i%8)) != 0 {
+			out[i] = [sumLen]byte(raw[at : at+sumLen])
+			at += sumLen
+		}
+	}
+	return out, nil
+}
+
+// Sent is what one report moved the other end from and to, kept by the
+// sender to answer the wants that follow it.
+type Sent struct {
+	Seq        uint64
+	Prev, Next State
+}
+
+// Reply answers a want from the recent reports' states: the names of the
+// buckets a report changed, the frontends it changed in the buckets
+// asked (by hash, exactly: chain names included), and frontends by hash.
+// What is no longer there is left out; the aggregator then asks for a
+// full snapshot.
+func Reply(w *Want, recent []Sent) *Content {
+	ct := &Content{Frontends: []Frontend{}}
+	var sent *Sent
+	for i := range recent {
+		if recent[i].Seq == w.Seq {
+			sent = &recent[i]
+		}
+	}
+	if sent != nil && w.Buckets {
+		ct.Buckets = encodeBuckets(&sent.Prev, &sent.Next)
+	}
+	if sent != nil && len(w.Delta) > 0 {
+		for _, i := range w.Delta {
+			if i < 0 || i >= nBuckets {
+				continue
+			}
+			merge(sent.Prev.buckets[i], sent.Next.buckets[i], func(p, n *entry) {
+				switch {
+				case n == nil:
+					ct.Removed = append(ct.Removed, p.Key)
+				case p == nil || p.sum != n.sum:
+					ct.Refs = append(ct.Refs, Ref{Key: n.Key, Sum: hex.EncodeToString(n.sum[:])})
+				}
+			})
+		}
+	}
+	if len(w.Sums) > 0 {
+		states := make([]State, len(recent))
+		for i := range recent {
+			states[i] = recent[i].Next
+		}
+		ct.Frontends = Answer(w.Sums, states).Frontends
+	}
+	return ct
 }
 
 // Observed converts the state to the audit's model.
@@ -345,12 +613,86 @@ func (s *State) Observed() *audit.Observed {
 type Pool struct {
 	mu      sync.Mutex
 	entries map[[sumLen]byte]weak.Pointer[entry]
-	buckets map[uint64]weak.Pointer[bucket]
+	buckets map[[sumLen]byte]weak.Pointer[bucket]
+	// tops are recent whole states by their top: a node showing rules
+	// another node's copy held names them in one hash. Bounded (oldest
+	// forgotten first); a state whose buckets nobody holds any more is
+	// not found.
+	tops  map[[sumLen]byte]*topEntry
+	order [][sumLen]byte
+}
+
+// maxTops bounds the states a pool knows by their top (~2 KB each).
+const maxTops = 4096
+
+type topEntry struct {
+	buckets [nBuckets]weak.Pointer[bucket]
+	present [nBuckets / 64]uint64
 }
 
 // NewPool returns an empty pool.
 func NewPool() *Pool {
-	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[uint64]weak.Pointer[bucket]{}}
+	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[[sumLen]byte]weak.Pointer[bucket]{},
+		tops: map[[sumLen]byte]*topEntry{}}
+}
+
+// named returns the bucket with the given name, if some copy holds it and
+// its frontends belong at index i.
+func (p *Pool) named(name [sumLen]byte, i int) *bucket {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	b := p.buckets[name].Value()
+	if b == nil || len(b.entries) == 0 || bucketOf(b.entries[0].Key) != i {
+		return nil
+	}
+	return b
+}
+
+// top returns the buckets of the state with top t, if known and every
+// bucket still held.
+func (p *Pool) top(t [sumLen]byte) *[nBuckets]*bucket {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	te := p.tops[t]
+	if te == nil {
+		return nil
+	}
+	var out [nBuckets]*bucket
+	for i := range nBuckets {
+		if te.present[i/64]&(1<<(i%64)) == 0 {
+			continue
+		}
+		if out[i] = te.buckets[i].Value(); out[i] == nil {
+			delete(p.tops, t) // one of its buckets was dropped
+			return nil
+		}
+	}
+	return &out
+}
+
+// addTop makes the state s holds findable by its top.
+func (p *Pool) addTop(s *State) {
+	if p == nil {
+		return
+	}
+	t := s.top()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, ok := p.tops[t]; ok {
+		return
+	}
+	te := &topEntry{}
+	for i, b := range s.buckets {
+		if b != nil {
+			te.buckets[i], te.present[i/64] = weak.Make(b), te.present[i/64]|1<<(i%64)
+		}
+	}
+	p.tops[t] = te
+	p.order = append(p.order, t)
+	if len(p.order) > maxTops {
+		delete(p.tops, p.order[0])
+		p.order = p.order[1:]
+	}
 }
 
 func (p *Pool) entry(e *entry) *entry {
@@ -416,7 +758,7 @@ func (p *Pool) bucket(b *bucket) *bucket {
 		return b
 	}
 	// Entries are pooled first: equal buckets hold the same pointers.
-	key := b.sum ^ uint64(len(b.entries))<<56
+	key := b.name
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if have := p.buckets[key].Value(); have != nil {
@@ -438,7 +780,7 @@ func (p *Pool) forgetEntry(sum [sumLen]byte) {
 	}
 }
 
-func (p *Pool) forgetBucket(k uint64) {
+func (p *Pool) forgetBucket(k [sumLen]byte) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if wp, ok := p.buckets[k]; ok && wp.Value() == nil {

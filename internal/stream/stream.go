@@ -98,20 +98,32 @@ type Message struct {
 type Welcome struct {
 	// Refs: the collector may name changed frontends by hash (Report.Refs).
 	Refs bool `json:"refs,omitempty"`
+	// Tops: the collector may name its whole state by its top
+	// (Report.Top) and answer wants for bucket names and patches.
+	Tops bool `json:"tops,omitempty"`
 }
 
-// Want asks for the content of the frontends with these hashes, which a
-// report named and the aggregator holds for no node.
+// Want asks the collector for the next level of what report Seq named
+// and no node's copy holds, one level at a time: for a report naming its
+// top, the names of the buckets it changed (Buckets); for named buckets
+// no copy holds, the frontends that changed in them (Delta, bucket
+// indexes), by hash; for frontends named by hash, their content (Sums).
 type Want struct {
-	Seq  uint64   `json:"seq"`
-	Sums []string `json:"sums"`
+	Seq     uint64   `json:"seq"`
+	Sums    []string `json:"sums,omitempty"`
+	Buckets bool     `json:"buckets,omitempty"`
+	Delta   []int    `json:"delta,omitempty"`
 }
 
-// Content answers a Want with the frontends that have the wanted hashes;
-// one the collector no longer has is left out (the aggregator then asks
+// Content answers a Want: the frontends that have the wanted hashes, the
+// changed buckets' names, or the changed frontends of the buckets asked.
+// What the collector no longer has is left out (the aggregator then asks
 // for a full snapshot).
 type Content struct {
 	Frontends []Frontend `json:"frontends"`
+	Buckets   string     `json:"buckets,omitempty"`
+	Refs      []Ref      `json:"refs,omitempty"`
+	Removed   []string   `json:"removed,omitempty"`
 }
 
 // Auth renews a stream's credentials with the token the kubelet rotated
@@ -130,6 +142,9 @@ type Hello struct {
 	IntervalSeconds float64 `json:"intervalSeconds"`
 	// Refs: the collector can name frontends by hash and answer a Want.
 	Refs bool `json:"refs,omitempty"`
+	// Tops: the collector can name its state by its top and answer wants
+	// for bucket names and patches.
+	Tops bool `json:"tops,omitempty"`
 }
 
 // Redirect tells a collector that connected to a follower where the
@@ -176,6 +191,19 @@ type Report struct {
 	Refs []Ref `json:"refs,omitempty"`
 	// Removed are keys of frontends gone since the last report.
 	Removed []string `json:"removed,omitempty"`
+	// Top names the state the report moves the node to as a whole (a hash
+	// over its buckets' names), instead of its changes: a node showing
+	// rules another node's copy already held costs one hash. Only on a
+	// stream whose Welcome allowed tops, never with a full snapshot.
+	Top string `json:"top,omitempty"`
+	// Buckets names the buckets the report changed (see encodeBuckets);
+	// the aggregator fills it in from the collector's answer when it did
+	// not know the Top.
+	Buckets string `json:"buckets,omitempty"`
+	// Patched are the named buckets whose changed frontends the report
+	// carries (Frontends, Refs, Removed) because no copy held them; set by
+	// the aggregator, never on the wire.
+	Patched []int `json:"-"`
 	// ReadError is set when the collector could not read the rules; such
 	// a report carries no state change and the receiver must not apply it.
 	ReadError string `json:"readError,omitempty"`
