@@ -432,8 +432,10 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	}
 }
 
-// wantHistory is how many recent reports' states answer a Want.
-const wantHistory = 4
+// wantHistory is how many recent reports of changes answer a Want: with
+// the state the oldest moved from, four states are kept (at the anchors a
+// state is a few MB of the collector's heap).
+const wantHistory = 3
 
 // credentials reads the projected ServiceAccount token ("" without a file).
 func (c *client) credentials() (string, error) {

@@ -63,11 +63,13 @@ type simNode struct {
 	welcomed, heard time.Time
 	streams         int      // welcomed streams so far
 	refs            bool     // offers to name frontends by hash
+	tops            bool     // offers to name its state by its top
 	frozen          *Version // non-nil while stuck
 	sent            *Version // what the aggregator's copy holds
 	before          *Version // what it held before the last report
 	full            bool     // the next report is a full snapshot
 	seq             uint64
+	changed         uint64 // seq of the last report that changed the state
 	syncs           float64
 	last            string // last reject reason
 }
@@ -78,8 +80,8 @@ type encoded struct {
 }
 
 type transitionKey struct {
-	from, to uint64
-	refs     bool
+	from, to   uint64
+	refs, tops bool
 }
 
 // NewFleet prepares n nodes named name(i), reporting every interval to
@@ -142,10 +144,12 @@ func (f *Fleet) Heard(since time.Time) []time.Duration {
 
 // UseRefs makes the nodes pick says name changed frontends by hash where
 // the aggregator accepts it (the others send content, as collectors before
-// refs did). Call before Run.
-func (f *Fleet) UseRefs(pick func(i int) bool) {
+// refs did), and with tops their whole state by its top, as collectors do
+// now. Call before Run.
+func (f *Fleet) UseRefs(pick func(i int) bool, tops bool) {
 	for i, n := range f.nodes {
 		n.refs = pick(i)
+		n.tops = n.refs && tops
 	}
 }
 
@@ -258,7 +262,7 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 	n.mu.Lock()
 	name, token := n.name, n.token
 	n.mu.Unlock()
-	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: name, Token: token, Version: "fleetsim", IntervalSeconds: f.interval.Seconds(), Refs: n.refs}}
+	hello := &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: name, Token: token, Version: "fleetsim", IntervalSeconds: f.interval.Seconds(), Refs: n.refs, Tops: n.tops}}
 	if err := stream.Write(c, hello); err != nil {
 		return "", false, err
 	}
@@ -297,6 +301,7 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Message, first bool) error {
 	w := bufio.NewWriterSize(c, 64<<10)
 	refs := n.refs && m.Welcome != nil && m.Welcome.Refs
+	tops := refs && n.tops && m.Welcome.Tops
 	n.mu.Lock()
 	n.full, n.sent, n.before = true, nil, nil
 	n.mu.Unlock()
@@ -361,7 +366,7 @@ func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Me
 		}
 	}
 	for {
-		frame, err := f.report(n, time.Now(), refs)
+		frame, err := f.report(n, time.Now(), refs, tops)
 		if err != nil {
 			return err
 		}
@@ -390,17 +395,23 @@ func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Me
 		case err := <-errc:
 			return err
 		case want := <-wants:
-			// As the collector: the content of what the last reports
-			// named, from the versions the aggregator was moved to.
+			// As the collector: the next level down of what the last
+			// report of a change named, from the versions it moved the
+			// aggregator from and to.
 			n.mu.Lock()
-			recent := []stream.State{}
-			for _, v := range []*Version{n.before, n.sent} {
-				if v != nil {
-					recent = append(recent, *v.State)
+			var recent []stream.Sent
+			if n.before != nil {
+				recent = append(recent, stream.Sent{Next: *n.before.State})
+			}
+			if n.sent != nil {
+				last := stream.Sent{Seq: n.changed, Next: *n.sent.State}
+				if n.before != nil {
+					last.Prev = *n.before.State
 				}
+				recent = append(recent, last)
 			}
 			n.mu.Unlock()
-			m := &stream.Message{Type: stream.TypeContent, Content: stream.Answer(want.Sums, recent)}
+			m := &stream.Message{Type: stream.TypeContent, Content: stream.Reply(want, recent)}
 			body, err := json.Marshal(m)
 			if err != nil {
 				return err
@@ -428,7 +439,7 @@ func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Me
 // aggregator holds to what the node shows now, with the node's own seq and
 // kube-proxy signal (its syncs go on while stuck: the health check stays
 // green).
-func (f *Fleet) report(n *simNode, now time.Time, refs bool) ([]byte, error) {
+func (f *Fleet) report(n *simNode, now time.Time, refs, tops bool) ([]byte, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	show := n.frozen
@@ -439,11 +450,14 @@ func (f *Fleet) report(n *simNode, now time.Time, refs bool) ([]byte, error) {
 	if !n.full && n.sent != nil {
 		from = n.sent.Seq
 	}
-	e, err := f.transition(n.sent, show, from == 0, refs)
+	e, err := f.transition(n.sent, show, from == 0, refs, tops)
 	if err != nil {
 		return nil, err
 	}
 	n.seq++
+	if from == 0 || n.sent != show {
+		n.changed = n.seq
+	}
 	if n.sent == nil || n.sent.Seq != show.Seq || n.full {
 		n.syncs++
 	}
@@ -467,8 +481,8 @@ func (f *Fleet) report(n *simNode, now time.Time, refs bool) ([]byte, error) {
 
 // transition encodes the report moving the aggregator's copy from one
 // version to another (a full snapshot when full), once per pair.
-func (f *Fleet) transition(from, to *Version, full, refs bool) (*encoded, error) {
-	key := transitionKey{to: to.Seq, refs: refs}
+func (f *Fleet) transition(from, to *Version, full, refs, tops bool) (*encoded, error) {
+	key := transitionKey{to: to.Seq, refs: refs, tops: tops}
 	if !full {
 		key.from = from.Seq
 	}
@@ -483,6 +497,9 @@ func (f *Fleet) transition(from, to *Version, full, refs bool) (*encoded, error)
 		prev = &cp
 	}
 	r := stream.Delta(prev, to.State, 0, full, refs)
+	if tops && !full && from != to {
+		r = r.ByTop(prev)
+	}
 	b, err := json.Marshal(r)
 	if err != nil {
 		return nil, err

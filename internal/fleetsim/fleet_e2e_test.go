@@ -41,6 +41,7 @@ var (
 	fleetRounds   = flag.Int("fleet-rounds", 2, "rounds of stuck nodes")
 	fleetReport   = flag.String("fleet-report", "", "append the result as one JSON line to this file")
 	fleetRefs     = flag.String("fleet-refs", "half", "which nodes name changed frontends by hash: all, none, or half (every other node, measured side by side)")
+	fleetTops     = flag.Bool("fleet-tops", true, "nodes that name frontends by hash also name their whole state by its top, as collectors do (false: frontends only, as collectors before tops)")
 	fleetAgg      = flag.String("fleet-aggregator", "", "aggregator binary to run (default: built from this tree), e.g. an older build to compare")
 	fleetAggArgs  = flag.String("fleet-aggregator-args", "", "more flags for every aggregator replica, space-separated (e.g. --token-review-qps=400)")
 	fleetAuth     = flag.Bool("fleet-auth", true, "authenticate every simulated collector by a real TokenReview (a token bound to a pod of the collector DaemonSet on its node); false: --insecure-no-auth")
@@ -70,6 +71,7 @@ type Result struct {
 	BytesPerNodePerIntervalChurn         float64
 	// With -fleet-refs half, the two halves of one run side by side.
 	Refs                                string
+	Tops                                bool
 	BytesPerNodePerIntervalChurnRefs    float64 `json:",omitempty"`
 	BytesPerNodePerIntervalChurnContent float64 `json:",omitempty"`
 	Wants                               int64
@@ -179,14 +181,14 @@ func TestE2EFleetSimulation(t *testing.T) {
 	for i, tok := range toks {
 		fleet.SetToken(i, tok)
 	}
-	res.Refs = *fleetRefs
+	res.Refs, res.Tops = *fleetRefs, *fleetTops
 	refsNodes := 0
 	switch *fleetRefs {
 	case "all":
-		fleet.UseRefs(func(int) bool { return true })
+		fleet.UseRefs(func(int) bool { return true }, *fleetTops)
 		refsNodes = N
 	case "half":
-		fleet.UseRefs(func(i int) bool { return i%2 == 1 })
+		fleet.UseRefs(func(i int) bool { return i%2 == 1 }, *fleetTops)
 		refsNodes = N / 2
 	case "none":
 	default:
@@ -296,8 +298,8 @@ func TestE2EFleetSimulation(t *testing.T) {
 	if refsNodes < N {
 		res.BytesPerNodePerIntervalChurnContent = perNode(fleet.BytesSent.Load()-b0-(fleet.BytesSentRefs.Load()-r0), N-refsNodes)
 	}
-	t.Logf("per node per interval under churn: %.0f B naming frontends by hash, %.0f B sending them",
-		res.BytesPerNodePerIntervalChurnRefs, res.BytesPerNodePerIntervalChurnContent)
+	t.Logf("per node per interval under churn: %.0f B naming by hash (tops: %v), %.0f B sending content",
+		res.BytesPerNodePerIntervalChurnRefs, *fleetTops, res.BytesPerNodePerIntervalChurnContent)
 	t.Logf("churn %.0f/s (%d failed): aggregator %.2f cores, ingest %.0f B/s (%.0f B per node per interval)",
 		res.ChurnPerSecond, churn.Failed.Load(), res.AggregatorCPUCores, res.IngestBytesPerSecondChurn, res.BytesPerNodePerIntervalChurn)
 
