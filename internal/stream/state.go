@@ -62,6 +62,15 @@ func nameOf(b *bucket) (n [sumLen]byte) {
 	return n
 }
 
+// shortLen is the bytes of a bucket's name a report's bucket list
+// carries (about 250 of 256 buckets change in 10 s of churn at the
+// anchors: 4 KB of names at 16 bytes). The report's top, a hash over the
+// full names, confirms what the short names resolved to: a copy built
+// from them must have that top, else the collector is resynced.
+const shortLen = 8
+
+func short(n [sumLen]byte) [shortLen]byte { return [shortLen]byte(n[:shortLen]) }
+
 func bucketOf(key string) int {
 	h := fnv.New32a()
 	h.Write([]byte(key))
@@ -363,6 +372,14 @@ func (s *State) Apply(r *Report) (bool, error) {
 	if next.n > MaxFrontends {
 		return false, fmt.Errorf("node state grew to %d frontends: more than %d", next.n, MaxFrontends)
 	}
+	if r.Buckets != "" {
+		if want, _ := parseSum(r.Top); next.top() != want {
+			// Short names resolved to other buckets (or the collector's
+			// answers do not add up): not applied, and a full snapshot
+			// asked for.
+			return false, nil
+		}
+	}
 	*s = next
 	s.pool.addTop(s)
 	return s.Root() == r.Root, nil
@@ -380,6 +397,11 @@ type namedBucket struct {
 func (s *State) lookup(r *Report) (*[nBuckets]*bucket, []namedBucket, error) {
 	if r.Top == "" && r.Buckets == "" && len(r.Patched) == 0 {
 		return nil, nil, nil
+	}
+	if r.Buckets != "" {
+		if _, ok := parseSum(r.Top); !ok {
+			return nil, nil, fmt.Errorf("bucket names without the state's top (%q)", clip(r.Top))
+		}
 	}
 	if r.Full {
 		return nil, nil, errors.New("a full snapshot names no state or buckets")
@@ -443,7 +465,7 @@ func (s *State) lookup(r *Report) (*[nBuckets]*bucket, []namedBucket, error) {
 		if !ok || patched[i] {
 			continue
 		}
-		if name == ([sumLen]byte{}) {
+		if name == ([shortLen]byte{}) {
 			out = append(out, namedBucket{i: i})
 			continue
 		}
@@ -488,24 +510,28 @@ func (r *Report) ByTop(s *State) *Report {
 }
 
 // encodeBuckets names the buckets that differ between prev and next:
-// a bitmap of their indexes, then each one's name in order (all zeros
-// for a bucket that became empty), in base64.
+// a bitmap of their indexes, then each one's short name in order (all
+// zeros for a bucket that became empty), in base64.
 func encodeBuckets(prev, next *State) string {
-	out := make([]byte, nBuckets/8, nBuckets/8+nBuckets*sumLen)
+	out := make([]byte, nBuckets/8, nBuckets/8+nBuckets*shortLen)
 	for i := range nBuckets {
 		a, b := nameOf(prev.buckets[i]), nameOf(next.buckets[i])
 		if a == b {
 			continue
 		}
 		out[i/8] |= 1 << (i % 8)
-		out = append(out, b[:]...)
+		if next.buckets[i] == nil {
+			out = append(out, make([]byte, shortLen)...)
+		} else {
+			out = append(out, b[:shortLen]...)
+		}
 	}
 	return base64.StdEncoding.EncodeToString(out)
 }
 
 // decodeBuckets reverses encodeBuckets.
-func decodeBuckets(s string) (map[int][sumLen]byte, error) {
-	if len(s) > base64.StdEncoding.EncodedLen(nBuckets/8+nBuckets*sumLen) {
+func decodeBuckets(s string) (map[int][shortLen]byte, error) {
+	if len(s) > base64.StdEncoding.EncodedLen(nBuckets/8+nBuckets*shortLen) {
 		return nil, fmt.Errorf("bucket names of %d bytes: more than %d buckets", len(s), nBuckets)
 	}
 	raw, err := base64.StdEncoding.DecodeString(s)
@@ -519,15 +545,15 @@ func decodeBuckets(s string) (map[int][sumLen]byte, error) {
 	for _, b := range raw[:nBuckets/8] {
 		n += bits.OnesCount8(b)
 	}
-	if len(raw) != nBuckets/8+n*sumLen {
+	if len(raw) != nBuckets/8+n*shortLen {
 		return nil, fmt.Errorf("malformed bucket names: %d bytes for %d buckets", len(raw), n)
 	}
-	out := make(map[int][sumLen]byte, n)
+	out := make(map[int][shortLen]byte, n)
 	at := nBuckets / 8
 	for i := range nBuckets {
 		if raw[i/8]&(1<<(i%8)) != 0 {
-			out[i] = [sumLen]byte(raw[at : at+sumLen])
-			at += sumLen
+			out[i] = [shortLen]byte(raw[at : at+shortLen])
+			at += shortLen
 		}
 	}
 	return out, nil
@@ -613,7 +639,7 @@ func (s *State) Observed() *audit.Observed {
 type Pool struct {
 	mu      sync.Mutex
 	entries map[[sumLen]byte]weak.Pointer[entry]
-	buckets map[[sumLen]byte]weak.Pointer[bucket]
+	buckets map[[shortLen]byte]weak.Pointer[bucket] // by short name
 	// tops are recent whole states by their top: a node showing rules
 	// another node's copy held names them in one hash. Bounded (oldest
 	// forgotten first); a state whose buckets nobody holds any more is
@@ -632,13 +658,13 @@ type topEntry struct {
 
 // NewPool returns an empty pool.
 func NewPool() *Pool {
-	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[[sumLen]byte]weak.Pointer[bucket]{},
+	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[[shortLen]byte]weak.Pointer[bucket]{},
 		tops: map[[sumLen]byte]*topEntry{}}
 }
 
-// named returns the bucket with the given name, if some copy holds it and
-// its frontends belong at index i.
-func (p *Pool) named(name [sumLen]byte, i int) *bucket {
+// named returns the bucket with the given short name, if some copy holds
+// it and its frontends belong at index i.
+func (p *Pool) named(name [shortLen]byte, i int) *bucket {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	b := p.buckets[name].Value()
@@ -758,7 +784,7 @@ func (p *Pool) bucket(b *bucket) *bucket {
 		return b
 	}
 	// Entries are pooled first: equal buckets hold the same pointers.
-	key := b.name
+	key := short(b.name)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if have := p.buckets[key].Value(); have != nil {
@@ -780,7 +806,7 @@ func (p *Pool) forgetEntry(sum [sumLen]byte) {
 	}
 }
 
-func (p *Pool) forgetBucket(k [sumLen]byte) {
+func (p *Pool) forgetBucket(k [shortLen]byte) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if wp, ok := p.buckets[k]; ok && wp.Value() == nil {

@@ -180,19 +180,20 @@ func TestTopsRefuseHostileNames(t *testing.T) {
 			break
 		}
 	}
-	moved := make([]byte, nBuckets/8, nBuckets/8+sumLen)
+	moved := make([]byte, nBuckets/8, nBuckets/8+shortLen)
 	moved[to/8] |= 1 << (to % 8)
-	moved = append(moved, v1.buckets[from].name[:]...)
+	moved = append(moved, v1.buckets[from].name[:shortLen]...)
 	k := v1.buckets[from].entries[0].Key
 	for name, r := range map[string]*Report{
 		"a full snapshot naming a top":   {Seq: 2, Full: true, Top: v1.Top()},
 		"a top with frontends":           {Seq: 2, Top: v1.Top(), Removed: []string{k}},
 		"a malformed top":                {Seq: 2, Top: "zz"},
-		"malformed bucket names":         {Seq: 2, Buckets: "!!!"},
-		"bucket names of the wrong size": {Seq: 2, Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8+3))},
-		"too many bucket names":          {Seq: 2, Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8+(nBuckets+1)*sumLen))},
-		"a frontend outside the patch":   {Seq: 2, Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8)), Removed: []string{k}},
-		"a patch of an unnamed bucket":   {Seq: 2, Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8)), Patched: []int{3}},
+		"malformed bucket names":         {Seq: 2, Top: v1.Top(), Buckets: "!!!"},
+		"bucket names of the wrong size": {Seq: 2, Top: v1.Top(), Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8+3))},
+		"too many bucket names":          {Seq: 2, Top: v1.Top(), Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8+(nBuckets+1)*shortLen))},
+		"a frontend outside the patch":   {Seq: 2, Top: v1.Top(), Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8)), Removed: []string{k}},
+		"a patch of an unnamed bucket":   {Seq: 2, Top: v1.Top(), Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8)), Patched: []int{3}},
+		"bucket names without a top":     {Seq: 2, Buckets: base64.StdEncoding.EncodeToString(make([]byte, nBuckets/8))},
 	} {
 		before := *a
 		if _, err := a.Apply(r); err == nil || errors.As(err, new(*MissingError)) {
@@ -204,8 +205,24 @@ func TestTopsRefuseHostileNames(t *testing.T) {
 	}
 	// A known bucket named at the wrong index is not found there.
 	var me *MissingError
-	if _, err := a.Apply(&Report{Seq: 2, Buckets: base64.StdEncoding.EncodeToString(moved)}); !errors.As(err, &me) || len(me.Buckets) != 1 || me.Buckets[0] != to {
+	if _, err := a.Apply(&Report{Seq: 2, Top: v1.Top(), Buckets: base64.StdEncoding.EncodeToString(moved)}); !errors.As(err, &me) || len(me.Buckets) != 1 || me.Buckets[0] != to {
 		t.Errorf("a bucket at the wrong index: %v", err)
+	}
+	// Short bucket names that resolve to buckets a copy holds but do not
+	// add up to the top the report named: not applied, a resync.
+	v2 := FromModel(observed(t, synth.Spec{Services: 200, EndpointsPerService: 4}))
+	v3 := FromModel(observed(t, synth.Spec{Services: 201, EndpointsPerService: 4}))
+	other := NewPooledState(pool)
+	cp = *v2
+	if ok, err := other.Apply(Delta(NewState(), &cp, 1, true, false)); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	before := *a
+	if ok, err := a.Apply(&Report{Seq: 3, Top: v3.Top(), Root: v3.Root(), Buckets: encodeBuckets(v1, v2)}); ok || err != nil || !before.Same(a) {
+		t.Errorf("bucket names not adding up to the top: ok %v, %v, copy changed %v", ok, err, !before.Same(a))
+	}
+	if ok, err := a.Apply(&Report{Seq: 3, Top: v2.Top(), Root: v2.Root(), Mode: v2.Mode, Families: v2.Families, Buckets: encodeBuckets(v1, v2)}); !ok || err != nil || !a.Same(other) {
+		t.Errorf("bucket names adding up to the top: ok %v, %v", ok, err)
 	}
 	// Patched never comes from the wire.
 	m, err := Decode([]byte(`{"type":"report","report":{"seq":2,"Patched":[1,2],"patched":[3]}}`))
