@@ -26,9 +26,24 @@ func FuzzDecode(f *testing.F) {
 	Write(&b, &Message{Type: TypeHello, Hello: &Hello{Node: "n1", Token: "t", IntervalSeconds: 10}})
 	f.Add(b.Bytes())
 	f.Add([]byte("\x00\x00\x00\x02{}"))
+	// A pool that knows one state: reports naming it by top, and by
+	// bucket names, resolve; mangled ones must not.
+	pool := NewPool()
+	known := &Report{Seq: 1, Full: true, Mode: "iptables", Frontends: []Frontend{
+		{Key: "198.19.0.10:53/UDP", Scope: "cluster", Endpoints: []string{"198.18.128.1:53"}},
+		{Key: "198.19.0.11:80/TCP", Scope: "cluster", Endpoints: []string{"198.18.128.2:80", "198.18.128.3:80"}}}}
+	holder := NewPooledState(pool)
+	if _, err := holder.Apply(known); err != nil {
+		f.Fatal(err)
+	}
+	b.Reset()
+	Write(&b, &Message{Type: TypeReport, Report: &Report{Seq: 2, Root: holder.Root(), Mode: "iptables", Top: holder.Top()}})
+	Write(&b, &Message{Type: TypeReport, Report: &Report{Seq: 3, Root: holder.Root(), Mode: "iptables", Top: holder.Top(),
+		Buckets: encodeBuckets(NewState(), holder)}})
+	f.Add(b.Bytes())
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := bytes.NewReader(data)
-		s := NewState()
+		s := NewPooledState(pool)
 		for {
 			m, _, err := Read(r, 1<<20)
 			if err != nil {
