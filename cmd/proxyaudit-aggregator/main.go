@@ -90,10 +90,7 @@ func run(args []string, stderr io.Writer) int {
 	}
 	defer log.Sync()
 	log = log.With(zap.String("replica", o.self))
-	s, err := o.build(client, reviews, log)
-	if err == nil {
-		s.election = election
-	}
+	s, err := o.build(client, reviews, election, log)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -151,7 +148,7 @@ func (o *options) client() (client, reviews, election kubernetes.Interface, err 
 type server struct {
 	o        *options
 	client   kubernetes.Interface
-	election kubernetes.Interface // the Lease's own client; nil: client
+	election kubernetes.Interface // the Lease's own client
 	view     *aggregator.View
 	agg      *aggregator.Aggregator
 	notifier *effect.Slack
@@ -169,8 +166,8 @@ type servingPair interface {
 
 // build wires the aggregator from the options: listeners, authentication,
 // view, remediation, paging.
-func (o *options) build(client, reviews kubernetes.Interface, log *zap.Logger) (*server, error) {
-	s := &server{o: o, client: client}
+func (o *options) build(client, reviews, election kubernetes.Interface, log *zap.Logger) (*server, error) {
+	s := &server{o: o, client: client, election: election}
 	ln, err := net.Listen("tcp", o.streamListen)
 	if err != nil {
 		return nil, fmt.Errorf("--stream-listen: %v", err)
@@ -359,11 +356,7 @@ func (s *server) serve(log *zap.Logger) int {
 	if o.leaderElect {
 		go func() {
 			defer close(elected)
-			ec := s.election
-			if ec == nil {
-				ec = s.client
-			}
-			err := aggregator.RunElection(ctx, ec, aggregator.Election{Namespace: o.leNamespace, Name: o.leName, Identity: o.self,
+			err := aggregator.RunElection(ctx, s.election, aggregator.Election{Namespace: o.leNamespace, Name: o.leName, Identity: o.self,
 				LeaseDuration: o.leDuration, RenewDeadline: o.leRenew, RetryPeriod: o.leRetry}, s.agg)
 			if err != nil {
 				log.Error("leader election failed", zap.Error(err))
