@@ -310,7 +310,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 		r := c.report(ctx, sent, full, why, refs)
 		if r.ReadError == "" {
 			full = false
-			if r.Full || len(r.Frontends)+len(r.Refs)+len(r.Removed) > 0 {
+			if refs && (r.Full || len(r.Frontends)+len(r.Refs)+len(r.Removed) > 0) {
 				recent = append(recent[max(0, len(recent)-wantHistory+1):], stream.Sent{Seq: r.Seq, Prev: before, Next: *sent})
 				if tops && !r.Full {
 					r = r.ByTop(sent)
