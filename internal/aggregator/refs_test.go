@@ -163,6 +163,7 @@ func TestTopsOverRealCollectors(t *testing.T) {
 		h.until(10*time.Second, n+"'s copy of the first rules", func() bool { return has(n) })
 	}
 	m := h.agg.cfg.Metrics
+	known0, wanted0 := testutil.ToFloat64(m.Named.WithLabelValues("top", "known")), testutil.ToFloat64(m.Named.WithLabelValues("top", "wanted"))
 	for _, drop := range [][]int{{2}, {2, 5}, {1, 2, 5, 7}} {
 		// One node shows the new rules first; the others follow once its
 		// copy holds them (nodes of a fleet report at their own phases).
@@ -173,9 +174,25 @@ func TestTopsOverRealCollectors(t *testing.T) {
 			h.until(10*time.Second, fmt.Sprintf("%s's copy of the rules without %v", n, drop), func() bool { return has(n) })
 		}
 	}
-	known, wanted := testutil.ToFloat64(m.Named.WithLabelValues("top", "known")), testutil.ToFloat64(m.Named.WithLabelValues("top", "wanted"))
+	known, wanted := testutil.ToFloat64(m.Named.WithLabelValues("top", "known"))-known0, testutil.ToFloat64(m.Named.WithLabelValues("top", "wanted"))-wanted0
 	if known != 6 || wanted != 3 {
 		t.Errorf("three new states over three nodes in turn: tops known %v (want 6), wanted %v (want 3)", known, wanted)
+	}
+	// A new stream (a leader change, a lost connection) starts with a
+	// full snapshot, by top: one hash when another copy holds that state.
+	h.agg.mu.Lock()
+	old := h.agg.nodes["n1"].conn
+	old.Close()
+	h.agg.mu.Unlock()
+	h.until(30*time.Second, "n1 streaming again with its copy whole", func() bool {
+		h.agg.mu.Lock()
+		nd := h.agg.nodes["n1"]
+		again := nd.conn != nil && nd.conn != old
+		h.agg.mu.Unlock()
+		return again && has("n1")
+	})
+	if k, w := testutil.ToFloat64(m.Named.WithLabelValues("top", "known"))-known0, testutil.ToFloat64(m.Named.WithLabelValues("top", "wanted"))-wanted0; k != 7 || w != 3 {
+		t.Errorf("n1's full snapshot on a new stream: tops known %v (want 7), wanted %v (want 3)", k, w)
 	}
 	if rs := testutil.ToFloat64(m.Resyncs); rs != 0 {
 		t.Errorf("%v resyncs: a copy disagreed with its collector", rs)

@@ -311,8 +311,14 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 		if r.ReadError == "" {
 			full = false
 			if refs && (r.Full || len(r.Frontends)+len(r.Refs)+len(r.Removed) > 0) {
+				if r.Full {
+					before = stream.State{} // a full snapshot moves the other end from nothing
+				}
 				recent = append(recent[max(0, len(recent)-wantHistory+1):], stream.Sent{Seq: r.Seq, Prev: before, Next: *sent})
-				if tops && !r.Full {
+				if tops {
+					// A full snapshot too: after a leader change the whole
+					// fleet sends one at once, and most name a state
+					// another node's copy already holds.
 					r = r.ByTop(sent)
 				}
 			}

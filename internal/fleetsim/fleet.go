@@ -70,6 +70,7 @@ type simNode struct {
 	full            bool     // the next report is a full snapshot
 	seq             uint64
 	changed         uint64 // seq of the last report that changed the state
+	changedFull     bool   // and whether it was a full snapshot
 	syncs           float64
 	last            string // last reject reason
 }
@@ -405,7 +406,7 @@ func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Me
 			}
 			if n.sent != nil {
 				last := stream.Sent{Seq: n.changed, Next: *n.sent.State}
-				if n.before != nil {
+				if n.before != nil && !n.changedFull {
 					last.Prev = *n.before.State
 				}
 				recent = append(recent, last)
@@ -456,7 +457,7 @@ func (f *Fleet) report(n *simNode, now time.Time, refs, tops bool) ([]byte, erro
 	}
 	n.seq++
 	if from == 0 || n.sent != show {
-		n.changed = n.seq
+		n.changed, n.changedFull = n.seq, from == 0
 	}
 	if n.sent == nil || n.sent.Seq != show.Seq || n.full {
 		n.syncs++
@@ -497,7 +498,7 @@ func (f *Fleet) transition(from, to *Version, full, refs, tops bool) (*encoded, 
 		prev = &cp
 	}
 	r := stream.Delta(prev, to.State, 0, full, refs)
-	if tops && !full && from != to {
+	if tops && (full || from != to) {
 		r = r.ByTop(prev)
 	}
 	b, err := json.Marshal(r)

@@ -393,7 +393,8 @@ type namedBucket struct {
 
 // lookup resolves what a report names whole: the state its top names
 // (every bucket), or the buckets its names name, except those it patches
-// with frontends (rebuilt from the copy's bucket instead).
+// with frontends (rebuilt from the copy's bucket instead, or from nothing
+// in a full snapshot).
 func (s *State) lookup(r *Report) (*[nBuckets]*bucket, []namedBucket, error) {
 	if r.Top == "" && r.Buckets == "" && len(r.Patched) == 0 {
 		return nil, nil, nil
@@ -402,9 +403,6 @@ func (s *State) lookup(r *Report) (*[nBuckets]*bucket, []namedBucket, error) {
 		if _, ok := parseSum(r.Top); !ok {
 			return nil, nil, fmt.Errorf("bucket names without the state's top (%q)", clip(r.Top))
 		}
-	}
-	if r.Full {
-		return nil, nil, errors.New("a full snapshot names no state or buckets")
 	}
 	if s.pool == nil {
 		return nil, nil, errors.New("report names buckets on a stream that holds none")
@@ -501,11 +499,12 @@ func (s *State) Top() string {
 }
 
 // ByTop returns r naming the state s (what r moves the other end to) by
-// its top instead of carrying the changes: seq, root, node facts, signal
-// and read stats stay. The collector keeps r to answer the wants that
-// follow when the aggregator does not know the top.
+// its top instead of carrying the changes or, for a full snapshot, every
+// frontend: seq, root, node facts, signal and read stats stay. The sender
+// keeps what r moved the other end from (nothing, for a full snapshot)
+// and to, to answer the wants that follow when the top is not known.
 func (r *Report) ByTop(s *State) *Report {
-	return &Report{Seq: r.Seq, Root: r.Root, Mode: r.Mode, NoRules: r.NoRules, Families: r.Families, Top: s.Top(),
+	return &Report{Seq: r.Seq, Full: r.Full, Root: r.Root, Mode: r.Mode, NoRules: r.NoRules, Families: r.Families, Top: s.Top(),
 		ReadError: r.ReadError, KubeProxy: r.KubeProxy, Reads: r.Reads}
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"strconv"
 	"testing"
@@ -19,6 +20,16 @@ type collector struct {
 	sent   *State
 	seq    uint64
 	recent []Sent
+}
+
+// full names next as a full snapshot by its top, as a collector does on
+// a new stream.
+func (c *collector) full(next *State) *Report {
+	c.seq++
+	c.sent = NewState()
+	r := Delta(c.sent, next, c.seq, true, true)
+	c.recent = append(c.recent, Sent{Seq: c.seq, Next: *c.sent})
+	return r.ByTop(c.sent)
 }
 
 func (c *collector) report(next *State) *Report {
@@ -158,6 +169,32 @@ func TestTopsNameWholeStates(t *testing.T) {
 	}
 	wire := len(r.Top) + len(buckets.Buckets)
 	t.Logf("v1→v2 changed %d buckets; naming them: %d bytes", len(named), wire)
+
+	// A node's new stream (a leader change) starts with a full snapshot,
+	// by top too: one hash when a copy holds that state, else the same
+	// levels down from nothing.
+	for _, tc := range []struct {
+		name   string
+		show   *State
+		levels int
+	}{{"a known state", v3, 0}, {"a state no copy holds", FromModel(observed(t, synth.Spec{Services: 402, EndpointsPerService: 4})), 3}} {
+		fresh := NewPooledState(pool)
+		c := &collector{seq: 7}
+		cp := *tc.show
+		r := c.full(&cp)
+		if !r.Full || r.Top == "" || len(r.Refs)+len(r.Frontends) != 0 {
+			t.Fatalf("%s: a full snapshot by top: %+v", tc.name, r)
+		}
+		if got := settle(t, fresh, c, r); len(got) != tc.levels {
+			t.Errorf("%s: a full snapshot by top took wants %v", tc.name, got)
+		}
+		differ := 0
+		ChangedKeys(fresh, tc.show, func(string) { differ++ })
+		if differ != 0 || fresh.Len() != tc.show.Len() {
+			t.Errorf("%s: the copy differs from the state in %d frontends", tc.name, differ)
+		}
+	}
+	runtime.KeepAlive(nodes) // the copies that hold v3: the pool keeps only weak references
 }
 
 // TestTopsRefuseHostileNames: what a report names whole must be what it
@@ -185,7 +222,6 @@ func TestTopsRefuseHostileNames(t *testing.T) {
 	moved = append(moved, v1.buckets[from].name[:shortLen]...)
 	k := v1.buckets[from].entries[0].Key
 	for name, r := range map[string]*Report{
-		"a full snapshot naming a top":   {Seq: 2, Full: true, Top: v1.Top()},
 		"a top with frontends":           {Seq: 2, Top: v1.Top(), Removed: []string{k}},
 		"a malformed top":                {Seq: 2, Top: "zz"},
 		"malformed bucket names":         {Seq: 2, Top: v1.Top(), Buckets: "!!!"},
