@@ -524,9 +524,9 @@ func (w *waiting) fill(ct *stream.Content) error {
 		if ct.Buckets != "" || len(ct.Frontends) > 0 {
 			return errors.New("content besides the changed frontends asked for")
 		}
+		// An empty answer: the collector no longer has that report; the
+		// buckets stay missing and the collector is resynced.
 		if len(ct.Refs)+len(ct.Removed) > 0 {
-			// Nothing sent: the collector no longer has that report, and
-			// the buckets stay missing.
 			r.Refs, r.Removed, r.Patched = ct.Refs, ct.Removed, w.want.Delta
 		}
 	default:
