@@ -527,7 +527,9 @@ func (w *waiting) fill(ct *stream.Content) error {
 		// An empty answer: the collector no longer has that report; the
 		// buckets stay missing and the collector is resynced.
 		if len(ct.Refs)+len(ct.Removed) > 0 {
-			r.Refs, r.Removed, r.Patched = ct.Refs, ct.Removed, w.want.Delta
+			r.Refs = append(slices.Clone(r.Refs), ct.Refs...)
+			r.Removed = append(slices.Clone(r.Removed), ct.Removed...)
+			r.Patched = append(slices.Clone(r.Patched), w.want.Delta...)
 		}
 	default:
 		if err := w.fillFrontends(&r, ct.Frontends); err != nil {

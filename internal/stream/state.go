@@ -374,9 +374,21 @@ func (s *State) Apply(r *Report) (bool, error) {
 	}
 	if r.Buckets != "" {
 		if want, _ := parseSum(r.Top); next.top() != want {
-			// Short names resolved to other buckets (or the collector's
-			// answers do not add up): not applied, and a full snapshot
-			// asked for.
+			// Short names resolved to other buckets (a collision, or
+			// content planted under them): the named buckets not patched
+			// yet are asked for frontend by frontend, by full hashes. If
+			// that does not add up either, nothing is applied and a full
+			// snapshot is asked for.
+			names, _ := decodeBuckets(r.Buckets)
+			var again []int
+			for i := range nBuckets {
+				if _, ok := names[i]; ok && !slices.Contains(r.Patched, i) {
+					again = append(again, i)
+				}
+			}
+			if again != nil {
+				return false, &MissingError{Buckets: again}
+			}
 			return false, nil
 		}
 	}
