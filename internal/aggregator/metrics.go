@@ -118,7 +118,7 @@ func NewMetrics() *Metrics {
 		Refs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_stream_refs_total", Help: "Frontends collectors named by content hash instead of sending them, by outcome: known (some node's copy held that content), wanted (asked of the collector)."}, []string{"outcome"}),
 		Named: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "proxyaudit_stream_named_total", Help: "States (top) and buckets collectors named by hash instead of sending their changes, by outcome: known (some node's copy held it), wanted (the collector was asked one level down)."}, []string{"level", "outcome"}),
+			Name: "proxyaudit_stream_named_total", Help: "States (level top) and buckets (level bucket) collectors named by hash instead of sending their changes, by outcome: known (some node's copy held the state; counted for tops only), wanted (the collector was asked one level down)."}, []string{"level", "outcome"}),
 		HTTPDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_http_denied_total", Help: "HTTP API requests refused: no_token, unauthenticated, forbidden, review_failed (the API server could not be asked), busy (the readers' review budget is spent)."}, []string{"reason"}),
 		ReadNow: prometheus.NewCounter(prometheus.CounterOpts{

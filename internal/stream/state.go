@@ -379,12 +379,9 @@ func (s *State) Apply(r *Report) (bool, error) {
 			// yet are asked for frontend by frontend, by full hashes. If
 			// that does not add up either, nothing is applied and a full
 			// snapshot is asked for.
-			names, _ := decodeBuckets(r.Buckets)
 			var again []int
-			for i := range nBuckets {
-				if _, ok := names[i]; ok && !slices.Contains(r.Patched, i) {
-					again = append(again, i)
-				}
+			for _, nb := range named { // named, not patched
+				again = append(again, nb.i)
 			}
 			if again != nil {
 				return false, &MissingError{Buckets: again}
@@ -393,7 +390,10 @@ func (s *State) Apply(r *Report) (bool, error) {
 		}
 	}
 	*s = next
-	s.pool.addTop(s)
+	if r.Full || top != nil || len(named)+len(r.Frontends)+len(resolved)+len(r.Removed) > 0 {
+		// Not for a steady report (most of a fleet's): its state is known.
+		s.pool.addTop(s)
+	}
 	return s.Root() == r.Root, nil
 }
 

@@ -304,15 +304,14 @@ func TestTopsRefuseHostileNames(t *testing.T) {
 	if err != nil || len(m.Report.Patched) != 0 {
 		t.Errorf("Patched from the wire: %v %v", m.Report.Patched, err)
 	}
-	// A top names only states some copy held, computed from the content.
+	// A top resolves only to a state some copy held, named from its
+	// content: v1's does; the empty state's does not (no copy of this
+	// pool was ever empty).
 	if _, err := NewPooledState(pool).Apply(&Report{Seq: 2, Top: v1.Top(), Mode: v1.Mode}); err != nil {
-		// NewPooledState has no full snapshot: the aggregator refuses
-		// deltas before one; here the state simply takes v1's buckets.
 		t.Errorf("a known top: %v", err)
 	}
-	if _, err := NewPooledState(pool).Apply(&Report{Seq: 2, Top: (&State{}).Top()}); err == nil {
-		// The empty state's top: no copy of this pool was ever empty.
-		t.Error("an empty state's top resolved")
+	if _, err := NewPooledState(pool).Apply(&Report{Seq: 2, Top: (&State{}).Top()}); !errors.As(err, &me) || !me.Top {
+		t.Errorf("an empty state's top: %v, want it missing", err)
 	}
 }
 
