@@ -110,11 +110,12 @@ type Change struct {
 	At      time.Time
 }
 
-// Passed records a version of one service that the cluster held between
-// two States and no State showed: a caller that folds several changes into
-// one Update (a debounced rebuild) passes the ones in between first, with
-// the same time, because a kube-proxy may have programmed any of them. A
-// version equal to the newest kept one is ignored. Update must follow.
+// Passed records a version of one service that the cluster held from at:
+// a caller that folds several changes into one Update (a debounced
+// rebuild) passes each version first, dated by when it appeared, because a
+// kube-proxy may have programmed any of them and its lag runs from the
+// next one's time, not from the Update's. A version equal to the newest
+// kept one is ignored. Update must follow.
 func (h *History) Passed(svc *Service, at time.Time) {
 	key := svc.Namespace + "/" + svc.Name
 	vs := h.svcs[key]
@@ -122,6 +123,19 @@ func (h *History) Passed(svc *Service, at time.Time) {
 		return
 	}
 	h.push(key, svc, at)
+}
+
+// Gone records that the service namespace/name stopped existing at at,
+// for a caller that dates each change by its own event (see Passed); a
+// service already gone is ignored. Update must follow.
+func (h *History) Gone(key string, at time.Time) {
+	vs := h.svcs[key]
+	if n := len(vs); n == 0 || vs[n-1].Svc == nil {
+		return
+	}
+	h.svcs[key] = h.prune(append(vs, Version{Since: at}), at)
+	h.record(key, at)
+	h.touch(key, at)
 }
 
 // push makes a copy of s key's newest version, seen at at.

@@ -1,7 +1,9 @@
 package aggregator
 
 import (
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -131,4 +133,112 @@ func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 	stale, why := h.agg.Stale()
 	t.Fatalf("n1 not found stuck within %s of the change (grace %s + the view's debounce): %+v; the view covered up to %s after the change; stale %v %s",
 		grace+3*debounce, grace, n1(), rebuilt.Sub(changed), stale, why)
+}
+
+// A healthy node under churn while the leader's State is held for ten
+// times grace (an evaluation cycle that long, as a new leader's was at
+// 2,000 nodes) and after: no finding, ever. The node's kube-proxy shows
+// the cluster as it was a second ago, as a live one does; the versions
+// the held-back rebuild folds must keep their own times, or the node
+// looks as far behind as the rebuild was late (StuckProxy), or its
+// version is pruned as too old (Divergent).
+func TestHeldBackStateRaisesNoFalseFinding(t *testing.T) {
+	const grace, hold, delay = 4 * time.Second, 40 * time.Second, time.Second
+	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: time.Second})
+	// The cluster's history: which services have dropped their last
+	// endpoint, from when; the node reads it delay late.
+	type change struct {
+		at    time.Time
+		drops []int
+	}
+	var mu sync.Mutex
+	history := []change{{at: h.clk.Now()}}
+	shown := func() *audit.Observed {
+		mu.Lock()
+		defer mu.Unlock()
+		i := len(history) - 1
+		for i > 0 && history[i].at.After(h.clk.Now().Add(-delay)) {
+			i--
+		}
+		return rules(t, history[i].drops...)
+	}
+	h.collector(h.ctx, "n1", shown)
+	h.until(10*time.Second, "n1 in sync", func() bool { return inSync(h, "n1") })
+
+	sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	byService := map[string]*discoveryv1.EndpointSlice{}
+	for i := range sl.Items {
+		byService[sl.Items[i].Labels[discoveryv1.LabelServiceName]] = &sl.Items[i]
+	}
+	full := map[string][]discoveryv1.Endpoint{}
+	k := 0
+	churn := func() { // one service flips between all endpoints and one fewer
+		svc := k % spec.Services
+		k++
+		s := byService[synth.ServiceName(svc)]
+		if full[s.Name] == nil {
+			full[s.Name] = s.Endpoints
+		}
+		mu.Lock()
+		drops := slices.Clone(history[len(history)-1].drops)
+		mu.Unlock()
+		if i := slices.Index(drops, svc); i >= 0 {
+			drops = slices.Delete(drops, i, i+1)
+			s.Endpoints = full[s.Name]
+		} else {
+			drops = append(drops, svc)
+			s.Endpoints = full[s.Name][:len(full[s.Name])-1]
+		}
+		if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		history = append(history, change{at: h.clk.Now(), drops: drops})
+		mu.Unlock()
+	}
+	noFinding := func(when string) { // n2 and n3 have no collector
+		for _, f := range h.verdict().Findings {
+			if f.Node == "n1" || f.Node == "" {
+				t.Fatalf("%s: %s %s %s (%s)", when, f.Node, f.Kind, f.Service, f.Detail)
+			}
+		}
+	}
+	// Churn with evaluations, then with the State held (no rebuild can
+	// publish, no evaluation runs), then with evaluations again.
+	every := 500 * time.Millisecond
+	ticks := 0
+	tick := func() {
+		if ticks++; ticks%int(every/step) == 0 {
+			churn()
+		}
+	}
+	h.advance(3*grace, func() { tick(); noFinding("under churn") })
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	releaseOnce := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(releaseOnce)
+	go h.agg.view.Read(func(*audit.State, *audit.History, uint64) { close(held); <-release })
+	<-held
+	for end := h.clk.Now().Add(hold); h.clk.Now().Before(end); {
+		h.clk.Step(step)
+		time.Sleep(yield)
+		tick()
+	}
+	releaseOnce()
+	h.advance(5*grace, func() { tick(); noFinding("after the State was held " + hold.String()) })
+	if st := h.verdict().Nodes[0]; st.Node != "n1" || st.State != audit.NodeInSync && st.State != audit.NodeLagging {
+		t.Fatalf("n1 after the hold: %+v", st)
+	}
+}
+
+func inSync(h *harness, node string) bool {
+	for _, n := range h.verdict().Nodes {
+		if n.Node == node {
+			return n.State == audit.NodeInSync
+		}
+	}
+	return false
 }

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -315,4 +316,102 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 	if fmt.Sprint(got[1]) != fmt.Sprint(wantBetween) {
 		t.Errorf("version in between %v, want %v", got[1], wantBetween)
 	}
+}
+
+// A rebuild held back (an evaluation cycle holding the State for tens of
+// seconds, as a new leader's did at 2,000 nodes) folds every change that
+// arrived meanwhile; each version must still be dated by when its event
+// arrived. Dated by the first change, a node showing the version of a
+// second ago looked as far behind as the rebuild was late: thousands of
+// false StuckProxy findings after the takeover.
+func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
+	svcs, slices := spec.Objects()
+	client := fake.NewClientset(&svcs[0], &slices[0], &svcs[1], &slices[1])
+	clk := clocktesting.NewFakeClock(t0)
+	view := NewView(ViewConfig{Client: client, Keep: 5 * time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	go func() { view.Run(ctx); close(done) }()
+	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
+
+	// The State is held, so no rebuild can publish.
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	releaseOnce := func() { once.Do(func() { close(release) }) }
+	defer releaseOnce() // before the view is stopped, or a failure hangs
+	go view.Read(func(*audit.State, *audit.History, uint64) { close(held); <-release })
+	<-held
+	key0, key1 := svcs[0].Namespace+"/"+svcs[0].Name, svcs[1].Namespace+"/"+svcs[1].Name
+	var when []time.Time
+	sl := slices[0].DeepCopy()
+	for i := range 3 { // service 0 drops an endpoint at 0 s, 10 s, 20 s into the hold
+		sl.Endpoints = sl.Endpoints[:len(sl.Endpoints)-1]
+		if i == 2 {
+			sl.Endpoints = slices[0].Endpoints // and gets them back
+		}
+		if _, err := client.DiscoveryV1().EndpointSlices(sl.Namespace).Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		// (A rebuild may have taken the earlier changes and wait for the
+		// State: the latest interim version is this change's.)
+		want := len(sl.Endpoints)
+		waitFor(t, fmt.Sprintf("change %d delivered", i), func() bool {
+			view.dirtyMu.Lock()
+			defer view.dirtyMu.Unlock()
+			list := view.interim[key0]
+			if len(list) == 0 || list[len(list)-1].svc == nil {
+				return false
+			}
+			n := 0
+			for _, sl := range list[len(list)-1].svc.Slices {
+				n += len(sl.Endpoints)
+			}
+			return n == want
+		})
+		when = append(when, clk.Now())
+		clk.Step(10 * time.Second)
+		if i == 0 {
+			// A rebuild takes this change and waits for the State.
+			waitFor(t, "a rebuild under way", func() bool {
+				view.dirtyMu.Lock()
+				defer view.dirtyMu.Unlock()
+				return view.rebuilding
+			})
+		}
+	}
+	// Service 1 is deleted 30 s into the hold.
+	if err := client.CoreV1().Services(svcs[1].Namespace).Delete(ctx, svcs[1].Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the deletion delivered", func() bool {
+		view.dirtyMu.Lock()
+		defer view.dirtyMu.Unlock()
+		list := view.interim[key1]
+		return len(list) > 0 && list[len(list)-1].svc == nil
+	})
+	deleted := clk.Now()
+	clk.Step(10 * time.Second)
+	releaseOnce()
+	waitFor(t, "the held-back changes published", func() bool {
+		clk.Step(100 * time.Millisecond) // the next rebuild's debounce
+		return view.Covered().After(deleted)
+	})
+
+	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
+		vs := h.Versions(key0)
+		if len(vs) < 3 {
+			t.Fatalf("service 0 kept %d versions, want its first and the three changes", len(vs))
+		}
+		vs = vs[len(vs)-3:]
+		for i, v := range vs {
+			if !v.Since.Equal(when[i]) {
+				t.Errorf("service 0's version %d dated %s into the hold, want %s (when its event arrived)", i, v.Since.Sub(when[0]), when[i].Sub(when[0]))
+			}
+		}
+		gone := h.Versions(key1)
+		if last := gone[len(gone)-1]; last.Svc != nil || !last.Since.Equal(deleted) {
+			t.Errorf("service 1's last version: gone %v, dated %s into the hold; want gone at %s", last.Svc == nil, last.Since.Sub(when[0]), deleted.Sub(when[0]))
+		}
+	})
 }

@@ -55,9 +55,9 @@ type View struct {
 	dirtyNodes bool
 	// interim are the versions each changed service went through since
 	// the last rebuild, reduced as their events arrived (after the first
-	// rebuild): a rebuild folds them into one, but a kube-proxy syncing
-	// in between may have programmed any of them.
-	interim map[string][]audit.Service
+	// rebuild) and dated by that arrival: a rebuild folds them into one,
+	// but a kube-proxy syncing in between may have programmed any of them.
+	interim map[string][]interimVersion
 	built   bool // the first rebuild is done: record interim versions
 
 	// The rebuild's own memory (Run's goroutine only): every service
@@ -123,7 +123,7 @@ func NewView(cfg ViewConfig) *View {
 		kick:      make(chan struct{}, 1),
 		history:   audit.NewHistory(cfg.Keep),
 		dirtySvcs: map[string]bool{},
-		interim:   map[string][]audit.Service{},
+		interim:   map[string][]interimVersion{},
 		reduced:   map[string]audit.Service{},
 		state:     &audit.State{Nodes: map[string]audit.NodeInfo{}},
 		fresh:     &freshness{clock: cfg.Clock, failing: map[string]watchFailure{}, canary: canary},
@@ -258,10 +258,15 @@ func (v *View) changed(obj any) {
 	built := v.built
 	v.dirtyMu.Unlock()
 	if key != "" && built {
-		svc, ok := v.reduceFrom(key)
+		at := v.clock.Now()
+		var iv interimVersion
+		if svc, ok := v.reduceFrom(key); ok {
+			iv = interimVersion{svc: &svc}
+		}
+		iv.at = at
 		v.dirtyMu.Lock()
-		if list := v.interim[key]; ok && (len(list) == 0 || !reflect.DeepEqual(list[len(list)-1], svc)) {
-			v.interim[key] = append(list, svc)
+		if list := v.interim[key]; len(list) == 0 || !reflect.DeepEqual(list[len(list)-1].svc, iv.svc) {
+			v.interim[key] = append(list, iv)
 		}
 		v.dirtyMu.Unlock()
 	}
@@ -317,23 +322,33 @@ func (v *View) Synced() error {
 	return nil
 }
 
-// rebuild reduces what changed in the caches and publishes a State, recorded
-// in the History dated by the first change it includes. The first rebuild
-// reduces everything; later ones only the services whose Service or
-// EndpointSlices changed (and the nodes when a Node did).
+// interimVersion is one version of a service as an event delivered it,
+// dated by the event's arrival; svc is nil when the service was gone.
+type interimVersion struct {
+	svc *audit.Service
+	at  time.Time
+}
+
+// rebuild reduces what changed in the caches and publishes a State. Every
+// version a service went through is recorded in the History dated by the
+// arrival of the event that brought it (the time kube-proxies watching the
+// same API saw it too), never by the rebuild: a rebuild held back (by an
+// evaluation cycle holding the State, under a takeover's load) folds many
+// changes, and dating them all by the first would make every healthy node
+// look as far behind as the rebuild was late (the 2,000-node takeover's
+// false StuckProxy findings). What no event dated (the first rebuild) is
+// dated by when the caches were read. The first rebuild reduces
+// everything; later ones only the services whose Service or EndpointSlices
+// changed (and the nodes when a Node did).
 func (v *View) rebuild() {
 	start := v.clock.Now()
 	v.dirtyMu.Lock()
-	at := v.dirtySince
 	v.dirtySince = time.Time{}
 	v.rebuilding = true
 	dirty, dirtyNodes, interim := v.dirtySvcs, v.dirtyNodes, v.interim
-	v.dirtySvcs, v.dirtyNodes, v.interim = map[string]bool{}, false, map[string][]audit.Service{}
+	v.dirtySvcs, v.dirtyNodes, v.interim = map[string]bool{}, false, map[string][]interimVersion{}
 	stamps := v.barrierTaken()
 	v.dirtyMu.Unlock()
-	if at.IsZero() {
-		at = start
-	}
 	first := v.nodeInfo == nil
 	if first {
 		svcs, _ := v.svcs.List(labels.Everything())
@@ -391,14 +406,15 @@ func (v *View) rebuild() {
 	v.mu.Lock()
 	v.expected = expected
 	for key, list := range interim {
-		final, ok := v.reduced[key]
-		for i := range list {
-			if !ok || !reflect.DeepEqual(list[i], final) {
-				v.history.Passed(&list[i], at)
+		for _, iv := range list {
+			if iv.svc != nil {
+				v.history.Passed(iv.svc, iv.at)
+			} else {
+				v.history.Gone(key, iv.at)
 			}
 		}
 	}
-	v.history.Update(st, at)
+	v.history.Update(st, start)
 	v.state = st
 	v.gen++
 	v.rebuilt = v.clock.Now()
