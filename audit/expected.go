@@ -1,8 +1,6 @@
 package audit
 
 import (
-	"fmt"
-	"hash/fnv"
 	"net/netip"
 	"slices"
 	"sort"
@@ -228,45 +226,4 @@ func availableForTopology(c cep, mode, node, zone string) bool {
 		return slices.Contains(c.zoneHints, zone)
 	}
 	return true
-}
-
-// NodeClasses groups the nodes whose expected rules are the same: for two
-// nodes of one class ExpectedFor returns the same ports, endpoints and
-// frontends (only Expected.Node differs), so a node's rules can be judged
-// once for every node of its class that shows the very same rules. A node
-// enters ExpectedFor through its zone, the endpoints it hosts of services
-// with a Local traffic policy, and the node hints naming it; the class
-// hashes exactly those.
-func NodeClasses(st *State) func(node string) uint64 {
-	inputs := map[string][]string{}
-	for i := range st.Services {
-		svc := &st.Services[i]
-		if svc.Skip != "" {
-			continue
-		}
-		local := svc.ITPLocal || svc.ETPLocal
-		for si, sl := range svc.Slices {
-			for _, e := range sl.Endpoints {
-				if !(local && e.NodeName != "") && len(e.NodeHints) == 0 {
-					continue
-				}
-				fact := fmt.Sprintf("%d|%s/%s|%d|%s|%t%t%t", i, svc.Namespace, svc.Name, si, e.Addr, e.Ready, e.Serving, e.Terminating)
-				if local && e.NodeName != "" {
-					inputs[e.NodeName] = append(inputs[e.NodeName], "local|"+fact)
-				}
-				for _, h := range e.NodeHints {
-					inputs[h] = append(inputs[h], "hint|"+fact)
-				}
-			}
-		}
-	}
-	return func(node string) uint64 {
-		h := fnv.New64a()
-		fmt.Fprintf(h, "zone=%s", st.Nodes[node].Zone)
-		for _, in := range inputs[node] {
-			h.Write([]byte{0})
-			h.Write([]byte(in))
-		}
-		return h.Sum64()
-	}
 }

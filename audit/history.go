@@ -40,6 +40,9 @@ type History struct {
 	// reassess only what changed; bounded like changes.
 	touched  []Change
 	touchSeq uint64
+	// ownerLost is the touchSeq of the last Update after which a frontend
+	// of the owner map was in no kept version any more.
+	ownerLost uint64
 }
 
 // NewHistory returns an empty history keeping superseded versions for keep.
@@ -89,7 +92,8 @@ func (h *History) Update(st *State, now time.Time) {
 		}
 		h.svcs[key] = vs
 	}
-	h.owner = map[FrontendKey]string{}
+	old := h.owner
+	h.owner = make(map[FrontendKey]string, len(old))
 	for _, current := range []bool{false, true} {
 		for key, vs := range h.svcs {
 			for i, v := range vs {
@@ -101,7 +105,18 @@ func (h *History) Update(st *State, now time.Time) {
 			}
 		}
 	}
+	for k := range old {
+		if _, ok := h.owner[k]; !ok {
+			h.ownerLost = h.touchSeq
+			break
+		}
+	}
 }
+
+// OwnersLostSince says whether a frontend some kept version had at touch
+// seq (see TouchSeq) is now in none: only then can a frontend a node
+// showed then, unchanged, have become unowned.
+func (h *History) OwnersLostSince(seq uint64) bool { return h.ownerLost > seq }
 
 // Change is one new version of a service in the change log.
 type Change struct {

@@ -79,14 +79,15 @@ type Aggregator struct {
 	budget  *stream.Budget
 	unauth  pendingGate
 	verdict *audit.Verdict
-	// memo holds the assessments made at cluster generation memoGen, by
-	// node class and root (Evaluate's goroutine only).
-	memo    map[[2]uint64][]assessed
-	memoGen uint64
-	classes func(node string) uint64
-	// current indexes currentOf's services by name (assessNode).
-	current   map[string]*audit.Service
-	currentOf *audit.State
+	// Evaluate's goroutine only: what nodes share at the current cluster
+	// generation, what each service's expectations depend on, and the
+	// newest baseline per mode and zone (see baseline).
+	shared *generation
+	deps   audit.Dependents
+	donors map[string]*baseline
+	// isolated turns peers' baselines and shared service assessments
+	// off: the comparison benchmarks' "before".
+	isolated bool
 	// stale: since when the leader's view of the API is stale (zero: fresh)
 	// and why; while stale nothing is judged or repaired.
 	staleSince time.Time

@@ -13,40 +13,130 @@ import (
 // kept versions the History touched, and those owning a frontend the
 // node's rules changed. At the anchors a full assessment costs ~0.2-0.4 s;
 // under 100 changes a second a node's report changes a few hundred.
+//
+// A baseline serves other nodes too (a peer's): a node with none of its
+// own (a new stream, every stream after a leader change) starts from the
+// newest baseline of its mode and zone, reassessing besides the services
+// whose expectations differ between the two nodes (audit.Dependents).
 type baseline struct {
-	rules     stream.State
-	touchSeq  uint64
-	class     uint64
-	byService map[string]audit.ServiceAssessment // not in sync, or draining
+	rules      stream.State
+	touchSeq   uint64
+	node, zone string
+	byService  map[string]audit.ServiceAssessment // not in sync, or draining
+	// unowned are the keys of the rules' frontends no kept version of any
+	// service had.
+	unowned []string
+}
+
+// generation holds what Evaluate shares between nodes at one cluster
+// generation (Evaluate's goroutine only).
+type generation struct {
+	gen uint64
+	// nodes: the assessments made, by node class and root.
+	nodes map[[2]uint64][]assessed
+	// services: one service's assessment for every node showing the same
+	// frontends for it whose expectations of it are the same.
+	services map[serviceMemoKey][]serviceAssessed
+	// keys: each service's frontend keys over its kept versions.
+	keys map[string][]string
+	// current indexes the State's services by namespace/name.
+	current map[string]*audit.Service
+}
+
+type serviceMemoKey struct {
+	svc, node, mode string
+	families        uint8
+	shown           uint64
+}
+
+type serviceAssessed struct {
+	shown stream.Shown
+	x     audit.ServiceAssessment
+}
+
+// startGeneration resets what Evaluate shares between nodes when the
+// cluster State changed, and brings the services' node dependence up to
+// the History.
+func (a *Aggregator) startGeneration(st *audit.State, h *audit.History, gen uint64) {
+	if a.shared != nil && a.shared.gen == gen {
+		return
+	}
+	a.deps.Update(h)
+	g := &generation{gen: gen, nodes: map[[2]uint64][]assessed{}, services: map[serviceMemoKey][]serviceAssessed{},
+		keys: map[string][]string{}, current: make(map[string]*audit.Service, len(st.Services))}
+	for i := range st.Services {
+		s := &st.Services[i]
+		g.current[s.Namespace+"/"+s.Name] = s
+	}
+	a.shared = g
+	if a.donors == nil {
+		a.donors = map[string]*baseline{}
+	}
 }
 
 // assessNode assesses one node's rules: shared with a node of its class
 // showing the same rules at this cluster generation, else from the node's
-// baseline when it has one, else in full (IPVS nodes, nodes without rules,
-// a changed class, a large change).
+// baseline when it has one, else from a peer's, else in full (IPVS nodes,
+// nodes without rules, the first node of its mode). startGeneration must
+// have run for st.
 func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rules *stream.State) []audit.ServiceAssessment {
-	class := a.classes(n.name)
-	as := a.assess(n.name, rules, func() ([]audit.ServiceAssessment, string) {
-		if as, ok := a.incremental(st, h, n, rules, class); ok {
+	zone := st.Nodes[n.name].Zone
+	peerKey := rules.Mode + "|" + famKey(rules.Families) + "|" + zone
+	as := a.assess(n.name, zone, rules, func() ([]audit.ServiceAssessment, string) {
+		if as, ok := a.incremental(st, h, n.name, zone, n.base, rules); ok {
 			return as, "incremental"
+		}
+		if p := a.donors[peerKey]; p != nil && p != n.base && !a.isolated {
+			if as, ok := a.incremental(st, h, n.name, zone, p, rules); ok {
+				return as, "peer"
+			}
 		}
 		return audit.Assess(st, h, n.name, rules.Observed()), "computed"
 	})
-	n.base = &baseline{rules: *rules, touchSeq: h.TouchSeq(), class: class, byService: make(map[string]audit.ServiceAssessment, len(as))}
+	n.base = &baseline{rules: *rules, touchSeq: h.TouchSeq(), node: n.name, zone: zone, byService: make(map[string]audit.ServiceAssessment, len(as))}
 	for _, x := range as {
 		if x.Service != "" {
 			n.base.byService[x.Service] = x
+			continue
 		}
+		// Rules no service owns (rare: tampered or long-stale rules).
+		mode := audit.Mode(rules.Mode)
+		rules.ParsedKeys(func(key string, k audit.FrontendKey) {
+			if _, owned := h.Owner(k, mode); !owned {
+				n.base.unowned = append(n.base.unowned, key)
+			}
+		})
+	}
+	if incrementable(rules) {
+		a.donors[peerKey] = n.base
 	}
 	return as
 }
 
-// incremental reassesses from the node's baseline only the services that
-// changed since; ok is false when the baseline cannot serve.
-func (a *Aggregator) incremental(st *audit.State, h *audit.History, n *node, rules *stream.State, class uint64) ([]audit.ServiceAssessment, bool) {
-	b := n.base
-	if b == nil || b.class != class || rules.Mode == string(audit.ModeIPVS) || rules.NoRules ||
-		b.rules.Mode != rules.Mode || b.rules.NoRules || !slices.Equal(b.rules.Families, rules.Families) {
+// incrementable says whether a node's rules can be assessed from a
+// baseline: IPVS has per-address virtual servers no service's keys name.
+func incrementable(rules *stream.State) bool {
+	return rules.Mode != string(audit.ModeIPVS) && !rules.NoRules
+}
+
+// famKey packs IP families into a comparable value's string.
+func famKey(fams []int) string {
+	return string([]byte{famBits(fams)})
+}
+
+func famBits(fams []int) uint8 {
+	var b uint8
+	for _, f := range fams {
+		b |= 1 << (f & 7)
+	}
+	return b
+}
+
+// incremental reassesses from baseline b (the node's own, or a peer's)
+// only the services that changed since, or whose expectations differ
+// between b's node and this one; ok is false when b cannot serve.
+func (a *Aggregator) incremental(st *audit.State, h *audit.History, node, zone string, b *baseline, rules *stream.State) ([]audit.ServiceAssessment, bool) {
+	if b == nil || !incrementable(rules) || b.rules.Mode != rules.Mode || b.rules.NoRules || !slices.Equal(b.rules.Families, rules.Families) {
 		return nil, false
 	}
 	touched, ok := h.TouchedSince(b.touchSeq)
@@ -62,31 +152,22 @@ func (a *Aggregator) incremental(st *audit.State, h *audit.History, n *node, rul
 	for _, s := range touched {
 		redo[s] = true
 	}
+	var changed []string
 	stream.ChangedKeys(&b.rules, rules, func(key string) {
+		changed = append(changed, key)
 		if k, err := stream.ParseKey(key); err == nil {
 			if o, owned := h.Owner(k, mode); owned {
 				redo[o] = true
 			}
 		}
 	})
+	a.deps.Differ(b.node, b.zone, node, zone, func(svc string) { redo[svc] = true })
 	byService := make(map[string]audit.ServiceAssessment, len(b.byService))
 	for k, v := range b.byService {
 		byService[k] = v
 	}
-	current := a.currentServices(st)
 	for svc := range redo {
-		obs := &audit.Observed{Mode: mode, Families: slices.Clone(rules.Families)}
-		if len(obs.Families) == 0 {
-			obs.Families = []int{4}
-		}
-		for _, k := range h.ServiceKeys(svc) {
-			if f, ok := rules.Get(stream.KeyString(k)); ok {
-				if of, err := f.ToObserved(); err == nil {
-					obs.Frontends = append(obs.Frontends, of)
-				}
-			}
-		}
-		x := audit.AssessService(st, h, n.name, obs, svc, current[svc])
+		x := a.assessService(st, h, node, zone, rules, svc)
 		if x.State == audit.InSync && len(x.Draining) == 0 {
 			delete(byService, svc)
 		} else {
@@ -99,21 +180,36 @@ func (a *Aggregator) incremental(st *audit.State, h *audit.History, n *node, rul
 		out = append(out, x)
 	}
 	// Frontends no kept version of any service has: one divergent
-	// assessment, as Assess makes it.
+	// assessment, as Assess makes it. Unless some frontend lost its last
+	// owner since the baseline, only those unowned then and those changed
+	// since can be now (a full walk costs ~1.5 ms at the anchors).
 	var unowned []audit.Finding
-	rules.Keys(func(key string) {
-		k, err := stream.ParseKey(key)
-		if err != nil {
-			return
-		}
+	check := func(key string, k audit.FrontendKey) {
 		if _, owned := h.Owner(k, mode); owned {
 			return
 		}
 		f, _ := rules.Get(key)
 		if of, err := f.ToObserved(); err == nil {
-			unowned = append(unowned, audit.UnownedFrontend(n.name, of))
+			unowned = append(unowned, audit.UnownedFrontend(node, of))
 		}
-	})
+	}
+	if h.OwnersLostSince(b.touchSeq) {
+		rules.ParsedKeys(check)
+	} else {
+		seen := map[string]bool{}
+		for _, key := range slices.Concat(b.unowned, changed) {
+			if seen[key] {
+				continue
+			}
+			seen[key] = true
+			if _, ok := rules.Get(key); !ok {
+				continue
+			}
+			if k, err := stream.ParseKey(key); err == nil {
+				check(key, k)
+			}
+		}
+	}
 	if len(unowned) > 0 {
 		audit.SortFindings(unowned)
 		out = append(out, audit.ServiceAssessment{State: audit.Divergent, Findings: unowned})
@@ -125,17 +221,41 @@ func (a *Aggregator) incremental(st *audit.State, h *audit.History, n *node, rul
 	return out, true
 }
 
-// currentServices indexes the current services by namespace/name, once per
-// cluster generation.
-func (a *Aggregator) currentServices(st *audit.State) map[string]*audit.Service {
-	if a.current == nil || a.currentOf != st {
-		a.current, a.currentOf = make(map[string]*audit.Service, len(st.Services)), st
-		for i := range st.Services {
-			s := &st.Services[i]
-			a.current[s.Namespace+"/"+s.Name] = s
+// assessService assesses one service on one node, once per generation for
+// every node that shows the same frontends for it and expects the same of
+// it (the same mode, families, and audit.Dependents key): after a leader
+// change, or under churn, thousands of nodes reassess the same services,
+// and most show one of a few versions of each.
+func (a *Aggregator) assessService(st *audit.State, h *audit.History, node, zone string, rules *stream.State, svc string) audit.ServiceAssessment {
+	g := a.shared
+	keys, ok := g.keys[svc]
+	if !ok {
+		for _, k := range h.ServiceKeys(svc) {
+			keys = append(keys, stream.KeyString(k))
+		}
+		g.keys[svc] = keys
+	}
+	shown := rules.Show(keys)
+	mk := serviceMemoKey{svc: svc, node: a.deps.Key(svc, node, zone), mode: rules.Mode, families: famBits(rules.Families), shown: shown.Hash()}
+	for _, m := range g.services[mk] {
+		if m.shown.Same(shown) && !a.isolated {
+			a.cfg.Metrics.ServiceAssessments.WithLabelValues("shared").Inc()
+			return m.x
 		}
 	}
-	return a.current
+	obs := &audit.Observed{Mode: audit.Mode(rules.Mode), Families: slices.Clone(rules.Families)}
+	if len(obs.Families) == 0 {
+		obs.Families = []int{4}
+	}
+	for _, f := range shown.Frontends() {
+		if of, err := f.ToObserved(); err == nil {
+			obs.Frontends = append(obs.Frontends, of)
+		}
+	}
+	x := audit.AssessService(st, h, node, obs, svc, g.current[svc])
+	a.cfg.Metrics.ServiceAssessments.WithLabelValues("computed").Inc()
+	g.services[mk] = append(g.services[mk], serviceAssessed{shown: shown, x: x})
+	return x
 }
 
 // assessed is one node's rules judged at one cluster generation: every
@@ -148,10 +268,11 @@ type assessed struct {
 // assess judges one node's rules through compute, once per distinct rules
 // and node class at a cluster generation: a fleet mostly shows a handful
 // of versions of the same rules. compute says how it assessed (computed in
-// full, incremental).
-func (a *Aggregator) assess(node string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
-	key := [2]uint64{a.classes(node), rules.Root()}
-	for _, m := range a.memo[key] {
+// full, incremental, from a peer's baseline).
+func (a *Aggregator) assess(node, zone string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
+	g := a.shared
+	key := [2]uint64{a.deps.Class(node, zone), rules.Root()}
+	for _, m := range g.nodes[key] {
 		if m.rules.Same(rules) {
 			a.cfg.Metrics.Assessments.WithLabelValues("shared").Inc()
 			// Shared as they are: they name the node they were made for,
@@ -164,6 +285,6 @@ func (a *Aggregator) assess(node string, rules *stream.State, compute func() ([]
 	as, how := compute()
 	a.cfg.Metrics.Reconcile.WithLabelValues("assess").Observe(a.cfg.Clock.Since(t).Seconds())
 	a.cfg.Metrics.Assessments.WithLabelValues(how).Inc()
-	a.memo[key] = append(a.memo[key], assessed{rules: rules, as: as})
+	g.nodes[key] = append(g.nodes[key], assessed{rules: rules, as: as})
 	return as
 }

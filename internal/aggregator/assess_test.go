@@ -2,8 +2,11 @@ package aggregator
 
 import (
 	"fmt"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
 	"math/rand/v2"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -79,7 +82,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 		if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
 			t.Fatal(err)
 		}
-		a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(st)
+		a.newGeneration(st, h)
 		got := a.assessNode(st, h, n, rules)
 		want := audit.Assess(st, h, n.name, rules.Observed())
 		if !reflect.DeepEqual(norm(got), norm(want)) {
@@ -111,4 +114,186 @@ func describeAs(as []audit.ServiceAssessment) string {
 
 func testutilValue(a *Aggregator, how string) float64 {
 	return testutil.ToFloat64(a.cfg.Metrics.Assessments.WithLabelValues(how))
+}
+
+// newGeneration starts a generation whatever the last one was.
+func (a *Aggregator) newGeneration(st *audit.State, h *audit.History) {
+	a.shared = nil
+	a.startGeneration(st, h, 0)
+}
+
+// TestSharedAssessmentsEqualFull drives eight nodes in two zones through 200
+// random steps of a cluster with Local traffic policies (endpoints on the
+// nodes, moving between them), zone and node hints, node zones changing,
+// and each node showing the current version, an older one or tampered
+// rules. All eight are assessed at every step the way Evaluate does, so
+// they start from each other's baselines (a new node, or one whose
+// expectations differ from its peer's) and share per-service results;
+// every assessment must equal a full one for that node.
+func TestSharedAssessmentsEqualFull(t *testing.T) {
+	spec := synth.Spec{Services: 60, EndpointsPerService: 3}
+	svcs, sl := spec.Objects()
+	// node-6 and node-7 host no endpoints and no hint names them.
+	all := []string{"node-0", "node-1", "node-2", "node-3", "node-4", "node-5", "node-6", "node-7"}
+	nodes := all[:6]
+	zones := map[string]string{"node-6": "z1", "node-7": "z1"}
+	for i, n := range nodes {
+		zones[n] = []string{"z1", "z2"}[i%2]
+	}
+	for i := range svcs {
+		switch {
+		case i < 10:
+			svcs[i].Spec.InternalTrafficPolicy = ptr.To(corev1.ServiceInternalTrafficPolicyLocal)
+		case i < 20:
+			svcs[i].Spec.Type = corev1.ServiceTypeNodePort
+			svcs[i].Spec.Ports[0].NodePort = int32(30000 + i)
+			svcs[i].Spec.ExternalTrafficPolicy = corev1.ServiceExternalTrafficPolicyLocal
+		}
+	}
+	rng := rand.New(rand.NewPCG(3, 5))
+	// place puts endpoint j of slice i on a node, with hints for services
+	// 20-29 (zone) and 30-34 (node).
+	place := func(i, j int) {
+		e := &sl[i].Endpoints[j]
+		n := nodes[rng.IntN(len(nodes))]
+		e.NodeName = &n
+		e.Hints = nil
+		switch {
+		case i >= 20 && i < 30:
+			e.Hints = &discoveryv1.EndpointHints{ForZones: []discoveryv1.ForZone{{Name: zones[nodes[rng.IntN(len(nodes))]]}}}
+		case i >= 30 && i < 35:
+			e.Hints = &discoveryv1.EndpointHints{ForNodes: []discoveryv1.ForNode{{Name: nodes[rng.IntN(len(nodes))]}}}
+		}
+	}
+	for i := range sl {
+		for j := range sl[i].Endpoints {
+			place(i, j)
+		}
+	}
+	h := audit.NewHistory(5 * time.Second)
+	now := time.Unix(1_800_000_000, 0)
+	pool := stream.NewPool()
+	a := New(Config{}, &View{})
+	ns := make([]*node, len(all))
+	for i, name := range all {
+		ns[i] = &node{name: name}
+	}
+	var past []*audit.State
+	next := 0
+	for step := range 200 {
+		for range rng.IntN(6) {
+			i := rng.IntN(len(sl))
+			j := rng.IntN(len(sl[i].Endpoints))
+			sl[i] = spec.Replaced(sl[i], j, next)
+			next++
+			place(i, j)
+		}
+		if rng.IntN(8) == 0 {
+			n := all[rng.IntN(len(all))]
+			zones[n] = map[string]string{"z1": "z2", "z2": "z1"}[zones[n]]
+		}
+		st := audit.FromAPI(svcs, sl, nil)
+		st.Nodes = map[string]audit.NodeInfo{}
+		for n, z := range zones {
+			st.Nodes[n] = audit.NodeInfo{Zone: z}
+		}
+		now = now.Add(time.Second)
+		h.Update(st, now)
+		past = append(past, st)
+		a.newGeneration(st, h)
+		if rng.IntN(10) == 0 {
+			a.donors = nil // as a new leader starts: peers only
+			for _, n := range ns {
+				n.base = nil
+			}
+			a.donors = map[string]*baseline{}
+		}
+		for _, n := range ns {
+			shows := st
+			how := rng.IntN(5)
+			if how == 1 && len(past) > 3 {
+				shows = past[len(past)-1-rng.IntN(4)]
+			}
+			obs := synth.RulesFor(shows, n.name)
+			switch how {
+			case 2:
+				f := &obs.Frontends[rng.IntN(len(obs.Frontends))]
+				if len(f.Endpoints) > 0 {
+					f.Endpoints = f.Endpoints[1:]
+				}
+			case 3:
+				i := rng.IntN(len(obs.Frontends))
+				obs.Frontends = append(obs.Frontends[:i], obs.Frontends[i+1:]...)
+			}
+			rules := stream.NewPooledState(pool)
+			if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
+				t.Fatal(err)
+			}
+			got := a.assessNode(st, h, n, rules)
+			want := audit.Assess(st, h, n.name, rules.Observed())
+			if !reflect.DeepEqual(anyNode(got), anyNode(want)) {
+				t.Fatalf("step %d, %s (case %d): assessment\n%s\ndiffers from the full one\n%s", step, n.name, how, describeAs(got), describeAs(want))
+			}
+		}
+	}
+	for _, how := range []string{"peer", "incremental", "shared"} {
+		if testutilValue(a, how) == 0 {
+			t.Errorf("no %s node assessment in the run", how)
+		}
+	}
+	if testutil.ToFloat64(a.cfg.Metrics.ServiceAssessments.WithLabelValues("shared")) == 0 {
+		t.Error("no service assessment was shared")
+	}
+}
+
+// anyNode blanks the node findings name: shared assessments name the node
+// they were made for, and the judge names the node it reports on.
+func anyNode(as []audit.ServiceAssessment) []audit.ServiceAssessment {
+	out := make([]audit.ServiceAssessment, 0, len(as))
+	for _, x := range as {
+		x.Findings = slices.Clone(x.Findings)
+		for i := range x.Findings {
+			x.Findings[i].Node = ""
+		}
+		out = append(out, x)
+	}
+	return out
+}
+
+// A node whose kube-proxy is stuck keeps a deleted service's rules,
+// unchanged, until the History forgets the service: from then on the
+// frontend is no service's, and its own incremental assessment, and a
+// new node's from that node's baseline, must say so as a full one does.
+func TestUnchangedRulesBecomeUnowned(t *testing.T) {
+	spec := synth.Spec{Services: 20, EndpointsPerService: 3}
+	svcs, sl := spec.Objects()
+	t0 := time.Unix(1_800_000_000, 0)
+	h := audit.NewHistory(5 * time.Second)
+	st0 := audit.FromAPI(svcs, sl, nil)
+	st1 := audit.FromAPI(slices.Delete(slices.Clone(svcs), 3, 4), slices.Delete(slices.Clone(sl), 3, 4), nil)
+	rules := stream.NewPooledState(stream.NewPool())
+	if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st0)), 1, true, false)); err != nil {
+		t.Fatal(err)
+	}
+	a := New(Config{}, &View{})
+	stuck := &node{name: "stuck"}
+	for i, step := range []struct {
+		st *audit.State
+		at time.Duration
+	}{{st0, 0}, {st1, time.Second}, {st1, 20 * time.Second}} {
+		h.Update(step.st, t0.Add(step.at))
+		a.newGeneration(step.st, h)
+		got := a.assessNode(step.st, h, stuck, rules)
+		want := audit.Assess(step.st, h, stuck.name, rules.Observed())
+		if !reflect.DeepEqual(norm(got), norm(want)) {
+			t.Fatalf("step %d: assessment\n%s\ndiffers from the full one\n%s", i, describeAs(got), describeAs(want))
+		}
+	}
+	last := a.assessNode(st1, h, &node{name: "new"}, rules) // from the stuck node's baseline
+	if len(last) == 0 || last[0].Service != "" || last[0].State != audit.Divergent {
+		t.Fatalf("the deleted service's frontend, forgotten by the History, is not reported as no service's: %s", describeAs(last))
+	}
+	if testutilValue(a, "incremental") < 2 {
+		t.Errorf("the stuck node was assessed incrementally %v times, want 2", testutilValue(a, "incremental"))
+	}
 }

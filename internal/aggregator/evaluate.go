@@ -70,9 +70,7 @@ func (a *Aggregator) Evaluate() {
 			jobs = append(jobs, j)
 		}
 		a.mu.Unlock()
-		if a.memoGen != gen || a.memo == nil {
-			a.memo, a.memoGen, a.classes = map[[2]uint64][]assessed{}, gen, audit.NodeClasses(st)
-		}
+		a.startGeneration(st, h, gen)
 		services := servicesProgrammed(st)
 		for _, j := range jobs {
 			as := j.n.assessments

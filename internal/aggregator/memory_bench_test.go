@@ -55,7 +55,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(states[0])
+				a.newGeneration(states[0], h)
 				ns := make([]*node, nodes)
 				for i := range ns {
 					ns[i] = &node{name: fmt.Sprintf("node-%d", i)}
@@ -67,7 +67,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 						h.Update(states[s], t0.Add(time.Duration(s)*time.Second))
 					}
 					cur := states[len(states)-1]
-					a.memo, a.classes = map[[2]uint64][]assessed{}, audit.NodeClasses(cur)
+					a.newGeneration(cur, h)
 					for _, n := range ns {
 						show(n, behind)
 						observe(cur, n, t0.Add(10*time.Second))

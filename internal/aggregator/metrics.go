@@ -36,10 +36,13 @@ type Metrics struct {
 
 	Reconcile   *prometheus.HistogramVec
 	Assessments *prometheus.CounterVec
-	Leader      prometheus.Gauge
-	ViewStale   prometheus.Gauge
-	Actions     *prometheus.CounterVec
-	Slack       *prometheus.CounterVec
+	// ServiceAssessments counts services reassessed within incremental
+	// node assessments, by whether another node's result was shared.
+	ServiceAssessments *prometheus.CounterVec
+	Leader             prometheus.Gauge
+	ViewStale          prometheus.Gauge
+	Actions            *prometheus.CounterVec
+	Slack              *prometheus.CounterVec
 }
 
 // RejectReason is why a stream is refused or cut: the value of
@@ -136,7 +139,9 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_reconcile_duration_seconds", Help: "Duration of reconciliation phases: cluster_state (rebuild from informers), assess (one node), evaluate (the fleet), remediate (one remediation round, beside the evaluations).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"phase"}),
 		Assessments: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed (in full), shared (another node of the same class showed the very same rules at the same cluster state), incremental (only the services that changed since the node's last one)."}, []string{"how"}),
+			Name: "proxyaudit_assessments_total", Help: "Node assessments by how they were made: computed (in full), shared (another node of the same class showed the very same rules at the same cluster state), incremental (only the services that changed since the node's last one), peer (from another node's last one: only the services that differ between the two)."}, []string{"how"}),
+		ServiceAssessments: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_service_assessments_total", Help: "Services reassessed within incremental and peer node assessments: computed, or shared (another node showing the same frontends for the service, expecting the same of it, was assessed at the same cluster state)."}, []string{"how"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -147,7 +152,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -23,15 +23,21 @@ import (
 // can hold the same buckets (see Pool).
 const nBuckets = 256
 
-// entry is one frontend with its digest (for change detection) and its
-// content hash (its name in a Ref).
+// entry is one frontend with its digest (for change detection), its
+// content hash (its name in a Ref) and its key parsed once (the aggregator
+// looks up every frontend's owner at each assessment).
 type entry struct {
 	Frontend
 	digest uint64
 	sum    [sumLen]byte
+	key    audit.FrontendKey
+	keyOK  bool
 }
 
-func newEntry(f Frontend) entry { return entry{Frontend: f, digest: f.Digest(), sum: f.sum()} }
+func newEntry(f Frontend) entry {
+	k, err := ParseKey(f.Key)
+	return entry{Frontend: f, digest: f.Digest(), sum: f.sum(), key: k, keyOK: err == nil}
+}
 
 // bucket holds the entries whose keys hash to it, sorted by key, the sum
 // of their digests, and its name: a hash of its entries' content hashes,
@@ -101,15 +107,76 @@ func (s *State) Len() int { return s.n }
 
 // Get returns the frontend with the given key.
 func (s *State) Get(key string) (Frontend, bool) {
+	if e := s.entry(key); e != nil {
+		return e.Frontend, true
+	}
+	return Frontend{}, false
+}
+
+func (s *State) entry(key string) *entry {
 	b := s.buckets[bucketOf(key)]
 	if b == nil {
-		return Frontend{}, false
+		return nil
 	}
 	i, ok := slices.BinarySearchFunc(b.entries, key, func(e *entry, k string) int { return strings.Compare(e.Key, k) })
 	if !ok {
-		return Frontend{}, false
+		return nil
 	}
-	return b.entries[i].Frontend, true
+	return b.entries[i]
+}
+
+// Shown is what a state holds for a list of keys, in their order: one
+// frontend or none per key. It lets the aggregator judge a service once
+// for every node showing the same frontends for it.
+type Shown struct{ entries []*entry }
+
+// Show returns what s holds for keys.
+func (s *State) Show(keys []string) Shown {
+	out := Shown{entries: make([]*entry, len(keys))}
+	for i, k := range keys {
+		out.entries[i] = s.entry(k)
+	}
+	return out
+}
+
+// Hash digests p for a map key; equal Shown values have equal hashes
+// (Same decides).
+func (p Shown) Hash() uint64 {
+	h := uint64(14695981039346656037)
+	for _, e := range p.entries {
+		d := uint64(0x9e3779b97f4a7c15) // absent
+		if e != nil {
+			d = e.digest
+		}
+		h = (h ^ d) * 1099511628211
+	}
+	return h
+}
+
+// Same reports whether p and o hold equal frontends, key by key: the same
+// pooled entry, or entries equal in every field.
+func (p Shown) Same(o Shown) bool {
+	if len(p.entries) != len(o.entries) {
+		return false
+	}
+	for i, e := range p.entries {
+		f := o.entries[i]
+		if e != f && (e == nil || f == nil || !e.equal(f)) {
+			return false
+		}
+	}
+	return true
+}
+
+// Frontends returns the frontends p holds, in key order.
+func (p Shown) Frontends() []Frontend {
+	out := make([]Frontend, 0, len(p.entries))
+	for _, e := range p.entries {
+		if e != nil {
+			out = append(out, e.Frontend)
+		}
+	}
+	return out
 }
 
 // Root digests the whole state: the sum of the frontends' digests (so it
@@ -931,6 +998,21 @@ func Answer(sums []string, recent []State) *Content {
 		})
 	}
 	return ct
+}
+
+// ParsedKeys calls f with every frontend's key, parsed (those that do not
+// parse are left out).
+func (s *State) ParsedKeys(f func(key string, k audit.FrontendKey)) {
+	for _, b := range s.buckets {
+		if b == nil {
+			continue
+		}
+		for _, e := range b.entries {
+			if e.keyOK {
+				f(e.Key, e.key)
+			}
+		}
+	}
 }
 
 // Keys calls f with every frontend key of the state.

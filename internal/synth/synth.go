@@ -306,8 +306,12 @@ func firstKey(m map[string]json.RawMessage) string {
 // programs for any cluster state st, on a node of a cluster without
 // node-local policies: every expected frontend with the endpoints of its
 // scope, as the collector reads them.
-func Rules(st *audit.State) *audit.Observed {
-	exp := audit.ExpectedFor(st, "")
+func Rules(st *audit.State) *audit.Observed { return RulesFor(st, "") }
+
+// RulesFor is Rules on the named node: its Local endpoints, its zone's and
+// its own hints.
+func RulesFor(st *audit.State, node string) *audit.Observed {
+	exp := audit.ExpectedFor(st, node)
 	o := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}}
 	for i := range exp.Ports {
 		p := &exp.Ports[i]
