@@ -235,12 +235,18 @@ func (j *Judge) Heard(node string, hb Heartbeat) {
 	r.readError = hb.ReadError
 }
 
-// Observe records the assessment of node's rules made at the given time
-// (services is how many services the node should program; noRules that it
-// has none). h is the history the assessment used: its change log yields
-// the node's programming latency, returned as the samples this assessment
-// completed.
-func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, as []ServiceAssessment, h *History) []time.Duration {
+// Observe records the assessment of node's rules made as of the given
+// time (services is how many services the node should program; noRules
+// that it has none); shown is when the node's reports first showed these
+// rules (at most at). h is the history the assessment used: its change
+// log yields the node's programming latency, returned as the samples this
+// assessment completed, each measured to shown: a leader that judged
+// nothing for a while (a takeover, a long cycle) must not count its own
+// delay as the node's.
+func (j *Judge) Observe(node string, at, shown time.Time, services int, noRules bool, as []ServiceAssessment, h *History) []time.Duration {
+	if shown.IsZero() || shown.After(at) {
+		shown = at
+	}
 	r := j.record(node, at)
 	first := r.assessed.IsZero()
 	r.assessed, r.services, r.assessments = at, services, as
@@ -304,7 +310,7 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 				keep = append(keep, at0)
 				continue
 			}
-			samples = append(samples, max(at.Sub(at0), 0))
+			samples = append(samples, max(shown.Sub(at0), 0))
 		}
 		if len(keep) == 0 {
 			delete(r.pending, svc)
@@ -321,7 +327,7 @@ func (j *Judge) Observe(node string, at time.Time, services int, noRules bool, a
 			}
 			continue
 		}
-		samples = append(samples, max(at.Sub(c.At), 0))
+		samples = append(samples, max(shown.Sub(c.At), 0))
 	}
 	r.changeSeq = h.LastSeq()
 	for _, s := range samples {

@@ -1,6 +1,7 @@
 package audit
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	"testing"
 	"time"
 )
@@ -28,7 +29,7 @@ func TestSharedAssessmentsNameTheirNode(t *testing.T) {
 		}
 		for _, n := range []string{"n1", "n2"} {
 			j.Heard(n, Heartbeat{At: at, Interval: time.Second})
-			j.Observe(n, at, 2, false, as, h)
+			j.Observe(n, at, at, 2, false, as, h)
 		}
 	}
 	v := j.Evaluate(t0.Add(90*time.Second), []string{"n1", "n2"})
@@ -43,5 +44,25 @@ func TestSharedAssessmentsNameTheirNode(t *testing.T) {
 		if got[n+" 198.18.6.6:80"] != 1 {
 			t.Errorf("%s: the real server draining for 90 s (limit 1m) is not reported under its name: %v", n, got)
 		}
+	}
+}
+
+// A node judged long after its rules last changed (a new leader, a slow
+// cycle) programmed the changes those rules show when it first showed
+// them, not when it was judged: its latency samples end at shown.
+func TestLagSamplesEndWhenTheRulesWereShown(t *testing.T) {
+	j := NewJudge(DefaultPolicy())
+	h := NewHistory(time.Minute)
+	t0 := time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	svc := func(port int32) *State {
+		return &State{Services: []Service{{Namespace: "ns", Name: "a", Ports: []corev1.ServicePort{{Name: "http", Port: port}}}}}
+	}
+	h.Update(svc(80), t0)
+	j.Heard("n1", Heartbeat{At: t0, Interval: time.Second})
+	j.Observe("n1", t0, t0, 1, false, nil, h)
+	h.Update(svc(81), t0.Add(time.Second)) // the change, shown 2 s later, judged 40 s later
+	got := j.Observe("n1", t0.Add(41*time.Second), t0.Add(3*time.Second), 1, false, nil, h)
+	if len(got) != 1 || got[0] != 2*time.Second {
+		t.Fatalf("latency samples %v, want [2s]: the rules showed the change 2 s after it", got)
 	}
 }

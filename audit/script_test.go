@@ -169,7 +169,7 @@ func (s *script) run(t *testing.T, d *datadriven.TestData) string {
 		hb := s.heartbeat(t, d, obs.Mode, "")
 		s.j.Heard(node, hb)
 		st := s.current()
-		lags := s.j.Observe(node, hb.At, len(st.Services), obs.NoRules, audit.Assess(st, s.h, node, obs), s.h)
+		lags := s.j.Observe(node, hb.At, hb.At, len(st.Services), obs.NoRules, audit.Assess(st, s.h, node, obs), s.h)
 		if len(lags) == 0 {
 			return ""
 		}

@@ -23,11 +23,11 @@ func (a *Aggregator) Evaluate() {
 	}
 	start := a.cfg.Clock.Now()
 	type job struct {
-		n      *node
-		snap   stream.State // a copy: its buckets are immutable
-		at     time.Time
-		reuse  bool
-		noRule bool
+		n         *node
+		snap      stream.State // a copy: its buckets are immutable
+		at, shown time.Time
+		reuse     bool
+		noRule    bool
 	}
 	var nodeInfo map[string]audit.NodeInfo
 	// A report is judged once the cluster state covers its time (see
@@ -43,12 +43,12 @@ func (a *Aggregator) Evaluate() {
 			if !n.fresh || !n.complete {
 				continue
 			}
-			rules, version, noRules := n.state, n.version, n.noRules
+			rules, version, noRules, shownSince := n.state, n.version, n.noRules, n.shownSince
 			at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
 			if b := n.before; !ok && b != nil {
 				// The latest report's rules are newer than the view: the
 				// report before, if the view covers it.
-				rules, version, noRules = &b.state, b.version, b.noRules
+				rules, version, noRules, shownSince = &b.state, b.version, b.noRules, b.since
 				at, ok = judgeAt(b.at, b.since, n.judged, covered)
 			}
 			if !ok {
@@ -60,7 +60,7 @@ func (a *Aggregator) Evaluate() {
 			if b := n.before; b != nil && !at.Before(b.at) {
 				n.before = nil // judged as of its time or later
 			}
-			j := job{n: n, at: at, noRule: noRules}
+			j := job{n: n, at: at, shown: shownSince, noRule: noRules}
 			if n.assessedVersion == version && n.assessedGen == gen {
 				j.reuse = true
 			} else {
@@ -79,7 +79,7 @@ func (a *Aggregator) Evaluate() {
 			}
 			a.mu.Lock()
 			j.n.assessments = as
-			lags := a.judge.Observe(j.n.name, j.at, services, j.noRule, as, h)
+			lags := a.judge.Observe(j.n.name, j.at, j.shown, services, j.noRule, as, h)
 			a.mu.Unlock()
 			for _, l := range lags {
 				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())

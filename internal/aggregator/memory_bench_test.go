@@ -47,7 +47,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 				observe := func(st *audit.State, n *node, at time.Time) {
 					as := a.assessNode(st, h, n, n.state)
 					n.assessments = as
-					a.judge.Observe(n.name, at, servicesProgrammed(st), false, as, h)
+					a.judge.Observe(n.name, at, at, servicesProgrammed(st), false, as, h)
 				}
 				show := func(n *node, r *stream.Report) {
 					n.state = stream.NewPooledState(pool)
