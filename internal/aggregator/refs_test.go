@@ -8,9 +8,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
 // helloRefs opens a raw stream that offers refs and expects a welcome
@@ -297,5 +299,70 @@ func TestTopsHostileAnswers(t *testing.T) {
 	stream.ChangedKeys(h.agg.nodes["n3"].state, v1, func(string) { differ++ })
 	if differ != 0 {
 		t.Errorf("n3's copy changed by refused answers: %d frontends differ from v1", differ)
+	}
+}
+
+// A report is judged as of when it began to arrive, however long it then
+// waits for the content it names: a new leader resolving a fleet's states
+// took ten seconds and more, and a healthy node whose report waited that
+// long while the cluster moved on was called stuck (2,000 nodes, after a
+// takeover). Here n1 reports the cluster as it is, by a top the
+// aggregator does not hold, and answers the want only after the cluster
+// changed again and more than grace passed: no finding.
+func TestReportJudgedAsOfItsArrival(t *testing.T) {
+	const grace = time.Second
+	h := start(t, grace, InsecureNoAuth{})
+	c := h.helloRefs("n1")
+	sent := stream.NewState()
+	v1 := stream.FromModel(rules(t))
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(sent, v1, 1, true, false)})
+	h.until(10*time.Second, "n1 in sync", func() bool { return inSync(h, "n1") })
+
+	drop := func(svc int) { // the service's slice loses its last endpoint
+		sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Get(h.ctx, synth.ServiceName(svc)+"-0", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sl.Endpoints = sl.Endpoints[:len(sl.Endpoints)-1]
+		if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, sl, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	drop(3)
+	h.advance(300*time.Millisecond, nil) // the view has it; so does n1's kube-proxy
+	before := *sent
+	r := stream.Delta(sent, stream.FromModel(rules(t, 3)), 2, false, true).ByTop(sent)
+	recent := []stream.Sent{{Seq: 2, Prev: before, Next: *sent}}
+	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: r})
+	m := next(t, c)
+	if m.Type != stream.TypeWant {
+		t.Fatalf("a top nobody showed: %+v", m)
+	}
+	arrived := h.clk.Now()
+	drop(4) // n1 will follow, but its report is still waiting
+	h.advance(2*grace+500*time.Millisecond, nil)
+	for m != nil && m.Type == stream.TypeWant {
+		stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent)})
+		c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if m, _, _ = stream.Read(c, 16<<20); m != nil && m.Type != stream.TypeWant {
+			t.Fatalf("after the answer: %+v", m)
+		}
+	}
+	h.eventually(5*time.Second, "the waiting report applied", func() bool {
+		h.agg.mu.Lock()
+		defer h.agg.mu.Unlock()
+		return h.agg.nodes["n1"].lastSeq == 2
+	})
+	h.advance(200*time.Millisecond, nil)
+	for _, f := range h.verdict().Findings {
+		if f.Node == "n1" {
+			t.Fatalf("n1's report, sent %s before it was applied, judged as of then: %s %s (%s)", h.clk.Since(arrived).Round(time.Millisecond), f.Kind, f.Service, f.Detail)
+		}
+	}
+	h.agg.mu.Lock()
+	heard := h.agg.nodes["n1"].heard
+	h.agg.mu.Unlock()
+	if !heard.Equal(arrived) {
+		t.Errorf("n1's report dated %s after it arrived", heard.Sub(arrived))
 	}
 }

@@ -337,9 +337,9 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	// settle applies reports in order, parking at the first that needs
 	// more of the collector; false when the stream must end. asked is
 	// what was wanted of the first.
-	settle := func(rs []*stream.Report, asked *waiting) bool {
+	settle := func(rs []arrived, asked *waiting) bool {
 		for i, r := range rs {
-			ok, reason, why, missing := a.apply(n, c, r, interval, asked != nil && i == 0)
+			ok, reason, why, missing := a.apply(n, c, r.report, r.at, interval, asked != nil && i == 0)
 			if reason != "" {
 				a.reject(log, c, reason, why)
 				return false
@@ -350,14 +350,14 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 					ok, why = false, "the collector could not send what it named"
 				} else {
 					w = &waiting{report: r, queued: slices.Clone(rs[i+1:])}
-					w.ask(r.Seq, missing)
-					a.countNamed(r, missing)
+					w.ask(r.report.Seq, missing)
+					a.countNamed(r.report, missing)
 					a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWant).Inc()
 					_, err := c.send(&stream.Message{Type: stream.TypeWant, Want: &w.want})
 					return err == nil
 				}
 			} else {
-				a.countNamed(r, nil)
+				a.countNamed(r.report, nil)
 			}
 			asked = nil
 			if !ok {
@@ -373,9 +373,13 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	// A report that begins to arrive proves its collector alive, even
 	// while it waits for the decode budget behind a fleet's worth of
 	// others: a leader that is behind must not call its fleet missing.
+	// That moment dates the report, however long it then waits for the
+	// budget or for the content it names.
+	var began time.Time
 	alive := func() {
+		began = a.cfg.Clock.Now()
 		a.mu.Lock()
-		a.judge.Alive(n.name, a.cfg.Clock.Now())
+		a.judge.Alive(n.name, began)
 		a.mu.Unlock()
 	}
 	for {
@@ -418,7 +422,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 				a.reject(log, c, ReasonInvalid, "invalid content: "+err.Error())
 				return
 			}
-			rs, asked := append([]*stream.Report{w.report}, w.queued...), w
+			rs, asked := append([]arrived{w.report}, w.queued...), w
 			w = nil
 			if !settle(rs, asked) {
 				return
@@ -445,10 +449,10 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 				a.reject(log, c, ReasonProtocol, fmt.Sprintf("%d reports sent without answering the aggregator's want", len(w.queued)+1))
 				return
 			}
-			w.queued = append(w.queued, m.Report)
+			w.queued = append(w.queued, arrived{m.Report, began})
 			continue
 		}
-		ok := settle([]*stream.Report{m.Report}, nil)
+		ok := settle([]arrived{{m.Report, began}}, nil)
 		release()
 		if !ok {
 			return
@@ -462,13 +466,23 @@ const maxReadError = 512
 // maxQueued bounds the reports held behind a parked one.
 const maxQueued = 4
 
+// arrived is a report with the time it began to arrive: what it shows
+// is judged as of then, not as of when the aggregator got round to it.
+// Dated when applied, a report that waited ten seconds for the content it
+// named (a new leader resolving a fleet's snapshots) showed a healthy
+// node ten seconds behind: false StuckProxy at 2,000 nodes.
+type arrived struct {
+	report *stream.Report
+	at     time.Time
+}
+
 // waiting is a report parked until the collector sends the next level
 // down of what it named (bucket names for its top, changed frontends of
 // unknown buckets, content of unknown frontends), with the reports that
 // arrived meanwhile.
 type waiting struct {
-	report *stream.Report
-	queued []*stream.Report
+	report arrived
+	queued []arrived
 	want   stream.Want
 	asked  map[string]bool
 }
@@ -513,7 +527,7 @@ func (w *waiting) fill(ct *stream.Content) error {
 	if (len(ct.Refs) > 0 || len(ct.Removed) > 0) && len(w.want.Delta) == 0 {
 		return errors.New("changed frontends were not asked for")
 	}
-	r := *w.report
+	r := *w.report.report
 	switch {
 	case w.want.Buckets:
 		if len(ct.Frontends) > 0 {
@@ -536,7 +550,7 @@ func (w *waiting) fill(ct *stream.Content) error {
 			return err
 		}
 	}
-	w.report = &r
+	w.report.report = &r
 	return nil
 }
 
@@ -556,7 +570,7 @@ func (w *waiting) fillFrontends(r *stream.Report, fs []stream.Frontend) error {
 	}
 	r.Frontends = slices.Clone(r.Frontends)
 	r.Refs = nil
-	for _, ref := range w.report.Refs {
+	for _, ref := range w.report.report.Refs {
 		f, ok := got[ref.Sum]
 		switch {
 		case !ok:
@@ -597,9 +611,9 @@ func (a *Aggregator) countNamed(r *stream.Report, missing *stream.MissingError) 
 // anchors takes ~0.1 s): only this stream's goroutine changes its node's
 // copy, and a newer stream for the node supersedes it. missing names the
 // hashes of refs no node's copy holds: the report is not applied, and
-// applied again (resumed) once their content came.
-func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
-	now := a.cfg.Clock.Now()
+// applied again (resumed) once their content came. now is when the report
+// began to arrive (see arrived).
+func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
 	a.mu.Lock()
 	if n.conn != c || !a.leading {
 		a.mu.Unlock()
