@@ -76,6 +76,7 @@ type Aggregator struct {
 	// pool shares identical frontends among the nodes' copies: a fleet
 	// mostly programs the same rules.
 	pool    *stream.Pool
+	warmup  warmup
 	budget  *stream.Budget
 	unauth  pendingGate
 	verdict *audit.Verdict
@@ -195,6 +196,7 @@ func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.judge = audit.NewJudge(a.cfg.Policy)
 	a.nodes = map[string]*node{}
 	a.verdict = nil
+	a.warmup.reset()
 	a.cfg.Metrics.Leader.Set(1)
 	a.cfg.Log.Info("leading: accepting collector streams", zap.String("self", a.cfg.Self))
 }

@@ -366,3 +366,94 @@ func TestReportJudgedAsOfItsArrival(t *testing.T) {
 		t.Errorf("n1's report dated %s after it arrived", heard.Sub(arrived))
 	}
 }
+
+// A new leader's pool is cold: the first stream that names content it
+// lacks brings it, and the others that named the same state wait for it
+// and are asked for nothing more (at 2,000 nodes every stream fetching
+// every frontend at once held the new leader's CPU for tens of seconds).
+// A stream that waited resolves what differs in its own state as usual.
+func TestColdPoolWarmedByOneStream(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	v, other := stream.FromModel(rules(t)), stream.FromModel(rules(t, 5))
+	type opened struct {
+		c      net.Conn
+		recent []stream.Sent
+	}
+	open := func(node string, s *stream.State) opened {
+		c := h.helloRefs(node)
+		sent := stream.NewState()
+		cp := *s
+		r := stream.Delta(sent, &cp, 1, true, true).ByTop(sent)
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: r})
+		return opened{c, []stream.Sent{{Seq: 1, Next: *sent}}}
+	}
+	// answer answers wants until none comes within a moment; it returns
+	// the levels asked.
+	answer := func(o opened) []string {
+		var levels []string
+		for {
+			o.c.SetReadDeadline(time.Now().Add(700 * time.Millisecond))
+			m, _, err := stream.Read(o.c, 16<<20)
+			if err != nil {
+				return levels
+			}
+			if m.Type != stream.TypeWant {
+				t.Fatalf("unexpected %+v", m)
+			}
+			switch {
+			case m.Want.Buckets:
+				levels = append(levels, "buckets")
+			case len(m.Want.Delta) > 0:
+				levels = append(levels, fmt.Sprintf("delta:%d", len(m.Want.Delta)))
+			default:
+				levels = append(levels, fmt.Sprintf("sums:%d", len(m.Want.Sums)))
+			}
+			stream.Write(o.c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, o.recent)})
+		}
+	}
+	first := open("n1", v)
+	m := next(t, first.c)
+	if !m.Want.Buckets {
+		t.Fatalf("a top the cold pool does not hold: %+v", m)
+	}
+	stream.Write(first.c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, first.recent)})
+	if m = next(t, first.c); len(m.Want.Delta) == 0 {
+		t.Fatalf("n1, after bucket names: %+v", m)
+	}
+	// n1 is bringing the pool its first state. Three more nodes show the
+	// same state, one a state an endpoint apart: each learns it after
+	// bucket names, then waits for n1.
+	var rest []opened
+	levels := make([][]string, 4)
+	var wg sync.WaitGroup
+	for i, s := range []*stream.State{v, v, v, other} {
+		o := open(fmt.Sprintf("n%d", i+2), s)
+		rest = append(rest, o)
+		wg.Add(1)
+		go func() { defer wg.Done(); levels[i] = answer(o) }()
+	}
+	time.Sleep(300 * time.Millisecond) // they reach the wait
+	stream.Write(first.c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, first.recent)})
+	firstLevels := append([]string{"buckets", fmt.Sprintf("delta:%d", len(m.Want.Delta))}, answer(first)...)
+	wg.Wait()
+	t.Logf("levels asked: n1 %v, n2-n5 %v", firstLevels, levels)
+	for i, l := range levels[:3] {
+		if fmt.Sprint(l) != "[buckets]" {
+			t.Errorf("n%d, showing n1's state, was asked %v; want only its bucket names", i+2, l)
+		}
+	}
+	if l := fmt.Sprint(levels[3]); l != "[buckets delta:1 sums:1]" {
+		t.Errorf("n5, an endpoint from n1's state, was asked %v; want the one bucket and the one frontend that differ", l)
+	}
+	h.agg.mu.Lock()
+	defer h.agg.mu.Unlock()
+	for i, want := range []*stream.State{v, v, v, v, other} {
+		name := fmt.Sprintf("n%d", i+1)
+		n := h.agg.nodes[name]
+		differ := 0
+		stream.ChangedKeys(n.state, want, func(string) { differ++ })
+		if !n.complete || differ != 0 {
+			t.Errorf("%s's copy: complete %v, %d frontends differ from what it showed", name, n.complete, differ)
+		}
+	}
+}

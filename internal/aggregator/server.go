@@ -316,6 +316,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	}
 	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
 	a.mu.Unlock()
+	defer a.warmup.done(c, false)
 	defer func() {
 		a.mu.Lock()
 		if n.conn == c {
@@ -339,10 +340,19 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	// what was wanted of the first.
 	settle := func(rs []arrived, asked *waiting) bool {
 		for i, r := range rs {
-			ok, reason, why, missing := a.apply(n, c, r.report, r.at, interval, asked != nil && i == 0)
+			resumed := asked != nil && i == 0
+			ok, reason, why, missing := a.apply(n, c, r.report, r.at, interval, resumed)
+			if missing != nil && !missing.Top && a.warmup.wait(ctx, c) {
+				// Another stream is bringing a cold pool its first state:
+				// most of what this one named may come with it.
+				ok, reason, why, missing = a.apply(n, c, r.report, r.at, interval, true)
+			}
 			if reason != "" {
 				a.reject(log, c, reason, why)
 				return false
+			}
+			if missing == nil && ok {
+				a.warmup.done(c, true)
 			}
 			if missing != nil {
 				if asked != nil && i == 0 && asked.again(missing) {
@@ -458,6 +468,70 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 			return
 		}
 	}
+}
+
+// warmup lets one stream at a time bring a cold pool (a new leader's: the
+// follower held no node's rules) its first state, while the other streams
+// that named content the pool lacks wait for it. After a leader change the
+// whole fleet reconnects at once, each naming its state by one hash; with
+// nothing held, every stream was asked for every bucket's frontends and
+// then their content (~0.6 MB and ~3 MB of JSON a node at the anchors),
+// and decoding the same content from hundreds of nodes at once took the
+// new leader's CPU for tens of seconds. Most of one node's state is every
+// node's: the streams that waited ask only for what differs.
+type warmup struct {
+	mu    sync.Mutex
+	warm  bool
+	owner *conn
+	ready chan struct{} // closed when the owner is done
+}
+
+// warmupWait bounds how long a stream waits for another to warm the pool.
+const warmupWait = 5 * time.Second
+
+// wait says whether c waited for another stream to warm the pool (its
+// report should be resolved again). A warm pool, or no other stream
+// warming it, does not wait: c then warms it.
+func (w *warmup) wait(ctx context.Context, c *conn) bool {
+	w.mu.Lock()
+	if w.warm || w.owner == nil || w.owner == c {
+		if !w.warm && w.owner == nil {
+			w.owner, w.ready = c, make(chan struct{})
+		}
+		w.mu.Unlock()
+		return false
+	}
+	ready := w.ready
+	w.mu.Unlock()
+	t := time.NewTimer(warmupWait)
+	defer t.Stop()
+	select {
+	case <-ready:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return true
+}
+
+// done ends c's warm-up, if it was warming: warmed says a whole state
+// reached the pool.
+func (w *warmup) done(c *conn, warmed bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.owner != c {
+		return
+	}
+	close(w.ready)
+	w.owner, w.ready = nil, nil
+	w.warm = w.warm || warmed
+}
+
+// reset makes the pool count as cold again (a new leadership: what it
+// held of the last one's nodes has gone with them).
+func (w *warmup) reset() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.warm = false
 }
 
 // maxReadError bounds the read error a node's report may carry.
