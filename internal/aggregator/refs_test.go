@@ -457,3 +457,58 @@ func TestColdPoolWarmedByOneStream(t *testing.T) {
 		}
 	}
 }
+
+// A stream that starts warming the cold pool and never answers holds the
+// others at most warmupWait; once another stream's whole state is in, the
+// pool is warm and nobody waits.
+func TestColdPoolWarmerThatNeverAnswers(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	v := stream.FromModel(rules(t))
+	open := func(node string) (net.Conn, []stream.Sent) {
+		c := h.helloRefs(node)
+		sent := stream.NewState()
+		cp := *v
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(sent, &cp, 1, true, true).ByTop(sent)})
+		return c, []stream.Sent{{Seq: 1, Next: *sent}}
+	}
+	// down answers the bucket names and returns the next want.
+	down := func(c net.Conn, recent []stream.Sent) *stream.Message {
+		m := next(t, c)
+		stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent)})
+		return m
+	}
+	hostile, recent := open("n1")
+	down(hostile, recent)
+	if m := next(t, hostile); len(m.Want.Delta) == 0 {
+		t.Fatalf("n1 after bucket names: %+v", m)
+	}
+	// n1 warms the pool and goes quiet. n2 waits for it, then for the
+	// clock to pass warmupWait, then is asked itself.
+	c2, recent2 := open("n2")
+	down(c2, recent2)
+	c2.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if m, _, err := stream.Read(c2, 16<<20); err == nil {
+		t.Fatalf("n2 asked while n1 warms the pool: %+v", m)
+	}
+	h.clk.Step(warmupWait)
+	m := next(t, c2)
+	if len(m.Want.Delta) == 0 {
+		t.Fatalf("n2 after waiting out n1: %+v", m)
+	}
+	for m != nil && m.Type == stream.TypeWant {
+		stream.Write(c2, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent2)})
+		c2.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		m, _, _ = stream.Read(c2, 16<<20)
+	}
+	// n2's state is in: the pool is warm though n1 never answered. n3
+	// shows a state no copy holds: asked at once, without waiting.
+	c3 := h.helloRefs("n3")
+	sent := stream.NewState()
+	cp := *stream.FromModel(rules(t, 2))
+	stream.Write(c3, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(sent, &cp, 1, true, true).ByTop(sent)})
+	recent3 := []stream.Sent{{Seq: 1, Next: *sent}}
+	down(c3, recent3)
+	if m := next(t, c3); m.Type != stream.TypeWant || len(m.Want.Delta) == 0 {
+		t.Fatalf("n3 on a warm pool: %+v", m)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"k8s.io/utils/clock"
 	"net"
 	"slices"
 	"sync"
@@ -335,6 +336,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	// top, buckets or frontends), and the reports that came after it,
 	// until the collector sends the next level down.
 	var w *waiting
+	waited := false // for a cold pool's warm-up (see warmup)
 	// settle applies reports in order, parking at the first that needs
 	// more of the collector; false when the stream must end. asked is
 	// what was wanted of the first.
@@ -342,9 +344,12 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		for i, r := range rs {
 			resumed := asked != nil && i == 0
 			ok, reason, why, missing := a.apply(n, c, r.report, r.at, interval, resumed)
-			if missing != nil && !missing.Top && a.warmup.wait(ctx, c) {
+			if missing != nil && !missing.Top && !waited && a.warmup.wait(ctx, c, a.cfg.Clock) {
 				// Another stream is bringing a cold pool its first state:
-				// most of what this one named may come with it.
+				// most of what this one named may come with it. (Once per
+				// stream: a stream waits out a warmer that never answers
+				// once, not at every level it then asks for.)
+				waited = true
 				ok, reason, why, missing = a.apply(n, c, r.report, r.at, interval, true)
 			}
 			if reason != "" {
@@ -491,8 +496,10 @@ const warmupWait = 5 * time.Second
 
 // wait says whether c waited for another stream to warm the pool (its
 // report should be resolved again). A warm pool, or no other stream
-// warming it, does not wait: c then warms it.
-func (w *warmup) wait(ctx context.Context, c *conn) bool {
+// warming it, does not wait: c then warms it. A warming stream that never
+// answers holds the others warmupWait at a time, until its stream ends or
+// another stream's state warms the pool.
+func (w *warmup) wait(ctx context.Context, c *conn, clk clock.Clock) bool {
 	w.mu.Lock()
 	if w.warm || w.owner == nil || w.owner == c {
 		if !w.warm && w.owner == nil {
@@ -503,27 +510,26 @@ func (w *warmup) wait(ctx context.Context, c *conn) bool {
 	}
 	ready := w.ready
 	w.mu.Unlock()
-	t := time.NewTimer(warmupWait)
+	t := clk.NewTimer(warmupWait)
 	defer t.Stop()
 	select {
 	case <-ready:
-	case <-t.C:
+	case <-t.C():
 	case <-ctx.Done():
 	}
 	return true
 }
 
-// done ends c's warm-up, if it was warming: warmed says a whole state
-// reached the pool.
+// done says c applied a whole state (warmed: the pool is warm, whoever
+// was warming it) or ended; either ends c's warm-up if it was warming.
 func (w *warmup) done(c *conn, warmed bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.owner != c {
-		return
-	}
-	close(w.ready)
-	w.owner, w.ready = nil, nil
 	w.warm = w.warm || warmed
+	if w.owner != nil && (w.owner == c || warmed) {
+		close(w.ready)
+		w.owner, w.ready = nil, nil
+	}
 }
 
 // reset makes the pool count as cold again (a new leadership: what it
