@@ -222,7 +222,7 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	done := make(chan error, 1)
 	alive := make(chan struct{}, 1)
 	go func() {
-		_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, func() { alive <- struct{}{} })
+		_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, func() { alive <- struct{}{} }, nil)
 		release()
 		done <- err
 	}()
@@ -261,7 +261,7 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	server2, client2 := net.Pipe()
 	defer client2.Close()
 	go func() {
-		_, _, release, err := a.read(&conn{Conn: server2}, maxHelloBytes, false, nil)
+		_, _, release, err := a.read(&conn{Conn: server2}, maxHelloBytes, false, nil, nil)
 		release()
 		done <- err
 	}()
