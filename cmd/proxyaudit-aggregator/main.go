@@ -80,6 +80,9 @@ func run(args []string, stderr io.Writer) int {
 	if err := o.validate(); err != nil {
 		return fail("%v", err)
 	}
+	if os.Getenv("GOMEMLIMIT") == "" && o.memoryLimit > 0 {
+		debug.SetMemoryLimit(o.memoryLimit / 10 * 9)
+	}
 	client, reviews, election, err := o.client()
 	if err != nil {
 		return fail("%v", err)

@@ -31,11 +31,19 @@ func TestFlagsAndHelp(t *testing.T) {
 		"no advertise":             {[]string{}, "--advertise-address is required"},
 		"no cluster":               {[]string{"--advertise-address", "10.0.0.1"}, "outside a cluster, pass --kubeconfig"},
 		"missing kubeconfig":       {[]string{"--advertise-address", "10.0.0.1", "--kubeconfig", "/nonexistent"}, "API client"},
+		"negative memory limit":    {[]string{"--memory-limit-bytes", "-5"}, "want a byte count"},
 	} {
 		var errb bytes.Buffer
 		if code := run(tc.args, &errb); code != 2 || !strings.Contains(errb.String(), tc.says) {
 			t.Errorf("%s: exit %d: %q", name, code, errb.String())
 		}
+	}
+	// The chart passes the container's limit in bytes; a hand-set "1Gi"
+	// is refused with what to write instead.
+	t.Setenv("PROXYAUDIT_MEMORY_LIMIT", "1Gi")
+	var errb bytes.Buffer
+	if code := run([]string{"--advertise-address", "10.0.0.1"}, &errb); code != 2 || !strings.Contains(errb.String(), `PROXYAUDIT_MEMORY_LIMIT "1Gi"`) {
+		t.Errorf("PROXYAUDIT_MEMORY_LIMIT=1Gi: exit %d: %q", code, errb.String())
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -37,6 +38,7 @@ type options struct {
 	tlsSecret, tlsServerNames     string
 	tlsValidity                   time.Duration
 	maxMessageBytes               int
+	memoryLimit                   int64
 	readers, readerAudience       string
 	pprofListen                   string
 	reviewQPS, readerReviewQPS    float64
@@ -64,7 +66,22 @@ func defaultOptions() options {
 		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
+		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
 	}
+}
+
+// envBytes reads a byte count from the environment (0 when unset; -1,
+// which validate refuses, when it is not a number).
+func envBytes(name string) int64 {
+	v := os.Getenv(name)
+	if v == "" {
+		return 0
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
 }
 
 func envOr(name, def string) string {
@@ -98,6 +115,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.tlsServerNames, "tls-server-names", o.tlsServerNames, "comma-separated DNS names of a certificate --tls-secret makes (the Service names collectors dial)")
 	fs.DurationVar(&o.tlsValidity, "tls-validity", 3650*24*time.Hour, "validity of a CA and certificate --tls-secret makes")
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest stream message accepted; larger ones end the stream")
+	fs.Int64Var(&o.memoryLimit, "memory-limit-bytes", o.memoryLimit, "the container's memory limit (the chart passes it from the pod spec): the Go heap is held to 90 % of it so that garbage does not carry a leader holding thousands of nodes over its limit (GOMEMLIMIT, which wins when set); a heap that needs more grows past it; 0 turns it off [PROXYAUDIT_MEMORY_LIMIT]")
 	fs.DurationVar(&o.policy.WeightZeroLimit, "ipvs-weight-zero-limit", o.policy.WeightZeroLimit, "how long an IPVS real server may stay at weight 0 after its endpoint left the service (graceful termination keeps it while connections last) before it is a StaleEndpoint; raise it above your pods' longest terminationGracePeriodSeconds plus 15m; 0 never reports one")
 	fs.IntVar(&o.policy.MissingIntervals, "missing-intervals", o.policy.MissingIntervals, "collector intervals without a report before CollectorMissing")
 	fs.Float64Var(&o.policy.MassShare, "mass-divergence-share", o.policy.MassShare, "share of reporting nodes drifting at once that makes one MassDivergence finding instead of node findings")
@@ -152,6 +170,9 @@ func (o *options) validate() error {
 	}
 	if r.BreakerShare < 0 || r.BreakerShare > 1 || r.BreakerWindow < 0 {
 		return fmt.Errorf("--remediation-breaker-share %g must be in [0, 1] and --remediation-breaker-window %s at least 0", r.BreakerShare, r.BreakerWindow)
+	}
+	if o.memoryLimit < 0 {
+		return fmt.Errorf("--memory-limit-bytes %d (or PROXYAUDIT_MEMORY_LIMIT %q): want a byte count, 0 to turn it off", o.memoryLimit, os.Getenv("PROXYAUDIT_MEMORY_LIMIT"))
 	}
 	if o.reviewQPS <= 0 || o.reviewBurst < 1 || o.readerReviewQPS <= 0 {
 		return errors.New("--token-review-qps and --reader-review-qps must be positive, --token-review-burst at least 1")
