@@ -422,9 +422,12 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	defer func() {
 		close(quit)
 		c.Close()
-		for f := range frames {
-			f.release()
-		}
+		// The reader may wait for the decode budget a while yet.
+		go func() {
+			for f := range frames {
+				f.release()
+			}
+		}()
 	}()
 	go func() {
 		defer close(frames)

@@ -95,6 +95,11 @@ type Result struct {
 	// server served meanwhile.
 	ReconnectP50, ReconnectP99, ReconnectMax float64
 	ReconnectTokenReviews                    float64
+	// JudgingAgainSeconds: from the kill until the new leader's verdict
+	// judged a report of every node made after it (the stuck round under
+	// the new leader starts then: detection is measured on a leader that
+	// has caught up; this is how long catching up took).
+	JudgingAgainSeconds float64
 	// Node replacements and the leader's live heap after each half.
 	Replacements                    int
 	HeapAfterHalfMB, HeapAfterAllMB float64
@@ -463,6 +468,22 @@ func TestE2EFleetSimulation(t *testing.T) {
 			t.Errorf("%0.f TokenReviews to hear %d collectors again, want at most one each", res.ReconnectTokenReviews, N)
 		}
 		reps.start(killed) // as its Deployment would; it follows
+		// The new leader judging the whole fleet again: every node's
+		// last judged report made after the kill.
+		waitFor(t, 3*time.Minute, "the new leader judging every node again", func() bool {
+			v, err := aggAPI.verdict()
+			if err != nil || len(v.Nodes) < N {
+				return false
+			}
+			for _, s := range v.Nodes {
+				if !s.LastReport.After(killedAt) {
+					return false
+				}
+			}
+			return true
+		})
+		res.JudgingAgainSeconds = time.Since(killedAt).Seconds()
+		t.Logf("the new leader judged every node again %.1f s after the kill", res.JudgingAgainSeconds)
 		// Detection goes on under the new leader.
 		stuckRound(*fleetRounds)
 	}

@@ -5,8 +5,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -177,6 +180,30 @@ func (r *replicas) heapAfterGC(ip string) (int64, error) {
 	return 0, fmt.Errorf("no HeapAlloc in the heap profile of %s", ip)
 }
 
+// saveHeapProfile writes the heap profile of the replica at ip (after a
+// collection) to $PROXYAUDIT_FLEET_PROFILES/heap-<name>.prof when that is
+// set, for `go tool pprof -base` between two moments of a run.
+func (r *replicas) saveHeapProfile(ip, name string) {
+	dir := os.Getenv("PROXYAUDIT_FLEET_PROFILES")
+	if dir == "" {
+		return
+	}
+	resp, err := http.Get("http://" + net.JoinHostPort(ip, "6061") + "/debug/pprof/heap?gc=1")
+	if err != nil {
+		r.t.Logf("heap profile of %s: %v", ip, err)
+		return
+	}
+	defer resp.Body.Close()
+	f, err := os.Create(filepath.Join(dir, "heap-"+name+".prof"))
+	if err == nil {
+		_, err = io.Copy(f, resp.Body)
+		f.Close()
+	}
+	if err != nil {
+		r.t.Logf("heap profile of %s: %v", ip, err)
+	}
+}
+
 // freePort is a TCP port free on every one of ips.
 func freePort(t *testing.T, ips []string) string {
 	for range 20 {
@@ -303,6 +330,7 @@ func replaceNodes(ctx context.Context, t *testing.T, c *localcluster.Cluster, cl
 		if err != nil {
 			t.Fatal(err)
 		}
+		reps.saveHeapProfile(leader, fmt.Sprintf("after-%d-replacements", gen))
 		return float64(h) / 1e6
 	}
 	// A first round fills what churn fills once (maps at their size,
