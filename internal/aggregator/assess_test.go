@@ -5,6 +5,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
 	"math/rand/v2"
+	"net/netip"
 	"reflect"
 	"slices"
 	"testing"
@@ -59,25 +60,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 		past = append(past, st)
 
 		// The node shows some version, maybe tampered.
-		shows := st
-		how := rng.IntN(6)
-		if how == 1 && len(past) > 3 {
-			shows = past[len(past)-1-rng.IntN(4)]
-		}
-		obs := synth.Rules(shows)
-		switch how {
-		case 2:
-			f := &obs.Frontends[rng.IntN(len(obs.Frontends))]
-			if len(f.Endpoints) > 0 {
-				f.Endpoints = f.Endpoints[1:]
-			}
-		case 3:
-			obs.Frontends = append(obs.Frontends, audit.ObservedFrontend{FrontendKey: audit.FrontendKey{IP: synth.VIP(spec.Services + rng.IntN(3)), Protocol: "TCP", Port: 80},
-				Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: obs.Frontends[0].Endpoints[0].Addr, Weight: -1}}})
-		case 4:
-			i := rng.IntN(len(obs.Frontends))
-			obs.Frontends = append(obs.Frontends[:i], obs.Frontends[i+1:]...)
-		}
+		obs, how := randomShow(rng, st, past, synth.Rules, synth.VIP(spec.Services+rng.IntN(3)))
 		rules := stream.NewPooledState(pool)
 		if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
 			t.Fatal(err)
@@ -92,6 +75,32 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 	if inc := testutilValue(a, "incremental"); inc < 100 {
 		t.Fatalf("only %v of 300 assessments were incremental", inc)
 	}
+}
+
+// randomShow is what a node shows in the randomized tests, and which case
+// it is: 0 or 5 the current version; 1 an older one; 2 an endpoint
+// dropped; 3 a frontend no service has (stale) added; 4 a frontend missing.
+func randomShow(rng *rand.Rand, st *audit.State, past []*audit.State, rulesOf func(*audit.State) *audit.Observed, staleVIP netip.Addr) (*audit.Observed, int) {
+	shows := st
+	how := rng.IntN(6)
+	if how == 1 && len(past) > 3 {
+		shows = past[len(past)-1-rng.IntN(4)]
+	}
+	obs := rulesOf(shows)
+	switch how {
+	case 2:
+		f := &obs.Frontends[rng.IntN(len(obs.Frontends))]
+		if len(f.Endpoints) > 0 {
+			f.Endpoints = f.Endpoints[1:]
+		}
+	case 3:
+		obs.Frontends = append(obs.Frontends, audit.ObservedFrontend{FrontendKey: audit.FrontendKey{IP: staleVIP, Protocol: "TCP", Port: 80},
+			Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: netip.MustParseAddrPort("198.18.127.250:8080"), Weight: -1}}})
+	case 4:
+		i := rng.IntN(len(obs.Frontends))
+		obs.Frontends = append(obs.Frontends[:i], obs.Frontends[i+1:]...)
+	}
+	return obs, how
 }
 
 func norm(as []audit.ServiceAssessment) []audit.ServiceAssessment {
@@ -209,22 +218,8 @@ func TestSharedAssessmentsEqualFull(t *testing.T) {
 			a.donors = map[string]*baseline{}
 		}
 		for _, n := range ns {
-			shows := st
-			how := rng.IntN(5)
-			if how == 1 && len(past) > 3 {
-				shows = past[len(past)-1-rng.IntN(4)]
-			}
-			obs := synth.RulesFor(shows, n.name)
-			switch how {
-			case 2:
-				f := &obs.Frontends[rng.IntN(len(obs.Frontends))]
-				if len(f.Endpoints) > 0 {
-					f.Endpoints = f.Endpoints[1:]
-				}
-			case 3:
-				i := rng.IntN(len(obs.Frontends))
-				obs.Frontends = append(obs.Frontends[:i], obs.Frontends[i+1:]...)
-			}
+			obs, how := randomShow(rng, st, past, func(st *audit.State) *audit.Observed { return synth.RulesFor(st, n.name) },
+				synth.VIP(spec.Services+rng.IntN(3)))
 			rules := stream.NewPooledState(pool)
 			if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
 				t.Fatal(err)
