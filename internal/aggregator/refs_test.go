@@ -423,12 +423,10 @@ func TestColdPoolWarmedByOneStream(t *testing.T) {
 	// n1 is bringing the pool its first state. Three more nodes show the
 	// same state, one a state an endpoint apart: each learns it after
 	// bucket names, then waits for n1.
-	var rest []opened
 	levels := make([][]string, 4)
 	var wg sync.WaitGroup
 	for i, s := range []*stream.State{v, v, v, other} {
 		o := open(fmt.Sprintf("n%d", i+2), s)
-		rest = append(rest, o)
 		wg.Add(1)
 		go func() { defer wg.Done(); levels[i] = answer(o) }()
 	}
