@@ -16,11 +16,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -272,12 +274,46 @@ func (r *Release) Localize(spec *corev1.PodSpec, container, dir string, pod Pod)
 				return nil, fmt.Errorf("env %s: %w", e.Name, err)
 			}
 			val = string(data[e.ValueFrom.SecretKeyRef.Key])
+		case e.ValueFrom.ResourceFieldRef != nil:
+			v, err := resourceField(c, e.ValueFrom.ResourceFieldRef)
+			if err != nil {
+				return nil, fmt.Errorf("env %s: %w", e.Name, err)
+			}
+			val = v
 		default:
 			return nil, fmt.Errorf("env %s: a source Localize does not know", e.Name)
 		}
 		l.Env = append(l.Env, e.Name+"="+move(val))
 	}
 	return l, nil
+}
+
+// resourceField is what the kubelet puts in an env var from the
+// container's own memory request or limit: bytes over the divisor, rounded
+// up. (Without the limit set the kubelet gives the node's allocatable
+// memory, which a local process has no equivalent of.)
+func resourceField(c *corev1.Container, ref *corev1.ResourceFieldSelector) (string, error) {
+	if ref.ContainerName != "" && ref.ContainerName != c.Name {
+		return "", fmt.Errorf("resource of container %s: only the container's own", ref.ContainerName)
+	}
+	var q resource.Quantity
+	var ok bool
+	switch ref.Resource {
+	case "limits.memory":
+		q, ok = c.Resources.Limits[corev1.ResourceMemory]
+	case "requests.memory":
+		q, ok = c.Resources.Requests[corev1.ResourceMemory]
+	default:
+		return "", fmt.Errorf("resource %s: only limits.memory and requests.memory", ref.Resource)
+	}
+	if !ok {
+		return "", fmt.Errorf("resource %s is not set on container %s", ref.Resource, c.Name)
+	}
+	div := int64(1)
+	if !ref.Divisor.IsZero() {
+		div = ref.Divisor.Value()
+	}
+	return strconv.FormatInt((q.Value()+div-1)/div, 10), nil
 }
 
 // volumeFiles returns the files a volume holds, nil for a host path.

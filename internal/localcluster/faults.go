@@ -235,3 +235,25 @@ func (n *Node) Partition(ctx context.Context, port int, ips ...string) (Undo, er
 	}
 	return n.insertFilterRules(ctx, rules)
 }
+
+// WithoutImage removes image ref from a real node's containerd: a pod
+// started from it now (a restarted kube-proxy) cannot pull it (nothing is
+// pulled here, as a node cut off from its registry) and waits in
+// ImagePullBackOff, while containers already running from it go on. A
+// restart does not cure the node. The Undo imports the node's images again.
+func (n *Node) WithoutImage(ctx context.Context, ref string) (Undo, error) {
+	if n.real == nil {
+		return nil, fmt.Errorf("node %s is not a real node", n.Name)
+	}
+	if out, err := run(ctx, "ctr", "-a", n.real.socket, "-n", "k8s.io", "images", "rm", ref); err != nil {
+		return nil, fmt.Errorf("remove %s on %s: %w\n%s", ref, n.Name, err, out)
+	}
+	return func(ctx context.Context) error {
+		for _, img := range n.c.images {
+			if out, err := run(ctx, "ctr", "-a", n.real.socket, "-n", "k8s.io", "images", "import", "--no-unpack", img); err != nil {
+				return fmt.Errorf("import %s on %s: %w\n%s", img, n.Name, err, out)
+			}
+		}
+		return nil
+	}, nil
+}
