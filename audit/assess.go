@@ -138,7 +138,7 @@ func ownerOf(owner map[FrontendKey]string, of *ObservedFrontend, mode Mode) (str
 	}
 	if mode == ModeIPVS && !of.NodePort {
 		// IPVS has a virtual server per node address for a node port.
-		o, ok := owner[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}]
+		o, ok := owner[of.nodePortOf()]
 		return o, ok
 	}
 	return "", false
@@ -201,7 +201,7 @@ func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[F
 	}
 	if obs.Mode == ModeIPVS {
 		for _, of := range obs.Frontends {
-			if !of.NodePort && !keys[of.FrontendKey] && keys[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}] {
+			if !of.NodePort && !keys[of.FrontendKey] && keys[of.nodePortOf()] {
 				o.Frontends = append(o.Frontends, of)
 			}
 		}

@@ -41,10 +41,24 @@ func (idx frontendIndex) match(k FrontendKey, mode Mode) (expIndex, bool) {
 		return e, true
 	}
 	if mode == ModeIPVS && !k.NodePort {
-		e, ok := idx[FrontendKey{NodePort: true, Protocol: k.Protocol, Port: k.Port}]
+		e, ok := idx[k.nodePortOf()]
 		return e, ok
 	}
 	return expIndex{}, false
+}
+
+// Unaudited lists the IP families exp has service ports in that obs does
+// not cover: the node's rules of that family were not read, so nothing
+// can be said of them (they are not in sync, they are unknown).
+func Unaudited(exp Expected, obs *Observed) []int {
+	var out []int
+	for _, p := range exp.Ports {
+		if !slices.Contains(obs.Families, p.Family) && !slices.Contains(out, p.Family) {
+			out = append(out, p.Family)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // Diff compares what a node should have with what its rules hold and
@@ -110,7 +124,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		for _, ep := range of.Endpoints {
 			got[ep.Addr] = ep
 		}
-		base := Finding{Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Scope: scope}
+		base := Finding{Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Family: e.port.Family, Scope: scope}
 		wantSet := map[netip.AddrPort]bool{}
 		for _, a := range want {
 			wantSet[a] = true
@@ -143,7 +157,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 				continue
 			}
 			want := p.Want(fe.Scope, obs.Mode)
-			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Scope: fe.Scope, Kind: MissingService}
+			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Family: p.Family, Scope: fe.Scope, Kind: MissingService}
 			switch {
 			case len(want) > 0:
 				f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", fe.Kind, fe.FrontendKey, joinAddrs(want, len(want)))
@@ -188,7 +202,7 @@ func Draining(exp Expected, obs *Observed) []Finding {
 			if !ep.draining() || want[ep.Addr] {
 				continue
 			}
-			out = append(out, Finding{Node: exp.Node, Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol,
+			out = append(out, Finding{Node: exp.Node, Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Family: e.port.Family,
 				Scope: e.fe.Scope, Kind: StaleEndpoint, Endpoint: ep.Addr.String(),
 				Detail: fmt.Sprintf("%s %s keeps %s at IPVS weight 0 via %s, though the cluster no longer lists it for %s: kube-proxy's graceful termination never removed it",
 					e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name)})
@@ -206,7 +220,7 @@ func UnownedFrontend(node string, of ObservedFrontend) Finding {
 }
 
 func staleService(of ObservedFrontend) Finding {
-	f := Finding{Protocol: of.Protocol, Scope: of.Scope, Kind: StaleService}
+	f := Finding{Protocol: of.Protocol, Family: of.Family(), Scope: of.Scope, Kind: StaleService}
 	if of.Name != "" {
 		svc, port, _ := strings.Cut(of.Name, ":")
 		f.Service, f.Port = svc, port

@@ -71,7 +71,7 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 		}
 	}
 	if sp.NodePort != 0 {
-		ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{NodePort: true, Protocol: proto, Port: uint16(sp.NodePort)}, KindNodePort, external})
+		ep.Frontends = append(ep.Frontends, ExpectedFrontend{NodePortKey(fam, proto, uint16(sp.NodePort)), KindNodePort, external})
 	}
 	externallyAccessible := sp.NodePort != 0 || len(svc.LBIPs) > 0 || len(svc.ExternalIPs) > 0
 	usesCluster := !svc.ITPLocal || externallyAccessible

@@ -2,6 +2,7 @@ package audit
 
 import (
 	"net/netip"
+	"slices"
 	"sort"
 )
 
@@ -10,6 +11,9 @@ const (
 	TraceOK      = "ok"      // in the rules and in the cluster
 	TraceStale   = "stale"   // in the rules, no longer in the cluster
 	TraceMissing = "missing" // in the cluster, not in the rules
+	// TraceUnaudited: in the cluster, of an IP family whose rules were
+	// not read (a dump of the other family only).
+	TraceUnaudited = "not audited"
 )
 
 // EndpointTrace is one endpoint of a frontend, as the rules and the
@@ -36,9 +40,12 @@ type FrontendTrace struct {
 
 // PortTrace is one service port traced through a node's rules.
 type PortTrace struct {
-	Service   string          `json:"service"`
-	Port      string          `json:"port"`
-	Protocol  string          `json:"protocol"`
+	Service  string `json:"service"`
+	Port     string `json:"port"`
+	Protocol string `json:"protocol"`
+	// Family is the IP family of the port's frontends (a dual-stack
+	// service has a trace per family); 0 for rules no service owns.
+	Family    int             `json:"family,omitempty"`
 	Frontends []FrontendTrace `json:"frontends"`
 }
 
@@ -61,8 +68,14 @@ func Explain(exp Expected, obs *Observed, service string) []PortTrace {
 		if service != "" && p.Name.Service() != service {
 			continue
 		}
-		pt := PortTrace{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol}
+		pt := PortTrace{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Family: p.Family}
+		audited := slices.Contains(obs.Families, p.Family)
 		for _, fe := range p.Frontends {
+			if !audited {
+				pt.Frontends = append(pt.Frontends, FrontendTrace{Frontend: fe.FrontendKey.String(), Kind: fe.Kind, Scope: fe.Scope,
+					Status: TraceUnaudited, Endpoints: []EndpointTrace{}})
+				continue
+			}
 			of := byKey[fe.FrontendKey]
 			want := p.WantFor(of, fe.Scope, obs.Mode)
 			ft := FrontendTrace{Frontend: fe.FrontendKey.String(), Kind: fe.Kind, Scope: fe.Scope, Status: TraceOK}
@@ -79,7 +92,7 @@ func Explain(exp Expected, obs *Observed, service string) []PortTrace {
 	if service == "" {
 		var stale []FrontendTrace
 		for _, of := range obs.Frontends {
-			if expected[of.FrontendKey] || (obs.Mode == ModeIPVS && !of.NodePort && expected[FrontendKey{NodePort: true, Protocol: of.Protocol, Port: of.Port}]) {
+			if expected[of.FrontendKey] || (obs.Mode == ModeIPVS && !of.NodePort && expected[of.nodePortOf()]) {
 				continue
 			}
 			ft := FrontendTrace{Frontend: of.FrontendKey.String(), Scope: of.Scope, Status: TraceStale, Chain: of.Chain}

@@ -280,7 +280,9 @@ func serviceKeys(s *Service) []FrontendKey {
 			}
 		}
 		if p.NodePort != 0 {
-			out = append(out, FrontendKey{NodePort: true, Protocol: proto, Port: uint16(p.NodePort)})
+			for _, ip := range s.ClusterIPs { // one node port per family
+				out = append(out, NodePortKey(family(ip), proto, uint16(p.NodePort)))
+			}
 		}
 	}
 	return out

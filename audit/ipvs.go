@@ -37,14 +37,13 @@ type RealServer struct {
 // and weights. IPVS names nothing, so the diff maps virtual servers to
 // services through the Service objects (cluster, external and
 // load-balancer IPs; node ports per node address). No virtual server at
-// all is NoRules (a flushed table).
+// all is NoRules (a flushed table). One table holds both families, so the
+// model covers both.
 func FromIPVS(vs []VirtualServer) *Observed {
-	obs := &Observed{Mode: ModeIPVS}
-	fams := map[int]bool{}
+	obs := &Observed{Mode: ModeIPVS, Families: []int{4, 6}}
 	byKey := map[FrontendKey]int{}
 	for _, v := range vs {
 		k := FrontendKey{IP: v.Addr.Addr().Unmap(), Protocol: v.Protocol, Port: v.Addr.Port()}
-		fams[family(k.IP)] = true
 		i, ok := byKey[k]
 		if !ok {
 			i = len(obs.Frontends)
@@ -63,12 +62,6 @@ func FromIPVS(vs []VirtualServer) *Observed {
 			f.Endpoints = append(f.Endpoints, Endpoint{Addr: netip.AddrPortFrom(r.Addr.Addr().Unmap(), r.Addr.Port()), Weight: r.Weight,
 				ActiveConns: r.ActiveConns, InactiveConns: r.InactiveConns, Chain: f.Chain})
 		}
-	}
-	for f := range fams {
-		obs.Families = append(obs.Families, f)
-	}
-	if len(obs.Families) == 0 {
-		obs.Families = []int{4}
 	}
 	obs.NoRules = len(obs.Frontends) == 0
 	obs.normalize()

@@ -31,6 +31,9 @@ type Finding struct {
 	Service  string `json:"service"`
 	Port     string `json:"port"`
 	Protocol string `json:"protocol"`
+	// Family is the IP family (4, 6) of a service-port finding; 0 for
+	// findings about the node as a whole.
+	Family   int    `json:"family,omitempty"`
 	Scope    Scope  `json:"scope"`
 	Kind     Kind   `json:"kind"`
 	Endpoint string `json:"endpoint"`
@@ -38,7 +41,7 @@ type Finding struct {
 }
 
 func (f Finding) key() string {
-	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
+	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(rune('0' + f.Family)), string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
 }
 
 // onNode is key without the node: a finding's identity within one node's

@@ -40,8 +40,10 @@ const (
 	KindExternalIP   FrontendKind = "external IP"
 )
 
-// FrontendKey identifies a frontend: an IP (zero for node ports, which
-// listen on the node's addresses), protocol and port.
+// FrontendKey identifies a frontend: an IP, protocol and port. A node
+// port listens on the node's addresses of one family: its IP is the zero
+// Addr in IPv4 and "::" in IPv6 (NodePortKey makes them), so that a dual-
+// stack service's two node ports are two frontends.
 type FrontendKey struct {
 	NodePort bool
 	IP       netip.Addr
@@ -49,8 +51,32 @@ type FrontendKey struct {
 	Port     uint16
 }
 
+// NodePortKey is the key of node port port/proto in IP family fam (4, 6).
+func NodePortKey(fam int, proto string, port uint16) FrontendKey {
+	k := FrontendKey{NodePort: true, Protocol: proto, Port: port}
+	if fam == 6 {
+		k.IP = netip.IPv6Unspecified()
+	}
+	return k
+}
+
+// Family is the key's IP family: 4 or 6.
+func (k FrontendKey) Family() int {
+	if !k.IP.IsValid() {
+		return 4
+	}
+	return family(k.IP)
+}
+
+// nodePortOf is the node port a per-address frontend with k's protocol
+// and port would serve in IPVS mode (a virtual server per node address).
+func (k FrontendKey) nodePortOf() FrontendKey { return NodePortKey(k.Family(), k.Protocol, k.Port) }
+
 func (k FrontendKey) String() string {
 	if k.NodePort {
+		if k.Family() == 6 {
+			return fmt.Sprintf("IPv6 node port %d/%s", k.Port, k.Protocol)
+		}
 		return fmt.Sprintf("node port %d/%s", k.Port, k.Protocol)
 	}
 	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.IP, k.Port), k.Protocol)
@@ -113,6 +139,48 @@ type Observed struct {
 	RejectsKnown bool
 	// Warnings are facts the reader noticed that are not findings.
 	Warnings []string
+}
+
+// Merge joins one node's rules read per IP family (iptables-save and
+// ip6tables-save, kube-proxy's ip and ip6 nftables tables) into one
+// model. The parts must be of one mode and of different families. The
+// node has no rules only when no family has any: on an IPv6-only node
+// the IPv4 table is empty by design.
+func Merge(parts ...*Observed) (*Observed, error) {
+	if len(parts) == 0 {
+		return nil, fmt.Errorf("no rules to merge")
+	}
+	o := &Observed{Mode: parts[0].Mode, NoRules: true, RejectsKnown: true}
+	for _, p := range parts {
+		if p.Mode != o.Mode {
+			return nil, fmt.Errorf("rules of two modes for one node: %s and %s", o.Mode, p.Mode)
+		}
+		for _, f := range p.Families {
+			if slices.Contains(o.Families, f) {
+				return nil, fmt.Errorf("the IPv%d rules given twice", f)
+			}
+			o.Families = append(o.Families, f)
+		}
+		if !p.NoRules {
+			o.NoRules = false
+			o.Frontends = append(o.Frontends, p.Frontends...)
+		}
+		// Rejects are checked only where every family's were read.
+		o.RejectsKnown = o.RejectsKnown && p.RejectsKnown
+		for k := range p.Rejects {
+			if o.Rejects == nil {
+				o.Rejects = map[FrontendKey]bool{}
+			}
+			o.Rejects[k] = true
+		}
+		o.Warnings = append(o.Warnings, p.Warnings...)
+	}
+	if !o.RejectsKnown {
+		o.Rejects = nil
+	}
+	slices.Sort(o.Families)
+	o.normalize()
+	return o, nil
 }
 
 // normalize sorts frontends and endpoints and removes duplicates so that

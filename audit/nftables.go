@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"slices"
 	"strings"
 )
 
@@ -137,11 +138,12 @@ type nftSource interface {
 
 func reduceNFT(srcs []nftSource) (*Observed, error) {
 	obs := &Observed{Mode: ModeNFTables, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
-	dispatch := false
 	for _, t := range srcs {
 		obs.Families = append(obs.Families, t.familyOf())
-		if t.dispatches() {
-			dispatch = true
+		if !t.dispatches() {
+			// This family's table was flushed: its maps may remain,
+			// but nothing looks them up.
+			continue
 		}
 		// Frontends that go to one policy chain share its endpoints, read
 		// once (see the iptables reader).
@@ -157,13 +159,11 @@ func reduceNFT(srcs []nftSource) (*Observed, error) {
 			return nil, err
 		}
 	}
-	obs.NoRules = !dispatch || len(obs.Frontends) == 0
-	if obs.NoRules {
-		obs.Frontends = nil
-	}
+	obs.NoRules = len(obs.Frontends) == 0
 	if len(obs.Families) == 0 {
 		obs.Families = []int{4}
 	}
+	slices.Sort(obs.Families)
 	obs.normalize()
 	return obs, nil
 }
@@ -320,7 +320,7 @@ func (t *nftTable) nodePorts(fn func(FrontendKey, string)) error {
 		if !okp {
 			return fmt.Errorf("nft map service-nodeports: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 		}
-		fn(FrontendKey{NodePort: true, Protocol: strings.ToUpper(jsonString(el.key[0])), Port: port}, el.target)
+		fn(NodePortKey(t.family, strings.ToUpper(jsonString(el.key[0])), port), el.target)
 		return nil
 	})
 }

@@ -138,11 +138,15 @@ func TestApplyRejectsHostileReports(t *testing.T) {
 }
 
 func TestKeyRoundTrip(t *testing.T) {
-	for _, s := range []string{"198.19.0.10:53/UDP", "nodeport:30080/TCP", "[fd00::1]:443/SCTP"} {
+	for s, fam := range map[string]int{"198.19.0.10:53/UDP": 4, "nodeport:30080/TCP": 4, "[2001:2::1]:443/SCTP": 6, "nodeport6:30080/UDP": 6} {
 		k, err := ParseKey(s)
-		if err != nil || KeyString(k) != s {
-			t.Errorf("%s: %v %v", s, KeyString(k), err)
+		if err != nil || KeyString(k) != s || k.Family() != fam {
+			t.Errorf("%s: %v family %d, %v", s, KeyString(k), k.Family(), err)
 		}
+	}
+	// A dual-stack service's two node ports are two frontends.
+	if a, b := audit.NodePortKey(4, "TCP", 30080), audit.NodePortKey(6, "TCP", 30080); a == b || KeyString(a) == KeyString(b) {
+		t.Errorf("IPv4 and IPv6 node ports share a key: %v %v", a, b)
 	}
 	if _, err := ParseKey(strings.Repeat("x", 500)); err == nil || len(err.Error()) > 200 {
 		t.Errorf("long garbage key: %v", err)
