@@ -34,10 +34,11 @@ type nftNetlinkReader struct {
 	// finds a set by name with a walk of the table's sets, so dumping
 	// every one of 10k maps costs seconds of system time, and a read
 	// under churn dumps only the maps created since the last.
-	anon map[string]cachedSet
+	// One cache per family (index 4, 6): each table numbers its own sets.
+	anon [7]map[string]cachedSet
 	// tableHandle is the handle of the table the cache is of: a table
 	// deleted and created again numbers its sets from 1 again.
-	tableHandle uint64
+	tableHandle [7]uint64
 	// notes are the maps the change signal's notifications announced
 	// since (see mapNotes); noted and dumped count where the maps of the
 	// reads came from.
@@ -102,20 +103,41 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 		}
 		r.conn = c
 	}
+	// Both families' tables: kube-proxy keeps one per family, both even
+	// on a single-stack node where the kernel has IPv6.
 	var n int64
-	t, err := r.table(ctx, 4, &n)
-	r.bytes.Store(n)
-	if errors.Is(err, unix.ENOENT) {
-		// The table is gone: kube-proxy's rules were removed.
-		return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, Families: []int{4}}, nil
+	defer func() { r.bytes.Store(n) }()
+	var tables []*audit.NFTTable
+	var gone []int
+	for _, fam := range []int{4, 6} {
+		t, err := r.table(ctx, fam, &n)
+		if errors.Is(err, unix.ENOENT) {
+			// The table is gone: kube-proxy's rules of this family were
+			// removed (or the kernel has no IPv6: then no service of
+			// the family can exist either).
+			gone = append(gone, fam)
+			continue
+		}
+		if err != nil {
+			// A broken socket is reopened on the next read.
+			r.conn.Close()
+			r.conn = nil
+			return nil, fmt.Errorf("read table %s %s over netlink: %w", map[int]string{4: "ip", 6: "ip6"}[fam], kubeProxyTable, err)
+		}
+		tables = append(tables, t)
 	}
-	if err != nil {
-		// A broken socket is reopened on the next read.
-		r.conn.Close()
-		r.conn = nil
-		return nil, fmt.Errorf("read table ip %s over netlink: %w", kubeProxyTable, err)
+	parts := make([]*audit.Observed, 0, 2)
+	if len(tables) > 0 {
+		obs, err := audit.FromNFTables(tables...)
+		if err != nil {
+			return nil, err
+		}
+		parts = append(parts, obs)
 	}
-	return audit.FromNFTables(t)
+	for _, fam := range gone {
+		parts = append(parts, &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, RejectsKnown: true, Families: []int{fam}})
+	}
+	return audit.Merge(parts...)
 }
 
 // table reads kube-proxy's table of one family; n counts the bytes read.
@@ -159,11 +181,12 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 	// The maps the frontends' chains look up (anonymous: a numgen DNAT or
 	// verdict map per service); those of the last read still in the table
 	// come from the cache.
-	if r.anon == nil || handle != r.tableHandle {
-		r.anon, r.tableHandle = map[string]cachedSet{}, handle
+	if r.anon[family] == nil || handle != r.tableHandle[family] {
+		r.anon[family], r.tableHandle[family] = map[string]cachedSet{}, handle
 	}
-	fresh := make(map[string]cachedSet, len(r.anon))
-	defer func() { r.anon = fresh }()
+	cache := r.anon[family]
+	fresh := make(map[string]cachedSet, len(cache))
+	defer func() { r.anon[family] = fresh }()
 	looked := map[string]*lookupMap{}
 	for chain, rs := range rules {
 		if !frontendChain(chain) {
@@ -179,7 +202,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 					continue
 				}
 				info, known := sets[st.set]
-				if c, ok := r.anon[st.set]; ok && known && info.anonymous && c.handle == info.handle {
+				if c, ok := cache[st.set]; ok && known && info.anonymous && c.handle == info.handle {
 					looked[st.set], fresh[st.set] = c.m, c
 					continue
 				}
@@ -231,7 +254,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 		t.ServiceIPs = append(t.ServiceIPs, audit.NFTMapEntry{Key: k, Target: el.target})
 	}
 	for _, el := range maps["service-nodeports"] {
-		k, err := nodePortKey(el.key)
+		k, err := nodePortKey(family, el.key)
 		if err != nil {
 			return nil, fmt.Errorf("map service-nodeports: %w", err)
 		}

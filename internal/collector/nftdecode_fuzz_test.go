@@ -98,7 +98,7 @@ func FuzzNFTDecode(f *testing.F) {
 			els, _ := decodeElems(data, nil)
 			for _, el := range els {
 				serviceIPKey(4, el.key)
-				nodePortKey(el.key)
+				nodePortKey(4, el.key)
 				dnatValue(4, el.data)
 			}
 			_ = r

@@ -433,7 +433,7 @@ func serviceIPKey(family int, k []byte) (audit.FrontendKey, error) {
 }
 
 // nodePortKey decodes inet_proto . inet_service.
-func nodePortKey(k []byte) (audit.FrontendKey, error) {
+func nodePortKey(family int, k []byte) (audit.FrontendKey, error) {
 	if len(k) != 8 {
 		return audit.FrontendKey{}, fmt.Errorf("key of %d bytes, want 8 (inet_proto . inet_service)", len(k))
 	}
@@ -441,7 +441,7 @@ func nodePortKey(k []byte) (audit.FrontendKey, error) {
 	if !ok {
 		return audit.FrontendKey{}, fmt.Errorf("unknown protocol %d", k[0])
 	}
-	return audit.FrontendKey{NodePort: true, Protocol: proto, Port: binary.BigEndian.Uint16(k[4:])}, nil
+	return audit.NodePortKey(family, proto, binary.BigEndian.Uint16(k[4:])), nil
 }
 
 // dnatValue decodes ip . inet_service.

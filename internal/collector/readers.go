@@ -3,13 +3,16 @@ package collector
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	utilexec "k8s.io/utils/exec"
 )
 
 // RuleReader reads one node's kube-proxy rules from one source.
@@ -21,10 +24,12 @@ type RuleReader interface {
 	String() string
 }
 
-// Reader returns the reader for src: one `iptables-save -t nat` whose
-// output is parsed as it streams (the text is never held whole), kube-
-// proxy's nftables table over netlink (or one `nft -j list table ip
-// kube-proxy` with NFTJSON), or one netlink dump of the IPVS table.
+// Reader returns the reader for src, reading both IP families (kube-proxy
+// programs both wherever the kernel has IPv6, even on a single-stack
+// node): `iptables-save -t nat` and `ip6tables-save -t nat`, each parsed
+// as it streams (the text is never held whole); kube-proxy's ip and ip6
+// nftables tables over netlink (or `nft -j list table ip|ip6 kube-proxy`
+// with NFTJSON); or one netlink dump of the IPVS table, which holds both.
 func (h *Host) Reader(src Source) RuleReader {
 	switch {
 	case src.Mode == audit.ModeIPVS:
@@ -32,25 +37,87 @@ func (h *Host) Reader(src Source) RuleReader {
 	case src.Mode == audit.ModeNFTables && !h.NFTJSON:
 		return newNFTNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
-		return &toolReader{src: src, exec: h, argv: []string{"nft", "-j", "list", "table", "ip", "kube-proxy"}, parse: audit.ParseNFTables}
-	case src.Legacy:
-		return &toolReader{src: src, exec: h, argv: []string{"iptables-legacy-save", "-t", "nat"}, parse: audit.ParseIPTables}
+		return h.familyReaders(src, func(fam int) []string {
+			return []string{"nft", "-j", "list", "table", map[int]string{4: "ip", 6: "ip6"}[fam], "kube-proxy"}
+		})
 	default:
-		return &toolReader{src: src, exec: h, argv: []string{"iptables-save", "-t", "nat"}, parse: audit.ParseIPTables}
+		return h.familyReaders(src, func(fam int) []string {
+			tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+			if src.Legacy {
+				tool += "-legacy"
+			}
+			return []string{tool + "-save", "-t", "nat"}
+		})
 	}
+}
+
+func (h *Host) familyReaders(src Source, argv func(fam int) []string) *familyReader {
+	r := &familyReader{src: src}
+	for _, fam := range []int{4, 6} {
+		tr := &toolReader{src: src, exec: h, argv: argv(fam), fam: fam}
+		r.fams = append(r.fams, tr)
+	}
+	return r
 }
 
 var (
 	_ RuleReader = (*toolReader)(nil)
+	_ RuleReader = (*familyReader)(nil)
 	_ RuleReader = (*ipvsReader)(nil)
 )
 
-// toolReader runs a dump tool and parses its output as it streams.
+// familyReader reads each family's rules with its own tool run and merges
+// them. A host whose tools cannot read IPv6 at all (no ip6tables binary)
+// is read in IPv4 only, with a warning: the aggregator then reports its
+// IPv6 half as not audited.
+type familyReader struct {
+	src  Source
+	fams []*toolReader
+}
+
+func (r *familyReader) String() string { return r.src.String() }
+
+// Source is where the reader reads from.
+func (r *familyReader) Source() Source { return r.src }
+
+// BytesRead is the size of the last dumps the tools wrote.
+func (r *familyReader) BytesRead() int64 {
+	var n int64
+	for _, f := range r.fams {
+		n += f.bytes.Load()
+	}
+	return n
+}
+
+func (r *familyReader) Read(ctx context.Context) (*audit.Observed, error) {
+	parts := make([]*audit.Observed, 0, len(r.fams))
+	var warnings []string
+	for _, f := range r.fams {
+		obs, err := f.Read(ctx)
+		if f.fam != 4 && errors.Is(err, utilexec.ErrExecutableNotFound) {
+			warnings = append(warnings, fmt.Sprintf("IPv%d rules not read: %s is not installed", f.fam, f.argv[0]))
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		parts = append(parts, obs)
+	}
+	obs, err := audit.Merge(parts...)
+	if err != nil {
+		return nil, err
+	}
+	obs.Warnings = append(obs.Warnings, warnings...)
+	return obs, nil
+}
+
+// toolReader runs a dump tool for one IP family and parses its output as
+// it streams.
 type toolReader struct {
 	src   Source
 	exec  *Host
 	argv  []string
-	parse func(io.Reader) (*audit.Observed, error)
+	fam   int
 	bytes atomic.Int64
 }
 
@@ -59,8 +126,12 @@ func (r *toolReader) String() string { return r.src.String() }
 // Source is where the reader reads from.
 func (r *toolReader) Source() Source { return r.src }
 
-// BytesRead is the size of the last dump the tool wrote.
-func (r *toolReader) BytesRead() int64 { return r.bytes.Load() }
+func (r *toolReader) parse(in io.Reader) (*audit.Observed, error) {
+	if r.src.Mode == audit.ModeNFTables {
+		return audit.ParseNFTables(in)
+	}
+	return audit.ParseIPTablesFamily(in, r.fam)
+}
 
 func (r *toolReader) Read(ctx context.Context) (*audit.Observed, error) {
 	cmd := r.exec.Exec.CommandContext(ctx, r.argv[0], r.argv[1:]...)
@@ -93,13 +164,17 @@ func (r *toolReader) Read(ctx context.Context) (*audit.Observed, error) {
 	wg.Wait()
 	if werr := cmd.Wait(); werr != nil {
 		if r.src.Mode == audit.ModeNFTables && strings.Contains(stderr.String(), "No such file or directory") {
-			// The table is gone: kube-proxy's rules were removed.
-			return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, Families: []int{4}}, nil
+			// The table is gone: kube-proxy's rules of this family were
+			// removed.
+			return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, Families: []int{r.fam}}, nil
 		}
 		return nil, fmt.Errorf("%s: %w: %s", name, werr, strings.TrimSpace(stderr.String()))
 	}
 	if perr != nil {
 		return nil, fmt.Errorf("%s output: %w", name, perr)
+	}
+	if r.src.Mode == audit.ModeNFTables && !slices.Equal(obs.Families, []int{r.fam}) {
+		return nil, fmt.Errorf("%s printed the rules of IPv%v, not of IPv%d", name, obs.Families, r.fam)
 	}
 	return obs, nil
 }

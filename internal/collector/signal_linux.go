@@ -191,6 +191,7 @@ func (s *nftSignal) Close() {
 // getsockopt, about a microsecond).
 type legacySignal struct {
 	fd     int
+	fd6    int // -1 without IPv6
 	mu     sync.Mutex
 	events chan struct{}
 	done   chan struct{}
@@ -216,10 +217,14 @@ func openLegacySignal() (ChangeSignal, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open a raw socket for IPT_SO_GET_INFO: %w (the collector needs NET_RAW)", err)
 	}
-	s := &legacySignal{fd: fd, events: make(chan struct{}, 1), done: make(chan struct{})}
+	s := &legacySignal{fd: fd, fd6: -1, events: make(chan struct{}, 1), done: make(chan struct{})}
+	// ip6tables' nat table likewise; a kernel without IPv6 has none.
+	if fd6, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW); err == nil {
+		s.fd6 = fd6
+	}
 	last, err := s.Token()
 	if err != nil {
-		unix.Close(fd)
+		s.closeFDs()
 		return nil, err
 	}
 	go func() {
@@ -243,26 +248,36 @@ func openLegacySignal() (ChangeSignal, error) {
 	return s, nil
 }
 
-// Token digests the nat table's info.
+// Token digests the nat tables' info (IPv4 and IPv6).
 func (s *legacySignal) Token() (uint64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var info iptGetinfo
-	copy(info.Name[:], "nat")
-	size := uint32(unsafe.Sizeof(info))
-	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(s.fd), unix.SOL_IP, iptSoGetInfo,
-		uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0)
-	if errno != 0 {
-		if errno == syscall.ENOENT {
-			return 0, nil // no nat table (yet): a token of its own
-		}
-		return 0, fmt.Errorf("IPT_SO_GET_INFO nat: %w", errno)
-	}
 	h := fnv.New64a()
-	binary.Write(h, binary.LittleEndian, [13]uint32{info.ValidHooks, info.HookEntry[0], info.HookEntry[1], info.HookEntry[2],
-		info.HookEntry[3], info.HookEntry[4], info.Underflow[0], info.Underflow[1], info.Underflow[2], info.Underflow[3],
-		info.Underflow[4], info.NumEntries, info.Size})
-	return h.Sum64() | 1, nil // never 0, the token of a missing table
+	for _, q := range []struct {
+		fd, level int
+		name      string
+	}{{s.fd, unix.SOL_IP, "iptables"}, {s.fd6, unix.SOL_IPV6, "ip6tables"}} {
+		if q.fd < 0 {
+			continue
+		}
+		var info iptGetinfo
+		copy(info.Name[:], "nat")
+		size := uint32(unsafe.Sizeof(info))
+		// IP6T_SO_GET_INFO has IPT_SO_GET_INFO's number and struct.
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(q.fd), uintptr(q.level), iptSoGetInfo,
+			uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0)
+		if errno == syscall.ENOENT {
+			h.Write([]byte{0}) // no nat table (yet): a token of its own
+			continue
+		}
+		if errno != 0 {
+			return 0, fmt.Errorf("%s IPT_SO_GET_INFO nat: %w", q.name, errno)
+		}
+		binary.Write(h, binary.LittleEndian, [13]uint32{info.ValidHooks, info.HookEntry[0], info.HookEntry[1], info.HookEntry[2],
+			info.HookEntry[3], info.HookEntry[4], info.Underflow[0], info.Underflow[1], info.Underflow[2], info.Underflow[3],
+			info.Underflow[4], info.NumEntries, info.Size})
+	}
+	return h.Sum64() | 1, nil
 }
 
 func (s *legacySignal) Events() <-chan struct{} { return s.events }
@@ -274,7 +289,14 @@ func (s *legacySignal) Exact() bool { return false }
 
 func (s *legacySignal) Close() {
 	close(s.done)
+	s.closeFDs()
+}
+
+func (s *legacySignal) closeFDs() {
 	unix.Close(s.fd)
+	if s.fd6 >= 0 {
+		unix.Close(s.fd6)
+	}
 }
 
 // openSignal opens the change signal of src: nf_tables for iptables-nft
