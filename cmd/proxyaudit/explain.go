@@ -25,10 +25,11 @@ Usage:
 For each service port: each frontend (cluster IP, node port, load-balancer IP)
 with its service chain, and each endpoint with its DNAT rule, marked ok, STALE
 (in the rules, gone from the cluster) or MISSING (in the cluster, not in the
-rules).
+rules). A dual-stack service is traced once per IP family; a family whose
+rules the node's collector could not read is NOT AUDITED.
 
 Exit status: 0 everything ok, 1 stale or missing rules, 2 usage error or
-aggregator unreachable.
+aggregator unreachable, 3 nothing stale or missing but a family not audited.
 `
 
 func runExplain(args []string, stdout, stderr io.Writer) int {
@@ -81,10 +82,14 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit explain: node %s should program no port of %s (no such service, headless, or no rules by design)\n", node, *service)
 		return exitUsage
 	}
-	bad := 0
+	bad, unaudited := 0, 0
 	for _, p := range resp.Ports {
 		for _, f := range p.Frontends {
-			if f.Status != audit.TraceOK {
+			switch f.Status {
+			case audit.TraceOK:
+			case audit.TraceUnaudited:
+				unaudited++
+			default:
 				bad++
 			}
 			for _, e := range f.Endpoints {
@@ -99,16 +104,28 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		enc.SetIndent("", "  ")
 		enc.Encode(resp)
 	} else {
-		shown(stdout, func(w io.Writer) { explainTable(w, resp, bad) })
+		shown(stdout, func(w io.Writer) { explainTable(w, resp, bad, unaudited) })
 	}
 	if bad > 0 {
 		return exitFindings
 	}
+	if unaudited > 0 {
+		return exitUnaudited
+	}
 	return exitClean
 }
 
-func explainTable(w io.Writer, r api.ExplainResponse, bad int) {
-	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s)\n", r.Node, r.Mode, bad)
+func explainTable(w io.Writer, r api.ExplainResponse, bad, unaudited int) {
+	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s)", r.Node, r.Mode, bad)
+	if unaudited > 0 {
+		fmt.Fprintf(w, "; %d frontend(s) of an IP family whose rules were not read (NOT AUDITED)", unaudited)
+	}
+	fmt.Fprintln(w)
+	// A dual-stack service has a port trace per family: each says which.
+	families := map[string]int{}
+	for _, p := range r.Ports {
+		families[p.Service+"|"+p.Port+"|"+p.Protocol]++
+	}
 	if c := r.Collector; c != nil {
 		fmt.Fprintf(w, "collector: %s; last read %s, %s CPU, %s\n", readCounts(c.Reads), seconds(c.LastReadSeconds),
 			seconds(c.LastReadCPUSeconds), bytesOf(c.LastReadBytes))
@@ -122,6 +139,9 @@ func explainTable(w io.Writer, r api.ExplainResponse, bad int) {
 		}
 		if p.Port != "" || p.Protocol != "" {
 			name += fmt.Sprintf("  port %s/%s", orDash(p.Port), p.Protocol)
+		}
+		if p.Family != 0 && families[p.Service+"|"+p.Port+"|"+p.Protocol] > 1 {
+			name += fmt.Sprintf("  IPv%d", p.Family)
 		}
 		fmt.Fprintf(w, "\n%s\n", name)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

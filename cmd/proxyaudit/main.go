@@ -3,6 +3,10 @@
 //
 //	proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
 //	proxyaudit diff --cluster cluster.json --rules NODE=FILE [--rules NODE=FILE …] [-o table|json|markdown]
+//
+// A node may be given once per IP family (its iptables-save and
+// ip6tables-save output).
+//
 //	proxyaudit version
 package main
 
@@ -30,6 +34,9 @@ const (
 	exitClean    = 0
 	exitFindings = 1
 	exitUsage    = 2
+	// exitUnaudited: no finding, but a family the cluster has was in no
+	// dump of some node: not "in sync".
+	exitUnaudited = 3
 )
 
 // maxInputBytes bounds one input file; larger inputs are refused.
@@ -48,16 +55,23 @@ explain traces one node's rules, endpoint by endpoint (proxyaudit explain --help
 
 diff compares each node's rule dump with what kube-proxy should have programmed there.
   --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
-  --rules NODE=FILE one per node; any of:
+  --rules NODE=FILE a node's rules, any of:
                       iptables-save -t nat            (iptables mode, either backend)
-                      nft -j list table ip kube-proxy (nftables mode)
-                      ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode)
+                      ip6tables-save -t nat           (its IPv6 half)
+                      nft -j list table ip kube-proxy (nftables mode; "ip6" for IPv6,
+                                                       or nft -j list ruleset for both)
+                      ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode, both families)
                       proxyaudit-collector --once --snapshot FILE (any mode)
-                   the format is detected from the content; IPVS real servers
-                   at weight 0 are listed apart as draining, not as findings
+                   the format is detected from the content. Give a node once
+                   per family (--rules n=v4.rules --rules n=v6.rules) or one
+                   file holding both (iptables-save and ip6tables-save output
+                   one after the other); a family the cluster has that no dump
+                   covers is reported as not audited. IPVS real servers at
+                   weight 0 are listed apart as draining, not as findings
   -o FORMAT        table (default), json, or markdown
 
-Exit status: 0 no findings, 1 findings, 2 usage or input error.
+Exit status: 0 no findings, 1 findings, 2 usage or input error, 3 no
+findings but some node's IPv4 or IPv6 half not audited (no dump covered it).
 `
 
 func main() {
@@ -116,6 +130,10 @@ type Report struct {
 	// they stay (one dump cannot tell; the aggregator reports them after
 	// its --ipvs-weight-zero-limit).
 	Draining []audit.Finding `json:"draining,omitempty"`
+	// Coverage says, per node, which IP families its dumps held and
+	// which the cluster has that none did.
+	Coverage []Coverage `json:"coverage,omitempty"`
+	dual     map[string]bool
 }
 
 func runDiff(args []string, stdout, stderr io.Writer) int {
@@ -153,39 +171,55 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail("--cluster %s: %v", *cluster, err)
 	}
+	// A node's dumps: one per family (iptables-save and ip6tables-save),
+	// or one holding both.
 	var nodes []string
-	var findings, draining []audit.Finding
-	seen := map[string]bool{}
+	dumps := map[string][]string{}
 	for _, r := range rules {
 		node, path, ok := strings.Cut(r, "=")
 		if !ok || node == "" || path == "" {
 			return fail("--rules %q: want NODE=FILE", r)
 		}
-		if seen[node] {
-			return fail("--rules: node %s given twice", node)
-		}
-		seen[node] = true
 		if _, known := st.Nodes[node]; !known && len(st.Nodes) > 0 {
 			return fail("--rules %s: no Node %q in the cluster input (known: %s)", r, node, knownNodes(st))
 		}
-		f, err := os.Open(path)
-		if err != nil {
-			return fail("--rules %s: %v", node, err)
+		if dumps[node] == nil {
+			nodes = append(nodes, node)
 		}
-		obs, err := readRules(io.LimitReader(f, maxInputBytes))
-		f.Close()
-		if err != nil {
-			return fail("--rules %s (%s): %v", node, path, err)
+		dumps[node] = append(dumps[node], path)
+	}
+	sort.Strings(nodes)
+	var findings, draining []audit.Finding
+	var coverage []Coverage
+	for _, node := range nodes {
+		var parts []*audit.Observed
+		cov := Coverage{Node: node}
+		for _, path := range dumps[node] {
+			f, err := os.Open(path)
+			if err != nil {
+				return fail("--rules %s: %v", node, err)
+			}
+			obs, err := readRules(io.LimitReader(f, maxInputBytes))
+			f.Close()
+			if err != nil {
+				return fail("--rules %s (%s): %v", node, path, err)
+			}
+			parts = append(parts, obs)
+			cov.Dumps = append(cov.Dumps, DumpCoverage{File: path, Families: obs.Families})
 		}
-		nodes = append(nodes, node)
+		obs, err := audit.Merge(parts...)
+		if err != nil {
+			return fail("--rules %s (%s): %v", node, strings.Join(dumps[node], ", "), err)
+		}
 		exp := audit.ExpectedFor(st, node)
+		cov.NotAudited = audit.Unaudited(exp, obs)
+		coverage = append(coverage, cov)
 		findings = append(findings, audit.Diff(exp, obs)...)
 		draining = append(draining, audit.Draining(exp, obs)...)
 	}
-	sort.Strings(nodes)
 	audit.SortFindings(findings)
 	audit.SortFindings(draining)
-	rep := Report{Findings: findings, Summary: audit.Summarize(nodes, findings), Draining: draining}
+	rep := Report{Findings: findings, Summary: audit.Summarize(nodes, findings), Draining: draining, Coverage: coverage, dual: dualStack(st)}
 	if rep.Findings == nil {
 		rep.Findings = []audit.Finding{}
 	}
@@ -205,7 +239,48 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	if len(findings) > 0 {
 		return exitFindings
 	}
+	if rep.unaudited() != "" {
+		return exitUnaudited
+	}
 	return exitClean
+}
+
+// Coverage is which IP families a node's dumps held.
+type Coverage struct {
+	Node  string         `json:"node"`
+	Dumps []DumpCoverage `json:"dumps"`
+	// NotAudited lists the families the node should program services in
+	// but no dump covers: neither in sync nor drifted, unknown.
+	NotAudited []int `json:"notAudited,omitempty"`
+}
+
+// DumpCoverage is one dump file and the families it holds.
+type DumpCoverage struct {
+	File     string `json:"file"`
+	Families []int  `json:"families"`
+}
+
+// unaudited says which nodes' families no dump covered, or "".
+func (r Report) unaudited() string {
+	var out []string
+	for _, c := range r.Coverage {
+		for _, f := range c.NotAudited {
+			out = append(out, fmt.Sprintf("%s IPv%d", c.Node, f))
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
+// dualStack lists the services with cluster IPs in both families: their
+// findings name the family.
+func dualStack(st *audit.State) map[string]bool {
+	out := map[string]bool{}
+	for _, s := range st.Services {
+		if len(s.ClusterIPs) == 2 {
+			out[s.Namespace+"/"+s.Name] = true
+		}
+	}
+	return out
 }
 
 // readRules parses a node's rules dump, or a collector's snapshot
@@ -268,16 +343,56 @@ func svcPort(f audit.Finding) string {
 	return s + "/" + f.Protocol
 }
 
+// svcPortIn is svcPort, with the IP family where the service has both.
+func (r Report) svcPortIn(f audit.Finding) string {
+	if f.Family != 0 && r.dual[f.Service] {
+		return fmt.Sprintf("%s (IPv%d)", svcPort(f), f.Family)
+	}
+	return svcPort(f)
+}
+
+// writeCoverage says which family each dump covered where a node had
+// several or the cluster has a family no dump covered.
+func writeCoverage(w io.Writer, rep Report) {
+	for _, c := range rep.Coverage {
+		if len(c.Dumps) < 2 && len(c.NotAudited) == 0 {
+			continue
+		}
+		var ds []string
+		for _, d := range c.Dumps {
+			fams := make([]string, len(d.Families))
+			for i, f := range d.Families {
+				fams[i] = fmt.Sprintf("IPv%d", f)
+			}
+			ds = append(ds, d.File+": "+strings.Join(fams, "+"))
+		}
+		fmt.Fprintf(w, "\n%s: rules read from %s\n", c.Node, strings.Join(ds, ", "))
+		for _, f := range c.NotAudited {
+			fmt.Fprintf(w, "%s: IPv%d NOT AUDITED: the cluster has IPv%d services and no dump covers IPv%d (add the node's %s output with another --rules %s=FILE)\n",
+				c.Node, f, f, f, map[int]string{4: "iptables-save -t nat", 6: "ip6tables-save -t nat"}[f], c.Node)
+		}
+	}
+}
+
 // writeTable groups findings by node, then service, for a person at a glance.
 func writeTable(w io.Writer, rep Report, nodes []string) {
 	s := rep.Summary
 	fmt.Fprintf(w, "%d node(s) audited: %d in sync, %d drifted, %d finding(s)\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
+	writeCoverage(w, rep)
+	notAudited := map[string]bool{}
+	for _, c := range rep.Coverage {
+		notAudited[c.Node] = len(c.NotAudited) > 0
+	}
 	byNode := map[string][]audit.Finding{}
 	for _, f := range rep.Findings {
 		byNode[f.Node] = append(byNode[f.Node], f)
 	}
 	for _, n := range nodes {
 		fs := byNode[n]
+		if len(fs) == 0 && notAudited[n] {
+			fmt.Fprintf(w, "\n%s: in sync in the families audited\n", n)
+			continue
+		}
 		if len(fs) == 0 {
 			fmt.Fprintf(w, "\n%s: in sync\n", n)
 			continue
@@ -287,7 +402,7 @@ func writeTable(w io.Writer, rep Report, nodes []string) {
 		fmt.Fprintln(tw, "  SERVICE\tSCOPE\tKIND\tENDPOINT\tDETAIL")
 		prev := ""
 		for _, f := range fs {
-			sp := svcPort(f)
+			sp := rep.svcPortIn(f)
 			if f.Kind == audit.NoRules {
 				sp = "(all services)"
 			}
@@ -341,6 +456,12 @@ func shown(w io.Writer, render func(io.Writer)) {
 func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	s := rep.Summary
 	fmt.Fprintf(w, "### proxyaudit: %d node(s), %d in sync, %d drifted, %d finding(s)\n\n", s.Nodes, s.NodesInSync, s.NodesDrifted, s.Findings)
+	writeCoverage(w, rep)
+	if len(rep.Findings) == 0 && rep.unaudited() != "" {
+		fmt.Fprintf(w, "\nNo finding in what was audited; not audited: %s.\n", mdCell(rep.unaudited()))
+		writeDraining(w, rep.Draining)
+		return
+	}
 	if len(rep.Findings) == 0 {
 		fmt.Fprintln(w, "Every audited node's kube-proxy rules match the cluster.")
 		writeDraining(w, rep.Draining)
@@ -350,6 +471,6 @@ func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
 	for _, f := range rep.Findings {
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", mdCell(f.Node), mdCell(svcPort(f)), orDash(string(f.Scope)), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)), mdCell(f.Detail))
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", mdCell(f.Node), mdCell(rep.svcPortIn(f)), orDash(string(f.Scope)), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)), mdCell(f.Detail))
 	}
 }
