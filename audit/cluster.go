@@ -249,6 +249,27 @@ func parseAddrs(ss []string) []netip.Addr {
 	return out
 }
 
+// ServiceFamilies lists the IP families (4, 6) the cluster's proxied
+// services have cluster IPs in, ascending.
+func ServiceFamilies(st *State) []int {
+	var seen [7]bool
+	for i := range st.Services {
+		if st.Services[i].Skip != "" {
+			continue
+		}
+		for _, ip := range st.Services[i].ClusterIPs {
+			seen[family(ip)] = true
+		}
+	}
+	var out []int
+	for _, f := range []int{4, 6} {
+		if seen[f] {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
 func family(a netip.Addr) int {
 	if a.Is4() {
 		return 4

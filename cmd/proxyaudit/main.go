@@ -343,6 +343,15 @@ func svcPort(f audit.Finding) string {
 	return s + "/" + f.Protocol
 }
 
+// svcPortFamily is svcPort, naming IPv6 (a report from the aggregator
+// does not say which services are dual-stack; IPv4 stays unmarked).
+func svcPortFamily(f audit.Finding) string {
+	if f.Family == 6 {
+		return svcPort(f) + " (IPv6)"
+	}
+	return svcPort(f)
+}
+
 // svcPortIn is svcPort, with the IP family where the service has both.
 func (r Report) svcPortIn(f audit.Finding) string {
 	if f.Family != 0 && r.dual[f.Service] {

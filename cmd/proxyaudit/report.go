@@ -363,7 +363,7 @@ func reportTable(w io.Writer, rep *FleetReport) {
 		for _, f := range fs {
 			sp := "-"
 			if f.Service != "" {
-				sp = svcPort(f.Finding)
+				sp = svcPortFamily(f.Finding)
 			}
 			shown := sp
 			if sp == prev && sp != "-" {
@@ -405,7 +405,7 @@ func reportMarkdown(w io.Writer, rep *FleetReport) {
 		for _, f := range m[n] {
 			sp := "-"
 			if f.Service != "" {
-				sp = svcPort(f.Finding)
+				sp = svcPortFamily(f.Finding)
 			}
 			fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", orDash(mdCell(f.Node)), mdCell(sp), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)),
 				f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))

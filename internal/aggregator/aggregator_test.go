@@ -489,3 +489,28 @@ func TestReadNowBringsTheFindingForward(t *testing.T) {
 		t.Errorf("%v read-now requests, want one per crossing", n)
 	}
 }
+
+// A node whose collector read no rules of a family the cluster has
+// services in (an image without ip6tables on a dual-stack cluster) is
+// warned of: that half is not audited, which is not "in sync".
+func TestUnauditedFamilyWarned(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	full := rules(t)
+	h.collector(h.ctx, "n1", func() *audit.Observed { return full })
+	h.collector(h.ctx, "n2", func() *audit.Observed {
+		return &audit.Observed{Mode: full.Mode, Families: []int{6}, NoRules: true, RejectsKnown: true}
+	})
+	h.until(10*time.Second, "n2 warned of IPv4 not audited", func() bool {
+		for _, n := range h.verdict().Nodes {
+			if n.Node == "n2" && len(n.Warnings) == 1 && strings.Contains(n.Warnings[0], "IPv4 not audited") {
+				return true
+			}
+		}
+		return false
+	})
+	for _, n := range h.verdict().Nodes {
+		if n.Node == "n1" && len(n.Warnings) > 0 {
+			t.Errorf("n1 read the family the cluster has, yet: %v", n.Warnings)
+		}
+	}
+}

@@ -2,6 +2,8 @@ package aggregator
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -30,6 +32,7 @@ func (a *Aggregator) Evaluate() {
 		noRule    bool
 	}
 	var nodeInfo map[string]audit.NodeInfo
+	var families []int // the IP families the cluster has services in
 	// A report is judged once the cluster state covers its time (see
 	// View.Covered); a later cycle takes the rest.
 	covered := a.view.Covered()
@@ -37,7 +40,7 @@ func (a *Aggregator) Evaluate() {
 	var held, assessedAt time.Duration // for a slow cycle's log
 	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
 		held = a.cfg.Clock.Since(start)
-		nodeInfo = st.Nodes
+		nodeInfo, families = st.Nodes, audit.ServiceFamilies(st)
 		a.mu.Lock()
 		for _, n := range a.nodes {
 			if !n.fresh || !n.complete {
@@ -97,6 +100,7 @@ func (a *Aggregator) Evaluate() {
 	v := a.judge.Evaluate(now, names)
 	gone := a.pruneLocked(&v)
 	audit.WarnKnownBad(&v, nodeInfo)
+	a.warnUnauditedLocked(&v, families)
 	recovering := now.Before(a.recovering)
 	if recovering {
 		v = holdBackDrift(v)
@@ -343,6 +347,25 @@ func (a *Aggregator) Run(ctx context.Context) {
 			return
 		case <-t.C():
 			a.Evaluate()
+		}
+	}
+}
+
+// warnUnauditedLocked warns of each node whose collector read no rules of
+// an IP family the cluster has services in (an image without ip6tables):
+// that half of the node is not audited, which is not "in sync".
+func (a *Aggregator) warnUnauditedLocked(v *audit.Verdict, families []int) {
+	for i := range v.Nodes {
+		st := &v.Nodes[i]
+		n := a.nodes[st.Node]
+		if n == nil || n.state == nil || st.State == audit.NodeMissing || st.State == audit.NodePending {
+			continue
+		}
+		for _, f := range families {
+			if !slices.Contains(n.state.Families, f) {
+				st.Warnings = append(st.Warnings, fmt.Sprintf("IPv%d not audited: the cluster has IPv%d services, and this node's collector read no IPv%d rules (is %s in its image?)",
+					f, f, f, map[int]string{4: "iptables-save", 6: "ip6tables-save"}[f]))
+			}
 		}
 	}
 }
