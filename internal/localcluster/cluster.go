@@ -29,7 +29,6 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -140,11 +139,10 @@ type Node struct {
 	// proxyReady: see NodeSpec.ProxyReady.
 	proxyReady time.Duration
 
-	c        *Cluster
-	mu       sync.Mutex
-	proxy    *process
-	restarts atomic.Int64
-	real     *realNode // a kubelet node (AddKubeletNode); nil for a namespace-only one
+	c     *Cluster
+	mu    sync.Mutex
+	proxy *process
+	real  *realNode // a kubelet node (AddKubeletNode); nil for a namespace-only one
 }
 
 func (c *Cluster) logf(format string, args ...any) {

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -99,6 +101,9 @@ func (n *Node) insertFilterRules(ctx context.Context, rules [][]string) (Undo, e
 // Freeze stops kube-proxy with SIGSTOP; the Undo thaws it with SIGCONT.
 func (n *Node) Freeze(ctx context.Context) (Undo, error) {
 	pid := n.ProxyPID()
+	if n.real != nil {
+		pid = n.podProxyPID()
+	}
 	if pid == 0 {
 		return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
 	}
@@ -110,7 +115,39 @@ func (n *Node) Freeze(ctx context.Context) (Undo, error) {
 		_ = syscall.Kill(pid, syscall.SIGCONT)
 		return nil, err
 	}
-	return func(context.Context) error { return syscall.Kill(pid, syscall.SIGCONT) }, nil
+	return func(context.Context) error {
+		if procState(pid) == 'T' {
+			return syscall.Kill(pid, syscall.SIGCONT)
+		}
+		return nil // restarted meanwhile: nothing left to thaw
+	}, nil
+}
+
+// podProxyPID is the pid of the kube-proxy running in a pod on a real
+// node: the kube-proxy process in the node's network namespace (its pod
+// has hostNetwork), or 0.
+func (n *Node) podProxyPID() int {
+	want, err := os.Stat("/run/netns/" + n.NetNS)
+	if err != nil {
+		return 0
+	}
+	procs, _ := filepath.Glob("/proc/[0-9]*/comm")
+	for _, comm := range procs {
+		b, err := os.ReadFile(comm)
+		if err != nil || strings.TrimSpace(string(b)) != "kube-proxy" {
+			continue
+		}
+		dir := filepath.Dir(comm)
+		if st, err := os.Stat(filepath.Join(dir, "ns", "net")); err == nil && os.SameFile(st, want) && procState(atoi(filepath.Base(dir))) != 'Z' {
+			return atoi(filepath.Base(dir))
+		}
+	}
+	return 0
+}
+
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
 }
 
 // FlushRules removes the node's kube-proxy NAT rules the way an operator's

@@ -769,7 +769,8 @@ func aggregatorLogs(ctx context.Context, c *localcluster.Cluster, what string) s
 			continue
 		}
 		for _, l := range strings.Split(string(b), "\n") {
-			if strings.Contains(l, what) || strings.Contains(l, "remediation") {
+			if strings.Contains(l, what) || strings.Contains(l, "remediation") || strings.Contains(strings.ToLower(l), "slack") ||
+				strings.Contains(l, `"level":"error"`) {
 				out = append(out, p.Name+": "+clip(l))
 			}
 		}
