@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -75,17 +76,18 @@ func NodeRules(ctx context.Context, n *localcluster.Node) (string, error) {
 	if n.Mode == localcluster.ModeNFTables {
 		return n.Rules(ctx)
 	}
-	save := "iptables-save"
-	if n.Legacy {
-		save = "iptables-legacy-save"
+	var out strings.Builder
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		if n.Legacy {
+			save = strings.Replace(save, "-save", "-legacy-save", 1)
+		}
+		for _, table := range []string{"nat", "filter"} {
+			dump, err := n.Exec(ctx, save, "-t", table)
+			if err != nil {
+				return "", err
+			}
+			out.WriteString(dump)
+		}
 	}
-	nat, err := n.Exec(ctx, save, "-t", "nat")
-	if err != nil {
-		return "", err
-	}
-	filter, err := n.Exec(ctx, save, "-t", "filter")
-	if err != nil {
-		return "", err
-	}
-	return nat + filter, nil
+	return out.String(), nil
 }

@@ -45,6 +45,10 @@ const (
 	APIServerPort = 6443
 	ServiceCIDR   = "198.19.0.0/16"
 	PodCIDR       = "198.18.128.0/17"
+	// ServiceCIDR6 and PodCIDR6 are the IPv6 ranges of a dual-stack
+	// cluster (Config.DualStack), in the benchmarking range 2001:2::/48.
+	ServiceCIDR6 = "2001:2:0:ffff::/112"
+	PodCIDR6     = "2001:2:0:8000::/56"
 	// KubernetesServiceIP is the cluster IP of default/kubernetes, the first
 	// address of ServiceCIDR.
 	KubernetesServiceIP = "198.19.0.1"
@@ -93,6 +97,10 @@ type Config struct {
 	Logf func(format string, args ...any)
 	// KeepWorkDir leaves logs and configs on disk after Stop.
 	KeepWorkDir bool
+	// DualStack gives the API server an IPv6 service range beside the
+	// IPv4 one, each namespace-only node an IPv6 address (2001:2:0:N::2)
+	// beside its IPv4 one, and kube-proxy both cluster CIDRs.
+	DualStack bool
 }
 
 // Cluster is a running local control plane with its nodes.
@@ -135,7 +143,10 @@ type Node struct {
 	NetNS  string
 	HostIP string // host end of the node's veth
 	IP     string // the node's InternalIP
-	Legacy bool
+	// HostIP6 and IP6 are the IPv6 ends of the veth in a dual-stack
+	// cluster; empty otherwise.
+	HostIP6, IP6 string
+	Legacy       bool
 	// proxyReady: see NodeSpec.ProxyReady.
 	proxyReady time.Duration
 
@@ -331,7 +342,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		"--kubelet-client-key=" + filepath.Join(c.Dir, "apiserver-kubelet-client.key"),
 		"--kubelet-preferred-address-types=InternalIP", // node names do not resolve here
 		"--authorization-mode=Node,RBAC",
-		"--service-cluster-ip-range=" + ServiceCIDR,
+		"--service-cluster-ip-range=" + c.serviceCIDRs(),
 		"--cert-dir=" + filepath.Join(c.Dir, "certs"),
 		"--profiling=false",
 	})
@@ -460,7 +471,35 @@ func (c *Cluster) newNodeNet(ctx context.Context, name string, mode Mode, zone s
 			return nil, fmt.Errorf("node %s network: %w", n.Name, err)
 		}
 	}
+	if c.cfg.DualStack {
+		n.HostIP6, n.IP6 = fmt.Sprintf("2001:2:0:%x::1", idx), fmt.Sprintf("2001:2:0:%x::2", idx)
+		for _, argv := range [][]string{
+			{"ip", "addr", "add", n.HostIP6 + "/64", "dev", hostLink, "nodad"},
+			{"ip", "-n", n.NetNS, "addr", "add", n.IP6 + "/64", "dev", "eth0", "nodad"},
+			{"ip", "-n", n.NetNS, "-6", "route", "add", "default", "via", n.HostIP6},
+		} {
+			if _, err := run(ctx, argv...); err != nil {
+				return nil, fmt.Errorf("node %s IPv6 network: %w", n.Name, err)
+			}
+		}
+	}
 	return n, nil
+}
+
+// serviceCIDRs is the API server's --service-cluster-ip-range.
+func (c *Cluster) serviceCIDRs() string {
+	if c.cfg.DualStack {
+		return ServiceCIDR + "," + ServiceCIDR6
+	}
+	return ServiceCIDR
+}
+
+// podCIDRs is kube-proxy's --cluster-cidr.
+func (c *Cluster) podCIDRs() string {
+	if c.cfg.DualStack {
+		return PodCIDR + "," + PodCIDR6
+	}
+	return PodCIDR
 }
 
 func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
@@ -477,10 +516,11 @@ func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
 		return fmt.Errorf("create Node %s: %w", n.Name, err)
 	}
 	// kube-proxy waits for the node's addresses before it programs anything.
-	created.Status.Addresses = []corev1.NodeAddress{
-		{Type: corev1.NodeInternalIP, Address: n.IP},
-		{Type: corev1.NodeHostName, Address: n.Name},
+	created.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.IP}}
+	if n.IP6 != "" {
+		created.Status.Addresses = append(created.Status.Addresses, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: n.IP6})
 	}
+	created.Status.Addresses = append(created.Status.Addresses, corev1.NodeAddress{Type: corev1.NodeHostName, Address: n.Name})
 	created.Status.Conditions = []corev1.NodeCondition{{
 		Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "LocalCluster",
 		LastHeartbeatTime: metav1.Now(), LastTransitionTime: metav1.Now(),

@@ -24,15 +24,27 @@ func (n *Node) iptables(suffix string) string {
 	return "iptables" + suffix
 }
 
-// Rules returns the node's kube-proxy rules as the tools an SRE would run
-// print them: `iptables-save -t nat` in iptables mode, `nft -j list table ip
-// kube-proxy` in nftables mode.
+// Rules returns the node's kube-proxy rules of both IP families as the
+// tools an SRE would run print them: `iptables-save -t nat` followed by
+// `ip6tables-save -t nat` in iptables mode, `nft -j list ruleset` (kube-
+// proxy's ip and ip6 tables) in nftables mode.
 func (n *Node) Rules(ctx context.Context) (string, error) {
 	if n.Mode == ModeNFTables {
-		return n.Exec(ctx, "nft", "-j", "list", "table", "ip", "kube-proxy")
+		return n.Exec(ctx, "nft", "-j", "list", "ruleset")
 	}
-	return n.Exec(ctx, n.iptables("-save"), "-t", "nat")
+	v4, err := n.Exec(ctx, n.iptables("-save"), "-t", "nat")
+	if err != nil {
+		return "", err
+	}
+	v6, err := n.Exec(ctx, n.ip6tables("-save"), "-t", "nat")
+	if err != nil {
+		return "", err
+	}
+	return v4 + v6, nil
 }
+
+// ip6tables is iptables for IPv6.
+func (n *Node) ip6tables(suffix string) string { return "ip6" + n.iptables(suffix)[2:] }
 
 // StartProxy starts kube-proxy on the node (again) and waits until it has
 // programmed default/kubernetes.
@@ -73,7 +85,7 @@ func (n *Node) startProxy() (*process, error) {
 		"--proxy-mode="+string(n.Mode),
 		"--hostname-override="+n.Name,
 		"--conntrack-max-per-core=0",
-		"--cluster-cidr="+PodCIDR,
+		"--cluster-cidr="+n.c.podCIDRs(),
 		"--healthz-bind-address=0.0.0.0:10256",
 		"--metrics-bind-address=127.0.0.1:10249",
 		"--v=2",

@@ -71,8 +71,8 @@ func (c *Cluster) ApplySlice(ctx context.Context, s *discoveryv1.EndpointSlice) 
 	return nil
 }
 
-// Slice builds an IPv4 EndpointSlice for service svc with one named port and
-// the given ready endpoints.
+// Slice builds an EndpointSlice for service svc with one named port and
+// the given ready endpoints (IPv6 when they are IPv6 addresses).
 func Slice(svc *corev1.Service, name, portName string, port int32, proto corev1.Protocol, ips ...string) *discoveryv1.EndpointSlice {
 	s := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{
@@ -81,6 +81,9 @@ func Slice(svc *corev1.Service, name, portName string, port int32, proto corev1.
 		},
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Ports:       []discoveryv1.EndpointPort{{Name: &portName, Port: &port, Protocol: &proto}},
+	}
+	if len(ips) > 0 && strings.Contains(ips[0], ":") {
+		s.AddressType = discoveryv1.AddressTypeIPv6
 	}
 	for _, ip := range ips {
 		s.Endpoints = append(s.Endpoints, ReadyEndpoint(ip, ""))
