@@ -150,7 +150,10 @@ func Merge(parts ...*Observed) (*Observed, error) {
 	if len(parts) == 0 {
 		return nil, fmt.Errorf("no rules to merge")
 	}
-	o := &Observed{Mode: parts[0].Mode, NoRules: true, RejectsKnown: true}
+	if len(parts) == 1 {
+		return parts[0], nil
+	}
+	o := &Observed{Mode: parts[0].Mode, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
 	for _, p := range parts {
 		if p.Mode != o.Mode {
 			return nil, fmt.Errorf("rules of two modes for one node: %s and %s", o.Mode, p.Mode)
@@ -168,9 +171,6 @@ func Merge(parts ...*Observed) (*Observed, error) {
 		// Rejects are checked only where every family's were read.
 		o.RejectsKnown = o.RejectsKnown && p.RejectsKnown
 		for k := range p.Rejects {
-			if o.Rejects == nil {
-				o.Rejects = map[FrontendKey]bool{}
-			}
 			o.Rejects[k] = true
 		}
 		o.Warnings = append(o.Warnings, p.Warnings...)
