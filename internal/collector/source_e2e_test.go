@@ -164,6 +164,11 @@ func TestE2ENetlinkReaderAgreesOnFixtures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The fixtures hold table ip only; the reader reads ip6 too and
+		// finds none here: that family read, empty.
+		if want, err = audit.Merge(want, &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, RejectsKnown: true, Families: []int{6}}); err != nil {
+			t.Fatal(err)
+		}
 		load, err := synth.NFTLoadOrder(data)
 		if err != nil {
 			t.Fatal(err)

@@ -27,6 +27,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -49,6 +50,10 @@ const (
 	// cluster (Config.DualStack), in the benchmarking range 2001:2::/48.
 	ServiceCIDR6 = "2001:2:0:ffff::/112"
 	PodCIDR6     = "2001:2:0:8000::/56"
+	// APIServerIP6 is the API server's advertised address in an IPv6-only
+	// cluster (default/kubernetes' endpoint); clients still dial
+	// APIServerIP.
+	APIServerIP6 = "2001:2::1"
 	// KubernetesServiceIP is the cluster IP of default/kubernetes, the first
 	// address of ServiceCIDR.
 	KubernetesServiceIP = "198.19.0.1"
@@ -101,6 +106,12 @@ type Config struct {
 	// IPv4 one, each namespace-only node an IPv6 address (2001:2:0:N::2)
 	// beside its IPv4 one, and kube-proxy both cluster CIDRs.
 	DualStack bool
+	// IPv6Only gives the API server only the IPv6 service range (and
+	// advertises APIServerIP6), the nodes an IPv6 address as their only
+	// InternalIP and kube-proxy the IPv6 cluster CIDR: kube-proxy's
+	// primary family is IPv6. The nodes keep their IPv4 link to reach the
+	// API server.
+	IPv6Only bool
 }
 
 // Cluster is a running local control plane with its nodes.
@@ -193,12 +204,16 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	}
 	c.logf("local cluster work dir %s", c.Dir)
 	// A host-only veth pair holds the API server's advertised address.
-	for _, argv := range [][]string{
+	link := [][]string{
 		{"ip", "link", "add", apiLink, "type", "veth", "peer", "name", apiLink + "-peer"},
 		{"ip", "addr", "add", APIServerIP + "/32", "dev", apiLink},
 		{"ip", "link", "set", apiLink, "up"},
 		{"ip", "link", "set", apiLink + "-peer", "up"},
-	} {
+	}
+	if cfg.IPv6Only {
+		link = append(link, []string{"ip", "addr", "add", APIServerIP6 + "/128", "dev", apiLink, "nodad"})
+	}
+	for _, argv := range link {
 		if _, err := run(ctx, argv...); err != nil {
 			return c, err
 		}
@@ -325,9 +340,9 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 	c.apiserver, err = startProcess("kube-apiserver", filepath.Join(c.Dir, "kube-apiserver.log"), []string{
 		filepath.Join(c.bin, "kube-apiserver"),
 		"--etcd-servers=" + etcdClientURL,
-		"--bind-address=0.0.0.0",
+		"--bind-address=" + c.bindAddress(),
 		fmt.Sprintf("--secure-port=%d", APIServerPort),
-		"--advertise-address=" + APIServerIP,
+		"--advertise-address=" + c.advertiseAddress(),
 		"--tls-cert-file=" + c.pki.ServingCert,
 		"--tls-private-key-file=" + c.pki.ServingKey,
 		"--service-account-issuer=https://kubernetes.default.svc",
@@ -471,7 +486,7 @@ func (c *Cluster) newNodeNet(ctx context.Context, name string, mode Mode, zone s
 			return nil, fmt.Errorf("node %s network: %w", n.Name, err)
 		}
 	}
-	if c.cfg.DualStack {
+	if c.cfg.DualStack || c.cfg.IPv6Only {
 		n.HostIP6, n.IP6 = fmt.Sprintf("2001:2:0:%x::1", idx), fmt.Sprintf("2001:2:0:%x::2", idx)
 		for _, argv := range [][]string{
 			{"ip", "addr", "add", n.HostIP6 + "/64", "dev", hostLink, "nodad"},
@@ -488,7 +503,10 @@ func (c *Cluster) newNodeNet(ctx context.Context, name string, mode Mode, zone s
 
 // serviceCIDRs is the API server's --service-cluster-ip-range.
 func (c *Cluster) serviceCIDRs() string {
-	if c.cfg.DualStack {
+	switch {
+	case c.cfg.IPv6Only:
+		return ServiceCIDR6
+	case c.cfg.DualStack:
 		return ServiceCIDR + "," + ServiceCIDR6
 	}
 	return ServiceCIDR
@@ -496,10 +514,36 @@ func (c *Cluster) serviceCIDRs() string {
 
 // podCIDRs is kube-proxy's --cluster-cidr.
 func (c *Cluster) podCIDRs() string {
-	if c.cfg.DualStack {
+	switch {
+	case c.cfg.IPv6Only:
+		return PodCIDR6
+	case c.cfg.DualStack:
 		return PodCIDR + "," + PodCIDR6
 	}
 	return PodCIDR
+}
+
+// advertiseAddress is the API server's address in default/kubernetes:
+// of the primary service family.
+func (c *Cluster) advertiseAddress() string {
+	if c.cfg.IPv6Only {
+		return APIServerIP6
+	}
+	return APIServerIP
+}
+
+// bindAddress: both families where the API server advertises IPv6.
+func (c *Cluster) bindAddress() string {
+	if c.cfg.IPv6Only {
+		return "::"
+	}
+	return "0.0.0.0"
+}
+
+// KubernetesEndpoint is default/kubernetes' endpoint, ip:port, as
+// kube-proxy DNATs to it.
+func (c *Cluster) KubernetesEndpoint() string {
+	return net.JoinHostPort(c.advertiseAddress(), strconv.Itoa(APIServerPort))
 }
 
 func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
@@ -517,6 +561,9 @@ func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
 	}
 	// kube-proxy waits for the node's addresses before it programs anything.
 	created.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.IP}}
+	if c.cfg.IPv6Only {
+		created.Status.Addresses = nil
+	}
 	if n.IP6 != "" {
 		created.Status.Addresses = append(created.Status.Addresses, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: n.IP6})
 	}

@@ -3,6 +3,7 @@ package localcluster
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -59,7 +60,7 @@ func (n *Node) StartProxy(ctx context.Context) error {
 	}
 	return n.c.waitProcess(ctx, p, ready, "kube-proxy rules on "+n.Name, func() bool {
 		rules, err := n.Rules(ctx)
-		return err == nil && n.RoutesTo(rules, fmt.Sprintf("%s:%d", APIServerIP, APIServerPort))
+		return err == nil && n.RoutesTo(rules, n.c.KubernetesEndpoint())
 	})
 }
 
@@ -107,7 +108,7 @@ func (n *Node) startProxy() (*process, error) {
 // from a per-endpoint chain when it needs one (session affinity).
 func (n *Node) RoutesTo(rules, ipPort string) bool {
 	if n.Mode == ModeNFTables {
-		ip, port, _ := strings.Cut(ipPort, ":")
+		ip, port, _ := net.SplitHostPort(ipPort)
 		return strings.Contains(rules, `{"concat": ["`+ip+`", `+port+`]}`) ||
 			strings.Contains(rules, `"addr": "`+ip+`", "port": `+port)
 	}

@@ -1,7 +1,8 @@
-// Package dualstack audits a dual-stack local cluster: genuine kube-proxy
-// in iptables (both backends) and nftables mode programming IPv4 and IPv6
-// services, read by the collector's own readers and by the tools an SRE
-// would run, judged by the audit and by `proxyaudit diff`.
+// Package dualstack audits dual-stack and IPv6-only local clusters:
+// genuine kube-proxy in iptables (both backends) and nftables mode
+// programming IPv4 and IPv6 services, read by the collector's own readers
+// and by the tools an SRE would run, judged by the audit and by
+// `proxyaudit diff`.
 package dualstack
 
 import (
@@ -13,7 +14,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,58 +25,33 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
-var nodes = []localcluster.NodeSpec{
-	{Name: "ds-ipt", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
-	{Name: "ds-legacy", Mode: localcluster.ModeIPTables, Zone: "zone-b", LegacyIPTables: true},
-	{Name: "ds-nft", Mode: localcluster.ModeNFTables, Zone: "zone-a"},
-}
-
-var shared struct {
-	once sync.Once
-	c    *localcluster.Cluster
-	err  error
-}
-
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if shared.c != nil {
-		if err := shared.c.Stop(); err != nil {
-			fmt.Fprintln(os.Stderr, "stop the local cluster:", err)
-			code = 1
-		}
-		if left := localcluster.Leftovers(); len(left) > 0 {
-			fmt.Fprintf(os.Stderr, "the local cluster left behind:\n  %s\n", strings.Join(left, "\n  "))
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
-
-// cluster is the package's dual-stack cluster: an API server with an IPv4
-// and an IPv6 service range, three nodes with an address of each family.
-func cluster(t *testing.T) *localcluster.Cluster {
+// cluster starts a local cluster of cfg's families with nodes, stopped
+// (and checked for leftovers) when t ends. Each test has its own: the
+// API server's service ranges are fixed at its start.
+func cluster(t *testing.T, cfg localcluster.Config, nodes ...localcluster.NodeSpec) *localcluster.Cluster {
 	t.Helper()
 	localcluster.NeedRoot(t, false)
-	shared.once.Do(func() {
-		c, err := localcluster.Start(context.Background(), localcluster.Config{DualStack: true, Logf: t.Logf})
-		if err != nil {
-			shared.err = err
-			return
+	cfg.Logf = t.Logf
+	c, err := localcluster.Start(context.Background(), cfg)
+	t.Cleanup(func() {
+		if err := c.Stop(); err != nil {
+			t.Errorf("stop the local cluster: %v", err)
 		}
-		shared.c = c
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		for _, s := range nodes {
-			if _, err := c.AddNode(ctx, s); err != nil {
-				shared.err = err
-				return
-			}
+		if left := localcluster.Leftovers(); len(left) > 0 {
+			t.Errorf("the local cluster left behind:\n  %s", strings.Join(left, "\n  "))
 		}
 	})
-	if shared.err != nil {
-		t.Fatal(shared.err)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return shared.c
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	for _, s := range nodes {
+		if _, err := c.AddNode(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return c
 }
 
 // read is what the collector reads on node n, with the mode it detected.
@@ -178,7 +153,10 @@ func service(name string, policy corev1.IPFamilyPolicy, fams []corev1.IPFamily, 
 // the family; `proxyaudit diff` given one family's dump says the other
 // was not audited.
 func TestE2EDualStack(t *testing.T) {
-	c := cluster(t)
+	c := cluster(t, localcluster.Config{DualStack: true},
+		localcluster.NodeSpec{Name: "ds-ipt", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
+		localcluster.NodeSpec{Name: "ds-legacy", Mode: localcluster.ModeIPTables, Zone: "zone-b", LegacyIPTables: true},
+		localcluster.NodeSpec{Name: "ds-nft", Mode: localcluster.ModeNFTables, Zone: "zone-a"})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	v4, v6 := corev1.IPv4Protocol, corev1.IPv6Protocol
@@ -378,4 +356,67 @@ func TestE2EDualStack(t *testing.T) {
 	if code != 2 || !strings.Contains(out, "IPv6 rules given twice") {
 		t.Errorf("diff given IPv6 twice: exit %d\n%s", code, out)
 	}
+}
+
+// An IPv6-only cluster: kube-proxy's primary family is IPv6 and its IPv4
+// tables stay empty by design. No false finding (and no "no rules"); a
+// frozen node's stale IPv6 endpoint found.
+func TestE2EIPv6Only(t *testing.T) {
+	c := cluster(t, localcluster.Config{IPv6Only: true},
+		localcluster.NodeSpec{Name: "v6-ipt", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
+		localcluster.NodeSpec{Name: "v6-nft", Mode: localcluster.ModeNFTables, Zone: "zone-b"})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	web, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "default"},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeNodePort, Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(web.Spec.ClusterIPs) != 1 || !strings.Contains(web.Spec.ClusterIP, ":") {
+		t.Fatalf("a default service got cluster IPs %v: the API server is not IPv6-only", web.Spec.ClusterIPs)
+	}
+	move := func(ip string) {
+		t.Helper()
+		if err := c.ApplySlice(ctx, localcluster.Slice(web, "web-1", "http", 8080, corev1.ProtocolTCP, ip)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	move("2001:2:0:8002::1")
+	until(ctx, t, c, time.Minute, "every node in sync", inSync)
+	for _, n := range c.Nodes() {
+		obs := read(ctx, t, n)
+		v4 := 0
+		for _, f := range obs.Frontends {
+			if f.Family() == 4 {
+				v4++
+			}
+		}
+		if obs.NoRules || v4 > 0 || len(obs.Frontends) < 3 { // default/kubernetes, web's cluster IP and node port
+			t.Errorf("%s: no rules %v, %d IPv4 of %d frontends", n.Name, obs.NoRules, v4, len(obs.Frontends))
+		}
+	}
+	ipt := c.Node("v6-ipt")
+	thaw, err := ipt.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer thaw(context.Background())
+	move("2001:2:0:8002::2")
+	got := until(ctx, t, c, time.Minute, "v6-nft in sync and v6-ipt drifted", func(m map[string][]audit.Finding) bool {
+		return len(m["v6-nft"]) == 0 && len(m["v6-ipt"]) > 0
+	})
+	kinds := map[string]bool{}
+	for _, f := range got["v6-ipt"] {
+		if f.Family != 6 || f.Service != "default/web" {
+			t.Errorf("v6-ipt: %s %s IPv%d %s", f.Kind, f.Service, f.Family, f.Endpoint)
+		}
+		kinds[string(f.Kind)+" "+f.Endpoint] = true
+	}
+	if !kinds["StaleEndpoint [2001:2:0:8002::1]:8080"] || !kinds["MissingEndpoint [2001:2:0:8002::2]:8080"] {
+		t.Errorf("v6-ipt findings: %v", kinds)
+	}
+	if err := thaw(ctx); err != nil {
+		t.Fatal(err)
+	}
+	until(ctx, t, c, time.Minute, "v6-ipt in sync once thawed", inSync)
 }
