@@ -38,9 +38,11 @@ e2e: deps cluster-binaries
 demo: deps build cluster-binaries
 	$(BIN)/localcluster demo --out demo-out
 
-## fixtures: recapture audit/testdata/capture and audit/testdata/ipvs from genuine kube-proxies (review the diff)
+## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
+## kube-proxies (review the diff)
 fixtures: deps cluster-binaries
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
+	$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture
 	$(GO) test -count=1 ./audit -update
 
 ## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md);

@@ -3,6 +3,7 @@ package audit
 import (
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -160,5 +161,54 @@ func TestParseIPTablesBothFamilies(t *testing.T) {
 	got, err := ParseIPTablesFamily(strings.NewReader(empty6), 6)
 	if err != nil || !slices.Equal(got.Families, []int{6}) || !got.NoRules {
 		t.Errorf("an empty ip6tables-save: %+v, %v", got, err)
+	}
+}
+
+// Captures of genuine kube-proxy 1.36 on a dual-stack cluster (iptables,
+// both backends, and nftables; make fixtures): in sync in both families,
+// IPv6 node ports and cluster IPs read; in the drift capture ds-nft's
+// kube-proxy was frozen while an IPv6 endpoint moved and a dual-stack
+// service appeared, and its findings are golden.
+func TestDualStackCaptures(t *testing.T) {
+	for _, dir := range []string{"clean", "drift"} {
+		data, err := os.ReadFile(filepath.Join("testdata", "dualstack", dir, "cluster.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := ParseClusterList(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, node := range []string{"ds-ipt", "ds-legacy", "ds-nft"} {
+			t.Run(dir+"/"+node, func(t *testing.T) {
+				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
+				f, err := os.Open(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				obs, err := ParseRules(f)
+				if err != nil {
+					t.Fatal(err)
+				}
+				v6 := map[bool]int{}
+				for _, fe := range obs.Frontends {
+					if fe.Family() == 6 {
+						v6[fe.NodePort]++
+					}
+				}
+				if !slices.Equal(obs.Families, []int{4, 6}) || v6[true] == 0 || v6[false] == 0 {
+					t.Fatalf("families %v; IPv6 frontends: %d node ports, %d by address", obs.Families, v6[true], v6[false])
+				}
+				fs := Diff(ExpectedFor(st, node), obs)
+				if dir == "drift" && node == "ds-nft" {
+					checkGolden(t, strings.TrimSuffix(path, ".rules")+".findings.json", fs)
+					return
+				}
+				if len(fs) > 0 {
+					t.Fatalf("false findings on a healthy node: %+v", fs)
+				}
+			})
+		}
 	}
 }

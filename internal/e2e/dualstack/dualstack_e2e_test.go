@@ -8,6 +8,7 @@ package dualstack
 import (
 	"bytes"
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -24,6 +25,38 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
+
+var capture = flag.Bool("capture", false, "rewrite audit/testdata/dualstack from the dual-stack cluster (make fixtures)")
+
+// save writes the cluster and every node's rules (both families, as an
+// SRE's tools print them) under audit/testdata/dualstack/dir.
+func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string) {
+	t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir = filepath.Join(root, "audit", "testdata", "dualstack", dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	data, err := c.DumpClusterJSON(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := map[string]string{"cluster.json": string(data)}
+	for _, n := range c.Nodes() {
+		if files[n.Name+".rules"], err = n.Rules(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, content := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("captured %s", dir)
+}
 
 // cluster starts a local cluster of cfg's families with nodes, stopped
 // (and checked for leftovers) when t ends. Each test has its own: the
@@ -198,6 +231,9 @@ func TestE2EDualStack(t *testing.T) {
 	}
 
 	until(ctx, t, c, time.Minute, "every node in sync in both families", inSync)
+	if *capture {
+		save(ctx, t, c, "clean")
+	}
 	// What an SRE's tools print parses to what the collector read, and
 	// holds IPv6 frontends of every kind, node ports included.
 	for _, n := range c.Nodes() {
@@ -242,6 +278,9 @@ func TestE2EDualStack(t *testing.T) {
 	got := until(ctx, t, c, time.Minute, "the healthy nodes in sync and the frozen one drifted", func(m map[string][]audit.Finding) bool {
 		return len(m["ds-ipt"]) == 0 && len(m["ds-legacy"]) == 0 && len(m["ds-nft"]) > 0
 	})
+	if *capture {
+		save(ctx, t, c, "drift")
+	}
 	want := map[string]bool{
 		"StaleEndpoint default/single-v6 IPv6 [2001:2:0:8001::1]:8080":   true,
 		"MissingEndpoint default/single-v6 IPv6 [2001:2:0:8001::9]:8080": true,
