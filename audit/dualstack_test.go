@@ -165,12 +165,16 @@ func TestParseIPTablesBothFamilies(t *testing.T) {
 }
 
 // Captures of genuine kube-proxy 1.36 on a dual-stack cluster (iptables,
-// both backends, and nftables; make fixtures): in sync in both families,
-// IPv6 node ports and cluster IPs read; in the drift capture ds-nft's
-// kube-proxy was frozen while an IPv6 endpoint moved and a dual-stack
-// service appeared, and its findings are golden.
+// both backends, nftables, and IPVS in the VM; make fixtures): in sync in
+// both families, IPv6 node ports and cluster IPs read; in the drift
+// captures ds-nft's kube-proxy was frozen while an IPv6 endpoint moved and
+// a dual-stack service appeared, and ds-ipvs's cut off from the API while
+// an IPv6 endpoint left: their findings are golden.
 func TestDualStackCaptures(t *testing.T) {
-	for _, dir := range []string{"clean", "drift"} {
+	for dir, nodes := range map[string][]string{
+		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
+		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
+	} {
 		data, err := os.ReadFile(filepath.Join("testdata", "dualstack", dir, "cluster.json"))
 		if err != nil {
 			t.Fatal(err)
@@ -179,7 +183,7 @@ func TestDualStackCaptures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, node := range []string{"ds-ipt", "ds-legacy", "ds-nft"} {
+		for _, node := range nodes {
 			t.Run(dir+"/"+node, func(t *testing.T) {
 				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
 				f, err := os.Open(path)
@@ -193,15 +197,17 @@ func TestDualStackCaptures(t *testing.T) {
 				}
 				v6 := map[bool]int{}
 				for _, fe := range obs.Frontends {
+					// IPVS serves a node port by a virtual server per node
+					// address: the node's own.
 					if fe.Family() == 6 {
-						v6[fe.NodePort]++
+						v6[fe.NodePort || fe.IP == netip.MustParseAddr("2001:2:0:40::15")]++
 					}
 				}
 				if !slices.Equal(obs.Families, []int{4, 6}) || v6[true] == 0 || v6[false] == 0 {
 					t.Fatalf("families %v; IPv6 frontends: %d node ports, %d by address", obs.Families, v6[true], v6[false])
 				}
 				fs := Diff(ExpectedFor(st, node), obs)
-				if dir == "drift" && node == "ds-nft" {
+				if strings.HasSuffix(dir, "drift") && (node == "ds-nft" || node == "ds-ipvs") {
 					checkGolden(t, strings.TrimSuffix(path, ".rules")+".findings.json", fs)
 					return
 				}

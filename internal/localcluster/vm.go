@@ -23,6 +23,10 @@ import (
 const (
 	VMGuestIP = "198.18.64.15"
 	vmNet     = "198.18.64.0/24"
+	// VMGuestIP6 is the guest's IPv6 InternalIP in a dual-stack cluster:
+	// kube-proxy needs a node address per family to program that
+	// family's node ports.
+	VMGuestIP6 = "2001:2:0:40::15"
 )
 
 // VMNode is a node running in a QEMU virtual machine with a real Linux
@@ -86,7 +90,15 @@ func (c *Cluster) AddVMNode(ctx context.Context, name, zone string) (*VMNode, er
 	c.mu.Lock()
 	c.extra = append(c.extra, v.qemu)
 	c.mu.Unlock()
-	if err := c.registerNode(ctx, &Node{Name: name, Zone: zone, IP: v.IP}); err != nil {
+	n := &Node{Name: name, Zone: zone, IP: v.IP}
+	if c.cfg.DualStack {
+		n.IP6 = VMGuestIP6
+		if _, err := v.Run(ctx, "ip addr add "+VMGuestIP6+"/64 dev eth0 nodad"); err != nil {
+			v.Stop()
+			return nil, err
+		}
+	}
+	if err := c.registerNode(ctx, n); err != nil {
 		v.Stop()
 		return nil, err
 	}
@@ -290,7 +302,7 @@ func (v *VMNode) StartProxy(ctx context.Context) error {
 		"--proxy-mode=ipvs",
 		"--hostname-override="+v.Name,
 		"--conntrack-max-per-core=0",
-		"--cluster-cidr="+PodCIDR,
+		"--cluster-cidr="+v.c.podCIDRs(),
 		"--healthz-bind-address=0.0.0.0:10256",
 		"--metrics-bind-address=127.0.0.1:10249",
 		"--v=2"); err != nil {

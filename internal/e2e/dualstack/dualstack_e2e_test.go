@@ -19,6 +19,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -29,8 +30,9 @@ import (
 var capture = flag.Bool("capture", false, "rewrite audit/testdata/dualstack from the dual-stack cluster (make fixtures)")
 
 // save writes the cluster and every node's rules (both families, as an
-// SRE's tools print them) under audit/testdata/dualstack/dir.
-func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string) {
+// SRE's tools print them; more, such as a VM's ipvsadm -Sn, by name)
+// under audit/testdata/dualstack/dir.
+func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string, more map[string]string) {
 	t.Helper()
 	root, err := localcluster.RepoRoot()
 	if err != nil {
@@ -49,6 +51,9 @@ func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string
 		if files[n.Name+".rules"], err = n.Rules(ctx); err != nil {
 			t.Fatal(err)
 		}
+	}
+	for name, content := range more {
+		files[name] = content
 	}
 	for name, content := range files {
 		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
@@ -232,7 +237,7 @@ func TestE2EDualStack(t *testing.T) {
 
 	until(ctx, t, c, time.Minute, "every node in sync in both families", inSync)
 	if *capture {
-		save(ctx, t, c, "clean")
+		save(ctx, t, c, "clean", nil)
 	}
 	// What an SRE's tools print parses to what the collector read, and
 	// holds IPv6 frontends of every kind, node ports included.
@@ -279,7 +284,7 @@ func TestE2EDualStack(t *testing.T) {
 		return len(m["ds-ipt"]) == 0 && len(m["ds-legacy"]) == 0 && len(m["ds-nft"]) > 0
 	})
 	if *capture {
-		save(ctx, t, c, "drift")
+		save(ctx, t, c, "drift", nil)
 	}
 	want := map[string]bool{
 		"StaleEndpoint default/single-v6 IPv6 [2001:2:0:8001::1]:8080":   true,
@@ -458,4 +463,88 @@ func TestE2EIPv6Only(t *testing.T) {
 		t.Fatal(err)
 	}
 	until(ctx, t, c, time.Minute, "v6-ipt in sync once thawed", inSync)
+}
+
+// IPVS mode, dual-stack, in the VM (the host kernel has no IPVS): the
+// IPv6 virtual servers (cluster IPs and the node's IPv6 node ports) read
+// and in sync; a kube-proxy cut off from the API keeps a stale IPv6 real
+// server, found with its family.
+func TestE2EDualStackIPVS(t *testing.T) {
+	localcluster.NeedRoot(t, true)
+	c := cluster(t, localcluster.Config{DualStack: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	v, err := c.AddVMNode(ctx, "ds-ipvs", "zone-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefer, err := c.CreateService(ctx, service("prefer", corev1.IPFamilyPolicyPreferDualStack, []corev1.IPFamily{corev1.IPv4Protocol, corev1.IPv6Protocol}, corev1.ServiceTypeNodePort, false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*discoveryv1.EndpointSlice{
+		localcluster.Slice(prefer, "prefer-v4", "http", 8080, corev1.ProtocolTCP, "198.18.140.2"),
+		localcluster.Slice(prefer, "prefer-v6", "http", 8080, corev1.ProtocolTCP, "2001:2:0:8001::2", "2001:2:0:8001::3"),
+	} {
+		if err := c.ApplySlice(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	audit1 := func() (*audit.Observed, []audit.Finding) {
+		dump, err := v.IPVS(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		obs, err := audit.ParseRules(strings.NewReader(dump))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return obs, audit.Diff(audit.ExpectedFor(state(ctx, t, c), v.Name), obs)
+	}
+	waitFor := func(what string, ok func(*audit.Observed, []audit.Finding) bool) []audit.Finding {
+		t.Helper()
+		for start := time.Now(); ; time.Sleep(2 * time.Second) {
+			obs, fs := audit1()
+			if ok(obs, fs) {
+				return fs
+			}
+			if time.Since(start) > 2*time.Minute {
+				t.Fatalf("after 2m, still waiting for %s; families %v, findings:\n%s\nkube-proxy:\n%s", what, obs.Families, describe(map[string][]audit.Finding{v.Name: fs}), v.Log("kube-proxy", 20))
+			}
+		}
+	}
+	waitFor("the IPVS node in sync with IPv6 virtual servers", func(obs *audit.Observed, fs []audit.Finding) bool {
+		v6 := map[bool]int{}
+		for _, f := range obs.Frontends {
+			if f.Family() == 6 {
+				v6[f.NodePort || f.IP.String() == localcluster.VMGuestIP6]++
+			}
+		}
+		return len(fs) == 0 && v6[false] > 0 && v6[true] > 0
+	})
+	capture := func(dir string) {
+		if *capture {
+			dump, err := v.IPVS(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			save(ctx, t, c, dir, map[string]string{v.Name + ".rules": dump})
+		}
+	}
+	capture("ipvs-clean")
+	undo, err := v.HangInformer(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer undo(context.Background())
+	if err := c.ApplySlice(ctx, localcluster.Slice(prefer, "prefer-v6", "http", 8080, corev1.ProtocolTCP, "2001:2:0:8001::3")); err != nil {
+		t.Fatal(err)
+	}
+	fs := waitFor("the stale IPv6 real server found", func(_ *audit.Observed, fs []audit.Finding) bool { return len(fs) > 0 })
+	capture("ipvs-drift")
+	for _, f := range fs {
+		if f.Family != 6 || f.Kind != audit.StaleEndpoint || f.Endpoint != "[2001:2:0:8001::2]:8080" {
+			t.Errorf("finding %s %s IPv%d %s: %s", f.Kind, f.Service, f.Family, f.Endpoint, f.Detail)
+		}
+	}
 }
