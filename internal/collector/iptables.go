@@ -6,16 +6,20 @@ import (
 	"github.com/coreos/go-iptables/iptables"
 )
 
-// openIPTables opens go-iptables on one backend's binary; an error that
-// is exec.ErrNotFound means the backend is not installed.
-func openIPTables(legacy bool) (IPTables, error) {
-	name := "iptables"
+// openIPTables opens go-iptables on one backend's binary, for IPv6 with
+// v6; an error that is exec.ErrNotFound means the backend is not
+// installed.
+func openIPTables(legacy, v6 bool) (IPTables, error) {
+	name, proto := "iptables", iptables.ProtocolIPv4
+	if v6 {
+		name, proto = "ip6tables", iptables.ProtocolIPv6
+	}
 	if legacy {
-		name = "iptables-legacy"
+		name += "-legacy"
 	}
 	path, err := exec.LookPath(name)
 	if err != nil {
 		return nil, err
 	}
-	return iptables.New(iptables.Path(path))
+	return iptables.New(iptables.Path(path), iptables.IPFamily(proto))
 }

@@ -104,6 +104,8 @@ type Host struct {
 	// IPTables opens chain checks on the nf_tables (false) or legacy
 	// (true) backend; an error means that backend's binary is missing.
 	IPTables func(legacy bool) (IPTables, error)
+	// IP6Tables is IPTables for ip6tables; nil skips IPv6 in detection.
+	IP6Tables func(legacy bool) (IPTables, error)
 	// OpenIPVS opens the IPVS table.
 	OpenIPVS func() (IPVS, error)
 	// HasInterface says whether a network interface exists.
@@ -126,7 +128,8 @@ func NewHost() *Host {
 	h := &Host{
 		NotifyBuffer: DefaultNotifyBuffer,
 		Exec:         utilexec.New(),
-		IPTables:     openIPTables,
+		IPTables:     func(legacy bool) (IPTables, error) { return openIPTables(legacy, false) },
+		IP6Tables:    func(legacy bool) (IPTables, error) { return openIPTables(legacy, true) },
 		OpenIPVS:     openIPVS,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
@@ -145,36 +148,50 @@ const DefaultNotifyBuffer = 16 << 20
 
 // ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
 // programmed this node (yet), or runs in a mode proxyaudit cannot read.
-var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip kube-proxy, no KUBE-SERVICES chain in either iptables backend")
+var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip or ip6 kube-proxy, no KUBE-SERVICES chain in either iptables backend of either family")
 
 // Detect finds the mode kube-proxy programs on this node, in this order:
 // IPVS (a kube-ipvs0 interface; in IPVS mode kube-proxy also keeps an
 // iptables KUBE-SERVICES chain), nftables (its services chain), then
-// KUBE-SERVICES in the nf_tables iptables backend and in the legacy one.
-// Each check is a small query, never a listing of the whole ruleset, and
-// none takes the xtables lock.
+// KUBE-SERVICES in the nf_tables iptables backend and in the legacy one;
+// IPv4 first, then the same in IPv6 (kube-proxy keeps both families'
+// chains wherever the kernel has IPv6, even on an IPv6-only node, so the
+// IPv6 checks matter only where it programs IPv6 alone). Each check is a
+// small query, never a listing of the whole ruleset, and none takes the
+// xtables lock.
 func (h *Host) Detect(ctx context.Context) (Source, error) {
 	if h.HasInterface("kube-ipvs0") {
 		return Source{Mode: audit.ModeIPVS}, nil
 	}
-	if out, err := h.Exec.CommandContext(ctx, "nft", "-j", "list", "chain", "ip", "kube-proxy", "services").Output(); err == nil && bytes.Contains(out, []byte(`"services"`)) {
-		return Source{Mode: audit.ModeNFTables}, nil
-	}
 	var errs []error
-	for _, legacy := range []bool{false, true} {
-		name := map[bool]string{false: "iptables", true: "iptables-legacy"}[legacy]
-		ipt, err := h.IPTables(legacy)
-		if errors.Is(err, utilexec.ErrExecutableNotFound) {
-			continue // that backend is not installed
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", name, err))
+	for _, fam := range []struct {
+		nft, ipt string
+		open     func(legacy bool) (IPTables, error)
+	}{{"ip", "iptables", h.IPTables}, {"ip6", "ip6tables", h.IP6Tables}} {
+		if fam.open == nil {
 			continue
 		}
-		if ok, err := ipt.ChainExists("nat", "KUBE-SERVICES"); err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", name, err))
-		} else if ok {
-			return Source{Mode: audit.ModeIPTables, Legacy: legacy}, nil
+		if out, err := h.Exec.CommandContext(ctx, "nft", "-j", "list", "chain", fam.nft, "kube-proxy", "services").Output(); err == nil && bytes.Contains(out, []byte(`"services"`)) {
+			return Source{Mode: audit.ModeNFTables}, nil
+		}
+		for _, legacy := range []bool{false, true} {
+			name := fam.ipt
+			if legacy {
+				name += "-legacy"
+			}
+			ipt, err := fam.open(legacy)
+			if errors.Is(err, utilexec.ErrExecutableNotFound) {
+				continue // that backend is not installed
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", name, err))
+				continue
+			}
+			if ok, err := ipt.ChainExists("nat", "KUBE-SERVICES"); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", name, err))
+			} else if ok {
+				return Source{Mode: audit.ModeIPTables, Legacy: legacy}, nil
+			}
 		}
 	}
 	if len(errs) > 0 {

@@ -279,3 +279,55 @@ func TestParseMode(t *testing.T) {
 		}
 	}
 }
+
+// A kube-proxy that programs IPv6 alone (its IPv4 chains absent) is found
+// by the IPv6 checks, after every IPv4 one: nftables' ip6 table, then
+// ip6tables' backends.
+func TestDetectIPv6Alone(t *testing.T) {
+	kube := map[string]bool{"nat/KUBE-SERVICES": true}
+	for _, tc := range []struct {
+		name      string
+		nft6      bool
+		ipt6      map[string]bool
+		want      collector.Source
+		wantQuery []string
+	}{
+		{name: "nftables ip6", nft6: true, want: collector.Source{Mode: audit.ModeNFTables},
+			wantQuery: []string{"nft -j list chain ip kube-proxy services", "nft -j list chain ip6 kube-proxy services"}},
+		{name: "ip6tables", ipt6: kube, want: collector.Source{Mode: audit.ModeIPTables},
+			wantQuery: []string{"nft -j list chain ip kube-proxy services", "nft -j list chain ip6 kube-proxy services"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ran []string
+			answer := func(cmd string, args ...string) utilexec.Cmd {
+				argv := cmd + " " + strings.Join(args, " ")
+				ran = append(ran, argv)
+				return fakeexec.InitFakeCmd(&fakeexec.FakeCmd{OutputScript: []fakeexec.FakeAction{
+					func() ([]byte, []byte, error) {
+						if tc.nft6 && strings.Contains(argv, " ip6 ") {
+							return []byte(`{"nftables": [{"chain": {"family": "ip6", "table": "kube-proxy", "name": "services"}}]}`), nil, nil
+						}
+						return nil, []byte("Error: No such file or directory"), &fakeexec.FakeExitError{Status: 1}
+					}}}, cmd, args...)
+			}
+			h := &collector.Host{
+				HasInterface: func(string) bool { return false },
+				IPTables:     func(bool) (collector.IPTables, error) { return &collectortest.IPTables{Chains: map[string]bool{}}, nil },
+				IP6Tables: func(legacy bool) (collector.IPTables, error) {
+					if legacy || tc.ipt6 == nil {
+						return nil, fmt.Errorf("lookup: %w", exec.ErrNotFound)
+					}
+					return &collectortest.IPTables{Chains: tc.ipt6}, nil
+				},
+				Exec: &fakeexec.FakeExec{ExactOrder: true, CommandScript: []fakeexec.FakeCommandAction{answer, answer}},
+			}
+			got, err := h.Detect(context.Background())
+			if err != nil || got != tc.want {
+				t.Fatalf("got %v, %v; want %v", got, err, tc.want)
+			}
+			if !slices.Equal(ran, tc.wantQuery) {
+				t.Errorf("queries %q", ran)
+			}
+		})
+	}
+}
