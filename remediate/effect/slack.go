@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -221,7 +222,7 @@ func (s *Slack) retry(ctx context.Context, f func(context.Context) error) error 
 		switch {
 		case errors.As(err, &rl):
 			wait = min(max(rl.RetryAfter, time.Second), time.Minute)
-		case errors.As(err, &sc) && sc.Code >= 500:
+		case errors.As(err, &sc) && sc.Code >= 500, neverSent(err):
 			wait, backoff = backoff, min(2*backoff, 30*time.Second)
 		default:
 			return err
@@ -235,6 +236,16 @@ func (s *Slack) retry(ctx context.Context, f func(context.Context) error) error 
 		}
 	}
 	return err
+}
+
+// neverSent reports whether err is a connection that could not be made
+// (refused, unreachable, no route, a DNS failure): the request never left,
+// so sending it again cannot post twice. An error after the request went
+// out (a reset, EOF) is not retried: Slack may have posted it.
+func neverSent(err error) bool {
+	var op *net.OpError
+	var dns *net.DNSError
+	return (errors.As(err, &op) && op.Op == "dial") || errors.As(err, &dns)
 }
 
 // Render is a notice as Slack shows it: plain text (notifications,

@@ -2,8 +2,11 @@ package effect
 
 import (
 	"context"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -198,5 +201,74 @@ func TestNodeTextForConditionsAndEvents(t *testing.T) {
 	got := nodeText("StuckProxy: \x1b]0;x\x07" + strings.Repeat("é", 800))
 	if strings.ContainsAny(got, "\x1b\x07") || len(got) > 1000+len("…") || !utf8.ValidString(got) || !strings.HasSuffix(got, "…") {
 		t.Errorf("nodeText: %q (%d bytes)", got[:40], len(got))
+	}
+}
+
+// Slack unreachable for a while (its address refuses connections, as
+// while an egress proxy or NAT restarts): the notice is retried and
+// arrives once Slack answers, posted once. A connection made and then
+// lost is not retried (Slack may have posted it).
+func TestSlackRetriesWhatNeverLeft(t *testing.T) {
+	srv := remediatetest.NewSlack(t, !remediatetest.Flaky)
+	target, err := url.Parse(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A port nothing listens on yet; Slack appears there 1.5 s later.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	go func() {
+		time.Sleep(1500 * time.Millisecond)
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		t.Cleanup(func() { ln.Close() })
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer in.Close()
+				out, err := net.Dial("tcp", target.Host)
+				if err != nil {
+					return
+				}
+				defer out.Close()
+				go io.Copy(out, in)
+				io.Copy(in, out)
+			}()
+		}
+	}()
+	apiURL := *target
+	apiURL.Host = addr
+	var retried atomic.Int32
+	s, err := NewSlack(SlackConfig{Token: "xoxb-test", Channel: "C1", APIURL: apiURL.String(), Log: zaptest.NewLogger(t),
+		Delivered: func(r string) {
+			if r == "retried" {
+				retried.Add(1)
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	go s.Run(ctx)
+	s.Notify(notice(remediate.RestartProxy, "StuckProxy: restarting kube-proxy on the node"))
+	for ctx.Err() == nil && len(srv.Posts()) < 1 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := len(srv.Posts()); n != 1 || retried.Load() == 0 {
+		t.Fatalf("%d posts after %d retries, want 1 after at least one", n, retried.Load())
+	}
+	if neverSent(io.EOF) || neverSent(&net.OpError{Op: "read", Err: io.EOF}) {
+		t.Error("an error after the request left counted as never sent")
 	}
 }
