@@ -36,10 +36,7 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 	if err := localcluster.CanRun(); err != nil {
 		b.Skipf("needs root, iptables and nft: %v", err)
 	}
-	spec := synth.Spec{Services: 10000, EndpointsPerService: 10}
-	if os.Getenv("PROXYAUDIT_BENCH_SMALL") != "" {
-		spec = synth.Spec{Services: 1000, EndpointsPerService: 10, Comments: true}
-	}
+	spec, ipt, nftLoad := benchRules(b)
 	root, err := localcluster.RepoRoot()
 	if err != nil {
 		b.Fatal(err)
@@ -50,17 +47,6 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 	if out, err := build.CombinedOutput(); err != nil {
 		b.Fatalf("build: %v\n%s", err, out)
 	}
-	var ipt, nft bytes.Buffer
-	if err := spec.WriteIPTablesSave(&ipt); err != nil {
-		b.Fatal(err)
-	}
-	if err := spec.WriteNFTJSON(&nft); err != nil {
-		b.Fatal(err)
-	}
-	nftLoad, err := synth.NFTLoadOrder(nft.Bytes())
-	if err != nil {
-		b.Fatal(err)
-	}
 	ctx := context.Background()
 	nftBare := []string{"nft", "-j", "list", "table", "ip", "kube-proxy"}
 	for _, m := range []struct {
@@ -70,8 +56,8 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 		data       []byte
 		bare       []string
 	}{
-		{"iptables", "iptables", nil, []string{"iptables-restore"}, ipt.Bytes(), []string{"iptables-save", "-t", "nat"}},
-		{"iptables-legacy", "iptables-legacy", nil, []string{"iptables-legacy-restore"}, ipt.Bytes(), []string{"iptables-legacy-save", "-t", "nat"}},
+		{"iptables", "iptables", nil, []string{"iptables-restore"}, ipt, []string{"iptables-save", "-t", "nat"}},
+		{"iptables-legacy", "iptables-legacy", nil, []string{"iptables-legacy-restore"}, ipt, []string{"iptables-legacy-save", "-t", "nat"}},
 		// The netlink reader (the default) and nft -j, each beside bare nft.
 		{"nftables", "nftables", nil, []string{"nft", "-j", "-f", "-"}, nftLoad, nftBare},
 		{"nftables-json", "nftables", []string{"--nft-reader", "nft-json"}, []string{"nft", "-j", "-f", "-"}, nftLoad, nftBare},
@@ -131,4 +117,27 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 			b.ReportMetric(100*(collectorWall-bareWall).Seconds()/bareWall.Seconds(), "wall-over-tool-%")
 		})
 	}
+}
+
+// benchRules is the benchmarks' ruleset: 10k services × 10 endpoints
+// (PROXYAUDIT_BENCH_SMALL=1: 1k × 10, with comments) as iptables-restore
+// input and as nft -j -f input.
+func benchRules(b *testing.B) (spec synth.Spec, ipt, nftLoad []byte) {
+	b.Helper()
+	spec = synth.Spec{Services: 10000, EndpointsPerService: 10}
+	if os.Getenv("PROXYAUDIT_BENCH_SMALL") != "" {
+		spec = synth.Spec{Services: 1000, EndpointsPerService: 10, Comments: true}
+	}
+	var save, nft bytes.Buffer
+	if err := spec.WriteIPTablesSave(&save); err != nil {
+		b.Fatal(err)
+	}
+	if err := spec.WriteNFTJSON(&nft); err != nil {
+		b.Fatal(err)
+	}
+	nftLoad, err := synth.NFTLoadOrder(nft.Bytes())
+	if err != nil {
+		b.Fatal(err)
+	}
+	return spec, save.Bytes(), nftLoad
 }

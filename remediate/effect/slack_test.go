@@ -228,23 +228,7 @@ func TestSlackRetriesWhatNeverLeft(t *testing.T) {
 			t.Error(err)
 			return
 		}
-		t.Cleanup(func() { ln.Close() })
-		for {
-			in, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer in.Close()
-				out, err := net.Dial("tcp", target.Host)
-				if err != nil {
-					return
-				}
-				defer out.Close()
-				go io.Copy(out, in)
-				io.Copy(in, out)
-			}()
-		}
+		remediatetest.Relay(t, ln, target.Host)
 	}()
 	apiURL := *target
 	apiURL.Host = addr

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"sync"
@@ -72,4 +73,30 @@ func (s *Slack) Posts() []url.Values {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]url.Values(nil), s.posts...)
+}
+
+// Relay forwards every TCP connection accepted on ln to target (host:port)
+// until ln is closed, which happens when t ends: it puts Slack's test
+// server where the code under test can reach it (an address pods reach,
+// or a port that starts refusing and answers later).
+func Relay(t testing.TB, ln net.Listener, target string) {
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer in.Close()
+				out, err := net.Dial("tcp", target)
+				if err != nil {
+					return
+				}
+				defer out.Close()
+				go io.Copy(out, in)
+				io.Copy(in, out)
+			}()
+		}
+	}()
 }

@@ -3,7 +3,6 @@ package realnodes
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/url"
 	"strings"
@@ -236,30 +235,11 @@ func relay(t *testing.T, target string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	target = u.Host
 	ln, err := net.Listen("tcp", net.JoinHostPort(localcluster.APIServerIP, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			in, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer in.Close()
-				out, err := net.Dial("tcp", target)
-				if err != nil {
-					return
-				}
-				defer out.Close()
-				go io.Copy(out, in)
-				io.Copy(in, out)
-			}()
-		}
-	}()
+	remediatetest.Relay(t, ln, u.Host)
 	u.Host = ln.Addr().String()
 	return u.String()
 }
