@@ -408,8 +408,13 @@ func TestE2ESignalOverrunLosesNoChange(t *testing.T) {
 	r1, _ := s.wait(t, i+1, 10*time.Second, "showing the change hidden in the burst", func(r received) bool { return r.r.Root != r0.r.Root })
 	t.Logf("after %d commits with the collector stopped: the change reported %s after it resumed; %+v",
 		commits, r1.at.Sub(resumed).Round(time.Millisecond), r1.r.Reads)
+	// The collector says announcements were lost: in that report, or
+	// (when notifications queued before the overrun woke it first, and
+	// the kernel's ENOBUFS came on the next receive) in a later one.
 	if rs := r1.r.Reads; rs == nil || rs.SignalLost == 0 {
-		t.Errorf("no announcement was reported lost: the burst did not overrun the socket, so the test proves nothing: %+v", rs)
+		s.wait(t, i+1, 45*time.Second, "saying announcements were lost (the kernel counted drops)", func(r received) bool {
+			return r.r.Reads != nil && r.r.Reads.SignalLost > 0
+		})
 	}
 	if err := n.RestartProxy(ctx); err != nil {
 		t.Fatal(err)
