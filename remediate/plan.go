@@ -57,6 +57,9 @@ type Policy struct {
 	// MassDivergence only sees the ones drifting at once.
 	BreakerShare  float64
 	BreakerWindow time.Duration
+	// Windows are when remediation may act; outside them it pages only
+	// and says when the next opens. None: at any time.
+	Windows Windows
 }
 
 // DefaultPolicy is dry-run with conservative limits.
@@ -158,6 +161,22 @@ type Fleet struct {
 	// Storm: the judge folded a mass divergence; nothing is touched and
 	// no node is paged (the aggregator pages once for the fleet).
 	Storm bool
+	// Paused says who paused remediation fleet-wide, why and until when
+	// ("" when it is not): every repair is held, pages go on.
+	Paused string
+}
+
+// Hold says why no repair may start now, fleet-wide: a pause, or being
+// outside the maintenance windows (and when the next opens); "" when
+// repairs may.
+func Hold(now time.Time, p Policy, f Fleet) string {
+	if f.Paused != "" {
+		return "remediation paused " + f.Paused
+	}
+	if open, next := p.Windows.Open(now); !open {
+		return fmt.Sprintf("outside the maintenance windows (%s); the next opens at %s", p.Windows, next.UTC().Format(time.RFC3339))
+	}
+	return ""
 }
 
 // Plan decides this round's actions, at most one per node. It is pure:
@@ -192,6 +211,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			restarted, p.BreakerWindow, breaker, p.BreakerShare)
 	}
 	dry := p.Mode == DryRun
+	hold := Hold(now, p, f)
 	var out []Action
 	for _, n := range nodes {
 		inc := n.Incident
@@ -216,7 +236,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			// still drifted then.
 		case inc.Stage == "":
 			inc.Stage, inc.Opened = StageOpen, now
-			why := blocked(n, p, inc, now, busy, limit)
+			why := blocked(n, p, inc, now, busy, limit, hold)
 			if why == "" {
 				why = tripped(n)
 			}
@@ -237,7 +257,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if inc.Stage == StageRestarted {
 				busy-- // its restart has been judged
 			}
-			why := blocked(n, p, inc, now, busy, limit)
+			why := blocked(n, p, inc, now, busy, limit, hold)
 			if why == "" {
 				why = tripped(n)
 			}
@@ -252,13 +272,17 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 				continue // already paged with the reason
 			}
 			inc.Stage = StageEscalated
-			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" {
+			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" && hold == "" {
 				inc.Cordoned = now
 				busy++
 				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
 				continue
 			}
-			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck), inc)
+			held := ""
+			if p.Mode == RestartAndCordon && hold != "" {
+				held = "; not cordoned: " + hold
+			}
+			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck)+held, inc)
 		}
 	}
 	return out
@@ -269,7 +293,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 const StaticProxyAdvice = "kube-proxy runs as a static pod here, which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back, or `crictl stop` its container"
 
 // blocked says why the node may not be restarted now, or "".
-func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int) string {
+func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int, hold string) string {
 	switch {
 	case n.Exempt != "":
 		return "node is exempt (" + n.Exempt + ")"
@@ -279,6 +303,8 @@ func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int) str
 		return StaticProxyAdvice
 	case n.NoProxyPod:
 		return "no kube-proxy pod found on the node (check the kube-proxy selector)"
+	case hold != "":
+		return hold
 	case len(inc.Restarts) >= p.RestartBudget:
 		return fmt.Sprintf("restart budget spent (%d in %s)", len(inc.Restarts), p.BudgetWindow)
 	case len(inc.Restarts) > 0 && now.Sub(last(inc.Restarts)) < backoff(p, len(inc.Restarts)):
