@@ -6,6 +6,9 @@
 package main
 
 import (
+	// The maintenance windows' time zones, whatever the image holds.
+	_ "time/tzdata"
+
 	"context"
 	"crypto/tls"
 	"errors"
@@ -270,14 +273,15 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	}
 	acfg := aggregator.Config{Policy: o.policy, Auth: auth, Readers: readerAuth, Insecure: o.insecure, MaxMessageBytes: o.maxMessageBytes,
 		Self: o.self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: o.recoveryGrace,
-		Remediation: &aggregator.Remediation{Policy: o.remediation, Executor: executor, ExemptLabel: o.exemptLabel}}
+		Remediation: &aggregator.Remediation{Policy: o.remediation, Executor: executor, ExemptLabel: o.exemptLabel,
+			Pause: &effect.Pause{Client: client, Namespace: o.leNamespace, Name: o.pause, MaxAge: 5 * time.Second, Clock: clk}}}
 	if s.notifier != nil {
 		acfg.Notifier = s.notifier
 	}
 	s.agg = aggregator.New(acfg, s.view)
 	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
-		zap.Float64("max_share", o.remediation.MaxShare))
+		zap.Float64("max_share", o.remediation.MaxShare), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
 	return s, nil
 }
 

@@ -46,6 +46,7 @@ type options struct {
 	remediationMode               string
 	remediation                   remediate.Policy
 	exemptLabel, incidents        string
+	pause, windows                string
 	proxyNamespace, proxySelector string
 	slackTokenFile, slackChannel  string
 	slackWebhookFile, slackAPI    string
@@ -63,7 +64,7 @@ func defaultOptions() options {
 		audience: "proxyaudit", collectorSAs: ns + "/proxyaudit-collector", maxMessageBytes: 16 << 20,
 		readerAudience: api.DefaultReaderAudience, reviewQPS: 400, reviewBurst: 400, readerReviewQPS: 10,
 		remediationMode: string(remediate.DefaultPolicy().Mode), remediation: remediate.DefaultPolicy(),
-		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
+		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", pause: "proxyaudit-pause", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
@@ -131,6 +132,8 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.remediation.Recheck, "remediation-recheck", o.remediation.Recheck, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
 	fs.StringVar(&o.exemptLabel, "remediation-exempt-label", o.exemptLabel, "nodes with this label key are never restarted or cordoned, only paged")
 	fs.StringVar(&o.incidents, "incident-configmap", o.incidents, "ConfigMap in --leader-elect-namespace that holds every node's incident (stage, restarts, proxyaudit's cordon): kept there, not on the Node a node's kubelet may write; created on the first incident")
+	fs.StringVar(&o.pause, "pause-configmap", o.pause, "ConfigMap in --leader-elect-namespace holding the fleet-wide pause request (`proxyaudit pause` fills it, `proxyaudit resume` empties it): while it holds one, every repair is held and pages go on; absent: no pause")
+	fs.StringVar(&o.windows, "remediation-windows", envOr("PROXYAUDIT_REMEDIATION_WINDOWS", ""), "maintenance windows repairs may happen in, \"DAYS HH:MM-HH:MM [ZONE]\" separated by \";\" (e.g. \"Mon-Fri 09:00-17:00 Europe/Berlin\"); outside them pages only, saying when the next opens. Empty: any time [PROXYAUDIT_REMEDIATION_WINDOWS]")
 	fs.StringVar(&o.proxyNamespace, "kube-proxy-namespace", o.proxyNamespace, "namespace of the kube-proxy pods")
 	fs.StringVar(&o.proxySelector, "kube-proxy-selector", o.proxySelector, "label selector of the kube-proxy pods")
 	fs.StringVar(&o.slackTokenFile, "slack-token-file", o.slackTokenFile, "file holding a Slack bot token (chat:write): one thread per incident [PROXYAUDIT_SLACK_TOKEN_FILE]; the token may also come from SLACK_BOT_TOKEN (a Secret as env)")
@@ -164,6 +167,9 @@ func (o *options) validate() error {
 		return fmt.Errorf("--remediation: %v", err)
 	}
 	o.remediation.Mode = mode
+	if o.remediation.Windows, err = remediate.ParseWindows(o.windows); err != nil {
+		return fmt.Errorf("--remediation-windows: %v", err)
+	}
 	r := o.remediation
 	if r.MaxShare < 0 || r.MaxShare > 1 || r.MaxConcurrent < 0 || r.RestartBudget < 0 {
 		return errors.New("--remediation-max-share must be in [0, 1], --remediation-max-nodes and --remediation-restart-budget at least 0")

@@ -48,10 +48,12 @@ Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
   proxyaudit explain node NAME [--service NAMESPACE/NAME] [-o table|json]
   proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [-o table|json|markdown]
+  proxyaudit pause --reason "..." [--for 2h] | proxyaudit resume | proxyaudit pause --status
   proxyaudit version
 
 report shows the fleet from the running aggregator (proxyaudit report --help);
 explain traces one node's rules, endpoint by endpoint (proxyaudit explain --help).
+pause holds every repair fleet-wide, resume lets them go on (proxyaudit pause --help).
 
 diff compares each node's rule dump with what kube-proxy should have programmed there.
   --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
@@ -90,6 +92,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runReport(args[1:], stdout, stderr)
 	case "explain":
 		return runExplain(args[1:], stdout, stderr)
+	case "pause":
+		return runPause(args[1:], false, stdout, stderr)
+	case "resume":
+		return runPause(args[1:], true, stdout, stderr)
 	case "version":
 		fmt.Fprintln(stdout, versionString())
 		return exitClean

@@ -51,7 +51,10 @@ type FleetReport struct {
 	Stale *api.StaleView `json:"stale,omitempty"`
 	// RecoveringUntil: node drift is held back until then (the aggregator's
 	// view just came back from an API outage; kube-proxies reconnect).
-	RecoveringUntil *time.Time              `json:"recoveringUntil,omitempty"`
+	RecoveringUntil *time.Time `json:"recoveringUntil,omitempty"`
+	// RemediationHold: why every repair is held (a pause, outside the
+	// maintenance windows); pages go on.
+	RemediationHold string                  `json:"remediationHold,omitempty"`
 	Counts          map[audit.NodeState]int `json:"nodesByState"`
 	Lag             FleetLag                `json:"programmingLag"`
 	Nodes           []audit.NodeStatus      `json:"nodes"`
@@ -118,12 +121,16 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 // stale, or it is holding node drift back after an API outage; "" when
 // neither.
 func banner(rep *FleetReport) string {
+	held := ""
+	if rep.RemediationHold != "" {
+		held = "REPAIRS HELD (pages only): " + rep.RemediationHold + ".\n"
+	}
 	if rep.Stale == nil {
 		if rep.RecoveringUntil != nil {
-			return fmt.Sprintf("RECOVERING: the aggregator's view came back from an API outage; node drift is held back until %s while kube-proxies reconnect.\n",
+			return held + fmt.Sprintf("RECOVERING: the aggregator's view came back from an API outage; node drift is held back until %s while kube-proxies reconnect.\n",
 				rep.RecoveringUntil.UTC().Format(time.RFC3339))
 		}
-		return ""
+		return held
 	}
 	return fmt.Sprintf("STALE: the aggregator cannot see the API since %s (%s). What follows was judged before then; nothing is being repaired. Check the aggregator's log (\"view of the API is stale\") and its connection to the API server.\n",
 		rep.Stale.Since.UTC().Format(time.RFC3339), rep.Stale.Reason)
@@ -266,7 +273,7 @@ func fetchReport(get func(string) ([]byte, error)) (*FleetReport, error) {
 			return nil, fmt.Errorf("%s: not the aggregator's answer: %v", path, err)
 		}
 	}
-	rep := &FleetReport{At: nr.At, Stale: fr.Stale, RecoveringUntil: fr.RecoveringUntil, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
+	rep := &FleetReport{At: nr.At, Stale: fr.Stale, RecoveringUntil: fr.RecoveringUntil, RemediationHold: fr.RemediationHold, Counts: map[audit.NodeState]int{}, Nodes: nr.Nodes, Findings: fr.Findings}
 	if rep.Findings == nil {
 		rep.Findings = []audit.TimedFinding{}
 	}
@@ -384,7 +391,10 @@ func reportTable(w io.Writer, rep *FleetReport) {
 
 func reportMarkdown(w io.Writer, rep *FleetReport) {
 	if l := banner(rep); l != "" {
-		fmt.Fprintf(w, "> **%s**\n", strings.TrimSpace(l))
+		// The pause's reason is someone's words: inert here.
+		for _, line := range strings.Split(strings.TrimSpace(l), "\n") {
+			fmt.Fprintf(w, "> **%s**\n", mdCell(line))
+		}
 	}
 	fmt.Fprintf(w, "### proxyaudit report, %s\n\n%s  \n%s\n\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
 	ws := warnings(rep)

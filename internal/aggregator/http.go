@@ -46,7 +46,8 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	v1 := http.NewServeMux()
 	v1.HandleFunc("GET /api/v1/findings", func(w http.ResponseWriter, r *http.Request) {
 		v := a.Verdict()
-		resp := api.FindingsResponse{At: v.At, Stale: a.staleView(), RecoveringUntil: a.recoveringUntil(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(), Findings: []audit.TimedFinding{}}
+		resp := api.FindingsResponse{At: v.At, Stale: a.staleView(), RecoveringUntil: a.recoveringUntil(), Leader: a.cfg.Self, Grace: a.cfg.Policy.Grace.String(),
+			RemediationHold: a.RemediationHold(), Findings: []audit.TimedFinding{}}
 		node, kind := r.URL.Query().Get("node"), r.URL.Query().Get("kind")
 		var plain []audit.Finding
 		for _, f := range v.Findings {

@@ -43,6 +43,8 @@ type Metrics struct {
 	ViewStale          prometheus.Gauge
 	Actions            *prometheus.CounterVec
 	Slack              *prometheus.CounterVec
+	// Held is 1 while every repair is held, by why: paused, window.
+	Held *prometheus.GaugeVec
 }
 
 // RejectReason is why a stream is refused or cut: the value of
@@ -150,9 +152,11 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_remediation_actions_total", Help: "Remediation actions by kind (RestartProxy, Cordon, Uncordon, Page, Resolve) and outcome (done, dry_run, refused, failed)."}, []string{"action", "outcome"}),
 		Slack: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
+		Held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "proxyaudit_remediation_held", Help: "1 while the leader holds every repair (pages only), by why: paused (proxyaudit pause) or window (outside --remediation-windows)."}, []string{"why"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

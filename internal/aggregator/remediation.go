@@ -22,6 +22,8 @@ type Remediation struct {
 	Executor *effect.Executor
 	// ExemptLabel: nodes carrying this label key are never touched.
 	ExemptLabel string
+	// Pause reads the fleet-wide pause request; nil: none.
+	Pause *effect.Pause
 }
 
 // remediate plans and executes one round over a verdict (leader only).
@@ -92,7 +94,12 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			}
 		}
 	}
-	actions := remediate.Plan(a.cfg.Clock.Now(), r.Policy, fleet)
+	if r.Pause != nil {
+		fleet.Paused = r.Pause.Held(ctx)
+	}
+	now := a.cfg.Clock.Now()
+	a.holding(remediate.Hold(now, r.Policy, fleet), fleet.Paused != "")
+	actions := remediate.Plan(now, r.Policy, fleet)
 	if len(actions) == 0 {
 		return
 	}
@@ -180,4 +187,29 @@ func (v *View) Node(name string) *corev1.Node {
 		return nil
 	}
 	return n
+}
+
+// holding records why every repair is held ("" when none is), for the
+// API and the metric, and logs each change.
+func (a *Aggregator) holding(hold string, paused bool) {
+	a.mu.Lock()
+	was := a.hold
+	a.hold = hold
+	a.mu.Unlock()
+	a.cfg.Metrics.Held.WithLabelValues("paused").Set(map[bool]float64{true: 1}[paused])
+	a.cfg.Metrics.Held.WithLabelValues("window").Set(map[bool]float64{true: 1}[hold != "" && !paused])
+	if hold != was {
+		if hold == "" {
+			a.cfg.Log.Info("repairs no longer held", zap.String("was", was))
+		} else {
+			a.cfg.Log.Warn("every repair held: pages only", zap.String("why", hold))
+		}
+	}
+}
+
+// RemediationHold is why every repair is held now, or "".
+func (a *Aggregator) RemediationHold() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.hold
 }

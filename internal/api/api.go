@@ -24,9 +24,12 @@ type FindingsResponse struct {
 	Stale *StaleView `json:"stale,omitempty"`
 	// RecoveringUntil: node drift is held back until then, after the
 	// aggregator's view came back from an API outage.
-	RecoveringUntil *time.Time           `json:"recoveringUntil,omitempty"`
-	Leader          string               `json:"leader"`
-	Grace           string               `json:"grace"`
+	RecoveringUntil *time.Time `json:"recoveringUntil,omitempty"`
+	Leader          string     `json:"leader"`
+	Grace           string     `json:"grace"`
+	// RemediationHold says why every repair is held (pages only): a
+	// pause (who, since, why) or being outside the maintenance windows.
+	RemediationHold string               `json:"remediationHold,omitempty"`
 	Findings        []audit.TimedFinding `json:"findings"`
 	Summary         audit.Summary        `json:"summary"`
 }
