@@ -191,15 +191,7 @@ type fleetReport struct {
 // says, through the API server's proxy to the aggregator's pods.
 func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*fleetReport, string, error) {
 	t.Helper()
-	plugin := filepath.Join(shared.bin, "kubectl-proxyaudit")
-	if _, err := os.Stat(plugin); err != nil {
-		if err := os.Link(filepath.Join(shared.bin, "proxyaudit"), plugin); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cmd := exec.CommandContext(ctx, c.Kubectl(), "proxyaudit", "report", "-n", "proxyaudit", "-o", "json")
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig, "PATH="+shared.bin+":"+os.Getenv("PATH"))
-	out, err := cmd.Output()
+	out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "report", "-n", "proxyaudit", "-o", "json").Output()
 	var r fleetReport
 	if jerr := json.Unmarshal(out, &r); jerr != nil {
 		var ee *exec.ExitError
@@ -210,6 +202,21 @@ func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*fleetR
 		return nil, string(out) + stderr, fmt.Errorf("report: %v (%v)", jerr, err)
 	}
 	return &r, string(out), nil
+}
+
+// kubectlProxyaudit is `kubectl proxyaudit args...` (the CLI as a kubectl
+// plugin) with kubeconfig.
+func kubectlProxyaudit(ctx context.Context, t *testing.T, c *localcluster.Cluster, kubeconfig string, args ...string) *exec.Cmd {
+	t.Helper()
+	plugin := filepath.Join(shared.bin, "kubectl-proxyaudit")
+	if _, err := os.Stat(plugin); err != nil {
+		if err := os.Link(filepath.Join(shared.bin, "proxyaudit"), plugin); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.CommandContext(ctx, c.Kubectl(), append([]string{"proxyaudit"}, args...)...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+kubeconfig, "PATH="+shared.bin+":"+os.Getenv("PATH"))
+	return cmd
 }
 
 // waitInSync waits for a report with every node in sync and no finding.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -191,19 +192,24 @@ func (d *drill) stuck(node *localcluster.Node, uncurable bool) localcluster.Undo
 		d.t.Fatal(err)
 	}
 	d.change()
-	return func(ctx context.Context) error {
-		if undoImage != nil {
-			if err := undoImage(ctx); err != nil {
-				return err
+	// Once: a deferred undo after the one a scenario makes must not
+	// restart kube-proxy again.
+	var once sync.Once
+	return func(ctx context.Context) (err error) {
+		once.Do(func() {
+			if undoImage != nil {
+				if err = undoImage(ctx); err != nil {
+					return
+				}
 			}
-		}
-		if err := thaw(ctx); err != nil {
-			return err
-		}
-		if p := kubeProxyPod(ctx, d.t, d.c, node.Name); p != nil {
-			return d.c.Client.CoreV1().Pods("kube-system").Delete(ctx, p.Name, metav1.DeleteOptions{})
-		}
-		return nil
+			if err = thaw(ctx); err != nil {
+				return
+			}
+			if p := kubeProxyPod(ctx, d.t, d.c, node.Name); p != nil {
+				err = d.c.Client.CoreV1().Pods("kube-system").Delete(ctx, p.Name, metav1.DeleteOptions{})
+			}
+		})
+		return err
 	}
 }
 
@@ -280,7 +286,8 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
-	upgrade := func(sets ...string) {
+	upgrade := func(t *testing.T, sets ...string) {
+		t.Helper()
 		args := []string{"upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values"}
 		for _, s := range sets {
 			args = append(args, "--set", s)
@@ -297,16 +304,24 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
 		d.t, d.started = t, time.Now()
 		before := kubeProxyPod(ctx, t, c, a.Name)
+		// An earlier test may have left the condition (False: in sync);
+		// dry-run must not change it.
+		cond := condition(d.node(a.Name))
 		undo := d.stuck(a, false)
+		defer undo(context.Background())
 		d.until(2*time.Minute, "a dry-run Event on "+a.Name, func() bool { return len(d.events(a.Name, "ProxyauditDryRun")) > 0 })
 		if msg := d.events(a.Name, "ProxyauditDryRun")[0]; !strings.Contains(msg, "would RestartProxy") {
 			t.Errorf("dry-run Event: %s", msg)
 		}
 		time.Sleep(15 * time.Second) // three intervals
 		node := d.node(a.Name)
-		if now := kubeProxyPod(ctx, t, c, a.Name); now == nil || now.UID != before.UID || node.Spec.Unschedulable || !d.incident(a.Name).Empty() || condition(node) != "" {
-			t.Fatalf("dry-run changed the cluster: kube-proxy pod %v -> %v, unschedulable %v, incident %+v, condition %q",
-				before.UID, now, node.Spec.Unschedulable, d.incident(a.Name), condition(node))
+		if now := kubeProxyPod(ctx, t, c, a.Name); now == nil || now.UID != before.UID || node.Spec.Unschedulable || !d.incident(a.Name).Empty() || condition(node) != cond {
+			var uid any
+			if now != nil {
+				uid = now.UID
+			}
+			t.Fatalf("dry-run changed the cluster: kube-proxy pod %v -> %v, unschedulable %v, incident %+v, condition %q -> %q",
+				before.UID, uid, node.Spec.Unschedulable, d.incident(a.Name), cond, condition(node))
 		}
 		if err := undo(ctx); err != nil { // by hand, as an SRE would
 			t.Fatal(err)
@@ -316,7 +331,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 
 	t.Run("restart, re-audit, cordon, uncordon", func(t *testing.T) {
 		d.t, d.started = t, time.Now()
-		upgrade("remediation.mode=restart-and-cordon", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
+		upgrade(t, "remediation.mode=restart-and-cordon", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
 			"slack.botToken=xoxb-e2e-test", "slack.channel=C0PROXYAUDIT", "slack.apiURL="+relay(t, sl.URL), "clusterName=e2e")
 		// A frozen kube-proxy: the restart cures it.
 		pods := d.proxyPods(a.Name)
@@ -375,7 +390,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 
 	t.Run("leader crash loop: no repair repeated, none lost", func(t *testing.T) {
 		d.t, d.started = t, time.Now()
-		upgrade("remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
+		upgrade(t, "remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
 			"slack.botToken=", "slack.channel=", "slack.apiURL=")
 		pods := d.proxyPods(nft.Name)
 		undo := d.stuck(nft, false)
@@ -401,7 +416,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 
 	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
 		d.t, d.started = t, time.Now()
-		upgrade("remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m")
+		upgrade(t, "remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m")
 		d.forget(a.Name, b.Name)
 		podsA, podsB := d.proxyPods(a.Name), d.proxyPods(b.Name)
 		undoA := d.stuck(a, true)
@@ -437,5 +452,45 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "both nodes fixed by hand")
 		d.until(time.Minute, "both incidents closed", func() bool { return d.incident(a.Name).Stage == "" && d.incident(b.Name).Stage == "" })
 		t.Logf("kube-proxy pods seen: %s %d, %s %d", a.Name, podsA(), b.Name, podsB())
+	})
+
+	t.Run("paused from the CLI: paged, not repaired; resumed: repaired", func(t *testing.T) {
+		d.t, d.started = t, time.Now()
+		upgrade(t, "remediation.pausers[0].kind=User", "remediation.pausers[0].name=oncall@example.com")
+		d.forget(nft.Name)
+		as := func(user string, args ...string) (string, error) {
+			t.Helper()
+			kc := filepath.Join(t.TempDir(), "kubeconfig")
+			if err := c.ImpersonatingKubeconfig(user, kc); err != nil {
+				t.Fatal(err)
+			}
+			out, err := kubectlProxyaudit(ctx, t, c, kc, args...).CombinedOutput()
+			return string(out), err
+		}
+		// Only the chart's pausers may.
+		if out, err := as("dev@example.com", "pause", "--reason", "not mine to pause"); err == nil || !strings.Contains(out, "remediation.pausers") {
+			t.Errorf("a user not among the pausers paused: %v\n%s", err, out)
+		}
+		out, err := as("oncall@example.com", "pause", "--reason", "kube-proxy rollout in progress", "--for", "1h")
+		if err != nil || !strings.Contains(out, "paused by oncall@example.com") {
+			t.Fatalf("pause: %v\n%s", err, out)
+		}
+		before := kubeProxyPod(ctx, t, c, nft.Name)
+		d.stuck(nft, false) // the restart after resume cures it
+		d.until(2*time.Minute, "a page saying who paused "+nft.Name+"'s repair", func() bool {
+			return d.paged(nft.Name, "remediation paused by oncall@example.com") && d.paged(nft.Name, "kube-proxy rollout in progress")
+		})
+		if _, raw, _ := report(ctx, t, c); !strings.Contains(raw, `"remediationHold": "remediation paused by oncall@example.com`) {
+			t.Errorf("the report does not say repairs are held:\n%s", clip(raw))
+		}
+		time.Sleep(15 * time.Second) // three intervals
+		if now := kubeProxyPod(ctx, t, c, nft.Name); now == nil || now.UID != before.UID || len(d.events(nft.Name, "ProxyauditRestartProxy")) > 0 {
+			t.Fatalf("repaired while paused: kube-proxy pod %v -> %v", before.UID, now)
+		}
+		if out, err := as("oncall@example.com", "resume"); err != nil || !strings.Contains(out, "resumed") {
+			t.Fatalf("resume: %v\n%s", err, out)
+		}
+		d.until(2*time.Minute, "a restart of "+nft.Name+"'s kube-proxy once resumed", func() bool { return len(d.events(nft.Name, "ProxyauditRestartProxy")) > 0 })
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), nft.Name+" repaired after the pause")
 	})
 }
