@@ -73,7 +73,8 @@ func (m *mapNotes) Note(typ uint16, data []byte) {
 	switch typ & 0xff {
 	case unix.NFT_MSG_NEWSET:
 		table, name, info, err := decodeSetNote(data)
-		if err != nil || table != kubeProxyTable || !info.anonymous {
+		// kube-proxy's tables are ip and ip6: the reader takes no other.
+		if err != nil || table != kubeProxyTable || !info.anonymous || (family != unix.NFPROTO_IPV4 && family != unix.NFPROTO_IPV6) {
 			return
 		}
 		if m.open == nil {
