@@ -261,13 +261,7 @@ func ServiceFamilies(st *State) []int {
 			seen[family(ip)] = true
 		}
 	}
-	var out []int
-	for _, f := range []int{4, 6} {
-		if seen[f] {
-			out = append(out, f)
-		}
-	}
-	return out
+	return familyList(seen)
 }
 
 func family(a netip.Addr) int {

@@ -175,14 +175,7 @@ func TestDualStackCaptures(t *testing.T) {
 		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
 		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
 	} {
-		data, err := os.ReadFile(filepath.Join("testdata", "dualstack", dir, "cluster.json"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		st, err := ParseClusterList(data)
-		if err != nil {
-			t.Fatal(err)
-		}
+		st := loadCluster(t, filepath.Join("testdata", "dualstack", dir))
 		for _, node := range nodes {
 			t.Run(dir+"/"+node, func(t *testing.T) {
 				path := filepath.Join("testdata", "dualstack", dir, node+".rules")

@@ -18,8 +18,13 @@ var captures = []string{"clean", "drift", "large"}
 var captureNodes = []string{"ipt-a", "ipt-b", "nft-a", "nft-b"}
 
 func loadState(t testing.TB, dir string) *State {
+	return loadCluster(t, filepath.Join("testdata", "capture", dir))
+}
+
+// loadCluster reads dir/cluster.json.
+func loadCluster(t testing.TB, dir string) *State {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("testdata", "capture", dir, "cluster.json"))
+	data, err := os.ReadFile(filepath.Join(dir, "cluster.json"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -331,18 +331,13 @@ func parseIPTables(r io.Reader, fam int) (*Observed, error) {
 	}
 	// Each dump's family: its header, else its addresses.
 	for _, d := range dumps {
-		seen := d.p.families()
-		switch {
-		case d.fam != 0 && len(seen) == 1 && seen[0] != d.fam:
-			return nil, fmt.Errorf("line %d: %s output holds IPv%d addresses", d.firstLine, saveTool(d.fam), seen[0])
-		case d.fam != 0:
-		case len(seen) == 1:
-			d.fam = seen[0]
+		switch seen := d.p.families(); {
 		case len(seen) == 2:
-			return nil, fmt.Errorf("line %d: one dump holds IPv4 and IPv6 addresses: not iptables-save output", d.firstLine)
-		}
-		if len(seen) == 2 && d.fam != 0 {
-			return nil, fmt.Errorf("line %d: %s output holds IPv4 and IPv6 addresses", d.firstLine, saveTool(d.fam))
+			return nil, fmt.Errorf("line %d: one dump holds IPv4 and IPv6 addresses: not one iptables-save or ip6tables-save output", d.firstLine)
+		case len(seen) == 1 && d.fam == 0:
+			d.fam = seen[0]
+		case len(seen) == 1 && seen[0] != d.fam:
+			return nil, fmt.Errorf("line %d: %s output holds IPv%d addresses", d.firstLine, saveTool(d.fam), seen[0])
 		}
 	}
 	switch {
@@ -496,13 +491,7 @@ func (p *iptables) families() []int {
 	for _, t := range p.targets {
 		seen[family(t.Addr())] = true
 	}
-	var out []int
-	for _, f := range []int{4, 6} {
-		if seen[f] {
-			out = append(out, f)
-		}
-	}
-	return out
+	return familyList(seen)
 }
 
 // resolve builds the observed model of one family's dump.

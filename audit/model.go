@@ -141,6 +141,17 @@ type Observed struct {
 	Warnings []string
 }
 
+// familyList is the families (4, 6) seen marks, ascending.
+func familyList(seen [7]bool) []int {
+	var out []int
+	for _, f := range []int{4, 6} {
+		if seen[f] {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
 // Merge joins one node's rules read per IP family (iptables-save and
 // ip6tables-save, kube-proxy's ip and ip6 nftables tables) into one
 // model. The parts must be of one mode and of different families. The
@@ -154,6 +165,7 @@ func Merge(parts ...*Observed) (*Observed, error) {
 		return parts[0], nil
 	}
 	o := &Observed{Mode: parts[0].Mode, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
+	var withRules []*Observed
 	for _, p := range parts {
 		if p.Mode != o.Mode {
 			return nil, fmt.Errorf("rules of two modes for one node: %s and %s", o.Mode, p.Mode)
@@ -166,7 +178,7 @@ func Merge(parts ...*Observed) (*Observed, error) {
 		}
 		if !p.NoRules {
 			o.NoRules = false
-			o.Frontends = append(o.Frontends, p.Frontends...)
+			withRules = append(withRules, p)
 		}
 		// Rejects are checked only where every family's were read.
 		o.RejectsKnown = o.RejectsKnown && p.RejectsKnown
@@ -179,6 +191,15 @@ func Merge(parts ...*Observed) (*Observed, error) {
 		o.Rejects = nil
 	}
 	slices.Sort(o.Families)
+	if len(withRules) == 1 {
+		// One family has rules (a single-stack node): its frontends are
+		// normalized already, and shared as they are.
+		o.Frontends = withRules[0].Frontends
+		return o, nil
+	}
+	for _, p := range withRules {
+		o.Frontends = append(o.Frontends, p.Frontends...)
+	}
 	o.normalize()
 	return o, nil
 }

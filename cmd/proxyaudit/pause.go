@@ -15,7 +15,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
@@ -68,13 +67,7 @@ func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
 	if *forDur < 0 {
 		return fail("--for %s: want a positive duration", *forDur)
 	}
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = *kubeconfig
-	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *kctx}).ClientConfig()
-	if err != nil {
-		return fail("kubeconfig: %v", err)
-	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, user, err := kubeClient(*kubeconfig, *kctx)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -111,8 +104,9 @@ func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
 	for k := range current.Data {
 		data[k] = nil
 	}
+	var req remediate.PauseRequest
 	if !resume {
-		req := remediate.PauseRequest{By: whoAmI(ctx, client, cfg.Username), Reason: strings.TrimSpace(*reason), Since: now.UTC().Truncate(time.Second)}
+		req = remediate.PauseRequest{By: whoAmI(ctx, client, user), Reason: strings.TrimSpace(*reason), Since: now.UTC().Truncate(time.Second)}
 		if *forDur > 0 {
 			req.Until = req.Since.Add(*forDur)
 		}
@@ -138,9 +132,11 @@ func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
 		}
 		return exitClean
 	}
-	req, _, _ := remediate.DecodePause(stringData(data))
-	fmt.Fprintf(stdout, "paused %s\nproxyaudit restarts and cordons nothing until `proxyaudit resume`%s; detection and pages go on.\n", req,
-		map[bool]string{true: " or the pause ends", false: ""}[!req.Until.IsZero()])
+	ends := ""
+	if !req.Until.IsZero() {
+		ends = " or the pause ends"
+	}
+	fmt.Fprintf(stdout, "paused %s\nproxyaudit restarts and cordons nothing until `proxyaudit resume`%s; detection and pages go on.\n", req, ends)
 	return exitClean
 }
 
@@ -157,14 +153,4 @@ func whoAmI(ctx context.Context, client kubernetes.Interface, fallback string) s
 		return u.Username + " (local login)"
 	}
 	return ""
-}
-
-func stringData(d map[string]any) map[string]string {
-	out := map[string]string{}
-	for k, v := range d {
-		if s, ok := v.(string); ok {
-			out[k] = s
-		}
-	}
-	return out
 }

@@ -160,6 +160,19 @@ func accessFlags(fs *flag.FlagSet) *access {
 	return a
 }
 
+// kubeClient is a client for kubeconfig's context ("": the defaults), and
+// the configuration's user name.
+func kubeClient(kubeconfig, context string) (kubernetes.Interface, string, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: context}).ClientConfig()
+	if err != nil {
+		return nil, "", fmt.Errorf("kubeconfig: %v", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	return client, cfg.Username, err
+}
+
 // getter returns a function that GETs an API path, and its cancel.
 func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 	ctx, cancel := context.WithTimeout(context.Background(), *a.timeout)
@@ -176,17 +189,10 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 		}
 		return func(path string) ([]byte, error) { return httpGet(ctx, base+path, token) }, cancel, nil
 	}
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = *a.kubeconfig
-	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *a.context}).ClientConfig()
+	client, _, err := kubeClient(*a.kubeconfig, *a.context)
 	if err != nil {
 		cancel()
-		return nil, nil, fmt.Errorf("kubeconfig: %v (or pass --aggregator URL)", err)
-	}
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		cancel()
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("%v (or pass --aggregator URL)", err)
 	}
 	// The API server's proxy drops the caller's credentials; an aggregator
 	// that serves findings only to readers (--http-readers) checks this

@@ -196,8 +196,15 @@ func (a *Aggregator) holding(hold string, paused bool) {
 	was := a.hold
 	a.hold = hold
 	a.mu.Unlock()
-	a.cfg.Metrics.Held.WithLabelValues("paused").Set(map[bool]float64{true: 1}[paused])
-	a.cfg.Metrics.Held.WithLabelValues("window").Set(map[bool]float64{true: 1}[hold != "" && !paused])
+	byPause, byWindow := 0.0, 0.0
+	switch {
+	case paused:
+		byPause = 1
+	case hold != "":
+		byWindow = 1
+	}
+	a.cfg.Metrics.Held.WithLabelValues("paused").Set(byPause)
+	a.cfg.Metrics.Held.WithLabelValues("window").Set(byWindow)
 	if hold != was {
 		if hold == "" {
 			a.cfg.Log.Info("repairs no longer held", zap.String("was", was))

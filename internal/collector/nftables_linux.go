@@ -108,36 +108,31 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	var n int64
 	defer func() { r.bytes.Store(n) }()
 	var tables []*audit.NFTTable
-	var gone []int
 	for _, fam := range []int{4, 6} {
 		t, err := r.table(ctx, fam, &n)
 		if errors.Is(err, unix.ENOENT) {
 			// The table is gone: kube-proxy's rules of this family were
 			// removed (or the kernel has no IPv6: then no service of
-			// the family can exist either).
-			gone = append(gone, fam)
-			continue
+			// the family can exist either). Read, and empty.
+			t, err = &audit.NFTTable{Family: fam}, nil
 		}
 		if err != nil {
 			// A broken socket is reopened on the next read.
 			r.conn.Close()
 			r.conn = nil
-			return nil, fmt.Errorf("read table %s %s over netlink: %w", map[int]string{4: "ip", 6: "ip6"}[fam], kubeProxyTable, err)
+			return nil, fmt.Errorf("read table %s %s over netlink: %w", nftFamily(fam), kubeProxyTable, err)
 		}
 		tables = append(tables, t)
 	}
-	parts := make([]*audit.Observed, 0, 2)
-	if len(tables) > 0 {
-		obs, err := audit.FromNFTables(tables...)
-		if err != nil {
-			return nil, err
-		}
-		parts = append(parts, obs)
+	return audit.FromNFTables(tables...)
+}
+
+// nftFamily is nft's name of IP family fam: ip, ip6.
+func nftFamily(fam int) string {
+	if fam == 6 {
+		return "ip6"
 	}
-	for _, fam := range gone {
-		parts = append(parts, &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, RejectsKnown: true, Families: []int{fam}})
-	}
-	return audit.Merge(parts...)
+	return "ip"
 }
 
 // table reads kube-proxy's table of one family; n counts the bytes read.

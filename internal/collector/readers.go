@@ -38,7 +38,7 @@ func (h *Host) Reader(src Source) RuleReader {
 		return newNFTNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
 		return h.familyReaders(src, func(fam int) []string {
-			return []string{"nft", "-j", "list", "table", map[int]string{4: "ip", 6: "ip6"}[fam], "kube-proxy"}
+			return []string{"nft", "-j", "list", "table", nftFamily(fam), "kube-proxy"}
 		})
 	default:
 		return h.familyReaders(src, func(fam int) []string {
@@ -165,8 +165,8 @@ func (r *toolReader) Read(ctx context.Context) (*audit.Observed, error) {
 	if werr := cmd.Wait(); werr != nil {
 		if r.src.Mode == audit.ModeNFTables && strings.Contains(stderr.String(), "No such file or directory") {
 			// The table is gone: kube-proxy's rules of this family were
-			// removed.
-			return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, Families: []int{r.fam}}, nil
+			// removed. Read, and empty (no reject map either).
+			return &audit.Observed{Mode: audit.ModeNFTables, NoRules: true, RejectsKnown: true, Families: []int{r.fam}}, nil
 		}
 		return nil, fmt.Errorf("%s: %w: %s", name, werr, strings.TrimSpace(stderr.String()))
 	}
