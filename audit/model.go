@@ -172,7 +172,7 @@ func Merge(parts ...*Observed) (*Observed, error) {
 		}
 		for _, f := range p.Families {
 			if slices.Contains(o.Families, f) {
-				return nil, fmt.Errorf("the IPv%d rules given twice", f)
+				return nil, fmt.Errorf("the IPv%d rules given twice: give each family's dump once", f)
 			}
 			o.Families = append(o.Families, f)
 		}

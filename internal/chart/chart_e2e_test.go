@@ -130,7 +130,8 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
-	for _, want := range []string{"kubectl proxyaudit report -n proxyaudit", "Remediation: dry-run", "Nobody is paged"} {
+	for _, want := range []string{"kubectl proxyaudit report -n proxyaudit", "Remediation: dry-run", "Nobody is paged",
+		"kubectl proxyaudit pause -n proxyaudit --pause-configmap proxyaudit-aggregator-pause", "set remediation.pausers"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("NOTES lack %q:\n%s", want, out)
 		}
