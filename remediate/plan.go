@@ -36,9 +36,10 @@ type Policy struct {
 	// MaxConcurrent nodes in remediation (restarted and not yet judged,
 	// or cordoned) at once.
 	MaxConcurrent int
-	// MaxShare of the fleet in remediation at once; the smaller of the
-	// two limits holds.
-	MaxShare float64
+	// MaxUnhealthy nodes of the fleet in remediation at once, as a
+	// number, a share or all but N (NodeHealthCheck's maxUnhealthy); the
+	// smaller of it and MaxConcurrent holds.
+	MaxUnhealthy Budget
 	// Cooldown is the least time between two restarts of one node; each
 	// further restart within BudgetWindow doubles it.
 	Cooldown time.Duration
@@ -64,8 +65,14 @@ type Policy struct {
 
 // DefaultPolicy is dry-run with conservative limits.
 func DefaultPolicy() Policy {
-	return Policy{Mode: DryRun, MaxConcurrent: 1, MaxShare: 0.1, Cooldown: 10 * time.Minute,
+	return Policy{Mode: DryRun, MaxConcurrent: 1, MaxUnhealthy: MustBudget("10%"), Cooldown: 10 * time.Minute,
 		RestartBudget: 3, BudgetWindow: 24 * time.Hour, Recheck: 2 * time.Minute, BreakerShare: 0.1, BreakerWindow: time.Hour}
+}
+
+// Limit is how many nodes of a fleet of size nodes may be in remediation
+// at once: the smaller of MaxConcurrent and MaxUnhealthy.
+func (p Policy) Limit(size int) int {
+	return min(p.MaxConcurrent, p.MaxUnhealthy.Of(size))
 }
 
 // Stage is where a node's incident is on the ladder.
@@ -184,7 +191,7 @@ func Hold(now time.Time, p Policy, f Fleet) string {
 func Plan(now time.Time, p Policy, f Fleet) []Action {
 	nodes := append([]Node(nil), f.Nodes...)
 	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
-	limit := min(p.MaxConcurrent, int(math.Floor(p.MaxShare*float64(len(nodes)))))
+	limit := p.Limit(len(nodes))
 	busy := 0 // nodes in remediation: restarted and waiting, or cordoned by us
 	// Nodes restarted within the breaker's window, this round's included.
 	restarted, breaker := 0, max(1, int(math.Ceil(p.BreakerShare*float64(len(nodes)))))
@@ -310,7 +317,7 @@ func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int, hol
 	case len(inc.Restarts) > 0 && now.Sub(last(inc.Restarts)) < backoff(p, len(inc.Restarts)):
 		return fmt.Sprintf("in cooldown until %s", last(inc.Restarts).Add(backoff(p, len(inc.Restarts))).UTC().Format(time.RFC3339))
 	case busy >= limit:
-		return fmt.Sprintf("remediation budget reached (%d node(s) at once: the smaller of --remediation-max-nodes %d and --remediation-max-share %g of the fleet)", limit, p.MaxConcurrent, p.MaxShare)
+		return fmt.Sprintf("remediation budget reached (%d node(s) at once: the smaller of --remediation-max-nodes %d and --remediation-max-unhealthy %s of the fleet)", limit, p.MaxConcurrent, p.MaxUnhealthy)
 	}
 	return ""
 }

@@ -11,7 +11,7 @@ var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
 
 func policy(mode Mode) Policy {
 	p := DefaultPolicy()
-	p.Mode, p.MaxConcurrent, p.MaxShare, p.BreakerShare = mode, 2, 0.5, 1
+	p.Mode, p.MaxConcurrent, p.MaxUnhealthy, p.BreakerShare = mode, 2, MustBudget("50%"), 1
 	return p
 }
 
@@ -77,11 +77,24 @@ func TestPlan(t *testing.T) {
 		{"max nodes at once", policy(Restart),
 			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f"), drifted("g"), drifted("h"), drifted("i"))},
 			"g:RestartProxy h:RestartProxy i:Page", ""},
-		{"max share of the fleet", func() Policy { p := policy(Restart); p.MaxConcurrent = 5; p.MaxShare = 0.1; return p }(),
+		{"max share of the fleet", func() Policy { p := policy(Restart); p.MaxConcurrent = 5; p.MaxUnhealthy = MustBudget("10%"); return p }(),
 			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g"), drifted("h"), drifted("i"), drifted("j"))},
 			"h:RestartProxy i:Page j:Page", ""},
-		{"a share that rounds to zero acts on nothing", func() Policy { p := policy(Restart); p.MaxShare = 0.1; return p }(),
+		{"a share that rounds to zero acts on nothing", func() Policy { p := policy(Restart); p.MaxUnhealthy = MustBudget("10%"); return p }(),
 			Fleet{Nodes: []Node{Node{Name: "a", Healthy: true}, drifted("b")}}, "b:Page", "remediation budget reached"},
+		// NodeHealthCheck's forms in a fleet of three, where a share of
+		// 10% allows nothing.
+		{"all but one of three: two at once", func() Policy { p := policy(Restart); p.MaxConcurrent = 3; p.MaxUnhealthy = MustBudget("-1"); return p }(),
+			Fleet{Nodes: []Node{drifted("a"), drifted("b"), {Name: "c", Healthy: true}}}, "a:RestartProxy b:RestartProxy", ""},
+		{"all but one of three: the third waits", func() Policy { p := policy(Restart); p.MaxConcurrent = 3; p.MaxUnhealthy = MustBudget("-1"); return p }(),
+			Fleet{Nodes: []Node{restartedAgo(drifted("a"), time.Minute), restartedAgo(drifted("b"), time.Minute), drifted("c")}},
+			"c:Page", "the smaller of --remediation-max-nodes 3 and --remediation-max-unhealthy -1 of the fleet"},
+		{"all but three of three: none", func() Policy { p := policy(Restart); p.MaxUnhealthy = MustBudget("-3"); return p }(),
+			Fleet{Nodes: []Node{drifted("a"), {Name: "b", Healthy: true}, {Name: "c", Healthy: true}}}, "a:Page", "remediation budget reached (0 node(s)"},
+		{"an absolute budget in a fleet of three", func() Policy { p := policy(Restart); p.MaxUnhealthy = MustBudget("1"); return p }(),
+			Fleet{Nodes: []Node{drifted("a"), drifted("b"), {Name: "c", Healthy: true}}}, "a:RestartProxy b:Page", ""},
+		{"a share of three rounds down", func() Policy { p := policy(Restart); p.MaxConcurrent = 3; p.MaxUnhealthy = MustBudget("66%"); return p }(),
+			Fleet{Nodes: []Node{drifted("a"), drifted("b"), {Name: "c", Healthy: true}}}, "a:RestartProxy b:Page", ""},
 		{"nodes already in remediation count", policy(Restart),
 			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), time.Minute), restartedAgo(drifted("e"), time.Minute), drifted("f"))},
 			"f:Page", "remediation budget reached"},

@@ -62,7 +62,7 @@ func newProxyaudit(c *localcluster.Cluster) (*proxyaudit, error) {
 func (p *proxyaudit) install(ctx context.Context) error {
 	args := []string{"install", "proxyaudit", filepath.Join(p.root, chart.Dir), "--namespace", "proxyaudit", "--create-namespace",
 		"--set", "grace=" + demoGrace.String(), "--set", "collector.interval=" + demoInterval.String(),
-		"--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5"}
+		"--set", "remediation.mode=restart", "--set", "remediation.maxUnhealthy=50%"}
 	fmt.Printf("▶ $ helm %s\n", joinArgs(args))
 	cmd := exec.CommandContext(ctx, p.helm, args...)
 	home, err := os.MkdirTemp("", "proxyaudit-demo-helm-")

@@ -281,7 +281,7 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	s.agg = aggregator.New(acfg, s.view)
 	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
-		zap.Float64("max_share", o.remediation.MaxShare), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
+		zap.Stringer("max_unhealthy", o.remediation.MaxUnhealthy), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
 	return s, nil
 }
 

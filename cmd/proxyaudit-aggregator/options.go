@@ -123,7 +123,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.policy.MassMinNodes, "mass-divergence-min-nodes", o.policy.MassMinNodes, "fewest drifted nodes that can count as mass divergence")
 	fs.StringVar(&o.remediationMode, "remediation", o.remediationMode, "remediation mode: dry-run (findings, Events and pages; no changes), restart (delete the node's kube-proxy pod), restart-and-cordon (also cordon a node still drifted after a restart)")
 	fs.IntVar(&o.remediation.MaxConcurrent, "remediation-max-nodes", o.remediation.MaxConcurrent, "most nodes in remediation at once (restarted and not yet re-audited, or cordoned by proxyaudit)")
-	fs.Float64Var(&o.remediation.MaxShare, "remediation-max-share", o.remediation.MaxShare, "most nodes in remediation at once as a share of the fleet; the smaller limit holds")
+	fs.Var(&o.remediation.MaxUnhealthy, "remediation-max-unhealthy", "most nodes in remediation at once, in NodeHealthCheck's forms: a number (3), a share of the fleet rounded down (10%: none in a fleet under 10 nodes), or all nodes but N (-2); the smaller of it and --remediation-max-nodes holds")
 	fs.DurationVar(&o.remediation.Cooldown, "remediation-cooldown", o.remediation.Cooldown, "least time between two restarts of one node's kube-proxy; doubles with each further restart in the budget window")
 	fs.IntVar(&o.remediation.RestartBudget, "remediation-restart-budget", o.remediation.RestartBudget, "kube-proxy restarts per node within --remediation-budget-window")
 	fs.DurationVar(&o.remediation.BudgetWindow, "remediation-budget-window", o.remediation.BudgetWindow, "window of the per-node restart budget")
@@ -171,8 +171,8 @@ func (o *options) validate() error {
 		return fmt.Errorf("--remediation-windows: %v", err)
 	}
 	r := o.remediation
-	if r.MaxShare < 0 || r.MaxShare > 1 || r.MaxConcurrent < 0 || r.RestartBudget < 0 {
-		return errors.New("--remediation-max-share must be in [0, 1], --remediation-max-nodes and --remediation-restart-budget at least 0")
+	if r.MaxConcurrent < 0 || r.RestartBudget < 0 {
+		return errors.New("--remediation-max-nodes and --remediation-restart-budget must be at least 0")
 	}
 	if r.BreakerShare < 0 || r.BreakerShare > 1 || r.BreakerWindow < 0 {
 		return fmt.Errorf("--remediation-breaker-share %g must be in [0, 1] and --remediation-breaker-window %s at least 0", r.BreakerShare, r.BreakerWindow)

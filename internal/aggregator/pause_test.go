@@ -39,7 +39,7 @@ func TestPauseHoldsRepairsAndSaysSo(t *testing.T) {
 	}
 	rec := &kinds{}
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare = remediate.Restart, 1
+	p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
 	ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
 		Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
 	pause := &effect.Pause{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-pause", MaxAge: 5 * time.Second, Clock: h.clk}

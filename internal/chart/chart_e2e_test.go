@@ -214,14 +214,14 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 		}
 	}
 	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "--namespace", "proxyaudit", "--reuse-values",
-		"--set", "aggregator.replicas=1", "--set", "remediation.maxShare=0.5")
+		"--set", "aggregator.replicas=1", "--set", "remediation.maxUnhealthy=50%")
 	if err != nil {
 		t.Fatalf("helm upgrade: %v\n%s", err, out)
 	}
 	if !bytes.Equal(before, ca()) {
 		t.Error("helm upgrade replaced the CA the collectors trust")
 	}
-	for _, want := range []string{"WARNING: one aggregator replica", "WARNING: remediation may act on up to 1 node(s) or 50% of the fleet",
+	for _, want := range []string{"WARNING: one aggregator replica", "WARNING: remediation may act on up to 1 node(s) at once (maxUnhealthy 50%)",
 		"a fleet under 2 nodes gets pages, not repairs"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("NOTES lack %q:\n%s", want, out)

@@ -252,9 +252,13 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"collector.interval=often":                   "/collector/interval",
 		"slack.channel=C0123":                        "no bot token",
 		"slack.botToken=xoxb-1":                      "needs slack.channel",
-		"remediation.maxShare=2":                     "/remediation/maxShare",
-		"remediation.maxShare=1.5":                   "/remediation/maxShare", // --set passes floats as strings
-		"remediation.maxShare=0.05":                  "",
+		"remediation.maxShare=0.1":                   "'maxShare' not allowed", // it is maxUnhealthy: 10%
+		"remediation.maxUnhealthy=0.1":               "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=101%":              "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=-1%":               "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=5%":                "",
+		"remediation.maxUnhealthy=-1":                "",
+		"remediation.maxUnhealthy=3":                 "",
 		"aggregator.streamPort=0":                    "/aggregator/streamPort",
 		"collector.mode=ipvs":                        "/collector/mode",
 		"networkPolicy.enable=true":                  "'enable' not allowed",

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"slices"
 	"sync"
 	"time"
@@ -472,7 +471,7 @@ func (e *Executor) record(ctx context.Context, term int64, a *remediate.Action, 
 					busy++
 				}
 			}
-			limit := min(e.Policy.MaxConcurrent, int(math.Floor(e.Policy.MaxShare*float64(len(nodes)))))
+			limit := e.Policy.Limit(len(nodes))
 			if busy >= limit {
 				why = fmt.Sprintf("%d other node(s) already in remediation, limit %d", busy, limit)
 				return map[string]remediate.Incident{a.Node: refused(base, a.Incident)}, nil

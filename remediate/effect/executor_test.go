@@ -112,7 +112,7 @@ func TestFailedRestartIsRetriedNotEscalated(t *testing.T) {
 	failing(client, 1, "pods", "delete")
 	clk := noon()
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare, p.Cooldown = remediate.RestartAndCordon, 1, 0
+	p.Mode, p.MaxUnhealthy, p.Cooldown = remediate.RestartAndCordon, remediate.MustBudget("100%"), 0
 	ex := executor(t, client, clk, p, &pages{})
 	first := rounds(t, ex, clk, p, 1, "")
 	clk.Step(p.Recheck + time.Second) // long enough for the ladder to judge a restart
@@ -141,7 +141,7 @@ func TestNodeCannotSteerItsRemediation(t *testing.T) {
 	client := fake.NewClientset(objs...)
 	clk := noon()
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare = remediate.RestartAndCordon, 1
+	p.Mode, p.MaxUnhealthy = remediate.RestartAndCordon, remediate.MustBudget("100%")
 	ex := executor(t, client, clk, p, &pages{})
 	ctx := context.Background()
 	if err := ex.Load(ctx); err != nil {
@@ -175,7 +175,7 @@ func TestFutureRecordHoldsNoBudget(t *testing.T) {
 	client := fake.NewClientset(objs...)
 	clk := noon()
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare = remediate.Restart, 1
+	p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
 	ex := executor(t, client, clk, p, &pages{})
 	if acted := rounds(t, ex, clk, p, 1, ""); len(acted) != 1 || acted[0] != remediate.RestartProxy {
 		t.Fatalf("actions %v; want node-a restarted", acted)
@@ -201,7 +201,7 @@ func TestFencedReplicaActsNot(t *testing.T) {
 			client := fake.NewClientset(objs...)
 			clk := noon()
 			p := remediate.DefaultPolicy()
-			p.Mode, p.MaxShare = remediate.Restart, 1
+			p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
 			rec := &pages{}
 			ex := executor(t, client, clk, p, rec)
 			ex.Lead = tc.lead
@@ -256,7 +256,7 @@ func TestStaticProxyIsRefusedNotRestarted(t *testing.T) {
 	client := fake.NewClientset(objs...)
 	clk := noon()
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare = remediate.Restart, 1
+	p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
 	ex := executor(t, client, clk, p, &pages{})
 	outcomes := map[Outcome]int{}
 	ex.Observe = func(_ remediate.ActionKind, o Outcome) { outcomes[o]++ }
@@ -278,7 +278,7 @@ func TestUnelectedReplicaIsNotFenced(t *testing.T) {
 	client := fake.NewClientset(objs...)
 	clk := noon()
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxShare = remediate.Restart, 1
+	p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
 	ex := executor(t, client, clk, p, &pages{})
 	ex.Lead = func() (int64, bool) { return Unfenced, true }
 	if acted := rounds(t, ex, clk, p, 1, ""); len(acted) != 1 || acted[0] != remediate.RestartProxy {

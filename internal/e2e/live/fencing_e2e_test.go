@@ -62,7 +62,7 @@ func TestE2EIncidentRecordFencing(t *testing.T) {
 		return gone
 	}
 	p := remediate.DefaultPolicy()
-	p.Mode, p.MaxConcurrent, p.MaxShare, p.BreakerWindow = remediate.Restart, 1, 1, 0
+	p.Mode, p.MaxConcurrent, p.MaxUnhealthy, p.BreakerWindow = remediate.Restart, 1, remediate.MustBudget("100%"), 0
 	clk := clock.RealClock{}
 	replica := func(term int64) *effect.Executor {
 		return &effect.Executor{Client: c.Client, Policy: p, Clock: clk, Log: zaptest.NewLogger(t), ProxyNamespace: rns, ProxySelector: "k8s-app=kube-proxy",

@@ -306,7 +306,7 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	watch := watchFindings(ctx, t, c)
 	upgraded := time.Now()
 	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values",
-		"--set", "remediation.mode=restart", "--set", "remediation.maxShare=0.5", "--set", "grace=10s",
+		"--set", "remediation.mode=restart", "--set", "remediation.maxUnhealthy=50%", "--set", "grace=10s",
 		"--set", "collector.interval=5s")
 	rolled := func(sel string, want int) {
 		deadline := time.Now().Add(3 * time.Minute)

@@ -281,7 +281,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	// fleet of four: off, so that each scenario meets the limit it is
 	// about.
 	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
-		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "remediation.mode=dry-run", "--set", "remediation.maxShare=0.5",
+		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "remediation.mode=dry-run", "--set", "remediation.maxUnhealthy=50%",
 		"--set", "remediation.breakerWindow=0")
 	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
