@@ -119,7 +119,10 @@ type Node struct {
 	StaticProxy, NoProxyPod bool
 	// Unschedulable: the node is already cordoned.
 	Unschedulable bool
-	Incident      Incident
+	// Silenced says who silenced the node's incident in Alertmanager and
+	// why (or that Alertmanager cannot be asked): paged, never repaired.
+	Silenced string
+	Incident Incident
 }
 
 // ActionKind is what the executor is asked to do.
@@ -160,7 +163,24 @@ type Action struct {
 	Reason   string
 	DryRun   bool
 	Incident Incident
+	// Held names, for a page instead of a repair, what held the repair
+	// (one of the Held* reasons), for the held-decisions metric.
+	Held string
 }
+
+// What holds a repair, as Action.Held.
+const (
+	HeldPaused      = "paused"
+	HeldWindow      = "window"
+	HeldSilenced    = "silenced"
+	HeldBudget      = "budget"        // fleet: too many nodes in remediation
+	HeldBreaker     = "breaker"       // fleet: too many restarted lately
+	HeldCooldown    = "cooldown"      // node: restarted too recently
+	HeldSpent       = "spent"         // node: its restart budget is spent
+	HeldExempt      = "exempt"        // node: labelled exempt
+	HeldLeaving     = "leaving"       // node: being deleted or scaled down
+	HeldUnrestartable = "unrestartable" // static kube-proxy, or none found
+)
 
 // Fleet is what the planner decides over.
 type Fleet struct {
@@ -210,21 +230,30 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		}
 		return 0
 	}
-	tripped := func(n Node) string {
+	tripped := func(n Node) (string, string) {
 		if fresh(n) == 0 || restarted < breaker {
-			return ""
+			return "", ""
 		}
-		return fmt.Sprintf("remediation breaker open: %d node(s) had kube-proxy restarted in the last %s (limit %d: --remediation-breaker-share %g of the fleet); a cause common to them (a kube-proxy rollout, the API, proxyaudit itself) is likelier than that many broken kube-proxies",
+		return HeldBreaker, fmt.Sprintf("remediation breaker open: %d node(s) had kube-proxy restarted in the last %s (limit %d: --remediation-breaker-share %g of the fleet); a cause common to them (a kube-proxy rollout, the API, proxyaudit itself) is likelier than that many broken kube-proxies",
 			restarted, p.BreakerWindow, breaker, p.BreakerShare)
 	}
 	dry := p.Mode == DryRun
-	hold := Hold(now, p, f)
+	hold, holdWhy := Hold(now, p, f), HeldWindow
+	if f.Paused != "" {
+		holdWhy = HeldPaused
+	}
 	var out []Action
 	for _, n := range nodes {
 		inc := n.Incident
 		inc.Restarts = recent(inc.Restarts, now, p.BudgetWindow)
 		act := func(kind ActionKind, reason string, next Incident) {
 			out = append(out, Action{Kind: kind, Node: n.Name, Reason: reason, DryRun: dry && kind != Page && kind != Resolve, Incident: next})
+		}
+		check := func() (string, string) {
+			if held, why := blocked(n, p, inc, now, busy, limit, hold, holdWhy); why != "" {
+				return held, why
+			}
+			return tripped(n)
 		}
 		switch {
 		case n.Healthy && inc.Stage != "":
@@ -243,12 +272,9 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			// still drifted then.
 		case inc.Stage == "":
 			inc.Stage, inc.Opened = StageOpen, now
-			why := blocked(n, p, inc, now, busy, limit, hold)
-			if why == "" {
-				why = tripped(n)
-			}
-			if why != "" {
+			if held, why := check(); why != "" {
 				act(Page, n.Summary+"; not repaired: "+why, inc)
+				out[len(out)-1].Held = held
 				continue
 			}
 			inc.Stage = StageRestarted
@@ -264,10 +290,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if inc.Stage == StageRestarted {
 				busy-- // its restart has been judged
 			}
-			why := blocked(n, p, inc, now, busy, limit, hold)
-			if why == "" {
-				why = tripped(n)
-			}
+			held, why := check()
 			if why == "" {
 				inc.Stage = StageRestarted
 				inc.Restarts = append(inc.Restarts, now)
@@ -279,17 +302,26 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 				continue // already paged with the reason
 			}
 			inc.Stage = StageEscalated
-			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" && hold == "" {
+			// What holds a cordon: a fleet-wide hold or a silence (the
+			// reasons a restart was refused above may not apply to it).
+			held, why = holdWhy, hold
+			if why == "" && n.Silenced != "" {
+				held, why = HeldSilenced, n.Silenced
+			}
+			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" && why == "" {
 				inc.Cordoned = now
 				busy++
 				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
 				continue
 			}
-			held := ""
-			if p.Mode == RestartAndCordon && hold != "" {
-				held = "; not cordoned: " + hold
+			tail := ""
+			if p.Mode == RestartAndCordon && why != "" {
+				tail = "; not cordoned: " + why
+			} else {
+				held = ""
 			}
-			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck)+held, inc)
+			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck)+tail, inc)
+			out[len(out)-1].Held = held
 		}
 	}
 	return out
@@ -299,27 +331,30 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 // cannot restart.
 const StaticProxyAdvice = "kube-proxy runs as a static pod here, which the API cannot restart: on the node, move its manifest out of the kubelet's manifest directory (usually /etc/kubernetes/manifests) and back, or `crictl stop` its container"
 
-// blocked says why the node may not be restarted now, or "".
-func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int, hold string) string {
+// blocked says what holds the node's restart now (a Held* reason) and
+// why, or "", "".
+func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int, hold, holdWhy string) (string, string) {
 	switch {
 	case n.Exempt != "":
-		return "node is exempt (" + n.Exempt + ")"
+		return HeldExempt, "node is exempt (" + n.Exempt + ")"
 	case n.Leaving != "":
-		return "node is going away (" + n.Leaving + ")"
+		return HeldLeaving, "node is going away (" + n.Leaving + ")"
 	case n.StaticProxy:
-		return StaticProxyAdvice
+		return HeldUnrestartable, StaticProxyAdvice
 	case n.NoProxyPod:
-		return "no kube-proxy pod found on the node (check the kube-proxy selector)"
+		return HeldUnrestartable, "no kube-proxy pod found on the node (check the kube-proxy selector)"
 	case hold != "":
-		return hold
+		return holdWhy, hold
+	case n.Silenced != "":
+		return HeldSilenced, n.Silenced
 	case len(inc.Restarts) >= p.RestartBudget:
-		return fmt.Sprintf("restart budget spent (%d in %s)", len(inc.Restarts), p.BudgetWindow)
+		return HeldSpent, fmt.Sprintf("restart budget spent (%d in %s)", len(inc.Restarts), p.BudgetWindow)
 	case len(inc.Restarts) > 0 && now.Sub(last(inc.Restarts)) < backoff(p, len(inc.Restarts)):
-		return fmt.Sprintf("in cooldown until %s", last(inc.Restarts).Add(backoff(p, len(inc.Restarts))).UTC().Format(time.RFC3339))
+		return HeldCooldown, fmt.Sprintf("in cooldown until %s", last(inc.Restarts).Add(backoff(p, len(inc.Restarts))).UTC().Format(time.RFC3339))
 	case busy >= limit:
-		return fmt.Sprintf("remediation budget reached (%d node(s) at once: the smaller of --remediation-max-nodes %d and --remediation-max-unhealthy %s of the fleet)", limit, p.MaxConcurrent, p.MaxUnhealthy)
+		return HeldBudget, fmt.Sprintf("remediation budget reached (%d node(s) at once: the smaller of --remediation-max-nodes %d and --remediation-max-unhealthy %s of the fleet)", limit, p.MaxConcurrent, p.MaxUnhealthy)
 	}
-	return ""
+	return "", ""
 }
 
 // backoff is the cooldown after k restarts: Cooldown, doubling per restart.

@@ -219,3 +219,66 @@ func TestParseMode(t *testing.T) {
 		t.Error("cordon accepted")
 	}
 }
+
+// Every page instead of a repair names what held it, for the metric of
+// held decisions; a silence holds a restart and a cordon alike.
+func TestHeldDecisionsSayWhy(t *testing.T) {
+	silenced := func(n Node) Node { n.Silenced = "silenced in Alertmanager by alice"; return n }
+	restartedAgo := func(n Node, d time.Duration) Node {
+		n.Incident = Incident{Stage: StageRestarted, Opened: t0.Add(-d), Restarts: []time.Time{t0.Add(-d)}}
+		return n
+	}
+	windows := func(s string) Windows {
+		w, err := ParseWindows(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	rc := policy(RestartAndCordon)
+	for _, c := range []struct {
+		name   string
+		p      Policy
+		f      Fleet
+		held   string
+		reason string
+	}{
+		{"silenced", rc, Fleet{Nodes: append(healthy("a", "b", "c"), silenced(drifted("d")))}, HeldSilenced, "not repaired: silenced in Alertmanager by alice"},
+		{"silenced after a restart that did not help: not cordoned", rc,
+			Fleet{Nodes: append(healthy("a", "b", "c"), silenced(restartedAgo(drifted("d"), 3*time.Minute)))}, HeldSilenced, "needs a human; not cordoned: silenced in Alertmanager"},
+		{"paused", rc, Fleet{Nodes: append(healthy("a", "b", "c"), silenced(drifted("d"))), Paused: "by bob"}, HeldPaused, "remediation paused by bob"},
+		{"window", func() Policy { p := rc; p.Windows = windows("Sat 01:00-02:00 UTC"); return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c"), drifted("d"))}, HeldWindow, "outside the maintenance windows"},
+		{"budget", func() Policy { p := rc; p.MaxUnhealthy = MustBudget("0"); return p }(),
+			Fleet{Nodes: append(healthy("a", "b", "c"), drifted("d"))}, HeldBudget, "remediation budget reached"},
+		{"exempt", rc, Fleet{Nodes: append(healthy("a", "b", "c"), func() Node { n := drifted("d"); n.Exempt = "label x"; return n }())}, HeldExempt, "exempt"},
+		{"static kube-proxy", rc, Fleet{Nodes: append(healthy("a", "b", "c"), func() Node { n := drifted("d"); n.StaticProxy = true; return n }())}, HeldUnrestartable, "static pod"},
+		{"cooldown", rc, Fleet{Nodes: append(healthy("a", "b", "c"), func() Node {
+			n := drifted("d")
+			n.Incident = Incident{Stage: StageOpen, Opened: ago(time.Hour)}
+			n.Incident.Restarts = []time.Time{ago(5 * time.Minute)}
+			n.Incident.Stage = ""
+			return n
+		}())}, HeldCooldown, "cooldown"},
+		{"escalated without a hold names none", policy(Restart),
+			Fleet{Nodes: append(healthy("a", "b", "c"), restartedAgo(drifted("d"), 3*time.Minute))}, "", "needs a human"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			as := Plan(t0, c.p, c.f)
+			if len(as) != 1 || as[0].Kind != Page || as[0].Held != c.held || !strings.Contains(as[0].Reason, c.reason) {
+				t.Fatalf("got %s held %q: %+v; want one page held %q saying %q", describe(as), func() string {
+					if len(as) > 0 {
+						return as[0].Held
+					}
+					return ""
+				}(), as, c.held, c.reason)
+			}
+		})
+	}
+	// Once the silence is gone, the held incident is repaired.
+	n := drifted("d")
+	n.Incident = Incident{Stage: StageOpen, Opened: ago(time.Minute)}
+	if as := Plan(t0, rc, Fleet{Nodes: append(healthy("a", "b", "c"), n)}); describe(as) != "d:RestartProxy" {
+		t.Errorf("silence lifted: %s", describe(as))
+	}
+}
