@@ -170,15 +170,15 @@ type Action struct {
 
 // What holds a repair, as Action.Held.
 const (
-	HeldPaused      = "paused"
-	HeldWindow      = "window"
-	HeldSilenced    = "silenced"
-	HeldBudget      = "budget"        // fleet: too many nodes in remediation
-	HeldBreaker     = "breaker"       // fleet: too many restarted lately
-	HeldCooldown    = "cooldown"      // node: restarted too recently
-	HeldSpent       = "spent"         // node: its restart budget is spent
-	HeldExempt      = "exempt"        // node: labelled exempt
-	HeldLeaving     = "leaving"       // node: being deleted or scaled down
+	HeldPaused        = "paused"
+	HeldWindow        = "window"
+	HeldSilenced      = "silenced"
+	HeldBudget        = "budget"        // fleet: too many nodes in remediation
+	HeldBreaker       = "breaker"       // fleet: too many restarted lately
+	HeldCooldown      = "cooldown"      // node: restarted too recently
+	HeldSpent         = "spent"         // node: its restart budget is spent
+	HeldExempt        = "exempt"        // node: labelled exempt
+	HeldLeaving       = "leaving"       // node: being deleted or scaled down
 	HeldUnrestartable = "unrestartable" // static kube-proxy, or none found
 )
 
