@@ -115,11 +115,12 @@ fmt:
 deps:
 	@deploy/install-deps.sh
 
-## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet,
+## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet, Alertmanager,
 ## kube-controller-manager, kube-scheduler and CoreDNS from Go modules
 cluster-binaries:
 	@deploy/k8s-tools/build.sh >/dev/null
 	@deploy/k8s-tools/coredns.sh >/dev/null
+	@deploy/k8s-tools/alertmanager.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

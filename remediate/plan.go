@@ -290,7 +290,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if inc.Stage == StageRestarted {
 				busy-- // its restart has been judged
 			}
-			held, why := check()
+			_, why := check()
 			if why == "" {
 				inc.Stage = StageRestarted
 				inc.Restarts = append(inc.Restarts, now)
@@ -304,7 +304,8 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			inc.Stage = StageEscalated
 			// What holds a cordon: a fleet-wide hold or a silence (the
 			// reasons a restart was refused above may not apply to it).
-			held, why = holdWhy, hold
+			held := holdWhy
+			why = hold
 			if why == "" && n.Silenced != "" {
 				held, why = HeldSilenced, n.Silenced
 			}

@@ -11,6 +11,7 @@ import (
 
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -259,8 +260,19 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	if s.notifier, err = o.slack(metrics, log); err != nil {
 		return nil, err
 	}
+	var notifiers effect.Fanout
 	if s.notifier != nil {
-		executor.Notifier = s.notifier
+		notifiers = append(notifiers, s.notifier)
+	}
+	am, err := o.alertmanager(metrics, log, clk)
+	if err != nil {
+		return nil, err
+	}
+	if am != nil {
+		notifiers = append(notifiers, am)
+	}
+	if len(notifiers) > 0 {
+		executor.Notifier = notifiers
 	}
 	var readerAuth *aggregator.ReaderAuth
 	if o.readers != "" {
@@ -274,7 +286,7 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	acfg := aggregator.Config{Policy: o.policy, Auth: auth, Readers: readerAuth, Insecure: o.insecure, MaxMessageBytes: o.maxMessageBytes,
 		Self: o.self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: o.recoveryGrace,
 		Remediation: &aggregator.Remediation{Policy: o.remediation, Executor: executor, ExemptLabel: o.exemptLabel,
-			Pause: &effect.Pause{Client: client, Namespace: o.leNamespace, Name: o.pause, MaxAge: 5 * time.Second, Clock: clk}}}
+			Pause: &effect.Pause{Client: client, Namespace: o.leNamespace, Name: o.pause, MaxAge: 5 * time.Second, Clock: clk}, Alertmanager: am}}
 	if s.notifier != nil {
 		acfg.Notifier = s.notifier
 	}
@@ -309,6 +321,46 @@ func (o *options) slack(metrics *aggregator.Metrics, log *zap.Logger) (*effect.S
 	}
 	log.Info("paging on Slack", zap.Bool("bot", cfg.Token != ""), zap.String("channel", o.slackChannel))
 	return effect.NewSlack(cfg)
+}
+
+// alertmanager is the Alertmanager client the flags ask for, or nil.
+func (o *options) alertmanager(metrics *aggregator.Metrics, log *zap.Logger, clk clock.PassiveClock) (*effect.Alertmanager, error) {
+	if o.amURLs == "" {
+		return nil, nil
+	}
+	cfg := effect.AlertmanagerConfig{Cluster: o.clusterName, Clock: clk, Log: log.Named("alertmanager"),
+		Requests: func(op, outcome string) { metrics.Alertmanager.WithLabelValues(op, outcome).Inc() }}
+	for _, u := range strings.Split(o.amURLs, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			cfg.URLs = append(cfg.URLs, u)
+		}
+	}
+	if o.amTokenFile != "" {
+		b, err := os.ReadFile(o.amTokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("--alertmanager-token-file: %v", err)
+		}
+		cfg.Token = strings.TrimSpace(string(b))
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	if o.amCAFile != "" {
+		pem, err := os.ReadFile(o.amCAFile)
+		if err != nil {
+			return nil, fmt.Errorf("--alertmanager-ca-file: %v", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--alertmanager-ca-file %s: no PEM certificate in it", o.amCAFile)
+		}
+		tr.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	}
+	cfg.HTTP = &http.Client{Timeout: 10 * time.Second, Transport: tr}
+	am, err := effect.NewAlertmanager(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("--alertmanager-url: %v", err)
+	}
+	log.Info("incidents are alerts in Alertmanager; its silences hold repairs", zap.Strings("urls", cfg.URLs))
+	return am, nil
 }
 
 // httpTimeouts bound what one HTTP client can hold: the headers, the

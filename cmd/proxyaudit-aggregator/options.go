@@ -51,6 +51,7 @@ type options struct {
 	slackTokenFile, slackChannel  string
 	slackWebhookFile, slackAPI    string
 	clusterName                   string
+	amURLs, amTokenFile, amCAFile string
 	self, streamPort, httpPort    string // derived by validate
 }
 
@@ -146,6 +147,9 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.reviewBurst, "token-review-burst", o.reviewBurst, "burst of --token-review-qps")
 	fs.Float64Var(&o.readerReviewQPS, "reader-review-qps", o.readerReviewQPS, "token and access reviews a second for HTTP API readers not decided yet (decisions are cached 30 s): a budget of their own, so a flood of reader tokens cannot delay a collector; beyond it readers get 429")
 	fs.StringVar(&o.pprofListen, "debug-pprof-listen", o.pprofListen, "address for Go's /debug/pprof profiles (e.g. 127.0.0.1:6060); empty: off. Profiles show internals: bind it to localhost")
+	fs.StringVar(&o.amURLs, "alertmanager-url", os.Getenv("PROXYAUDIT_ALERTMANAGER_URL"), "comma-separated base URLs of every Alertmanager replica (http://alertmanager.monitoring:9093): each incident is an alert there (alertname ProxyAuditIncident; labels node, kind, cluster, severity: warning while proxyaudit may repair, critical once it needs a human), firing while it lasts and resolved when it ends; a node whose alert a silence mutes is paged, not repaired; an Alertmanager that cannot be asked holds every repair. Empty: none [PROXYAUDIT_ALERTMANAGER_URL]")
+	fs.StringVar(&o.amTokenFile, "alertmanager-token-file", o.amTokenFile, "file holding a bearer token for Alertmanager (behind an authenticating proxy); read at start")
+	fs.StringVar(&o.amCAFile, "alertmanager-ca-file", o.amCAFile, "PEM file of the CAs an https Alertmanager's certificate is checked against (default: the system's)")
 	fs.StringVar(&o.clusterName, "cluster-name", o.clusterName, "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
 }
 

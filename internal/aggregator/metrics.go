@@ -45,6 +45,10 @@ type Metrics struct {
 	Slack              *prometheus.CounterVec
 	// Held is 1 while every repair is held, by why: paused, window.
 	Held *prometheus.GaugeVec
+	// HeldDecisions counts pages instead of repairs by what held them.
+	HeldDecisions *prometheus.CounterVec
+	// Alertmanager counts calls to Alertmanager by operation and outcome.
+	Alertmanager *prometheus.CounterVec
 }
 
 // RejectReason is why a stream is refused or cut: the value of
@@ -154,9 +158,13 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_slack_messages_total", Help: "Slack deliveries by result: sent, retried (429 or 5xx), dropped (queue full), failed."}, []string{"result"}),
 		Held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "proxyaudit_remediation_held", Help: "1 while the leader holds every repair (pages only), by why: paused (proxyaudit pause) or window (outside --remediation-windows)."}, []string{"why"}),
+		HeldDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_remediation_held_decisions_total", Help: "Repairs decided against (the node paged instead), by what held them: paused, window, silenced (Alertmanager, or Alertmanager unreachable), budget, breaker, cooldown, spent (restart budget), exempt, leaving, unrestartable (static or missing kube-proxy pod)."}, []string{"why"}),
+		Alertmanager: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -24,6 +24,9 @@ type Remediation struct {
 	ExemptLabel string
 	// Pause reads the fleet-wide pause request; nil: none.
 	Pause *effect.Pause
+	// Alertmanager keeps incidents alerts there and says which are
+	// silenced; nil: none.
+	Alertmanager *effect.Alertmanager
 }
 
 // remediate plans and executes one round over a verdict (leader only).
@@ -56,6 +59,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	a.stormNotice(storm, v)
 	fleet := remediate.Fleet{Storm: storm}
 	notices := map[string]remediate.Notice{}
+	kinds := map[string]string{}
 	for _, st := range v.Nodes {
 		node := a.view.Node(st.Node)
 		if node == nil {
@@ -83,6 +87,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		}
 		fleet.Nodes = append(fleet.Nodes, n)
 		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
+		kinds[st.Node] = string(st.State)
 		if r.Policy.Mode != remediate.DryRun {
 			// In a storm the drift is most likely the aggregator's or the
 			// API's: no node is marked, as node-health controllers (NHC,
@@ -97,14 +102,66 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	if r.Pause != nil {
 		fleet.Paused = r.Pause.Held(ctx)
 	}
+	if r.Alertmanager != nil {
+		a.alertmanager(ctx, r.Alertmanager, &fleet, kinds, notices, v)
+	}
 	now := a.cfg.Clock.Now()
 	a.holding(remediate.Hold(now, r.Policy, fleet), fleet.Paused != "")
 	actions := remediate.Plan(now, r.Policy, fleet)
+	for _, act := range actions {
+		if act.Held != "" {
+			a.cfg.Metrics.HeldDecisions.WithLabelValues(act.Held).Inc()
+		}
+	}
 	if len(actions) == 0 {
 		return
 	}
 	if err := r.Executor.Execute(ctx, actions, notices); err != nil {
 		a.cfg.Log.Warn("remediation round had failures", zap.Error(err))
+	}
+}
+
+// alertmanager keeps every incident an alert in Alertmanager (in a storm,
+// the storm one alert, not one per node) and marks the nodes whose alert
+// a silence mutes, or every drifted node when Alertmanager cannot be
+// asked.
+func (a *Aggregator) alertmanager(ctx context.Context, am *effect.Alertmanager, fleet *remediate.Fleet, kinds map[string]string, notices map[string]remediate.Notice, v *audit.Verdict) {
+	var alerts []remediate.Alert
+	for _, n := range fleet.Nodes {
+		if !remediate.Alerting(n) || (fleet.Storm && n.Incident.Stage == "") {
+			continue
+		}
+		al := remediate.NodeAlert(n, kinds[n.Name])
+		al.Evidence = notices[n.Name].Evidence
+		if al.Since.IsZero() {
+			al.Since = notices[n.Name].Since
+		}
+		alerts = append(alerts, al)
+	}
+	if fleet.Storm {
+		for _, f := range v.Findings {
+			if f.Kind == audit.MassDivergence {
+				a.mu.Lock()
+				since := a.stormSince
+				a.mu.Unlock()
+				alerts = append(alerts, remediate.Alert{Kind: string(audit.MassDivergence), Severity: remediate.SeverityCritical, Summary: f.Detail,
+					Action: "nothing is repaired and no node is marked until it is over: suspect the API or the aggregator's view, not the nodes", Since: since})
+				break
+			}
+		}
+	}
+	if err := am.Sync(ctx, alerts); err != nil {
+		a.cfg.Log.Warn("cannot keep incidents firing in Alertmanager", zap.Error(err))
+	}
+	silenced, hold := am.Silenced(ctx)
+	for i := range fleet.Nodes {
+		n := &fleet.Nodes[i]
+		switch {
+		case silenced[n.Name] != "":
+			n.Silenced = silenced[n.Name]
+		case hold != "" && n.Drifted:
+			n.Silenced = hold
+		}
 	}
 }
 

@@ -246,25 +246,27 @@ func TestRenderIsStable(t *testing.T) {
 func TestBadValuesAreRefused(t *testing.T) {
 	skipShort(t)
 	for set, says := range map[string]string{
-		"remediation.mode=restarts":                  "/remediation/mode",
-		"grace=30":                                   "/grace",
-		"aggregator.replica=3":                       "'replica' not allowed",
-		"collector.interval=often":                   "/collector/interval",
-		"slack.channel=C0123":                        "no bot token",
-		"slack.botToken=xoxb-1":                      "needs slack.channel",
-		"remediation.maxShare=0.1":                   "'maxShare' not allowed", // it is maxUnhealthy: 10%
-		"remediation.maxUnhealthy=0.1":               "/remediation/maxUnhealthy",
-		"remediation.maxUnhealthy=101%":              "/remediation/maxUnhealthy",
-		"remediation.maxUnhealthy=-1%":               "/remediation/maxUnhealthy",
-		"remediation.maxUnhealthy=5%":                "",
-		"remediation.maxUnhealthy=-1":                "",
-		"remediation.maxUnhealthy=3":                 "",
-		"aggregator.streamPort=0":                    "/aggregator/streamPort",
-		"collector.mode=ipvs":                        "/collector/mode",
-		"networkPolicy.enable=true":                  "'enable' not allowed",
-		"tls.existingSecret=":                        "", // empty is fine
-		"remediation.restartBudget=":                 "/remediation/restartBudget",
-		"kubeProxy.selector=k8s-app in (kube-proxy)": "", // fine in dry-run: no admission policy
+		"remediation.mode=restarts":                      "/remediation/mode",
+		"grace=30":                                       "/grace",
+		"aggregator.replica=3":                           "'replica' not allowed",
+		"collector.interval=often":                       "/collector/interval",
+		"slack.channel=C0123":                            "no bot token",
+		"slack.botToken=xoxb-1":                          "needs slack.channel",
+		"remediation.maxShare=0.1":                       "'maxShare' not allowed", // it is maxUnhealthy: 10%
+		"remediation.maxUnhealthy=0.1":                   "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=101%":                  "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=-1%":                   "/remediation/maxUnhealthy",
+		"remediation.maxUnhealthy=5%":                    "",
+		"remediation.maxUnhealthy=-1":                    "",
+		"remediation.maxUnhealthy=3":                     "",
+		"alertmanager.urls[0]=alertmanager:9093":         "/alertmanager/urls/0",
+		"alertmanager.urls[0]=http://am.monitoring:9093": "",
+		"aggregator.streamPort=0":                        "/aggregator/streamPort",
+		"collector.mode=ipvs":                            "/collector/mode",
+		"networkPolicy.enable=true":                      "'enable' not allowed",
+		"tls.existingSecret=":                            "", // empty is fine
+		"remediation.restartBudget=":                     "/remediation/restartBudget",
+		"kubeProxy.selector=k8s-app in (kube-proxy)":     "", // fine in dry-run: no admission policy
 		"remediation.mode=restart,kubeProxy.selector=k8s-app in (kube-proxy)": "only key=value terms",
 	} {
 		_, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, set)

@@ -370,10 +370,8 @@ func (am *Alertmanager) readSilenced(ctx context.Context, now time.Time) (map[st
 		return cantAsk(err)
 	}
 	byNode := map[string]string{}
-	var ids []string
 	for _, a := range muted {
 		if len(a.Status.SilencedBy) > 0 && a.Labels["alertname"] == remediate.AlertName && a.Labels["node"] != "" && (a.EndsAt.IsZero() || a.EndsAt.After(now)) {
-			ids = append(ids, a.Status.SilencedBy...)
 			byNode[a.Labels["node"]] = strings.Join(a.Status.SilencedBy, ",")
 		}
 	}

@@ -190,6 +190,26 @@ type Forgetter interface {
 	Forget(node string)
 }
 
+// Fanout tells every notifier (Slack, Alertmanager) in turn; none may
+// block.
+type Fanout []remediate.Notifier
+
+// Notify tells each.
+func (f Fanout) Notify(n remediate.Notice) {
+	for _, x := range f {
+		x.Notify(n)
+	}
+}
+
+// Forget forgets in each that keeps per-node state.
+func (f Fanout) Forget(node string) {
+	for _, x := range f {
+		if g, ok := x.(Forgetter); ok {
+			g.Forget(node)
+		}
+	}
+}
+
 // Remembered counts the nodes the executor holds anything of in memory
 // beyond the current round: it must follow the cluster's size, not the
 // number of nodes it ever saw.

@@ -493,4 +493,59 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 		d.until(2*time.Minute, "a restart of "+nft.Name+"'s kube-proxy once resumed", func() bool { return len(d.events(nft.Name, "ProxyauditRestartProxy")) > 0 })
 		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), nft.Name+" repaired after the pause")
 	})
+
+	t.Run("silenced in Alertmanager: paged, not repaired; silence expired: repaired, alert resolved", func(t *testing.T) {
+		d.t, d.started = t, time.Now()
+		// A genuine Alertmanager on the host, where the pods reach it (the
+		// API server's address), its one receiver a webhook.
+		hook := remediatetest.NewWebhook(t, "127.0.0.1")
+		am, err := localcluster.StartAlertmanager(ctx, t.TempDir(), localcluster.APIServerIP, hook.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			if t.Failed() {
+				t.Logf("alertmanager:\n%s\nreceiver: %+v", am.Log(), hook.All())
+			}
+			am.Stop()
+		}()
+		upgrade(t, "alertmanager.urls[0]="+am.URL, "clusterName=e2e")
+		d.forget(b.Name)
+		id, err := am.Silence(ctx, "oncall@example.com", "real-ipt-b drained for a kernel upgrade", time.Hour,
+			localcluster.Matcher{Name: "node", Value: b.Name, IsEqual: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := kubeProxyPod(ctx, t, c, b.Name)
+		undo := d.stuck(b, false) // the restart once the silence ends cures it
+		defer undo(context.Background())
+		d.until(2*time.Minute, "a page saying who silenced "+b.Name+"'s repair", func() bool {
+			return d.paged(b.Name, "silenced in Alertmanager by oncall@example.com") && d.paged(b.Name, "drained for a kernel upgrade")
+		})
+		labels := map[string]string{"alertname": remediate.AlertName, "node": b.Name, "cluster": "e2e", "severity": "warning"}
+		alerts, err := am.Alerts(ctx)
+		if err != nil || len(alerts) != 1 || alerts[0].Status.State != "suppressed" || alerts[0].Labels["cluster"] != "e2e" ||
+			!strings.Contains(alerts[0].Annotations["description"], "default/drill") {
+			t.Fatalf("Alertmanager holds %+v (%v), want %s's incident, silenced", alerts, err, b.Name)
+		}
+		time.Sleep(15 * time.Second) // three intervals
+		if now := kubeProxyPod(ctx, t, c, b.Name); now == nil || now.UID != before.UID || len(d.events(b.Name, "ProxyauditRestartProxy")) > 0 {
+			t.Fatalf("repaired while silenced: kube-proxy pod %v -> %v", before.UID, now)
+		}
+		if hook.Seen("firing", labels) {
+			t.Error("the receiver was told of a silenced incident")
+		}
+		if err := am.Expire(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		d.until(2*time.Minute, "a restart of "+b.Name+"'s kube-proxy once the silence expired", func() bool {
+			return len(d.events(b.Name, "ProxyauditRestartProxy")) > 0
+		})
+		d.until(time.Minute, "the receiver told "+b.Name+"'s incident fires", func() bool { return hook.Seen("firing", labels) })
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), b.Name+" repaired after the silence")
+		d.until(2*time.Minute, "the receiver told "+b.Name+"'s incident resolved", func() bool { return hook.Seen("resolved", labels) })
+		if alerts, _ := am.Alerts(ctx); len(alerts) != 0 {
+			t.Errorf("still firing in Alertmanager: %+v", alerts)
+		}
+	})
 }
