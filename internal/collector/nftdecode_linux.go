@@ -406,17 +406,6 @@ func ipLen(family int) int {
 	return 4
 }
 
-func protoName(p byte) (string, bool) {
-	switch p {
-	case unix.IPPROTO_TCP:
-		return "TCP", true
-	case unix.IPPROTO_UDP:
-		return "UDP", true
-	case unix.IPPROTO_SCTP:
-		return "SCTP", true
-	}
-	return "", false
-}
 
 // serviceIPKey decodes ip . inet_proto . inet_service.
 func serviceIPKey(family int, k []byte) (audit.FrontendKey, error) {

@@ -1,0 +1,343 @@
+package collector
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// ctnetlink's attribute numbers (linux/netfilter/nfnetlink_conntrack.h)
+// and status bits (linux/netfilter/nf_conntrack_common.h).
+const (
+	ctaTupleOrig  = 1
+	ctaTupleReply = 2
+	ctaStatus     = 3
+	ctaProtoInfo  = 4
+	ctaTimestamp  = 20
+	ctaStatusMask = 26
+
+	ctaTupleIP    = 1
+	ctaTupleProto = 2
+
+	ctaIPv4Src = 1
+	ctaIPv4Dst = 2
+	ctaIPv6Src = 3
+	ctaIPv6Dst = 4
+
+	ctaProtoNum     = 1
+	ctaProtoSrcPort = 2
+	ctaProtoDstPort = 3
+
+	ctaProtoInfoTCP      = 1
+	ctaProtoInfoTCPState = 1
+
+	ctaTimestampStart = 1
+
+	ipsSeenReply = 1 << 1
+	ipsDstNAT    = 1 << 5
+
+	nlaTypeMask = 0x3fff // without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+)
+
+// tcpStates are conntrack's TCP states (enum tcp_conntrack), as
+// conntrack -L prints them.
+var tcpStates = [...]string{"NONE", "SYN_SENT", "SYN_RECV", "ESTABLISHED", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK", "TIME_WAIT", "CLOSE", "SYN_SENT2"}
+
+// ctEntry is what the audit needs of one conntrack entry.
+type ctEntry struct {
+	proto             uint8
+	origSrc, origDst  netip.AddrPort
+	replySrc          netip.AddrPort
+	status            uint32
+	tcpState          uint8
+	hasTCPState       bool
+	start             uint64 // ns since the epoch; 0 without timestamps
+	hasOrig, hasReply bool
+}
+
+var errCTShort = errors.New("conntrack: truncated attribute")
+
+// nla walks netlink attributes without allocating: it returns the first
+// attribute's type and value and the rest.
+func nla(b []byte) (typ uint16, val, rest []byte, err error) {
+	if len(b) < 4 {
+		return 0, nil, nil, errCTShort
+	}
+	l := int(binary.NativeEndian.Uint16(b))
+	if l < 4 || l > len(b) {
+		return 0, nil, nil, fmt.Errorf("conntrack: attribute length %d of %d bytes", l, len(b))
+	}
+	typ = binary.NativeEndian.Uint16(b[2:]) & nlaTypeMask
+	val = b[4:l]
+	next := (l + 3) &^ 3
+	if next > len(b) {
+		next = len(b)
+	}
+	return typ, val, b[next:], nil
+}
+
+// decodeCT decodes one IPCTNL_MSG_CT_NEW message body (nfgenmsg, then
+// attributes) into e, which it resets. Unknown attributes are skipped;
+// a malformed one is an error, never a panic.
+func decodeCT(body []byte, e *ctEntry) error {
+	*e = ctEntry{}
+	if len(body) < 4 {
+		return errCTShort
+	}
+	for b := body[4:]; len(b) > 0; {
+		typ, val, rest, err := nla(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		switch typ {
+		case ctaTupleOrig:
+			var src, dst netip.AddrPort
+			if e.proto, src, dst, err = decodeTuple(val); err != nil {
+				return err
+			}
+			e.origSrc, e.origDst, e.hasOrig = src, dst, true
+		case ctaTupleReply:
+			var src netip.AddrPort
+			if _, src, _, err = decodeTuple(val); err != nil {
+				return err
+			}
+			e.replySrc, e.hasReply = src, true
+		case ctaStatus:
+			if len(val) < 4 {
+				return errCTShort
+			}
+			e.status = binary.BigEndian.Uint32(val)
+		case ctaProtoInfo:
+			if err := decodeProtoInfo(val, e); err != nil {
+				return err
+			}
+		case ctaTimestamp:
+			for t := val; len(t) > 0; {
+				typ, v, rest, err := nla(t)
+				if err != nil {
+					return err
+				}
+				t = rest
+				if typ == ctaTimestampStart && len(v) >= 8 {
+					e.start = binary.BigEndian.Uint64(v)
+				}
+			}
+		}
+	}
+	if !e.hasOrig || !e.hasReply {
+		return errors.New("conntrack: entry without both tuples")
+	}
+	return nil
+}
+
+func decodeTuple(b []byte) (proto uint8, src, dst netip.AddrPort, err error) {
+	var sip, dip netip.Addr
+	var sport, dport uint16
+	for len(b) > 0 {
+		typ, val, rest, err := nla(b)
+		if err != nil {
+			return 0, src, dst, err
+		}
+		b = rest
+		switch typ {
+		case ctaTupleIP:
+			for ip := val; len(ip) > 0; {
+				typ, v, rest, err := nla(ip)
+				if err != nil {
+					return 0, src, dst, err
+				}
+				ip = rest
+				switch {
+				case (typ == ctaIPv4Src || typ == ctaIPv4Dst) && len(v) == 4:
+					a := netip.AddrFrom4([4]byte(v))
+					if typ == ctaIPv4Src {
+						sip = a
+					} else {
+						dip = a
+					}
+				case (typ == ctaIPv6Src || typ == ctaIPv6Dst) && len(v) == 16:
+					a := netip.AddrFrom16([16]byte(v))
+					if typ == ctaIPv6Src {
+						sip = a
+					} else {
+						dip = a
+					}
+				}
+			}
+		case ctaTupleProto:
+			for p := val; len(p) > 0; {
+				typ, v, rest, err := nla(p)
+				if err != nil {
+					return 0, src, dst, err
+				}
+				p = rest
+				switch {
+				case typ == ctaProtoNum && len(v) >= 1:
+					proto = v[0]
+				case typ == ctaProtoSrcPort && len(v) >= 2:
+					sport = binary.BigEndian.Uint16(v)
+				case typ == ctaProtoDstPort && len(v) >= 2:
+					dport = binary.BigEndian.Uint16(v)
+				}
+			}
+		}
+	}
+	if !sip.IsValid() || !dip.IsValid() {
+		return 0, src, dst, errors.New("conntrack: tuple without addresses")
+	}
+	return proto, netip.AddrPortFrom(sip, sport), netip.AddrPortFrom(dip, dport), nil
+}
+
+func decodeProtoInfo(b []byte, e *ctEntry) error {
+	for len(b) > 0 {
+		typ, val, rest, err := nla(b)
+		if err != nil {
+			return err
+		}
+		b = rest
+		if typ != ctaProtoInfoTCP {
+			continue
+		}
+		for t := val; len(t) > 0; {
+			typ, v, rest, err := nla(t)
+			if err != nil {
+				return err
+			}
+			t = rest
+			if typ == ctaProtoInfoTCPState && len(v) >= 1 {
+				e.tcpState, e.hasTCPState = v[0], true
+			}
+		}
+	}
+	return nil
+}
+
+// ctAggregator counts DNATed entries per kube-proxy frontend and
+// destination, within a bound on distinct pairs, so that reading a table
+// of a million entries costs the pairs, not the entries.
+type ctAggregator struct {
+	// frontends are the node's explicit frontends (cluster, external and
+	// load-balancer IPs); nodePorts its node ports (NodePortKey), which
+	// match a flow to any local address.
+	frontends, nodePorts map[audit.FrontendKey]bool
+	local                func(netip.Addr) bool
+	max                  int
+
+	byKey            map[ctKey]*audit.ConntrackFlows
+	entries, dropped int
+	timestamps       bool
+}
+
+type ctKey struct {
+	fe   audit.FrontendKey
+	dest netip.AddrPort
+}
+
+// maxSamples is how many clients a pair keeps for people.
+const maxSamples = 3
+
+func newCTAggregator(o *audit.Observed, local func(netip.Addr) bool, max int) *ctAggregator {
+	a := &ctAggregator{frontends: map[audit.FrontendKey]bool{}, nodePorts: map[audit.FrontendKey]bool{}, local: local, max: max,
+		byKey: map[ctKey]*audit.ConntrackFlows{}}
+	if o != nil {
+		for _, f := range o.Frontends {
+			if f.NodePort {
+				a.nodePorts[f.FrontendKey] = true
+			} else {
+				a.frontends[f.FrontendKey] = true
+			}
+		}
+	}
+	return a
+}
+
+// protoName names an IP protocol number kube-proxy serves.
+func protoName(p byte) (string, bool) {
+	switch p {
+	case 6:
+		return "TCP", true
+	case 17:
+		return "UDP", true
+	case 132:
+		return "SCTP", true
+	}
+	return "", false
+}
+
+// add counts one entry, if it is a DNAT of one of the node's frontends.
+func (a *ctAggregator) add(e *ctEntry) {
+	if e.status&ipsDstNAT == 0 {
+		return
+	}
+	proto, ok := protoName(e.proto)
+	if !ok {
+		return
+	}
+	dst := e.origDst.Addr().Unmap()
+	fe := audit.FrontendKey{IP: dst, Protocol: proto, Port: e.origDst.Port()}
+	if !a.frontends[fe] {
+		fam := 4
+		if dst.Is6() {
+			fam = 6
+		}
+		np := audit.NodePortKey(fam, proto, e.origDst.Port())
+		if !a.nodePorts[np] || a.local == nil || !a.local(dst) {
+			return
+		}
+		fe = np
+	}
+	a.entries++
+	k := ctKey{fe: fe, dest: netip.AddrPortFrom(e.replySrc.Addr().Unmap(), e.replySrc.Port())}
+	f := a.byKey[k]
+	if f == nil {
+		if len(a.byKey) >= a.max {
+			a.dropped++
+			return
+		}
+		f = &audit.ConntrackFlows{Frontend: fe, Dest: k.dest}
+		a.byKey[k] = f
+	}
+	switch proto {
+	case "UDP":
+		f.UDP++
+	case "SCTP":
+		f.SCTP++
+	case "TCP":
+		state := "UNKNOWN"
+		if e.hasTCPState && int(e.tcpState) < len(tcpStates) {
+			state = tcpStates[e.tcpState]
+		}
+		if f.TCP == nil {
+			f.TCP = map[string]int{}
+		}
+		f.TCP[state]++
+	}
+	if e.status&ipsSeenReply == 0 {
+		f.Unreplied++
+	}
+	if e.start != 0 {
+		a.timestamps = true
+		if t := time.Unix(0, int64(e.start)); f.Oldest.IsZero() || t.Before(f.Oldest) {
+			f.Oldest = t
+		}
+	}
+	if len(f.Samples) < maxSamples {
+		f.Samples = append(f.Samples, netip.AddrPortFrom(e.origSrc.Addr().Unmap(), e.origSrc.Port()))
+	}
+}
+
+// result is what was counted, sorted.
+func (a *ctAggregator) result(families []int) *audit.Conntrack {
+	out := &audit.Conntrack{Families: families, Entries: a.entries, Dropped: a.dropped, Timestamps: a.timestamps,
+		Flows: make([]audit.ConntrackFlows, 0, len(a.byKey))}
+	for _, f := range a.byKey {
+		out.Flows = append(out.Flows, *f)
+	}
+	audit.SortConntrack(out.Flows)
+	return out
+}

@@ -1,0 +1,189 @@
+package collector
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+const (
+	nfnlSubsysCTNetlink = 1
+	ipctnlMsgCTNew      = 0
+	ipctnlMsgCTGet      = 1
+	// ctBuffer is the one receive buffer a dump is read through: the
+	// kernel fills it with as many entries as fit, and the next read
+	// continues the dump, so memory does not grow with the table.
+	ctBuffer = 64 << 10
+	// ctMaxPairs bounds the distinct (frontend, destination) pairs one
+	// read keeps; entries beyond it are counted as dropped.
+	ctMaxPairs = 20000
+)
+
+// ConntrackReader reads the kernel's connection-tracking table over
+// netlink (ctnetlink), streaming: one dump, asked of the kernel for
+// DNATed entries only (CTA_STATUS/CTA_STATUS_MASK, honoured since Linux
+// 6.0; earlier kernels send every entry and the reader skips the rest),
+// decoded in place from one 64 KiB buffer and counted per frontend and
+// destination. A table of a million entries costs the pairs it holds.
+type ConntrackReader struct {
+	// MaxPairs bounds the distinct pairs (default 20,000).
+	MaxPairs int
+	bytes    atomic.Int64
+}
+
+// BytesRead is how many bytes of dump the reader has taken from the
+// kernel, all reads together.
+func (r *ConntrackReader) BytesRead() int64 { return r.bytes.Load() }
+
+// Read counts the flows DNATed to the frontends of o (the node's rules
+// as last read), in both IP families.
+func (r *ConntrackReader) Read(ctx context.Context, o *audit.Observed) (*audit.Conntrack, error) {
+	local, err := localAddrs()
+	if err != nil {
+		return nil, fmt.Errorf("conntrack: the node's addresses (for node ports): %w", err)
+	}
+	max := r.MaxPairs
+	if max <= 0 {
+		max = ctMaxPairs
+	}
+	agg := newCTAggregator(o, func(a netip.Addr) bool { return local[a] }, max)
+	if err := r.dump(ctx, func(body []byte) error {
+		var e ctEntry
+		if err := decodeCT(body, &e); err != nil {
+			return err
+		}
+		agg.add(&e)
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	return agg.result([]int{4, 6}), nil
+}
+
+func localAddrs() (map[netip.Addr]bool, error) {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, err
+	}
+	out := map[netip.Addr]bool{}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(n.IP); ok {
+				out[ip.Unmap()] = true
+			}
+		}
+	}
+	return out, nil
+}
+
+// dump runs one ctnetlink dump of DNATed entries and hands each entry's
+// message body to fn as it arrives.
+func (r *ConntrackReader) dump(ctx context.Context, fn func(body []byte) error) error {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return fmt.Errorf("conntrack: netlink socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("conntrack: bind: %w", err)
+	}
+	// A read that waits a second looks at ctx again.
+	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 1})
+	const seq = 1
+	req := ctDumpRequest(seq)
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("conntrack: dump request: %w", err)
+	}
+	buf := make([]byte, ctBuffer)
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		switch {
+		case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.ENOBUFS):
+			return errors.New("conntrack: the kernel dropped part of the dump (ENOBUFS); the next read starts again")
+		case err != nil:
+			return fmt.Errorf("conntrack: reading the dump: %w", err)
+		}
+		r.bytes.Add(int64(n))
+		done, err := ctMessages(buf[:n], seq, fn)
+		if err != nil || done {
+			return err
+		}
+	}
+}
+
+// ctDumpRequest is IPCTNL_MSG_CT_GET with NLM_F_DUMP for both families,
+// filtered by the kernel to entries with IPS_DST_NAT.
+func ctDumpRequest(seq uint32) []byte {
+	var attrs []byte
+	for _, typ := range []uint16{ctaStatus, ctaStatusMask} {
+		a := make([]byte, 8)
+		binary.NativeEndian.PutUint16(a, 8)
+		binary.NativeEndian.PutUint16(a[2:], typ)
+		binary.BigEndian.PutUint32(a[4:], ipsDstNAT)
+		attrs = append(attrs, a...)
+	}
+	msg := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
+	msg = append(msg, attrs...)
+	binary.NativeEndian.PutUint32(msg, uint32(len(msg)))
+	binary.NativeEndian.PutUint16(msg[4:], nfnlSubsysCTNetlink<<8|ipctnlMsgCTGet)
+	binary.NativeEndian.PutUint16(msg[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	binary.NativeEndian.PutUint32(msg[8:], seq)
+	msg[unix.NLMSG_HDRLEN] = unix.AF_UNSPEC // nfgenmsg: family, version, res_id
+	msg[unix.NLMSG_HDRLEN+1] = unix.NFNETLINK_V0
+	return msg
+}
+
+// ctMessages hands each conntrack entry in one datagram to fn; done at
+// the dump's end.
+func ctMessages(b []byte, seq uint32, fn func([]byte) error) (done bool, err error) {
+	for len(b) > 0 {
+		if len(b) < unix.NLMSG_HDRLEN {
+			return false, errors.New("conntrack: truncated netlink header")
+		}
+		l := int(binary.NativeEndian.Uint32(b))
+		if l < unix.NLMSG_HDRLEN || l > len(b) {
+			return false, fmt.Errorf("conntrack: netlink message length %d of %d bytes", l, len(b))
+		}
+		typ := binary.NativeEndian.Uint16(b[4:])
+		msgSeq := binary.NativeEndian.Uint32(b[8:])
+		body := b[unix.NLMSG_HDRLEN:l]
+		next := (l + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1)
+		if next > len(b) {
+			next = len(b)
+		}
+		b = b[next:]
+		if msgSeq != seq {
+			continue
+		}
+		switch typ {
+		case unix.NLMSG_DONE:
+			return true, nil
+		case unix.NLMSG_ERROR:
+			if len(body) >= 4 {
+				if errno := -int32(binary.NativeEndian.Uint32(body)); errno != 0 {
+					return false, fmt.Errorf("conntrack: the kernel refused the dump: %w", os.NewSyscallError("ctnetlink", unix.Errno(errno)))
+				}
+			}
+			return true, nil
+		case nfnlSubsysCTNetlink<<8 | ipctnlMsgCTNew:
+			if err := fn(body); err != nil {
+				return false, err
+			}
+		}
+	}
+	return false, nil
+}
