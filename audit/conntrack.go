@@ -1,9 +1,14 @@
 package audit
 
 import (
+	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
+	"strings"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
 )
 
 // Conntrack is what a node's connection-tracking table holds for its
@@ -62,4 +67,165 @@ func SortConntrack(fs []ConntrackFlows) {
 		}
 		return fs[i].Dest.Compare(fs[j].Dest) < 0
 	})
+}
+
+// StaleConntrack: flows on the node still DNATed to an address that is no
+// longer an endpoint of the frontend's service, past grace from when it
+// left. The node's rules may be perfect: it is the kernel's memory of old
+// decisions (kube-proxy clears such UDP entries itself, when it runs).
+const StaleConntrack Kind = "StaleConntrack"
+
+// JudgeConntrack finds a node's stale flows. A destination is live for a
+// UDP or SCTP flow while it is a serving endpoint of the service port
+// (ready, or serving while terminating); for a TCP flow while the
+// service lists it at all, terminating included, so that connections
+// draining during graceful termination are normal until the pod is gone.
+// A destination no longer live is stale once grace has passed since the
+// first version of the service without it (history keeps versions for
+// its Keep: one gone before that counts from the oldest version kept).
+// A frontend no kept version owns — the service deleted long ago — is
+// stale from the oldest time the history can vouch for.
+func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.Time, grace time.Duration) []TimedFinding {
+	if ct == nil {
+		return nil
+	}
+	var out []TimedFinding
+	for _, f := range ct.Flows {
+		f := f
+		owner, ok := h.Owner(f.Frontend, mode)
+		if !ok {
+			continue // no service ever had it here: not kube-proxy's to judge
+		}
+		// Judged: UDP and SCTP flows (an entry lives only while its
+		// client sends: 30-120 s idle) and TCP clients still trying to
+		// connect (SYN_SENT); an idle ESTABLISHED entry to a gone pod
+		// lingers for conntrack's days-long timeout and harms nobody.
+		if f.UDP+f.SCTP+f.TCP["SYN_SENT"]+f.TCP["SYN_SENT2"] == 0 {
+			continue
+		}
+		vs := h.Versions(owner)
+		left, portName, live := leftAt(vs, &f)
+		if live || now.Sub(left) < grace {
+			continue
+		}
+		out = append(out, TimedFinding{Finding: Finding{Node: node, Service: owner, Port: portName, Protocol: f.Frontend.Protocol,
+			Family: f.Frontend.Family(), Scope: ScopeCluster, Kind: StaleConntrack, Endpoint: f.Dest.String(), Detail: conntrackDetail(&f, left, now, ct.Timestamps)}, Since: left})
+	}
+	return out
+}
+
+// leftAt says when dest stopped being live for the frontend's port: the
+// Since of the first version after the newest one where it was (the
+// oldest kept version's when none was); live when the current version has
+// it.
+func leftAt(vs []Version, f *ConntrackFlows) (left time.Time, portName string, live bool) {
+	if len(vs) == 0 {
+		return time.Time{}, "", false
+	}
+	left = vs[0].Since
+	for i := len(vs) - 1; i >= 0; i-- {
+		name, ok := liveIn(vs[i].Svc, f)
+		if portName == "" {
+			portName = name
+		}
+		if ok {
+			if i == len(vs)-1 {
+				return time.Time{}, portName, true
+			}
+			return vs[i+1].Since, portName, false
+		}
+	}
+	return left, portName, false
+}
+
+// liveIn says whether svc (one version; nil when deleted) has f's
+// destination live behind f's frontend, and names the port.
+func liveIn(svc *Service, f *ConntrackFlows) (string, bool) {
+	if svc == nil {
+		return "", false
+	}
+	fam := f.Frontend.Family()
+	for _, sp := range svc.Ports {
+		proto := string(sp.Protocol)
+		if proto == "" {
+			proto = "TCP"
+		}
+		if proto != f.Frontend.Protocol || !frontendOf(svc, sp, f.Frontend) {
+			continue
+		}
+		for _, sl := range svc.Slices {
+			if sl.Family != fam {
+				continue
+			}
+			for _, p := range sl.Ports {
+				if p.Name != sp.Name || p.Protocol != proto || p.Port != f.Dest.Port() {
+					continue
+				}
+				for _, e := range sl.Endpoints {
+					if e.Addr != f.Dest.Addr() {
+						continue
+					}
+					if e.Ready || e.Serving || (proto == "TCP" && e.Terminating) {
+						return sp.Name, true
+					}
+				}
+			}
+		}
+		return sp.Name, false
+	}
+	return "", false
+}
+
+// frontendOf says whether k is a frontend of the service port.
+func frontendOf(svc *Service, sp corev1.ServicePort, k FrontendKey) bool {
+	if k.NodePort {
+		return sp.NodePort != 0 && uint16(sp.NodePort) == k.Port
+	}
+	if uint16(sp.Port) != k.Port {
+		return false
+	}
+	for _, ips := range [][]netip.Addr{svc.ClusterIPs, svc.ExternalIPs, svc.LBIPs} {
+		if slices.Contains(ips, k.IP) {
+			return true
+		}
+	}
+	return false
+}
+
+func conntrackDetail(f *ConntrackFlows, left, now time.Time, stamped bool) string {
+	var parts []string
+	if f.UDP > 0 {
+		parts = append(parts, fmt.Sprintf("%d UDP", f.UDP))
+	}
+	if f.SCTP > 0 {
+		parts = append(parts, fmt.Sprintf("%d SCTP", f.SCTP))
+	}
+	states := make([]string, 0, len(f.TCP))
+	for s := range f.TCP {
+		states = append(states, s)
+	}
+	sort.Strings(states)
+	for _, s := range states {
+		parts = append(parts, fmt.Sprintf("%d TCP %s", f.TCP[s], s))
+	}
+	d := fmt.Sprintf("%s flow(s) through %s still DNATed to %s, which left the service %s ago",
+		strings.Join(parts, ", "), f.Frontend, f.Dest, now.Sub(left).Round(time.Second))
+	if f.Unreplied > 0 {
+		d += fmt.Sprintf("; %d never answered", f.Unreplied)
+	}
+	if !f.Oldest.IsZero() {
+		if stamped {
+			d += "; oldest began " + f.Oldest.UTC().Format(time.RFC3339)
+		} else {
+			d += "; oldest seen since " + f.Oldest.UTC().Format(time.RFC3339)
+		}
+	}
+	if len(f.Samples) > 0 {
+		var cs []string
+		for _, s := range f.Samples {
+			cs = append(cs, s.String())
+		}
+		d += "; clients " + strings.Join(cs, ", ")
+	}
+	return d + ": their packets go to a pod that is gone; delete the entries (conntrack -D) or restart the clients"
 }

@@ -27,6 +27,13 @@ func ctScratch(t testing.TB) *localcluster.Scratch {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ns.Close() })
+	setupCTScratch(t, ns)
+	return ns
+}
+
+func setupCTScratch(t testing.TB, ns *localcluster.Scratch) {
+	t.Helper()
+	ctx := context.Background()
 	for _, cmd := range [][]string{
 		{"ip", "link", "set", "lo", "up"},
 		{"ip", "link", "add", "d0", "type", "dummy"},
@@ -45,7 +52,6 @@ func ctScratch(t testing.TB) *localcluster.Scratch {
 			t.Fatalf("%s: %v\n%s", strings.Join(cmd, " "), err, out)
 		}
 	}
-	return ns
 }
 
 func ctFrontends() *audit.Observed {

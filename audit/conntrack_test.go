@@ -1,0 +1,87 @@
+package audit
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+func TestJudgeConntrack(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	grace := 30 * time.Second
+	ip := netip.MustParseAddr
+	dns := func(eps ...SliceEndpoint) *State {
+		return &State{Services: []Service{{Namespace: "kube-system", Name: "kube-dns", ClusterIPs: []netip.Addr{ip("198.19.0.10")},
+			Ports: []corev1.ServicePort{{Name: "dns", Protocol: corev1.ProtocolUDP, Port: 53}, {Name: "dns-tcp", Protocol: corev1.ProtocolTCP, Port: 53}},
+			Slices: []Slice{{Family: 4, Ports: []SlicePort{{Name: "dns", Protocol: "UDP", Port: 5353}, {Name: "dns-tcp", Protocol: "TCP", Port: 5353}},
+				Endpoints: eps}}}}}
+	}
+	live := func(a string) SliceEndpoint { return SliceEndpoint{Addr: ip(a), Ready: true, Serving: true} }
+	terminating := func(a string) SliceEndpoint { return SliceEndpoint{Addr: ip(a), Terminating: true} }
+	h := NewHistory(10 * time.Minute)
+	h.Update(dns(live("198.18.77.2"), live("198.18.77.3")), t0)
+	// .3 starts terminating (not serving) at t0+1m, and is gone at t0+2m.
+	h.Update(dns(live("198.18.77.2"), terminating("198.18.77.3")), t0.Add(time.Minute))
+	h.Update(dns(live("198.18.77.2")), t0.Add(2*time.Minute))
+	fe := func(proto string) FrontendKey { return FrontendKey{IP: ip("198.19.0.10"), Protocol: proto, Port: 53} }
+	udp := func(dest string, n int) ConntrackFlows {
+		return ConntrackFlows{Frontend: fe("UDP"), Dest: netip.MustParseAddrPort(dest), UDP: n, Unreplied: n,
+			Samples: []netip.AddrPort{netip.MustParseAddrPort("198.18.5.5:40000")}}
+	}
+	tcp := func(dest, state string) ConntrackFlows {
+		return ConntrackFlows{Frontend: fe("TCP"), Dest: netip.MustParseAddrPort(dest), TCP: map[string]int{state: 1}}
+	}
+	ct := &Conntrack{Flows: []ConntrackFlows{
+		udp("198.18.77.2:5353", 4), // live
+		udp("198.18.77.3:5353", 2), // not serving since t0+1m
+		tcp("198.18.77.3:5353", "ESTABLISHED"),
+		tcp("198.18.77.3:5353", "SYN_SENT"),
+		udp("198.18.77.9:5353", 1), // never an endpoint in the kept history
+		{Frontend: FrontendKey{IP: ip("198.19.9.9"), Protocol: "UDP", Port: 53}, Dest: netip.MustParseAddrPort("198.18.77.3:5353"), UDP: 1}, // no service's
+	}}
+	judge := func(at time.Duration) []TimedFinding { return JudgeConntrack("n1", ct, h, ModeIPTables, t0.Add(at), grace) }
+	// Within grace of .3 no longer serving (t0+1m): nothing about it; the
+	// address no kept version had counts from the oldest kept (t0).
+	fs := judge(time.Minute + 10*time.Second)
+	if len(fs) != 1 || fs[0].Endpoint != "198.18.77.9:5353" || !fs[0].Since.Equal(t0) {
+		t.Fatalf("within grace: %+v", fs)
+	}
+	// Past grace: the UDP flows to .3 (not serving since t0+1m) are stale;
+	// the TCP connect attempt too once .3 is gone (t0+2m), not before;
+	// the idle ESTABLISHED entry never.
+	fs = judge(time.Minute + 40*time.Second)
+	got := map[string]TimedFinding{}
+	for _, f := range fs {
+		got[f.Protocol+" "+f.Endpoint] = f
+		if f.Kind != StaleConntrack || f.Node != "n1" || f.Service != "kube-system/kube-dns" || f.Family != 4 {
+			t.Errorf("finding: %+v", f)
+		}
+	}
+	if len(fs) != 2 || got["UDP 198.18.77.3:5353"].Port != "dns" || !got["UDP 198.18.77.3:5353"].Since.Equal(t0.Add(time.Minute)) {
+		t.Fatalf("past grace: %+v", fs)
+	}
+	if d := got["UDP 198.18.77.3:5353"].Detail; !strings.Contains(d, "2 UDP flow(s) through 198.19.0.10:53/UDP still DNATed to 198.18.77.3:5353, which left the service 40s ago; 2 never answered") ||
+		!strings.Contains(d, "clients 198.18.5.5:40000") {
+		t.Errorf("detail: %s", d)
+	}
+	fs = judge(3 * time.Minute)
+	got = map[string]TimedFinding{}
+	for _, f := range fs {
+		got[f.Protocol+" "+f.Endpoint] = f
+	}
+	if len(fs) != 3 || got["TCP 198.18.77.3:5353"].Port != "dns-tcp" || !got["TCP 198.18.77.3:5353"].Since.Equal(t0.Add(2*time.Minute)) {
+		t.Fatalf("after the pod is gone: %+v", fs)
+	}
+	// The service deleted: every flow of it is stale from the deletion.
+	h.Update(&State{}, t0.Add(4*time.Minute))
+	fs = JudgeConntrack("n1", &Conntrack{Flows: []ConntrackFlows{udp("198.18.77.2:5353", 1)}}, h, ModeIPTables, t0.Add(5*time.Minute), grace)
+	if len(fs) != 1 || !fs[0].Since.Equal(t0.Add(4*time.Minute)) || fs[0].Port != "dns" {
+		t.Fatalf("service deleted: %+v", fs)
+	}
+	if JudgeConntrack("n1", nil, h, ModeIPTables, t0, grace) != nil {
+		t.Error("no read, findings")
+	}
+}
