@@ -23,7 +23,7 @@ import (
 
 // ctFill makes n DNATed UDP entries in the namespace's conntrack table with
 // real packets: a raw socket sends one datagram per (cluster IP, source
-// port) to 16 cluster IPs DNATed to an address nothing answers at, so each
+// port) to 16 cluster IPs DNATed to addresses nothing answers at, so each
 // is an unreplied entry with IPS_DST_NAT, as a stuck client's would be.
 // The machine-wide table limit is raised for it and put back after.
 func ctFill(t testing.TB, ns *localcluster.Scratch, n int) *audit.Observed {
@@ -38,8 +38,19 @@ func ctFill(t testing.TB, ns *localcluster.Scratch, n int) *audit.Observed {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.WriteFile(maxPath, old, 0o644) })
-	if out, err := ns.Exec(ctx, "iptables", "-t", "nat", "-A", "OUTPUT", "-d", "198.19.1.0/28", "-p", "udp", "--dport", "53", "-j", "DNAT", "--to-destination", "198.18.77.3:5353"); err != nil {
-		t.Fatal(err, out)
+	// One destination per cluster IP: flows of one client port to two
+	// cluster IPs DNATed to one address would have one reply tuple, and
+	// NAT would have to move their ports.
+	for i := range 16 {
+		if out, err := ns.Exec(ctx, "iptables", "-t", "nat", "-A", "OUTPUT", "-d", fmt.Sprintf("198.19.1.%d/32", i), "-p", "udp", "--dport", "53", "-j", "DNAT",
+			"--to-destination", fmt.Sprintf("198.18.77.%d:5353", 16+i)); err != nil {
+			t.Fatal(err, out)
+		}
+		// A neighbour that never answers, known: no ARP queue to fill.
+		if out, err := ns.Exec(ctx, "ip", "neigh", "replace", fmt.Sprintf("198.18.77.%d", 16+i), "lladdr", fmt.Sprintf("02:00:00:00:00:%02x", 16+i),
+			"dev", "d0", "nud", "permanent"); err != nil {
+			t.Fatal(err, out)
+		}
 	}
 	o := ctFrontends()
 	for i := range 16 {
@@ -58,13 +69,9 @@ func ctFill(t testing.TB, ns *localcluster.Scratch, n int) *audit.Observed {
 			ip := [4]byte{198, 19, 1, byte(i % 16)}
 			binary.BigEndian.PutUint16(pkt[0:], uint16(1024+i/16%60000))
 			binary.BigEndian.PutUint16(pkt[2:], 53)
-			// A source address per 960,000: the tuples stay distinct.
-			if err := unix.Sendto(fd, pkt, 0, &unix.SockaddrInet4{Addr: ip}); err != nil {
-				return fmt.Errorf("packet %d: %w", i, err)
-			}
 			if i > 0 && i%960000 == 0 {
-				// Move to another source address: same-port reuse would
-				// land on existing entries.
+				// Every source port used: another source address, or
+				// the next packets would land on existing entries.
 				n := i / 960000
 				if out, err := exec.Command("ip", "addr", "add", fmt.Sprintf("198.18.78.%d/32", n), "dev", "d0").CombinedOutput(); err != nil {
 					return fmt.Errorf("%v: %s", err, out)
@@ -72,6 +79,9 @@ func ctFill(t testing.TB, ns *localcluster.Scratch, n int) *audit.Observed {
 				if out, err := exec.Command("ip", "route", "replace", "198.19.1.0/28", "dev", "d0", "src", fmt.Sprintf("198.18.78.%d", n)).CombinedOutput(); err != nil {
 					return fmt.Errorf("%v: %s", err, out)
 				}
+			}
+			if err := unix.Sendto(fd, pkt, 0, &unix.SockaddrInet4{Addr: ip}); err != nil {
+				return fmt.Errorf("packet %d: %w", i, err)
 			}
 		}
 		return nil
