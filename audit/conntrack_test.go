@@ -42,7 +42,9 @@ func TestJudgeConntrack(t *testing.T) {
 		udp("198.18.77.9:5353", 1), // never an endpoint in the kept history
 		{Frontend: FrontendKey{IP: ip("198.19.9.9"), Protocol: "UDP", Port: 53}, Dest: netip.MustParseAddrPort("198.18.77.3:5353"), UDP: 1}, // no service's
 	}}
-	judge := func(at time.Duration) []TimedFinding { return JudgeConntrack("n1", ct, h, ModeIPTables, t0.Add(at), grace) }
+	judge := func(at time.Duration) []TimedFinding {
+		return JudgeConntrack("n1", ct, h, ModeIPTables, t0.Add(at), grace)
+	}
 	// Within grace of .3 no longer serving (t0+1m): nothing about it; the
 	// address no kept version had counts from the oldest kept (t0).
 	fs := judge(time.Minute + 10*time.Second)

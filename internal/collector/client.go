@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 	"k8s.io/utils/clock"
 
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 )
@@ -59,6 +60,18 @@ type Config struct {
 	// at least their last read's CPU divided by this apart (and at least
 	// 1 s, at most Interval). 0 means DefaultReadBudget.
 	ReadBudget float64
+	// Conntrack reads the node's conntrack table; nil: not read.
+	// ConntrackInterval is the least time between two reads (a report
+	// reads it when that much has passed since the last): a hung
+	// kube-proxy changes no rules, so conntrack is read on its own clock.
+	Conntrack         ConntrackSource
+	ConntrackInterval time.Duration
+}
+
+// ConntrackSource reads what the node's conntrack table holds for its
+// frontends (ConntrackReader).
+type ConntrackSource interface {
+	Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error)
 }
 
 // DefaultReadBudget: 5 % of a core. At the anchors a read costs ~0.5 s of
@@ -127,7 +140,12 @@ type client struct {
 	reader   RuleReader
 	seq      uint64
 	lastKP   *stream.KubeProxy // sent on this stream
-	http     http.Client
+	// ct is the last conntrack read (or its error) and ctAt when it was
+	// made; ctSent the digest of the counts last sent on this stream.
+	ct     *stream.Conntrack
+	ctAt   time.Time
+	ctSent uint64
+	http   http.Client
 
 	// The last successful read, kept across streams: its state, the
 	// change signal's token it reflects, and when it began.
@@ -297,7 +315,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 		}
 	}()
 	sent := stream.NewState()
-	c.lastKP = nil
+	c.lastKP, c.ctSent = nil, 0
 	// full: the next report carries every frontend (a new stream, a
 	// resync, or the full snapshot a read error kept from being sent).
 	full := true
@@ -576,7 +594,34 @@ func (c *client) report(ctx context.Context, sent *stream.State, full bool, why 
 	if kp := c.kp; kp != nil && (c.lastKP == nil || *kp != *c.lastKP) {
 		r.KubeProxy, c.lastKP = kp, kp
 	}
+	c.conntrack(ctx, r)
 	return r
+}
+
+// conntrack reads the conntrack table when ConntrackInterval has passed
+// since the last read, and puts the counts in r when they differ from
+// those last sent on this stream by more than noise.
+func (c *client) conntrack(ctx context.Context, r *stream.Report) {
+	if c.cfg.Conntrack == nil || c.cached == nil {
+		return
+	}
+	if now := c.cfg.Clock.Now(); c.ct == nil || now.Sub(c.ctAt) >= c.cfg.ConntrackInterval {
+		var keys []audit.FrontendKey
+		c.cached.ParsedKeys(func(_ string, k audit.FrontendKey) { keys = append(keys, k) })
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		ct, err := c.cfg.Conntrack.Read(rctx, keys)
+		cancel()
+		c.ctAt = now
+		if err != nil {
+			c.cfg.Log.Warn("cannot read the conntrack table", zap.Error(err))
+			c.ct = &stream.Conntrack{Error: err.Error()}
+		} else {
+			c.ct = stream.FromConntrack(ct)
+		}
+	}
+	if d := c.ct.Digest(); d != c.ctSent {
+		r.Conntrack, c.ctSent = c.ct, d
+	}
 }
 
 // read reads the rules once, with the token it reflects, and counts it.

@@ -241,16 +241,14 @@ type ctKey struct {
 // maxSamples is how many clients a pair keeps for people.
 const maxSamples = 3
 
-func newCTAggregator(o *audit.Observed, local func(netip.Addr) bool, max int) *ctAggregator {
+func newCTAggregator(frontends []audit.FrontendKey, local func(netip.Addr) bool, max int) *ctAggregator {
 	a := &ctAggregator{frontends: map[audit.FrontendKey]bool{}, nodePorts: map[audit.FrontendKey]bool{}, local: local, max: max,
 		byKey: map[ctKey]*audit.ConntrackFlows{}}
-	if o != nil {
-		for _, f := range o.Frontends {
-			if f.NodePort {
-				a.nodePorts[f.FrontendKey] = true
-			} else {
-				a.frontends[f.FrontendKey] = true
-			}
+	for _, k := range frontends {
+		if k.NodePort {
+			a.nodePorts[k] = true
+		} else {
+			a.frontends[k] = true
 		}
 	}
 	return a

@@ -125,7 +125,7 @@ func BenchmarkConntrackMillion(b *testing.B) {
 		for b.Loop() {
 			err := localcluster.InNetNS(ns.NetNS, func() error {
 				var err error
-				got, err = (&ConntrackReader{}).Read(context.Background(), o)
+				got, err = (&ConntrackReader{}).Read(context.Background(), ctKeys(o))
 				return err
 			})
 			if err != nil {

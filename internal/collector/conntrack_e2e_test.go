@@ -55,6 +55,14 @@ func setupCTScratch(t testing.TB, ns *localcluster.Scratch) {
 	}
 }
 
+func ctKeys(o *audit.Observed) []audit.FrontendKey {
+	var out []audit.FrontendKey
+	for _, f := range o.Frontends {
+		out = append(out, f.FrontendKey)
+	}
+	return out
+}
+
 func ctFrontends() *audit.Observed {
 	fe := func(ip string, proto string, port uint16) audit.ObservedFrontend {
 		return audit.ObservedFrontend{FrontendKey: audit.FrontendKey{IP: netip.MustParseAddr(ip), Protocol: proto, Port: port}}
@@ -141,7 +149,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 		}
 		defer conn.Close()
 		r := &ConntrackReader{}
-		if got, err = r.Read(ctx, ctFrontends()); err != nil {
+		if got, err = r.Read(ctx, ctKeys(ctFrontends())); err != nil {
 			return err
 		}
 		if r.BytesRead() == 0 {
@@ -199,7 +207,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 		}
 		c.Write([]byte("q"))
 		c.Close()
-		stamped, err = (&ConntrackReader{}).Read(ctx, ctFrontends())
+		stamped, err = (&ConntrackReader{}).Read(ctx, ctKeys(ctFrontends()))
 		return err
 	})
 	if err != nil {
@@ -234,7 +242,7 @@ func TestConntrackReaderBound(t *testing.T) {
 		}
 		c.Write([]byte("q"))
 		c.Close()
-		got, err := (&ConntrackReader{MaxPairs: 1}).Read(ctx, ctFrontends())
+		got, err := (&ConntrackReader{MaxPairs: 1}).Read(ctx, ctKeys(ctFrontends()))
 		if err != nil {
 			return err
 		}

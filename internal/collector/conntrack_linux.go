@@ -44,9 +44,9 @@ type ConntrackReader struct {
 // kernel, all reads together.
 func (r *ConntrackReader) BytesRead() int64 { return r.bytes.Load() }
 
-// Read counts the flows DNATed to the frontends of o (the node's rules
-// as last read), in both IP families.
-func (r *ConntrackReader) Read(ctx context.Context, o *audit.Observed) (*audit.Conntrack, error) {
+// Read counts the flows DNATed to the node's frontends (from its rules as
+// last read), in both IP families.
+func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error) {
 	local, err := localAddrs()
 	if err != nil {
 		return nil, fmt.Errorf("conntrack: the node's addresses (for node ports): %w", err)
@@ -55,7 +55,7 @@ func (r *ConntrackReader) Read(ctx context.Context, o *audit.Observed) (*audit.C
 	if max <= 0 {
 		max = ctMaxPairs
 	}
-	agg := newCTAggregator(o, func(a netip.Addr) bool { return local[a] }, max)
+	agg := newCTAggregator(frontends, func(a netip.Addr) bool { return local[a] }, max)
 	if err := r.dump(ctx, func(body []byte) error {
 		var e ctEntry
 		if err := decodeCT(body, &e); err != nil {

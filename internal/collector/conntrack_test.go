@@ -111,7 +111,7 @@ func TestDecodeCT(t *testing.T) {
 func TestConntrackAggregation(t *testing.T) {
 	o := ctFrontends()
 	local := func(a netip.Addr) bool { return a == netip.MustParseAddr("198.18.77.1") }
-	agg := newCTAggregator(o, local, 100)
+	agg := newCTAggregator(ctKeys(o), local, 100)
 	old := time.Unix(1_800_000_000, 0)
 	var bodies [][]byte
 	for i := range 5 {
@@ -189,7 +189,7 @@ func FuzzConntrackDump(f *testing.F) {
 		ctBody(17, netip.MustParseAddrPort("[2001:2::5]:1"), netip.MustParseAddrPort("[2001:2::a]:53"), netip.MustParseAddrPort("[2001:2::b]:53"), ipsDstNAT, -1, time.Time{})))
 	o := ctFrontends()
 	f.Fuzz(func(t *testing.T, data []byte) {
-		agg := newCTAggregator(o, func(netip.Addr) bool { return true }, 8)
+		agg := newCTAggregator(ctKeys(o), func(netip.Addr) bool { return true }, 8)
 		_, _ = ctMessages(data, 1, func(b []byte) error {
 			var e ctEntry
 			if err := decodeCT(b, &e); err != nil {

@@ -406,7 +406,6 @@ func ipLen(family int) int {
 	return 4
 }
 
-
 // serviceIPKey decodes ip . inet_proto . inet_service.
 func serviceIPKey(family int, k []byte) (audit.FrontendKey, error) {
 	n := ipLen(family)

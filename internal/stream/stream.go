@@ -212,6 +212,9 @@ type Report struct {
 	KubeProxy *KubeProxy `json:"kubeProxy,omitempty"`
 	// Reads is what the collector's reads cost, sent after a read.
 	Reads *ReadStats `json:"reads,omitempty"`
+	// Conntrack is the node's conntrack counts, sent when they changed
+	// by more than noise since the last ones sent on the stream.
+	Conntrack *Conntrack `json:"conntrack,omitempty"`
 }
 
 // ReadStats is what a collector's reads of the rules cost: how many it
@@ -450,8 +453,9 @@ func Decode(body []byte) (*Message, error) {
 	// Every frontend is one JSON object: a small message of empty ones
 	// ("{},{},…", 3 bytes each, 112 once decoded) would make the decoder
 	// allocate ~40 times the message. Count before decoding.
-	if objs := bytes.Count(body, []byte("{")); objs > MaxFrontends+maxOtherObjects {
-		return nil, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends a node can have", objs, MaxFrontends)
+	// A conntrack pair is up to two (itself, its TCP states).
+	if objs := bytes.Count(body, []byte("{")); objs > MaxFrontends+2*MaxConntrackPairs+maxOtherObjects {
+		return nil, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends and %d conntrack pairs a node can have", objs, MaxFrontends, MaxConntrackPairs)
 	}
 	var m Message
 	if err := json.Unmarshal(body, &m); err != nil {
