@@ -100,7 +100,8 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 		// client sends: 30-120 s idle) and TCP clients still trying to
 		// connect (SYN_SENT); an idle ESTABLISHED entry to a gone pod
 		// lingers for conntrack's days-long timeout and harms nobody.
-		if f.UDP+f.SCTP+f.TCP["SYN_SENT"]+f.TCP["SYN_SENT2"] == 0 {
+		judged := f.UDP + f.SCTP + f.TCP["SYN_SENT"] + f.TCP["SYN_SENT2"]
+		if judged == 0 {
 			continue
 		}
 		vs := h.Versions(owner)
@@ -109,7 +110,7 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 			continue
 		}
 		out = append(out, TimedFinding{Finding: Finding{Node: node, Service: owner, Port: portName, Protocol: f.Frontend.Protocol,
-			Family: f.Frontend.Family(), Scope: ScopeCluster, Kind: StaleConntrack, Endpoint: f.Dest.String(), Detail: conntrackDetail(&f, left, now, ct.Timestamps)}, Since: left})
+			Family: f.Frontend.Family(), Scope: ScopeCluster, Kind: StaleConntrack, Endpoint: f.Dest.String(), Detail: conntrackDetail(&f, left, now, ct.Timestamps), Flows: judged}, Since: left})
 	}
 	return out
 }

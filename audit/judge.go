@@ -91,6 +91,10 @@ type NodeStatus struct {
 	// Warnings are facts about the node that are not findings (a
 	// kube-proxy release known to misbehave in the node's mode).
 	Warnings []string `json:"warnings,omitempty"`
+	// StaleFlows counts the node's conntrack flows still DNATed to
+	// endpoints that are gone (its StaleConntrack findings), whatever the
+	// state of its rules.
+	StaleFlows int `json:"staleFlows,omitempty"`
 }
 
 // Verdict is everything a judge concludes at one instant.

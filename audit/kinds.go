@@ -38,6 +38,8 @@ type Finding struct {
 	Kind     Kind   `json:"kind"`
 	Endpoint string `json:"endpoint"`
 	Detail   string `json:"detail"`
+	// Flows counts the conntrack flows of a StaleConntrack finding.
+	Flows int `json:"flows,omitempty"`
 }
 
 func (f Finding) key() string {
@@ -51,6 +53,11 @@ func (f Finding) key() string {
 func (f Finding) onNode() string {
 	f.Node = ""
 	return f.key()
+}
+
+// SortTimed orders timed findings as SortFindings does.
+func SortTimed(fs []TimedFinding) {
+	sort.SliceStable(fs, func(i, j int) bool { return fs[i].key() < fs[j].key() })
 }
 
 // SortFindings orders findings by node, service, port, protocol, scope,

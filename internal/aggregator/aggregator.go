@@ -135,6 +135,11 @@ type node struct {
 	readNowFor time.Time
 	// reads are the collector's read counts as it last said them.
 	reads map[stream.ReadReason]uint64
+	// conntrack is the node's conntrack counts as last sent (nil: none
+	// yet, or the collector does not read them); conntrackErr why the
+	// collector could not read them last.
+	conntrack    *audit.Conntrack
+	conntrackErr string
 
 	assessedVersion, assessedGen uint64
 	assessments                  []audit.ServiceAssessment

@@ -38,6 +38,8 @@ func (a *Aggregator) Evaluate() {
 	covered := a.view.Covered()
 	var jobs []job
 	var held, assessedAt time.Duration // for a slow cycle's log
+	var stale []audit.TimedFinding     // StaleConntrack, every node's
+	ctErrs := map[string]string{}
 	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
 		held = a.cfg.Clock.Since(start)
 		nodeInfo, families = st.Nodes, audit.ServiceFamilies(st)
@@ -88,6 +90,7 @@ func (a *Aggregator) Evaluate() {
 				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())
 			}
 		}
+		stale = a.judgeConntrack(h, ctErrs)
 		assessedAt = a.cfg.Clock.Since(start)
 	})
 	names := a.view.ExpectedNodes()
@@ -98,6 +101,7 @@ func (a *Aggregator) Evaluate() {
 	}
 	now := a.cfg.Clock.Now()
 	v := a.judge.Evaluate(now, names)
+	addConntrack(&v, stale, ctErrs)
 	gone := a.pruneLocked(&v)
 	audit.WarnKnownBad(&v, nodeInfo)
 	a.warnUnauditedLocked(&v, families)
@@ -134,6 +138,73 @@ func (a *Aggregator) Evaluate() {
 	a.logChanges(prev, &v)
 	if !recovering {
 		a.handOff(&v)
+	}
+}
+
+// judgeConntrack judges every node's last conntrack counts against the
+// history (the caller holds the view), and says whose could not be read.
+func (a *Aggregator) judgeConntrack(h *audit.History, errs map[string]string) []audit.TimedFinding {
+	type one struct {
+		name string
+		ct   *audit.Conntrack
+		mode audit.Mode
+	}
+	var all []one
+	a.mu.Lock()
+	for _, n := range a.nodes {
+		if n.conntrackErr != "" {
+			errs[n.name] = n.conntrackErr
+		}
+		if n.conntrack != nil && n.complete {
+			all = append(all, one{n.name, n.conntrack, audit.Mode(n.state.Mode)})
+		}
+	}
+	a.mu.Unlock()
+	now := a.cfg.Clock.Now()
+	var out []audit.TimedFinding
+	for _, o := range all {
+		out = append(out, audit.JudgeConntrack(o.name, o.ct, h, o.mode, now, a.cfg.Policy.Grace)...)
+	}
+	return out
+}
+
+// addConntrack puts the StaleConntrack findings of nodes whose collector
+// is heard (a silent one's counts are old) into the verdict, counts each
+// node's stale flows, and warns of tables that could not be read. They
+// change no node's state: a node's rules may be right while the kernel
+// remembers old decisions, and restarting kube-proxy is not the repair.
+func addConntrack(v *audit.Verdict, stale []audit.TimedFinding, errs map[string]string) {
+	idx := map[string]int{}
+	for i, n := range v.Nodes {
+		if n.State != audit.NodeMissing && n.State != audit.NodePending {
+			idx[n.Node] = i
+		}
+	}
+	added := false
+	for _, f := range stale {
+		i, ok := idx[f.Node]
+		if !ok {
+			continue
+		}
+		if !added {
+			// The judge's slices are shared with its later verdicts.
+			v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
+			added = true
+		}
+		v.Findings = append(v.Findings, f)
+		v.Nodes[i].StaleFlows += f.Flows
+	}
+	for node, err := range errs {
+		if i, ok := idx[node]; ok {
+			if !added {
+				v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
+				added = true
+			}
+			v.Nodes[i].Warnings = append(slices.Clone(v.Nodes[i].Warnings), "conntrack could not be read, stale flows are not audited: "+err)
+		}
+	}
+	if added {
+		audit.SortTimed(v.Findings)
 	}
 }
 

@@ -776,6 +776,17 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 		a.mu.Unlock()
 		return true, ReasonInvalid, "invalid report: " + err.Error(), nil
 	}
+	if ct := r.Conntrack; ct != nil {
+		// Kept as soon as it is valid: it does not depend on the rules.
+		if ct.Error != "" {
+			n.conntrack, n.conntrackErr = nil, safetext.Clean(ct.Error, maxReadError)
+		} else if m, err := ct.Model(); err != nil {
+			a.mu.Unlock()
+			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+		} else {
+			n.conntrack, n.conntrackErr = m, ""
+		}
+	}
 	// A read error is shown to people (explain, report, Slack): clean
 	// and short.
 	r.ReadError = safetext.Clean(r.ReadError, maxReadError)

@@ -579,12 +579,13 @@ func (s *State) Top() string {
 
 // ByTop returns r naming the state s (what r moves the other end to) by
 // its top instead of carrying the changes or, for a full snapshot, every
-// frontend: seq, root, node facts, signal and read stats stay. The sender
+// frontend: seq, root, node facts, signal, read stats and conntrack
+// counts stay. The sender
 // keeps what r moved the other end from (nothing, for a full snapshot)
 // and to, to answer the wants that follow when the top is not known.
 func (r *Report) ByTop(s *State) *Report {
 	return &Report{Seq: r.Seq, Full: r.Full, Root: r.Root, Mode: r.Mode, NoRules: r.NoRules, Families: r.Families, Top: s.Top(),
-		ReadError: r.ReadError, KubeProxy: r.KubeProxy, Reads: r.Reads}
+		ReadError: r.ReadError, KubeProxy: r.KubeProxy, Reads: r.Reads, Conntrack: r.Conntrack}
 }
 
 // encodeBuckets names the buckets that differ between prev and next:

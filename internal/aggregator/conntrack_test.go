@@ -1,0 +1,123 @@
+package aggregator
+
+import (
+	"context"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+)
+
+// fakeConntrack is a node's conntrack table as the kernel reader would
+// count it (the reader itself is tested on a real kernel).
+type fakeConntrack struct {
+	mu    sync.Mutex
+	flows []audit.ConntrackFlows
+	err   error
+}
+
+func (f *fakeConntrack) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.err != nil {
+		return nil, f.err
+	}
+	return &audit.Conntrack{Families: []int{4}, Entries: 1, Flows: append([]audit.ConntrackFlows(nil), f.flows...)}, nil
+}
+
+func (f *fakeConntrack) set(flows []audit.ConntrackFlows, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.flows, f.err = flows, err
+}
+
+// Through the stream to the verdict: flows still DNATed to an address
+// that is no endpoint of the service become a StaleConntrack finding once
+// grace has passed, counted on the node, whose rules stay in sync (its
+// state does not change: restarting kube-proxy is not the repair); flows
+// to live endpoints are nothing; once the flows are gone, so is the
+// finding; a table that cannot be read is a warning on the node.
+func TestStaleConntrackThroughTheStream(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	o := rules(t)
+	var fe audit.ObservedFrontend
+	for _, f := range o.Frontends {
+		if !f.NodePort && len(f.Endpoints) > 0 {
+			fe = f
+			break
+		}
+	}
+	live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
+	dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
+	ct := &fakeConntrack{}
+	ct.set([]audit.ConntrackFlows{live, dead}, nil)
+	for _, name := range []string{"n1", "n2", "n3"} {
+		cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Log: zaptest.NewLogger(t).Named(name),
+			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
+		if name == "n3" {
+			cfg.Conntrack, cfg.ConntrackInterval = ct, time.Second
+		}
+		h.wg.Add(1)
+		go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
+	}
+	stale := func() []audit.TimedFinding {
+		var out []audit.TimedFinding
+		for _, f := range h.verdict().Findings {
+			if f.Kind == audit.StaleConntrack {
+				out = append(out, f)
+			}
+		}
+		return out
+	}
+	h.until(time.Minute, "a StaleConntrack finding on n3", func() bool { return len(stale()) == 1 })
+	f := stale()[0]
+	if f.Node != "n3" || f.Endpoint != dead.Dest.String() || f.Flows != 3 || f.Found.IsZero() || f.Protocol != fe.Protocol {
+		t.Errorf("finding: %+v", f)
+	}
+	for _, n := range h.verdict().Nodes {
+		if n.State != audit.NodeInSync {
+			t.Errorf("%s is %s: stale flows must not change a node's state", n.Node, n.State)
+		}
+		if n.Node == "n3" && n.StaleFlows != 3 {
+			t.Errorf("n3 counts %d stale flows", n.StaleFlows)
+		}
+	}
+	// The flows end (their client stopped, or someone deleted them).
+	ct.set([]audit.ConntrackFlows{live}, nil)
+	h.until(time.Minute, "the finding gone with the flows", func() bool { return len(stale()) == 0 })
+	ct.set(nil, errTable)
+	h.until(time.Minute, "a warning that n3's table cannot be read", func() bool {
+		for _, n := range h.verdict().Nodes {
+			for _, w := range n.Warnings {
+				if n.Node == "n3" && w == "conntrack could not be read, stale flows are not audited: "+errTable.Error() {
+					return true
+				}
+			}
+		}
+		return false
+	})
+}
+
+var errTable = &tableError{}
+
+type tableError struct{}
+
+func (*tableError) Error() string { return "conntrack: netlink socket: operation not permitted" }
+
+// ConntrackFlowsOf is n flows of a frontend to dest: UDP, or TCP clients
+// trying to connect (SYN_SENT).
+func ConntrackFlowsOf(k audit.FrontendKey, dest netip.AddrPort, n int) audit.ConntrackFlows {
+	f := audit.ConntrackFlows{Frontend: k, Dest: dest, Samples: []netip.AddrPort{netip.MustParseAddrPort("198.18.5.5:40000")}}
+	if k.Protocol == "TCP" {
+		f.TCP, f.Unreplied = map[string]int{"SYN_SENT": n}, n
+	} else {
+		f.UDP = n
+	}
+	return f
+}
