@@ -384,7 +384,9 @@ func reportTable(w io.Writer, rep *FleetReport) {
 			}
 			prev = sp
 			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", shown, f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
-			if f.Service == "" {
+			if f.Service == "" || f.Kind == audit.StaleConntrack {
+				// Node-level findings, and stale flows (how many, which
+				// clients): what the table's columns cannot say.
 				details = append(details, fmt.Sprintf("  %s: %s", f.Kind, f.Detail))
 			}
 		}

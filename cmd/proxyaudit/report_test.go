@@ -303,3 +303,17 @@ func TestDiffShowsHostileDumpInert(t *testing.T) {
 		}
 	}
 }
+
+// Stale flows say in the table how many and whose: the columns cannot.
+func TestReportStaleConntrack(t *testing.T) {
+	rep := &FleetReport{At: time.Unix(1_800_000_000, 0), Nodes: []audit.NodeStatus{{Node: "n1", State: audit.NodeInSync, StaleFlows: 2}},
+		Findings: []audit.TimedFinding{{Finding: audit.Finding{Node: "n1", Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP", Kind: audit.StaleConntrack,
+			Endpoint: "198.18.77.3:53", Flows: 2, Detail: "2 UDP flow(s) through 198.19.0.10:53/UDP still DNATed to 198.18.77.3:53; clients 198.18.5.5:40000"}}}}
+	var b strings.Builder
+	reportTable(&b, rep)
+	for _, want := range []string{"n1 (InSync): 1 finding(s)", "StaleConntrack", "198.18.77.3:53", "clients 198.18.5.5:40000"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, b.String())
+		}
+	}
+}
