@@ -211,6 +211,9 @@ func conntrackDetail(f *ConntrackFlows, left, now time.Time, stamped bool) strin
 	}
 	d := fmt.Sprintf("%s flow(s) through %s still DNATed to %s, which left the service %s ago",
 		strings.Join(parts, ", "), f.Frontend, f.Dest, now.Sub(left).Round(time.Second))
+	if !now.After(left) { // offline (proxyaudit diff): one cluster state, no history
+		d = fmt.Sprintf("%s flow(s) through %s still DNATed to %s, which is not an endpoint of the service", strings.Join(parts, ", "), f.Frontend, f.Dest)
+	}
 	if f.Unreplied > 0 {
 		d += fmt.Sprintf("; %d never answered", f.Unreplied)
 	}

@@ -22,6 +22,7 @@ import (
 	"runtime/debug"
 	"sort"
 	"strings"
+	"time"
 	"text/tabwriter"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -47,7 +48,7 @@ const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from t
 Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
   proxyaudit explain node NAME [--service NAMESPACE/NAME] [-o table|json]
-  proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [-o table|json|markdown]
+  proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [--conntrack NODE=FILE ...] [-o table|json|markdown]
   proxyaudit pause --reason "..." [--for 2h] | proxyaudit resume | proxyaudit pause --status
   proxyaudit version
 
@@ -70,6 +71,11 @@ diff compares each node's rule dump with what kube-proxy should have programmed 
                    one after the other); a family the cluster has that no dump
                    covers is reported as not audited. IPVS real servers at
                    weight 0 are listed apart as draining, not as findings
+  --conntrack NODE=FILE the node's conntrack table, from conntrack -L (or -L -o
+                   extended), beside its --rules: flows of the node's service
+                   frontends still DNATed to an address that is not an
+                   endpoint of the service are StaleConntrack findings (UDP,
+                   SCTP, TCP connect attempts)
   -o FORMAT        table (default), json, or markdown
 
 Exit status: 0 no findings, 1 findings, 2 usage or input error, 3 no
@@ -147,8 +153,9 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, usage) }
 	cluster := fs.String("cluster", "", "cluster state: kubectl get services,endpointslices,nodes -A -o json")
-	var rules rulesFlag
+	var rules, conntrack rulesFlag
 	fs.Var(&rules, "rules", "NODE=FILE, a node's rule dump (repeatable)")
+	fs.Var(&conntrack, "conntrack", "NODE=FILE, a node's conntrack -L output (repeatable)")
 	format := fs.String("o", "table", "output format: table, json or markdown")
 	if err := fs.Parse(args); err != nil {
 		return exitUsage
@@ -195,6 +202,26 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		dumps[node] = append(dumps[node], path)
 	}
 	sort.Strings(nodes)
+	tables := map[string]string{}
+	for _, c := range conntrack {
+		node, path, ok := strings.Cut(c, "=")
+		if !ok || node == "" || path == "" {
+			return fail("--conntrack %q: want NODE=FILE", c)
+		}
+		if dumps[node] == nil {
+			return fail("--conntrack %s: give the node's rules too (--rules %s=FILE): its frontends say which flows are services'", c, node)
+		}
+		if tables[node] != "" {
+			return fail("--conntrack %s: one table per node", c)
+		}
+		tables[node] = path
+	}
+	var history *audit.History
+	at := time.Now()
+	if len(tables) > 0 {
+		history = audit.NewHistory(time.Hour)
+		history.Update(st, at)
+	}
 	var findings, draining []audit.Finding
 	var coverage []Coverage
 	for _, node := range nodes {
@@ -222,6 +249,13 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		coverage = append(coverage, cov)
 		findings = append(findings, audit.Diff(exp, obs)...)
 		draining = append(draining, audit.Draining(exp, obs)...)
+		if path := tables[node]; path != "" {
+			stale, err := staleFlows(node, path, obs, history, at)
+			if err != nil {
+				return fail("--conntrack %s (%s): %v", node, path, err)
+			}
+			findings = append(findings, stale...)
+		}
 	}
 	audit.SortFindings(findings)
 	audit.SortFindings(draining)
@@ -249,6 +283,32 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		return exitUnaudited
 	}
 	return exitClean
+}
+
+// staleFlows judges a node's conntrack -L output against the one cluster
+// state given: offline there is no history, so a destination that is not
+// an endpoint now is stale now (no grace).
+func staleFlows(node, path string, obs *audit.Observed, h *audit.History, at time.Time) ([]audit.Finding, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	keys := make([]audit.FrontendKey, 0, len(obs.Frontends))
+	for _, fe := range obs.Frontends {
+		keys = append(keys, fe.FrontendKey)
+	}
+	// Node ports on any address: the dump does not say which are the
+	// node's.
+	c := audit.NewConntrackCounter(keys, nil, 1<<20)
+	if _, err := audit.ParseConntrackList(io.LimitReader(f, maxInputBytes), c.Add); err != nil {
+		return nil, err
+	}
+	var out []audit.Finding
+	for _, tf := range audit.JudgeConntrack(node, c.Result(obs.Families), h, obs.Mode, at, 0) {
+		out = append(out, tf.Finding)
+	}
+	return out, nil
 }
 
 // Coverage is which IP families a node's dumps held.

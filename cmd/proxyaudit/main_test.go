@@ -3,9 +3,12 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 const drift = "../../audit/testdata/capture/drift/"
@@ -106,5 +109,70 @@ func TestDiffCollectorSnapshotAndDraining(t *testing.T) {
 	out, _ = diff("weight0", "ipvs-a.save", "-o", "json")
 	if !strings.Contains(out, `"draining": [`) {
 		t.Errorf("weight0 JSON lacks the draining list:\n%s", out)
+	}
+}
+
+// diff --conntrack: a node's conntrack -L beside its rules. A flow DNATed
+// to a live endpoint is nothing; one DNATed to an address that is not an
+// endpoint of the service is a StaleConntrack finding (exit 1).
+func TestDiffConntrack(t *testing.T) {
+	data, err := os.ReadFile(drift + "cluster.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := audit.ParseClusterList(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var svc, ip, live string
+	var port, target uint16
+	for _, s := range st.Services {
+		for _, p := range s.Ports {
+			if p.Protocol != "UDP" || len(s.ClusterIPs) == 0 || s.Skip != "" || s.ITPLocal {
+				continue
+			}
+			for _, sl := range s.Slices {
+				for _, sp := range sl.Ports {
+					if sp.Name == p.Name && sp.Protocol == "UDP" && len(sl.Endpoints) > 0 && sl.Endpoints[0].Ready && sl.Family == 4 {
+						svc, ip, port, target, live = s.Namespace+"/"+s.Name, s.ClusterIPs[0].String(), uint16(p.Port), sp.Port, sl.Endpoints[0].Addr.String()
+					}
+				}
+			}
+		}
+	}
+	if svc == "" {
+		t.Fatal("no UDP service with an IPv4 endpoint in the capture")
+	}
+	line := func(sport int, dest string) string {
+		return fmt.Sprintf("ipv4     2 udp      17 29 src=198.18.5.5 dst=%s sport=%d dport=%d src=%s dst=198.18.5.5 sport=%d dport=%d mark=0 use=1\n", ip, sport, port, dest, target, sport)
+	}
+	table := t.TempDir() + "/ct.txt"
+	if err := os.WriteFile(table, []byte(line(40000, live)+line(40001, "198.18.250.250")+line(40002, "198.18.250.250")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out, errb bytes.Buffer
+	code := run([]string{"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules", "--conntrack", "ipt-a=" + table, "-o", "json"}, &out, &errb)
+	if code != exitFindings {
+		t.Fatalf("exit %d, want 1; stderr: %s\n%s", code, errb.String(), out.String())
+	}
+	var rep Report
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Findings) != 1 || rep.Findings[0].Kind != audit.StaleConntrack || rep.Findings[0].Service != svc || rep.Findings[0].Flows != 2 ||
+		rep.Findings[0].Endpoint != fmt.Sprintf("198.18.250.250:%d", target) || !strings.Contains(rep.Findings[0].Detail, "is not an endpoint of the service") {
+		t.Fatalf("findings: %+v", rep.Findings)
+	}
+	// Bad input says what is wrong and what to give.
+	for args, says := range map[string]string{
+		"--conntrack ipt-b=" + table:                 "give the node's rules too",
+		"--conntrack ipt-a=" + drift + "ipt-a.rules": "line 1",
+		"--conntrack ipt-a":                          "want NODE=FILE",
+	} {
+		errb.Reset()
+		a := append([]string{"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules"}, strings.Fields(args)...)
+		if code := run(a, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), says) {
+			t.Errorf("%s: exit %d, %s", args, code, errb.String())
+		}
 	}
 }

@@ -217,41 +217,20 @@ func decodeProtoInfo(b []byte, e *ctEntry) error {
 	return nil
 }
 
-// ctAggregator counts DNATed entries per kube-proxy frontend and
-// destination, within a bound on distinct pairs, so that reading a table
-// of a million entries costs the pairs, not the entries.
-type ctAggregator struct {
-	// frontends are the node's explicit frontends (cluster, external and
-	// load-balancer IPs); nodePorts its node ports (NodePortKey), which
-	// match a flow to any local address.
-	frontends, nodePorts map[audit.FrontendKey]bool
-	local                func(netip.Addr) bool
-	max                  int
-
-	byKey            map[ctKey]*audit.ConntrackFlows
-	entries, dropped int
-	timestamps       bool
-}
-
-type ctKey struct {
-	fe   audit.FrontendKey
-	dest netip.AddrPort
-}
-
-// maxSamples is how many clients a pair keeps for people.
-const maxSamples = 3
-
-func newCTAggregator(frontends []audit.FrontendKey, local func(netip.Addr) bool, max int) *ctAggregator {
-	a := &ctAggregator{frontends: map[audit.FrontendKey]bool{}, nodePorts: map[audit.FrontendKey]bool{}, local: local, max: max,
-		byKey: map[ctKey]*audit.ConntrackFlows{}}
-	for _, k := range frontends {
-		if k.NodePort {
-			a.nodePorts[k] = true
-		} else {
-			a.frontends[k] = true
+// entry is the decoded entry as the audit counts it.
+func (e *ctEntry) entry() audit.ConntrackEntry {
+	out := audit.ConntrackEntry{Proto: e.proto, OrigSrc: e.origSrc, OrigDst: e.origDst, ReplySrc: e.replySrc,
+		DstNAT: e.status&ipsDstNAT != 0, SeenReply: e.status&ipsSeenReply != 0}
+	if e.hasTCPState {
+		out.TCPState = "UNKNOWN"
+		if int(e.tcpState) < len(tcpStates) {
+			out.TCPState = tcpStates[e.tcpState]
 		}
 	}
-	return a
+	if e.start != 0 {
+		out.Start = time.Unix(0, int64(e.start))
+	}
+	return out
 }
 
 // protoName names an IP protocol number kube-proxy serves.
@@ -265,77 +244,4 @@ func protoName(p byte) (string, bool) {
 		return "SCTP", true
 	}
 	return "", false
-}
-
-// add counts one entry, if it is a DNAT of one of the node's frontends.
-func (a *ctAggregator) add(e *ctEntry) {
-	if e.status&ipsDstNAT == 0 {
-		return
-	}
-	proto, ok := protoName(e.proto)
-	if !ok {
-		return
-	}
-	dst := e.origDst.Addr().Unmap()
-	fe := audit.FrontendKey{IP: dst, Protocol: proto, Port: e.origDst.Port()}
-	if !a.frontends[fe] {
-		fam := 4
-		if dst.Is6() {
-			fam = 6
-		}
-		np := audit.NodePortKey(fam, proto, e.origDst.Port())
-		if !a.nodePorts[np] || a.local == nil || !a.local(dst) {
-			return
-		}
-		fe = np
-	}
-	a.entries++
-	k := ctKey{fe: fe, dest: netip.AddrPortFrom(e.replySrc.Addr().Unmap(), e.replySrc.Port())}
-	f := a.byKey[k]
-	if f == nil {
-		if len(a.byKey) >= a.max {
-			a.dropped++
-			return
-		}
-		f = &audit.ConntrackFlows{Frontend: fe, Dest: k.dest}
-		a.byKey[k] = f
-	}
-	switch proto {
-	case "UDP":
-		f.UDP++
-	case "SCTP":
-		f.SCTP++
-	case "TCP":
-		state := "UNKNOWN"
-		if e.hasTCPState && int(e.tcpState) < len(tcpStates) {
-			state = tcpStates[e.tcpState]
-		}
-		if f.TCP == nil {
-			f.TCP = map[string]int{}
-		}
-		f.TCP[state]++
-	}
-	if e.status&ipsSeenReply == 0 {
-		f.Unreplied++
-	}
-	if e.start != 0 {
-		a.timestamps = true
-		if t := time.Unix(0, int64(e.start)); f.Oldest.IsZero() || t.Before(f.Oldest) {
-			f.Oldest = t
-		}
-	}
-	if len(f.Samples) < maxSamples {
-		f.Samples = append(f.Samples, netip.AddrPortFrom(e.origSrc.Addr().Unmap(), e.origSrc.Port()))
-	}
-}
-
-// result is what was counted, sorted.
-func (a *ctAggregator) result(families []int) *audit.Conntrack {
-	out := &audit.Conntrack{Families: families, Entries: a.entries, Dropped: a.dropped, Timestamps: a.timestamps,
-		Flows: make([]audit.ConntrackFlows, 0, len(a.byKey))}
-	for _, f := range a.byKey {
-		out.Flows = append(out.Flows, *f)
-	}
-	audit.SortConntrack(out.Flows)
-	return out
 }

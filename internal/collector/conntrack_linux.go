@@ -55,18 +55,19 @@ func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKe
 	if max <= 0 {
 		max = ctMaxPairs
 	}
-	agg := newCTAggregator(frontends, func(a netip.Addr) bool { return local[a] }, max)
+	agg := audit.NewConntrackCounter(frontends, func(a netip.Addr) bool { return local[a] }, max)
 	if err := r.dump(ctx, func(body []byte) error {
 		var e ctEntry
 		if err := decodeCT(body, &e); err != nil {
 			return err
 		}
-		agg.add(&e)
+		ce := e.entry()
+		agg.Add(&ce)
 		return nil
 	}); err != nil {
 		return nil, err
 	}
-	return agg.result([]int{4, 6}), nil
+	return agg.Result([]int{4, 6}), nil
 }
 
 func localAddrs() (map[netip.Addr]bool, error) {

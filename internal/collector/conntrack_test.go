@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // ctAttr encodes one netlink attribute (nested when given attributes).
@@ -111,7 +113,7 @@ func TestDecodeCT(t *testing.T) {
 func TestConntrackAggregation(t *testing.T) {
 	o := ctFrontends()
 	local := func(a netip.Addr) bool { return a == netip.MustParseAddr("198.18.77.1") }
-	agg := newCTAggregator(ctKeys(o), local, 100)
+	agg := audit.NewConntrackCounter(ctKeys(o), local, 100)
 	old := time.Unix(1_800_000_000, 0)
 	var bodies [][]byte
 	for i := range 5 {
@@ -132,13 +134,14 @@ func TestConntrackAggregation(t *testing.T) {
 		if err := decodeCT(b, &e); err != nil {
 			return err
 		}
-		agg.add(&e)
+		ce := e.entry()
+		agg.Add(&ce)
 		return nil
 	})
 	if err != nil || !done {
 		t.Fatal(done, err)
 	}
-	got := agg.result([]int{4})
+	got := agg.Result([]int{4})
 	if got.Entries != 8 || got.Dropped != 0 || len(got.Flows) != 4 || !got.Timestamps {
 		t.Fatalf("%+v", got)
 	}
@@ -151,7 +154,7 @@ func TestConntrackAggregation(t *testing.T) {
 				t.Errorf("node port: %+v", f)
 			}
 		case f.Dest == ctPod:
-			if f.UDP != 5 || f.Unreplied != 0 || !f.Oldest.Equal(old) || len(f.Samples) != maxSamples {
+			if f.UDP != 5 || f.Unreplied != 0 || !f.Oldest.Equal(old) || len(f.Samples) != audit.ConntrackSamples {
 				t.Errorf("cluster IP to the pod: %+v", f)
 			}
 		case f.Dest.Port() == 8080:
@@ -189,20 +192,21 @@ func FuzzConntrackDump(f *testing.F) {
 		ctBody(17, netip.MustParseAddrPort("[2001:2::5]:1"), netip.MustParseAddrPort("[2001:2::a]:53"), netip.MustParseAddrPort("[2001:2::b]:53"), ipsDstNAT, -1, time.Time{})))
 	o := ctFrontends()
 	f.Fuzz(func(t *testing.T, data []byte) {
-		agg := newCTAggregator(ctKeys(o), func(netip.Addr) bool { return true }, 8)
+		agg := audit.NewConntrackCounter(ctKeys(o), func(netip.Addr) bool { return true }, 8)
 		_, _ = ctMessages(data, 1, func(b []byte) error {
 			var e ctEntry
 			if err := decodeCT(b, &e); err != nil {
 				return err
 			}
-			agg.add(&e)
+			ce := e.entry()
+			agg.Add(&ce)
 			return nil
 		})
-		got := agg.result([]int{4, 6})
+		got := agg.Result([]int{4, 6})
 		n := got.Dropped
 		for _, fl := range got.Flows {
 			n += fl.Total()
-			if len(fl.Samples) > maxSamples || fl.Unreplied > fl.Total() {
+			if len(fl.Samples) > audit.ConntrackSamples || fl.Unreplied > fl.Total() {
 				t.Fatalf("%+v", fl)
 			}
 		}

@@ -1,0 +1,140 @@
+package audit
+
+import (
+	"net/netip"
+	"time"
+)
+
+// ConntrackEntry is what the audit needs of one conntrack entry: its
+// original tuple (client to frontend), the reply's source (the DNAT
+// destination), whether it was DNATed and answered, its TCP state, its
+// start (zero without kernel timestamps).
+type ConntrackEntry struct {
+	Proto             uint8 // IP protocol number
+	OrigSrc, OrigDst  netip.AddrPort
+	ReplySrc          netip.AddrPort
+	DstNAT, SeenReply bool
+	TCPState          string
+	Start             time.Time
+}
+
+// ConntrackCounter counts DNATed entries per frontend of a node and
+// destination, within a bound on distinct pairs, so that counting a table
+// of a million entries costs the pairs, not the entries. The collector
+// feeds it from a netlink dump, `proxyaudit diff` from `conntrack -L`.
+type ConntrackCounter struct {
+	frontends, nodePorts map[FrontendKey]bool
+	local                func(netip.Addr) bool
+	max                  int
+
+	byKey            map[conntrackKey]*ConntrackFlows
+	entries, dropped int
+	timestamps       bool
+}
+
+type conntrackKey struct {
+	fe   FrontendKey
+	dest netip.AddrPort
+}
+
+// ConntrackSamples is how many clients a pair keeps for people.
+const ConntrackSamples = 3
+
+// NewConntrackCounter counts the entries of frontends (the node's, from
+// its rules): cluster, external and load-balancer IPs as they are, node
+// ports on any address local says is the node's (nil: any). At most max
+// distinct pairs are kept; entries beyond are counted as dropped.
+func NewConntrackCounter(frontends []FrontendKey, local func(netip.Addr) bool, max int) *ConntrackCounter {
+	c := &ConntrackCounter{frontends: map[FrontendKey]bool{}, nodePorts: map[FrontendKey]bool{}, local: local, max: max,
+		byKey: map[conntrackKey]*ConntrackFlows{}}
+	for _, k := range frontends {
+		if k.NodePort {
+			c.nodePorts[k] = true
+		} else {
+			c.frontends[k] = true
+		}
+	}
+	return c
+}
+
+// conntrackProto names an IP protocol number kube-proxy serves.
+func conntrackProto(p uint8) (string, bool) {
+	switch p {
+	case 6:
+		return "TCP", true
+	case 17:
+		return "UDP", true
+	case 132:
+		return "SCTP", true
+	}
+	return "", false
+}
+
+// Add counts one entry, if it is a DNAT of one of the node's frontends.
+func (c *ConntrackCounter) Add(e *ConntrackEntry) {
+	if !e.DstNAT {
+		return
+	}
+	proto, ok := conntrackProto(e.Proto)
+	if !ok {
+		return
+	}
+	dst := e.OrigDst.Addr().Unmap()
+	fe := FrontendKey{IP: dst, Protocol: proto, Port: e.OrigDst.Port()}
+	if !c.frontends[fe] {
+		np := NodePortKey(family(dst), proto, e.OrigDst.Port())
+		if !c.nodePorts[np] || (c.local != nil && !c.local(dst)) {
+			return
+		}
+		fe = np
+	}
+	c.entries++
+	k := conntrackKey{fe: fe, dest: netip.AddrPortFrom(e.ReplySrc.Addr().Unmap(), e.ReplySrc.Port())}
+	f := c.byKey[k]
+	if f == nil {
+		if len(c.byKey) >= c.max {
+			c.dropped++
+			return
+		}
+		f = &ConntrackFlows{Frontend: fe, Dest: k.dest}
+		c.byKey[k] = f
+	}
+	switch proto {
+	case "UDP":
+		f.UDP++
+	case "SCTP":
+		f.SCTP++
+	case "TCP":
+		state := e.TCPState
+		if state == "" {
+			state = "UNKNOWN"
+		}
+		if f.TCP == nil {
+			f.TCP = map[string]int{}
+		}
+		f.TCP[state]++
+	}
+	if !e.SeenReply {
+		f.Unreplied++
+	}
+	if !e.Start.IsZero() {
+		c.timestamps = true
+		if f.Oldest.IsZero() || e.Start.Before(f.Oldest) {
+			f.Oldest = e.Start
+		}
+	}
+	if len(f.Samples) < ConntrackSamples {
+		f.Samples = append(f.Samples, netip.AddrPortFrom(e.OrigSrc.Addr().Unmap(), e.OrigSrc.Port()))
+	}
+}
+
+// Result is what was counted, sorted.
+func (c *ConntrackCounter) Result(families []int) *Conntrack {
+	out := &Conntrack{Families: families, Entries: c.entries, Dropped: c.dropped, Timestamps: c.timestamps,
+		Flows: make([]ConntrackFlows, 0, len(c.byKey))}
+	for _, f := range c.byKey {
+		out.Flows = append(out.Flows, *f)
+	}
+	SortConntrack(out.Flows)
+	return out
+}
