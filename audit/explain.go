@@ -47,6 +47,37 @@ type PortTrace struct {
 	// service has a trace per family); 0 for rules no service owns.
 	Family    int             `json:"family,omitempty"`
 	Frontends []FrontendTrace `json:"frontends"`
+	// StaleFlows are the node's conntrack flows of the port still DNATed
+	// to an endpoint that is gone (its StaleConntrack findings).
+	StaleFlows []FlowTrace `json:"staleFlows,omitempty"`
+}
+
+// FlowTrace is a node's stale flows to one endpoint that is gone.
+type FlowTrace struct {
+	Endpoint string `json:"endpoint"`
+	Flows    int    `json:"flows"`
+	Detail   string `json:"detail"`
+}
+
+// AttachStaleFlows puts a node's StaleConntrack findings under the port
+// they belong to (a port of a service that is gone gets a trace of its
+// own), for explain.
+func AttachStaleFlows(ports []PortTrace, findings []TimedFinding, service string) []PortTrace {
+	for _, f := range findings {
+		if f.Kind != StaleConntrack || (service != "" && f.Service != service) {
+			continue
+		}
+		ft := FlowTrace{Endpoint: f.Endpoint, Flows: f.Flows, Detail: f.Detail}
+		i := slices.IndexFunc(ports, func(p PortTrace) bool {
+			return p.Service == f.Service && p.Port == f.Port && p.Protocol == f.Protocol && (p.Family == 0 || f.Family == 0 || p.Family == f.Family)
+		})
+		if i < 0 {
+			ports = append(ports, PortTrace{Service: f.Service, Port: f.Port, Protocol: f.Protocol, Family: f.Family, Frontends: []FrontendTrace{}})
+			i = len(ports) - 1
+		}
+		ports[i].StaleFlows = append(ports[i].StaleFlows, ft)
+	}
+	return ports
 }
 
 // Explain traces what an SRE traces by hand: for each service port the

@@ -98,6 +98,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 				}
 			}
 		}
+		bad += len(p.StaleFlows)
 	}
 	if *format == "json" {
 		enc := json.NewEncoder(stdout)
@@ -116,7 +117,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 }
 
 func explainTable(w io.Writer, r api.ExplainResponse, bad, unaudited int) {
-	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s)", r.Node, r.Mode, bad)
+	fmt.Fprintf(w, "node %s (%s): %d stale or missing rule(s) or stale flow(s)", r.Node, r.Mode, bad)
 	if unaudited > 0 {
 		fmt.Fprintf(w, "; %d frontend(s) of an IP family whose rules were not read (NOT AUDITED)", unaudited)
 	}
@@ -151,7 +152,13 @@ func explainTable(w io.Writer, r api.ExplainResponse, bad, unaudited int) {
 				fmt.Fprintf(tw, "    → %s\t\t%s\t%s\n", e.Endpoint, mark(e.Status), orDash(e.Chain))
 			}
 		}
+		for _, s := range p.StaleFlows {
+			fmt.Fprintf(tw, "    ⇢ %s\t\tSTALE FLOWS (%d)\tconntrack\n", s.Endpoint, s.Flows)
+		}
 		tw.Flush()
+		for _, s := range p.StaleFlows {
+			fmt.Fprintf(w, "    %s\n", s.Detail)
+		}
 	}
 }
 

@@ -123,7 +123,10 @@ func TestExplainGolden(t *testing.T) {
 	st := audit.FromAPI(svcs, slices, nil)
 	resp := api.ExplainResponse{Node: "node-b", Mode: "iptables",
 		States: map[string]audit.ServiceState{"synth/svc-00001": audit.Lagging},
-		Ports:  audit.Explain(audit.ExpectedFor(st, "node-b"), obs, ""),
+		// A UDP client still pinned to the endpoint svc-00000 lost.
+		Ports: audit.AttachStaleFlows(audit.Explain(audit.ExpectedFor(st, "node-b"), obs, ""), []audit.TimedFinding{{Finding: audit.Finding{
+			Node: "node-b", Service: "synth/svc-00000", Port: "http", Protocol: "TCP", Family: 4, Kind: audit.StaleConntrack, Endpoint: "198.18.0.9:8080", Flows: 2,
+			Detail: "2 TCP SYN_SENT flow(s) through 198.19.192.0:80/TCP still DNATed to 198.18.0.9:8080, which left the service 41s ago; clients 198.18.5.5:40000"}}}, ""),
 		Collector: &audit.CollectorCost{Reads: map[string]uint64{"resync": 1, "change": 9, "backstop": 2}, LastReadSeconds: 0.412,
 			LastReadCPUSeconds: 0.388, LastReadBytes: 7_340_032}}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -88,6 +88,19 @@ func TestStaleConntrackThroughTheStream(t *testing.T) {
 			t.Errorf("n3 counts %d stale flows", n.StaleFlows)
 		}
 	}
+	// explain shows them under the port whose endpoint they point to.
+	ex, ok := h.agg.Explain("n3", "")
+	shownUnder := ""
+	for _, p := range ex.Ports {
+		for _, s := range p.StaleFlows {
+			if s.Endpoint == dead.Dest.String() && s.Flows == 3 {
+				shownUnder = p.Service
+			}
+		}
+	}
+	if !ok || shownUnder != f.Service {
+		t.Errorf("explain node n3 shows the stale flows under %q, want %q", shownUnder, f.Service)
+	}
 	// The flows end (their client stopped, or someone deleted them).
 	ct.set([]audit.ConntrackFlows{live}, nil)
 	h.until(time.Minute, "the finding gone with the flows", func() bool { return len(stale()) == 0 })

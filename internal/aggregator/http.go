@@ -150,11 +150,20 @@ func (a *Aggregator) Explain(node, service string) (api.ExplainResponse, bool) {
 	for _, as := range n.assessments {
 		resp.States[as.Service] = as.State
 	}
+	var stale []audit.TimedFinding
+	if v := a.verdict; v != nil {
+		for _, f := range v.Findings {
+			if f.Node == node && f.Kind == audit.StaleConntrack {
+				stale = append(stale, f)
+			}
+		}
+	}
 	a.mu.Unlock()
 	obs := rules.Observed()
 	a.view.Read(func(st *audit.State, _ *audit.History, _ uint64) {
 		resp.Ports = audit.Explain(audit.ExpectedFor(st, node), obs, service)
 	})
+	resp.Ports = audit.AttachStaleFlows(resp.Ports, stale, service)
 	if resp.Ports == nil {
 		resp.Ports = []audit.PortTrace{}
 	}
