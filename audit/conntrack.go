@@ -76,8 +76,8 @@ func SortConntrack(fs []ConntrackFlows) {
 const StaleConntrack Kind = "StaleConntrack"
 
 // JudgeConntrack finds a node's stale flows. A destination is live for a
-// UDP or SCTP flow while it is a serving endpoint of the service port
-// (ready, or serving while terminating); for a TCP flow while the
+// UDP flow while it is a serving endpoint of the service port (ready, or
+// serving while terminating: kube-proxy's cleanup rule); for TCP while the
 // service lists it at all, terminating included, so that connections
 // draining during graceful termination are normal until the pod is gone.
 // A destination no longer live is stale once grace has passed since the
@@ -96,11 +96,14 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 		if !ok {
 			continue // no service ever had it here: not kube-proxy's to judge
 		}
-		// Judged: UDP and SCTP flows (an entry lives only while its
-		// client sends: 30-120 s idle) and TCP clients still trying to
-		// connect (SYN_SENT); an idle ESTABLISHED entry to a gone pod
-		// lingers for conntrack's days-long timeout and harms nobody.
-		judged := f.UDP + f.SCTP + f.TCP["SYN_SENT"] + f.TCP["SYN_SENT2"]
+		// Judged: UDP flows (an entry lives only while its client sends:
+		// 30-120 s idle; the entries kube-proxy's own cleanup deletes, by
+		// the same rule, except that it leaves those of a service with no
+		// serving endpoint) and TCP clients still trying to connect
+		// (SYN_SENT). An idle ESTABLISHED TCP or SCTP association to a
+		// gone pod lingers for conntrack's days-long timeout, harms
+		// nobody, and would be a false alarm.
+		judged := f.UDP + f.TCP["SYN_SENT"] + f.TCP["SYN_SENT2"]
 		if judged == 0 {
 			continue
 		}

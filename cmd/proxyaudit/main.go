@@ -74,8 +74,8 @@ diff compares each node's rule dump with what kube-proxy should have programmed 
   --conntrack NODE=FILE the node's conntrack table, from conntrack -L (or -L -o
                    extended), beside its --rules: flows of the node's service
                    frontends still DNATed to an address that is not an
-                   endpoint of the service are StaleConntrack findings (UDP,
-                   SCTP, TCP connect attempts)
+                   endpoint of the service are StaleConntrack findings (UDP
+                   flows, TCP connect attempts)
   -o FORMAT        table (default), json, or markdown
 
 Exit status: 0 no findings, 1 findings, 2 usage or input error, 3 no
