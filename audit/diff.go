@@ -247,13 +247,16 @@ type Summary struct {
 	DriftedByNode []string     `json:"driftedNodes"`
 }
 
-// Summarize counts findings over the audited nodes.
+// Summarize counts findings over the audited nodes. A node is drifted
+// when its rules are: stale conntrack flows alone leave it in sync.
 func Summarize(nodes []string, fs []Finding) Summary {
 	s := Summary{Nodes: len(nodes), Findings: len(fs), ByKind: map[Kind]int{}, DriftedByNode: []string{}}
 	drifted := map[string]bool{}
 	for _, f := range fs {
 		s.ByKind[f.Kind]++
-		drifted[f.Node] = true
+		if f.Kind != StaleConntrack {
+			drifted[f.Node] = true
+		}
 	}
 	for _, n := range nodes {
 		if drifted[n] {

@@ -163,6 +163,9 @@ func TestDiffConntrack(t *testing.T) {
 		rep.Findings[0].Endpoint != fmt.Sprintf("198.18.250.250:%d", target) || !strings.Contains(rep.Findings[0].Detail, "is not an endpoint of the service") {
 		t.Fatalf("findings: %+v", rep.Findings)
 	}
+	if rep.Summary.NodesDrifted != 0 || rep.Summary.ByKind[audit.StaleConntrack] != 1 {
+		t.Errorf("a node whose rules are right is not drifted for its stale flows: %+v", rep.Summary)
+	}
 	// Bad input says what is wrong and what to give.
 	for args, says := range map[string]string{
 		"--conntrack ipt-b=" + table:                 "give the node's rules too",

@@ -176,7 +176,7 @@ func (m *Metrics) setVerdict(v *audit.Verdict) {
 		kinds[f.Kind]++
 	}
 	for _, k := range []audit.Kind{audit.StaleEndpoint, audit.MissingEndpoint, audit.StaleService, audit.MissingService,
-		audit.NoRules, audit.StuckProxy, audit.CollectorMissing, audit.MassDivergence} {
+		audit.NoRules, audit.StuckProxy, audit.CollectorMissing, audit.MassDivergence, audit.StaleConntrack} {
 		m.Findings.WithLabelValues(string(k)).Set(kinds[k])
 	}
 	states := map[audit.NodeState]float64{}
