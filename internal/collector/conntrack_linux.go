@@ -38,6 +38,7 @@ type ConntrackReader struct {
 	// MaxPairs bounds the distinct pairs (default 20,000).
 	MaxPairs int
 	bytes    atomic.Int64
+	buf      []byte // kept between reads (one goroutine reads)
 }
 
 // BytesRead is how many bytes of dump the reader has taken from the
@@ -104,7 +105,10 @@ func (r *ConntrackReader) dump(ctx context.Context, fn func(body []byte) error) 
 	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return fmt.Errorf("conntrack: dump request: %w", err)
 	}
-	buf := make([]byte, ctBuffer)
+	if r.buf == nil {
+		r.buf = make([]byte, ctBuffer)
+	}
+	buf := r.buf
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
