@@ -22,8 +22,8 @@ import (
 	"runtime/debug"
 	"sort"
 	"strings"
-	"time"
 	"text/tabwriter"
+	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"

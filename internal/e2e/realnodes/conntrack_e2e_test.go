@@ -3,7 +3,6 @@ package realnodes
 import (
 	"context"
 	"encoding/binary"
-	"fmt"
 	"net"
 	"strings"
 	"sync/atomic"
@@ -170,7 +169,7 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 	before = rh.answers.Load()
 	for deadline := time.Now().Add(30 * time.Second); rh.answers.Load() == before; time.Sleep(200 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal(fmt.Sprintf("%s's resolver still gets no answer after kube-proxy's restart", hung.Name))
+			t.Fatalf("%s's resolver still gets no answer after kube-proxy's restart", hung.Name)
 		}
 	}
 }
