@@ -339,3 +339,47 @@ func TestChartReadmeValuesInSync(t *testing.T) {
 		t.Errorf("%s's values table is out of date with values.yaml: run `make manifests`", path)
 	}
 }
+
+// Alertmanager's URLs, and its credentials from a Secret made elsewhere:
+// the files the flags name are the Secret's keys, mounted read-only.
+func TestAlertmanagerValues(t *testing.T) {
+	skipShort(t)
+	args := func(r *chart.Release) (*corev1.PodSpec, []string) {
+		spec, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return spec, spec.Containers[0].Args
+	}
+	_, a := args(render(t, nil))
+	for _, f := range a {
+		if strings.HasPrefix(f, "--alertmanager") {
+			t.Errorf("default install talks to Alertmanager: %s", f)
+		}
+	}
+	spec, a := args(render(t, nil, "alertmanager.urls={https://am-0:9093,https://am-1:9093}", "alertmanager.existingSecret=am-creds",
+		"alertmanager.tokenKey=bearer", "alertmanager.caKey=ca.pem"))
+	for _, want := range []string{"--alertmanager-url=https://am-0:9093,https://am-1:9093", "--alertmanager-token-file=/etc/proxyaudit/alertmanager/token",
+		"--alertmanager-ca-file=/etc/proxyaudit/alertmanager/ca.crt"} {
+		if !slices.Contains(a, want) {
+			t.Errorf("args lack %s: %v", want, a)
+		}
+	}
+	var vol *corev1.Volume
+	for i := range spec.Volumes {
+		if spec.Volumes[i].Name == "alertmanager" {
+			vol = &spec.Volumes[i]
+		}
+	}
+	if vol == nil || vol.Secret == nil || vol.Secret.SecretName != "am-creds" || len(vol.Secret.Items) != 2 ||
+		vol.Secret.Items[0] != (corev1.KeyToPath{Key: "bearer", Path: "token"}) || vol.Secret.Items[1] != (corev1.KeyToPath{Key: "ca.pem", Path: "ca.crt"}) {
+		t.Errorf("alertmanager volume: %+v", vol)
+	}
+	mounted := false
+	for _, m := range spec.Containers[0].VolumeMounts {
+		mounted = mounted || (m.Name == "alertmanager" && m.MountPath == "/etc/proxyaudit/alertmanager" && m.ReadOnly)
+	}
+	if !mounted {
+		t.Errorf("alertmanager Secret not mounted: %+v", spec.Containers[0].VolumeMounts)
+	}
+}
