@@ -2,12 +2,23 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"encoding/pem"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 )
 
 func TestFlagsAndHelp(t *testing.T) {
@@ -87,5 +98,59 @@ func TestAPIServerCutsSlowAndIdleClients(t *testing.T) {
 	io.WriteString(idle, "GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
 	if !closedWithin(idle, 5*time.Second) {
 		t.Error("an idle keep-alive connection is kept")
+	}
+}
+
+// The Alertmanager flags: a private CA and a bearer token from files reach
+// an https Alertmanager; a CA file without a certificate, or one that is
+// not there, stops the start with what is wrong.
+func TestAlertmanagerFlags(t *testing.T) {
+	var auth atomic.Value
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth.Store(r.Header.Get("Authorization"))
+		w.Write([]byte("[]"))
+	}))
+	defer srv.Close()
+	dir := t.TempDir()
+	ca := filepath.Join(dir, "ca.crt")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	token := filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	o := &options{amURLs: srv.URL, amCAFile: ca, amTokenFile: token, clusterName: "e2e"}
+	am, err := o.alertmanager(aggregator.NewMetrics(), zap.NewNop(), clock.RealClock{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if by, hold := am.Silenced(context.Background()); len(by) != 0 || hold != "" {
+		t.Fatalf("asking Alertmanager over TLS with the CA: %v %q", by, hold)
+	}
+	if got, _ := auth.Load().(string); got != "Bearer s3cret" {
+		t.Errorf("Authorization %q", got)
+	}
+	// Without the CA the system's roots do not know the test server.
+	o.amCAFile = ""
+	am, err = o.alertmanager(aggregator.NewMetrics(), zap.NewNop(), clock.RealClock{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, hold := am.Silenced(context.Background()); !strings.Contains(hold, "certificate") {
+		t.Errorf("an unknown CA: %q", hold)
+	}
+	if err := os.WriteFile(ca, []byte("not a certificate"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for name, o := range map[string]*options{
+		"no PEM":     {amURLs: srv.URL, amCAFile: ca},
+		"no CA file": {amURLs: srv.URL, amCAFile: filepath.Join(dir, "missing")},
+		"no token":   {amURLs: srv.URL, amTokenFile: filepath.Join(dir, "missing")},
+		"bad URL":    {amURLs: "alertmanager:9093"},
+	} {
+		if _, err := o.alertmanager(aggregator.NewMetrics(), zap.NewNop(), clock.RealClock{}); err == nil || !strings.Contains(err.Error(), "--alertmanager") {
+			t.Errorf("%s: %v", name, err)
+		}
 	}
 }
