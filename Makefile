@@ -115,12 +115,13 @@ fmt:
 deps:
 	@deploy/install-deps.sh
 
-## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet, Alertmanager,
+## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet, Alertmanager, promtool,
 ## kube-controller-manager, kube-scheduler and CoreDNS from Go modules
 cluster-binaries:
 	@deploy/k8s-tools/build.sh >/dev/null
 	@deploy/k8s-tools/coredns.sh >/dev/null
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
+	@deploy/k8s-tools/promtool.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out
