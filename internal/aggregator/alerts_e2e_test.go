@@ -8,11 +8,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -201,4 +204,115 @@ type alertTest struct {
 type expAlert struct {
 	Labels      map[string]string `json:"exp_labels"`
 	Annotations map[string]string `json:"exp_annotations"`
+}
+
+// The chart's Grafana dashboard asks only for what the aggregator
+// exports, in PromQL that Prometheus's own parser takes: every panel's
+// query names metrics of the aggregator's registry (a histogram's
+// _bucket of a histogram), and promtool checks each as a recording rule.
+func TestGrafanaDashboardQueries(t *testing.T) {
+	if testing.Short() {
+		t.Skip("renders the chart and runs promtool")
+	}
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(filepath.Join(root, "deploy/k8s-tools/promtool.sh")).Output()
+	if err != nil {
+		t.Fatalf("building promtool: %v", err)
+	}
+	promtool := strings.TrimSpace(string(out))
+	rel, err := chart.Render(root, "proxyaudit", "proxyaudit", nil, "metrics.grafanaDashboard.enabled=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cm := rel.Find("ConfigMap", "proxyaudit-aggregator-dashboard")
+	if cm == nil {
+		t.Fatalf("no dashboard ConfigMap in %v", rel.Kinds())
+	}
+	raw, _, _ := unstructuredString(cm.Object, "data", "proxyaudit.json")
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal([]byte(raw), &dash); err != nil {
+		t.Fatalf("the dashboard is not JSON: %v", err)
+	}
+	// What the aggregator exports: every collector of its Metrics.
+	exported := map[string]string{}
+	m := NewMetrics()
+	v := reflect.ValueOf(m).Elem()
+	ch := make(chan *prometheus.Desc, 64)
+	for i := range v.NumField() {
+		c, ok := v.Field(i).Interface().(prometheus.Collector)
+		if !ok {
+			continue
+		}
+		go func() { c.Describe(ch); ch <- nil }()
+		for d := <-ch; d != nil; d = <-ch {
+			name := descName(d)
+			kind := "other"
+			if _, ok := c.(prometheus.Histogram); ok {
+				kind = "histogram"
+			} else if _, ok := c.(*prometheus.HistogramVec); ok {
+				kind = "histogram"
+			}
+			exported[name] = kind
+		}
+	}
+	exported["proxyaudit_tls_certificate_expiry_timestamp_seconds"] = "other" // registered by the binary when it serves TLS
+	nameRE := regexp.MustCompile(`proxyaudit_[a-z_]+`)
+	var records strings.Builder
+	records.WriteString("groups:\n  - name: dashboard\n    rules:\n")
+	n := 0
+	for _, p := range dash.Panels {
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			for _, name := range nameRE.FindAllString(tg.Expr, -1) {
+				base, hist := strings.CutSuffix(name, "_bucket")
+				if kind, ok := exported[base]; !ok || (hist && kind != "histogram") {
+					t.Errorf("panel %q asks for %s, which the aggregator does not export", p.Title, name)
+				}
+			}
+			n++
+			expr := strings.ReplaceAll(tg.Expr, "$namespace", "proxyaudit")
+			fmt.Fprintf(&records, "      - record: dashboard:panel_%d\n        expr: %q\n", n, expr)
+		}
+	}
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "dashboard-rules.yaml"), []byte(records.String()), 0o644)
+	cmd := exec.Command(promtool, "check", "rules", "dashboard-rules.yaml")
+	cmd.Dir = dir
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("promtool check rules on the dashboard's %d queries: %v\n%s", n, err, out)
+	}
+	t.Logf("%d panels, %d queries: every metric exported, every query parsed by Prometheus", len(dash.Panels), n)
+}
+
+// descName is a Desc's fully-qualified name.
+func descName(d *prometheus.Desc) string {
+	s := d.String()
+	_, rest, _ := strings.Cut(s, `fqName: "`)
+	name, _, _ := strings.Cut(rest, `"`)
+	return name
+}
+
+func unstructuredString(obj map[string]any, fields ...string) (string, bool, error) {
+	var cur any = obj
+	for _, f := range fields {
+		m, ok := cur.(map[string]any)
+		if !ok {
+			return "", false, nil
+		}
+		cur = m[f]
+	}
+	s, ok := cur.(string)
+	return s, ok, nil
 }

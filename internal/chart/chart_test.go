@@ -383,3 +383,26 @@ func TestAlertmanagerValues(t *testing.T) {
 		t.Errorf("alertmanager Secret not mounted: %+v", spec.Containers[0].VolumeMounts)
 	}
 }
+
+// The Grafana dashboard is a ConfigMap the sidecar finds, and only when
+// asked for.
+func TestGrafanaDashboardOnlyWhenEnabled(t *testing.T) {
+	skipShort(t)
+	if cm := render(t, nil).Find("ConfigMap", "proxyaudit-aggregator-dashboard"); cm != nil {
+		t.Fatal("the default install renders the dashboard")
+	}
+	r := render(t, nil, "metrics.grafanaDashboard.enabled=true", "metrics.grafanaDashboard.namespace=monitoring",
+		"metrics.grafanaDashboard.annotations.grafana_folder=Networking")
+	cm := r.Find("ConfigMap", "proxyaudit-aggregator-dashboard")
+	if cm == nil {
+		t.Fatalf("no dashboard in %v", r.Kinds())
+	}
+	data, _ := cm.Object["data"].(map[string]any)
+	var dash map[string]any
+	if err := json.Unmarshal([]byte(fmt.Sprint(data["proxyaudit.json"])), &dash); err != nil || dash["uid"] != "proxyaudit" {
+		t.Errorf("dashboard JSON: %v", err)
+	}
+	if cm.GetLabels()["grafana_dashboard"] != "1" || cm.GetNamespace() != "monitoring" || cm.GetAnnotations()["grafana_folder"] != "Networking" {
+		t.Errorf("labels %v, namespace %q, annotations %v", cm.GetLabels(), cm.GetNamespace(), cm.GetAnnotations())
+	}
+}
