@@ -57,8 +57,9 @@ func NewConntrackCounter(frontends []FrontendKey, local func(netip.Addr) bool, m
 	return c
 }
 
-// conntrackProto names an IP protocol number kube-proxy serves.
-func conntrackProto(p uint8) (string, bool) {
+// ProtocolName names an IP protocol number kube-proxy serves (TCP, UDP,
+// SCTP).
+func ProtocolName(p uint8) (string, bool) {
 	switch p {
 	case 6:
 		return "TCP", true
@@ -75,7 +76,7 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 	if !e.DstNAT {
 		return
 	}
-	proto, ok := conntrackProto(e.Proto)
+	proto, ok := ProtocolName(e.Proto)
 	if !ok {
 		return
 	}

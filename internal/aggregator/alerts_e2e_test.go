@@ -5,9 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http/httptest"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"reflect"
 	"regexp"
 	"strings"
@@ -23,6 +20,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/promtool"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
@@ -33,22 +31,7 @@ import (
 // with the namespace and pod its ServiceMonitor adds): ProxyAuditKubeProxyStuck
 // fires a minute after the finding appears and resolves once it clears.
 func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
-	if testing.Short() {
-		t.Skip("renders the chart and runs promtool")
-	}
-	root, err := localcluster.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command(filepath.Join(root, "deploy/k8s-tools/promtool.sh")).Output()
-	if err != nil {
-		t.Fatalf("building promtool: %v", err)
-	}
-	promtool := strings.TrimSpace(string(out))
-	rel, err := chart.Render(root, "proxyaudit", "proxyaudit", nil, "metrics.prometheusRule.enabled=true")
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin, rel := chartAndPromtool(t, "metrics.prometheusRule.enabled=true")
 	pr := rel.Find("PrometheusRule", "proxyaudit-aggregator")
 	if pr == nil {
 		t.Fatal("no PrometheusRule")
@@ -137,73 +120,26 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 	if first < 0 || last-first < 6 {
 		t.Fatalf("the scraped StuckProxy gauge never rose for long: %v", samples[stuckKey])
 	}
-	var in []series
+	var in []promtool.Series
 	for k, vs := range samples {
-		in = append(in, series{Series: k, Values: strings.Join(vs, " ")})
+		in = append(in, promtool.Series{Series: k, Values: strings.Join(vs, " ")})
 	}
 	at := func(i int) string { return fmt.Sprintf("%ds", 15*i) }
-	var groups struct {
-		Groups []struct {
-			Rules []struct {
-				Alert       string            `json:"alert"`
-				Labels      map[string]string `json:"labels"`
-				Annotations map[string]string `json:"annotations"`
-			} `json:"rules"`
-		} `json:"groups"`
-	}
 	spec, _ := json.Marshal(pr.Object["spec"])
-	json.Unmarshal(spec, &groups)
-	var want expAlert
-	for _, g := range groups.Groups {
-		for _, r := range g.Rules {
-			if r.Alert == "ProxyAuditKubeProxyStuck" {
-				want.Labels = r.Labels
-				want.Annotations = map[string]string{}
-				for k, v := range r.Annotations {
-					want.Annotations[k] = strings.ReplaceAll(v, "{{ $value }}", "1")
-				}
-			}
-		}
+	rules, err := promtool.Alerts(spec)
+	if err != nil {
+		t.Fatal(err)
 	}
-	test := map[string]any{
-		"rule_files":          []string{"rules.yaml"},
-		"evaluation_interval": "15s",
-		"tests": []map[string]any{{
-			"interval":     "15s",
-			"input_series": in,
-			"alert_rule_test": []alertTest{
-				{EvalTime: at(first), AlertName: "ProxyAuditKubeProxyStuck"},                                  // pending
-				{EvalTime: at(first + 5), AlertName: "ProxyAuditKubeProxyStuck", ExpAlerts: []expAlert{want}}, // for: 1m
-				{EvalTime: at(last + 2), AlertName: "ProxyAuditKubeProxyStuck"},                               // resolved
-			},
-		}},
-	}
-	dir := t.TempDir()
-	data, _ := json.MarshalIndent(test, "", " ")
-	os.WriteFile(filepath.Join(dir, "rules.yaml"), spec, 0o644)
-	os.WriteFile(filepath.Join(dir, "test.yaml"), data, 0o644)
-	cmd := exec.Command(promtool, "test", "rules", "test.yaml")
-	cmd.Dir = dir
-	if out, err := cmd.CombinedOutput(); err != nil {
+	const alert = "ProxyAuditKubeProxyStuck"
+	ut := promtool.UnitTest{EvaluationInterval: "15s", Tests: []promtool.Test{{Interval: "15s", InputSeries: in, Alerts: []promtool.AlertTest{
+		{EvalTime: at(first), AlertName: alert}, // pending
+		{EvalTime: at(first + 5), AlertName: alert, ExpAlerts: []promtool.ExpAlert{rules[alert].Expect("1")}}, // for: 1m
+		{EvalTime: at(last + 2), AlertName: alert},                                                            // resolved
+	}}}}
+	if out, err := promtool.TestRules(bin, t.TempDir(), spec, ut); err != nil {
 		t.Fatalf("promtool test rules on the scraped series: %v\n%s", err, out)
 	}
 	t.Logf("%d scrapes; StuckProxy from scrape %d to %d; the alert fired a minute in and resolved", scrapes, first, last)
-}
-
-type series struct {
-	Series string `json:"series"`
-	Values string `json:"values"`
-}
-
-type alertTest struct {
-	EvalTime  string     `json:"eval_time"`
-	AlertName string     `json:"alertname"`
-	ExpAlerts []expAlert `json:"exp_alerts"`
-}
-
-type expAlert struct {
-	Labels      map[string]string `json:"exp_labels"`
-	Annotations map[string]string `json:"exp_annotations"`
 }
 
 // The chart's Grafana dashboard asks only for what the aggregator
@@ -211,22 +147,7 @@ type expAlert struct {
 // query names metrics of the aggregator's registry (a histogram's
 // _bucket of a histogram), and promtool checks each as a recording rule.
 func TestGrafanaDashboardQueries(t *testing.T) {
-	if testing.Short() {
-		t.Skip("renders the chart and runs promtool")
-	}
-	root, err := localcluster.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command(filepath.Join(root, "deploy/k8s-tools/promtool.sh")).Output()
-	if err != nil {
-		t.Fatalf("building promtool: %v", err)
-	}
-	promtool := strings.TrimSpace(string(out))
-	rel, err := chart.Render(root, "proxyaudit", "proxyaudit", nil, "metrics.grafanaDashboard.enabled=true")
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin, rel := chartAndPromtool(t, "metrics.grafanaDashboard.enabled=true")
 	cm := rel.Find("ConfigMap", "proxyaudit-aggregator-dashboard")
 	if cm == nil {
 		t.Fatalf("no dashboard ConfigMap in %v", rel.Kinds())
@@ -267,9 +188,7 @@ func TestGrafanaDashboardQueries(t *testing.T) {
 	}
 	exported["proxyaudit_tls_certificate_expiry_timestamp_seconds"] = "other" // registered by the binary when it serves TLS
 	nameRE := regexp.MustCompile(`proxyaudit_[a-z_]+`)
-	var records strings.Builder
-	records.WriteString("groups:\n  - name: dashboard\n    rules:\n")
-	n := 0
+	var exprs []string
 	for _, p := range dash.Panels {
 		if len(p.Targets) == 0 {
 			t.Errorf("panel %q has no query", p.Title)
@@ -281,19 +200,35 @@ func TestGrafanaDashboardQueries(t *testing.T) {
 					t.Errorf("panel %q asks for %s, which the aggregator does not export", p.Title, name)
 				}
 			}
-			n++
-			expr := strings.ReplaceAll(tg.Expr, "$namespace", "proxyaudit")
-			fmt.Fprintf(&records, "      - record: dashboard:panel_%d\n        expr: %q\n", n, expr)
+			exprs = append(exprs, strings.ReplaceAll(tg.Expr, "$namespace", "proxyaudit"))
 		}
 	}
-	dir := t.TempDir()
-	os.WriteFile(filepath.Join(dir, "dashboard-rules.yaml"), []byte(records.String()), 0o644)
-	cmd := exec.Command(promtool, "check", "rules", "dashboard-rules.yaml")
-	cmd.Dir = dir
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("promtool check rules on the dashboard's %d queries: %v\n%s", n, err, out)
+	if out, err := promtool.CheckRecorded(bin, t.TempDir(), exprs); err != nil {
+		t.Fatalf("promtool check rules on the dashboard's %d queries: %v\n%s", len(exprs), err, out)
 	}
+	n := len(exprs)
 	t.Logf("%d panels, %d queries: every metric exported, every query parsed by Prometheus", len(dash.Panels), n)
+}
+
+// chartAndPromtool renders the chart with sets and builds promtool.
+func chartAndPromtool(t *testing.T, sets ...string) (string, *chart.Release) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("renders the chart and runs promtool")
+	}
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin, err := promtool.Binary(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel, err := chart.Render(root, "proxyaudit", "proxyaudit", nil, sets...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bin, rel
 }
 
 // descName is a Desc's fully-qualified name.

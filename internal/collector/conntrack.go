@@ -234,14 +234,4 @@ func (e *ctEntry) entry() audit.ConntrackEntry {
 }
 
 // protoName names an IP protocol number kube-proxy serves.
-func protoName(p byte) (string, bool) {
-	switch p {
-	case 6:
-		return "TCP", true
-	case 17:
-		return "UDP", true
-	case 132:
-		return "SCTP", true
-	}
-	return "", false
-}
+func protoName(p byte) (string, bool) { return audit.ProtocolName(p) }
