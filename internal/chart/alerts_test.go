@@ -62,7 +62,9 @@ func TestPrometheusRulesInPromtool(t *testing.T) {
 		InputSeries: append(append([]promtool.Series(nil), replicas...), finding("agg-1", "StuckProxy", "5x90"), finding("agg-0", "StuckProxy", "0x90")),
 		Alerts:      []promtool.AlertTest{{EvalTime: "30m", AlertName: "ProxyAuditKubeProxyStuck"}}}
 	stale := func(pod, values string) promtool.Series { return gauge("proxyaudit_view_stale", pod, values) }
-	waiting := func(pod, values string) promtool.Series { return gauge("proxyaudit_stream_reports_waiting", pod, values) }
+	waiting := func(pod, values string) promtool.Series {
+		return gauge("proxyaudit_stream_reports_waiting", pod, values)
+	}
 	expiry := func(pod, values string) promtool.Series {
 		return gauge("proxyaudit_tls_certificate_expiry_timestamp_seconds", pod, values)
 	}
