@@ -157,25 +157,30 @@ func liveIn(svc *Service, f *ConntrackFlows) (string, bool) {
 		if proto != f.Frontend.Protocol || !frontendOf(svc, sp, f.Frontend) {
 			continue
 		}
+		listed, serving, anyServing := false, false, false
 		for _, sl := range svc.Slices {
 			if sl.Family != fam {
 				continue
 			}
 			for _, p := range sl.Ports {
-				if p.Name != sp.Name || p.Protocol != proto || p.Port != f.Dest.Port() {
+				if p.Name != sp.Name || p.Protocol != proto {
 					continue
 				}
 				for _, e := range sl.Endpoints {
-					if e.Addr != f.Dest.Addr() {
-						continue
-					}
-					if e.Ready || e.Serving || (proto == "TCP" && e.Terminating) {
-						return sp.Name, true
+					up := e.Ready || e.Serving
+					anyServing = anyServing || up
+					if e.Addr == f.Dest.Addr() && p.Port == f.Dest.Port() {
+						listed, serving = true, serving || up
 					}
 				}
 			}
 		}
-		return sp.Name, false
+		// TCP: live while listed at all (draining connections). UDP:
+		// while serving, as kube-proxy's cleanup has it; and while still
+		// listed when the service has no serving endpoint at all (a lone
+		// pod not ready: kube-proxy leaves its entries, the pod is there,
+		// and the service being down is another problem than this).
+		return sp.Name, listed && (proto == "TCP" || serving || !anyServing)
 	}
 	return "", false
 }

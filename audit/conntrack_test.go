@@ -87,3 +87,28 @@ func TestJudgeConntrack(t *testing.T) {
 		t.Error("no read, findings")
 	}
 }
+
+// A lone endpoint that is not ready (a readiness flap of the only CoreDNS
+// pod) is still the service's: its flows are not stale, as kube-proxy
+// leaves them; once another endpoint serves, or it is gone, they are.
+func TestJudgeConntrackLoneEndpointNotReady(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	ip := netip.MustParseAddr
+	dns := func(eps ...SliceEndpoint) *State {
+		return &State{Services: []Service{{Namespace: "kube-system", Name: "kube-dns", ClusterIPs: []netip.Addr{ip("198.19.0.10")},
+			Ports:  []corev1.ServicePort{{Name: "dns", Protocol: corev1.ProtocolUDP, Port: 53}},
+			Slices: []Slice{{Family: 4, Ports: []SlicePort{{Name: "dns", Protocol: "UDP", Port: 53}}, Endpoints: eps}}}}}
+	}
+	ct := &Conntrack{Flows: []ConntrackFlows{{Frontend: FrontendKey{IP: ip("198.19.0.10"), Protocol: "UDP", Port: 53},
+		Dest: netip.MustParseAddrPort("198.18.129.2:53"), UDP: 12}}}
+	h := NewHistory(10 * time.Minute)
+	h.Update(dns(SliceEndpoint{Addr: ip("198.18.129.2"), Ready: true, Serving: true}), t0)
+	h.Update(dns(SliceEndpoint{Addr: ip("198.18.129.2")}), t0.Add(time.Minute)) // not ready
+	if fs := JudgeConntrack("n", ct, h, ModeIPTables, t0.Add(5*time.Minute), 10*time.Second); len(fs) != 0 {
+		t.Fatalf("a lone pod not ready: %+v", fs)
+	}
+	h.Update(dns(SliceEndpoint{Addr: ip("198.18.129.2")}, SliceEndpoint{Addr: ip("198.18.129.3"), Ready: true, Serving: true}), t0.Add(6*time.Minute))
+	if fs := JudgeConntrack("n", ct, h, ModeIPTables, t0.Add(7*time.Minute), 10*time.Second); len(fs) != 1 || !fs[0].Since.Equal(t0.Add(6*time.Minute)) {
+		t.Fatalf("another endpoint serves, the not-ready one's flows are kube-proxy's to clear: %+v", fs)
+	}
+}
