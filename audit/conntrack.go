@@ -91,7 +91,6 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 	}
 	var out []TimedFinding
 	for _, f := range ct.Flows {
-		f := f
 		owner, ok := h.Owner(f.Frontend, mode)
 		if !ok {
 			continue // no service ever had it here: not kube-proxy's to judge

@@ -140,6 +140,13 @@ type node struct {
 	// collector could not read them last.
 	conntrack    *audit.Conntrack
 	conntrackErr string
+	// ctJudged is the last judgement of conntrack, for these counts
+	// against the history at ctJudgedSeq (its TouchSeq), made at
+	// ctJudgedAt: reused while neither moved, for a quarter grace.
+	ctJudged    []audit.TimedFinding
+	ctJudgedFor *audit.Conntrack
+	ctJudgedSeq uint64
+	ctJudgedAt  time.Time
 
 	assessedVersion, assessedGen uint64
 	assessments                  []audit.ServiceAssessment

@@ -217,6 +217,20 @@ func decodeProtoInfo(b []byte, e *ctEntry) error {
 	return nil
 }
 
+// countInto decodes each entry body a dump hands it and counts it in c:
+// the reader's path, which the tests and the fuzz target take too.
+func countInto(c *audit.ConntrackCounter) func(body []byte) error {
+	return func(body []byte) error {
+		var e ctEntry
+		if err := decodeCT(body, &e); err != nil {
+			return err
+		}
+		ce := e.entry()
+		c.Add(&ce)
+		return nil
+	}
+}
+
 // entry is the decoded entry as the audit counts it.
 func (e *ctEntry) entry() audit.ConntrackEntry {
 	out := audit.ConntrackEntry{Proto: e.proto, OrigSrc: e.origSrc, OrigDst: e.origDst, ReplySrc: e.replySrc,

@@ -57,15 +57,7 @@ func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKe
 		max = ctMaxPairs
 	}
 	agg := audit.NewConntrackCounter(frontends, func(a netip.Addr) bool { return local[a] }, max)
-	if err := r.dump(ctx, func(body []byte) error {
-		var e ctEntry
-		if err := decodeCT(body, &e); err != nil {
-			return err
-		}
-		ce := e.entry()
-		agg.Add(&ce)
-		return nil
-	}); err != nil {
+	if err := r.dump(ctx, countInto(agg)); err != nil {
 		return nil, err
 	}
 	return agg.Result([]int{4, 6}), nil
@@ -92,7 +84,7 @@ func localAddrs() (map[netip.Addr]bool, error) {
 func (r *ConntrackReader) dump(ctx context.Context, fn func(body []byte) error) error {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return fmt.Errorf("conntrack: netlink socket: %w", err)
+		return fmt.Errorf("conntrack: netlink socket: %w (the collector needs CAP_NET_ADMIN in the node's network namespace, as the chart gives it; --conntrack-interval=0 turns conntrack reading off)", err)
 	}
 	defer unix.Close(fd)
 	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {

@@ -129,15 +129,7 @@ func TestConntrackAggregation(t *testing.T) {
 		ctBody(17, ctClient, ctSvc, ctSvc, ipsSeenReply, -1, time.Time{}),                                                  // not DNATed
 		ctBody(1, ctClient, ctSvc, ctPod, ipsDstNAT, -1, time.Time{}),                                                      // ICMP
 	)
-	done, err := ctMessages(ctDatagram(7, true, bodies...), 7, func(b []byte) error {
-		var e ctEntry
-		if err := decodeCT(b, &e); err != nil {
-			return err
-		}
-		ce := e.entry()
-		agg.Add(&ce)
-		return nil
-	})
+	done, err := ctMessages(ctDatagram(7, true, bodies...), 7, countInto(agg))
 	if err != nil || !done {
 		t.Fatal(done, err)
 	}
@@ -193,15 +185,7 @@ func FuzzConntrackDump(f *testing.F) {
 	o := ctFrontends()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		agg := audit.NewConntrackCounter(ctKeys(o), func(netip.Addr) bool { return true }, 8)
-		_, _ = ctMessages(data, 1, func(b []byte) error {
-			var e ctEntry
-			if err := decodeCT(b, &e); err != nil {
-				return err
-			}
-			ce := e.entry()
-			agg.Add(&ce)
-			return nil
-		})
+		_, _ = ctMessages(data, 1, countInto(agg))
 		got := agg.Result([]int{4, 6})
 		n := got.Dropped
 		for _, fl := range got.Flows {
