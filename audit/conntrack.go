@@ -112,7 +112,7 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 			continue
 		}
 		out = append(out, TimedFinding{Finding: Finding{Node: node, Service: owner, Port: portName, Protocol: f.Frontend.Protocol,
-			Family: f.Frontend.Family(), Scope: ScopeCluster, Kind: StaleConntrack, Endpoint: f.Dest.String(), Detail: conntrackDetail(&f, left, now, ct.Timestamps), Flows: judged}, Since: left})
+			Family: f.Frontend.Family(), Scope: ScopeCluster, Kind: StaleConntrack, Endpoint: f.Dest.String(), Detail: conntrackDetail(&f, left, now, ct.Timestamps), Flows: judged, Frontend: f.Frontend.Wire()}, Since: left})
 	}
 	return out
 }

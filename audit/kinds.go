@@ -38,12 +38,15 @@ type Finding struct {
 	Kind     Kind   `json:"kind"`
 	Endpoint string `json:"endpoint"`
 	Detail   string `json:"detail"`
-	// Flows counts the conntrack flows of a StaleConntrack finding.
-	Flows int `json:"flows,omitempty"`
+	// Flows counts the conntrack flows of a StaleConntrack finding, and
+	// Frontend names what they were sent to (KeyString form: "ip:port/PROTO",
+	// "nodeport:PORT/PROTO"), so a repair can name exactly those entries.
+	Flows    int    `json:"flows,omitempty"`
+	Frontend string `json:"frontend,omitempty"`
 }
 
 func (f Finding) key() string {
-	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(rune('0' + f.Family)), string(f.Scope), string(f.Kind), f.Endpoint}, "\x00")
+	return strings.Join([]string{f.Node, f.Service, f.Port, f.Protocol, string(rune('0' + f.Family)), string(f.Scope), string(f.Kind), f.Endpoint, f.Frontend}, "\x00")
 }
 
 // onNode is key without the node: a finding's identity within one node's

@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 )
 
@@ -81,6 +82,46 @@ func (k FrontendKey) String() string {
 	}
 	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.IP, k.Port), k.Protocol)
 }
+
+// Wire is the key's stable text form, as the stream and findings carry
+// it: "198.19.0.10:53/UDP", "nodeport:30080/TCP" (IPv4) or
+// "nodeport6:30080/TCP".
+func (k FrontendKey) Wire() string {
+	if k.NodePort {
+		prefix := "nodeport:"
+		if k.Family() == 6 {
+			prefix = "nodeport6:"
+		}
+		return prefix + strconv.Itoa(int(k.Port)) + "/" + k.Protocol
+	}
+	return netip.AddrPortFrom(k.IP, k.Port).String() + "/" + k.Protocol
+}
+
+// ParseFrontendKey reverses Wire.
+func ParseFrontendKey(s string) (FrontendKey, error) {
+	addr, proto, ok := strings.Cut(s, "/")
+	if !ok || (proto != "TCP" && proto != "UDP" && proto != "SCTP") {
+		return FrontendKey{}, fmt.Errorf("bad frontend key %q", clipKey(s))
+	}
+	for fam, prefix := range map[int]string{4: "nodeport:", 6: "nodeport6:"} {
+		if p, ok := strings.CutPrefix(addr, prefix); ok {
+			n, err := strconv.ParseUint(p, 10, 16)
+			if err != nil {
+				return FrontendKey{}, fmt.Errorf("bad node port in %q", clipKey(s))
+			}
+			return NodePortKey(fam, proto, uint16(n)), nil
+		}
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return FrontendKey{}, fmt.Errorf("bad frontend key %q", clipKey(s))
+	}
+	return FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port()}, nil
+}
+
+// clipKey keeps at most 80 bytes of a key that did not parse (%q shows
+// them printable).
+func clipKey(s string) string { return s[:min(len(s), 80)] }
 
 func (k FrontendKey) less(o FrontendKey) bool {
 	if k.NodePort != o.NodePort {

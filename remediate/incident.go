@@ -3,6 +3,7 @@ package remediate
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -29,16 +30,19 @@ type record struct {
 	Opened   *time.Time  `json:"opened,omitempty"`
 	Restarts []time.Time `json:"restarts,omitempty"`
 	Cordoned *time.Time  `json:"cordoned,omitempty"`
+	Flushes  []time.Time `json:"flushes,omitempty"`
+	// FlushHeld is what the last held flush was paged with.
+	FlushHeld string `json:"flushHeld,omitempty"`
 }
 
 // Empty: nothing to remember (no incident, no restart, no cordon).
 func (inc Incident) Empty() bool {
-	return inc.Stage == "" && len(inc.Restarts) == 0 && inc.Cordoned.IsZero()
+	return inc.Stage == "" && len(inc.Restarts) == 0 && inc.Cordoned.IsZero() && len(inc.Flushes) == 0 && inc.FlushHeld == ""
 }
 
 // Encode renders the incident for its record.
 func (inc Incident) Encode() string {
-	r := record{Stage: inc.Stage, Restarts: inc.Restarts}
+	r := record{Stage: inc.Stage, Restarts: slices.Clone(inc.Restarts), Flushes: slices.Clone(inc.Flushes), FlushHeld: inc.FlushHeld}
 	if inc.Stage != "" && !inc.Opened.IsZero() {
 		t := inc.Opened.UTC()
 		r.Opened = &t
@@ -49,6 +53,9 @@ func (inc Incident) Encode() string {
 	}
 	for i := range r.Restarts {
 		r.Restarts[i] = r.Restarts[i].UTC()
+	}
+	for i := range r.Flushes {
+		r.Flushes[i] = r.Flushes[i].UTC()
 	}
 	b, _ := json.Marshal(r) // times and strings only: cannot fail
 	return string(b)
@@ -85,6 +92,12 @@ func DecodeIncident(s string, now time.Time) (Incident, error) {
 			inc.Restarts = append(inc.Restarts, t)
 		}
 	}
+	for _, t := range r.Flushes {
+		if !t.After(now.Add(ClockSkew)) {
+			inc.Flushes = append(inc.Flushes, t)
+		}
+	}
+	inc.FlushHeld = r.FlushHeld
 	if inc.Stage == StageRestarted && len(inc.Restarts) == 0 {
 		inc.Stage = StageOpen // restarted, but no believable restart
 	}

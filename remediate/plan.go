@@ -61,6 +61,9 @@ type Policy struct {
 	// Windows are when remediation may act; outside them it pages only
 	// and says when the next opens. None: at any time.
 	Windows Windows
+	// Conntrack is whether, and for which protocols, stale conntrack
+	// entries are deleted.
+	Conntrack ConntrackPolicy
 }
 
 // DefaultPolicy is dry-run with conservative limits.
@@ -97,6 +100,12 @@ type Incident struct {
 	Restarts []time.Time
 	// Cordoned is when proxyaudit cordoned the node (zero if it did not).
 	Cordoned time.Time
+	// Flushes are the times stale conntrack entries were deleted on the
+	// node within the budget window (like Restarts, they outlive the
+	// incident); FlushHeld is what the last held flush was paged with, so
+	// that a hold is paged once, not every round.
+	Flushes   []time.Time
+	FlushHeld string
 }
 
 // Node is what the planner knows of one node.
@@ -122,6 +131,8 @@ type Node struct {
 	// Silenced says who silenced the node's incident in Alertmanager and
 	// why (or that Alertmanager cannot be asked): paged, never repaired.
 	Silenced string
+	// Stale are the node's conntrack flows judged stale past grace.
+	Stale    []StalePair
 	Incident Incident
 }
 
@@ -150,6 +161,9 @@ const (
 	// own), and that ended. Node is SelfNode.
 	Storm     ActionKind = "Storm"
 	StormOver ActionKind = "StormOver"
+	// FlushConntrack deletes the node's stale conntrack entries named in
+	// Action.Flush, through its collector.
+	FlushConntrack ActionKind = "FlushConntrack"
 )
 
 // SelfNode is the Node of notices about proxyaudit itself.
@@ -166,6 +180,9 @@ type Action struct {
 	// Held names, for a page instead of a repair, what held the repair
 	// (one of the Held* reasons), for the held-decisions metric.
 	Held string
+	// Flush are the (frontend, destination) pairs a FlushConntrack
+	// deletes the entries of.
+	Flush []StalePair
 }
 
 // What holds a repair, as Action.Held.
@@ -257,7 +274,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		}
 		switch {
 		case n.Healthy && inc.Stage != "":
-			next := Incident{Restarts: inc.Restarts}
+			next := Incident{Restarts: inc.Restarts, Flushes: inc.Flushes, FlushHeld: inc.FlushHeld}
 			if !inc.Cordoned.IsZero() {
 				act(Uncordon, fmt.Sprintf("rules back in sync since the incident opened %s ago; proxyaudit cordoned this node and now uncordons it", now.Sub(inc.Opened).Round(time.Second)), next)
 				continue
@@ -324,6 +341,9 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck)+tail, inc)
 			out[len(out)-1].Held = held
 		}
+	}
+	if p.Conntrack.Enabled && !f.Storm {
+		out = planFlushes(now, p, nodes, out, &busy, limit, hold, holdWhy)
 	}
 	return out
 }

@@ -22,7 +22,6 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
-	"strings"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
@@ -492,40 +491,11 @@ func (b *Budget) Take(n int) int {
 // Give returns what Take took.
 func (b *Budget) Give(n int) { b.sem.Release(int64(n)) }
 
-// KeyString is the wire form of a frontend key: "198.19.0.10:53/UDP",
-// "nodeport:30080/TCP" (IPv4) or "nodeport6:30080/TCP".
-func KeyString(k audit.FrontendKey) string {
-	if k.NodePort {
-		prefix := "nodeport:"
-		if k.Family() == 6 {
-			prefix = "nodeport6:"
-		}
-		return prefix + strconv.Itoa(int(k.Port)) + "/" + k.Protocol
-	}
-	return netip.AddrPortFrom(k.IP, k.Port).String() + "/" + k.Protocol
-}
+// KeyString is the wire form of a frontend key (audit.FrontendKey.Wire).
+func KeyString(k audit.FrontendKey) string { return k.Wire() }
 
 // ParseKey reverses KeyString.
-func ParseKey(s string) (audit.FrontendKey, error) {
-	addr, proto, ok := strings.Cut(s, "/")
-	if !ok || (proto != "TCP" && proto != "UDP" && proto != "SCTP") {
-		return audit.FrontendKey{}, fmt.Errorf("bad frontend key %q", clip(s))
-	}
-	for fam, prefix := range map[int]string{4: "nodeport:", 6: "nodeport6:"} {
-		if p, ok := strings.CutPrefix(addr, prefix); ok {
-			n, err := strconv.ParseUint(p, 10, 16)
-			if err != nil {
-				return audit.FrontendKey{}, fmt.Errorf("bad node port in %q", clip(s))
-			}
-			return audit.NodePortKey(fam, proto, uint16(n)), nil
-		}
-	}
-	ap, err := netip.ParseAddrPort(addr)
-	if err != nil {
-		return audit.FrontendKey{}, fmt.Errorf("bad frontend key %q", clip(s))
-	}
-	return audit.FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port()}, nil
-}
+func ParseKey(s string) (audit.FrontendKey, error) { return audit.ParseFrontendKey(s) }
 
 // FromObserved converts an observed frontend to its wire form.
 func FromObserved(of audit.ObservedFrontend) Frontend {
