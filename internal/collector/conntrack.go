@@ -17,6 +17,7 @@ const (
 	ctaTupleReply = 2
 	ctaStatus     = 3
 	ctaProtoInfo  = 4
+	ctaID         = 12
 	ctaTimestamp  = 20
 	ctaStatusMask = 26
 
@@ -56,6 +57,8 @@ type ctEntry struct {
 	tcpState          uint8
 	hasTCPState       bool
 	start             uint64 // ns since the epoch; 0 without timestamps
+	id                uint32 // CTA_ID: a delete names it, so that a new flow on the same tuple is not deleted
+	family            uint8
 	hasOrig, hasReply bool
 }
 
@@ -88,6 +91,7 @@ func decodeCT(body []byte, e *ctEntry) error {
 	if len(body) < 4 {
 		return errCTShort
 	}
+	e.family = body[0]
 	for b := body[4:]; len(b) > 0; {
 		typ, val, rest, err := nla(b)
 		if err != nil {
@@ -112,6 +116,11 @@ func decodeCT(body []byte, e *ctEntry) error {
 				return errCTShort
 			}
 			e.status = binary.BigEndian.Uint32(val)
+		case ctaID:
+			if len(val) < 4 {
+				return errCTShort
+			}
+			e.id = binary.BigEndian.Uint32(val)
 		case ctaProtoInfo:
 			if err := decodeProtoInfo(val, e); err != nil {
 				return err
@@ -249,3 +258,42 @@ func (e *ctEntry) entry() audit.ConntrackEntry {
 
 // protoName names an IP protocol number kube-proxy serves.
 func protoName(p byte) (string, bool) { return audit.ProtocolName(p) }
+
+// FlushTarget is one pair a flush deletes the entries of: flows whose
+// original destination is Frontend (a node port: on any of the node's
+// addresses) and whose DNAT destination is Dest. UDP entries always; TCP
+// entries only with TCP, and then only connection attempts the
+// destination never answered (SYN_SENT): an answered connection is never
+// deleted, whatever the aggregator asks.
+type FlushTarget struct {
+	Frontend audit.FrontendKey
+	Dest     netip.AddrPort
+	TCP      bool
+}
+
+// matches says whether the decoded entry is one of t's.
+func (t *FlushTarget) matches(e *ctEntry, local func(netip.Addr) bool) bool {
+	if e.status&ipsDstNAT == 0 || e.replySrc.Addr().Unmap() != t.Dest.Addr().Unmap() || e.replySrc.Port() != t.Dest.Port() {
+		return false
+	}
+	proto, ok := protoName(e.proto)
+	if !ok || proto != t.Frontend.Protocol {
+		return false
+	}
+	switch proto {
+	case "UDP":
+	case "TCP":
+		// tcp_conntrack: 1 SYN_SENT, 9 SYN_SENT2 (simultaneous open), and
+		// never a reply: nothing answered, nothing to cut.
+		if !t.TCP || !e.hasTCPState || (e.tcpState != 1 && e.tcpState != 9) || e.status&ipsSeenReply != 0 {
+			return false
+		}
+	default:
+		return false
+	}
+	dst := e.origDst.Addr().Unmap()
+	if t.Frontend.NodePort {
+		return e.origDst.Port() == t.Frontend.Port && dst.Is4() == (t.Frontend.Family() == 4) && local != nil && local(dst)
+	}
+	return dst == t.Frontend.IP.Unmap() && e.origDst.Port() == t.Frontend.Port
+}

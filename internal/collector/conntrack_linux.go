@@ -184,3 +184,148 @@ func ctMessages(b []byte, seq uint32, fn func([]byte) error) (done bool, err err
 	}
 	return false, nil
 }
+
+const (
+	ipctnlMsgCTDelete = 2
+	nlaFNested        = 1 << 15
+	// ctMaxDeletes bounds the entries one flush deletes (and remembers
+	// between the dump and the deletes: 48 bytes each).
+	ctMaxDeletes = 100_000
+)
+
+// victim is an entry a flush deletes: what names it to the kernel.
+type victim struct {
+	family           uint8
+	proto            uint8
+	origSrc, origDst netip.AddrPort
+	id               uint32
+	target           int
+}
+
+// Delete deletes the conntrack entries of each target (see FlushTarget)
+// and says how many per target. One dump finds them (DNATed entries
+// only, through the reader's buffer); each is then deleted by its
+// original tuple and its ID, so that a flow that ended meanwhile and a new
+// one on the same tuple is left alone. An entry already gone is not
+// counted. At most 100,000 entries a call; the rest wait for the next.
+func (r *ConntrackReader) Delete(ctx context.Context, targets []FlushTarget) ([]int, error) {
+	local, err := localAddrs()
+	if err != nil {
+		return nil, fmt.Errorf("conntrack: the node's addresses (for node ports): %w", err)
+	}
+	isLocal := func(a netip.Addr) bool { return local[a] }
+	var victims []victim
+	err = r.dump(ctx, func(body []byte) error {
+		var e ctEntry
+		if err := decodeCT(body, &e); err != nil {
+			return err
+		}
+		for i := range targets {
+			if len(victims) < ctMaxDeletes && targets[i].matches(&e, isLocal) {
+				victims = append(victims, victim{family: e.family, proto: e.proto, origSrc: e.origSrc, origDst: e.origDst, id: e.id, target: i})
+				break
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	deleted := make([]int, len(targets))
+	if len(victims) == 0 {
+		return deleted, nil
+	}
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return deleted, fmt.Errorf("conntrack: netlink socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return deleted, fmt.Errorf("conntrack: bind: %w", err)
+	}
+	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 5})
+	ack := make([]byte, 4096)
+	for i, v := range victims {
+		if err := ctx.Err(); err != nil {
+			return deleted, err
+		}
+		seq := uint32(i + 2)
+		if err := unix.Sendto(fd, ctDeleteRequest(seq, &v), 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+			return deleted, fmt.Errorf("conntrack: delete request: %w", err)
+		}
+		errno, err := ctAck(fd, ack, seq)
+		switch {
+		case err != nil:
+			return deleted, err
+		case errno == 0:
+			deleted[v.target]++
+		case errno == unix.ENOENT:
+			// Gone meanwhile (timed out, or kube-proxy deleted it).
+		default:
+			return deleted, fmt.Errorf("conntrack: the kernel refused a delete: %w", os.NewSyscallError("ctnetlink", errno))
+		}
+	}
+	return deleted, nil
+}
+
+// ctDeleteRequest is IPCTNL_MSG_CT_DELETE of one entry: its original
+// tuple and its ID, acknowledged.
+func ctDeleteRequest(seq uint32, v *victim) []byte {
+	attr := func(typ uint16, val []byte) []byte {
+		a := make([]byte, 4, 4+len(val)+3)
+		binary.NativeEndian.PutUint16(a, uint16(4+len(val)))
+		binary.NativeEndian.PutUint16(a[2:], typ)
+		a = append(a, val...)
+		for len(a)%4 != 0 {
+			a = append(a, 0)
+		}
+		return a
+	}
+	be16 := func(p uint16) []byte { return binary.BigEndian.AppendUint16(nil, p) }
+	src, dst := v.origSrc.Addr(), v.origDst.Addr()
+	var ip []byte
+	if v.family == unix.AF_INET6 {
+		s, d := src.As16(), dst.As16()
+		ip = append(attr(ctaIPv6Src, s[:]), attr(ctaIPv6Dst, d[:])...)
+	} else {
+		s, d := src.Unmap().As4(), dst.Unmap().As4()
+		ip = append(attr(ctaIPv4Src, s[:]), attr(ctaIPv4Dst, d[:])...)
+	}
+	proto := append(attr(ctaProtoNum, []byte{v.proto}), attr(ctaProtoSrcPort, be16(v.origSrc.Port()))...)
+	proto = append(proto, attr(ctaProtoDstPort, be16(v.origDst.Port()))...)
+	tuple := append(attr(ctaTupleIP|nlaFNested, ip), attr(ctaTupleProto|nlaFNested, proto)...)
+	attrs := append(attr(ctaTupleOrig|nlaFNested, tuple), attr(ctaID, binary.BigEndian.AppendUint32(nil, v.id))...)
+	msg := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
+	msg = append(msg, attrs...)
+	binary.NativeEndian.PutUint32(msg, uint32(len(msg)))
+	binary.NativeEndian.PutUint16(msg[4:], nfnlSubsysCTNetlink<<8|ipctnlMsgCTDelete)
+	binary.NativeEndian.PutUint16(msg[6:], unix.NLM_F_REQUEST|unix.NLM_F_ACK)
+	binary.NativeEndian.PutUint32(msg[8:], seq)
+	msg[unix.NLMSG_HDRLEN] = v.family
+	msg[unix.NLMSG_HDRLEN+1] = unix.NFNETLINK_V0
+	return msg
+}
+
+// ctAck reads the acknowledgement of request seq: its errno (0: done).
+func ctAck(fd int, buf []byte, seq uint32) (unix.Errno, error) {
+	for {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		switch {
+		case errors.Is(err, unix.EINTR):
+			continue
+		case err != nil:
+			return 0, fmt.Errorf("conntrack: reading the kernel's answer to a delete: %w", err)
+		}
+		for b := buf[:n]; len(b) >= unix.NLMSG_HDRLEN; {
+			l := int(binary.NativeEndian.Uint32(b))
+			if l < unix.NLMSG_HDRLEN || l > len(b) {
+				return 0, fmt.Errorf("conntrack: netlink message length %d of %d bytes", l, len(b))
+			}
+			typ, s := binary.NativeEndian.Uint16(b[4:]), binary.NativeEndian.Uint32(b[8:])
+			if s == seq && typ == unix.NLMSG_ERROR && l >= unix.NLMSG_HDRLEN+4 {
+				return unix.Errno(-int32(binary.NativeEndian.Uint32(b[unix.NLMSG_HDRLEN:]))), nil
+			}
+			b = b[min((l+unix.NLMSG_ALIGNTO-1)&^(unix.NLMSG_ALIGNTO-1), len(b)):]
+		}
+	}
+}

@@ -18,3 +18,8 @@ type ConntrackReader struct {
 func (r *ConntrackReader) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
 	return nil, errors.New("conntrack: only on Linux")
 }
+
+// Delete fails: conntrack is Linux's.
+func (r *ConntrackReader) Delete(context.Context, []FlushTarget) ([]int, error) {
+	return nil, errors.New("conntrack: only on Linux")
+}

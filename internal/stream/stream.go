@@ -51,7 +51,7 @@ var ErrTooLarge = errors.New("message larger than the limit")
 // labelled with known types only: a peer makes up any string).
 func Known(t string) bool {
 	switch t {
-	case TypeHello, TypeWelcome, TypeRedirect, TypeReject, TypeReport, TypeResync, TypeReadNow, TypeAuth, TypeWant, TypeContent:
+	case TypeHello, TypeWelcome, TypeRedirect, TypeReject, TypeReport, TypeResync, TypeReadNow, TypeAuth, TypeWant, TypeContent, TypeFlush, TypeFlushed:
 		return true
 	}
 	return false
@@ -74,6 +74,10 @@ const (
 	// named by hash only; TypeContent is its answer.
 	TypeWant    = "want"
 	TypeContent = "content"
+	// TypeFlush asks the collector to delete the conntrack entries of
+	// named (frontend, gone destination) pairs; TypeFlushed is its answer.
+	TypeFlush   = "flush"
+	TypeFlushed = "flushed"
 )
 
 // Message is one frame. Type says which of the fields is set.
@@ -89,6 +93,62 @@ type Message struct {
 	Welcome  *Welcome  `json:"welcome,omitempty"`
 	Want     *Want     `json:"want,omitempty"`
 	Content  *Content  `json:"content,omitempty"`
+	Flush    *Flush    `json:"flush,omitempty"`
+	Flushed  *Flushed  `json:"flushed,omitempty"`
+}
+
+// MaxFlushPairs bounds the pairs of one Flush.
+const MaxFlushPairs = 1000
+
+// Flush asks the collector to delete the conntrack entries DNATed from
+// each pair's frontend to its destination, which the aggregator judged
+// gone from the service past grace. The collector decides for itself what
+// it deletes (see collector.Flusher): only while its own rules no longer
+// send the frontend to that destination, UDP entries, and TCP only for
+// connections never answered, when TCP is set.
+type Flush struct {
+	ID    uint64      `json:"id"`
+	Pairs []FlushPair `json:"pairs"`
+}
+
+// FlushPair names one frontend (KeyString form) and one destination
+// (ip:port).
+type FlushPair struct {
+	Frontend string `json:"k"`
+	Dest     string `json:"d"`
+	// TCP: also delete TCP connection attempts (SYN_SENT) of the pair.
+	TCP bool `json:"tcp,omitempty"`
+}
+
+// Flushed answers a Flush: per pair, in its order, how many entries were
+// deleted or why none were (Refused); Error when the table could not be
+// read or written at all.
+type Flushed struct {
+	ID      uint64        `json:"id"`
+	Results []FlushResult `json:"results,omitempty"`
+	Error   string        `json:"error,omitempty"`
+}
+
+// FlushResult is what became of one pair.
+type FlushResult struct {
+	Deleted int    `json:"deleted"`
+	Refused string `json:"refused,omitempty"`
+}
+
+// Check validates a flush request as a collector must before acting on it.
+func (f *Flush) Check() error {
+	if len(f.Pairs) == 0 || len(f.Pairs) > MaxFlushPairs {
+		return fmt.Errorf("a flush of %d pairs (1 to %d)", len(f.Pairs), MaxFlushPairs)
+	}
+	for _, p := range f.Pairs {
+		if _, err := ParseKey(p.Frontend); err != nil {
+			return err
+		}
+		if _, err := netip.ParseAddrPort(p.Dest); err != nil {
+			return fmt.Errorf("bad destination %q", clip(p.Dest))
+		}
+	}
+	return nil
 }
 
 // Welcome accepts a stream and says what the aggregator speaks. An

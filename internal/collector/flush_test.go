@@ -1,0 +1,128 @@
+package collector_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// ctTable stands in for the kernel's table: it records what it was asked
+// to delete (the real deletion is TestConntrackFlushOnRealFlows's).
+type ctTable struct {
+	mu    sync.Mutex
+	asked [][]collector.FlushTarget
+}
+
+func (c *ctTable) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
+	return &audit.Conntrack{Families: []int{4}}, nil
+}
+
+func (c *ctTable) Delete(_ context.Context, ts []collector.FlushTarget) ([]int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.asked = append(c.asked, ts)
+	out := make([]int, len(ts))
+	for i := range out {
+		out[i] = 7
+	}
+	return out, nil
+}
+
+// The collector decides what it deletes, whatever the aggregator asks: an
+// aggregator that is wrong or compromised can have flows deleted only to
+// destinations the node's own rules no longer send the frontend to, and
+// only on a collector whose operator turned deletion on.
+func TestFlushRefusesWhatTheRulesServe(t *testing.T) {
+	rules := synthRules(t, 4)
+	served := rules.Frontends[0]
+	live := served.Endpoints[0].Addr.String()
+	fe := stream.KeyString(served.FrontendKey)
+	for _, on := range []bool{false, true} {
+		t.Run(fmt.Sprintf("deletion on %v", on), func(t *testing.T) {
+			ln, _ := net.Listen("tcp", "127.0.0.1:0")
+			defer ln.Close()
+			table := &ctTable{}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+				Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
+				Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: on})
+			conn := welcome(t, ln)
+			defer conn.Close()
+			nextReport(t, conn, 5*time.Second)
+			ask := func(pairs ...stream.FlushPair) *stream.Flushed {
+				t.Helper()
+				stream.Write(conn, &stream.Message{Type: stream.TypeFlush, Flush: &stream.Flush{ID: 9, Pairs: pairs}})
+				for {
+					conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+					m, _, err := stream.Read(conn, 1<<20)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if m.Type == stream.TypeFlushed {
+						if m.Flushed == nil || m.Flushed.ID != 9 {
+							t.Fatalf("answer %+v", m.Flushed)
+						}
+						return m.Flushed
+					}
+				}
+			}
+			got := ask(
+				stream.FlushPair{Frontend: fe, Dest: live, TCP: true},               // served by the rules
+				stream.FlushPair{Frontend: "198.51.100.1:53/UDP", Dest: "10.0.0.1:53"}, // not the node's
+				stream.FlushPair{Frontend: fe, Dest: "198.18.250.250:9", TCP: true},    // gone
+			)
+			if !on {
+				if !strings.Contains(got.Error, "--conntrack-delete") || len(got.Results) != 0 || len(table.asked) != 0 {
+					t.Fatalf("deletion off: %+v, deleted %v", got, table.asked)
+				}
+				return
+			}
+			if got.Error != "" || len(got.Results) != 3 ||
+				!strings.Contains(got.Results[0].Refused, "still send") || got.Results[0].Deleted != 0 ||
+				!strings.Contains(got.Results[1].Refused, "not a frontend") ||
+				got.Results[2].Refused != "" || got.Results[2].Deleted != 7 {
+				t.Fatalf("answer %+v", got)
+			}
+			table.mu.Lock()
+			asked := fmt.Sprint(table.asked)
+			table.mu.Unlock()
+			if want := fmt.Sprint([][]collector.FlushTarget{{{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), TCP: true}}}); asked != want {
+				t.Fatalf("deleted %s, want %s", asked, want)
+			}
+			// Garbage and floods are refused whole, and the stream lives on.
+			for _, bad := range [][]stream.FlushPair{
+				{{Frontend: "<script>", Dest: "x"}},
+				{{Frontend: fe, Dest: "not an address"}},
+				make([]stream.FlushPair, stream.MaxFlushPairs+1),
+				nil,
+			} {
+				if got := ask(bad...); !strings.Contains(got.Error, "invalid flush") && !strings.Contains(got.Error, "pairs") {
+					t.Errorf("%d pairs: %+v", len(bad), got)
+				}
+			}
+			if got := ask(stream.FlushPair{Frontend: fe, Dest: "198.18.250.250:9"}); got.Error != "" || got.Results[0].Deleted != 7 {
+				t.Errorf("after the garbage: %+v", got)
+			}
+		})
+	}
+}
+
+func mustAddrPort(t *testing.T, s string) netip.AddrPort {
+	t.Helper()
+	ap, err := netip.ParseAddrPort(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ap
+}
