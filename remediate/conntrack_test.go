@@ -65,7 +65,13 @@ func TestPlanFlushes(t *testing.T) {
 			"e:FlushConntrack f:FlushConntrack g:Page", "remediation budget reached"},
 		{"a restart this round takes the fleet budget first", func() Policy { p := flushable(); p.MaxConcurrent = 1; return p }(),
 			Fleet{Nodes: append(healthy("a", "b", "c", "d"), drifted("e"), stale("f", dnsPair))}, "e:RestartProxy f:Page", "budget"},
-		{"the breaker counts flushed nodes", func() Policy { p := flushable(); p.MaxConcurrent = 5; p.MaxUnhealthy = MustBudget("100%"); p.BreakerShare = 0.2; return p }(),
+		{"the breaker counts flushed nodes", func() Policy {
+			p := flushable()
+			p.MaxConcurrent = 5
+			p.MaxUnhealthy = MustBudget("100%")
+			p.BreakerShare = 0.2
+			return p
+		}(),
 			Fleet{Nodes: append(healthy("a", "b", "c", "d", "e", "f", "g"), stale("x", dnsPair), stale("y", dnsPair), stale("z", dnsPair))},
 			"x:FlushConntrack y:FlushConntrack z:Page", "breaker open: 2 node(s) had conntrack entries deleted"},
 	} {

@@ -78,7 +78,7 @@ func TestFlushRefusesWhatTheRulesServe(t *testing.T) {
 				}
 			}
 			got := ask(
-				stream.FlushPair{Frontend: fe, Dest: live, TCP: true},               // served by the rules
+				stream.FlushPair{Frontend: fe, Dest: live, TCP: true},                  // served by the rules
 				stream.FlushPair{Frontend: "198.51.100.1:53/UDP", Dest: "10.0.0.1:53"}, // not the node's
 				stream.FlushPair{Frontend: fe, Dest: "198.18.250.250:9", TCP: true},    // gone
 			)
