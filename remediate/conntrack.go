@@ -31,6 +31,13 @@ type StalePair struct {
 	Flows          int
 }
 
+// FlushResult is what a node's collector did with one pair: how many
+// entries it deleted, or why it refused.
+type FlushResult struct {
+	Deleted int
+	Refused string
+}
+
 func (s StalePair) String() string {
 	return fmt.Sprintf("%s (%s) → %s: %d flow(s)", s.Frontend, s.Service, s.Dest, s.Flows)
 }
@@ -64,10 +71,15 @@ func planFlushes(now time.Time, p Policy, nodes []Node, out []Action, busy *int,
 				pairs = append(pairs, s)
 			}
 		}
+		inc := n.Incident
 		if len(pairs) == 0 {
+			if inc.FlushHeld != "" {
+				// A held flush was paged; the flows are gone since.
+				inc.FlushHeld = ""
+				out = append(out, Action{Kind: Resolve, Node: n.Name, Incident: inc, Reason: "StaleConntrack: the stale flows paged before are gone"})
+			}
 			continue
 		}
-		inc := n.Incident
 		inc.Flushes = recent(inc.Flushes, now, p.BudgetWindow)
 		fresh := p.BreakerWindow > 0 && len(recent(inc.Flushes, now, p.BreakerWindow)) == 0
 		held, why := "", ""

@@ -111,6 +111,12 @@ func TestFlushRecorded(t *testing.T) {
 	if other := Plan(t0.Add(time.Minute), flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node { m := n; m.Exempt = "label"; return m }())}); describe(other) != "c:Page" {
 		t.Fatalf("a new hold: %q", describe(other))
 	}
+	// Once the flows are gone, the held page is resolved (and the record
+	// forgets it).
+	gone := Node{Name: "c", Healthy: true, Incident: held[0].Incident}
+	if res := Plan(t0.Add(time.Hour), flushable(), Fleet{Nodes: append(healthy("a", "b"), gone)}); describe(res) != "c:Resolve" || res[0].Incident.FlushHeld != "" {
+		t.Fatalf("flows gone after a held page: %+v", res)
+	}
 	// A resolve keeps the flush history (the budget is per node).
 	r := Node{Name: "c", Healthy: true, Incident: Incident{Stage: StageOpen, Opened: ago(time.Hour), Flushes: []time.Time{ago(time.Minute)}}}
 	if res := Plan(t0, flushable(), Fleet{Nodes: append(healthy("a", "b"), r)}); len(res) != 1 || len(res[0].Incident.Flushes) != 1 {

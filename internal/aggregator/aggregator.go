@@ -99,6 +99,9 @@ type Aggregator struct {
 	// stormSince: since when most nodes drift at once (MassDivergence),
 	// paged once for the fleet (zero: no storm).
 	stormSince time.Time
+	// flush pairs collectors' answers to flush requests with the waiting
+	// requests.
+	flush flushes
 	// hold: why every repair is held (a pause, outside the windows), as
 	// the last remediation round decided; shown by the API.
 	hold string

@@ -3,6 +3,7 @@ package aggregator
 import (
 	"context"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +13,9 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
 
 // fakeConntrack is a node's conntrack table as the kernel reader would
@@ -20,6 +24,7 @@ type fakeConntrack struct {
 	mu    sync.Mutex
 	flows []audit.ConntrackFlows
 	err   error
+	asked []collector.FlushTarget
 }
 
 func (f *fakeConntrack) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
@@ -133,4 +138,125 @@ func ConntrackFlowsOf(k audit.FrontendKey, dest netip.AddrPort, n int) audit.Con
 		f.UDP = n
 	}
 	return f
+}
+
+// Delete deletes the flows of each target, as the kernel would, and
+// remembers what it was asked.
+func (f *fakeConntrack) Delete(_ context.Context, ts []collector.FlushTarget) ([]int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.asked = append(f.asked, ts...)
+	out := make([]int, len(ts))
+	kept := f.flows[:0:0]
+	for _, fl := range f.flows {
+		gone := false
+		for i, t := range ts {
+			if fl.Frontend == t.Frontend && fl.Dest == t.Dest {
+				out[i] += fl.Total()
+				gone = true
+			}
+		}
+		if !gone {
+			kept = append(kept, fl)
+		}
+	}
+	f.flows = kept
+	return out, nil
+}
+
+// Conntrack remediation from the finding to the node and back: in
+// dry-run it says what it would delete and deletes nothing; in restart
+// mode the node's collector is asked to delete exactly the stale pair
+// (never the live one), kube-proxy is not restarted (the node's rules are
+// in sync), the finding goes with the flows, the flush is recorded for the
+// node's budget; a collector whose operator left deletion off refuses,
+// and that is paged as refused.
+func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		mode   remediate.Mode
+		delete bool
+	}{{"dry-run", remediate.DryRun, true}, {"restart", remediate.Restart, true}, {"deletion off on the node", remediate.Restart, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			client := fakeCluster()
+			h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+			o := rules(t)
+			var fe audit.ObservedFrontend
+			for _, f := range o.Frontends {
+				if !f.NodePort && f.IP == synth.VIP(0) {
+					fe = f
+				}
+			}
+			live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
+			dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
+			ct := &fakeConntrack{}
+			ct.set([]audit.ConntrackFlows{live, dead}, nil)
+			rec := &kinds{}
+			p := remediate.DefaultPolicy()
+			p.Mode, p.MaxUnhealthy, p.Conntrack.Enabled = tc.mode, remediate.MustBudget("100%"), true
+			// The synthetic services are TCP: opted in (their connection
+			// attempts to a gone pod, SYN_SENT, are what is judged).
+			p.Conntrack.TCPServices = map[string]bool{synth.Namespace + "/" + synth.ServiceName(0): true}
+			ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
+				Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
+			h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
+			for _, name := range []string{"n1", "n2", "n3"} {
+				cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Log: zaptest.NewLogger(t).Named(name),
+					Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
+				if name == "n3" {
+					cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = ct, time.Second, tc.delete
+				}
+				h.wg.Add(1)
+				go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
+			}
+			h.until(time.Minute, "a flush decided for n3", func() bool { return rec.count("n3", remediate.FlushConntrack) > 0 || rec.count("n3", remediate.Page) > 0 })
+			all, _ := rec.since(0)
+			var flush remediate.Notice
+			for _, x := range all {
+				if x.Node == "n3" {
+					flush = x
+				}
+				if x.Node != "n3" || x.Kind == remediate.RestartProxy {
+					t.Errorf("unexpected action %s on %s: %s", x.Kind, x.Node, x.Reason)
+				}
+			}
+			ct.mu.Lock()
+			asked := append([]collector.FlushTarget(nil), ct.asked...)
+			ct.mu.Unlock()
+			switch {
+			case tc.mode == remediate.DryRun:
+				if flush.Kind != remediate.FlushConntrack || !flush.DryRun || len(asked) != 0 || !strings.Contains(flush.Reason, dead.Dest.String()) {
+					t.Fatalf("dry-run: %+v; asked %v", flush, asked)
+				}
+			case !tc.delete:
+				h.until(20*time.Second, "the refusal paged", func() bool {
+					all, _ := rec.since(0)
+					for _, x := range all {
+						if x.Kind == remediate.FlushConntrack && strings.Contains(x.Reason, "FAILED") && strings.Contains(x.Reason, "--conntrack-delete") {
+							return true
+						}
+					}
+					return false
+				})
+			default:
+				if len(asked) != 1 || asked[0].Frontend != fe.FrontendKey || asked[0].Dest != dead.Dest || !asked[0].TCP {
+					t.Fatalf("asked to delete %+v, want only %v → %v", asked, fe.FrontendKey, dead.Dest)
+				}
+				if !strings.Contains(flush.Reason, "deleted 3 entries") || flush.DryRun {
+					t.Fatalf("flush: %+v", flush)
+				}
+				h.until(20*time.Second, "the finding gone with the flows", func() bool {
+					for _, f := range h.verdict().Findings {
+						if f.Kind == audit.StaleConntrack {
+							return false
+						}
+					}
+					return true
+				})
+				if inc := ex.Incident("n3"); len(inc.Flushes) != 1 || inc.Stage != "" {
+					t.Fatalf("recorded %+v", inc)
+				}
+			}
+		})
+	}
 }

@@ -39,6 +39,9 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	// Lease stops mid-round (the executor also asks before each action).
 	ctx, cancel := context.WithTimeout(a.leadContext(), 30*time.Second)
 	defer cancel()
+	if r.Executor.Flusher == nil {
+		r.Executor.Flusher = a // flushes go to the nodes' collectors, over their streams
+	}
 	if err := r.Executor.Load(ctx); err != nil {
 		a.cfg.Log.Warn("cannot read the incident record: nothing is repaired this round", zap.Error(err))
 		return
@@ -73,6 +76,11 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			Summary:       summary(st, fs),
 			Unschedulable: node.Spec.Unschedulable,
 			Incident:      r.Executor.Incident(st.Node),
+		}
+		for _, f := range fs {
+			if f.Kind == audit.StaleConntrack && f.Frontend != "" {
+				n.Stale = append(n.Stale, remediate.StalePair{Service: f.Service, Port: f.Port, Protocol: f.Protocol, Frontend: f.Frontend, Dest: f.Endpoint, Flows: f.Flows})
+			}
 		}
 		if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
 			n.Exempt = "label " + r.ExemptLabel

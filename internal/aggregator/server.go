@@ -498,6 +498,14 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 			}
 			continue
 		}
+		if m.Type == stream.TypeFlushed && m.Flushed != nil {
+			release()
+			if err := a.flushed(m.Flushed); err != nil {
+				a.reject(log, c, ReasonProtocol, err.Error())
+				return
+			}
+			continue
+		}
 		if m.Type != stream.TypeReport || m.Report == nil {
 			release()
 			a.reject(log, c, ReasonProtocol, fmt.Sprintf("expected a report, got %q", m.Type))

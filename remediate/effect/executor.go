@@ -60,6 +60,9 @@ type Executor struct {
 	Observe func(kind remediate.ActionKind, o Outcome)
 	// Component names the Events' source.
 	Component string
+	// Flusher reaches the nodes' collectors to delete stale conntrack
+	// entries (the aggregator); nil: flushes fail.
+	Flusher Flusher
 	// Clock dates Events, conditions and the incidents just written; nil
 	// is the real clock.
 	Clock clock.PassiveClock
@@ -143,8 +146,8 @@ func (e *Executor) Incident(node string) remediate.Incident {
 }
 
 // Prune drops from the record the nodes that left the cluster and the
-// ones left with nothing to remember (no incident, no restart within the
-// budget or breaker window), so the record follows the fleet's size.
+// ones left with nothing to remember (no incident, no restart or flush
+// within the budget or breaker window), so the record follows the fleet's size.
 func (e *Executor) Prune(ctx context.Context, exists func(node string) bool) error {
 	if e.Policy.Mode == remediate.DryRun || e.Incidents == nil {
 		return nil
@@ -158,7 +161,8 @@ func (e *Executor) Prune(ctx context.Context, exists func(node string) bool) err
 	return e.Incidents.Update(ctx, term, now, func(all map[string]remediate.Incident) (map[string]remediate.Incident, error) {
 		drop := map[string]remediate.Incident{}
 		for n, inc := range all {
-			live := inc.Stage != "" || !inc.Cordoned.IsZero() || slices.ContainsFunc(inc.Restarts, func(t time.Time) bool { return now.Sub(t) < keep })
+			recent := func(t time.Time) bool { return now.Sub(t) < keep }
+			live := inc.Stage != "" || !inc.Cordoned.IsZero() || slices.ContainsFunc(inc.Restarts, recent) || slices.ContainsFunc(inc.Flushes, recent) || inc.FlushHeld != ""
 			if !exists(n) || !live {
 				drop[n] = remediate.Incident{}
 			}
@@ -349,6 +353,11 @@ func (e *Executor) observe(k remediate.ActionKind, o Outcome) {
 	}
 }
 
+// Flusher has a node's collector delete the conntrack entries of pairs.
+type Flusher interface {
+	Flush(ctx context.Context, node string, pairs []remediate.StalePair) ([]remediate.FlushResult, error)
+}
+
 // errMoved: the node's record changed since the round was planned (another
 // writer): the action is left for the next round, planned afresh.
 var errMoved = errors.New("the node's incident record changed since this round was planned; re-planning")
@@ -452,6 +461,39 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 			return e.record(ctx, term, a, base, false)
 		}
 		return e.recordRefused(ctx, term, a, base)
+	case remediate.FlushConntrack:
+		if e.Flusher == nil {
+			return Failed, errors.New("no way to reach the nodes' collectors")
+		}
+		// Recorded first, like a restart: a leader that dies after the
+		// flush must not flush again at once on taking over (the flush
+		// counts against the node's budget even when it then fails).
+		if out, err := e.record(ctx, term, a, base, true); err != nil || out != Done {
+			return out, err
+		}
+		results, err := e.Flusher.Flush(ctx, a.Node, a.Flush)
+		deleted, refused := 0, 0
+		var said []string
+		for i, r := range results {
+			deleted += r.Deleted
+			if r.Refused != "" {
+				refused++
+				said = append(said, fmt.Sprintf("%s → %s refused by the collector: %s", a.Flush[i].Frontend, a.Flush[i].Dest, r.Refused))
+			}
+		}
+		if results != nil {
+			a.Reason += fmt.Sprintf(" (deleted %d entr%s)", deleted, map[bool]string{true: "y", false: "ies"}[deleted == 1])
+		}
+		for _, s := range said {
+			a.Reason += "; " + s
+		}
+		switch {
+		case err != nil:
+			return Failed, fmt.Errorf("flush on the node: %w", err)
+		case refused == len(a.Flush):
+			return Refused, nil
+		}
+		return Done, nil
 	default: // Page, Resolve
 		return e.record(ctx, term, a, base, false)
 	}

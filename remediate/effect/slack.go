@@ -269,8 +269,13 @@ func Render(plainCluster string, n remediate.Notice, inThread bool, opened time.
 		title = fmt.Sprintf(":no_entry: Cordoning %s%s", node, dry)
 	case remediate.Uncordon:
 		title = fmt.Sprintf(":white_check_mark: %s healthy again, uncordoned%s", node, dry)
+	case remediate.FlushConntrack:
+		title = fmt.Sprintf(":broom: Deleting stale conntrack entries on %s%s", node, dry)
 	case remediate.Resolve:
 		title = fmt.Sprintf(":white_check_mark: %s: kube-proxy rules back in sync", node)
+		if strings.HasPrefix(n.Reason, "StaleConntrack") {
+			title = fmt.Sprintf(":white_check_mark: %s: the stale conntrack flows are gone", node)
+		}
 	case remediate.ViewStale:
 		title = ":see_no_evil: proxyaudit cannot see the API: findings are unknown, nothing is repaired"
 	case remediate.ViewFresh:

@@ -1,0 +1,109 @@
+package aggregator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// flushWait bounds how long a flush waits for the collector's answer: a
+// dump and the deletes of a big table take seconds.
+const flushWait = 40 * time.Second
+
+// flushes pairs the collectors' answers with the requests waiting for
+// them.
+type flushes struct {
+	mu      sync.Mutex
+	next    uint64
+	waiting map[uint64]chan *stream.Flushed
+}
+
+// Flush asks the node's collector, over its stream, to delete the
+// conntrack entries of pairs, and returns what became of each (the
+// collector decides: see collector.Flusher). It fails when the node has
+// no stream to this replica or does not answer in time.
+func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.StalePair) ([]remediate.FlushResult, error) {
+	a.mu.Lock()
+	var c *conn
+	if n := a.nodes[node]; n != nil {
+		c = n.conn
+	}
+	a.mu.Unlock()
+	if c == nil {
+		return nil, fmt.Errorf("no collector of node %s is streaming to this replica", node)
+	}
+	req := &stream.Flush{Pairs: make([]stream.FlushPair, len(pairs))}
+	for i, p := range pairs {
+		req.Pairs[i] = stream.FlushPair{Frontend: p.Frontend, Dest: p.Dest, TCP: p.Protocol == "TCP"}
+	}
+	if err := req.Check(); err != nil {
+		return nil, err
+	}
+	ch := make(chan *stream.Flushed, 1)
+	a.flush.mu.Lock()
+	a.flush.next++
+	req.ID = a.flush.next
+	if a.flush.waiting == nil {
+		a.flush.waiting = map[uint64]chan *stream.Flushed{}
+	}
+	a.flush.waiting[req.ID] = ch
+	a.flush.mu.Unlock()
+	defer func() {
+		a.flush.mu.Lock()
+		delete(a.flush.waiting, req.ID)
+		a.flush.mu.Unlock()
+	}()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeFlush).Inc()
+	if _, err := c.send(&stream.Message{Type: stream.TypeFlush, Flush: req}); err != nil {
+		return nil, fmt.Errorf("sending the flush to node %s: %w", node, err)
+	}
+	timer := a.cfg.Clock.NewTimer(flushWait)
+	defer timer.Stop()
+	var got *stream.Flushed
+	select {
+	case got = <-ch:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-timer.C():
+		return nil, fmt.Errorf("node %s's collector did not answer the flush in %s", node, flushWait)
+	}
+	out := make([]remediate.FlushResult, len(pairs))
+	for i := range out {
+		if i < len(got.Results) {
+			out[i] = remediate.FlushResult{Deleted: got.Results[i].Deleted, Refused: safetext.Clean(got.Results[i].Refused, 200)}
+		}
+	}
+	if got.Error != "" {
+		return out, errors.New("the collector: " + safetext.Clean(got.Error, 300))
+	}
+	return out, nil
+}
+
+// flushed hands a collector's answer to the flush waiting for it; an
+// answer nobody waits for (or that does not match what was asked) is an
+// error the stream ends on.
+func (a *Aggregator) flushed(f *stream.Flushed) error {
+	for _, r := range f.Results {
+		if r.Deleted < 0 {
+			return fmt.Errorf("a flush answer with %d entries deleted", r.Deleted)
+		}
+	}
+	a.flush.mu.Lock()
+	ch := a.flush.waiting[f.ID]
+	delete(a.flush.waiting, f.ID)
+	a.flush.mu.Unlock()
+	if ch == nil {
+		return fmt.Errorf("an answer to flush %d, which nobody asked for", f.ID)
+	}
+	if len(f.Results) > stream.MaxFlushPairs {
+		return fmt.Errorf("a flush answer of %d results", len(f.Results))
+	}
+	ch <- f
+	return nil
+}
