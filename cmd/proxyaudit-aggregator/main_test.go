@@ -43,6 +43,8 @@ func TestFlagsAndHelp(t *testing.T) {
 		"no cluster":               {[]string{"--advertise-address", "10.0.0.1"}, "outside a cluster, pass --kubeconfig"},
 		"missing kubeconfig":       {[]string{"--advertise-address", "10.0.0.1", "--kubeconfig", "/nonexistent"}, "API client"},
 		"negative memory limit":    {[]string{"--memory-limit-bytes", "-5"}, "want a byte count"},
+		"TCP services alone":       {[]string{"--remediation-conntrack-tcp-services", "shop/api"}, "takes --remediation-conntrack"},
+		"bad TCP service":          {[]string{"--remediation-conntrack", "--remediation-conntrack-tcp-services", "shop/api,<x>"}, `"<x>" is not namespace/name`},
 	} {
 		var errb bytes.Buffer
 		if code := run(tc.args, &errb); code != 2 || !strings.Contains(errb.String(), tc.says) {

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/validation"
+
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/api"
@@ -21,6 +23,7 @@ import (
 // cannot drift from the libraries.
 type options struct {
 	kubeconfig               string
+	tcpServices              string
 	streamListen, httpListen string
 	advertise                string
 
@@ -131,6 +134,8 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.Float64Var(&o.remediation.BreakerShare, "remediation-breaker-share", o.remediation.BreakerShare, "once more than this share of the fleet (at least one node) had kube-proxy restarted within --remediation-breaker-window, restart no further node until the window moves on: a common cause is likelier")
 	fs.DurationVar(&o.remediation.BreakerWindow, "remediation-breaker-window", o.remediation.BreakerWindow, "window of the remediation breaker (0: no breaker)")
 	fs.DurationVar(&o.remediation.Recheck, "remediation-recheck", o.remediation.Recheck, "how long after a restart the node is re-audited; still drifted then escalates (cordon or page)")
+	fs.BoolVar(&o.remediation.Conntrack.Enabled, "remediation-conntrack", false, "delete stale UDP conntrack entries (StaleConntrack findings) on nodes whose rules are in sync, through their collectors (which must run with --conntrack-delete), under the same mode, holds, budgets and breaker as restarts")
+	fs.StringVar(&o.tcpServices, "remediation-conntrack-tcp-services", "", "services (namespace/name, comma-separated) whose stale TCP connection attempts (SYN_SENT, never answered) are deleted too; an answered TCP connection is never deleted")
 	fs.StringVar(&o.exemptLabel, "remediation-exempt-label", o.exemptLabel, "nodes with this label key are never restarted or cordoned, only paged")
 	fs.StringVar(&o.incidents, "incident-configmap", o.incidents, "ConfigMap in --leader-elect-namespace that holds every node's incident (stage, restarts, proxyaudit's cordon): kept there, not on the Node a node's kubelet may write; created on the first incident")
 	fs.StringVar(&o.pause, "pause-configmap", o.pause, "ConfigMap in --leader-elect-namespace holding the fleet-wide pause request (`proxyaudit pause` fills it, `proxyaudit resume` empties it): while it holds one, every repair is held and pages go on; absent: no pause")
@@ -173,6 +178,22 @@ func (o *options) validate() error {
 	o.remediation.Mode = mode
 	if o.remediation.Windows, err = remediate.ParseWindows(o.windows); err != nil {
 		return fmt.Errorf("--remediation-windows: %v", err)
+	}
+	for _, svc := range strings.Split(o.tcpServices, ",") {
+		if svc = strings.TrimSpace(svc); svc == "" {
+			continue
+		}
+		ns, name, ok := strings.Cut(svc, "/")
+		if !ok || len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1035Label(name)) > 0 {
+			return fmt.Errorf("--remediation-conntrack-tcp-services: %q is not namespace/name of a service", svc)
+		}
+		if o.remediation.Conntrack.TCPServices == nil {
+			o.remediation.Conntrack.TCPServices = map[string]bool{}
+		}
+		o.remediation.Conntrack.TCPServices[svc] = true
+	}
+	if len(o.remediation.Conntrack.TCPServices) > 0 && !o.remediation.Conntrack.Enabled {
+		return errors.New("--remediation-conntrack-tcp-services takes --remediation-conntrack")
 	}
 	r := o.remediation
 	if r.MaxConcurrent < 0 || r.RestartBudget < 0 {

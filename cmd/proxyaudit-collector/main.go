@@ -81,6 +81,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
 	maxMsg := fs.Int("max-message-bytes", 16<<20, "largest message accepted from the aggregator")
 	notifyMiB := fs.Int("notification-buffer-mib", collector.DefaultNotifyBuffer>>20, "receive buffer of the nf_tables change notifications in MiB (0: the kernel's default): one kube-proxy commit at 10k services announces tens of thousands of objects, and the nftables reader learns kube-proxy's new maps from them instead of dumping each; an overrun loses only that. The kernel charges it to the collector's cgroup while notifications wait to be read")
+	ctDelete := fs.Bool("conntrack-delete", false, "let the aggregator have stale conntrack entries deleted (its --remediation-conntrack): only entries DNATed to a destination this node's own rules no longer send the frontend to, UDP, and TCP connection attempts never answered when asked; everything else is refused whatever the aggregator asks. Needs --conntrack-interval above 0")
 	ctInterval := fs.Duration("conntrack-interval", 30*time.Second, "least time between two reads of the node's conntrack table (one netlink dump of the DNATed entries, counted per service frontend and destination; 1.2 s and under 1 MB per read at a million entries), sent when the counts change by more than noise: the aggregator finds flows still DNATed to endpoints that are gone (StaleConntrack); 0 turns it off")
 	cpuProfile := fs.String("cpu-profile", "", "debugging: write a Go CPU profile of the whole run to this file (`go tool pprof`), finished when the collector stops")
 	if err := fs.Parse(args); err != nil {
@@ -136,7 +137,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	cfg.Host = host
 	if *ctInterval > 0 {
-		cfg.Conntrack, cfg.ConntrackInterval = &collector.ConntrackReader{}, *ctInterval
+		cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = &collector.ConntrackReader{}, *ctInterval, *ctDelete
+	} else if *ctDelete {
+		return fail("--conntrack-delete takes --conntrack-interval above 0 (the flows are judged from what it reads)")
 	}
 	if fixed {
 		cfg.Reader = host.Reader(src)

@@ -27,10 +27,11 @@ func TestFlagsAndHelp(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, args := range map[string][]string{
-		"no node":       {"--aggregator", "a:1"},
-		"no aggregator": {"--node-name", "n"},
-		"bad mode":      {"--node-name", "n", "--aggregator", "a:1", "--mode", "userspace"},
-		"short":         {"--node-name", "n", "--aggregator", "a:1", "--interval", "10ms"},
+		"no node":                          {"--aggregator", "a:1"},
+		"no aggregator":                    {"--node-name", "n"},
+		"bad mode":                         {"--node-name", "n", "--aggregator", "a:1", "--mode", "userspace"},
+		"short":                            {"--node-name", "n", "--aggregator", "a:1", "--interval", "10ms"},
+		"delete without reading conntrack": {"--node-name", "n", "--aggregator", "a:1", "--conntrack-delete", "--conntrack-interval", "0"},
 		// A CA not there yet is waited for (the aggregator makes it on its
 		// first start); one that is there must be a CA.
 		"junk CA": {"--node-name", "n", "--aggregator", "a:1", "--ca-file", junk},
