@@ -268,6 +268,9 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"remediation.restartBudget=":                     "/remediation/restartBudget",
 		"kubeProxy.selector=k8s-app in (kube-proxy)":     "", // fine in dry-run: no admission policy
 		"remediation.mode=restart,kubeProxy.selector=k8s-app in (kube-proxy)": "only key=value terms",
+		"remediation.conntrack.tcpServices[0]=api":                            "/remediation/conntrack/tcpServices/0",
+		"remediation.conntrack.enable=true":                                   "'enable' not allowed",
+		"remediation.conntrack.enabled=true,collector.conntrackInterval=0":    "needs collector.conntrackInterval above 0",
 	} {
 		_, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, set)
 		switch {
@@ -381,6 +384,34 @@ func TestAlertmanagerValues(t *testing.T) {
 	}
 	if !mounted {
 		t.Errorf("alertmanager Secret not mounted: %+v", spec.Containers[0].VolumeMounts)
+	}
+}
+
+// Conntrack remediation is off unless asked for; asked for, the
+// aggregator plans flushes and the collectors may delete.
+func TestConntrackRemediationValues(t *testing.T) {
+	skipShort(t)
+	args := func(r *chart.Release) (agg, col []string) {
+		a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a.Containers[0].Args, c.Containers[0].Args
+	}
+	agg, col := args(render(t, nil))
+	for _, f := range append(agg, col...) {
+		if strings.Contains(f, "conntrack-delete") || strings.HasPrefix(f, "--remediation-conntrack") {
+			t.Errorf("default install deletes conntrack entries: %s", f)
+		}
+	}
+	agg, col = args(render(t, nil, "remediation.conntrack.enabled=true", "remediation.conntrack.tcpServices={shop/api,kube-system/kube-dns}"))
+	if !slices.Contains(col, "--conntrack-delete") || !slices.Contains(agg, "--remediation-conntrack") ||
+		!slices.Contains(agg, "--remediation-conntrack-tcp-services=shop/api,kube-system/kube-dns") {
+		t.Errorf("enabled: aggregator %v, collector %v", agg, col)
 	}
 }
 
