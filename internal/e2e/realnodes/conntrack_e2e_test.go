@@ -3,13 +3,17 @@ package realnodes
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"net"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
@@ -31,8 +35,10 @@ func dnsQuery(id uint16, name string) []byte {
 // a statsd client keeps sending: the flow outlives any pod it was DNATed
 // to unless something deletes its entry.
 type resolver struct {
-	answers atomic.Int64
-	stop    func()
+	// answers counts replies; refused the ICMP port unreachable a
+	// service without endpoints answers with (kube-proxy's REJECT).
+	answers, refused atomic.Int64
+	stop             func()
 }
 
 func startResolver(t *testing.T, node *localcluster.Node, dns string) *resolver {
@@ -53,6 +59,9 @@ func startResolver(t *testing.T, node *localcluster.Node, dns string) *resolver 
 			if _, err := conn.Read(buf); err != nil {
 				if ctx.Err() != nil {
 					return
+				}
+				if errors.Is(err, syscall.ECONNREFUSED) {
+					r.refused.Add(1)
 				}
 				continue
 			}
@@ -171,5 +180,173 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("%s's resolver still gets no answer after kube-proxy's restart", hung.Name)
 		}
+	}
+}
+
+// Conntrack remediation on real nodes, where kube-proxy is healthy and
+// still leaves flows stale: kube-proxy 1.36's cleanup skips a service
+// with no serving endpoints (pkg/proxy/conntrack/cleanup.go; the statsd
+// blackhole of kubernetes#139628). Resolvers on two nodes keep asking
+// kube-dns; CoreDNS is scaled to zero. In dry-run proxyaudit finds the
+// flows still DNATed to the gone pod on both nodes, says what it would
+// delete, and the entries stay (the resolvers hear nothing: a blackhole).
+// Switched to restart mode with conntrack remediation on, each node's
+// collector deletes exactly its stale entry (one resolver socket, one
+// entry), kube-proxy is not restarted (the rules are right), and the
+// resolvers' next queries meet the service's REJECT (they learn it is
+// down). CoreDNS back, their next queries reach the live pod.
+func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
+	c := cluster(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
+	defer cancel()
+	pods := waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
+	old := pods[0]
+	dead := net.JoinHostPort(old.Status.PodIP, "53")
+	svc, err := c.Client.CoreV1().Services("kube-system").Get(ctx, "kube-dns", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scale := func(ctx context.Context, n int) error {
+		_, err := c.Client.AppsV1().Deployments("kube-system").Patch(ctx, "coredns", types.MergePatchType,
+			[]byte(fmt.Sprintf(`{"spec":{"replicas":%d}}`, n)), metav1.PatchOptions{})
+		return err
+	}
+	defer scale(context.Background(), 1)
+	// Three nodes may be flushed at once, and one after the other (the
+	// default budget, 10 % of three nodes, is none).
+	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
+		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "collector.conntrackInterval=5s",
+		"--set", "remediation.mode=dry-run", "--set", "remediation.conntrack.enabled=true",
+		"--set", "remediation.maxNodes=3", "--set", "remediation.maxUnhealthy=100%", "--set", "remediation.breakerShare=1")
+	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
+	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
+	started := time.Now()
+	events := func(node, reason string) []string {
+		evs, err := c.Client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + node + ",reason=" + reason})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, e := range evs.Items {
+			if !e.LastTimestamp.Time.Before(started.Truncate(time.Second)) {
+				out = append(out, e.Message)
+			}
+		}
+		return out
+	}
+	until := func(limit time.Duration, what string, ok func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(limit); !ok(); time.Sleep(time.Second) {
+			if time.Now().After(deadline) {
+				_, raw, _ := report(ctx, t, c)
+				t.Fatalf("after %s, still waiting for %s; report:\n%s", limit, what, clip(raw))
+			}
+		}
+	}
+	// The conntrack entries of a node DNATed to the gone pod (conntrack -L
+	// in the node's network namespace).
+	pinned := func(n *localcluster.Node) int {
+		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--reply-src", old.Status.PodIP)
+		if err != nil && !strings.Contains(out, "0 flow entries") {
+			t.Fatalf("conntrack -L on %s: %v\n%s", n.Name, err, out)
+		}
+		return strings.Count(out, "dport=53")
+	}
+
+	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}
+	proxies := map[string]string{}
+	var rs []*resolver
+	for _, n := range nodes {
+		rs = append(rs, startResolver(t, n, svc.Spec.ClusterIP))
+		proxies[n.Name] = kubeProxyPod(ctx, t, c, n.Name).Name
+	}
+	until(time.Minute, "CoreDNS answering through kube-dns on both nodes", func() bool { return rs[0].answers.Load() > 0 && rs[1].answers.Load() > 0 })
+	if err := scale(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	until(2*time.Minute, "the CoreDNS pod gone", func() bool {
+		p, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-dns"})
+		return err == nil && len(p.Items) == 0
+	})
+	t.Logf("CoreDNS scaled to zero; its pod %s was at %s", old.Name, dead)
+
+	// Dry-run: found, said, nothing deleted.
+	for _, n := range nodes {
+		until(3*time.Minute, "a dry-run flush on "+n.Name, func() bool {
+			for _, m := range events(n.Name, "ProxyauditDryRun") {
+				if strings.Contains(m, "would FlushConntrack") && strings.Contains(m, "→ "+dead) {
+					return true
+				}
+			}
+			return false
+		})
+		if k := pinned(n); k != 1 {
+			t.Errorf("%s: %d entries DNATed to the gone pod in dry-run, want the resolver's 1 (kube-proxy leaves it: the service has no endpoints)", n.Name, k)
+		}
+	}
+	r, raw, err := report(ctx, t, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range nodes {
+		found := false
+		for _, f := range r.Findings {
+			found = found || (f.Kind == audit.StaleConntrack && f.Node == n.Name && f.Endpoint == dead && f.Frontend == net.JoinHostPort(svc.Spec.ClusterIP, "53")+"/UDP")
+		}
+		if !found {
+			t.Errorf("no StaleConntrack on %s to %s:\n%s", n.Name, dead, clip(raw))
+		}
+	}
+	before := rs[0].answers.Load() + rs[0].refused.Load()
+	time.Sleep(2 * time.Second)
+	if got := rs[0].answers.Load() + rs[0].refused.Load(); got != before {
+		t.Errorf("in dry-run the resolver heard %d answers or refusals: its flow should still go to the gone pod", got-before)
+	}
+
+	// Restart mode with conntrack remediation: exactly the stale entries go.
+	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
+	for _, n := range nodes {
+		until(4*time.Minute, "the flush on "+n.Name, func() bool {
+			for _, m := range events(n.Name, "ProxyauditFlushConntrack") {
+				if strings.Contains(m, "→ "+dead) {
+					if !strings.Contains(m, "(deleted 1 entry)") {
+						t.Fatalf("flush on %s: %s", n.Name, m)
+					}
+					return true
+				}
+			}
+			return false
+		})
+		if k := pinned(n); k != 0 {
+			t.Errorf("%s: %d entries still DNATed to the gone pod after the flush", n.Name, k)
+		}
+		if p := kubeProxyPod(ctx, t, c, n.Name); p.Name != proxies[n.Name] {
+			t.Errorf("%s's kube-proxy was restarted (%s → %s): its rules were right", n.Name, proxies[n.Name], p.Name)
+		}
+	}
+	for i, n := range nodes {
+		until(30*time.Second, n.Name+"'s resolver told the service is down (REJECT), not left in a blackhole", func() bool { return rs[i].refused.Load() > 0 })
+	}
+	until(2*time.Minute, "the StaleConntrack findings gone", func() bool {
+		r, _, err := report(ctx, t, c)
+		if err != nil {
+			return false
+		}
+		for _, f := range r.Findings {
+			if f.Kind == audit.StaleConntrack {
+				return false
+			}
+		}
+		return true
+	})
+
+	// CoreDNS back: the resolvers' next queries reach the live pod.
+	if err := scale(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	for i, n := range nodes {
+		was := rs[i].answers.Load()
+		until(2*time.Minute, n.Name+"'s resolver answered by the new CoreDNS pod", func() bool { return rs[i].answers.Load() > was })
 	}
 }
