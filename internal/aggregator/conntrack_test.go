@@ -209,7 +209,9 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 				h.wg.Add(1)
 				go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
 			}
-			h.until(time.Minute, "a flush decided for n3", func() bool { return rec.count("n3", remediate.FlushConntrack) > 0 || rec.count("n3", remediate.Page) > 0 })
+			h.until(time.Minute, "a flush decided for n3", func() bool {
+				return rec.count("n3", remediate.FlushConntrack) > 0 || rec.count("n3", remediate.Page) > 0
+			})
 			all, _ := rec.since(0)
 			var flush remediate.Notice
 			for _, x := range all {

@@ -156,6 +156,13 @@ type client struct {
 	ct     *stream.Conntrack
 	ctAt   time.Time
 	ctSent uint64
+	// ctKeys are the frontends of the rules at the last conntrack read;
+	// ctGone those that left the rules since, and when: their flows are
+	// still counted for ctRemember, and may be flushed. A service left
+	// with no endpoints leaves the NAT rules (kube-proxy rejects it in
+	// the filter table), and kube-proxy leaves its UDP entries alone.
+	ctKeys map[audit.FrontendKey]bool
+	ctGone map[audit.FrontendKey]time.Time
 	http   http.Client
 
 	// The last successful read, kept across streams: its state, the
@@ -474,8 +481,9 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 
 // flush acts on the aggregator's request to delete stale conntrack
 // entries, deciding for itself what it may delete: a pair is refused when
-// the frontend is not in the node's rules as last read, or when those
-// rules still send it to the destination (a live endpoint: an aggregator
+// the frontend is neither in the node's rules as last read nor one that
+// left them lately (ctGone), or when those rules still send it to the
+// destination (a live endpoint: an aggregator
 // that is wrong or compromised cannot cut flows the node serves). What is
 // left is deleted as FlushTarget says: UDP, and TCP only for connection
 // attempts never answered.
@@ -535,7 +543,12 @@ func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 func (c *client) serves(frontend string, dest netip.AddrPort) string {
 	fe, ok := c.cached.Get(frontend)
 	if !ok {
-		return "not a frontend of this node's rules"
+		if k, err := stream.ParseKey(frontend); err == nil {
+			if _, gone := c.ctGone[k]; gone {
+				return "" // left the rules: they send it nowhere
+			}
+		}
+		return "not a frontend of this node's rules, now or in the last " + ctRemember.String()
 	}
 	for _, e := range fe.Endpoints {
 		if ap, err := netip.ParseAddrPort(e); err == nil && ap.Addr().Unmap() == dest.Addr().Unmap() && ap.Port() == dest.Port() {
@@ -695,8 +708,7 @@ func (c *client) conntrack(ctx context.Context, r *stream.Report) {
 		return
 	}
 	if now := c.cfg.Clock.Now(); c.ct == nil || now.Sub(c.ctAt) >= c.cfg.ConntrackInterval {
-		var keys []audit.FrontendKey
-		c.cached.ParsedKeys(func(_ string, k audit.FrontendKey) { keys = append(keys, k) })
+		keys := c.conntrackKeys(now)
 		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		ct, err := c.cfg.Conntrack.Read(rctx, keys)
 		cancel()
@@ -711,6 +723,44 @@ func (c *client) conntrack(ctx context.Context, r *stream.Report) {
 	if d := c.ct.Digest(); d != c.ctSent {
 		r.Conntrack, c.ctSent = c.ct, d
 	}
+}
+
+// ctRemember is how long the flows of a frontend that left the node's
+// rules are still counted (a statsd client pinned to a service scaled to
+// zero sent into a gone pod for 13 hours: kubernetes#139628), and
+// ctMaxGone how many such frontends are remembered.
+const (
+	ctRemember = 24 * time.Hour
+	ctMaxGone  = 50_000
+)
+
+// conntrackKeys are the frontends whose flows a conntrack read counts:
+// those of the rules as last read, and those that left them within
+// ctRemember.
+func (c *client) conntrackKeys(now time.Time) []audit.FrontendKey {
+	cur := map[audit.FrontendKey]bool{}
+	c.cached.ParsedKeys(func(_ string, k audit.FrontendKey) { cur[k] = true })
+	if c.ctGone == nil {
+		c.ctGone = map[audit.FrontendKey]time.Time{}
+	}
+	for k := range c.ctKeys {
+		if !cur[k] && len(c.ctGone) < ctMaxGone {
+			c.ctGone[k] = now
+		}
+	}
+	keys := make([]audit.FrontendKey, 0, len(cur)+len(c.ctGone))
+	for k, at := range c.ctGone {
+		if cur[k] || now.Sub(at) > ctRemember {
+			delete(c.ctGone, k)
+			continue
+		}
+		keys = append(keys, k)
+	}
+	for k := range cur {
+		keys = append(keys, k)
+	}
+	c.ctKeys = cur
+	return keys
 }
 
 // read reads the rules once, with the token it reflects, and counts it.

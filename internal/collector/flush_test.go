@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,9 +22,13 @@ import (
 type ctTable struct {
 	mu    sync.Mutex
 	asked [][]collector.FlushTarget
+	keys  []audit.FrontendKey // of the last read
 }
 
-func (c *ctTable) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
+func (c *ctTable) Read(_ context.Context, keys []audit.FrontendKey) (*audit.Conntrack, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.keys = keys
 	return &audit.Conntrack{Families: []int{4}}, nil
 }
 
@@ -125,4 +130,77 @@ func mustAddrPort(t *testing.T, s string) netip.AddrPort {
 		t.Fatal(err)
 	}
 	return ap
+}
+
+// A service left with no endpoints leaves the node's NAT rules (kube-proxy
+// rejects it in the filter table) while kube-proxy leaves its UDP entries
+// DNATed to the gone pods: the collector keeps counting the flows of a
+// frontend that left its rules, and may flush them, as its rules send it
+// nowhere now.
+func TestFlushOfAFrontendThatLeftTheRules(t *testing.T) {
+	all := synthRules(t, 4)
+	gone := all.Frontends[0]
+	var left atomic.Bool
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	table := &ctTable{}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: 50 * time.Millisecond,
+		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) {
+			o := synthRules(t, 4)
+			if left.Load() {
+				o.Frontends = o.Frontends[1:]
+			}
+			return o, nil
+		}},
+		Conntrack: table, ConntrackInterval: 50 * time.Millisecond, ConntrackDelete: true})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	counted := func() bool {
+		table.mu.Lock()
+		defer table.mu.Unlock()
+		for _, k := range table.keys {
+			if k == gone.FrontendKey {
+				return true
+			}
+		}
+		return false
+	}
+	pairs := []stream.FlushPair{
+		{Frontend: stream.KeyString(gone.FrontendKey), Dest: gone.Endpoints[0].Addr.String()},
+		{Frontend: "198.51.100.9:53/UDP", Dest: "198.18.1.1:53"},
+	}
+	ask := func() []stream.FlushResult {
+		stream.Write(conn, &stream.Message{Type: stream.TypeFlush, Flush: &stream.Flush{ID: 1, Pairs: pairs}})
+		for {
+			conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+			m, _, err := stream.Read(conn, 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m.Type == stream.TypeFlushed {
+				if m.Flushed.Error != "" || len(m.Flushed.Results) != 2 || !strings.Contains(m.Flushed.Results[1].Refused, "not a frontend") {
+					t.Fatalf("answer %+v", m.Flushed)
+				}
+				return m.Flushed.Results
+			}
+		}
+	}
+	nextReport(t, conn, 5*time.Second)
+	if r := ask(); !strings.Contains(r[0].Refused, "still send") {
+		t.Fatalf("while the rules serve it: %+v", r)
+	}
+	left.Store(true)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if r := ask(); r[0].Deleted == 7 && r[0].Refused == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a frontend that left the rules is never flushed")
+		}
+	}
+	if !counted() {
+		t.Fatalf("the flows of %v, which left the rules, are no longer counted", gone.FrontendKey)
+	}
 }

@@ -235,12 +235,22 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		}
 		return out
 	}
+	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}
 	until := func(limit time.Duration, what string, ok func() bool) {
 		t.Helper()
 		for deadline := time.Now().Add(limit); !ok(); time.Sleep(time.Second) {
 			if time.Now().After(deadline) {
-				_, raw, _ := report(ctx, t, c)
-				t.Fatalf("after %s, still waiting for %s; report:\n%s", limit, what, clip(raw))
+				var why []string
+				if r, _, err := report(ctx, t, c); err == nil {
+					for _, f := range r.Findings {
+						why = append(why, fmt.Sprintf("%s %s %s %s: %s", f.Kind, f.Node, f.Service, f.Endpoint, f.Detail))
+					}
+				}
+				for _, n := range nodes {
+					out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", "53")
+					why = append(why, n.Name+" conntrack:\n"+out)
+				}
+				t.Fatalf("after %s, still waiting for %s; findings and tables:\n%s\naggregators:\n%s", limit, what, strings.Join(why, "\n"), aggregatorLogs(ctx, c, what))
 			}
 		}
 	}
@@ -254,7 +264,6 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		return strings.Count(out, "dport=53")
 	}
 
-	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}
 	proxies := map[string]string{}
 	var rs []*resolver
 	for _, n := range nodes {
