@@ -190,18 +190,16 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 // kube-dns; CoreDNS is scaled to zero. In dry-run proxyaudit finds the
 // flows still DNATed to the gone pod on both nodes, says what it would
 // delete, and the entries stay (the resolvers hear nothing: a blackhole).
-// Switched to restart mode with conntrack remediation on, each node's
-// collector deletes exactly its stale entry (one resolver socket, one
-// entry), kube-proxy is not restarted (the rules are right), and the
-// resolvers' next queries meet the service's REJECT (they learn it is
-// down). CoreDNS back, their next queries reach the live pod.
+// CoreDNS back, the mode switched to restart (the aggregators restart:
+// the collectors find them through cluster DNS), and CoreDNS scaled to
+// zero again: each node's collector deletes the stale entries, kube-proxy
+// is not restarted (the rules are right), and the resolvers' next queries
+// meet the service's REJECT (they learn it is down). CoreDNS back, their
+// next queries reach the live pod.
 func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 	c := cluster(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	pods := waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
-	old := pods[0]
-	dead := net.JoinHostPort(old.Status.PodIP, "53")
 	svc, err := c.Client.CoreV1().Services("kube-system").Get(ctx, "kube-dns", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -221,7 +219,8 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
-	started := time.Now()
+	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}
+	var started time.Time
 	events := func(node, reason string) []string {
 		evs, err := c.Client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + node + ",reason=" + reason})
 		if err != nil {
@@ -235,7 +234,6 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		}
 		return out
 	}
-	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}
 	until := func(limit time.Duration, what string, ok func() bool) {
 		t.Helper()
 		for deadline := time.Now().Add(limit); !ok(); time.Sleep(time.Second) {
@@ -254,108 +252,140 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 			}
 		}
 	}
-	// The conntrack entries of a node DNATed to the gone pod (conntrack -L
-	// in the node's network namespace).
-	pinned := func(n *localcluster.Node) int {
-		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--reply-src", old.Status.PodIP)
+	// pinned counts a node's UDP entries DNATed to ip (conntrack -L in its
+	// network namespace): the resolver's, and one-shot queries of other
+	// clients of kube-dns (the collectors' own lookups).
+	pinned := func(n *localcluster.Node, ip string) int {
+		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--reply-src", ip)
 		if err != nil && !strings.Contains(out, "0 flow entries") {
 			t.Fatalf("conntrack -L on %s: %v\n%s", n.Name, err, out)
 		}
-		return strings.Count(out, "dport=53")
-	}
-
-	proxies := map[string]string{}
-	var rs []*resolver
-	for _, n := range nodes {
-		rs = append(rs, startResolver(t, n, svc.Spec.ClusterIP))
-		proxies[n.Name] = kubeProxyPod(ctx, t, c, n.Name).Name
-	}
-	until(time.Minute, "CoreDNS answering through kube-dns on both nodes", func() bool { return rs[0].answers.Load() > 0 && rs[1].answers.Load() > 0 })
-	if err := scale(ctx, 0); err != nil {
-		t.Fatal(err)
-	}
-	until(2*time.Minute, "the CoreDNS pod gone", func() bool {
-		p, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-dns"})
-		return err == nil && len(p.Items) == 0
-	})
-	t.Logf("CoreDNS scaled to zero; its pod %s was at %s", old.Name, dead)
-
-	// Dry-run: found, said, nothing deleted.
-	for _, n := range nodes {
-		until(3*time.Minute, "a dry-run flush on "+n.Name, func() bool {
-			for _, m := range events(n.Name, "ProxyauditDryRun") {
-				if strings.Contains(m, "would FlushConntrack") && strings.Contains(m, "→ "+dead) {
-					return true
-				}
+		k := 0
+		for _, l := range strings.Split(out, "\n") {
+			if strings.HasPrefix(l, "udp ") {
+				k++
 			}
-			return false
-		})
-		if k := pinned(n); k != 1 {
-			t.Errorf("%s: %d entries DNATed to the gone pod in dry-run, want the resolver's 1 (kube-proxy leaves it: the service has no endpoints)", n.Name, k)
 		}
+		return k
 	}
-	r, raw, err := report(ctx, t, c)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rs := map[string]*resolver{}
 	for _, n := range nodes {
-		found := false
-		for _, f := range r.Findings {
-			found = found || (f.Kind == audit.StaleConntrack && f.Node == n.Name && f.Endpoint == dead && f.Frontend == net.JoinHostPort(svc.Spec.ClusterIP, "53")+"/UDP")
-		}
-		if !found {
-			t.Errorf("no StaleConntrack on %s to %s:\n%s", n.Name, dead, clip(raw))
-		}
+		rs[n.Name] = startResolver(t, n, svc.Spec.ClusterIP)
 	}
-	before := rs[0].answers.Load() + rs[0].refused.Load()
-	time.Sleep(2 * time.Second)
-	if got := rs[0].answers.Load() + rs[0].refused.Load(); got != before {
-		t.Errorf("in dry-run the resolver heard %d answers or refusals: its flow should still go to the gone pod", got-before)
+	// toZero scales CoreDNS to zero once the resolvers are answered, and
+	// returns where its pod was.
+	toZero := func() string {
+		t.Helper()
+		pods := waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
+		for _, n := range nodes {
+			was := rs[n.Name].answers.Load()
+			until(time.Minute, "CoreDNS answering "+n.Name+"'s resolver", func() bool { return rs[n.Name].answers.Load() > was })
+		}
+		started = time.Now()
+		if err := scale(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		until(2*time.Minute, "the CoreDNS pod gone", func() bool {
+			p, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-dns"})
+			return err == nil && len(p.Items) == 0
+		})
+		t.Logf("CoreDNS scaled to zero; its pod %s was at %s", pods[0].Name, pods[0].Status.PodIP)
+		return pods[0].Status.PodIP
+	}
+	back := func() {
+		t.Helper()
+		if err := scale(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range nodes {
+			was := rs[n.Name].answers.Load()
+			until(2*time.Minute, n.Name+"'s resolver answered by a new CoreDNS pod", func() bool { return rs[n.Name].answers.Load() > was })
+		}
 	}
 
-	// Restart mode with conntrack remediation: exactly the stale entries go.
-	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
-	for _, n := range nodes {
-		until(4*time.Minute, "the flush on "+n.Name, func() bool {
-			for _, m := range events(n.Name, "ProxyauditFlushConntrack") {
-				if strings.Contains(m, "→ "+dead) {
-					if !strings.Contains(m, "(deleted 1 entry)") {
-						t.Fatalf("flush on %s: %s", n.Name, m)
+	t.Run("dry-run finds the flows kube-proxy leaves and deletes nothing", func(t *testing.T) {
+		ip := toZero()
+		dead := net.JoinHostPort(ip, "53")
+		for _, n := range nodes {
+			until(3*time.Minute, "a dry-run flush on "+n.Name, func() bool {
+				for _, m := range events(n.Name, "ProxyauditDryRun") {
+					if strings.Contains(m, "would FlushConntrack") && strings.Contains(m, "→ "+dead) {
+						return true
 					}
-					return true
 				}
+				return false
+			})
+			if k := pinned(n, ip); k < 1 {
+				t.Errorf("%s: no entry DNATed to the gone pod in dry-run (kube-proxy leaves them: the service has no endpoints)", n.Name)
 			}
-			return false
-		})
-		if k := pinned(n); k != 0 {
-			t.Errorf("%s: %d entries still DNATed to the gone pod after the flush", n.Name, k)
 		}
-		if p := kubeProxyPod(ctx, t, c, n.Name); p.Name != proxies[n.Name] {
-			t.Errorf("%s's kube-proxy was restarted (%s → %s): its rules were right", n.Name, proxies[n.Name], p.Name)
-		}
-	}
-	for i, n := range nodes {
-		until(30*time.Second, n.Name+"'s resolver told the service is down (REJECT), not left in a blackhole", func() bool { return rs[i].refused.Load() > 0 })
-	}
-	until(2*time.Minute, "the StaleConntrack findings gone", func() bool {
-		r, _, err := report(ctx, t, c)
+		r, raw, err := report(ctx, t, c)
 		if err != nil {
-			return false
+			t.Fatal(err)
 		}
-		for _, f := range r.Findings {
-			if f.Kind == audit.StaleConntrack {
+		for _, n := range nodes {
+			found := false
+			for _, f := range r.Findings {
+				found = found || (f.Kind == audit.StaleConntrack && f.Node == n.Name && f.Endpoint == dead && f.Frontend == net.JoinHostPort(svc.Spec.ClusterIP, "53")+"/UDP")
+			}
+			if !found {
+				t.Errorf("no StaleConntrack on %s to %s:\n%s", n.Name, dead, clip(raw))
+			}
+		}
+		r0 := rs[nodes[0].Name]
+		before := r0.answers.Load() + r0.refused.Load()
+		time.Sleep(2 * time.Second)
+		if got := r0.answers.Load() + r0.refused.Load(); got != before {
+			t.Errorf("in dry-run the resolver heard %d answers or refusals: its flow should still go to the gone pod", got-before)
+		}
+		back()
+	})
+
+	// The aggregators restart with the new mode while DNS works.
+	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
+	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
+	waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "after helm upgrade")
+
+	t.Run("restart mode deletes the stale entries, not kube-proxy", func(t *testing.T) {
+		proxies := map[string]string{}
+		for _, n := range nodes {
+			proxies[n.Name] = kubeProxyPod(ctx, t, c, n.Name).Name
+		}
+		ip := toZero()
+		dead := net.JoinHostPort(ip, "53")
+		for _, n := range nodes {
+			until(4*time.Minute, "the flush on "+n.Name, func() bool {
+				for _, m := range events(n.Name, "ProxyauditFlushConntrack") {
+					if strings.Contains(m, "→ "+dead) {
+						if !strings.Contains(m, "(deleted ") || strings.Contains(m, "(deleted 0 entries)") {
+							t.Fatalf("flush on %s: %s", n.Name, m)
+						}
+						t.Logf("%s: %s", n.Name, m)
+						return true
+					}
+				}
+				return false
+			})
+			until(30*time.Second, "no entry left DNATed to the gone pod on "+n.Name, func() bool { return pinned(n, ip) == 0 })
+			if p := kubeProxyPod(ctx, t, c, n.Name); p.Name != proxies[n.Name] {
+				t.Errorf("%s's kube-proxy was restarted (%s → %s): its rules were right", n.Name, proxies[n.Name], p.Name)
+			}
+		}
+		for _, n := range nodes {
+			until(30*time.Second, n.Name+"'s resolver told the service is down (REJECT), not left in a blackhole", func() bool { return rs[n.Name].refused.Load() > 0 })
+		}
+		until(2*time.Minute, "the StaleConntrack findings gone", func() bool {
+			r, _, err := report(ctx, t, c)
+			if err != nil {
 				return false
 			}
-		}
-		return true
+			for _, f := range r.Findings {
+				if f.Kind == audit.StaleConntrack {
+					return false
+				}
+			}
+			return true
+		})
+		back()
 	})
-
-	// CoreDNS back: the resolvers' next queries reach the live pod.
-	if err := scale(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	for i, n := range nodes {
-		was := rs[i].answers.Load()
-		until(2*time.Minute, n.Name+"'s resolver answered by the new CoreDNS pod", func() bool { return rs[i].answers.Load() > was })
-	}
 }
