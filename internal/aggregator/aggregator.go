@@ -99,6 +99,8 @@ type Aggregator struct {
 	// stormSince: since when most nodes drift at once (MassDivergence),
 	// paged once for the fleet (zero: no storm).
 	stormSince time.Time
+	// journal records the remediation actions for the status page.
+	journal *journal
 	// flush pairs collectors' answers to flush requests with the waiting
 	// requests.
 	flush flushes
@@ -193,7 +195,7 @@ func New(cfg Config, view *View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(),
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: stream.NewBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{}}}
 }
 

@@ -93,11 +93,29 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		}
 		writeJSON(w, http.StatusOK, resp)
 	})
-	var apiOrProxy http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	mux.Handle("/api/", a.readers(a.onLeader(v1, httpPort)))
+	mux.Handle("/ui/", a.readers(a.onLeader(a.uiHandler(), httpPort)))
+	mux.Handle("GET /ui", http.RedirectHandler("ui/", http.StatusFound))
+	return mux
+}
+
+// readers puts h behind the reader authentication, when there is one: the
+// status page answers who may read exactly as the API does.
+func (a *Aggregator) readers(h http.Handler) http.Handler {
+	if a.cfg.Readers != nil {
+		return a.cfg.Readers.Wrap(h)
+	}
+	return h
+}
+
+// onLeader serves h on the leader once its first verdict is ready, and on
+// a follower proxies the request to the leader's HTTP port.
+func (a *Aggregator) onLeader(h http.Handler, httpPort string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		leader, leading := a.Leader()
 		switch {
 		case leading && a.Verdict() != nil:
-			v1.ServeHTTP(w, r)
+			h.ServeHTTP(w, r)
 		case leading:
 			writeError(w, http.StatusServiceUnavailable, "leading, but the first verdict is not ready yet (informers syncing); retry in a few seconds")
 		case leader == "":
@@ -117,11 +135,6 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 			p.ServeHTTP(w, r)
 		}
 	})
-	if a.cfg.Readers != nil {
-		apiOrProxy = a.cfg.Readers.Wrap(apiOrProxy)
-	}
-	mux.Handle("/api/", apiOrProxy)
-	return mux
 }
 
 func writeJSON(w http.ResponseWriter, code int, v any) {

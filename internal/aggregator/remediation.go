@@ -42,6 +42,9 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	if r.Executor.Flusher == nil {
 		r.Executor.Flusher = a // flushes go to the nodes' collectors, over their streams
 	}
+	if r.Executor.Journal == nil {
+		r.Executor.Journal = a.journal // the status page's record of actions
+	}
 	if err := r.Executor.Load(ctx); err != nil {
 		a.cfg.Log.Warn("cannot read the incident record: nothing is repaired this round", zap.Error(err))
 		return

@@ -60,6 +60,9 @@ type Executor struct {
 	Observe func(kind remediate.ActionKind, o Outcome)
 	// Component names the Events' source.
 	Component string
+	// Journal is told every action as the Event says it, whatever the
+	// notifiers (the status page's record of actions); may be nil.
+	Journal remediate.Notifier
 	// Flusher reaches the nodes' collectors to delete stale conntrack
 	// entries (the aggregator); nil: flushes fail.
 	Flusher Flusher
@@ -143,6 +146,24 @@ func (e *Executor) Incident(node string) remediate.Incident {
 		return u
 	}
 	return stored
+}
+
+// Peek returns the node's incident as Incident does, for people (the
+// status page): without noting it as the base of this round's plan.
+func (e *Executor) Peek(node string) remediate.Incident {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.init()
+	if e.Policy.Mode == remediate.DryRun {
+		return e.dry[node]
+	}
+	if u, ok := e.unrecorded[node]; ok {
+		return u
+	}
+	if e.Incidents != nil {
+		return e.Incidents.Get(node, e.now())
+	}
+	return remediate.Incident{}
 }
 
 // Prune drops from the record the nodes that left the cluster and the
@@ -343,6 +364,9 @@ func (e *Executor) execute(ctx context.Context, n *remediate.Notice) error {
 	}
 	if e.Notifier != nil {
 		e.Notifier.Notify(*n)
+	}
+	if e.Journal != nil {
+		e.Journal.Notify(*n)
 	}
 	return err
 }

@@ -1,0 +1,75 @@
+// Package browser drives a real headless Chromium (Debian's chromium
+// package) for the status page's tests, through the DevTools protocol
+// (chromedp). Only tests import it.
+package browser
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+)
+
+// New starts a headless Chromium for t and returns a context that drives
+// it; it ends with the test. Without Chromium the test is skipped, or
+// fails where end-to-end tests are required (PROXYAUDIT_E2E_REQUIRE, as
+// in CI: deploy/install-deps.sh installs it).
+func New(t testing.TB) context.Context {
+	t.Helper()
+	path := ""
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			path = p
+			break
+		}
+	}
+	if path == "" {
+		if os.Getenv("PROXYAUDIT_E2E_REQUIRE") != "" {
+			t.Fatal("no Chromium to drive (deploy/install-deps.sh installs Debian's chromium)")
+		}
+		t.Skip("no Chromium (apt-get install chromium)")
+	}
+	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(path), chromedp.NoSandbox, chromedp.DisableGPU,
+		chromedp.WindowSize(1400, 1000), chromedp.UserDataDir(t.TempDir()))
+	actx, cancelAlloc := chromedp.NewExecAllocator(context.Background(), opts...)
+	ctx, cancel := chromedp.NewContext(actx)
+	t.Cleanup(func() { cancel(); cancelAlloc() })
+	// The first run starts the browser, which lives as long as ctx: no
+	// timeout on it (one on an action ends the browser).
+	if err := chromedp.Do(ctx); err != nil {
+		t.Fatalf("starting %s: %v", path, err)
+	}
+	return ctx
+}
+
+// Within runs fn with a context of ctx that ends after d: a step that
+// hangs fails the test instead of holding it.
+func Within(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d)
+}
+
+// Screenshot saves the whole page as name.png in the test's artifact
+// directory (go test -artifacts keeps it) and says where.
+func Screenshot(t testing.TB, ctx context.Context, name string) {
+	t.Helper()
+	// Quality 100 is a PNG (below, a JPEG).
+	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+	if err != nil {
+		t.Errorf("screenshot %s: %v", name, err)
+		return
+	}
+	dir := t.TempDir()
+	if a, ok := t.(interface{ ArtifactDir() string }); ok {
+		dir = a.ArtifactDir()
+	}
+	p := filepath.Join(dir, name+".png")
+	if err := os.WriteFile(p, png, 0o644); err != nil {
+		t.Errorf("screenshot %s: %v", name, err)
+		return
+	}
+	t.Logf("screenshot: %s (%d bytes)", p, len(png))
+}

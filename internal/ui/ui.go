@@ -1,0 +1,248 @@
+// Package ui renders the aggregator's read-only status page: the fleet,
+// one node, the incidents. Server-rendered with html/template (every
+// string a node or the cluster supplies is escaped by context) from
+// assets embedded in the binary: no build step, no CDN, works air-gapped.
+// The aggregator fills the pages' data; this package only renders.
+package ui
+
+import (
+	"bytes"
+	"embed"
+	"fmt"
+	"html/template"
+	"io"
+	"math"
+	"net/http"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+//go:embed templates/*.html static/*
+var files embed.FS
+
+var pages = template.Must(template.New("").Funcs(template.FuncMap{
+	"ago":     ago,
+	"stamp":   func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05Z") },
+	"seconds": func(s float64) string { return fmt.Sprintf("%.2fs", s) },
+	"lagClass": func(p99, grace float64) string {
+		switch {
+		case p99 <= 0:
+			return "l0"
+		case p99 < 1:
+			return "l1"
+		case p99 < grace/3:
+			return "l2"
+		case p99 < grace:
+			return "l3"
+		}
+		return "l4"
+	},
+	"lower": strings.ToLower,
+	"dec":   func(n int) int { return n - 1 },
+	"hasBad": func(p audit.PortTrace) bool {
+		for _, f := range p.Frontends {
+			if f.Status != audit.TraceOK {
+				return true
+			}
+			for _, e := range f.Endpoints {
+				if e.Status != audit.TraceOK {
+					return true
+				}
+			}
+		}
+		return false
+	},
+}).ParseFS(files, "templates/*.html"))
+
+// Base is what every page shows: where the data comes from and how fresh
+// it is.
+type Base struct {
+	Title string
+	// Root is the relative path back to /ui/ ("./" or "../"), so that the
+	// pages work under any prefix (the API server's service proxy, a
+	// port-forward, `proxyaudit ui`).
+	Root string
+	// At is when the leader's verdict was made; Now when the page was.
+	At, Now time.Time
+	// Stale says why the leader's view of the API is stale ("" when it is
+	// not); Hold why every repair is held.
+	Stale, Hold string
+	Leader      string
+	Mode        string
+	Grace       float64 // seconds
+}
+
+// Age is how old the verdict is.
+func (b Base) Age() string { return ago(b.At, b.Now) }
+
+// Count is one bar of a breakdown.
+type Count struct {
+	Name string
+	N    int
+}
+
+// Cell is one node of the heatmap.
+type Cell struct {
+	Node       string
+	State      string
+	P99        float64
+	Findings   int
+	StaleFlows int
+}
+
+// Zone groups the heatmap's cells by topology zone.
+type Zone struct {
+	Name  string
+	Cells []Cell
+}
+
+// FleetPage is the fleet at a glance.
+type FleetPage struct {
+	Base
+	Total    int
+	States   []Count
+	Kinds    []Count
+	Zones    []Zone
+	WorstP99 float64
+	// Worst are the nodes that need a look first (not in sync), at most 50.
+	Worst []Cell
+}
+
+// NodePage is one node: what `proxyaudit explain node` shows, kube-proxy's
+// own account, the collector's cost and the node's incident.
+type NodePage struct {
+	Base
+	Status    audit.NodeStatus
+	Findings  []audit.TimedFinding
+	Ports     []audit.PortTrace
+	Explained bool
+	Incident  *Incident
+}
+
+// Incident is a node's remediation ladder and what was done.
+type Incident struct {
+	// DryRun: remediation is in dry-run; the ladder is what would have
+	// been done.
+	DryRun   bool
+	Node     string
+	Stage    string
+	Opened   time.Time
+	Restarts []time.Time
+	Cordoned time.Time
+	Flushes  []time.Time
+	Actions  []Entry
+}
+
+// Entry is one action, page or outcome, as its Event says it.
+type Entry struct {
+	At     time.Time
+	Node   string
+	Kind   string
+	Reason string
+	DryRun bool
+	Held   string
+}
+
+// IncidentsPage is every open incident and the recent actions.
+type IncidentsPage struct {
+	Base
+	Incidents []Incident
+	Recent    []Entry
+}
+
+// Render writes the named page ("fleet", "node", "incidents").
+func Render(w io.Writer, page string, data any) error {
+	var b bytes.Buffer
+	if err := pages.ExecuteTemplate(&b, page+".html", data); err != nil {
+		return err
+	}
+	_, err := w.Write(b.Bytes())
+	return err
+}
+
+// Serve renders a page as an HTTP response, with a content security policy
+// that allows only the page's own assets.
+func Serve(w http.ResponseWriter, page string, data any) {
+	var b bytes.Buffer
+	if err := pages.ExecuteTemplate(&b, page+".html", data); err != nil {
+		http.Error(w, "rendering the page: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	h := w.Header()
+	h.Set("Content-Type", "text/html; charset=utf-8")
+	h.Set("Content-Security-Policy", "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("Cache-Control", "no-store")
+	w.Write(b.Bytes())
+}
+
+// Static serves the embedded stylesheet and script under /ui/static/.
+func Static() http.Handler {
+	return http.StripPrefix("/ui/", http.FileServerFS(files))
+}
+
+// Fleet builds the fleet page's breakdowns from the judge's node states
+// and findings; zone names each node's topology zone ("" for none).
+func Fleet(base Base, nodes []audit.NodeStatus, findings []audit.TimedFinding, zone func(node string) string) FleetPage {
+	p := FleetPage{Base: base, Total: len(nodes)}
+	byNode := map[string]int{}
+	kinds := map[string]int{}
+	for _, f := range findings {
+		byNode[f.Node]++
+		kinds[string(f.Kind)]++
+	}
+	states := map[string]int{}
+	zones := map[string][]Cell{}
+	for _, n := range nodes {
+		c := Cell{Node: n.Node, State: string(n.State), P99: n.Lag.P99, Findings: byNode[n.Node], StaleFlows: n.StaleFlows}
+		states[c.State]++
+		z := zone(n.Node)
+		zones[z] = append(zones[z], c)
+		p.WorstP99 = math.Max(p.WorstP99, c.P99)
+		if n.State != audit.NodeInSync && len(p.Worst) < 50 {
+			p.Worst = append(p.Worst, c)
+		}
+	}
+	p.States, p.Kinds = counts(states), counts(kinds)
+	for name, cells := range zones {
+		sort.Slice(cells, func(i, j int) bool { return cells[i].Node < cells[j].Node })
+		p.Zones = append(p.Zones, Zone{Name: name, Cells: cells})
+	}
+	sort.Slice(p.Zones, func(i, j int) bool { return p.Zones[i].Name < p.Zones[j].Name })
+	return p
+}
+
+func counts(m map[string]int) []Count {
+	out := make([]Count, 0, len(m))
+	for k, n := range m {
+		out = append(out, Count{k, n})
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].N != out[j].N {
+			return out[i].N > out[j].N
+		}
+		return out[i].Name < out[j].Name
+	})
+	return out
+}
+
+func ago(t, now time.Time) string {
+	if t.IsZero() {
+		return "never"
+	}
+	d := now.Sub(t)
+	switch {
+	case d < 0:
+		return "just now"
+	case d < time.Minute:
+		return fmt.Sprintf("%ds ago", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm%02ds ago", int(d.Minutes()), int(d.Seconds())%60)
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh%02dm ago", int(d.Hours()), int(d.Minutes())%60)
+	}
+	return fmt.Sprintf("%dd ago", int(d.Hours()/24))
+}
