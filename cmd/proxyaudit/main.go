@@ -48,12 +48,14 @@ const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from t
 Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
   proxyaudit explain node NAME [--service NAMESPACE/NAME] [-o table|json]
+  proxyaudit ui [--listen 127.0.0.1:8484]
   proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [--conntrack NODE=FILE ...] [-o table|json|markdown]
   proxyaudit pause --reason "..." [--for 2h] | proxyaudit resume | proxyaudit pause --status
   proxyaudit version
 
 report shows the fleet from the running aggregator (proxyaudit report --help);
 explain traces one node's rules, endpoint by endpoint (proxyaudit explain --help).
+ui serves the aggregator's status page on this machine (proxyaudit ui --help).
 pause holds every repair fleet-wide, resume lets them go on (proxyaudit pause --help).
 
 diff compares each node's rule dump with what kube-proxy should have programmed there.
@@ -98,6 +100,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runReport(args[1:], stdout, stderr)
 	case "explain":
 		return runExplain(args[1:], stdout, stderr)
+	case "ui":
+		return runUI(args[1:], stdout, stderr)
 	case "pause":
 		return runPause(args[1:], false, stdout, stderr)
 	case "resume":

@@ -1,0 +1,173 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/proxyaudit/proxyaudit/internal/api"
+)
+
+const uiUsage = `Usage: proxyaudit ui [--listen 127.0.0.1:8484] [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE]
+
+Serves the aggregator's read-only status page on this machine: the fleet's
+heatmap, each node's rules and kube-proxy's own account, the incidents. It
+reaches the aggregator as proxyaudit report does, through the API server's
+service proxy with your kubeconfig (and a short-lived reader token it mints
+and renews), or at --aggregator. Open the address it prints; Ctrl-C stops it.
+
+`
+
+func runUI(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, uiUsage); fs.PrintDefaults() }
+	access := accessFlags(fs)
+	listen := fs.String("listen", "127.0.0.1:8484", "address to serve the page on; keep it on loopback: whoever reaches it reads what your credentials may")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitClean
+		}
+		return exitUsage
+	}
+	h, err := access.uiProxy()
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
+		return exitUsage
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit ui: --listen: %v\n", err)
+		return exitUsage
+	}
+	if host, _, _ := net.SplitHostPort(ln.Addr().String()); !net.ParseIP(host).IsLoopback() {
+		fmt.Fprintf(stderr, "proxyaudit ui: warning: serving on %s, not loopback: whoever reaches it reads the findings with your credentials\n", ln.Addr())
+	}
+	fmt.Fprintf(stdout, "proxyaudit status page: http://%s/ui/ (Ctrl-C to stop)\n", ln.Addr())
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		srv.Shutdown(shut)
+	}()
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
+		return exitUsage
+	}
+	return exitClean
+}
+
+// uiProxy forwards GETs of /ui/ to the aggregator: at --aggregator, or
+// through the API server's service proxy with the kubeconfig's
+// credentials and a reader token, minted for ten minutes and renewed
+// before it runs out.
+func (a *access) uiProxy() (http.Handler, error) {
+	var target *url.URL
+	var transport http.RoundTripper = http.DefaultTransport
+	token := func() string { return "" }
+	header := "Authorization"
+	if *a.url != "" {
+		u, err := url.Parse(strings.TrimSuffix(*a.url, "/"))
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") {
+			return nil, fmt.Errorf("--aggregator %q: want an http(s) URL", *a.url)
+		}
+		target = u
+		if *a.tokenFile != "" {
+			b, err := os.ReadFile(*a.tokenFile)
+			if err != nil {
+				return nil, fmt.Errorf("--token-file: %v", err)
+			}
+			t := "Bearer " + strings.TrimSpace(string(b))
+			token = func() string { return t }
+		}
+	} else {
+		rules := clientcmd.NewDefaultClientConfigLoadingRules()
+		rules.ExplicitPath = *a.kubeconfig
+		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *a.context}).ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("kubeconfig: %v (or pass --aggregator URL)", err)
+		}
+		if transport, err = rest.TransportFor(cfg); err != nil {
+			return nil, fmt.Errorf("kubeconfig: %v", err)
+		}
+		host, err := url.Parse(cfg.Host)
+		if err != nil {
+			return nil, fmt.Errorf("kubeconfig server %q: %v", cfg.Host, err)
+		}
+		target = host.JoinPath("api/v1/namespaces", *a.namespace, "services", "http:"+*a.service+":"+*a.port, "proxy")
+		client, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return nil, err
+		}
+		if *a.reader != "" {
+			header = api.TokenHeader
+			token = a.readerTokens(client)
+		}
+	}
+	p := &httputil.ReverseProxy{
+		Rewrite: func(r *httputil.ProxyRequest) {
+			r.SetURL(target)
+			r.Out.Host = target.Host
+			r.Out.Header.Del("Cookie")
+			if t := token(); t != "" {
+				r.Out.Header.Set(header, t)
+			}
+		},
+		Transport: transport,
+		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
+			http.Error(w, "proxyaudit ui: reaching the aggregator at "+target.Redacted()+": "+err.Error(), http.StatusBadGateway)
+		},
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /ui/", p)
+	mux.Handle("GET /{$}", http.RedirectHandler("/ui/", http.StatusFound))
+	return mux, nil
+}
+
+// readerTokens returns the current reader token, minting one for ten
+// minutes when there is none or it has under five left ("" when minting
+// fails: the aggregator then says who may read).
+func (a *access) readerTokens(client kubernetes.Interface) func() string {
+	var mu sync.Mutex
+	var tok string
+	var renew time.Time
+	return func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		if tok != "" && time.Now().Before(renew) {
+			return tok
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), *a.timeout)
+		defer cancel()
+		exp := int64(600)
+		tr, err := client.CoreV1().ServiceAccounts(*a.namespace).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
+			Spec: authnv1.TokenRequestSpec{Audiences: []string{*a.audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "proxyaudit ui: minting a reader token for ServiceAccount %s/%s: %v\n", *a.namespace, *a.reader, err)
+			return tok
+		}
+		tok, renew = tr.Status.Token, time.Now().Add(5*time.Minute)
+		return tok
+	}
+}
