@@ -1008,8 +1008,8 @@ func (l *live) readersOnly(ctx context.Context, t *testing.T) {
 		t.Fatal(err)
 	}
 	leader := strings.TrimSuffix(l.leader(ctx), ":9443")
-	get := func(header, value string) (int, string) {
-		req, _ := http.NewRequest(http.MethodGet, "http://"+leader+":8080/api/v1/findings", nil)
+	getPath := func(path, header, value string) (int, string) {
+		req, _ := http.NewRequest(http.MethodGet, "http://"+leader+":8080"+path, nil)
 		if header != "" {
 			req.Header.Set(header, value)
 		}
@@ -1021,6 +1021,7 @@ func (l *live) readersOnly(ctx context.Context, t *testing.T) {
 		b, _ := io.ReadAll(r.Body)
 		return r.StatusCode, string(b)
 	}
+	get := func(header, value string) (int, string) { return getPath("/api/v1/findings", header, value) }
 	for _, tc := range []struct {
 		name, header, value string
 		code                int
@@ -1036,6 +1037,12 @@ func (l *live) readersOnly(ctx context.Context, t *testing.T) {
 			t.Errorf("%s: %d %s, want %d saying %q", tc.name, code, strings.TrimSpace(body), tc.code, tc.says)
 		} else {
 			t.Logf("%s: %d", tc.name, code)
+		}
+		// The status page answers exactly as the API does.
+		for _, path := range []string{"/ui/", "/ui/incidents", "/ui/static/style.css"} {
+			if ucode, ubody := getPath(path, tc.header, tc.value); ucode != code || (code != 200 && ubody != body) {
+				t.Errorf("%s: %s answers %d %s; the API %d %s", tc.name, path, ucode, strings.TrimSpace(ubody), code, strings.TrimSpace(body))
+			}
 		}
 	}
 	if out, code := l.report(t); code != 0 {

@@ -1,0 +1,140 @@
+package realnodes
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/browser"
+)
+
+// The status page on the live cluster, in a real Chromium, the way an SRE
+// opens it: `kubectl proxyaudit ui` on their machine, through the API
+// server's service proxy to the chart's aggregators (readers only). One
+// node's kube-proxy is frozen and the CoreDNS pod replaced: the fleet
+// page shows that node Stuck in the heatmap, its page the old pod's
+// address STALE under kube-dns and kube-proxy's own last sync, the
+// incidents page the dry-run ladder.
+func TestE2EStatusPageOnRealNodes(t *testing.T) {
+	c := cluster(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	bctx := browser.New(t)
+	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
+		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "remediation.mode=dry-run")
+	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
+	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	ui := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "ui", "-n", "proxyaudit", "--listen", addr)
+	var out strings.Builder
+	ui.Stdout, ui.Stderr = &out, &out
+	if err := ui.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { ui.Process.Kill(); ui.Wait() }()
+	base := "http://" + addr + "/ui/"
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(300 * time.Millisecond) {
+		if r, err := http.Get(base); err == nil {
+			r.Body.Close()
+			if r.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("proxyaudit ui does not serve the page:\n%s", out.String())
+		}
+	}
+
+	stuck := c.Node("real-ipt-a")
+	pods := waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
+	old := net.JoinHostPort(pods[0].Status.PodIP, "53")
+	thaw, err := stuck.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer thaw(context.Background())
+	if err := c.Client.CoreV1().Pods("kube-system").Delete(ctx, pods[0].Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
+		r, raw, err := report(ctx, t, c)
+		if err == nil && nodeState(r, stuck.Name) == audit.NodeStuck {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not Stuck:\n%s", stuck.Name, clip(raw))
+		}
+	}
+
+	do := func(what string, a chromedp.Action[chromedp.Void]) {
+		t.Helper()
+		c, cancel := browser.Within(bctx, time.Minute)
+		defer cancel()
+		if err := chromedp.Do(c, a); err != nil {
+			t.Fatalf("%s: %v\nproxyaudit ui:\n%s", what, err, out.String())
+		}
+	}
+	eval := func(js string) string {
+		t.Helper()
+		c, cancel := browser.Within(bctx, 30*time.Second)
+		defer cancel()
+		v, err := chromedp.Run(c, chromedp.Evaluate[string](js))
+		if err != nil {
+			t.Fatalf("%s: %v", js, err)
+		}
+		return v
+	}
+	do("the fleet page", chromedp.Navigate(base))
+	do("the heatmap", chromedp.WaitVisible("#heatmap"))
+	cell := fmt.Sprintf(`#heatmap [data-node="%s"]`, stuck.Name)
+	if got := eval(`document.querySelector('` + cell + `').dataset.state`); got != string(audit.NodeStuck) {
+		t.Errorf("%s in the heatmap: %q, want Stuck", stuck.Name, got)
+	}
+	if got := eval(`String(document.querySelectorAll('#heatmap [data-node]').length)`); got != fmt.Sprint(len(fleet)) {
+		t.Errorf("%s cells, want %d", got, len(fleet))
+	}
+	browser.Screenshot(t, bctx, "fleet")
+	do("opening the node", chromedp.Click(cell))
+	do("the node page", chromedp.WaitVisible("#ports"))
+	if got := eval(`document.querySelector('#state').innerText`); got != string(audit.NodeStuck) {
+		t.Errorf("node page state %q", got)
+	}
+	if ports := eval(`document.querySelector('#ports').innerText`); !strings.Contains(ports, "kube-system/kube-dns") || !strings.Contains(ports, old+" stale") {
+		t.Errorf("the node page does not show %s STALE under kube-dns:\n%s", old, ports)
+	}
+	if kp := eval(`(document.querySelector('#kubeproxy') || {innerText: ""}).innerText`); !strings.Contains(kp, "Last sync") {
+		t.Errorf("kube-proxy's own account missing: %q", kp)
+	}
+	browser.Screenshot(t, bctx, "node-"+stuck.Name)
+	do("the incidents page", chromedp.Navigate(base+"incidents"))
+	do("an incident", chromedp.WaitVisible(fmt.Sprintf(`.incident[data-node="%s"]`, stuck.Name)))
+	if got := eval(fmt.Sprintf(`document.querySelector('.incident[data-node="%s"]').innerText`, stuck.Name)); !strings.Contains(got, "dry-run: nothing was changed") ||
+		!strings.Contains(got, "RestartProxy") {
+		t.Errorf("the incident:\n%s", got)
+	}
+	browser.Screenshot(t, bctx, "incidents")
+}
+
+func nodeState(r *fleetReport, node string) audit.NodeState {
+	for _, n := range r.Nodes {
+		if n.Node == node {
+			return n.State
+		}
+	}
+	return ""
+}
