@@ -30,11 +30,20 @@ import (
 // promtool on exactly what was scraped (as Prometheus would store it,
 // with the namespace and pod its ServiceMonitor adds): ProxyAuditKubeProxyStuck
 // fires a minute after the finding appears and resolves once it clears.
+//
+// The chart's Grafana dashboard is evaluated on the same series: every
+// panel's query runs without error, and the panels this scenario feeds
+// (states, findings, lag, time to find, stream bytes, staleness, leader,
+// read cost, reports waiting) return data.
 func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
-	bin, rel := chartAndPromtool(t, "metrics.prometheusRule.enabled=true")
+	bin, rel := chartAndPromtool(t, "metrics.prometheusRule.enabled=true", "metrics.grafanaDashboard.enabled=true")
 	pr := rel.Find("PrometheusRule", "proxyaudit-aggregator")
 	if pr == nil {
 		t.Fatal("no PrometheusRule")
+	}
+	cm := rel.Find("ConfigMap", "proxyaudit-aggregator-dashboard")
+	if cm == nil {
+		t.Fatal("no dashboard ConfigMap")
 	}
 
 	h := start(t, 2*time.Second, InsecureNoAuth{})
@@ -59,17 +68,36 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, name := range []string{"proxyaudit_leader", "proxyaudit_findings"} {
-			for _, m := range fams[name].GetMetric() {
+		add := func(name, labels string, v float64) {
+			key := name + "{" + labels + "}"
+			for len(samples[key]) < scrapes { // a series that appeared late
+				samples[key] = append(samples[key], "_")
+			}
+			samples[key] = append(samples[key], fmt.Sprint(v))
+		}
+		for name, fam := range fams {
+			if !strings.HasPrefix(name, "proxyaudit_") {
+				continue
+			}
+			for _, m := range fam.GetMetric() {
 				labels := `namespace="proxyaudit",pod="proxyaudit-aggregator-0"`
 				for _, l := range m.GetLabel() {
 					labels += fmt.Sprintf(",%s=%q", l.GetName(), l.GetValue())
 				}
-				key := name + "{" + labels + "}"
-				for len(samples[key]) < scrapes { // a series that appeared late
-					samples[key] = append(samples[key], "_")
+				switch {
+				case m.Gauge != nil:
+					add(name, labels, m.GetGauge().GetValue())
+				case m.Counter != nil:
+					add(name, labels, m.GetCounter().GetValue())
+				case m.Histogram != nil:
+					h := m.GetHistogram()
+					for _, b := range h.GetBucket() {
+						add(name+"_bucket", labels+fmt.Sprintf(",le=%q", fmt.Sprint(b.GetUpperBound())), float64(b.GetCumulativeCount()))
+					}
+					add(name+"_bucket", labels+`,le="+Inf"`, float64(h.GetSampleCount()))
+					add(name+"_sum", labels, h.GetSampleSum())
+					add(name+"_count", labels, float64(h.GetSampleCount()))
 				}
-				samples[key] = append(samples[key], fmt.Sprint(m.GetGauge().GetValue()))
 			}
 		}
 		scrapes++
@@ -131,15 +159,44 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	const alert = "ProxyAuditKubeProxyStuck"
+	// The dashboard's queries at the end of the stuck spell: each runs
+	// (a wrong join fails evaluation), and those this scenario feeds
+	// return data.
+	fed := map[string]bool{"Nodes by state": true, "Findings by kind": true, "Programming lag": true, "Time to find": true,
+		"Stream bytes": true, "View staleness and leader": true, "Collector read cost": true, "Reports waiting": true}
+	raw, _, _ := unstructuredString(cm.Object, "data", "proxyaudit.json")
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal([]byte(raw), &dash); err != nil {
+		t.Fatal(err)
+	}
+	var exprs []promtool.ExprTest
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			q := strings.ReplaceAll(tg.Expr, "$namespace", "proxyaudit")
+			e := promtool.ExprTest{EvalTime: at(last), Samples: []promtool.Sample{{Labels: "{}", Value: 1}},
+				Expr: "(count(" + q + ") or vector(0)) >= bool 0"} // evaluates, data or not
+			if fed[p.Title] {
+				e.Expr = "count(" + q + ") > bool 0" // has data
+			}
+			exprs = append(exprs, e)
+		}
+	}
 	ut := promtool.UnitTest{EvaluationInterval: "15s", Tests: []promtool.Test{{Interval: "15s", InputSeries: in, Alerts: []promtool.AlertTest{
 		{EvalTime: at(first), AlertName: alert}, // pending
 		{EvalTime: at(first + 5), AlertName: alert, ExpAlerts: []promtool.ExpAlert{rules[alert].Expect("1")}}, // for: 1m
 		{EvalTime: at(last + 2), AlertName: alert},                                                            // resolved
-	}}}}
+	}, Exprs: exprs}}}
 	if out, err := promtool.TestRules(bin, t.TempDir(), spec, ut); err != nil {
 		t.Fatalf("promtool test rules on the scraped series: %v\n%s", err, out)
 	}
-	t.Logf("%d scrapes; StuckProxy from scrape %d to %d; the alert fired a minute in and resolved", scrapes, first, last)
+	t.Logf("%d scrapes of %d series; StuckProxy from scrape %d to %d; the alert fired a minute in and resolved; %d dashboard queries evaluated", scrapes, len(in), first, last, len(exprs))
 }
 
 // The chart's Grafana dashboard asks only for what the aggregator

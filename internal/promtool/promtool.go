@@ -39,7 +39,23 @@ type Test struct {
 	Name        string      `json:"name,omitempty"`
 	Interval    string      `json:"interval"`
 	InputSeries []Series    `json:"input_series"`
-	Alerts      []AlertTest `json:"alert_rule_test"`
+	Alerts      []AlertTest `json:"alert_rule_test,omitempty"`
+	Exprs       []ExprTest  `json:"promql_expr_test,omitempty"`
+}
+
+// ExprTest evaluates a PromQL expression at EvalTime and expects exactly
+// Samples.
+type ExprTest struct {
+	Expr     string   `json:"expr"`
+	EvalTime string   `json:"eval_time"`
+	Samples  []Sample `json:"exp_samples"`
+}
+
+// Sample is one expected sample: labels in series notation ("{}" for
+// none) and its value.
+type Sample struct {
+	Labels string  `json:"labels"`
+	Value  float64 `json:"value"`
 }
 
 // Series is one input series in promtool's expanding notation ("0 1x10").
