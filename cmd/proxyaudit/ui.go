@@ -116,6 +116,7 @@ func (a *access) uiProxy() (http.Handler, error) {
 			return nil, fmt.Errorf("kubeconfig server %q: %v", cfg.Host, err)
 		}
 		target = host.JoinPath("api/v1/namespaces", *a.namespace, "services", "http:"+*a.service+":"+*a.port, "proxy")
+		target.Path = "/" + strings.TrimPrefix(target.Path, "/") // JoinPath on a bare host leaves it relative
 		client, err := kubernetes.NewForConfig(cfg)
 		if err != nil {
 			return nil, err

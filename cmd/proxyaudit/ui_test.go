@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/internal/api"
 )
 
 // proxyaudit ui forwards the status page's GETs to the aggregator with the
@@ -66,3 +68,51 @@ func TestUIProxy(t *testing.T) {
 }
 
 func ptr(s string) *string { return &s }
+
+// Through the API server: the page's path under the aggregator Service's
+// proxy, with a reader token minted for it (here a stand-in API server
+// that records both).
+func TestUIProxyThroughTheAPIServer(t *testing.T) {
+	var paths []string
+	var tokenHeader string
+	apiserver := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		paths = append(paths, r.Method+" "+r.URL.Path)
+		if strings.HasSuffix(r.URL.Path, "/token") {
+			w.Header().Set("Content-Type", "application/json")
+			io.WriteString(w, `{"kind":"TokenRequest","apiVersion":"authentication.k8s.io/v1","status":{"token":"minted","expirationTimestamp":"2030-01-01T00:00:00Z"}}`)
+			return
+		}
+		tokenHeader = r.Header.Get(api.TokenHeader)
+		io.WriteString(w, "page")
+	}))
+	defer apiserver.Close()
+	kc := filepath.Join(t.TempDir(), "kubeconfig")
+	os.WriteFile(kc, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "`+apiserver.URL+`"}}]
+users: [{name: u, user: {token: admin}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+`), 0o600)
+	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
+	a := accessFlags(fs)
+	if err := fs.Parse([]string{"--kubeconfig", kc, "-n", "pa"}); err != nil {
+		t.Fatal(err)
+	}
+	h, err := a.uiProxy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	r, err := http.Get(srv.URL + "/ui/nodes/n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	want := []string{"POST /api/v1/namespaces/pa/serviceaccounts/proxyaudit-reader/token", "GET /api/v1/namespaces/pa/services/http:proxyaudit-aggregator:http/proxy/ui/nodes/n1"}
+	if string(b) != "page" || strings.Join(paths, "; ") != strings.Join(want, "; ") || tokenHeader != "minted" {
+		t.Errorf("got %q; the API server saw %v with reader token %q; want %v", b, paths, tokenHeader, want)
+	}
+}

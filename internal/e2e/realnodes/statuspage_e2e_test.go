@@ -3,6 +3,7 @@ package realnodes
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -48,15 +49,19 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 	}
 	defer func() { ui.Process.Kill(); ui.Wait() }()
 	base := "http://" + addr + "/ui/"
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(300 * time.Millisecond) {
+	for deadline, last := time.Now().Add(time.Minute), ""; ; time.Sleep(300 * time.Millisecond) {
 		if r, err := http.Get(base); err == nil {
+			b, _ := io.ReadAll(r.Body)
 			r.Body.Close()
 			if r.StatusCode == http.StatusOK {
 				break
 			}
+			last = fmt.Sprintf("%s: %s", r.Status, b)
+		} else {
+			last = err.Error()
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("proxyaudit ui does not serve the page:\n%s", out.String())
+			t.Fatalf("proxyaudit ui does not serve the page: %s\n%s", last, out.String())
 		}
 	}
 
