@@ -248,6 +248,7 @@ Where to look:
   export KUBECONFIG=%[2]s
   kubectl get pods -A -o wide                                            # real pods on real kubelets
   PATH=$PWD/bin:$PATH kubectl proxyaudit report                          # proxyaudit's verdict
+  bin/proxyaudit ui    # the status page on http://127.0.0.1:8484/ui/ (open it in a browser)
   kubectl -n kube-system get events --field-selector involvedObject.kind=Node
   ip netns exec pa-%[1]s iptables-save -t nat | grep -E 'KUBE-(SVC|SEP)'   # a node's rules
   ip netns exec pa-node-c nft list table ip kube-proxy                    # the nftables node
