@@ -101,6 +101,12 @@ func planFlushes(now time.Time, p Policy, nodes []Node, out []Action, busy *int,
 		case fresh && flushed >= breaker:
 			held, why = HeldBreaker, fmt.Sprintf("remediation breaker open: %d node(s) had conntrack entries deleted in the last %s (limit %d: --remediation-breaker-share %g of the fleet); a cause common to them (a kube-proxy release, proxyaudit itself) is likelier", flushed, p.BreakerWindow, breaker, p.BreakerShare)
 		}
+		if held == HeldCooldown && now.Sub(last(inc.Flushes)) < p.Recheck {
+			// Flushed moments ago: the collector's next counts show it.
+			// Flows still stale after Recheck are paged (and flushed
+			// again once the cooldown ends).
+			continue
+		}
 		what := describePairs(pairs)
 		if held != "" {
 			sig := held + ": " + what

@@ -50,9 +50,14 @@ func TestPlanFlushes(t *testing.T) {
 			n.Incident.FlushHeld = HeldPaused + ": " + describePairs([]StalePair{dnsPair})
 			return n
 		}())}, "", ""},
-		{"cooldown after a flush", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node {
+		{"just flushed: waits for the collector's next counts, silently", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node {
 			n := stale("c", dnsPair)
-			n.Incident.Flushes = []time.Time{ago(time.Minute)}
+			n.Incident.Flushes = []time.Time{ago(time.Second)}
+			return n
+		}())}, "", ""},
+		{"still stale after the recheck, in cooldown: paged", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node {
+			n := stale("c", dnsPair)
+			n.Incident.Flushes = []time.Time{ago(3 * time.Minute)}
 			return n
 		}())}, "c:Page", "in cooldown"},
 		{"budget of flushes per node", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node {
