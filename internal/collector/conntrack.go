@@ -42,6 +42,7 @@ const (
 	ipsDstNAT    = 1 << 5
 
 	nlaTypeMask = 0x3fff // without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+	nlaFNested  = 1 << 15
 )
 
 // tcpStates are conntrack's TCP states (enum tcp_conntrack), as
@@ -63,6 +64,29 @@ type ctEntry struct {
 }
 
 var errCTShort = errors.New("conntrack: truncated attribute")
+
+// ctAttr encodes one netlink attribute, padded to four bytes.
+func ctAttr(typ uint16, val []byte) []byte {
+	b := make([]byte, 4, 4+len(val)+3)
+	binary.NativeEndian.PutUint16(b, uint16(4+len(val)))
+	binary.NativeEndian.PutUint16(b[2:], typ)
+	b = append(b, val...)
+	for len(b)%4 != 0 {
+		b = append(b, 0)
+	}
+	return b
+}
+
+// ctNested encodes a nested attribute holding attrs.
+func ctNested(typ uint16, attrs ...[]byte) []byte {
+	var v []byte
+	for _, a := range attrs {
+		v = append(v, a...)
+	}
+	return ctAttr(typ|nlaFNested, v)
+}
+
+func be16(v uint16) []byte { return binary.BigEndian.AppendUint16(nil, v) }
 
 // nla walks netlink attributes without allocating: it returns the first
 // attribute's type and value and the rest.

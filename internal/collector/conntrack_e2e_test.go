@@ -55,6 +55,51 @@ func setupCTScratch(t testing.TB, ns *localcluster.Scratch) {
 	}
 }
 
+// servePod answers as the scratch's "pod" does: UDP echo on
+// 198.18.77.2:5353, TCP accepted on 198.18.77.2:8080. Call it in the
+// namespace; stop closes both.
+func servePod() (stop func(), err error) {
+	udp, err := net.ListenPacket("udp4", "198.18.77.2:5353")
+	if err != nil {
+		return nil, err
+	}
+	tcp, err := net.Listen("tcp4", "198.18.77.2:8080")
+	if err != nil {
+		udp.Close()
+		return nil, err
+	}
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, from, err := udp.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			udp.WriteTo(buf[:n], from)
+		}
+	}()
+	var conns []net.Conn
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := tcp.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c)
+		}
+	}()
+	return func() {
+		udp.Close()
+		tcp.Close()
+		<-done
+		for _, c := range conns {
+			c.Close()
+		}
+	}, nil
+}
+
 func ctKeys(o *audit.Observed) []audit.FrontendKey {
 	var out []audit.FrontendKey
 	for _, f := range o.Frontends {
@@ -82,35 +127,11 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 	var got *audit.Conntrack
 	var stamped *audit.Conntrack
 	err := localcluster.InNetNS(ns.NetNS, func() error {
-		udp, err := net.ListenPacket("udp4", "198.18.77.2:5353")
+		stop, err := servePod()
 		if err != nil {
 			return err
 		}
-		defer udp.Close()
-		go func() {
-			buf := make([]byte, 512)
-			for {
-				n, from, err := udp.ReadFrom(buf)
-				if err != nil {
-					return
-				}
-				udp.WriteTo(buf[:n], from)
-			}
-		}()
-		tcp, err := net.Listen("tcp4", "198.18.77.2:8080")
-		if err != nil {
-			return err
-		}
-		defer tcp.Close()
-		go func() {
-			for {
-				c, err := tcp.Accept()
-				if err != nil {
-					return
-				}
-				defer c.Close()
-			}
-		}()
+		defer stop()
 		ask := func(to string) error {
 			c, err := net.Dial("udp4", to)
 			if err != nil {

@@ -125,21 +125,21 @@ func (r *ConntrackReader) dump(ctx context.Context, fn func(body []byte) error) 
 // ctDumpRequest is IPCTNL_MSG_CT_GET with NLM_F_DUMP for both families,
 // filtered by the kernel to entries with IPS_DST_NAT.
 func ctDumpRequest(seq uint32) []byte {
-	var attrs []byte
-	for _, typ := range []uint16{ctaStatus, ctaStatusMask} {
-		a := make([]byte, 8)
-		binary.NativeEndian.PutUint16(a, 8)
-		binary.NativeEndian.PutUint16(a[2:], typ)
-		binary.BigEndian.PutUint32(a[4:], ipsDstNAT)
-		attrs = append(attrs, a...)
-	}
+	dnat := binary.BigEndian.AppendUint32(nil, ipsDstNAT)
+	attrs := append(ctAttr(ctaStatus, dnat), ctAttr(ctaStatusMask, dnat)...)
+	return ctMessage(ipctnlMsgCTGet, unix.NLM_F_REQUEST|unix.NLM_F_DUMP, seq, unix.AF_UNSPEC, attrs)
+}
+
+// ctMessage is one ctnetlink request: the netlink header, nfgenmsg
+// (family, version, resource ID) and the attributes.
+func ctMessage(typ, flags uint16, seq uint32, family uint8, attrs []byte) []byte {
 	msg := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
 	msg = append(msg, attrs...)
 	binary.NativeEndian.PutUint32(msg, uint32(len(msg)))
-	binary.NativeEndian.PutUint16(msg[4:], nfnlSubsysCTNetlink<<8|ipctnlMsgCTGet)
-	binary.NativeEndian.PutUint16(msg[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	binary.NativeEndian.PutUint16(msg[4:], nfnlSubsysCTNetlink<<8|typ)
+	binary.NativeEndian.PutUint16(msg[6:], flags)
 	binary.NativeEndian.PutUint32(msg[8:], seq)
-	msg[unix.NLMSG_HDRLEN] = unix.AF_UNSPEC // nfgenmsg: family, version, res_id
+	msg[unix.NLMSG_HDRLEN] = family
 	msg[unix.NLMSG_HDRLEN+1] = unix.NFNETLINK_V0
 	return msg
 }
@@ -187,7 +187,6 @@ func ctMessages(b []byte, seq uint32, fn func([]byte) error) (done bool, err err
 
 const (
 	ipctnlMsgCTDelete = 2
-	nlaFNested        = 1 << 15
 	// ctMaxDeletes bounds the entries one flush deletes (and remembers
 	// between the dump and the deletes: 48 bytes each).
 	ctMaxDeletes = 100_000
@@ -271,39 +270,20 @@ func (r *ConntrackReader) Delete(ctx context.Context, targets []FlushTarget) ([]
 // ctDeleteRequest is IPCTNL_MSG_CT_DELETE of one entry: its original
 // tuple and its ID, acknowledged.
 func ctDeleteRequest(seq uint32, v *victim) []byte {
-	attr := func(typ uint16, val []byte) []byte {
-		a := make([]byte, 4, 4+len(val)+3)
-		binary.NativeEndian.PutUint16(a, uint16(4+len(val)))
-		binary.NativeEndian.PutUint16(a[2:], typ)
-		a = append(a, val...)
-		for len(a)%4 != 0 {
-			a = append(a, 0)
-		}
-		return a
-	}
-	be16 := func(p uint16) []byte { return binary.BigEndian.AppendUint16(nil, p) }
 	src, dst := v.origSrc.Addr(), v.origDst.Addr()
 	var ip []byte
 	if v.family == unix.AF_INET6 {
 		s, d := src.As16(), dst.As16()
-		ip = append(attr(ctaIPv6Src, s[:]), attr(ctaIPv6Dst, d[:])...)
+		ip = append(ctAttr(ctaIPv6Src, s[:]), ctAttr(ctaIPv6Dst, d[:])...)
 	} else {
 		s, d := src.Unmap().As4(), dst.Unmap().As4()
-		ip = append(attr(ctaIPv4Src, s[:]), attr(ctaIPv4Dst, d[:])...)
+		ip = append(ctAttr(ctaIPv4Src, s[:]), ctAttr(ctaIPv4Dst, d[:])...)
 	}
-	proto := append(attr(ctaProtoNum, []byte{v.proto}), attr(ctaProtoSrcPort, be16(v.origSrc.Port()))...)
-	proto = append(proto, attr(ctaProtoDstPort, be16(v.origDst.Port()))...)
-	tuple := append(attr(ctaTupleIP|nlaFNested, ip), attr(ctaTupleProto|nlaFNested, proto)...)
-	attrs := append(attr(ctaTupleOrig|nlaFNested, tuple), attr(ctaID, binary.BigEndian.AppendUint32(nil, v.id))...)
-	msg := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
-	msg = append(msg, attrs...)
-	binary.NativeEndian.PutUint32(msg, uint32(len(msg)))
-	binary.NativeEndian.PutUint16(msg[4:], nfnlSubsysCTNetlink<<8|ipctnlMsgCTDelete)
-	binary.NativeEndian.PutUint16(msg[6:], unix.NLM_F_REQUEST|unix.NLM_F_ACK)
-	binary.NativeEndian.PutUint32(msg[8:], seq)
-	msg[unix.NLMSG_HDRLEN] = v.family
-	msg[unix.NLMSG_HDRLEN+1] = unix.NFNETLINK_V0
-	return msg
+	attrs := append(ctNested(ctaTupleOrig,
+		ctNested(ctaTupleIP, ip),
+		ctNested(ctaTupleProto, ctAttr(ctaProtoNum, []byte{v.proto}), ctAttr(ctaProtoSrcPort, be16(v.origSrc.Port())), ctAttr(ctaProtoDstPort, be16(v.origDst.Port())))),
+		ctAttr(ctaID, binary.BigEndian.AppendUint32(nil, v.id))...)
+	return ctMessage(ipctnlMsgCTDelete, unix.NLM_F_REQUEST|unix.NLM_F_ACK, seq, v.family, attrs)
 }
 
 // ctAck reads the acknowledgement of request seq: its errno (0: done).

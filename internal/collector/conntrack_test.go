@@ -9,28 +9,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// ctAttr encodes one netlink attribute (nested when given attributes).
-func ctAttr(typ uint16, val []byte) []byte {
-	b := make([]byte, 4, 4+len(val)+3)
-	binary.NativeEndian.PutUint16(b, uint16(4+len(val)))
-	binary.NativeEndian.PutUint16(b[2:], typ)
-	b = append(b, val...)
-	for len(b)%4 != 0 {
-		b = append(b, 0)
-	}
-	return b
-}
-
-func ctNested(typ uint16, attrs ...[]byte) []byte {
-	var v []byte
-	for _, a := range attrs {
-		v = append(v, a...)
-	}
-	return ctAttr(typ|0x8000, v)
-}
-
-func be16(v uint16) []byte { return binary.BigEndian.AppendUint16(nil, v) }
-
 func ctTuple(typ uint16, proto byte, src, dst netip.AddrPort) []byte {
 	s, d := uint16(ctaIPv4Src), uint16(ctaIPv4Dst)
 	if src.Addr().Is6() {

@@ -37,35 +37,11 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 	}
 	ap := netip.MustParseAddrPort
 	err := localcluster.InNetNS(ns.NetNS, func() error {
-		udp, err := net.ListenPacket("udp4", "198.18.77.2:5353")
+		stop, err := servePod()
 		if err != nil {
 			return err
 		}
-		defer udp.Close()
-		go func() {
-			buf := make([]byte, 512)
-			for {
-				n, from, err := udp.ReadFrom(buf)
-				if err != nil {
-					return
-				}
-				udp.WriteTo(buf[:n], from)
-			}
-		}()
-		tcp, err := net.Listen("tcp4", "198.18.77.2:8080")
-		if err != nil {
-			return err
-		}
-		defer tcp.Close()
-		go func() {
-			for {
-				c, err := tcp.Accept()
-				if err != nil {
-					return
-				}
-				defer c.Close()
-			}
-		}()
+		defer stop()
 		asked := func(c net.Conn) error {
 			if _, err := c.Write([]byte("q")); err != nil {
 				return err

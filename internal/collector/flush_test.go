@@ -65,23 +65,7 @@ func TestFlushRefusesWhatTheRulesServe(t *testing.T) {
 			conn := welcome(t, ln)
 			defer conn.Close()
 			nextReport(t, conn, 5*time.Second)
-			ask := func(pairs ...stream.FlushPair) *stream.Flushed {
-				t.Helper()
-				stream.Write(conn, &stream.Message{Type: stream.TypeFlush, Flush: &stream.Flush{ID: 9, Pairs: pairs}})
-				for {
-					conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-					m, _, err := stream.Read(conn, 1<<20)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if m.Type == stream.TypeFlushed {
-						if m.Flushed == nil || m.Flushed.ID != 9 {
-							t.Fatalf("answer %+v", m.Flushed)
-						}
-						return m.Flushed
-					}
-				}
-			}
+			ask := func(pairs ...stream.FlushPair) *stream.Flushed { return askFlush(t, conn, pairs) }
 			got := ask(
 				stream.FlushPair{Frontend: fe, Dest: live, TCP: true},                  // served by the rules
 				stream.FlushPair{Frontend: "198.51.100.1:53/UDP", Dest: "10.0.0.1:53"}, // not the node's
@@ -172,20 +156,11 @@ func TestFlushOfAFrontendThatLeftTheRules(t *testing.T) {
 		{Frontend: "198.51.100.9:53/UDP", Dest: "198.18.1.1:53"},
 	}
 	ask := func() []stream.FlushResult {
-		stream.Write(conn, &stream.Message{Type: stream.TypeFlush, Flush: &stream.Flush{ID: 1, Pairs: pairs}})
-		for {
-			conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-			m, _, err := stream.Read(conn, 1<<20)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if m.Type == stream.TypeFlushed {
-				if m.Flushed.Error != "" || len(m.Flushed.Results) != 2 || !strings.Contains(m.Flushed.Results[1].Refused, "not a frontend") {
-					t.Fatalf("answer %+v", m.Flushed)
-				}
-				return m.Flushed.Results
-			}
+		got := askFlush(t, conn, pairs)
+		if got.Error != "" || len(got.Results) != 2 || !strings.Contains(got.Results[1].Refused, "not a frontend") {
+			t.Fatalf("answer %+v", got)
 		}
+		return got.Results
 	}
 	nextReport(t, conn, 5*time.Second)
 	if r := ask(); !strings.Contains(r[0].Refused, "still send") {
@@ -202,5 +177,26 @@ func TestFlushOfAFrontendThatLeftTheRules(t *testing.T) {
 	}
 	if !counted() {
 		t.Fatalf("the flows of %v, which left the rules, are no longer counted", gone.FrontendKey)
+	}
+}
+
+// askFlush sends the collector on conn a flush of pairs and returns its
+// answer, skipping the reports that come meanwhile.
+func askFlush(t *testing.T, conn net.Conn, pairs []stream.FlushPair) *stream.Flushed {
+	t.Helper()
+	const id = 9
+	stream.Write(conn, &stream.Message{Type: stream.TypeFlush, Flush: &stream.Flush{ID: id, Pairs: pairs}})
+	for {
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		m, _, err := stream.Read(conn, 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Type == stream.TypeFlushed {
+			if m.Flushed == nil || m.Flushed.ID != id {
+				t.Fatalf("answer %+v", m.Flushed)
+			}
+			return m.Flushed
+		}
 	}
 }

@@ -127,8 +127,19 @@ func (e *Executor) Load(ctx context.Context) error {
 }
 
 // Incident returns the node's incident: from the record, or from memory
-// in dry-run.
+// in dry-run. The record as read is the base this round's actions on the
+// node are checked against.
 func (e *Executor) Incident(node string) remediate.Incident {
+	return e.incident(node, true)
+}
+
+// Peek returns the node's incident as Incident does, for people (the
+// status page): without noting it as the base of this round's plan.
+func (e *Executor) Peek(node string) remediate.Incident {
+	return e.incident(node, false)
+}
+
+func (e *Executor) incident(node string, planning bool) remediate.Incident {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.init()
@@ -139,31 +150,15 @@ func (e *Executor) Incident(node string) remediate.Incident {
 	if e.Incidents != nil {
 		stored = e.Incidents.Get(node, e.now())
 	}
-	// The write is checked against the record as read, even when the
-	// planner is shown an incident whose write failed.
-	e.planned[node] = stored
+	if planning {
+		// The write is checked against the record as read, even when the
+		// planner is shown an incident whose write failed.
+		e.planned[node] = stored
+	}
 	if u, ok := e.unrecorded[node]; ok {
 		return u
 	}
 	return stored
-}
-
-// Peek returns the node's incident as Incident does, for people (the
-// status page): without noting it as the base of this round's plan.
-func (e *Executor) Peek(node string) remediate.Incident {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.init()
-	if e.Policy.Mode == remediate.DryRun {
-		return e.dry[node]
-	}
-	if u, ok := e.unrecorded[node]; ok {
-		return u
-	}
-	if e.Incidents != nil {
-		return e.Incidents.Get(node, e.now())
-	}
-	return remediate.Incident{}
 }
 
 // Prune drops from the record the nodes that left the cluster and the
@@ -505,8 +500,12 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 				said = append(said, fmt.Sprintf("%s → %s refused by the collector: %s", a.Flush[i].Frontend, a.Flush[i].Dest, r.Refused))
 			}
 		}
-		if results != nil {
-			a.Reason += fmt.Sprintf(" (deleted %d entr%s)", deleted, map[bool]string{true: "y", false: "ies"}[deleted == 1])
+		switch {
+		case results == nil:
+		case deleted == 1:
+			a.Reason += " (deleted 1 entry)"
+		default:
+			a.Reason += fmt.Sprintf(" (deleted %d entries)", deleted)
 		}
 		for _, s := range said {
 			a.Reason += "; " + s
