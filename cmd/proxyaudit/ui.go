@@ -48,7 +48,7 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		}
 		return exitUsage
 	}
-	h, err := access.uiProxy()
+	h, err := access.uiProxy(stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
 		return exitUsage
@@ -82,7 +82,7 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 // through the API server's service proxy with the kubeconfig's
 // credentials and a reader token, minted for ten minutes and renewed
 // before it runs out.
-func (a *access) uiProxy() (http.Handler, error) {
+func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 	var target *url.URL
 	var transport http.RoundTripper = http.DefaultTransport
 	token := func() string { return "" }
@@ -123,7 +123,7 @@ func (a *access) uiProxy() (http.Handler, error) {
 		}
 		if *a.reader != "" {
 			header = api.TokenHeader
-			token = a.readerTokens(client)
+			token = a.readerTokens(client, stderr)
 		}
 	}
 	p := &httputil.ReverseProxy{
@@ -147,9 +147,9 @@ func (a *access) uiProxy() (http.Handler, error) {
 }
 
 // readerTokens returns the current reader token, minting one for ten
-// minutes when there is none or it has under five left ("" when minting
-// fails: the aggregator then says who may read).
-func (a *access) readerTokens(client kubernetes.Interface) func() string {
+// minutes when there is none or it has under five left (the last one, or
+// "", when minting fails: the aggregator then says who may read).
+func (a *access) readerTokens(client kubernetes.Interface, stderr io.Writer) func() string {
 	var mu sync.Mutex
 	var tok string
 	var renew time.Time
@@ -165,7 +165,7 @@ func (a *access) readerTokens(client kubernetes.Interface) func() string {
 		tr, err := client.CoreV1().ServiceAccounts(*a.namespace).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
 			Spec: authnv1.TokenRequestSpec{Audiences: []string{*a.audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "proxyaudit ui: minting a reader token for ServiceAccount %s/%s: %v\n", *a.namespace, *a.reader, err)
+			fmt.Fprintf(stderr, "proxyaudit ui: minting a reader token for ServiceAccount %s/%s: %v (the chart's report-reader Role lets its bound subjects create it; --reader-service-account names another)\n", *a.namespace, *a.reader, err)
 			return tok
 		}
 		tok, renew = tr.Status.Token, time.Now().Add(5*time.Minute)

@@ -26,15 +26,7 @@ func TestUIProxy(t *testing.T) {
 	defer agg.Close()
 	tok := filepath.Join(t.TempDir(), "token")
 	os.WriteFile(tok, []byte("reader-token\n"), 0o600)
-	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
-	a := accessFlags(fs)
-	if err := fs.Parse([]string{"--aggregator", agg.URL, "--token-file", tok}); err != nil {
-		t.Fatal(err)
-	}
-	h, err := a.uiProxy()
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := uiProxy(t, "--aggregator", agg.URL, "--token-file", tok)
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 	req, _ := http.NewRequest("GET", srv.URL+"/ui/nodes/n1", nil)
@@ -62,12 +54,27 @@ func TestUIProxy(t *testing.T) {
 			t.Errorf("%s %s: %d, want refused", method, path, r.StatusCode)
 		}
 	}
-	if _, err := (&access{url: ptr("ftp://x"), tokenFile: ptr("")}).uiProxy(); err == nil {
+	if _, err := (&access{url: ptr("ftp://x"), tokenFile: ptr("")}).uiProxy(io.Discard); err == nil {
 		t.Error("an ftp aggregator URL was taken")
 	}
 }
 
 func ptr(s string) *string { return &s }
+
+// uiProxy is proxyaudit ui's handler for these flags.
+func uiProxy(t *testing.T, args ...string) http.Handler {
+	t.Helper()
+	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
+	a := accessFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	h, err := a.uiProxy(io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
 
 // Through the API server: the page's path under the aggregator Service's
 // proxy, with a reader token minted for it (here a stand-in API server
@@ -94,15 +101,7 @@ users: [{name: u, user: {token: admin}}]
 contexts: [{name: x, context: {cluster: c, user: u}}]
 current-context: x
 `), 0o600)
-	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
-	a := accessFlags(fs)
-	if err := fs.Parse([]string{"--kubeconfig", kc, "-n", "pa"}); err != nil {
-		t.Fatal(err)
-	}
-	h, err := a.uiProxy()
-	if err != nil {
-		t.Fatal(err)
-	}
+	h := uiProxy(t, "--kubeconfig", kc, "-n", "pa")
 	srv := httptest.NewServer(h)
 	defer srv.Close()
 	r, err := http.Get(srv.URL + "/ui/nodes/n1")

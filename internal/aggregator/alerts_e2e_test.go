@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
@@ -164,18 +165,7 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 	// return data.
 	fed := map[string]bool{"Nodes by state": true, "Findings by kind": true, "Programming lag": true, "Time to find": true,
 		"Stream bytes": true, "View staleness and leader": true, "Collector read cost": true, "Reports waiting": true}
-	raw, _, _ := unstructuredString(cm.Object, "data", "proxyaudit.json")
-	var dash struct {
-		Panels []struct {
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
-	}
-	if err := json.Unmarshal([]byte(raw), &dash); err != nil {
-		t.Fatal(err)
-	}
+	dash := dashboardOf(t, cm)
 	var exprs []promtool.ExprTest
 	for _, p := range dash.Panels {
 		for _, tg := range p.Targets {
@@ -209,18 +199,7 @@ func TestGrafanaDashboardQueries(t *testing.T) {
 	if cm == nil {
 		t.Fatalf("no dashboard ConfigMap in %v", rel.Kinds())
 	}
-	raw, _, _ := unstructuredString(cm.Object, "data", "proxyaudit.json")
-	var dash struct {
-		Panels []struct {
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
-	}
-	if err := json.Unmarshal([]byte(raw), &dash); err != nil {
-		t.Fatalf("the dashboard is not JSON: %v", err)
-	}
+	dash := dashboardOf(t, cm)
 	// What the aggregator exports: every collector of its Metrics.
 	exported := map[string]string{}
 	m := NewMetrics()
@@ -265,6 +244,27 @@ func TestGrafanaDashboardQueries(t *testing.T) {
 	}
 	n := len(exprs)
 	t.Logf("%d panels, %d queries: every metric exported, every query parsed by Prometheus", len(dash.Panels), n)
+}
+
+// dashboard is the chart's Grafana dashboard, its panels' queries.
+type dashboard struct {
+	Panels []struct {
+		Title   string `json:"title"`
+		Targets []struct {
+			Expr string `json:"expr"`
+		} `json:"targets"`
+	} `json:"panels"`
+}
+
+// dashboardOf reads the dashboard out of its rendered ConfigMap.
+func dashboardOf(t *testing.T, cm *unstructured.Unstructured) dashboard {
+	t.Helper()
+	raw, _, _ := unstructuredString(cm.Object, "data", "proxyaudit.json")
+	var d dashboard
+	if err := json.Unmarshal([]byte(raw), &d); err != nil {
+		t.Fatalf("the dashboard is not JSON: %v", err)
+	}
+	return d
 }
 
 // chartAndPromtool renders the chart with sets and builds promtool.

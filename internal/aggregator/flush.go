@@ -36,7 +36,7 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 	}
 	a.mu.Unlock()
 	if c == nil {
-		return nil, fmt.Errorf("no collector of node %s is streaming to this replica", node)
+		return nil, fmt.Errorf("no collector of node %s is streaming to this replica (its collector pod is down or reconnecting: check the DaemonSet pod on the node; the flush is tried again when the node's cooldown ends)", node)
 	}
 	req := &stream.Flush{Pairs: make([]stream.FlushPair, len(pairs))}
 	for i, p := range pairs {
@@ -89,6 +89,9 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 // answer nobody waits for (or that does not match what was asked) is an
 // error the stream ends on.
 func (a *Aggregator) flushed(f *stream.Flushed) error {
+	if len(f.Results) > stream.MaxFlushPairs {
+		return fmt.Errorf("a flush answer of %d results", len(f.Results))
+	}
 	for _, r := range f.Results {
 		if r.Deleted < 0 {
 			return fmt.Errorf("a flush answer with %d entries deleted", r.Deleted)
@@ -100,9 +103,6 @@ func (a *Aggregator) flushed(f *stream.Flushed) error {
 	a.flush.mu.Unlock()
 	if ch == nil {
 		return fmt.Errorf("an answer to flush %d, which nobody asked for", f.ID)
-	}
-	if len(f.Results) > stream.MaxFlushPairs {
-		return fmt.Errorf("a flush answer of %d results", len(f.Results))
 	}
 	ch <- f
 	return nil

@@ -75,24 +75,8 @@ func TestStatusPageInChromium(t *testing.T) {
 	defer srv.Close()
 
 	ctx := browser.New(t)
-	step := func(what string, a chromedp.Action[chromedp.Void]) {
-		t.Helper()
-		c, cancel := browser.Within(ctx, 30*time.Second)
-		defer cancel()
-		if err := chromedp.Do(c, a); err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
-	}
-	eval := func(js string) string {
-		t.Helper()
-		c, cancel := browser.Within(ctx, 30*time.Second)
-		defer cancel()
-		v, err := chromedp.Run(c, chromedp.Evaluate[string](js))
-		if err != nil {
-			t.Fatalf("%s: %v", js, err)
-		}
-		return v
-	}
+	step := func(what string, a chromedp.Action[chromedp.Void]) { t.Helper(); browser.Do(t, ctx, what, a) }
+	eval := func(js string) string { t.Helper(); return browser.Text(t, ctx, js) }
 
 	step("the fleet page", chromedp.Navigate(srv.URL+"/ui/"))
 	step("the heatmap", chromedp.WaitVisible("#heatmap"))

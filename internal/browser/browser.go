@@ -46,10 +46,27 @@ func New(t testing.TB) context.Context {
 	return ctx
 }
 
-// Within runs fn with a context of ctx that ends after d: a step that
+// Do runs a step (navigate, wait, click) within a minute: a step that
 // hangs fails the test instead of holding it.
-func Within(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, d)
+func Do(t testing.TB, ctx context.Context, what string, step chromedp.Action[chromedp.Void]) {
+	t.Helper()
+	c, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if err := chromedp.Do(c, step); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// Text evaluates a JavaScript expression of string value in the page.
+func Text(t testing.TB, ctx context.Context, js string) string {
+	t.Helper()
+	c, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	v, err := chromedp.Run(c, chromedp.Evaluate[string](js))
+	if err != nil {
+		t.Fatalf("%s: %v", js, err)
+	}
+	return v
 }
 
 // Screenshot saves the whole page as name.png in the test's artifact

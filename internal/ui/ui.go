@@ -155,19 +155,14 @@ type IncidentsPage struct {
 
 // Render writes the named page ("fleet", "node", "incidents").
 func Render(w io.Writer, page string, data any) error {
-	var b bytes.Buffer
-	if err := pages.ExecuteTemplate(&b, page+".html", data); err != nil {
-		return err
-	}
-	_, err := w.Write(b.Bytes())
-	return err
+	return pages.ExecuteTemplate(w, page+".html", data)
 }
 
 // Serve renders a page as an HTTP response, with a content security policy
 // that allows only the page's own assets.
 func Serve(w http.ResponseWriter, page string, data any) {
 	var b bytes.Buffer
-	if err := pages.ExecuteTemplate(&b, page+".html", data); err != nil {
+	if err := Render(&b, page, data); err != nil {
 		http.Error(w, "rendering the page: "+err.Error(), http.StatusInternalServerError)
 		return
 	}

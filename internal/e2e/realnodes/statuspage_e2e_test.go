@@ -88,22 +88,9 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 
 	do := func(what string, a chromedp.Action[chromedp.Void]) {
 		t.Helper()
-		c, cancel := browser.Within(bctx, time.Minute)
-		defer cancel()
-		if err := chromedp.Do(c, a); err != nil {
-			t.Fatalf("%s: %v\nproxyaudit ui:\n%s", what, err, out.String())
-		}
+		browser.Do(t, bctx, what+" (proxyaudit ui said: "+strings.TrimSpace(out.String())+")", a)
 	}
-	eval := func(js string) string {
-		t.Helper()
-		c, cancel := browser.Within(bctx, 30*time.Second)
-		defer cancel()
-		v, err := chromedp.Run(c, chromedp.Evaluate[string](js))
-		if err != nil {
-			t.Fatalf("%s: %v", js, err)
-		}
-		return v
-	}
+	eval := func(js string) string { t.Helper(); return browser.Text(t, bctx, js) }
 	do("the fleet page", chromedp.Navigate(base))
 	do("the heatmap", chromedp.WaitVisible("#heatmap"))
 	cell := fmt.Sprintf(`#heatmap [data-node="%s"]`, stuck.Name)
