@@ -2,6 +2,7 @@ package remediate
 
 import (
 	"fmt"
+	"hash/fnv"
 	"math"
 	"slices"
 	"strings"
@@ -109,7 +110,7 @@ func planFlushes(now time.Time, p Policy, nodes []Node, out []Action, busy *int,
 		}
 		what := describePairs(pairs)
 		if held != "" {
-			sig := held + ": " + what
+			sig := heldSig(held, what)
 			if inc.FlushHeld == sig {
 				continue // paged already
 			}
@@ -127,6 +128,15 @@ func planFlushes(now time.Time, p Policy, nodes []Node, out []Action, busy *int,
 			Reason: "StaleConntrack: " + what + "; the node's rules are in sync: deleting exactly those conntrack entries, so the clients' next packets take the rules"})
 	}
 	return out
+}
+
+// heldSig names a hold and the pairs it held, short: it is kept per node
+// in the incident record (a ConfigMap), where a fleet's worth of paged
+// holds must fit.
+func heldSig(held, what string) string {
+	h := fnv.New64a()
+	h.Write([]byte(what))
+	return fmt.Sprintf("%s:%016x", held, h.Sum64())
 }
 
 // describePairs names pairs for a page, sorted, at most five.

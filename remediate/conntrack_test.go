@@ -47,7 +47,7 @@ func TestPlanFlushes(t *testing.T) {
 		{"silenced", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node { n := stale("c", dnsPair); n.Silenced = "silenced by ana"; return n }())}, "c:Page", "silenced by ana"},
 		{"a held flush is paged once", flushable(), Fleet{Paused: "by ops", Nodes: append(healthy("a", "b"), func() Node {
 			n := stale("c", dnsPair)
-			n.Incident.FlushHeld = HeldPaused + ": " + describePairs([]StalePair{dnsPair})
+			n.Incident.FlushHeld = heldSig(HeldPaused, describePairs([]StalePair{dnsPair}))
 			return n
 		}())}, "", ""},
 		{"just flushed: waits for the collector's next counts, silently", flushable(), Fleet{Nodes: append(healthy("a", "b"), func() Node {

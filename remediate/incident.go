@@ -31,7 +31,7 @@ type record struct {
 	Restarts []time.Time `json:"restarts,omitempty"`
 	Cordoned *time.Time  `json:"cordoned,omitempty"`
 	Flushes  []time.Time `json:"flushes,omitempty"`
-	// FlushHeld is what the last held flush was paged with.
+	// FlushHeld is the digest of the hold and pairs last paged.
 	FlushHeld string `json:"flushHeld,omitempty"`
 }
 

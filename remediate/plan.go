@@ -102,8 +102,9 @@ type Incident struct {
 	Cordoned time.Time
 	// Flushes are the times stale conntrack entries were deleted on the
 	// node within the budget window (like Restarts, they outlive the
-	// incident); FlushHeld is what the last held flush was paged with, so
-	// that a hold is paged once, not every round.
+	// incident); FlushHeld names the hold and pairs the last held flush
+	// was paged for (a short digest), so that a hold is paged once, not
+	// every round.
 	Flushes   []time.Time
 	FlushHeld string
 }
