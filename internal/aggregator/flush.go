@@ -21,7 +21,14 @@ const flushWait = 40 * time.Second
 type flushes struct {
 	mu      sync.Mutex
 	next    uint64
-	waiting map[uint64]chan *stream.Flushed
+	waiting map[uint64]flushWaiter
+}
+
+// flushWaiter is a flush sent on stream c, waiting on ch for its answer
+// (nil: the stream ended first).
+type flushWaiter struct {
+	c  *conn
+	ch chan *stream.Flushed
 }
 
 // Flush asks the node's collector, over its stream, to delete the
@@ -50,9 +57,9 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 	a.flush.next++
 	req.ID = a.flush.next
 	if a.flush.waiting == nil {
-		a.flush.waiting = map[uint64]chan *stream.Flushed{}
+		a.flush.waiting = map[uint64]flushWaiter{}
 	}
-	a.flush.waiting[req.ID] = ch
+	a.flush.waiting[req.ID] = flushWaiter{c: c, ch: ch}
 	a.flush.mu.Unlock()
 	defer func() {
 		a.flush.mu.Lock()
@@ -68,6 +75,9 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 	var got *stream.Flushed
 	select {
 	case got = <-ch:
+		if got == nil {
+			return nil, fmt.Errorf("node %s's stream ended before its collector answered the flush (whether it deleted anything is unknown: the collector's next counts say)", node)
+		}
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-timer.C():
@@ -85,10 +95,11 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 	return out, nil
 }
 
-// flushed hands a collector's answer to the flush waiting for it; an
-// answer nobody waits for (or that does not match what was asked) is an
-// error the stream ends on.
-func (a *Aggregator) flushed(f *stream.Flushed) error {
+// flushed hands a collector's answer, read on stream c, to the flush
+// waiting for it; an answer nobody waits for on that stream (another
+// node's flush included: a collector speaks for its own node only) or
+// that does not match what was asked is an error the stream ends on.
+func (a *Aggregator) flushed(c *conn, f *stream.Flushed) error {
 	if len(f.Results) > stream.MaxFlushPairs {
 		return fmt.Errorf("a flush answer of %d results", len(f.Results))
 	}
@@ -98,12 +109,26 @@ func (a *Aggregator) flushed(f *stream.Flushed) error {
 		}
 	}
 	a.flush.mu.Lock()
-	ch := a.flush.waiting[f.ID]
-	delete(a.flush.waiting, f.ID)
-	a.flush.mu.Unlock()
-	if ch == nil {
-		return fmt.Errorf("an answer to flush %d, which nobody asked for", f.ID)
+	w, ok := a.flush.waiting[f.ID]
+	if ok && w.c == c {
+		delete(a.flush.waiting, f.ID)
 	}
-	ch <- f
+	a.flush.mu.Unlock()
+	if !ok || w.c != c {
+		return fmt.Errorf("an answer to flush %d, which nobody asked this stream for", f.ID)
+	}
+	w.ch <- f
 	return nil
+}
+
+// flushesEnd releases the flushes waiting on stream c, which has ended.
+func (a *Aggregator) flushesEnd(c *conn) {
+	a.flush.mu.Lock()
+	defer a.flush.mu.Unlock()
+	for id, w := range a.flush.waiting {
+		if w.c == c {
+			delete(a.flush.waiting, id)
+			w.ch <- nil
+		}
+	}
 }

@@ -346,6 +346,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 			n.conn = nil
 		}
 		a.mu.Unlock()
+		a.flushesEnd(c)
 	}()
 
 	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
@@ -500,7 +501,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		}
 		if m.Type == stream.TypeFlushed && m.Flushed != nil {
 			release()
-			if err := a.flushed(m.Flushed); err != nil {
+			if err := a.flushed(c, m.Flushed); err != nil {
 				a.reject(log, c, ReasonProtocol, err.Error())
 				return
 			}

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"time"
 )
@@ -35,19 +36,14 @@ func EnsureAlertmanager(ctx context.Context) (string, error) {
 }
 
 // StartAlertmanager runs Alertmanager on host (an address of this machine;
-// its port is picked free) with its state in dir, sending every alert
-// group to webhook. It is ready to take alerts when this returns.
+// Alertmanager binds a free port itself) with its state in dir, sending
+// every alert group to webhook. It is ready to take alerts when this
+// returns.
 func StartAlertmanager(ctx context.Context, dir, host, webhook string) (*Alertmanager, error) {
 	bin, err := EnsureAlertmanager(ctx)
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-	if err != nil {
-		return nil, err
-	}
-	addr := ln.Addr().String()
-	ln.Close()
 	cfg := fmt.Sprintf(`route:
   receiver: webhook
   group_by: [alertname, node, severity]
@@ -68,25 +64,54 @@ receivers:
 		return nil, err
 	}
 	log := filepath.Join(dir, "alertmanager.log")
+	// Port 0, the port read back from its log: a port picked here and
+	// closed before Alertmanager binds it can be taken in between by
+	// another listener of the test process, whose /-/ready then answered
+	// for an Alertmanager that had exited.
 	p, err := startProcess("alertmanager", log, []string{bin, "--config.file=" + conf, "--storage.path=" + filepath.Join(dir, "data"),
-		"--web.listen-address=" + addr, "--cluster.listen-address=", "--log.level=info"})
+		"--web.listen-address=" + net.JoinHostPort(host, "0"),
+		"--cluster.listen-address=", "--log.level=info"})
 	if err != nil {
 		return nil, err
 	}
-	am := &Alertmanager{URL: "http://" + addr, proc: p, log: log}
+	am := &Alertmanager{proc: p, log: log}
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		resp, err := http.Get(am.URL + "/-/ready")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return am, nil
+		if am.URL == "" {
+			if addr := listeningOn(log); addr != "" {
+				am.URL = "http://" + addr
+			}
+		}
+		if am.URL != "" {
+			resp, err := http.Get(am.URL + "/-/ready")
+			if err == nil {
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK {
+					return am, nil
+				}
 			}
 		}
 		if p.exited() || time.Now().After(deadline) {
 			am.Stop()
-			return nil, fmt.Errorf("alertmanager did not become ready on %s:\n%s", addr, tailFile(log, 20))
+			return nil, fmt.Errorf("alertmanager did not become ready on %s:\n%s", am.URL, tailFile(log, 20))
 		}
 	}
+}
+
+// listeningAddr is the address in exporter-toolkit's "Listening on" log
+// line (logfmt: msg="Listening on" address=127.0.0.1:40123).
+var listeningAddr = regexp.MustCompile(`msg="Listening on" .*address=(\S+)`)
+
+// listeningOn returns the address Alertmanager's log says it listens on,
+// or "" before it says so.
+func listeningOn(log string) string {
+	b, err := os.ReadFile(log)
+	if err != nil {
+		return ""
+	}
+	if m := listeningAddr.FindSubmatch(b); m != nil {
+		return string(m[1])
+	}
+	return ""
 }
 
 // Stop ends it.
