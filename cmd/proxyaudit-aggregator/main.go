@@ -284,7 +284,7 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 		log.Warn("--http-readers is empty: anyone who reaches the HTTP port reads the findings (restrict it with a NetworkPolicy)")
 	}
 	acfg := aggregator.Config{Policy: o.policy, Auth: auth, Readers: readerAuth, Insecure: o.insecure, MaxMessageBytes: o.maxMessageBytes,
-		Self: o.self, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: o.recoveryGrace,
+		Self: o.self, Peers: o.peersService, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: o.recoveryGrace,
 		Remediation: &aggregator.Remediation{Policy: o.remediation, Executor: executor, ExemptLabel: o.exemptLabel,
 			Pause: &effect.Pause{Client: client, Namespace: o.leNamespace, Name: o.pause, MaxAge: 5 * time.Second, Clock: clk}, Alertmanager: am}}
 	if s.notifier != nil {

@@ -36,6 +36,7 @@ type options struct {
 	barrier                       bool
 	audience, collectorSAs        string
 	collectorDS                   string
+	peersService                  string
 	insecure                      bool
 	certFile, keyFile             string
 	tlsSecret, tlsServerNames     string
@@ -113,6 +114,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.audience, "token-audience", o.audience, "audience the collectors' projected ServiceAccount tokens must carry")
 	fs.StringVar(&o.collectorSAs, "collector-service-accounts", o.collectorSAs, "comma-separated namespace/name of the collectors' ServiceAccounts")
 	fs.StringVar(&o.collectorDS, "collector-daemonset", o.collectorDS, "NAMESPACE/NAME of the collector DaemonSet: admit a collector only from a pod of it (its controller, by UID) that runs the DaemonSet's own containers, images, arguments and host network (its ControllerRevision). Empty: any pod on the node running as a collector ServiceAccount, which whoever may create pods in that namespace can make")
+	fs.StringVar(&o.peersService, "peers-service", o.peersService, "NAMESPACE/NAME of the headless Service the collectors resolve to find the aggregators: its endpoints' addresses are sent to every collector, which dials them when the name cannot be resolved (the node's DNS goes through its own kube-proxy; a rollout during a DNS outage would otherwise leave the fleet unheard). Empty: collectors know only what DNS told them")
 	fs.BoolVar(&o.insecure, "insecure-no-auth", o.insecure, "accept streams without tokens: any client can report for any node (local experiments only; warns on every connection)")
 	fs.StringVar(&o.certFile, "tls-cert-file", o.certFile, "certificate for the stream listener; with --tls-key-file, collectors connect over TLS")
 	fs.StringVar(&o.keyFile, "tls-key-file", o.keyFile, "private key for --tls-cert-file")
@@ -238,6 +240,9 @@ func (o *options) validate() error {
 	}
 	if ns, name, ok := strings.Cut(o.collectorDS, "/"); o.collectorDS != "" && (!ok || ns == "" || name == "") {
 		return fmt.Errorf("--collector-daemonset %q: want namespace/name", o.collectorDS)
+	}
+	if ns, name, ok := strings.Cut(o.peersService, "/"); o.peersService != "" && (!ok || ns == "" || name == "" || strings.Contains(name, "/")) {
+		return fmt.Errorf("--peers-service %q: want namespace/name of the aggregators' headless Service", o.peersService)
 	}
 	return nil
 }

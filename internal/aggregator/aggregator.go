@@ -9,6 +9,7 @@ package aggregator
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -38,7 +39,12 @@ type Config struct {
 	MaxUnauthenticated, MaxUnauthenticatedPerSource int
 	// Self is this replica's stream address as collectors reach it: the
 	// leader-election identity, and what followers redirect to.
-	Self    string
+	Self string
+	// Peers, when set (namespace/name), is the headless Service the
+	// collectors resolve to find the aggregators: its endpoints' addresses
+	// are sent to every collector (stream.Peers), which dials them when
+	// the Service's name cannot be resolved.
+	Peers   string
 	Log     *zap.Logger
 	Metrics *Metrics
 	Clock   clock.WithTicker
@@ -104,6 +110,10 @@ type Aggregator struct {
 	// flush pairs collectors' answers to flush requests with the waiting
 	// requests.
 	flush flushes
+	// peers: the replicas' addresses last sent to the collectors (Run's
+	// goroutine), and their message for new streams.
+	peers    []string
+	peersMsg atomic.Pointer[stream.Message]
 	// hold: why every repair is held (a pause, outside the windows), as
 	// the last remediation round decided; shown by the API.
 	hold string

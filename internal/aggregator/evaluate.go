@@ -430,6 +430,7 @@ func (a *Aggregator) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C():
+			a.announcePeers()
 			a.Evaluate()
 		}
 	}

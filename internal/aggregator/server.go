@@ -57,8 +57,15 @@ func (g *pendingGate) enter(source string) (func(), bool) {
 }
 
 func (c *conn) send(m *stream.Message) (int, error) {
+	return c.sendNewest(func() *stream.Message { return m })
+}
+
+// sendNewest sends the message m returns when this connection's turn to
+// write comes: of two sends racing, the later carries the newer message.
+func (c *conn) sendNewest(newest func() *stream.Message) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	m := newest()
 	c.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	cw := &countingWriter{w: c.Conn}
 	err := stream.Write(cw, m)
@@ -351,6 +358,9 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 
 	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
+	if a.peersMsg.Load() != nil {
+		a.sendPeers(c)
+	}
 	log.Info("collector stream open", zap.String("version", h.Version), zap.Duration("interval", interval))
 
 	// A collector sends one report per interval plus answers to resyncs.

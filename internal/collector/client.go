@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -71,6 +72,9 @@ type Config struct {
 	// deleted (Flush): the collector's one power beyond reading. Off, a
 	// flush is answered with a refusal.
 	ConntrackDelete bool
+	// Lookup resolves the aggregator's host name; nil is
+	// net.DefaultResolver's (tests replace it).
+	Lookup func(ctx context.Context, host string) ([]string, error)
 }
 
 // ConntrackDeleter deletes the conntrack entries of flush targets
@@ -142,9 +146,8 @@ func Run(ctx context.Context, cfg Config) error {
 
 type client struct {
 	cfg Config
-	// lookup resolves a host name (net.DefaultResolver's; tests replace
-	// it); resolved keeps each name's last answer.
-	lookup   func(ctx context.Context, host string) ([]string, error)
+	// resolved keeps each aggregator name's last answer, from DNS or the
+	// aggregator's list of its replicas (learnPeers).
 	resolved map[string][]string
 	// welcomed: the aggregator welcomed the current session.
 	welcomed bool
@@ -212,7 +215,7 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 			out = append(out, net.JoinHostPort(host, port))
 			continue
 		}
-		lookup := c.lookup
+		lookup := c.cfg.Lookup
 		if lookup == nil {
 			lookup = net.DefaultResolver.LookupHost
 		}
@@ -241,6 +244,33 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 		}
 	}
 	return out, errors.Join(errs...)
+}
+
+// learnPeers keeps the aggregator replicas' addresses the aggregator sent
+// as what each aggregator name resolves to, for when it cannot be
+// resolved: a rollout during a DNS outage replaces every replica, and the
+// collector has heard of the new ones while connected to the old.
+func (c *client) learnPeers(p *stream.Peers) {
+	if p == nil {
+		return
+	}
+	if err := p.Check(); err != nil {
+		c.cfg.Log.Warn("ignoring the aggregator's list of replicas", zap.Error(err))
+		return
+	}
+	for _, a := range strings.Split(c.cfg.Aggregator, ",") {
+		host, _, err := net.SplitHostPort(strings.TrimSpace(a))
+		if err != nil || net.ParseIP(host) != nil {
+			continue
+		}
+		if c.resolved == nil {
+			c.resolved = map[string][]string{}
+		}
+		if !slices.Equal(c.resolved[host], p.IPs) {
+			c.cfg.Log.Info("the aggregator named its replicas: dialed when the name cannot be resolved", zap.String("host", host), zap.Strings("addresses", p.IPs))
+		}
+		c.resolved[host] = slices.Clone(p.IPs)
+	}
 }
 
 // session runs one connection (a Session for Reconnect).
@@ -420,6 +450,9 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 				// seconds of CPU at the anchors. A request inside the gap
 				// is answered when it ends.
 				r = readOrWait(stream.ReadAsked)
+			case stream.TypePeers:
+				c.learnPeers(m.Peers)
+				continue
 			case stream.TypeRedirect:
 				if m.Redirect != nil && m.Redirect.Leader != "" {
 					return m.Redirect.Leader, nil

@@ -51,7 +51,7 @@ var ErrTooLarge = errors.New("message larger than the limit")
 // labelled with known types only: a peer makes up any string).
 func Known(t string) bool {
 	switch t {
-	case TypeHello, TypeWelcome, TypeRedirect, TypeReject, TypeReport, TypeResync, TypeReadNow, TypeAuth, TypeWant, TypeContent, TypeFlush, TypeFlushed:
+	case TypeHello, TypeWelcome, TypeRedirect, TypeReject, TypeReport, TypeResync, TypeReadNow, TypeAuth, TypeWant, TypeContent, TypeFlush, TypeFlushed, TypePeers:
 		return true
 	}
 	return false
@@ -78,6 +78,11 @@ const (
 	// named (frontend, gone destination) pairs; TypeFlushed is its answer.
 	TypeFlush   = "flush"
 	TypeFlushed = "flushed"
+	// TypePeers tells the collector every aggregator replica's address, on
+	// a new stream and whenever they change, so that it can reconnect
+	// when the name it was given cannot be resolved (the node's DNS goes
+	// through its own kube-proxy). A collector that predates it ignores it.
+	TypePeers = "peers"
 )
 
 // Message is one frame. Type says which of the fields is set.
@@ -95,6 +100,31 @@ type Message struct {
 	Content  *Content  `json:"content,omitempty"`
 	Flush    *Flush    `json:"flush,omitempty"`
 	Flushed  *Flushed  `json:"flushed,omitempty"`
+	Peers    *Peers    `json:"peers,omitempty"`
+}
+
+// MaxPeers bounds the addresses of one Peers message.
+const MaxPeers = 64
+
+// Peers lists the IP addresses of the aggregator replicas (the endpoints
+// of the Service the collectors resolve), at the port the collector dials.
+type Peers struct {
+	IPs []string `json:"ips"`
+}
+
+// Check validates a peers message as a collector must before dialing what
+// it names: 1 to MaxPeers IP addresses, no names, no ports, no zones.
+func (p *Peers) Check() error {
+	if len(p.IPs) == 0 || len(p.IPs) > MaxPeers {
+		return fmt.Errorf("a peers message of %d addresses (1 to %d)", len(p.IPs), MaxPeers)
+	}
+	for _, ip := range p.IPs {
+		a, err := netip.ParseAddr(ip)
+		if err != nil || a.Zone() != "" || !a.IsValid() || a.IsUnspecified() || a.IsMulticast() {
+			return fmt.Errorf("bad peer address %q", clip(ip))
+		}
+	}
+	return nil
 }
 
 // MaxFlushPairs bounds the pairs of one Flush.
