@@ -88,7 +88,7 @@ func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
 	var lookups atomic.Int32
 	core, logs := observer.New(zapcore.InfoLevel)
 	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{},
-		Log: zap.New(zapcore.NewTee(core, zaptest.NewLogger(t).Named("n1").Core())),
+		Log:    zap.New(zapcore.NewTee(core, zaptest.NewLogger(t).Named("n1").Core())),
 		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }},
 		Lookup: func(_ context.Context, host string) ([]string, error) {
 			if lookups.Add(1) == 1 {
@@ -141,4 +141,3 @@ func eventually(t *testing.T, limit time.Duration, what string, cond func() bool
 	}
 	return time.Since(start)
 }
-

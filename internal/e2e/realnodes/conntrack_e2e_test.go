@@ -190,9 +190,10 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 // kube-dns; CoreDNS is scaled to zero. In dry-run proxyaudit finds the
 // flows still DNATed to the gone pod on both nodes, says what it would
 // delete, and the entries stay (the resolvers hear nothing: a blackhole).
-// CoreDNS back, the mode switched to restart (the aggregators restart:
-// the collectors find them through cluster DNS), and CoreDNS scaled to
-// zero again: each node's collector deletes the stale entries, kube-proxy
+// CoreDNS back, then scaled to zero again and the mode switched to
+// restart while it is (the aggregator pods are all replaced; the
+// collectors, unable to resolve them, reach the new pods by the
+// addresses the old ones sent): each node's collector deletes the stale entries, kube-proxy
 // is not restarted (the rules are right), and the resolvers' next queries
 // meet the service's REJECT (they learn it is down). CoreDNS back, their
 // next queries reach the live pod.
@@ -341,18 +342,19 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		back()
 	})
 
-	// The aggregators restart with the new mode while DNS works.
-	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
-	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
-	waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "after helm upgrade")
-
-	t.Run("restart mode deletes the stale entries, not kube-proxy", func(t *testing.T) {
+	t.Run("restart mode, rolled out while DNS is down, deletes the stale entries, not kube-proxy", func(t *testing.T) {
 		proxies := map[string]string{}
 		for _, n := range nodes {
 			proxies[n.Name] = kubeProxyPod(ctx, t, c, n.Name).Name
 		}
 		ip := toZero()
 		dead := net.JoinHostPort(ip, "53")
+		// Every aggregator pod is replaced while no node can resolve the
+		// aggregators' name: the collectors reach the new pods by the
+		// addresses the old ones sent them (stream.Peers). Only the new
+		// pods flush, so each flush below is a collector that found them.
+		helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
+		waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 		for _, n := range nodes {
 			until(4*time.Minute, "the flush on "+n.Name, func() bool {
 				for _, m := range events(n.Name, "ProxyauditFlushConntrack") {
