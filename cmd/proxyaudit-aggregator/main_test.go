@@ -38,6 +38,7 @@ func TestFlagsAndHelp(t *testing.T) {
 		"TLS Secret without names": {[]string{"--tls-secret", "agg-tls"}, "--tls-server-names"},
 		"TLS Secret and files":     {[]string{"--tls-secret", "agg-tls", "--tls-server-names", "a", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"}, "not --tls-cert-file"},
 		"bad collector DaemonSet":  {[]string{"--leader-elect=false", "--collector-daemonset", "collector"}, "want namespace/name"},
+		"bad peers Service":        {[]string{"--leader-elect=false", "--peers-service", "proxyaudit-aggregator-headless"}, "--peers-service"},
 		"bad listen":               {[]string{"--stream-listen", "9443"}, "--stream-listen"},
 		"no advertise":             {[]string{}, "--advertise-address is required"},
 		"no cluster":               {[]string{"--advertise-address", "10.0.0.1"}, "outside a cluster, pass --kubeconfig"},
