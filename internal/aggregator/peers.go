@@ -4,10 +4,10 @@ import (
 	"net/netip"
 	"slices"
 
+	"go.uber.org/zap"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
-	"go.uber.org/zap"
 )
 
 // peerIPs returns the addresses of the Config.Peers Service's endpoints
