@@ -247,7 +247,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 				}
 				for _, n := range nodes {
 					out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", "53")
-					why = append(why, n.Name+" conntrack:\n"+out)
+					why = append(why, n.Name+" conntrack:\n"+out, n.Name+"'s collector:\n"+collectorLog(ctx, c, n.Name, 15))
 				}
 				t.Fatalf("after %s, still waiting for %s; findings and tables:\n%s\naggregators:\n%s", limit, what, strings.Join(why, "\n"), aggregatorLogs(ctx, c, what))
 			}
@@ -350,10 +350,26 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		ip := toZero()
 		dead := net.JoinHostPort(ip, "53")
 		// Every aggregator pod is replaced while no node can resolve the
-		// aggregators' name: the collectors reach the new pods by the
-		// addresses the old ones sent them (stream.Peers). Only the new
-		// pods flush, so each flush below is a collector that found them.
+		// aggregators' name (below, the new leader is killed too): the
+		// collectors reach the new pods by the addresses the old ones
+		// sent them (stream.Peers). Only the new pods flush.
+		old := map[string]bool{}
+		for _, p := range waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, time.Minute) {
+			old[p.Name] = true
+		}
 		helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "remediation.mode=restart")
+		until(3*time.Minute, "every aggregator pod replaced", func() bool {
+			ps, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
+			if err != nil {
+				return false
+			}
+			for _, p := range ps.Items {
+				if old[p.Name] {
+					return false
+				}
+			}
+			return len(ps.Items) == 2
+		})
 		waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 		for _, n := range nodes {
 			until(4*time.Minute, "the flush on "+n.Name, func() bool {
@@ -388,6 +404,26 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 			}
 			return true
 		})
+		// Still without DNS, the new leader dies: what the collectors know
+		// of the other new pod came only from the aggregators (DNS last
+		// named the old pods, the redirect the dead leader).
+		leader := ""
+		until(time.Minute, "a leader among the new aggregator pods", func() bool { leader = leaderPod(ctx, c); return leader != "" })
+		killed := time.Now()
+		if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, leader, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+			t.Fatal(err)
+		}
+		// The other pod leads once the Lease expires; only what it heard
+		// after that counts (the killed pod may answer for a moment).
+		next := ""
+		until(time.Minute, "the other new aggregator pod leading", func() bool { next = leaderPod(ctx, c); return next != "" && next != leader })
+		led := time.Now()
+		until(2*time.Minute, "every node heard by "+next+" after the leader "+leader+" was killed, without DNS", func() bool {
+			r, _, err := report(ctx, t, c)
+			return err == nil && len(r.Nodes) == len(fleet) && heardSince(r, led) == len(fleet)
+		})
+		t.Logf("leader %s killed without DNS: %s led %s later, every node heard by it %s after that", leader, next,
+			led.Sub(killed).Round(time.Second), time.Since(led).Round(time.Second))
 		back()
 	})
 }

@@ -27,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/utils/ptr"
 
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
@@ -761,6 +762,25 @@ func TestE2EImageIsReproducible(t *testing.T) {
 	t.Logf("two builds, one digest %s", digests[0])
 }
 
+// collectorLog returns the last n lines of the log of the collector pod
+// on node, for a failure's message.
+func collectorLog(ctx context.Context, c *localcluster.Cluster, node string, n int) string {
+	pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=collector",
+		FieldSelector: "spec.nodeName=" + node})
+	if err != nil || len(pods.Items) == 0 {
+		return fmt.Sprintf("no collector pod on %s (%v)", node, err)
+	}
+	b, err := c.Client.CoreV1().Pods("proxyaudit").GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{TailLines: ptr.To(int64(n))}).DoRaw(ctx)
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		out = append(out, clip(l))
+	}
+	return strings.Join(out, "\n")
+}
+
 // aggregatorLogs returns the aggregator pods' log lines that mention
 // what, for a failure's message.
 func aggregatorLogs(ctx context.Context, c *localcluster.Cluster, what string) string {
@@ -777,6 +797,7 @@ func aggregatorLogs(ctx context.Context, c *localcluster.Cluster, what string) s
 		}
 		for _, l := range strings.Split(string(b), "\n") {
 			if strings.Contains(l, what) || strings.Contains(l, "remediation") || strings.Contains(strings.ToLower(l), "slack") ||
+				strings.Contains(l, "replicas") || strings.Contains(l, "leading") ||
 				strings.Contains(l, `"level":"error"`) {
 				out = append(out, p.Name+": "+clip(l))
 			}

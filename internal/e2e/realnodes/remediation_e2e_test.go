@@ -214,13 +214,15 @@ func (d *drill) stuck(node *localcluster.Node, uncurable bool) localcluster.Undo
 }
 
 // leaderPod is the aggregator pod holding the Lease.
-func (d *drill) leaderPod() string {
-	d.t.Helper()
-	l, err := d.c.Client.CoordinationV1().Leases("proxyaudit").Get(d.ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+func (d *drill) leaderPod() string { return leaderPod(d.ctx, d.c) }
+
+// leaderPod is the aggregator pod holding the Lease ("" when none does).
+func leaderPod(ctx context.Context, c *localcluster.Cluster) string {
+	l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
 	if err != nil || l.Spec.HolderIdentity == nil {
 		return ""
 	}
-	pods, err := d.c.Client.CoreV1().Pods("proxyaudit").List(d.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
+	pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
 	if err != nil {
 		return ""
 	}
