@@ -77,3 +77,15 @@ func (a *Aggregator) sendPeers(c *conn) {
 	a.sent(c.sendNewest(a.peersMsg.Load))
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypePeers).Inc()
 }
+
+// knownPeers is the replicas' addresses as last read, for a follower's
+// answers (redirect, no leader yet): a collector bouncing between a
+// follower and a leader that is gone, while the Lease has not moved,
+// learns the new replicas there before the follower goes too (nil: none
+// known).
+func (a *Aggregator) knownPeers() *stream.Peers {
+	if m := a.peersMsg.Load(); m != nil {
+		return m.Peers
+	}
+	return nil
+}

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -22,24 +23,140 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 )
 
-// sharedPort returns a port free on both loopback addresses: two replicas
+// sharedPort returns listeners at one port free on every address: replicas
 // at one port, as pods behind a headless Service are.
-func sharedPort(t *testing.T, a, b string) (net.Listener, net.Listener) {
+func sharedPort(t *testing.T, addrs ...string) []net.Listener {
 	t.Helper()
+next:
 	for range 20 {
-		la, err := net.Listen("tcp", net.JoinHostPort(a, "0"))
+		first, err := net.Listen("tcp", net.JoinHostPort(addrs[0], "0"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, port, _ := net.SplitHostPort(la.Addr().String())
-		lb, err := net.Listen("tcp", net.JoinHostPort(b, port))
-		if err == nil {
-			return la, lb
+		_, port, _ := net.SplitHostPort(first.Addr().String())
+		lns := []net.Listener{first}
+		for _, a := range addrs[1:] {
+			ln, err := net.Listen("tcp", net.JoinHostPort(a, port))
+			if err != nil {
+				for _, l := range lns {
+					l.Close()
+				}
+				continue next
+			}
+			lns = append(lns, ln)
 		}
-		la.Close()
+		return lns
 	}
-	t.Fatal("no port free on both addresses")
-	return nil, nil
+	t.Fatal("no port free on every address")
+	return nil
+}
+
+// replicas is a fake API and aggregator replicas over it, with the
+// aggregators' headless Service's EndpointSlice.
+type replicas struct {
+	t      *testing.T
+	client *fake.Clientset
+	slice  *discoveryv1.EndpointSlice
+	wg     sync.WaitGroup
+}
+
+func newReplicas(t *testing.T, ips ...string) *replicas {
+	r := &replicas{t: t, client: fakeCluster(), slice: &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: "agg-headless-x1", Namespace: "proxyaudit", Labels: map[string]string{discoveryv1.LabelServiceName: "agg-headless"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+	}}
+	r.endpoints(ips...)
+	t.Cleanup(r.wg.Wait)
+	return r
+}
+
+// endpoints sets the slice's endpoints to ips.
+func (r *replicas) endpoints(ips ...string) {
+	r.t.Helper()
+	ready := true
+	r.slice.Endpoints = nil
+	for _, ip := range ips {
+		r.slice.Endpoints = append(r.slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{ip}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
+	}
+	var err error
+	if r.slice.ResourceVersion == "" {
+		_, err = r.client.DiscoveryV1().EndpointSlices("proxyaudit").Create(context.Background(), r.slice, metav1.CreateOptions{})
+		r.slice.ResourceVersion = "1"
+	} else {
+		_, err = r.client.DiscoveryV1().EndpointSlices("proxyaudit").Update(context.Background(), r.slice, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// start runs a replica on ln; stop ends it.
+func (r *replicas) start(ln net.Listener, name string) (agg *Aggregator, stop context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
+	r.t.Cleanup(cancel)
+	log := zaptest.NewLogger(r.t).Named(name)
+	view := NewView(ViewConfig{Client: r.client, Keep: time.Minute, Log: log, Debounce: 50 * time.Millisecond})
+	p := audit.DefaultPolicy()
+	p.Grace, p.DefaultInterval = 2*time.Second, time.Second
+	agg = New(Config{Policy: p, Auth: InsecureNoAuth{}, Self: ln.Addr().String(), Peers: "proxyaudit/agg-headless", Log: log,
+		MaxMessageBytes: 1 << 20}, view)
+	r.wg.Add(3)
+	go func() { defer r.wg.Done(); view.Run(ctx) }()
+	go func() { defer r.wg.Done(); agg.Serve(ctx, ln) }()
+	go func() { defer r.wg.Done(); agg.Run(ctx) }()
+	return agg, cancel
+}
+
+// collector runs a real collector client for n1 at the replicas' port
+// whose DNS answers the first lookup with first and then fails; logs
+// records what it says.
+func (r *replicas) collector(port, first string) (logs *observer.ObservedLogs, lookups *atomic.Int32) {
+	lookups = &atomic.Int32{}
+	core, logs := observer.New(zapcore.InfoLevel)
+	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{},
+		Log:    zap.New(zapcore.NewTee(core, zaptest.NewLogger(r.t).Named("n1").Core())),
+		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(r.t), nil }},
+		Lookup: func(_ context.Context, host string) ([]string, error) {
+			if lookups.Add(1) == 1 {
+				return []string{first}, nil
+			}
+			return nil, errors.New("lookup " + host + ": i/o timeout")
+		}}
+	ctx, cancel := context.WithCancel(context.Background())
+	r.t.Cleanup(cancel)
+	r.wg.Add(1)
+	go func() { defer r.wg.Done(); collector.Run(ctx, cfg) }()
+	return logs, lookups
+}
+
+// toldOf says whether the collector logged a list of replicas holding ip.
+func toldOf(logs *observer.ObservedLogs, ip string) bool {
+	for _, e := range logs.FilterMessageSnippet("named its replicas").All() {
+		for _, a := range e.ContextMap()["addresses"].([]any) {
+			if a == ip {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// streaming says whether n1 streams to a.
+func streaming(a *Aggregator) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := a.nodes["n1"]
+	return n != nil && n.conn != nil
+}
+
+// told says whether the collector logged a list of want replicas.
+func told(logs *observer.ObservedLogs, want int) bool {
+	for _, e := range logs.FilterMessageSnippet("named its replicas").All() {
+		if len(e.ContextMap()["addresses"].([]any)) == want {
+			return true
+		}
+	}
+	return false
 }
 
 // TestCollectorsFollowARolloutWithoutDNS: every aggregator replica is
@@ -49,84 +166,55 @@ func sharedPort(t *testing.T, a, b string) (net.Listener, net.Listener) {
 // EndpointSlice) and reaches it; with only what DNS last said, it would
 // dial the gone replica forever.
 func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
-	lnOld, lnNew := sharedPort(t, "127.0.0.1", "127.0.0.2")
-	_, port, _ := net.SplitHostPort(lnOld.Addr().String())
-	client := fakeCluster()
-	ready := true
-	slice := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: "agg-headless-x1", Namespace: "proxyaudit", Labels: map[string]string{discoveryv1.LabelServiceName: "agg-headless"}},
-		AddressType: discoveryv1.AddressTypeIPv4,
-		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}}},
-	}
-	ctx := context.Background()
-	if _, err := client.DiscoveryV1().EndpointSlices("proxyaudit").Create(ctx, slice, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(wg.Wait)
-	replica := func(ln net.Listener, name string) (*Aggregator, context.CancelFunc) {
-		ctx, cancel := context.WithCancel(context.Background())
-		t.Cleanup(cancel)
-		log := zaptest.NewLogger(t).Named(name)
-		view := NewView(ViewConfig{Client: client, Keep: time.Minute, Log: log, Debounce: 50 * time.Millisecond})
-		p := audit.DefaultPolicy()
-		p.Grace, p.DefaultInterval = 2*time.Second, time.Second
-		agg := New(Config{Policy: p, Auth: InsecureNoAuth{}, Self: ln.Addr().String(), Peers: "proxyaudit/agg-headless", Log: log,
-			MaxMessageBytes: 1 << 20}, view)
-		wg.Add(3)
-		go func() { defer wg.Done(); view.Run(ctx) }()
-		go func() { defer wg.Done(); agg.Serve(ctx, ln) }()
-		go func() { defer wg.Done(); agg.Run(ctx) }()
-		return agg, cancel
-	}
-	old, stopOld := replica(lnOld, "old")
+	lns := sharedPort(t, "127.0.0.1", "127.0.0.2")
+	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+	r := newReplicas(t, "127.0.0.1")
+	old, stopOld := r.start(lns[0], "old")
 	old.StartedLeading()
-	next, _ := replica(lnNew, "new")
+	next, _ := r.start(lns[1], "new")
 	next.NewLeader(old.cfg.Self)
-
 	// The node resolved the name once, before its DNS broke.
-	var lookups atomic.Int32
-	core, logs := observer.New(zapcore.InfoLevel)
-	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{},
-		Log:    zap.New(zapcore.NewTee(core, zaptest.NewLogger(t).Named("n1").Core())),
-		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }},
-		Lookup: func(_ context.Context, host string) ([]string, error) {
-			if lookups.Add(1) == 1 {
-				return []string{"127.0.0.1"}, nil
-			}
-			return nil, errors.New("lookup " + host + ": i/o timeout")
-		}}
-	cctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	wg.Add(1)
-	go func() { defer wg.Done(); collector.Run(cctx, cfg) }()
-	streaming := func(a *Aggregator) bool {
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		n := a.nodes["n1"]
-		return n != nil && n.conn != nil
-	}
+	logs, lookups := r.collector(port, "127.0.0.1")
 	eventually(t, 10*time.Second, "n1 streaming to the old replica", func() bool { return streaming(old) })
 
 	// The rollout: a new replica comes up (the slice lists both), the old
 	// one goes, and the new one leads.
-	slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{"127.0.0.2"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
-	if _, err := client.DiscoveryV1().EndpointSlices("proxyaudit").Update(ctx, slice, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool {
-		for _, e := range logs.FilterMessageSnippet("named its replicas").All() {
-			if len(e.ContextMap()["addresses"].([]any)) == 2 {
-				return true
-			}
-		}
-		return false
-	})
+	r.endpoints("127.0.0.1", "127.0.0.2")
+	eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool { return told(logs, 2) })
 	stopOld()
 	next.StartedLeading()
 	next.NewLeader(next.cfg.Self)
 	took := eventually(t, 30*time.Second, "n1 streaming to the new replica without DNS", func() bool { return streaming(next) })
 	t.Logf("n1 reached the new replica %s after the old one stopped (%d lookups, all but the first failed)", took.Round(time.Millisecond), lookups.Load())
+}
+
+// TestCollectorsLearnReplicasFromAFollower: the leader goes before it
+// could tell anyone of the new replica, and the Lease still names it; the
+// old follower, which redirects the collector to that gone leader, names
+// the replicas in its redirect. The follower goes next (a rolling update
+// does not wait for the Lease), and the collector, which never reached a
+// leader in between, still finds the new replica (seen on real nodes:
+// the fleet was lost when only leaders named the replicas).
+func TestCollectorsLearnReplicasFromAFollower(t *testing.T) {
+	lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
+	leader, stopLeader := r.start(lns[0], "leader")
+	leader.StartedLeading()
+	follower, stopFollower := r.start(lns[1], "follower")
+	follower.NewLeader(leader.cfg.Self)
+	logs, _ := r.collector(port, "127.0.0.1")
+	eventually(t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(leader) })
+	eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+
+	stopLeader()
+	r.endpoints("127.0.0.2", "127.0.0.3") // the new replica, which the gone leader never saw
+	eventually(t, 20*time.Second, "n1 told of the new replica by the follower's redirect", func() bool { return toldOf(logs, "127.0.0.3") })
+	stopFollower()
+	next, _ := r.start(lns[2], "new")
+	next.StartedLeading()
+	took := eventually(t, 30*time.Second, "n1 streaming to the new replica", func() bool { return streaming(next) })
+	t.Logf("n1 reached the new replica %s after it led", took.Round(time.Millisecond))
 }
 
 // eventually waits in real time for cond and returns how long it took.

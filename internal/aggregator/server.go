@@ -87,7 +87,7 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 // leads.
 func (a *Aggregator) redirect(c *conn, leader string) {
 	if leader != "" && leader != a.cfg.Self {
-		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}}))
+		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}, Peers: a.knownPeers()}))
 		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
 	}
 }
@@ -304,7 +304,11 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	a.mu.Unlock()
 	if !leading {
 		if leader == "" || leader == a.cfg.Self {
-			a.reject(log, c, ReasonProtocol, "this aggregator is not the leader and no leader is elected yet; retry shortly")
+			log.Warn("collector stream rejected", zap.String("reason", string(ReasonProtocol)), zap.String("why", "no leader elected yet"))
+			a.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonProtocol)).Inc()
+			a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
+			a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: &stream.Reject{Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly"},
+				Peers: a.knownPeers()}))
 			return
 		}
 		a.redirect(c, leader)

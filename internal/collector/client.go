@@ -334,6 +334,12 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 		return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
 	}
 	conn.SetReadDeadline(time.Time{})
+	// A follower's answer names the replicas too: while the Lease still
+	// names a leader that is gone, a rollout can replace the follower
+	// before this collector reaches any leader.
+	if reply.Peers != nil {
+		c.learnPeers(reply.Peers)
+	}
 	if leader, err := Answer(reply); leader != "" || err != nil {
 		return leader, err
 	}
