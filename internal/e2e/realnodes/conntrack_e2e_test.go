@@ -253,11 +253,14 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 			}
 		}
 	}
-	// pinned counts a node's UDP entries DNATed to ip (conntrack -L in its
-	// network namespace): the resolver's, and one-shot queries of other
-	// clients of kube-dns (the collectors' own lookups).
+	// pinned counts a node's UDP entries to kube-dns DNATed to ip
+	// (conntrack -L in its network namespace): the resolver's, and
+	// one-shot queries of other clients of kube-dns (the collectors' own
+	// lookups). Not flows addressed to ip itself: on the node that ran
+	// the gone pod, other nodes' flows to it (DNATed there) pass through
+	// conntrack too, and they are no business of this node's collector.
 	pinned := func(n *localcluster.Node, ip string) int {
-		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--reply-src", ip)
+		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-dst", svc.Spec.ClusterIP, "--reply-src", ip)
 		if err != nil && !strings.Contains(out, "0 flow entries") {
 			t.Fatalf("conntrack -L on %s: %v\n%s", n.Name, err, out)
 		}
