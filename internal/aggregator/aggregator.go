@@ -110,9 +110,8 @@ type Aggregator struct {
 	// flush pairs collectors' answers to flush requests with the waiting
 	// requests.
 	flush flushes
-	// peers: the replicas' addresses last sent to the collectors (Run's
-	// goroutine), and their message for new streams.
-	peers    []string
+	// peersMsg: the replicas' addresses last sent to the collectors, for
+	// new streams and followers' answers.
 	peersMsg atomic.Pointer[stream.Message]
 	// hold: why every repair is held (a pause, outside the windows), as
 	// the last remediation round decided; shown by the API.

@@ -46,10 +46,9 @@ func (a *Aggregator) peerIPs() []string {
 // message for new streams. Run's goroutine.
 func (a *Aggregator) announcePeers() {
 	ips := a.peerIPs()
-	if len(ips) == 0 || slices.Equal(ips, a.peers) {
+	if len(ips) == 0 || (a.knownPeers() != nil && slices.Equal(ips, a.knownPeers().IPs)) {
 		return
 	}
-	a.peers = ips
 	m := &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: ips}}
 	a.peersMsg.Store(m)
 	a.mu.Lock()

@@ -141,6 +141,22 @@ func toldOf(logs *observer.ObservedLogs, ip string) bool {
 	return false
 }
 
+// leaderAndFollower starts a leader on ln and a follower naming it on
+// follow, and a collector (DNS answering once, with the leader) streaming
+// to the leader.
+func (r *replicas) leaderAndFollower(ln, follow net.Listener, port string) (leader *Aggregator, stopLeader context.CancelFunc,
+	follower *Aggregator, stopFollower context.CancelFunc, logs *observer.ObservedLogs, lookups *atomic.Int32) {
+	r.t.Helper()
+	leader, stopLeader = r.start(ln, "leader")
+	leader.StartedLeading()
+	follower, stopFollower = r.start(follow, "follower")
+	follower.NewLeader(leader.cfg.Self)
+	host, _, _ := net.SplitHostPort(ln.Addr().String())
+	logs, lookups = r.collector(port, host)
+	eventually(r.t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(leader) })
+	return leader, stopLeader, follower, stopFollower, logs, lookups
+}
+
 // streaming says whether n1 streams to a.
 func streaming(a *Aggregator) bool {
 	a.mu.Lock()
@@ -169,13 +185,8 @@ func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
 	lns := sharedPort(t, "127.0.0.1", "127.0.0.2")
 	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
 	r := newReplicas(t, "127.0.0.1")
-	old, stopOld := r.start(lns[0], "old")
-	old.StartedLeading()
-	next, _ := r.start(lns[1], "new")
-	next.NewLeader(old.cfg.Self)
 	// The node resolved the name once, before its DNS broke.
-	logs, lookups := r.collector(port, "127.0.0.1")
-	eventually(t, 10*time.Second, "n1 streaming to the old replica", func() bool { return streaming(old) })
+	_, stopOld, next, _, logs, lookups := r.leaderAndFollower(lns[0], lns[1], port)
 
 	// The rollout: a new replica comes up (the slice lists both), the old
 	// one goes, and the new one leads.
@@ -199,12 +210,7 @@ func TestCollectorsLearnReplicasFromAFollower(t *testing.T) {
 	lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
 	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
 	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
-	leader, stopLeader := r.start(lns[0], "leader")
-	leader.StartedLeading()
-	follower, stopFollower := r.start(lns[1], "follower")
-	follower.NewLeader(leader.cfg.Self)
-	logs, _ := r.collector(port, "127.0.0.1")
-	eventually(t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(leader) })
+	_, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
 	eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
 
 	stopLeader()

@@ -163,7 +163,7 @@ func (a *Aggregator) reject(log *zap.Logger, c *conn, reason RejectReason, why s
 	a.rejectWith(log, c, reason, &stream.Reject{Reason: why})
 }
 
-func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject) {
+func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject, peers ...*stream.Peers) {
 	if reason == ReasonBusy {
 		// Expected by the thousand during a fleet reconnect: counted, not
 		// logged one by one.
@@ -173,7 +173,11 @@ func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r
 	}
 	a.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)).Inc()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
-	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r}))
+	m := &stream.Message{Type: stream.TypeReject, Reject: r}
+	if len(peers) > 0 {
+		m.Peers = peers[0]
+	}
+	a.sent(c.send(m))
 }
 
 func readReason(err error) RejectReason {
@@ -304,11 +308,8 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	a.mu.Unlock()
 	if !leading {
 		if leader == "" || leader == a.cfg.Self {
-			log.Warn("collector stream rejected", zap.String("reason", string(ReasonProtocol)), zap.String("why", "no leader elected yet"))
-			a.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonProtocol)).Inc()
-			a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
-			a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: &stream.Reject{Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly"},
-				Peers: a.knownPeers()}))
+			// The replicas it knows go with the refusal (see knownPeers).
+			a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly"}, a.knownPeers())
 			return
 		}
 		a.redirect(c, leader)

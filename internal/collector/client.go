@@ -266,7 +266,7 @@ func (c *client) learnPeers(p *stream.Peers) {
 		if c.resolved == nil {
 			c.resolved = map[string][]string{}
 		}
-		if !slices.Equal(c.resolved[host], p.IPs) {
+		if !slices.Equal(slices.Sorted(slices.Values(c.resolved[host])), slices.Sorted(slices.Values(p.IPs))) { // DNS answers in any order
 			c.cfg.Log.Info("the aggregator named its replicas: dialed when the name cannot be resolved", zap.String("host", host), zap.Strings("addresses", p.IPs))
 		}
 		c.resolved[host] = slices.Clone(p.IPs)
@@ -332,6 +332,15 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	reply, _, err := stream.Read(conn, c.cfg.MaxMessageBytes)
 	if err != nil {
 		return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
+	}
+	// A change of replicas announced as the stream opened may come before
+	// the answer (its writer raced the welcome): kept, and the answer read
+	// next.
+	for reply.Type == stream.TypePeers {
+		c.learnPeers(reply.Peers)
+		if reply, _, err = stream.Read(conn, c.cfg.MaxMessageBytes); err != nil {
+			return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
+		}
 	}
 	conn.SetReadDeadline(time.Time{})
 	// A follower's answer names the replicas too: while the Lease still

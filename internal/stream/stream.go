@@ -120,7 +120,7 @@ func (p *Peers) Check() error {
 	}
 	for _, ip := range p.IPs {
 		a, err := netip.ParseAddr(ip)
-		if err != nil || a.Zone() != "" || !a.IsValid() || a.IsUnspecified() || a.IsMulticast() {
+		if err != nil || a.Zone() != "" || a.IsUnspecified() || a.IsMulticast() {
 			return fmt.Errorf("bad peer address %q", clip(ip))
 		}
 	}
