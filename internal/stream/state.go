@@ -735,6 +735,16 @@ type topEntry struct {
 	present [nBuckets / 64]uint64
 }
 
+// held reports whether some copy still holds every bucket of the state.
+func (te *topEntry) held() bool {
+	for i := range nBuckets {
+		if te.present[i/64]&(1<<(i%64)) != 0 && te.buckets[i].Value() == nil {
+			return false
+		}
+	}
+	return true
+}
+
 // NewPool returns an empty pool.
 func NewPool() *Pool {
 	return &Pool{entries: map[[sumLen]byte]weak.Pointer[entry]{}, buckets: map[[shortLen]byte]weak.Pointer[bucket]{},
@@ -768,8 +778,7 @@ func (p *Pool) top(t [sumLen]byte) *[nBuckets]*bucket {
 			continue
 		}
 		if out[i] = te.buckets[i].Value(); out[i] == nil {
-			delete(p.tops, t) // one of its buckets was dropped
-			return nil
+			return nil // one of its buckets was dropped; addTop renews it
 		}
 	}
 	return &out
@@ -783,14 +792,24 @@ func (p *Pool) addTop(s *State) {
 	t := s.top()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if _, ok := p.tops[t]; ok {
+	te := p.tops[t]
+	if te != nil && te.held() {
 		return
 	}
-	te := &topEntry{}
+	// A known top whose buckets were dropped (every copy left that state,
+	// then one came back to it with buckets built anew) is renewed in
+	// place: same content, same buckets present, same place in order.
+	known := te != nil
+	if !known {
+		te = &topEntry{}
+	}
 	for i, b := range s.buckets {
 		if b != nil {
 			te.buckets[i], te.present[i/64] = weak.Make(b), te.present[i/64]|1<<(i%64)
 		}
+	}
+	if known {
+		return
 	}
 	p.tops[t] = te
 	p.order = append(p.order, t)
