@@ -324,3 +324,45 @@ func TestFlushAnswersBelongToTheirStream(t *testing.T) {
 		t.Errorf("%d flushes still waiting", len(h.agg.flush.waiting))
 	}
 }
+
+// TestTheWelcomeComesFirst: a flush (or read-now, or peers list) sent to
+// a node while its new stream opens must not reach the collector before
+// the stream's welcome: the collector reads the answer to its hello
+// first, and anything else there ends its stream. Flushes to the node
+// are sent without pause while it reconnects again and again.
+func TestTheWelcomeComesFirst(t *testing.T) {
+	h := start(t, 2*time.Second, tokens)
+	n1 := h.dial("n1")
+	expect(t, n1, stream.TypeWelcome, "")
+	pair := remediate.StalePair{Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP",
+		Frontend: audit.FrontendKey{IP: netip.MustParseAddr("198.18.96.10"), Protocol: "UDP", Port: 53}.Wire(), Dest: "198.18.200.7:53", Flows: 3}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+				h.agg.Flush(ctx, "n1", []remediate.StalePair{pair}) // fails: nobody answers
+				cancel()
+			}
+		}()
+	}
+	defer func() { close(stop); wg.Wait() }()
+	for i := range 300 {
+		c := h.dial("n1")
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		m, _, err := stream.Read(c, 1<<20)
+		if err != nil || m.Type != stream.TypeWelcome {
+			t.Fatalf("stream %d: the first message is %+v (%v), want the welcome", i, m, err)
+		}
+		n1.Close()
+		n1 = c
+	}
+}

@@ -334,6 +334,13 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		log.Warn("accepting an unauthenticated collector stream (--insecure-no-auth): any client can report for any node")
 	}
 
+	// The welcome is written before the stream is registered: once it is,
+	// a flush, a read-now or a peers list may be sent on it at any moment,
+	// and the collector takes the first message for the answer to its
+	// hello. (Should this replica stop leading in between, the reject
+	// below follows the welcome; the collector reconnects.)
+	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
 	a.mu.Lock()
 	if !a.leading {
 		a.mu.Unlock()
@@ -361,8 +368,6 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		a.flushesEnd(c)
 	}()
 
-	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
-	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
 	if a.peersMsg.Load() != nil {
 		a.sendPeers(c)
 	}

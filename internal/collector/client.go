@@ -333,9 +333,9 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	if err != nil {
 		return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
 	}
-	// A change of replicas announced as the stream opened may come before
-	// the answer (its writer raced the welcome): kept, and the answer read
-	// next.
+	// A peers list before the answer is kept and the answer read next.
+	// Aggregators write the welcome before anything else now; one of an
+	// earlier build of this release could race it with a peers list.
 	for reply.Type == stream.TypePeers {
 		c.learnPeers(reply.Peers)
 		if reply, _, err = stream.Read(conn, c.cfg.MaxMessageBytes); err != nil {
