@@ -134,6 +134,11 @@ state = %q
   # ("can't get final child's PID from pipe").
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
+  # Pods' network namespaces under the state dir, not /run/netns: a
+  # node's containerd killed before its pods were torn down left one
+  # there per run; under the cluster's directory cleanupRealNodes
+  # unmounts them.
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = %q
