@@ -148,7 +148,10 @@ func TestTopsOverRealCollectors(t *testing.T) {
 	nodes := []string{"n1", "n2", "n3"}
 	shows := map[string]*audit.Observed{}
 	for _, n := range nodes {
-		shows[n] = rules(t)
+		o := rules(t)
+		mu.Lock() // the collectors started already read the map
+		shows[n] = o
+		mu.Unlock()
 		h.collector(h.ctx, n, func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return shows[n] })
 	}
 	// has: node n's copy holds what it shows.
