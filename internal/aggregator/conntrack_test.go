@@ -328,8 +328,10 @@ func TestFlushAnswersBelongToTheirStream(t *testing.T) {
 // TestTheWelcomeComesFirst: a flush (or read-now, or peers list) sent to
 // a node while its new stream opens must not reach the collector before
 // the stream's welcome: the collector reads the answer to its hello
-// first, and anything else there ends its stream. Flushes to the node
-// are sent without pause while it reconnects again and again.
+// first, and anything else there ends its stream. Nor may the welcome
+// come before the stream is the node's (a flush right after it would find
+// no stream). Flushes to the node are sent without pause while it
+// reconnects again and again.
 func TestTheWelcomeComesFirst(t *testing.T) {
 	h := start(t, 2*time.Second, tokens)
 	n1 := h.dial("n1")
@@ -361,6 +363,13 @@ func TestTheWelcomeComesFirst(t *testing.T) {
 		m, _, err := stream.Read(c, 1<<20)
 		if err != nil || m.Type != stream.TypeWelcome {
 			t.Fatalf("stream %d: the first message is %+v (%v), want the welcome", i, m, err)
+		}
+		// And once welcomed, the stream is the node's: a flush goes to it.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		_, err = h.agg.Flush(ctx, "n1", []remediate.StalePair{pair})
+		cancel()
+		if err != nil && strings.Contains(err.Error(), "no collector") {
+			t.Fatalf("stream %d: welcomed, yet %v", i, err)
 		}
 		n1.Close()
 		n1 = c

@@ -65,7 +65,11 @@ func (c *conn) send(m *stream.Message) (int, error) {
 func (c *conn) sendNewest(newest func() *stream.Message) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	m := newest()
+	return c.writeLocked(newest())
+}
+
+// writeLocked writes m; the caller holds wmu.
+func (c *conn) writeLocked(m *stream.Message) (int, error) {
 	c.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	cw := &countingWriter{w: c.Conn}
 	err := stream.Write(cw, m)
@@ -334,16 +338,16 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		log.Warn("accepting an unauthenticated collector stream (--insecure-no-auth): any client can report for any node")
 	}
 
-	// The welcome is written before the stream is registered: once it is,
-	// a flush, a read-now or a peers list may be sent on it at any moment,
-	// and the collector takes the first message for the answer to its
-	// hello. (Should this replica stop leading in between, the reject
-	// below follows the welcome; the collector reconnects.)
-	a.sent(c.send(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
-	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
+	// The stream's writes are held from its registration to its welcome:
+	// once registered, a flush, a read-now or a peers list may be sent on
+	// it at any moment, and the collector takes the first message for the
+	// answer to its hello. (Writes are never made under a.mu, so taking
+	// it while holding wmu cannot deadlock.)
+	c.wmu.Lock()
 	a.mu.Lock()
 	if !a.leading {
 		a.mu.Unlock()
+		c.wmu.Unlock()
 		a.reject(log, c, ReasonProtocol, "this aggregator stopped leading; reconnect to find the leader")
 		return
 	}
@@ -358,6 +362,9 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	}
 	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
 	a.mu.Unlock()
+	a.sent(c.writeLocked(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
+	c.wmu.Unlock()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
 	defer a.warmup.done(c, false)
 	defer func() {
 		a.mu.Lock()

@@ -194,7 +194,7 @@ func TestReadRefusesAMillionServicesInASmallMessage(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "1000002 JSON objects") {
 		t.Fatalf("%d-byte message of a million frontends: %v", len(body), err)
 	}
-	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 2*uint64(len(frame)) {
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 2*uint64(len(frame)) && !raceEnabled {
 		t.Errorf("refusing it allocated %d bytes for a %d-byte message", alloc, len(frame))
 	}
 	// At the limit it still decodes (and Apply, not Read, judges the count).
