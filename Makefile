@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -25,6 +25,13 @@ image: deps
 test: deps cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) ./...
 	$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
+	$(MAKE) --no-print-directory race
+
+## race: the packages whose goroutines share state (stream pool, collector, aggregator, executor,
+## status page, CLI) under the race detector, one package at a time (~5 min)
+RACE_PKGS ?= ./internal/stream ./internal/collector ./internal/aggregator ./remediate/... ./internal/ui ./cmd/proxyaudit ./cmd/proxyaudit-aggregator
+race: deps
+	$(GO) test -race -p 1 -count=1 -timeout 30m $(RACE_PKGS)
 
 ## unit: fast tests only, no local cluster
 unit:
