@@ -113,6 +113,9 @@ type Aggregator struct {
 	// peersMsg: the replicas' addresses last sent to the collectors, for
 	// new streams and followers' answers.
 	peersMsg atomic.Pointer[stream.Message]
+	// testHookRegistered, when set, runs once a stream is registered and
+	// before its welcome is written (tests widen that window with it).
+	testHookRegistered atomic.Pointer[func()]
 	// hold: why every repair is held (a pause, outside the windows), as
 	// the last remediation round decided; shown by the API.
 	hold string

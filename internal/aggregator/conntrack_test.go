@@ -330,48 +330,39 @@ func TestFlushAnswersBelongToTheirStream(t *testing.T) {
 // the stream's welcome: the collector reads the answer to its hello
 // first, and anything else there ends its stream. Nor may the welcome
 // come before the stream is the node's (a flush right after it would find
-// no stream). Flushes to the node are sent without pause while it
-// reconnects again and again.
+// no stream). The window between registering and welcoming is widened
+// with a hook: a flush is sent in it and given 100 ms to be written.
 func TestTheWelcomeComesFirst(t *testing.T) {
 	h := start(t, 2*time.Second, tokens)
-	n1 := h.dial("n1")
-	expect(t, n1, stream.TypeWelcome, "")
 	pair := remediate.StalePair{Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP",
 		Frontend: audit.FrontendKey{IP: netip.MustParseAddr("198.18.96.10"), Protocol: "UDP", Port: 53}.Wire(), Dest: "198.18.200.7:53", Flows: 3}
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
-				h.agg.Flush(ctx, "n1", []remediate.StalePair{pair}) // fails: nobody answers
-				cancel()
-			}
-		}()
+	flush := func(wait time.Duration) error {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		_, err := h.agg.Flush(ctx, "n1", []remediate.StalePair{pair})
+		return err
 	}
-	defer func() { close(stop); wg.Wait() }()
-	for i := range 300 {
+	var flushes sync.WaitGroup
+	defer flushes.Wait()
+	hook := func() {
+		flushes.Go(func() { flush(2 * time.Second) }) // nobody answers it
+		time.Sleep(100 * time.Millisecond)
+	}
+	h.agg.testHookRegistered.Store(&hook)
+	for i := range 3 {
 		c := h.dial("n1")
 		c.SetReadDeadline(time.Now().Add(5 * time.Second))
 		m, _, err := stream.Read(c, 1<<20)
 		if err != nil || m.Type != stream.TypeWelcome {
 			t.Fatalf("stream %d: the first message is %+v (%v), want the welcome", i, m, err)
 		}
-		// And once welcomed, the stream is the node's: a flush goes to it.
-		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
-		_, err = h.agg.Flush(ctx, "n1", []remediate.StalePair{pair})
-		cancel()
-		if err != nil && strings.Contains(err.Error(), "no collector") {
+		if m, _, err = stream.Read(c, 1<<20); err != nil || m.Type != stream.TypeFlush {
+			t.Fatalf("stream %d: after the welcome %+v (%v), want the flush that waited for it", i, m, err)
+		}
+		// Once welcomed, the stream is the node's: a flush goes to it.
+		if err := flush(time.Millisecond); err != nil && strings.Contains(err.Error(), "no collector") {
 			t.Fatalf("stream %d: welcomed, yet %v", i, err)
 		}
-		n1.Close()
-		n1 = c
+		c.Close()
 	}
 }

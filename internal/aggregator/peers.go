@@ -46,7 +46,7 @@ func (a *Aggregator) peerIPs() []string {
 // message for new streams. Run's goroutine.
 func (a *Aggregator) announcePeers() {
 	ips := a.peerIPs()
-	if len(ips) == 0 || (a.knownPeers() != nil && slices.Equal(ips, a.knownPeers().IPs)) {
+	if known := a.knownPeers(); len(ips) == 0 || (known != nil && slices.Equal(ips, known.IPs)) {
 		return
 	}
 	m := &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: ips}}

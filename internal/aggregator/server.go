@@ -164,10 +164,12 @@ func (a *Aggregator) Serve(ctx context.Context, ln net.Listener) error {
 
 // reject refuses or ends a stream with a reason the collector logs.
 func (a *Aggregator) reject(log *zap.Logger, c *conn, reason RejectReason, why string) {
-	a.rejectWith(log, c, reason, &stream.Reject{Reason: why})
+	a.rejectWith(log, c, reason, &stream.Reject{Reason: why}, nil)
 }
 
-func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject, peers ...*stream.Peers) {
+// rejectWith sends r, and peers when not nil (the replicas a follower
+// knows), and counts it.
+func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject, peers *stream.Peers) {
 	if reason == ReasonBusy {
 		// Expected by the thousand during a fleet reconnect: counted, not
 		// logged one by one.
@@ -177,11 +179,7 @@ func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r
 	}
 	a.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)).Inc()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
-	m := &stream.Message{Type: stream.TypeReject, Reject: r}
-	if len(peers) > 0 {
-		m.Peers = peers[0]
-	}
-	a.sent(c.send(m))
+	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r, Peers: peers}))
 }
 
 func readReason(err error) RejectReason {
@@ -325,7 +323,7 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 		var busy *BusyError
 		switch {
 		case errors.As(err, &busy):
-			a.rejectWith(log, c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()})
+			a.rejectWith(log, c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()}, nil)
 		case errors.Is(err, ErrBusy):
 			a.reject(log, c, ReasonBusy, err.Error())
 		default:
@@ -362,6 +360,9 @@ func (a *Aggregator) handle(ctx context.Context, c *conn) {
 	}
 	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
 	a.mu.Unlock()
+	if hook := a.testHookRegistered.Load(); hook != nil {
+		(*hook)()
+	}
 	a.sent(c.writeLocked(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
 	c.wmu.Unlock()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()

@@ -333,15 +333,6 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	if err != nil {
 		return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
 	}
-	// A peers list before the answer is kept and the answer read next.
-	// Aggregators write the welcome before anything else now; one of an
-	// earlier build of this release could race it with a peers list.
-	for reply.Type == stream.TypePeers {
-		c.learnPeers(reply.Peers)
-		if reply, _, err = stream.Read(conn, c.cfg.MaxMessageBytes); err != nil {
-			return "", fmt.Errorf("waiting for the aggregator's answer: %w", err)
-		}
-	}
 	conn.SetReadDeadline(time.Time{})
 	// A follower's answer names the replicas too: while the Lease still
 	// names a leader that is gone, a rollout can replace the follower

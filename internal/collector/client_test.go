@@ -247,36 +247,3 @@ func welcome(t *testing.T, ln net.Listener) net.Conn {
 	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
 	return conn
 }
-
-// A change of replicas the aggregator announces as the stream opens can
-// be written before the welcome: the collector keeps it and still takes
-// the welcome as the answer (it once took the peers message for the
-// answer and dropped the stream).
-func TestPeersBeforeTheWelcome(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{
-		Node: "n1", Aggregator: ln.Addr().String(), Interval: 50 * time.Millisecond,
-		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return synthRules(t, 5), nil }},
-	})
-	conn, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if m, _, err := stream.Read(conn, 1<<20); err != nil || m.Type != stream.TypeHello {
-		t.Fatalf("hello: %+v %v", m, err)
-	}
-	stream.Write(conn, &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: []string{"198.18.140.2"}}})
-	stream.Write(conn, &stream.Message{Type: stream.TypeWelcome})
-	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-	m, _, err := stream.Read(conn, 16<<20)
-	if err != nil || m.Type != stream.TypeReport {
-		t.Fatalf("after peers and a welcome the collector sent %+v (%v), want its first report on the same stream", m, err)
-	}
-}

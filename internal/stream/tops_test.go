@@ -356,6 +356,9 @@ func TestTopsRenewedAfterTheirBucketsWereDropped(t *testing.T) {
 	apply(a, v2) // no copy holds v1's buckets now
 	runtime.GC()
 	runtime.GC()
+	if pool.top(v1.top()) != nil {
+		t.Fatal("v1's buckets are still held: this test would not test a renewal")
+	}
 	b := NewPooledState(pool)
 	apply(b, v1)
 	c := NewPooledState(pool)
