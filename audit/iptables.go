@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -109,6 +110,7 @@ type iptables struct {
 	collide    map[sepID]int32
 	targets    []netip.AddrPort
 	moreDNAT   map[sepID][]netip.AddrPort // a second DNAT in one chain: never kube-proxy's, kept anyway
+	free       []int32                    // slots of targets no chain uses (IPTablesNAT.SetChain)
 	otherIDs   map[string]sepID
 	otherNames []string
 	filterSvc  []iptRule
@@ -497,50 +499,7 @@ func (p *iptables) families() []int {
 // resolve builds the observed model of one family's dump.
 func (p *iptables) resolve(sawFilter bool, fam int) *Observed {
 	p.flushPolicy()
-	o := &Observed{Mode: ModeIPTables, Families: []int{fam}}
-	// Frontends that jump to one policy chain share its endpoints: read
-	// once, one slice. kube-proxy points a few frontends at a chain (cluster
-	// IP, node port, external and load-balancer IPs); a dump pointing
-	// thousands at one costs no more than the dump's size.
-	shared := map[string][]Endpoint{}
-	add := func(key FrontendKey, r iptRule) {
-		scope, policy := p.policyOf(r.jump, 0)
-		if policy == "" {
-			return
-		}
-		f := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: commentName(r.comment)}
-		eps, ok := shared[policy]
-		if !ok {
-			seps := p.policy[keyString(policy)]
-			eps = make([]Endpoint, 0, len(seps))
-			for _, sep := range seps {
-				ti, ok := p.lookupDNAT(sep)
-				if !ok {
-					continue // an endpoint chain without DNAT routes nothing
-				}
-				ap := p.targets[ti]
-				name := p.sepName(sep)
-				eps = append(eps, Endpoint{Addr: ap, Weight: -1, Chain: name})
-				for _, more := range p.moreDNAT[sep] {
-					eps = append(eps, Endpoint{Addr: more, Weight: -1, Chain: name})
-				}
-			}
-			eps = sortEndpoints(eps)
-			shared[policy] = eps
-		}
-		f.Endpoints = eps
-		o.Frontends = append(o.Frontends, f)
-	}
-	for _, r := range p.rules[keyString("KUBE-SERVICES")] {
-		if r.dst.IsValid() && r.hasDport && r.proto != "" {
-			add(FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}, r)
-		}
-	}
-	for _, r := range p.rules[keyString("KUBE-NODEPORTS")] {
-		if r.hasDport && r.proto != "" {
-			add(NodePortKey(fam, r.proto, r.dport), r)
-		}
-	}
+	o := p.observed(fam, p.frontTable(fam))
 	if sawFilter {
 		o.RejectsKnown = true
 		o.Rejects = map[FrontendKey]bool{}
@@ -550,9 +509,98 @@ func (p *iptables) resolve(sawFilter bool, fam int) *Observed {
 			}
 		}
 	}
-	o.NoRules = len(o.Frontends) == 0
-	o.normalize()
 	return o
+}
+
+// front is where a frontend's dispatch rule sends it: the policy chain
+// that picks an endpoint (KUBE-SVC-… or KUBE-SVL-…), its scope, and the
+// service's name from the rule's comment.
+type front struct {
+	scope  Scope
+	policy string
+	name   string
+}
+
+var (
+	keyServices  = keyString("KUBE-SERVICES")
+	keyNodePorts = keyString("KUBE-NODEPORTS")
+)
+
+// frontTable maps every frontend of the dispatch chains (KUBE-SERVICES,
+// then KUBE-NODEPORTS) to where it goes. Of two rules for one frontend
+// the first counts, as in the kernel; a rule that reaches no policy chain
+// (a jump to KUBE-MARK-MASQ, say) claims nothing.
+func (p *iptables) frontTable(fam int) map[FrontendKey]front {
+	svc, np := p.rules[keyServices], p.rules[keyNodePorts]
+	out := make(map[FrontendKey]front, len(svc)+len(np))
+	add := func(key FrontendKey, r iptRule) {
+		if _, ok := out[key]; ok {
+			return
+		}
+		if scope, policy := p.policyOf(r.jump, 0); policy != "" {
+			out[key] = front{scope: scope, policy: policy, name: commentName(r.comment)}
+		}
+	}
+	for _, r := range svc {
+		if r.dst.IsValid() && r.hasDport && r.proto != "" {
+			add(FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}, r)
+		}
+	}
+	for _, r := range np {
+		if r.hasDport && r.proto != "" {
+			add(NodePortKey(fam, r.proto, r.dport), r)
+		}
+	}
+	return out
+}
+
+// endpointsOf is what a policy chain's jumps reach: each endpoint chain's
+// DNAT targets, sorted. An endpoint chain without DNAT routes nothing.
+func (p *iptables) endpointsOf(policy string) []Endpoint {
+	seps := p.policy[keyString(policy)]
+	eps := make([]Endpoint, 0, len(seps))
+	for _, sep := range seps {
+		ti, ok := p.lookupDNAT(sep)
+		if !ok {
+			continue
+		}
+		name := p.sepName(sep)
+		eps = append(eps, Endpoint{Addr: p.targets[ti], Weight: -1, Chain: name})
+		for _, more := range p.moreDNAT[sep] {
+			eps = append(eps, Endpoint{Addr: more, Weight: -1, Chain: name})
+		}
+	}
+	return sortEndpoints(eps)
+}
+
+// observed builds the model of the frontends in fronts, sorted by key.
+// Frontends that go to one policy chain share its endpoints: read once,
+// one slice (kube-proxy points a few frontends at a chain; a dump pointing
+// thousands at one costs no more than the dump's size).
+func (p *iptables) observed(fam int, fronts map[FrontendKey]front) *Observed {
+	o := &Observed{Mode: ModeIPTables, Families: []int{fam}, Frontends: p.frontends(fronts, nil)}
+	o.NoRules = len(o.Frontends) == 0
+	return o
+}
+
+// frontends builds the observed frontends of the keys in fronts that
+// want says (all when want is nil), sorted by key.
+func (p *iptables) frontends(fronts map[FrontendKey]front, want func(FrontendKey, front) bool) []ObservedFrontend {
+	shared := map[string][]Endpoint{}
+	var out []ObservedFrontend
+	for key, f := range fronts {
+		if want != nil && !want(key, f) {
+			continue
+		}
+		eps, ok := shared[f.policy]
+		if !ok {
+			eps = p.endpointsOf(f.policy)
+			shared[f.policy] = eps
+		}
+		out = append(out, ObservedFrontend{FrontendKey: key, Scope: f.scope, Chain: f.policy, Name: f.name, Endpoints: eps})
+	}
+	slices.SortFunc(out, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
+	return out
 }
 
 // iptPolicy follows a frontend's jump to the policy chain that picks an

@@ -123,17 +123,24 @@ func ParseFrontendKey(s string) (FrontendKey, error) {
 // them printable).
 func clipKey(s string) string { return s[:min(len(s), 80)] }
 
-func (k FrontendKey) less(o FrontendKey) bool {
+func (k FrontendKey) less(o FrontendKey) bool { return k.compare(o) < 0 }
+
+// compare orders keys: addresses before node ports, then by address,
+// protocol and port.
+func (k FrontendKey) compare(o FrontendKey) int {
 	if k.NodePort != o.NodePort {
-		return !k.NodePort
+		if k.NodePort {
+			return 1
+		}
+		return -1
 	}
 	if c := k.IP.Compare(o.IP); c != 0 {
-		return c < 0
+		return c
 	}
-	if k.Protocol != o.Protocol {
-		return k.Protocol < o.Protocol
+	if c := strings.Compare(k.Protocol, o.Protocol); c != 0 {
+		return c
 	}
-	return k.Port < o.Port
+	return int(k.Port) - int(o.Port)
 }
 
 // Endpoint is one DNAT target (or IPVS real server) seen in a node's rules.
@@ -248,7 +255,8 @@ func Merge(parts ...*Observed) (*Observed, error) {
 // normalize sorts frontends and endpoints and removes duplicates so that
 // comparisons are set operations on sorted data.
 func (o *Observed) normalize() {
-	sort.Slice(o.Frontends, func(i, j int) bool { return o.Frontends[i].FrontendKey.less(o.Frontends[j].FrontendKey) })
+	// Stable: of two frontends with one key the first stays.
+	slices.SortStableFunc(o.Frontends, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
 	out := o.Frontends[:0]
 	// Frontends may share one endpoint slice (a policy chain several
 	// frontends go to): sorted once.
