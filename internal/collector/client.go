@@ -834,7 +834,19 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	c.readAt = c.cfg.Clock.Now()
 	before := cpuTime()
 	start := time.Now()
-	obs, err := c.reader.Read(rctx)
+	var obs *audit.Observed
+	var changes *Changes
+	var err error
+	if cr, ok := c.reader.(ChangeReader); ok && c.cached != nil {
+		// Only what changed since the last read (the reader says when it
+		// read everything).
+		changes, err = cr.ReadChanges(rctx)
+		if err == nil && changes.Whole != nil {
+			obs, changes = changes.Whole, nil
+		}
+	} else {
+		obs, err = c.reader.Read(rctx)
+	}
 	c.cost.Reads[why]++
 	c.cost.LastSeconds = time.Since(start).Seconds()
 	c.cost.LastCPUSeconds = (cpuTime() - before).Seconds()
@@ -845,12 +857,32 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	if err != nil {
 		return err
 	}
-	c.cached = stream.FromModel(obs)
+	if changes != nil {
+		c.cached = applyChanges(c.cached, changes)
+	} else {
+		c.cached = stream.FromModel(obs)
+	}
 	c.token, c.kpSyncAtRead = tok, kpSync
 	if tokErr != nil {
 		c.token = 0 // unknown: the next check reads again
 	}
 	return nil
+}
+
+// applyChanges is the state after a read of changes: the frontends that
+// changed put, those gone removed, the rest shared with the state before.
+func applyChanges(s *stream.State, ch *Changes) *stream.State {
+	removed := make([]string, len(ch.Removed))
+	for i, k := range ch.Removed {
+		removed[i] = stream.KeyString(k)
+	}
+	fs := make([]stream.Frontend, len(ch.Frontends))
+	for i, f := range ch.Frontends {
+		fs[i] = stream.FromObserved(f)
+	}
+	next := s.With(removed, fs)
+	next.Mode, next.NoRules, next.Families = string(ch.Mode), ch.NoRules, slices.Clone(ch.Families)
+	return next
 }
 
 // openSignal opens the change signal of the detected (or configured)

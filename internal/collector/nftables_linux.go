@@ -127,14 +127,6 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	return audit.FromNFTables(tables...)
 }
 
-// nftFamily is nft's name of IP family fam: ip, ip6.
-func nftFamily(fam int) string {
-	if fam == 6 {
-		return "ip6"
-	}
-	return "ip"
-}
-
 // table reads kube-proxy's table of one family; n counts the bytes read.
 func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*audit.NFTTable, error) {
 	fam := byte(unix.NFPROTO_IPV4)

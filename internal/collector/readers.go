@@ -24,12 +24,40 @@ type RuleReader interface {
 	String() string
 }
 
+// ChangeReader is a RuleReader that can say what changed since its last
+// read instead of returning every frontend: a node whose kube-proxy
+// rewrote ten services reports those.
+type ChangeReader interface {
+	RuleReader
+	// ReadChanges reads the rules and returns what changed since the
+	// last Read or ReadChanges that returned no error (a whole read at
+	// the first, and whenever the reader cannot vouch for the changes).
+	ReadChanges(ctx context.Context) (*Changes, error)
+}
+
+// Changes is what a ChangeReader read.
+type Changes struct {
+	// Whole, when set, is a whole read: the rest is empty.
+	Whole *audit.Observed
+	// Frontends are the frontends that changed or appeared, sorted by
+	// key; Removed the keys of those that are gone.
+	Frontends []audit.ObservedFrontend
+	Removed   []audit.FrontendKey
+	// The node-wide facts after the changes.
+	Mode     audit.Mode
+	Families []int
+	NoRules  bool
+}
+
 // Reader returns the reader for src, reading both IP families (kube-proxy
 // programs both wherever the kernel has IPv6, even on a single-stack
-// node): `iptables-save -t nat` and `ip6tables-save -t nat`, each parsed
-// as it streams (the text is never held whole); kube-proxy's ip and ip6
-// nftables tables over netlink (or `nft -j list table ip|ip6 kube-proxy`
-// with NFTJSON); or one netlink dump of the IPVS table, which holds both.
+// node): iptables-nft's ip and ip6 nat tables over netlink, and then only
+// the chains a commit touched (with IPTablesSave, or for a rule the
+// decoder cannot read, `iptables-save -t nat` and `ip6tables-save -t
+// nat`, each parsed as it streams); the legacy backend's with
+// `iptables-legacy-save`; kube-proxy's ip and ip6 nftables tables over
+// netlink (or `nft -j list table ip|ip6 kube-proxy` with NFTJSON); or one
+// netlink dump of the IPVS table, which holds both.
 func (h *Host) Reader(src Source) RuleReader {
 	switch {
 	case src.Mode == audit.ModeIPVS:
@@ -40,15 +68,26 @@ func (h *Host) Reader(src Source) RuleReader {
 		return h.familyReaders(src, func(fam int) []string {
 			return []string{"nft", "-j", "list", "table", nftFamily(fam), "kube-proxy"}
 		})
-	default:
-		return h.familyReaders(src, func(fam int) []string {
-			tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
-			if src.Legacy {
-				tool += "-legacy"
-			}
-			return []string{tool + "-save", "-t", "nat"}
+	case src.Mode == audit.ModeIPTables && !src.Legacy && !h.IPTablesSave:
+		text := h.iptablesSave(src)
+		return newIPTNFTReader(func(ctx context.Context, fam int) (*audit.Observed, error) {
+			return text.fams[fam/6].Read(ctx)
 		})
+	default:
+		return h.iptablesSave(src)
 	}
+}
+
+// iptablesSave reads both families' nat tables with iptables-save and
+// ip6tables-save (or their -legacy tools).
+func (h *Host) iptablesSave(src Source) *familyReader {
+	return h.familyReaders(src, func(fam int) []string {
+		tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+		if src.Legacy {
+			tool += "-legacy"
+		}
+		return []string{tool + "-save", "-t", "nat"}
+	})
 }
 
 func (h *Host) familyReaders(src Source, argv func(fam int) []string) *familyReader {
@@ -222,4 +261,12 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
 	return n, err
+}
+
+// nftFamily is nft's name of IP family fam: ip, ip6.
+func nftFamily(fam int) string {
+	if fam == 6 {
+		return "ip6"
+	}
+	return "ip"
 }

@@ -33,8 +33,13 @@ type nftSignal struct {
 }
 
 // Feed hands every notification the subscription receives to sink (the
-// netlink reader learns new maps from them).
-func (s *nftSignal) Feed(sink NotificationSink) { s.sink.Store(sink) }
+// netlink readers learn new maps and touched chains from them).
+func (s *nftSignal) Feed(sink NotificationSink) {
+	s.sink.Store(sink)
+	if sub, ok := sink.(interface{ Subscribed(bool) }); ok && s.mon != nil {
+		sub.Subscribed(true)
+	}
+}
 
 var _ ChangeSignal = (*nftSignal)(nil)
 
@@ -156,6 +161,9 @@ func (s *nftSignal) watch() {
 			}
 			if sink != nil {
 				sink.Lost()
+				if sub, ok := sink.(interface{ Subscribed(bool) }); ok {
+					sub.Subscribed(false)
+				}
 			}
 			// The subscription broke: say so once, through a generation
 			// check, and stop (the interval check remains).

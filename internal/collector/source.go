@@ -91,6 +91,10 @@ type ChangeSignal interface {
 // NotificationSink takes the nf_tables notifications a change signal
 // receives anyway (NFNLGRP_NFTABLES): message type and body, in the order
 // the kernel sent them; Lost says some were dropped (ENOBUFS).
+//
+// A sink that also has Subscribed(bool) is told when notifications start
+// to flow to it and when the subscription breaks (none will come any
+// more).
 type NotificationSink interface {
 	Note(typ uint16, data []byte)
 	Lost()
@@ -120,6 +124,9 @@ type Host struct {
 	// instead of netlink (the fallback for a kernel the netlink reader
 	// cannot decode).
 	NFTJSON bool
+	// IPTablesSave reads iptables-nft with `iptables-save -t nat` instead
+	// of netlink.
+	IPTablesSave bool
 }
 
 // NewHost returns the real host: tools from PATH, go-iptables, moby/ipvs,

@@ -1,0 +1,658 @@
+package collector
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// This file decodes iptables-nft's rules as the kernel's nf_tables netlink
+// messages hold them into what the audit reads (audit.IPTRule): exactly
+// what the text parser takes from the same rule as iptables-save prints
+// it. iptables-nft writes addresses, protocols and ports as native
+// expressions (payload or meta loads, bitwise masks, cmp), verdicts as
+// immediates, and everything else as xtables extensions whose payload is
+// the legacy struct (match: comment, tcp, udp, sctp, addrtype, ...;
+// target: DNAT with its nf_nat_range2, MARK, MASQUERADE, ...).
+//
+// The decoder is strict where the model depends on the rule: in the
+// dispatch chains (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-EXT-*, KUBE-FW-*)
+// any expression it does not know is an ErrUndecodable, and the reader
+// then reads that family with iptables-save instead: never a rule read
+// wrong or dropped silently. Endpoint and policy chains are read for
+// their DNAT targets and jumps only; chains the audit does not read are
+// not decoded at all. Pure and fuzzed.
+
+// ErrUndecodable is a rule the netlink decoder does not understand well
+// enough to say what iptables-save would print for it.
+var ErrUndecodable = errors.New("a rule the netlink decoder cannot read")
+
+// undecodable wraps ErrUndecodable with what was not understood.
+func undecodable(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrUndecodable, fmt.Sprintf(format, args...))
+}
+
+// iptNFTRule is one decoded rule message.
+type iptNFTRule struct {
+	table, chain string
+	handle       uint64
+	// skipped: a chain the audit does not read (rule not decoded).
+	skipped bool
+	rule    audit.IPTRule
+}
+
+// Attributes golang.org/x/sys does not name.
+const (
+	nftaRuleUserdata  = 7   // NFTA_RULE_USERDATA
+	udataTypeComment  = 0   // iptables-nft's UDATA_TYPE_COMMENT
+	xtCommentLen      = 256 // XT_MAX_COMMENT_LEN
+	nfNATRangeMapIPs  = 1 << 0
+	nfNATRangeProto   = 1 << 1
+	nfNATRangeRandom  = 1 << 2
+	nfNATRangePersist = 1 << 3
+	nfNATRangeFully   = 1 << 4
+	xtTCPInvDstPort   = 0x02 // XT_TCP_INV_DSTPT, XT_UDP_INV_DSTPT
+	xtSCTPDestPorts   = 0x02 // XT_SCTP_DEST_PORTS
+	nfDrop            = 0    // NF_DROP
+	nfAccept          = 1    // NF_ACCEPT
+)
+
+// decodeIPTNFTRule reads one NFT_MSG_NEWRULE body of an iptables-nft
+// table of family fam (4, 6). A rule of a chain the audit does not read
+// comes back skipped, its expressions not looked at.
+func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
+	var out iptNFTRule
+	a, err := body(data, "rule")
+	if err != nil {
+		return out, err
+	}
+	var exprs, udata []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_RULE_TABLE:
+			out.table = a.str()
+		case unix.NFTA_RULE_CHAIN:
+			out.chain = a.str()
+		case unix.NFTA_RULE_HANDLE:
+			out.handle = a.u64()
+		case unix.NFTA_RULE_EXPRESSIONS:
+			exprs = a.val
+		case nftaRuleUserdata:
+			udata = a.val
+		}
+	}
+	if a.err != nil {
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.chain), a.err)
+	}
+	if !audit.Reads(out.chain) {
+		out.skipped = true
+		return out, nil
+	}
+	d := iptDecoder{fam: fam, strict: out.chain == "KUBE-SERVICES" || out.chain == "KUBE-NODEPORTS" ||
+		strings.HasPrefix(out.chain, "KUBE-EXT-") || strings.HasPrefix(out.chain, "KUBE-FW-")}
+	list := attrs{b: exprs}
+	n := 0
+	for list.next() {
+		if n++; n > maxRuleExprs {
+			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(out.chain), maxRuleExprs)
+		}
+		if err := d.expr(list.val); err != nil {
+			return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(out.chain), err)
+		}
+	}
+	if list.err != nil {
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.chain), list.err)
+	}
+	if d.r.Comment == "" && !d.hasComment {
+		d.r.Comment = udataComment(udata)
+	}
+	if d.r.HasDPort && d.r.Proto == "" {
+		// iptables-save prints a port only under -p tcp/udp/sctp.
+		return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(out.chain), undecodable("a destination port without a protocol"))
+	}
+	out.rule = d.r
+	return out, nil
+}
+
+// udataComment reads iptables-nft's comment from a rule's user data
+// (newer iptables keeps comments there instead of an xt comment match).
+func udataComment(b []byte) string {
+	for len(b) >= 2 {
+		typ, l := b[0], int(b[1])
+		if 2+l > len(b) {
+			return ""
+		}
+		if typ == udataTypeComment {
+			return cString(b[2 : 2+l])
+		}
+		b = b[2+l:]
+	}
+	return ""
+}
+
+func cString(b []byte) string {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		b = b[:i]
+	}
+	return string(b)
+}
+
+// regSource is what a register holds.
+type regSource uint8
+
+const (
+	regNone regSource = iota
+	regProto
+	regSaddr
+	regDaddr
+	regDport
+	regSport
+	regIgnored // an interface name or the mark: iptables-save prints what the parser skips
+	regData    // an immediate value (a native DNAT's address or port)
+	regOther
+)
+
+type regState struct {
+	src    regSource
+	length int    // bytes loaded (an address prefix loads fewer)
+	mask   []byte // from a bitwise
+	data   []byte // regData
+}
+
+// iptDecoder decodes one rule's expressions in order.
+type iptDecoder struct {
+	fam        int
+	strict     bool
+	r          audit.IPTRule
+	hasComment bool
+	regs       [32]regState
+}
+
+func (d *iptDecoder) reg(n uint32) *regState {
+	if n >= uint32(len(d.regs)) {
+		return &regState{} // the kernel refuses such registers; a fuzzed one reads as empty
+	}
+	return &d.regs[n]
+}
+
+// other is an expression the decoder does not map: refused where the
+// rule matters, ignored elsewhere.
+func (d *iptDecoder) other(format string, args ...any) error {
+	if d.strict {
+		return undecodable(format, args...)
+	}
+	return nil
+}
+
+func (d *iptDecoder) expr(b []byte) error {
+	a := attrs{b: b}
+	var name string
+	var data []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_EXPR_NAME:
+			name = a.str()
+		case unix.NFTA_EXPR_DATA:
+			data = a.val
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	switch name {
+	case "counter":
+		return nil
+	case "payload":
+		return d.payload(data)
+	case "meta":
+		return d.meta(data)
+	case "bitwise":
+		return d.bitwise(data)
+	case "cmp":
+		return d.cmp(data)
+	case "immediate":
+		return d.immediate(data)
+	case "match":
+		return d.xt(data, false)
+	case "target":
+		return d.xt(data, true)
+	case "nat":
+		return d.nat(data)
+	case "masq":
+		d.r.Jump = "MASQUERADE"
+		return nil
+	}
+	return d.other("expression %q", clip(name))
+}
+
+// payload: addresses, the protocol (IPv4's header field) and ports.
+func (d *iptDecoder) payload(b []byte) error {
+	a := attrs{b: b}
+	var dreg, base, off, l uint32
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_PAYLOAD_DREG:
+			dreg = a.u32()
+		case unix.NFTA_PAYLOAD_BASE:
+			base = a.u32()
+		case unix.NFTA_PAYLOAD_OFFSET:
+			off = a.u32()
+		case unix.NFTA_PAYLOAD_LEN:
+			l = a.u32()
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	src := regOther
+	saddr, daddr, alen := uint32(12), uint32(16), uint32(4)
+	if d.fam == 6 {
+		saddr, daddr, alen = 8, 24, 16
+	}
+	switch {
+	case base == unix.NFT_PAYLOAD_NETWORK_HEADER && off == saddr && l >= 1 && l <= alen:
+		src = regSaddr
+	case base == unix.NFT_PAYLOAD_NETWORK_HEADER && off == daddr && l >= 1 && l <= alen:
+		src = regDaddr
+	case base == unix.NFT_PAYLOAD_NETWORK_HEADER && d.fam == 4 && off == 9 && l == 1:
+		src = regProto
+	case base == unix.NFT_PAYLOAD_TRANSPORT_HEADER && off == 2 && l == 2:
+		src = regDport
+	case base == unix.NFT_PAYLOAD_TRANSPORT_HEADER && off == 0 && l == 2:
+		src = regSport
+	}
+	*d.reg(dreg) = regState{src: src, length: int(l)}
+	return nil
+}
+
+// meta: the layer-4 protocol, interfaces and the mark.
+func (d *iptDecoder) meta(b []byte) error {
+	a := attrs{b: b}
+	var dreg, key uint32
+	hasDreg := false
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_META_DREG:
+			dreg, hasDreg = a.u32(), true
+		case unix.NFTA_META_KEY:
+			key = a.u32()
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	if !hasDreg {
+		// A meta set (MARK's native form): no match.
+		return nil
+	}
+	src := regOther
+	switch key {
+	case unix.NFT_META_L4PROTO:
+		src = regProto
+	case unix.NFT_META_IIFNAME, unix.NFT_META_OIFNAME, unix.NFT_META_MARK:
+		src = regIgnored
+	}
+	*d.reg(dreg) = regState{src: src, length: 4}
+	return nil
+}
+
+// bitwise: an address prefix's mask (or the mark's).
+func (d *iptDecoder) bitwise(b []byte) error {
+	a := attrs{b: b}
+	var sreg, dreg uint32
+	var mask []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_BITWISE_SREG:
+			sreg = a.u32()
+		case unix.NFTA_BITWISE_DREG:
+			dreg = a.u32()
+		case unix.NFTA_BITWISE_MASK:
+			v, _, _, err := dataValue(a.val)
+			if err != nil {
+				return err
+			}
+			mask = v
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	s := *d.reg(sreg)
+	switch s.src {
+	case regSaddr, regDaddr, regIgnored:
+		s.mask = mask
+	default:
+		s.src = regOther
+	}
+	*d.reg(dreg) = s
+	return nil
+}
+
+// cmp: what a match compares a loaded value with.
+func (d *iptDecoder) cmp(b []byte) error {
+	a := attrs{b: b}
+	var sreg, op uint32
+	var value []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_CMP_SREG:
+			sreg = a.u32()
+		case unix.NFTA_CMP_OP:
+			op = a.u32()
+		case unix.NFTA_CMP_DATA:
+			v, _, _, err := dataValue(a.val)
+			if err != nil {
+				return err
+			}
+			value = v
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	s := d.reg(sreg)
+	if op != unix.NFT_CMP_EQ && op != unix.NFT_CMP_NEQ {
+		switch s.src {
+		case regSaddr, regIgnored, regSport:
+		default:
+			// A port range (--dport a:b): iptables-save prints what the
+			// text parser refuses.
+			return d.other("cmp op %d on a %s", op, sourceName(s.src))
+		}
+	}
+	neg := op == unix.NFT_CMP_NEQ
+	switch s.src {
+	case regProto:
+		if len(value) < 1 {
+			return d.other("a protocol of %d bytes", len(value))
+		}
+		// iptables-save prints a negated protocol as "! -p tcp"; the text
+		// parser takes the protocol all the same.
+		proto, ok := protoName(value[0])
+		if !ok {
+			return d.other("protocol %d", value[0])
+		}
+		d.r.Proto = proto
+	case regSaddr:
+		d.r.Cond = true
+	case regDaddr:
+		full := s.length == ipLen(d.fam) && (s.mask == nil || allOnes(s.mask))
+		if neg || !full {
+			d.r.Cond = true
+			return nil
+		}
+		ip, ok := netip.AddrFromSlice(value)
+		if !ok || len(value) != ipLen(d.fam) {
+			return d.other("a destination of %d bytes", len(value))
+		}
+		d.r.Dst = ip.Unmap()
+	case regDport:
+		if len(value) != 2 {
+			return d.other("a port of %d bytes", len(value))
+		}
+		// "! --dport 80" reads as port 80 in the text parser too.
+		d.r.DPort, d.r.HasDPort = binary.BigEndian.Uint16(value), true
+	case regSport, regIgnored:
+	case regData:
+		return d.other("a comparison with an immediate")
+	default:
+		return d.other("a comparison of a %s", sourceName(s.src))
+	}
+	return nil
+}
+
+func sourceName(s regSource) string {
+	switch s {
+	case regProto:
+		return "protocol"
+	case regSaddr:
+		return "source address"
+	case regDaddr:
+		return "destination address"
+	case regDport:
+		return "destination port"
+	case regSport:
+		return "source port"
+	case regNone:
+		return "register never loaded"
+	}
+	return "value the decoder does not know"
+}
+
+func allOnes(b []byte) bool {
+	for _, c := range b {
+		if c != 0xff {
+			return false
+		}
+	}
+	return true
+}
+
+// immediate: a verdict (jump, goto, accept, ...) or a value loaded for a
+// native nat expression.
+func (d *iptDecoder) immediate(b []byte) error {
+	a := attrs{b: b}
+	var dreg uint32
+	var data []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_IMMEDIATE_DREG:
+			dreg = a.u32()
+		case unix.NFTA_IMMEDIATE_DATA:
+			data = a.val
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	if dreg != unix.NFT_REG_VERDICT {
+		v, _, _, err := dataValue(data)
+		if err != nil {
+			return err
+		}
+		*d.reg(dreg) = regState{src: regData, data: v}
+		return nil
+	}
+	v := attrs{b: data}
+	for v.next() {
+		if v.typ != unix.NFTA_DATA_VERDICT {
+			continue
+		}
+		va := attrs{b: v.val}
+		var code int32
+		var chain string
+		for va.next() {
+			switch va.typ {
+			case unix.NFTA_VERDICT_CODE:
+				code = int32(va.u32())
+			case unix.NFTA_VERDICT_CHAIN:
+				chain = va.str()
+			}
+		}
+		if va.err != nil {
+			return va.err
+		}
+		switch code {
+		case unix.NFT_JUMP:
+			d.r.Jump, d.r.Goto = chain, false
+		case unix.NFT_GOTO:
+			d.r.Jump, d.r.Goto = chain, true
+		case nfAccept:
+			d.r.Jump = "ACCEPT"
+		case nfDrop:
+			d.r.Jump = "DROP"
+		case unix.NFT_RETURN:
+			d.r.Jump = "RETURN"
+		case unix.NFT_CONTINUE:
+		default:
+			return d.other("verdict %d", code)
+		}
+	}
+	return v.err
+}
+
+// nat: a DNAT in native form (loaded address and port).
+func (d *iptDecoder) nat(b []byte) error {
+	a := attrs{b: b}
+	var typ, regAddr, regAddrMax, regProto, regProtoMax, flags uint32
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_NAT_TYPE:
+			typ = a.u32()
+		case unix.NFTA_NAT_REG_ADDR_MIN:
+			regAddr = a.u32()
+		case unix.NFTA_NAT_REG_ADDR_MAX:
+			regAddrMax = a.u32()
+		case unix.NFTA_NAT_REG_PROTO_MIN:
+			regProto = a.u32()
+		case unix.NFTA_NAT_REG_PROTO_MAX:
+			regProtoMax = a.u32()
+		case unix.NFTA_NAT_FLAGS:
+			flags = a.u32()
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	if typ != unix.NFT_NAT_DNAT {
+		d.r.Jump = "SNAT"
+		return nil
+	}
+	d.r.Jump = "DNAT"
+	addr, port := d.reg(regAddr), d.reg(regProto)
+	if addr.src != regData || port.src != regData || (regAddrMax != 0 && regAddrMax != regAddr) || (regProtoMax != 0 && regProtoMax != regProto) ||
+		flags&^(nfNATRangeMapIPs|nfNATRangeProto|nfNATRangeRandom|nfNATRangePersist|nfNATRangeFully) != 0 || len(port.data) < 2 {
+		return undecodable("a DNAT to other than one address and port")
+	}
+	ip, ok := netip.AddrFromSlice(addr.data)
+	if !ok || len(addr.data) != ipLen(d.fam) {
+		return undecodable("a DNAT address of %d bytes", len(addr.data))
+	}
+	d.r.DNAT = netip.AddrPortFrom(ip.Unmap(), binary.BigEndian.Uint16(port.data))
+	return nil
+}
+
+// xt reads an xtables match or target: its name, revision and the
+// legacy struct it carries.
+func (d *iptDecoder) xt(b []byte, target bool) error {
+	a := attrs{b: b}
+	var name string
+	var rev uint32
+	var info []byte
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_MATCH_NAME: // = NFTA_TARGET_NAME
+			name = a.str()
+		case unix.NFTA_MATCH_REV:
+			rev = a.u32()
+		case unix.NFTA_MATCH_INFO:
+			info = a.val
+		}
+	}
+	if a.err != nil {
+		return a.err
+	}
+	if target {
+		d.r.Jump = name
+		if name == "DNAT" {
+			return d.dnat(rev, info)
+		}
+		return nil
+	}
+	switch name {
+	case "comment":
+		d.r.Comment, d.hasComment = cString(info[:min(len(info), xtCommentLen)]), true
+	case "tcp", "udp":
+		// struct xt_tcp / xt_udp: u16 spts[2], dpts[2] (host order), then
+		// (tcp) option, flg_mask, flg_cmp, invflags / (udp) invflags.
+		if len(info) < 8 {
+			return d.other("%s match of %d bytes", name, len(info))
+		}
+		lo, hi := binary.NativeEndian.Uint16(info[4:]), binary.NativeEndian.Uint16(info[6:])
+		return d.port(name, lo, hi)
+	case "sctp":
+		// struct xt_sctp_info: u16 dpts[2], spts[2], chunkmap[64] (u32),
+		// chunk_match_type, flag_info[4] (3 bytes each), flag_count,
+		// flags, invflags.
+		if len(info) < 288 {
+			return d.other("sctp match of %d bytes", len(info))
+		}
+		if binary.NativeEndian.Uint32(info[284:])&xtSCTPDestPorts == 0 {
+			return nil
+		}
+		return d.port(name, binary.NativeEndian.Uint16(info[0:]), binary.NativeEndian.Uint16(info[2:]))
+	case "addrtype":
+		// rev 0: u16 source, dest, u32 invert_source, invert_dest;
+		// rev 1: u16 source, dest, u32 flags. A source type is a condition.
+		if len(info) < 4 {
+			return d.other("addrtype match of %d bytes", len(info))
+		}
+		if binary.NativeEndian.Uint16(info) != 0 {
+			d.r.Cond = true
+		}
+	case "statistic", "recent", "nfacct", "mark", "conntrack", "state", "limit", "multiport", "connmark", "pkttype", "physdev", "set", "mac":
+		// Matches whose options the text parser skips.
+	default:
+		return d.other("match %q", clip(name))
+	}
+	return nil
+}
+
+// port records a tcp, udp or sctp match's destination port as iptables-
+// save prints it: nothing for any port, "--dport N" (negated or not) for
+// one, a range the text parser refuses.
+func (d *iptDecoder) port(name string, lo, hi uint16) error {
+	switch {
+	case lo == 0 && hi == 0xffff:
+	case lo == hi:
+		d.r.DPort, d.r.HasDPort = lo, true
+	default:
+		return d.other("%s match of ports %d:%d", name, lo, hi)
+	}
+	return nil
+}
+
+// dnat reads the DNAT target's range: revision 0 (IPv4's
+// nf_nat_ipv4_multi_range_compat), 1 (nf_nat_range) or 2 (nf_nat_range2).
+// Only one address and one port is what the text parser reads; anything
+// else (a range, no port, an offset) is undecodable, as the text parser
+// refuses it too.
+func (d *iptDecoder) dnat(rev uint32, info []byte) error {
+	var flags uint32
+	var minIP, maxIP []byte
+	var minPort, maxPort uint16
+	switch rev {
+	case 0:
+		if d.fam != 4 || len(info) < 20 || binary.NativeEndian.Uint32(info) != 1 {
+			return undecodable("DNAT revision 0 of %d bytes", len(info))
+		}
+		flags = binary.NativeEndian.Uint32(info[4:])
+		minIP, maxIP = info[8:12], info[12:16]
+		minPort, maxPort = binary.BigEndian.Uint16(info[16:]), binary.BigEndian.Uint16(info[18:])
+	case 1, 2:
+		if len(info) < 40 {
+			return undecodable("DNAT revision %d of %d bytes", rev, len(info))
+		}
+		flags = binary.NativeEndian.Uint32(info)
+		n := ipLen(d.fam)
+		minIP, maxIP = info[4:4+n], info[20:20+n]
+		minPort, maxPort = binary.BigEndian.Uint16(info[36:]), binary.BigEndian.Uint16(info[38:])
+	default:
+		return undecodable("DNAT revision %d", rev)
+	}
+	if flags&nfNATRangeMapIPs == 0 || flags&nfNATRangeProto == 0 || flags&^(nfNATRangeMapIPs|nfNATRangeProto|nfNATRangeRandom|nfNATRangePersist|nfNATRangeFully) != 0 ||
+		!bytes.Equal(minIP, maxIP) || minPort != maxPort {
+		return undecodable("a DNAT to other than one address and port (flags %#x)", flags)
+	}
+	ip, _ := netip.AddrFromSlice(minIP)
+	d.r.DNAT = netip.AddrPortFrom(ip.Unmap(), minPort)
+	return nil
+}

@@ -1,0 +1,105 @@
+package collector
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// iptablesCaptures are the iptables-save dumps captured from genuine
+// kube-proxies (nf_tables backend), both families where the node had them.
+func iptablesCaptures(t testing.TB, legacy bool) map[string][]byte {
+	t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	globs := []string{"audit/testdata/capture/*/ipt-*.rules", "audit/testdata/dualstack/*/ds-ipt.rules"}
+	if legacy {
+		globs = []string{"audit/testdata/dualstack/*/ds-legacy.rules"}
+	}
+	out := map[string][]byte{}
+	for _, g := range globs {
+		files, _ := filepath.Glob(filepath.Join(root, g))
+		for _, f := range files {
+			data, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[filepath.Base(filepath.Dir(f))+"/"+filepath.Base(f)] = data
+		}
+	}
+	if len(out) == 0 {
+		t.Fatal("no iptables captures")
+	}
+	return out
+}
+
+// sameModel fails t when got and want are not the same model, naming the
+// first frontend that differs.
+func sameModel(t testing.TB, what string, got, want *audit.Observed) bool {
+	t.Helper()
+	if reflect.DeepEqual(got, want) {
+		return true
+	}
+	a, b := stream.FromModel(got).Root(), stream.FromModel(want).Root()
+	t.Errorf("%s: netlink read %d frontends (root %x, families %v, no rules %v), iptables-save %d (root %x, families %v, no rules %v)",
+		what, len(got.Frontends), a, got.Families, got.NoRules, len(want.Frontends), b, want.Families, want.NoRules)
+	for i := range min(len(got.Frontends), len(want.Frontends)) {
+		if !reflect.DeepEqual(got.Frontends[i], want.Frontends[i]) {
+			t.Logf("first difference:\n netlink       %+v\n iptables-save %+v", got.Frontends[i], want.Frontends[i])
+			break
+		}
+	}
+	return false
+}
+
+// The netlink reader reads every iptables ruleset captured from genuine
+// kube-proxy (both families, comments and the large-cluster layout) as
+// iptables-save and the text parser do: each loaded into a real kernel
+// and read back both ways.
+func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
+	localcluster.NeedRoot(t, false)
+	ctx := context.Background()
+	for name, data := range iptablesCaptures(t, false) {
+		ns, err := localcluster.NewScratch(ctx, "iptfix")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ns.RestoreIPTables(ctx, data, false); err != nil {
+			ns.Close()
+			t.Fatalf("%s: %v", name, err)
+		}
+		host := NewHost()
+		var got, want *audit.Observed
+		err = localcluster.InNetNS(ns.NetNS, func() error {
+			r := host.Reader(Source{Mode: audit.ModeIPTables}).(*iptNFTReader)
+			var err error
+			if got, err = r.Read(ctx); err != nil {
+				return err
+			}
+			if n := r.fallbacks.Load(); n > 0 {
+				t.Errorf("%s: the netlink read fell back to iptables-save: %v", name, r.lastFallback.Load())
+			}
+			want, err = host.iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
+			return err
+		})
+		ns.Close()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if sameModel(t, name, got, want) {
+			t.Logf("%s: %d frontends, families %v, same model", name, len(got.Frontends), got.Families)
+		}
+		if len(want.Frontends) == 0 || !strings.Contains(name, "ds-") && len(got.Families) != 2 {
+			t.Errorf("%s: %d frontends in families %v", name, len(want.Frontends), want.Families)
+		}
+	}
+}

@@ -1,0 +1,485 @@
+package collector
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// iptNFTReader reads iptables-nft's nat tables (table ip nat and table
+// ip6 nat, where iptables-nft keeps the rules iptables-save prints)
+// straight from the kernel over netlink, and after the first read only
+// the chains a commit touched: the change signal's notifications name
+// them (NEWRULE, DELRULE, NEWCHAIN, DELCHAIN), and each is dumped again
+// on its own. A sync of kube-proxy that rewrote ten services costs their
+// chains and its dispatch chains, not the table.
+//
+// A whole read streams the table's rules through one 64 KiB buffer,
+// decoding each into the chain-by-chain model (audit.IPTablesNAT). Under
+// churn a whole dump can be interrupted (the kernel resumes a dump by
+// position, so a commit between two parts may skip or repeat rules, and
+// flags it NLM_F_DUMP_INTR): it is tried again, and after a few
+// interrupted tries read chain by chain (each chain's dump is small). A
+// rule the decoder does not understand in a chain the audit reads makes
+// that read fall back to iptables-save for the family (counted).
+type iptNFTReader struct {
+	mu   sync.Mutex
+	fd   int // -1: closed
+	buf  []byte
+	seq  uint32
+	fams [2]*audit.IPTablesNAT // IPv4, IPv6; nil: no base (the next read is whole)
+	// text reads one family with iptables-save when the decoder cannot;
+	// nil: no tool (the error stands).
+	text  func(ctx context.Context, fam int) (*audit.Observed, error)
+	notes chainNotes
+	bytes atomic.Int64
+	// Where reads went: whole netlink reads, chains read again, whole
+	// reads done chain by chain after interrupted dumps, and reads that
+	// fell back to iptables-save.
+	whole, chains, byChain, fallbacks atomic.Int64
+	lastFallback                      atomic.Value // string: why
+}
+
+func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
+	return &iptNFTReader{fd: -1, text: text}
+}
+
+var (
+	_ RuleReader       = (*iptNFTReader)(nil)
+	_ ChangeReader     = (*iptNFTReader)(nil)
+	_ NotificationSink = (*iptNFTReader)(nil)
+)
+
+func (r *iptNFTReader) String() string { return "iptables (nf_tables backend, netlink)" }
+
+// Source is where the reader reads from.
+func (r *iptNFTReader) Source() Source { return Source{Mode: audit.ModeIPTables} }
+
+// BytesRead is what the last read received from the kernel.
+func (r *iptNFTReader) BytesRead() int64 { return r.bytes.Load() }
+
+// Note, Lost and Subscribed make the reader the change signal's
+// NotificationSink.
+func (r *iptNFTReader) Note(typ uint16, data []byte) { r.notes.Note(typ, data) }
+
+// Lost: see NotificationSink.
+func (r *iptNFTReader) Lost() { r.notes.Lost() }
+
+// Subscribed: see NotificationSink.
+func (r *iptNFTReader) Subscribed(on bool) { r.notes.Subscribed(on) }
+
+// Read reads both families whole.
+func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.fams = [2]*audit.IPTablesNAT{}
+	ch, err := r.read(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return ch.Whole, nil
+}
+
+// ReadChanges reads what changed since the last read.
+func (r *iptNFTReader) ReadChanges(ctx context.Context) (*Changes, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.read(ctx)
+}
+
+// maxChainReads is the most chains a read dumps one by one; more touched
+// since the last read (a flush, kube-proxy's full sync) is a whole read.
+const maxChainReads = 4096
+
+func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
+	if r.fd < 0 {
+		fd, err := openNetfilter()
+		if err != nil {
+			return nil, err
+		}
+		r.fd = fd
+		if r.buf == nil {
+			r.buf = make([]byte, nlBuffer)
+		}
+	}
+	var n int64
+	defer func() { r.bytes.Store(n) }()
+	// What was touched up to now; what is touched from here on is read
+	// next time.
+	touched := r.notes.take()
+	whole := false
+	var parts []*audit.Observed
+	var changed []audit.ObservedFrontend
+	var removed []audit.FrontendKey
+	for i, fam := range []int{4, 6} {
+		t := touched.fams[i]
+		base := r.fams[i]
+		if base == nil || touched.lost || t.reset || len(t.chains) > maxChainReads {
+			nat, err := r.readTable(ctx, fam, &n)
+			var obs *audit.Observed
+			switch {
+			case errors.Is(err, ErrUndecodable) && r.text != nil:
+				r.fallbacks.Add(1)
+				r.lastFallback.Store(err.Error())
+				obs, err = r.text(ctx, fam)
+				if err != nil {
+					r.fams = [2]*audit.IPTablesNAT{}
+					return nil, fmt.Errorf("IPv%d rules: the netlink read failed (%v) and so did the fallback: %w", fam, errors.Unwrap(err), err)
+				}
+				nat = nil // no base: the next read is whole again
+			case err != nil:
+				r.fams = [2]*audit.IPTablesNAT{}
+				r.closeOnError(err)
+				return nil, fmt.Errorf("read table %s nat over netlink: %w", nftFamily(fam), err)
+			default:
+				fs, _ := nat.Changes()
+				obs = &audit.Observed{Mode: audit.ModeIPTables, Families: []int{fam}, Frontends: fs, NoRules: len(fs) == 0}
+			}
+			r.fams[i] = nat
+			parts = append(parts, obs)
+			whole = true
+			continue
+		}
+		for chain := range t.chains {
+			rules, ok, err := r.readChain(ctx, fam, chain, &n)
+			if err != nil {
+				r.fams = [2]*audit.IPTablesNAT{}
+				r.closeOnError(err)
+				if errors.Is(err, ErrUndecodable) {
+					// The next read is whole, and falls back to the tool.
+					return r.read(ctx)
+				}
+				return nil, fmt.Errorf("read chain %s of table %s nat over netlink: %w", clip(chain), nftFamily(fam), err)
+			}
+			r.chains.Add(1)
+			if !ok {
+				base.DeleteChain(chain)
+				continue
+			}
+			if err := base.SetChain(chain, rules); err != nil {
+				r.fams = [2]*audit.IPTablesNAT{}
+				return nil, err
+			}
+		}
+		c, rm := base.Changes()
+		changed = append(changed, c...)
+		removed = append(removed, rm...)
+	}
+	if whole {
+		// A family read whole makes the read whole: the other family's
+		// model is built from its table as it stands.
+		for i, fam := range []int{4, 6} {
+			if len(parts) > i && parts[i].Families[0] == fam {
+				continue
+			}
+			if nat := r.fams[i]; nat != nil {
+				o := nat.Observed()
+				parts = slices.Insert(parts, i, o)
+			}
+		}
+		obs, err := audit.Merge(parts...)
+		if err != nil {
+			r.fams = [2]*audit.IPTablesNAT{}
+			return nil, err
+		}
+		return &Changes{Whole: obs}, nil
+	}
+	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
+	slices.SortFunc(removed, audit.FrontendKey.Compare)
+	total := 0
+	for _, nat := range r.fams {
+		total += nat.Len()
+	}
+	return &Changes{Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
+}
+
+// closeOnError drops a socket that may hold part of a dump.
+func (r *iptNFTReader) closeOnError(err error) {
+	if r.fd >= 0 && !errors.Is(err, ErrUndecodable) {
+		unix.Close(r.fd)
+		r.fd = -1
+	}
+}
+
+// interruptedTries is how many interrupted whole dumps a read accepts
+// before it reads the table chain by chain.
+const interruptedTries = 3
+
+// readTable reads one family's nat table whole into a new model. A table
+// that does not exist reads as an empty one.
+func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
+	for try := 0; try < interruptedTries; try++ {
+		nat := audit.NewIPTablesNAT(fam)
+		var cur string
+		var rules []audit.IPTRule
+		var ferr error
+		flush := func() {
+			if cur != "" && ferr == nil {
+				ferr = nat.SetChain(cur, rules)
+			}
+			cur, rules = "", rules[:0]
+		}
+		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, func(body []byte) error {
+			d, err := decodeIPTNFTRule(body, fam)
+			if err != nil {
+				return err
+			}
+			if d.table != "nat" || d.skipped {
+				return nil
+			}
+			// A dump lists each chain's rules together.
+			if d.chain != cur {
+				flush()
+				cur = d.chain
+			}
+			rules = append(rules, d.rule)
+			return nil
+		})
+		flush()
+		switch {
+		case errors.Is(err, unix.ENOENT):
+			return audit.NewIPTablesNAT(fam), nil
+		case err != nil:
+			return nil, err
+		case ferr != nil:
+			return nil, ferr
+		case !intr:
+			r.whole.Add(1)
+			return nat, nil
+		}
+	}
+	r.byChain.Add(1)
+	return r.readTableByChain(ctx, fam, n)
+}
+
+// readTableByChain reads a family's nat table chain by chain: the chain
+// list, then each chain the audit reads in a dump of its own (a commit
+// during the read touches chains the next read reads again).
+func (r *iptNFTReader) readTableByChain(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
+	var names []string
+	for try := 0; ; try++ {
+		names = names[:0]
+		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nlAttr(unix.NFTA_CHAIN_TABLE, cstring("nat")), n, func(body []byte) error {
+			table, name := chainOf(body)
+			if table == "nat" && audit.Reads(name) {
+				names = append(names, name)
+			}
+			return nil
+		})
+		if errors.Is(err, unix.ENOENT) {
+			return audit.NewIPTablesNAT(fam), nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		if !intr {
+			break
+		}
+		if try == 10 {
+			return nil, errors.New("the chain list was interrupted by commits ten times in a row")
+		}
+	}
+	nat := audit.NewIPTablesNAT(fam)
+	for _, name := range names {
+		rules, ok, err := r.readChain(ctx, fam, name, n)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			if err := nat.SetChain(name, rules); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return nat, nil
+}
+
+// readChain dumps one chain's rules; ok is false when the chain (or the
+// table) does not exist. A chain's dump interrupted by a commit is tried
+// again; after a few tries its rules are taken as read, and the commit's
+// notifications have it read again next time.
+func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]audit.IPTRule, bool, error) {
+	var rules []audit.IPTRule
+	for try := 0; ; try++ {
+		rules = rules[:0]
+		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
+			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n,
+			func(body []byte) error {
+				d, err := decodeIPTNFTRule(body, fam)
+				if err != nil {
+					return err
+				}
+				if d.table == "nat" && d.chain == chain {
+					rules = append(rules, d.rule)
+				}
+				return nil
+			})
+		switch {
+		case errors.Is(err, unix.ENOENT):
+			return nil, false, nil
+		case err != nil:
+			return nil, false, err
+		case intr && try < interruptedTries:
+			continue
+		case intr:
+			r.notes.touch(fam, chain)
+		}
+		return rules, true, nil
+	}
+}
+
+// chainOf reads a NEWCHAIN body's table and chain name.
+func chainOf(data []byte) (table, name string) {
+	a, err := body(data, "chain")
+	if err != nil {
+		return "", ""
+	}
+	for a.next() {
+		switch a.typ {
+		case unix.NFTA_CHAIN_TABLE:
+			table = a.str()
+		case unix.NFTA_CHAIN_NAME:
+			name = a.str()
+		}
+	}
+	return table, name
+}
+
+// nlBuffer is the one receive buffer dumps are read through: the kernel
+// fills it with as many messages as fit (a dump's part is at most 32 KiB)
+// and the next read continues the dump.
+const nlBuffer = 64 << 10
+
+// openNetfilter opens a netlink socket to nf_tables for requests.
+func openNetfilter() (int, error) {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return -1, fmt.Errorf("nf_tables netlink socket: %w (the collector needs CAP_NET_ADMIN in the node's network namespace)", err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("nf_tables netlink bind: %w", err)
+	}
+	// A receive that waits a second looks at the context again.
+	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 1})
+	return fd, nil
+}
+
+// nlAttr encodes one netlink attribute.
+func nlAttr(typ uint16, v []byte) []byte {
+	l := 4 + len(v)
+	b := make([]byte, 4, (l+3)&^3)
+	binary.NativeEndian.PutUint16(b, uint16(l))
+	binary.NativeEndian.PutUint16(b[2:], typ)
+	b = append(b, v...)
+	for len(b)%4 != 0 {
+		b = append(b, 0)
+	}
+	return b
+}
+
+// dump sends one nf_tables dump request of family fam and hands each
+// reply's body to fn as it arrives. intr says the kernel flagged the dump
+// interrupted by a commit (NLM_F_DUMP_INTR): its parts may not agree.
+// The kernel's refusal comes back as its errno (ENOENT: no such table or
+// chain).
+func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []byte, n *int64, fn func([]byte) error) (intr bool, err error) {
+	r.seq++
+	seq := r.seq
+	req := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
+	req = append(req, attrs...)
+	binary.NativeEndian.PutUint32(req, uint32(len(req)))
+	binary.NativeEndian.PutUint16(req[4:], unix.NFNL_SUBSYS_NFTABLES<<8|msg)
+	binary.NativeEndian.PutUint16(req[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	binary.NativeEndian.PutUint32(req[8:], seq)
+	req[unix.NLMSG_HDRLEN] = nfproto(fam)
+	req[unix.NLMSG_HDRLEN+1] = unix.NFNETLINK_V0
+	if err := unix.Sendto(r.fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return false, fmt.Errorf("dump request: %w", err)
+	}
+	var ferr error
+	for {
+		if err := ctx.Err(); err != nil {
+			return false, err
+		}
+		got, _, err := unix.Recvfrom(r.fd, r.buf, 0)
+		switch {
+		case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
+			continue
+		case err != nil:
+			return false, fmt.Errorf("reading the dump: %w", err)
+		}
+		*n += int64(got)
+		done, in, err := nlMessages(r.buf[:got], seq, func(body []byte) error {
+			if ferr != nil {
+				return nil // drain the dump; the first error stands
+			}
+			ferr = fn(body)
+			return nil
+		})
+		intr = intr || in
+		if err != nil {
+			return false, err
+		}
+		if done {
+			return intr, ferr
+		}
+	}
+}
+
+// nlMessages hands each nf_tables message of request seq in one datagram
+// to fn: done at the dump's end, intr if any was flagged interrupted, the
+// kernel's errno if it refused.
+func nlMessages(b []byte, seq uint32, fn func([]byte) error) (done, intr bool, err error) {
+	for len(b) > 0 {
+		if len(b) < unix.NLMSG_HDRLEN {
+			return false, intr, errors.New("truncated netlink header")
+		}
+		l := int(binary.NativeEndian.Uint32(b))
+		if l < unix.NLMSG_HDRLEN || l > len(b) {
+			return false, intr, fmt.Errorf("netlink message length %d of %d bytes", l, len(b))
+		}
+		typ := binary.NativeEndian.Uint16(b[4:])
+		flags := binary.NativeEndian.Uint16(b[6:])
+		msgSeq := binary.NativeEndian.Uint32(b[8:])
+		body := b[unix.NLMSG_HDRLEN:l]
+		b = b[min((l+unix.NLMSG_ALIGNTO-1)&^(unix.NLMSG_ALIGNTO-1), len(b)):]
+		if msgSeq != seq {
+			continue
+		}
+		intr = intr || flags&unix.NLM_F_DUMP_INTR != 0
+		switch typ {
+		case unix.NLMSG_DONE:
+			return true, intr, nil
+		case unix.NLMSG_ERROR:
+			if len(body) >= 4 {
+				if errno := -int32(binary.NativeEndian.Uint32(body)); errno != 0 {
+					return true, intr, os.NewSyscallError("nf_tables", unix.Errno(errno))
+				}
+			}
+			return true, intr, nil
+		}
+		if typ>>8 == unix.NFNL_SUBSYS_NFTABLES {
+			if err := fn(body); err != nil {
+				return false, intr, err
+			}
+		}
+	}
+	return false, intr, nil
+}
+
+func nfproto(fam int) byte {
+	if fam == 6 {
+		return unix.NFPROTO_IPV6
+	}
+	return unix.NFPROTO_IPV4
+}
