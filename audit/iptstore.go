@@ -228,6 +228,15 @@ func (p *iptables) putDNAT(id sepID, targets []netip.AddrPort) {
 	}
 }
 
+// Len is the number of frontends as of the last Changes (0 for a nil
+// table).
+func (t *IPTablesNAT) Len() int {
+	if t == nil {
+		return 0
+	}
+	return len(t.fronts)
+}
+
 // Observed is the whole model of the table.
 func (t *IPTablesNAT) Observed() *Observed {
 	return t.p.observed(t.fam, t.p.frontTable(t.fam))

@@ -125,8 +125,10 @@ func clipKey(s string) string { return s[:min(len(s), 80)] }
 
 func (k FrontendKey) less(o FrontendKey) bool { return k.compare(o) < 0 }
 
-// compare orders keys: addresses before node ports, then by address,
-// protocol and port.
+// Compare orders keys as a model's frontends are sorted: addresses before
+// node ports, then by address, protocol and port.
+func (k FrontendKey) Compare(o FrontendKey) int { return k.compare(o) }
+
 func (k FrontendKey) compare(o FrontendKey) int {
 	if k.NodePort != o.NodePort {
 		if k.NodePort {

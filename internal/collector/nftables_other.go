@@ -19,7 +19,9 @@ func (noNetlink) Read(context.Context) (*audit.Observed, error) {
 
 func (noNetlink) String() string { return "nftables (netlink)" }
 
-func newIPTNFTReader(func(ctx context.Context, fam int) (*audit.Observed, error)) RuleReader { return noIPTNetlink{} }
+func newIPTNFTReader(func(ctx context.Context, fam int) (*audit.Observed, error)) RuleReader {
+	return noIPTNetlink{}
+}
 
 type noIPTNetlink struct{}
 
