@@ -19,6 +19,8 @@ type chainNotes struct {
 	subscribed bool
 	lost       bool
 	fams       [2]famNotes
+	// gen is the generation of the last commit announced.
+	gen uint32
 }
 
 type famNotes struct {
@@ -38,6 +40,14 @@ var _ NotificationSink = (*chainNotes)(nil)
 // them only chains the audit reads.
 func (n *chainNotes) Note(typ uint16, data []byte) {
 	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
+		return
+	}
+	if typ&0xff == unix.NFT_MSG_NEWGEN {
+		if g, ok := genID(data); ok {
+			n.mu.Lock()
+			n.gen = g
+			n.mu.Unlock()
+		}
 		return
 	}
 	i := 0
@@ -115,6 +125,13 @@ func (n *chainNotes) Subscribed(on bool) {
 	n.mu.Lock()
 	n.subscribed, n.lost = on, true
 	n.mu.Unlock()
+}
+
+// lastGen is the generation of the last commit announced.
+func (n *chainNotes) lastGen() uint32 {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.gen
 }
 
 // take returns what was touched since the last take and starts afresh.
