@@ -172,7 +172,7 @@ func captureNetlinkMessages(t *testing.T) {
 				return err
 			}
 			defer unix.Close(fd)
-			r.fd, r.buf = fd, make([]byte, nlBuffer)
+			r.fd = fd
 			for _, fam := range []int{4, 6} {
 				var msgs [][]byte
 				var n int64

@@ -88,6 +88,17 @@ func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
 			if n := r.fallbacks.Load(); n > 0 {
 				t.Errorf("%s: the netlink read fell back to iptables-save: %v", name, r.lastFallback.Load())
 			}
+			// Chain by chain, as a large table is read.
+			byChain := newIPTNFTReader(nil)
+			byChain.wholeDumpChains = 0
+			again, err := byChain.Read(ctx)
+			if err != nil {
+				return err
+			}
+			if byChain.byChain.Load() == 0 {
+				t.Errorf("%s: not read chain by chain", name)
+			}
+			sameModel(t, name+" chain by chain", again, got)
 			want, err = host.iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
 			return err
 		})

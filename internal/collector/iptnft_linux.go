@@ -9,6 +9,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -34,7 +35,8 @@ import (
 type iptNFTReader struct {
 	mu   sync.Mutex
 	fd   int // -1: closed
-	buf  []byte
+	bufs [2][]byte
+	got  [][]byte
 	seq  uint32
 	fams [2]*audit.IPTablesNAT // IPv4, IPv6; nil: no base (the next read is whole)
 	// text reads one family with iptables-save when the decoder cannot;
@@ -47,10 +49,13 @@ type iptNFTReader struct {
 	// fell back to iptables-save.
 	whole, chains, byChain, fallbacks atomic.Int64
 	lastFallback                      atomic.Value // string: why
+	// wholeDumpChains: see the constant (tests read small tables chain by
+	// chain with 0).
+	wholeDumpChains int
 }
 
 func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
-	return &iptNFTReader{fd: -1, text: text}
+	return &iptNFTReader{fd: -1, text: text, wholeDumpChains: wholeDumpChains}
 }
 
 var (
@@ -107,9 +112,6 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 			return nil, err
 		}
 		r.fd = fd
-		if r.buf == nil {
-			r.buf = make([]byte, nlBuffer)
-		}
 	}
 	var n int64
 	defer func() { r.bytes.Store(n) }()
@@ -210,67 +212,34 @@ func (r *iptNFTReader) closeOnError(err error) {
 	}
 }
 
-// interruptedTries is how many interrupted whole dumps a read accepts
-// before it reads the table chain by chain.
+// interruptedTries is how many interrupted dumps a read tries again.
 const interruptedTries = 3
 
-// readTable reads one family's nat table whole into a new model. A table
-// that does not exist reads as an empty one.
-func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
-	for try := 0; try < interruptedTries; try++ {
-		nat := audit.NewIPTablesNAT(fam)
-		var cur string
-		var rules []audit.IPTRule
-		var ferr error
-		flush := func() {
-			if cur != "" && ferr == nil {
-				ferr = nat.SetChain(cur, rules)
-			}
-			cur, rules = "", rules[:0]
-		}
-		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, func(body []byte) error {
-			d, err := decodeIPTNFTRule(body, fam)
-			if err != nil {
-				return err
-			}
-			if d.table != "nat" || d.skipped {
-				return nil
-			}
-			// A dump lists each chain's rules together.
-			if d.chain != cur {
-				flush()
-				cur = d.chain
-			}
-			rules = append(rules, d.rule)
-			return nil
-		})
-		flush()
-		switch {
-		case errors.Is(err, unix.ENOENT):
-			return audit.NewIPTablesNAT(fam), nil
-		case err != nil:
-			return nil, err
-		case ferr != nil:
-			return nil, ferr
-		case !intr:
-			r.whole.Add(1)
-			return nat, nil
-		}
-	}
-	r.byChain.Add(1)
-	return r.readTableByChain(ctx, fam, n)
-}
+// wholeDumpChains is the most chains a table may have for a read to dump
+// its rules in one request. The kernel resumes each 32 KiB part of a
+// dump by walking the table from its start, so one dump of a large table
+// costs the square of its size (4,000 services: a second of system time,
+// 10k: about ten); a dump per chain costs ~10 µs of kernel time per
+// chain whatever the size, which is less from about 1,500 services on
+// (docs/benchmarks.md).
+const wholeDumpChains = 12000
 
-// readTableByChain reads a family's nat table chain by chain: the chain
-// list, then each chain the audit reads in a dump of its own (a commit
-// during the read touches chains the next read reads again).
-func (r *iptNFTReader) readTableByChain(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
+// readTable reads one family's nat table whole into a new model: its
+// chain list, then its rules in one dump when the table is small and
+// chain by chain when it is large. A table that does not exist reads as
+// an empty one.
+func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
 	var names []string
+	all := 0
 	for try := 0; ; try++ {
-		names = names[:0]
+		names, all = names[:0], 0
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nlAttr(unix.NFTA_CHAIN_TABLE, cstring("nat")), n, func(body []byte) error {
 			table, name := chainOf(body)
-			if table == "nat" && audit.Reads(name) {
+			if table != "nat" {
+				return nil
+			}
+			all++
+			if audit.Reads(name) {
 				names = append(names, name)
 			}
 			return nil
@@ -288,6 +257,18 @@ func (r *iptNFTReader) readTableByChain(ctx context.Context, fam int, n *int64) 
 			return nil, errors.New("the chain list was interrupted by commits ten times in a row")
 		}
 	}
+	if all <= r.wholeDumpChains {
+		for try := 0; try < interruptedTries; try++ {
+			nat, intr, err := r.dumpTable(ctx, fam, n)
+			if err != nil || !intr {
+				r.whole.Add(1)
+				return nat, err
+			}
+		}
+	}
+	// Chain by chain; a commit during the read touches chains the next
+	// read reads again.
+	r.byChain.Add(1)
 	nat := audit.NewIPTablesNAT(fam)
 	for _, name := range names {
 		rules, ok, err := r.readChain(ctx, fam, name, n)
@@ -301,6 +282,46 @@ func (r *iptNFTReader) readTableByChain(ctx context.Context, fam int, n *int64) 
 		}
 	}
 	return nat, nil
+}
+
+// dumpTable reads a family's nat table's rules in one dump.
+func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, bool, error) {
+	nat := audit.NewIPTablesNAT(fam)
+	var cur string
+	var rules []audit.IPTRule
+	var ferr error
+	flush := func() {
+		if cur != "" && ferr == nil {
+			ferr = nat.SetChain(cur, rules)
+		}
+		cur, rules = "", rules[:0]
+	}
+	intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, func(body []byte) error {
+		d, err := decodeIPTNFTRule(body, fam)
+		if err != nil {
+			return err
+		}
+		if d.table != "nat" || d.skipped {
+			return nil
+		}
+		// A dump lists each chain's rules together.
+		if d.chain != cur {
+			flush()
+			cur = d.chain
+		}
+		rules = append(rules, d.rule)
+		return nil
+	})
+	flush()
+	switch {
+	case errors.Is(err, unix.ENOENT):
+		return audit.NewIPTablesNAT(fam), false, nil
+	case err != nil:
+		return nil, false, err
+	case ferr != nil:
+		return nil, false, ferr
+	}
+	return nat, intr, nil
 }
 
 // readChain dumps one chain's rules; ok is false when the chain (or the
@@ -354,9 +375,9 @@ func chainOf(data []byte) (table, name string) {
 	return table, name
 }
 
-// nlBuffer is the one receive buffer dumps are read through: the kernel
-// fills it with as many messages as fit (a dump's part is at most 32 KiB)
-// and the next read continues the dump.
+// nlBuffer is the size of each of the two receive buffers dumps are read
+// through: the kernel fills a datagram with as many messages as fit (a
+// dump's part is at most 32 KiB) and the next read continues the dump.
 const nlBuffer = 64 << 10
 
 // openNetfilter opens a netlink socket to nf_tables for requests.
@@ -407,33 +428,66 @@ func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []by
 		return false, fmt.Errorf("dump request: %w", err)
 	}
 	var ferr error
+	each := func(body []byte) error {
+		if ferr != nil {
+			return nil // drain the dump; the first error stands
+		}
+		ferr = fn(body)
+		return nil
+	}
 	for {
 		if err := ctx.Err(); err != nil {
 			return false, err
 		}
-		got, _, err := unix.Recvfrom(r.fd, r.buf, 0)
+		got, err := r.recv()
 		switch {
 		case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
 			continue
 		case err != nil:
 			return false, fmt.Errorf("reading the dump: %w", err)
 		}
-		*n += int64(got)
-		done, in, err := nlMessages(r.buf[:got], seq, func(body []byte) error {
-			if ferr != nil {
-				return nil // drain the dump; the first error stands
+		for _, b := range got {
+			*n += int64(len(b))
+			done, in, err := nlMessages(b, seq, each)
+			intr = intr || in
+			if err != nil {
+				return false, err
 			}
-			ferr = fn(body)
-			return nil
-		})
-		intr = intr || in
-		if err != nil {
-			return false, err
-		}
-		if done {
-			return intr, ferr
+			if done {
+				return intr, ferr
+			}
 		}
 	}
+}
+
+// recv receives up to two datagrams in one system call (recvmmsg): a
+// small chain's dump is its rules and then the kernel's NLMSG_DONE, and a
+// read costs a few microseconds of system call on its own.
+func (r *iptNFTReader) recv() ([][]byte, error) {
+	if r.bufs[0] == nil {
+		r.bufs = [2][]byte{make([]byte, nlBuffer), make([]byte, nlBuffer)}
+	}
+	var iov [2]unix.Iovec
+	var msgs [2]unix.Mmsghdr
+	for i := range iov {
+		iov[i].Base = &r.bufs[i][0]
+		iov[i].SetLen(len(r.bufs[i]))
+		msgs[i].Hdr.Iov = &iov[i]
+		msgs[i].Hdr.SetIovlen(1)
+	}
+	got, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(r.fd), uintptr(unsafe.Pointer(&msgs[0])), 2, unix.MSG_WAITFORONE, 0, 0)
+	if errno != 0 {
+		return nil, errno
+	}
+	out := r.got[:0]
+	for i := range int(got) {
+		if msgs[i].Hdr.Flags&unix.MSG_TRUNC != 0 {
+			return nil, errors.New("a netlink datagram larger than the receive buffer")
+		}
+		out = append(out, r.bufs[i][:msgs[i].Len])
+	}
+	r.got = out
+	return out, nil
 }
 
 // nlMessages hands each nf_tables message of request seq in one datagram

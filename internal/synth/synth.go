@@ -184,31 +184,76 @@ func (s Spec) WriteIPTablesSave(w io.Writer) error {
 	}
 	bw.WriteString("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n")
 	for i := range s.Services {
-		spn := s.svcPortName(i)
-		svc := "KUBE-SVC-" + portProtoHash(spn+"tcp")
-		fmt.Fprintf(bw, "-A %s ! -s %s -d %s/32 -p tcp -m comment --comment \"%s cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ\n", svc, ClusterCIDR, VIP(i), spn)
-		n := s.EndpointsPerService
-		for j := range n {
-			ep := s.EndpointAddr(i, j)
-			bw.WriteString("-A " + svc)
-			if s.Comments {
-				fmt.Fprintf(bw, " -m comment --comment \"%s -> %s:8080\"", spn, ep)
-			}
-			if j < n-1 {
-				fmt.Fprintf(bw, " -m statistic --mode random --probability %0.11f", 1.0/float64(n-j))
-			}
-			bw.WriteString(" -j KUBE-SEP-" + s.sepHash(i, j) + "\n")
+		s.writeServiceRules(bw, i)
+	}
+	bw.WriteString("COMMIT\n")
+	return bw.Flush()
+}
+
+// writeServiceRules writes service i's policy chain and endpoint chains.
+func (s Spec) writeServiceRules(bw *bufio.Writer, i int) {
+	spn := s.svcPortName(i)
+	svc := s.SVCChain(i)
+	fmt.Fprintf(bw, "-A %s ! -s %s -d %s/32 -p tcp -m comment --comment \"%s cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ\n", svc, ClusterCIDR, VIP(i), spn)
+	n := s.EndpointsPerService
+	for j := range n {
+		ep := s.EndpointAddr(i, j)
+		bw.WriteString("-A " + svc)
+		if s.Comments {
+			fmt.Fprintf(bw, " -m comment --comment \"%s -> %s:8080\"", spn, ep)
 		}
-		for j := range n {
-			ep := s.EndpointAddr(i, j)
-			sep := "KUBE-SEP-" + s.sepHash(i, j)
-			comment := ""
-			if s.Comments {
-				comment = " -m comment --comment " + spn
-			}
-			fmt.Fprintf(bw, "-A %s -s %s/32%s -j KUBE-MARK-MASQ\n", sep, ep, comment)
-			fmt.Fprintf(bw, "-A %s -p tcp%s -m tcp -j DNAT --to-destination %s:8080\n", sep, comment, ep)
+		if j < n-1 {
+			fmt.Fprintf(bw, " -m statistic --mode random --probability %0.11f", 1.0/float64(n-j))
 		}
+		bw.WriteString(" -j " + s.SEPChain(i, j) + "\n")
+	}
+	for j := range n {
+		ep := s.EndpointAddr(i, j)
+		sep := s.SEPChain(i, j)
+		comment := ""
+		if s.Comments {
+			comment = " -m comment --comment " + spn
+		}
+		fmt.Fprintf(bw, "-A %s -s %s/32%s -j KUBE-MARK-MASQ\n", sep, ep, comment)
+		fmt.Fprintf(bw, "-A %s -p tcp%s -m tcp -j DNAT --to-destination %s:8080\n", sep, comment, ep)
+	}
+}
+
+// SVCChain is service i's policy chain (KUBE-SVC-…).
+func (s Spec) SVCChain(i int) string { return "KUBE-SVC-" + portProtoHash(s.svcPortName(i)+"tcp") }
+
+// SEPChain is the endpoint chain of service i's endpoint j (KUBE-SEP-…).
+func (s Spec) SEPChain(i, j int) string { return "KUBE-SEP-" + s.sepHash(i, j) }
+
+// WritePartialSync writes the iptables-restore --noflush input of one
+// kube-proxy partial sync that rewrites the given services' chains with
+// the content they already have (each chain declared, which flushes it,
+// then its rules). With dispatch, it also rewrites KUBE-SERVICES, KUBE-
+// NODEPORTS and KUBE-MARK-MASQ whole, as kube-proxy 1.36 does at every
+// sync; without, only the services' chains (the shape of the churn in
+// ../shared/TESTBED.md).
+func (s Spec) WritePartialSync(w io.Writer, services []int, dispatch bool) error {
+	bw := bufio.NewWriterSize(w, 64<<10)
+	bw.WriteString("*nat\n")
+	if dispatch {
+		bw.WriteString(":KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n")
+	}
+	for _, i := range services {
+		fmt.Fprintf(bw, ":%s - [0:0]\n", s.SVCChain(i))
+		for j := range s.EndpointsPerService {
+			fmt.Fprintf(bw, ":%s - [0:0]\n", s.SEPChain(i, j))
+		}
+	}
+	if dispatch {
+		bw.WriteString("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n")
+		for i := range s.Services {
+			fmt.Fprintf(bw, "-A KUBE-SERVICES -d %s/32 -p tcp -m comment --comment \"%s cluster IP\" -m tcp --dport 80 -j %s\n",
+				VIP(i), s.svcPortName(i), s.SVCChain(i))
+		}
+		bw.WriteString("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n")
+	}
+	for _, i := range services {
+		s.writeServiceRules(bw, i)
 	}
 	bw.WriteString("COMMIT\n")
 	return bw.Flush()

@@ -1,0 +1,167 @@
+package collector
+
+import (
+	"bytes"
+	"context"
+	"runtime"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+// rusage is this process's CPU and its waited-for children's.
+func rusage() (self, kids time.Duration) {
+	var s, k syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &s)
+	syscall.Getrusage(syscall.RUSAGE_CHILDREN, &k)
+	return time.Duration(s.Utime.Nano() + s.Stime.Nano()), time.Duration(k.Utime.Nano() + k.Stime.Nano())
+}
+
+// BenchmarkIPTablesRead reads a ruleset of 10k services × 10 endpoints
+// (large-cluster layout; PROXYAUDIT_BENCH_SMALL=1 for 1k × 10 with
+// comments), loaded into a real kernel with iptables-restore, both ways
+// in each iteration, side by side: iptables-save and ip6tables-save
+// parsed as they stream (the reader before this one), and the netlink
+// reader's whole read. Then, with the reader fed by the change signal, a
+// read of what one kube-proxy partial sync of ten services changed (its
+// KUBE-SERVICES rewrite included).
+func BenchmarkIPTablesRead(b *testing.B) {
+	if err := localcluster.CanRun(); err != nil {
+		b.Skipf("needs root, iptables and nft: %v", err)
+	}
+	spec, ipt, _ := benchRules(b)
+	ctx := context.Background()
+	ns, err := localcluster.NewScratch(ctx, "iptread")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ns.Close()
+	load := time.Now()
+	if err := ns.RestoreIPTables(ctx, ipt, false); err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("%d services × %d endpoints loaded in %s", spec.Services, spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
+	inNS := func(f func() error) {
+		b.Helper()
+		if err := localcluster.InNetNS(ns.NetNS, f); err != nil {
+			b.Fatal(err)
+		}
+	}
+	want := spec.Services * spec.EndpointsPerService
+	endpoints := func(o *audit.Observed) int {
+		n := 0
+		for _, f := range o.Frontends {
+			n += len(f.Endpoints)
+		}
+		return n
+	}
+	b.Run("whole", func(b *testing.B) {
+		var saveWall, saveCPU, nlWall, nlCPU time.Duration
+		var alloc uint64
+		for b.Loop() {
+			inNS(func() error {
+				s0, k0 := rusage()
+				t0 := time.Now()
+				text, err := NewHost().iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
+				if err != nil {
+					return err
+				}
+				s1, k1 := rusage()
+				t1 := time.Now()
+				var m0, m1 runtime.MemStats
+				runtime.ReadMemStats(&m0)
+				nl, err := newIPTNFTReader(nil).Read(ctx)
+				if err != nil {
+					return err
+				}
+				runtime.ReadMemStats(&m1)
+				s2, _ := rusage()
+				saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
+				nlWall, nlCPU = nlWall+time.Since(t1), nlCPU+(s2-s1)
+				alloc += m1.TotalAlloc - m0.TotalAlloc
+				if endpoints(nl) != want || endpoints(text) != want {
+					b.Fatalf("read %d (netlink) and %d (iptables-save) endpoints, want %d", endpoints(nl), endpoints(text), want)
+				}
+				return nil
+			})
+		}
+		n := float64(b.N)
+		b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
+		b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
+		b.ReportMetric(nlWall.Seconds()/n, "netlink-s")
+		b.ReportMetric(nlCPU.Seconds()/n, "netlink-cpu-s")
+		b.ReportMetric(saveWall.Seconds()/nlWall.Seconds(), "x-faster")
+		b.ReportMetric(float64(alloc)/n/(1<<20), "netlink-alloc-MB")
+	})
+	b.Run("changes-10-services", func(b *testing.B) {
+		var r *iptNFTReader
+		var sig *nftSignal
+		inNS(func() error {
+			s, err := openNFTSignal(DefaultNotifyBuffer)
+			if err != nil {
+				return err
+			}
+			sig = s.(*nftSignal)
+			r = newIPTNFTReader(nil)
+			sig.Feed(r)
+			_, err = r.ReadChanges(ctx)
+			return err
+		})
+		defer sig.Close()
+		var sync bytes.Buffer
+		services := []int{}
+		for i := range 10 {
+			services = append(services, i*spec.Services/10)
+		}
+		if err := spec.WritePartialSync(&sync, services, true); err != nil {
+			b.Fatal(err)
+		}
+		var cpu time.Duration
+		var alloc uint64
+		var frontends int
+		for b.Loop() {
+			b.StopTimer()
+			cmd := ns.Command(ctx, "iptables-restore", "--noflush")
+			cmd.Stdin = bytes.NewReader(sync.Bytes())
+			if out, err := cmd.CombinedOutput(); err != nil {
+				b.Fatalf("%v: %s", err, out)
+			}
+			tok, err := sig.Token()
+			if err != nil {
+				b.Fatal(err)
+			}
+			for deadline := time.Now().Add(10 * time.Second); uint64(r.notes.lastGen()) != tok; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					b.Fatal("the sync's notifications did not arrive")
+				}
+			}
+			b.StartTimer()
+			inNS(func() error {
+				var m0, m1 runtime.MemStats
+				runtime.ReadMemStats(&m0)
+				s0, _ := rusage()
+				ch, err := r.ReadChanges(ctx)
+				if err != nil {
+					return err
+				}
+				s1, _ := rusage()
+				runtime.ReadMemStats(&m1)
+				cpu += s1 - s0
+				alloc += m1.TotalAlloc - m0.TotalAlloc
+				if ch.Whole != nil {
+					b.Fatal("a whole read where the changes were known")
+				}
+				frontends += len(ch.Frontends)
+				return nil
+			})
+		}
+		n := float64(b.N)
+		b.ReportMetric(cpu.Seconds()/n, "cpu-s")
+		b.ReportMetric(float64(alloc)/n/(1<<20), "alloc-MB")
+		b.ReportMetric(float64(frontends)/n, "frontends-changed")
+		b.ReportMetric(float64(r.chains.Load())/n, "chains-read")
+	})
+}
