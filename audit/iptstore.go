@@ -228,6 +228,14 @@ func (p *iptables) putDNAT(id sepID, targets []netip.AddrPort) {
 	}
 }
 
+// Chains calls f with the name of every chain that holds rules the audit
+// keeps.
+func (t *IPTablesNAT) Chains(f func(name string)) {
+	for k := range t.counts {
+		f(k.String())
+	}
+}
+
 // Len is the number of frontends as of the last Changes (0 for a nil
 // table).
 func (t *IPTablesNAT) Len() int {

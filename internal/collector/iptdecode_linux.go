@@ -567,6 +567,12 @@ func (d *iptDecoder) xt(b []byte, target bool) error {
 		}
 		return nil
 	}
+	return d.match(name, info)
+}
+
+// match reads an xtables match's payload (the same struct in an
+// iptables-nft rule and a legacy entry).
+func (d *iptDecoder) match(name string, info []byte) error {
 	switch name {
 	case "comment":
 		d.r.Comment, d.hasComment = cString(info[:min(len(info), xtCommentLen)]), true

@@ -114,3 +114,49 @@ func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
 		}
 	}
 }
+
+// The legacy reader reads every capture loaded into the legacy backend as
+// iptables-legacy-save and the text parser do.
+func TestE2EIPTablesLegacyAgreesOnCaptures(t *testing.T) {
+	localcluster.NeedRoot(t, false)
+	ctx := context.Background()
+	caps := iptablesCaptures(t, true)
+	for name, data := range iptablesCaptures(t, false) {
+		caps["legacy "+name] = data
+	}
+	for name, data := range caps {
+		ns, err := localcluster.NewScratch(ctx, "iptlegacy")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ns.RestoreIPTables(ctx, data, true); err != nil {
+			ns.Close()
+			t.Fatalf("%s: %v", name, err)
+		}
+		src := Source{Mode: audit.ModeIPTables, Legacy: true}
+		host := NewHost()
+		var got, want *audit.Observed
+		err = localcluster.InNetNS(ns.NetNS, func() error {
+			r := host.Reader(src).(*legacyReader)
+			var err error
+			if got, err = r.Read(ctx); err != nil {
+				return err
+			}
+			if n := r.fallbacks.Load(); n > 0 {
+				t.Errorf("%s: the getsockopt read fell back to iptables-legacy-save: %v", name, r.lastFallback.Load())
+			}
+			want, err = host.iptablesSave(src).Read(ctx)
+			return err
+		})
+		ns.Close()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if sameModel(t, name, got, want) {
+			t.Logf("%s: %d frontends, families %v, same model", name, len(got.Frontends), got.Families)
+		}
+		if len(want.Frontends) == 0 {
+			t.Errorf("%s: no frontends", name)
+		}
+	}
+}

@@ -30,3 +30,7 @@ func (noIPTNetlink) Read(context.Context) (*audit.Observed, error) {
 }
 
 func (noIPTNetlink) String() string { return "iptables (nf_tables backend, netlink)" }
+
+func newLegacyReader(func(ctx context.Context, fam int) (*audit.Observed, error)) RuleReader {
+	return noIPTNetlink{}
+}

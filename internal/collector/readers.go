@@ -52,10 +52,11 @@ type Changes struct {
 // Reader returns the reader for src, reading both IP families (kube-proxy
 // programs both wherever the kernel has IPv6, even on a single-stack
 // node): iptables-nft's ip and ip6 nat tables over netlink, and then only
-// the chains a commit touched (with IPTablesSave, or for a rule the
-// decoder cannot read, `iptables-save -t nat` and `ip6tables-save -t
-// nat`, each parsed as it streams); the legacy backend's with
-// `iptables-legacy-save`; kube-proxy's ip and ip6 nftables tables over
+// the chains a commit touched; the legacy backend's nat tables with the
+// getsockopt iptables-legacy-save uses, decoded in place (with
+// IPTablesSave, or for a rule the decoders cannot read, `iptables-save -t
+// nat` and `ip6tables-save -t nat`, or their -legacy tools, each parsed as
+// it streams); kube-proxy's ip and ip6 nftables tables over
 // netlink (or `nft -j list table ip|ip6 kube-proxy` with NFTJSON); or one
 // netlink dump of the IPVS table, which holds both.
 func (h *Host) Reader(src Source) RuleReader {
@@ -68,11 +69,13 @@ func (h *Host) Reader(src Source) RuleReader {
 		return h.familyReaders(src, func(fam int) []string {
 			return []string{"nft", "-j", "list", "table", nftFamily(fam), "kube-proxy"}
 		})
-	case src.Mode == audit.ModeIPTables && !src.Legacy && !h.IPTablesSave:
+	case src.Mode == audit.ModeIPTables && !h.IPTablesSave:
 		text := h.iptablesSave(src)
-		return newIPTNFTReader(func(ctx context.Context, fam int) (*audit.Observed, error) {
-			return text.fams[fam/6].Read(ctx)
-		})
+		fallback := func(ctx context.Context, fam int) (*audit.Observed, error) { return text.fams[fam/6].Read(ctx) }
+		if src.Legacy {
+			return newLegacyReader(fallback)
+		}
+		return newIPTNFTReader(fallback)
 	default:
 		return h.iptablesSave(src)
 	}

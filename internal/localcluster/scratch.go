@@ -113,7 +113,7 @@ func (s *Scratch) RestoreIPTables(ctx context.Context, dump []byte, legacy bool)
 		if legacy {
 			tool = strings.Replace(tool, "-restore", "-legacy-restore", 1)
 		}
-		cmd := s.Command(ctx, tool, "--noflush")
+		cmd := s.Command(ctx, tool)
 		cmd.Stdin = bytes.NewReader(part.text)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("%s: %v: %s", tool, err, out)
