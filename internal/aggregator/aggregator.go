@@ -152,6 +152,9 @@ type node struct {
 	readNowFor time.Time
 	// reads are the collector's read counts as it last said them.
 	reads map[stream.ReadReason]uint64
+	// fallbacks is the collector's count of reads that fell back to the
+	// text tool, as last reported.
+	fallbacks uint64
 	// conntrack is the node's conntrack counts as last sent (nil: none
 	// yet, or the collector does not read them); conntrackErr why the
 	// collector could not read them last.

@@ -30,6 +30,7 @@ type Metrics struct {
 	ReadNow        prometheus.Counter
 	// What the collectors say their reads cost, over the fleet.
 	CollectorReads       *prometheus.CounterVec
+	CollectorFallbacks   prometheus.Counter
 	CollectorReadSeconds prometheus.Histogram
 	CollectorReadBytes   prometheus.Histogram
 	HTTPDenied           *prometheus.CounterVec
@@ -135,6 +136,9 @@ func NewMetrics() *Metrics {
 		CollectorReads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_collector_reads_total",
 			Help: "Reads of kube-proxy's rules the collectors report, over the fleet, by reason: change (the kernel's change signal moved), backstop (the full-read interval), read-now (asked by the aggregator), resync (a new stream or a resync with nothing read yet), heartbeat (a source without a change signal: IPVS)."}, []string{"reason"}),
+		CollectorFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "proxyaudit_collector_read_fallbacks_total",
+			Help: "Reads the collectors had to take from the text tool (iptables-save) because their kernel reader could not decode a rule, over the fleet; which node and why in GET /api/v1/nodes and proxyaudit explain node."}),
 		CollectorReadSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "proxyaudit_collector_read_duration_seconds", Help: "Wall time of the collectors' reads of the rules, over the fleet; each node's last one in GET /api/v1/nodes.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 4, 9)}),
@@ -164,7 +168,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -907,7 +907,12 @@ func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.Collect
 		return nil
 	}
 	cost := &audit.CollectorCost{Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
-		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost}
+		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
+		Reader: safetext.Clean(rs.Reader, maxReadError), Fallbacks: rs.Fallbacks, FallbackReason: safetext.Clean(rs.FallbackReason, maxReadError)}
+	if prev := n.fallbacks; rs.Fallbacks > prev {
+		a.cfg.Metrics.CollectorFallbacks.Add(float64(rs.Fallbacks - prev))
+	}
+	n.fallbacks = rs.Fallbacks
 	grew := false
 	for reason, count := range rs.Reads {
 		cost.Reads[string(reason)] = count

@@ -190,6 +190,10 @@ type client struct {
 	scraped  chan *stream.KubeProxy
 	scraping bool
 
+	// fallbacksSeen is the reader's count of fallbacks to the text tool
+	// as last logged.
+	fallbacksSeen uint64
+
 	cost struct {
 		Reads                       map[stream.ReadReason]uint64
 		LastSeconds, LastCPUSeconds float64
@@ -854,6 +858,13 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 		c.cost.LastBytes = b.BytesRead()
 	}
 	c.statsChanged = true
+	if f, ok := c.reader.(interface{ Fallbacks() (uint64, string) }); ok {
+		if n, why := f.Fallbacks(); n > c.fallbacksSeen {
+			c.cfg.Log.Warn("the kernel reader could not decode a rule and read the rules with the text tool instead; this node's reads are slow until that rule goes",
+				zap.String("reader", c.reader.String()), zap.String("why", why), zap.Uint64("fallbacks", n))
+			c.fallbacksSeen = n
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -917,10 +928,25 @@ func (c *client) stats() *stream.ReadStats {
 	if c.signal != nil {
 		rs.SignalLost = c.signal.Lost()
 	}
+	if c.reader != nil {
+		rs.Reader = clipText(c.reader.String())
+	}
+	if f, ok := c.reader.(interface{ Fallbacks() (uint64, string) }); ok {
+		n, why := f.Fallbacks()
+		rs.Fallbacks, rs.FallbackReason = n, clipText(why)
+	}
 	for k, v := range c.cost.Reads {
 		rs.Reads[k] = v
 	}
 	return rs
+}
+
+// clipText keeps at most 500 bytes of a text the aggregator shows.
+func clipText(s string) string {
+	if len(s) > 500 {
+		return s[:500]
+	}
+	return s
 }
 
 // cpuTime is the CPU this process and the children it waited for used.

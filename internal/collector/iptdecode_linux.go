@@ -43,6 +43,10 @@ func undecodable(format string, args ...any) error {
 type iptNFTRule struct {
 	table, chain string
 	handle       uint64
+	// position is the handle of the rule this one follows (set in a
+	// notification of a rule inserted after another).
+	position    uint64
+	hasPosition bool
 	// skipped: a chain the audit does not read (rule not decoded).
 	skipped bool
 	rule    audit.IPTRule
@@ -82,6 +86,8 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 			out.chain = a.str()
 		case unix.NFTA_RULE_HANDLE:
 			out.handle = a.u64()
+		case unix.NFTA_RULE_POSITION:
+			out.position, out.hasPosition = a.u64(), true
 		case unix.NFTA_RULE_EXPRESSIONS:
 			exprs = a.val
 		case nftaRuleUserdata:

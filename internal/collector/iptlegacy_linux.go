@@ -529,3 +529,10 @@ func allZero(b []byte) bool {
 	}
 	return true
 }
+
+// Fallbacks counts reads that fell back to iptables-legacy-save, and says
+// why the last did.
+func (r *legacyReader) Fallbacks() (uint64, string) {
+	why, _ := r.lastFallback.Load().(string)
+	return uint64(r.fallbacks.Load()), why
+}

@@ -96,6 +96,59 @@ func BenchmarkIPTablesRead(b *testing.B) {
 		b.ReportMetric(saveWall.Seconds()/nlWall.Seconds(), "x-faster")
 		b.ReportMetric(float64(alloc)/n/(1<<20), "netlink-alloc-MB")
 	})
+	b.Run("legacy-whole", func(b *testing.B) {
+		lns, err := localcluster.NewScratch(ctx, "iptlegread")
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer lns.Close()
+		if err := lns.RestoreIPTables(ctx, ipt, true); err != nil {
+			b.Fatal(err)
+		}
+		src := Source{Mode: audit.ModeIPTables, Legacy: true}
+		var saveWall, saveCPU, rdWall, rdCPU time.Duration
+		var alloc uint64
+		var tableBytes int64
+		for b.Loop() {
+			if err := localcluster.InNetNS(lns.NetNS, func() error {
+				s0, k0 := rusage()
+				t0 := time.Now()
+				text, err := NewHost().iptablesSave(src).Read(ctx)
+				if err != nil {
+					return err
+				}
+				s1, k1 := rusage()
+				t1 := time.Now()
+				var m0, m1 runtime.MemStats
+				runtime.ReadMemStats(&m0)
+				lr := newLegacyReader(nil)
+				got, err := lr.Read(ctx)
+				if err != nil {
+					return err
+				}
+				runtime.ReadMemStats(&m1)
+				s2, _ := rusage()
+				saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
+				rdWall, rdCPU = rdWall+time.Since(t1), rdCPU+(s2-s1)
+				alloc += m1.TotalAlloc - m0.TotalAlloc
+				tableBytes = lr.BytesRead()
+				if endpoints(got) != want || endpoints(text) != want {
+					b.Fatalf("read %d (getsockopt) and %d (iptables-legacy-save) endpoints, want %d", endpoints(got), endpoints(text), want)
+				}
+				return nil
+			}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		n := float64(b.N)
+		b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
+		b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
+		b.ReportMetric(rdWall.Seconds()/n, "getsockopt-s")
+		b.ReportMetric(rdCPU.Seconds()/n, "getsockopt-cpu-s")
+		b.ReportMetric(saveWall.Seconds()/rdWall.Seconds(), "x-faster")
+		b.ReportMetric(float64(alloc)/n/(1<<20), "heap-alloc-MB")
+		b.ReportMetric(float64(tableBytes)/(1<<20), "table-MB")
+	})
 	b.Run("changes-10-services", func(b *testing.B) {
 		var r *iptNFTReader
 		var sig *nftSignal

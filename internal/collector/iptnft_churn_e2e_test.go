@@ -272,7 +272,9 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 			}
 			tb := tables[fam]
 			i := rng.IntN(len(tb.services))
-			kind := []string{"sync", "sync", "sync", "tamper", "delete", "insert", "flush-chain", "noise", "full", "flush-table", "delete-chain"}[rng.IntN(11)]
+			kinds := []string{"sync", "sync", "sync", "tamper", "delete", "insert", "flush-chain", "noise", "full", "flush-table", "delete-chain",
+				"insert-middle", "replace-dispatch", "delete-dispatch"}
+			kind := kinds[rng.IntN(len(kinds))]
 			switch kind {
 			case "sync":
 				var changed []int
@@ -300,6 +302,16 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 			case "insert":
 				j := rng.IntN(len(tb.services))
 				ipt(fam, "-I", "KUBE-SERVICES", "1", "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
+			case "insert-middle", "replace-dispatch":
+				// After the third rule, or in place of the second:
+				// notifications that name the rule before.
+				j := rng.IntN(len(tb.services))
+				op := map[string]string{"insert-middle": "-I", "replace-dispatch": "-R"}[kind]
+				tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+				ns.Exec(ctx, tool, "-t", "nat", op, "KUBE-SERVICES", []string{"4", "2"}[rng.IntN(2)], "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
+			case "delete-dispatch":
+				tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+				ns.Exec(ctx, tool, "-t", "nat", "-D", "KUBE-SERVICES", "1")
 			case "flush-chain":
 				ipt(fam, "-F", tb.svcChain(i))
 			case "noise":
@@ -324,8 +336,11 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 		}
 		read(round, strings.Join(did, " "))
 	}
-	t.Logf("commits: %v; chains read one by one: %d; whole reads: %d (by chain: %d); fallbacks: %d",
-		counts, r.chains.Load(), r.whole.Load(), r.byChain.Load(), r.fallbacks.Load())
+	t.Logf("commits: %v; chains read one by one: %d; mirrored changes applied: %d; whole reads: %d (by chain: %d); fallbacks: %d",
+		counts, r.chains.Load(), r.mirrorOps.Load(), r.whole.Load(), r.byChain.Load(), r.fallbacks.Load())
+	if r.mirrorOps.Load() == 0 {
+		t.Error("no change of KUBE-SERVICES was applied from notifications")
+	}
 	if r.chains.Load() == 0 {
 		t.Error("no read was incremental")
 	}

@@ -39,6 +39,9 @@ type iptNFTReader struct {
 	got  [][]byte
 	seq  uint32
 	fams [2]*audit.IPTablesNAT // IPv4, IPv6; nil: no base (the next read is whole)
+	// mirrors are the mirrored chains (see chainNotes) of each family,
+	// kept up to date from notifications.
+	mirrors [2]map[string]*ruleMirror
 	// text reads one family with iptables-save when the decoder cannot;
 	// nil: no tool (the error stands).
 	text  func(ctx context.Context, fam int) (*audit.Observed, error)
@@ -48,6 +51,8 @@ type iptNFTReader struct {
 	// reads done chain by chain after interrupted dumps, and reads that
 	// fell back to iptables-save.
 	whole, chains, byChain, fallbacks atomic.Int64
+	// mirrorOps counts the mirrored chains' notified changes applied.
+	mirrorOps atomic.Int64
 	lastFallback                      atomic.Value // string: why
 	// wholeDumpChains: see the constant (tests read small tables chain by
 	// chain with 0).
@@ -74,7 +79,7 @@ func (r *iptNFTReader) BytesRead() int64 { return r.bytes.Load() }
 
 // Note, Lost and Subscribed make the reader the change signal's
 // NotificationSink.
-func (r *iptNFTReader) Note(typ uint16, data []byte) { r.notes.Note(typ, data) }
+func (r *iptNFTReader) Note(typ, flags uint16, data []byte) { r.notes.Note(typ, flags, data) }
 
 // Lost: see NotificationSink.
 func (r *iptNFTReader) Lost() { r.notes.Lost() }
@@ -126,7 +131,8 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 		t := touched.fams[i]
 		base := r.fams[i]
 		if base == nil || touched.lost || t.reset || len(t.chains) > maxChainReads {
-			nat, err := r.readTable(ctx, fam, &n)
+			r.mirrors[i] = map[string]*ruleMirror{}
+			nat, err := r.readTable(ctx, fam, r.mirrors[i], &n)
 			var obs *audit.Observed
 			switch {
 			case errors.Is(err, ErrUndecodable) && r.text != nil:
@@ -151,8 +157,29 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 			whole = true
 			continue
 		}
-		for chain := range t.chains {
-			rules, ok, err := r.readChain(ctx, fam, chain, &n)
+		// The mirrored chains' notified changes, applied; a chain whose
+		// changes do not apply (a rule inserted after one the mirror does
+		// not hold, a rule that did not decode) is dumped instead.
+		chains := t.chains
+		if r.mirrors[i] == nil {
+			r.mirrors[i] = map[string]*ruleMirror{}
+		}
+		r.mirrorOps.Add(int64(len(t.ops)))
+		for chain, m := range applyOps(r.mirrors[i], t.ops) {
+			if m == nil {
+				if chains == nil {
+					chains = map[string]struct{}{}
+				}
+				chains[chain] = struct{}{}
+				continue
+			}
+			if err := base.SetChain(chain, m.rules()); err != nil {
+				r.fams = [2]*audit.IPTablesNAT{}
+				return nil, err
+			}
+		}
+		for chain := range chains {
+			rules, handles, ok, err := r.readChain(ctx, fam, chain, &n)
 			if err != nil {
 				r.fams = [2]*audit.IPTablesNAT{}
 				r.closeOnError(err)
@@ -163,6 +190,13 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 				return nil, fmt.Errorf("read chain %s of table %s nat over netlink: %w", clip(chain), nftFamily(fam), err)
 			}
 			r.chains.Add(1)
+			if mirrored(chain) {
+				if ok {
+					r.mirrors[i][chain] = mirrorOf(rules, handles)
+				} else {
+					delete(r.mirrors[i], chain)
+				}
+			}
 			if !ok {
 				base.DeleteChain(chain)
 				continue
@@ -228,7 +262,7 @@ const wholeDumpChains = 12000
 // chain list, then its rules in one dump when the table is small and
 // chain by chain when it is large. A table that does not exist reads as
 // an empty one.
-func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, error) {
+func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, error) {
 	var names []string
 	all := 0
 	for try := 0; ; try++ {
@@ -259,7 +293,8 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit
 	}
 	if all <= r.wholeDumpChains {
 		for try := 0; try < interruptedTries; try++ {
-			nat, intr, err := r.dumpTable(ctx, fam, n)
+			clear(mirrors)
+			nat, intr, err := r.dumpTable(ctx, fam, mirrors, n)
 			if err != nil || !intr {
 				r.whole.Add(1)
 				return nat, err
@@ -270,12 +305,16 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit
 	// read reads again.
 	r.byChain.Add(1)
 	nat := audit.NewIPTablesNAT(fam)
+	clear(mirrors)
 	for _, name := range names {
-		rules, ok, err := r.readChain(ctx, fam, name, n)
+		rules, handles, ok, err := r.readChain(ctx, fam, name, n)
 		if err != nil {
 			return nil, err
 		}
 		if ok {
+			if mirrored(name) {
+				mirrors[name] = mirrorOf(rules, handles)
+			}
 			if err := nat.SetChain(name, rules); err != nil {
 				return nil, err
 			}
@@ -285,16 +324,20 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, n *int64) (*audit
 }
 
 // dumpTable reads a family's nat table's rules in one dump.
-func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, n *int64) (*audit.IPTablesNAT, bool, error) {
+func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, bool, error) {
 	nat := audit.NewIPTablesNAT(fam)
 	var cur string
 	var rules []audit.IPTRule
+	var handles []uint64
 	var ferr error
 	flush := func() {
 		if cur != "" && ferr == nil {
 			ferr = nat.SetChain(cur, rules)
+			if mirrored(cur) {
+				mirrors[cur] = mirrorOf(rules, handles)
+			}
 		}
-		cur, rules = "", rules[:0]
+		cur, rules, handles = "", rules[:0], handles[:0]
 	}
 	intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, func(body []byte) error {
 		d, err := decodeIPTNFTRule(body, fam)
@@ -309,7 +352,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, n *int64) (*audit
 			flush()
 			cur = d.chain
 		}
-		rules = append(rules, d.rule)
+		rules, handles = append(rules, d.rule), append(handles, d.handle)
 		return nil
 	})
 	flush()
@@ -328,10 +371,11 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, n *int64) (*audit
 // table) does not exist. A chain's dump interrupted by a commit is tried
 // again; after a few tries its rules are taken as read, and the commit's
 // notifications have it read again next time.
-func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]audit.IPTRule, bool, error) {
+func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]audit.IPTRule, []uint64, bool, error) {
 	var rules []audit.IPTRule
+	var handles []uint64
 	for try := 0; ; try++ {
-		rules = rules[:0]
+		rules, handles = rules[:0], handles[:0]
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
 			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n,
 			func(body []byte) error {
@@ -340,22 +384,65 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 					return err
 				}
 				if d.table == "nat" && d.chain == chain {
-					rules = append(rules, d.rule)
+					rules, handles = append(rules, d.rule), append(handles, d.handle)
 				}
 				return nil
 			})
 		switch {
 		case errors.Is(err, unix.ENOENT):
-			return nil, false, nil
+			return nil, nil, false, nil
 		case err != nil:
-			return nil, false, err
+			return nil, nil, false, err
 		case intr && try < interruptedTries:
 			continue
 		case intr:
 			r.notes.touch(fam, chain)
 		}
-		return rules, true, nil
+		return rules, handles, true, nil
 	}
+}
+
+// applyOps applies the mirrored chains' notified changes to their
+// mirrors, and returns each chain they touched: its mirror, or nil when
+// the changes did not apply and the chain must be dumped (its later
+// changes in this batch are then not applied: the dump shows them).
+func applyOps(mirrors map[string]*ruleMirror, ops []ruleOp) map[string]*ruleMirror {
+	out := map[string]*ruleMirror{}
+	for _, op := range ops {
+		if m, ok := out[op.chain]; ok && m == nil {
+			continue
+		}
+		m := mirrors[op.chain]
+		switch op.kind {
+		case opNewChain:
+			if m == nil {
+				m = newRuleMirror()
+				mirrors[op.chain] = m
+			}
+		case opDelChain:
+			// Gone: no rules (a chain made again starts empty).
+			delete(mirrors, op.chain)
+			m = newRuleMirror()
+		case opNewRule:
+			if m == nil {
+				// A chain that was there, empty, when the table was read.
+				m = newRuleMirror()
+				mirrors[op.chain] = m
+			}
+			if op.err != nil || !m.add(op.handle, op.pos, op.hasPos, op.appended, op.rule) {
+				out[op.chain] = nil
+				continue
+			}
+		case opDelRule:
+			if m != nil {
+				m.del(op.handle)
+			}
+		}
+		if m != nil {
+			out[op.chain] = m
+		}
+	}
+	return out
 }
 
 // chainOf reads a NEWCHAIN body's table and chain name.
@@ -536,4 +623,11 @@ func nfproto(fam int) byte {
 		return unix.NFPROTO_IPV6
 	}
 	return unix.NFPROTO_IPV4
+}
+
+// Fallbacks counts reads that fell back to iptables-save, and says why
+// the last did.
+func (r *iptNFTReader) Fallbacks() (uint64, string) {
+	why, _ := r.lastFallback.Load().(string)
+	return uint64(r.fallbacks.Load()), why
 }

@@ -10,10 +10,14 @@ import (
 
 // chainNotes learns from the change signal's notifications which chains
 // of iptables-nft's nat tables each commit touched (NEWRULE, DELRULE,
-// NEWCHAIN, DELCHAIN name them), so that a read dumps only those. What it
-// cannot vouch for makes the next read whole: a lost notification
-// (ENOBUFS), a nat table made or deleted, more touched chains than a read
-// dumps one by one, and any time without a working subscription.
+// NEWCHAIN, DELCHAIN name them), so that a read dumps only those. Of the
+// mirrored chains (KUBE-SERVICES and KUBE-NODEPORTS: kube-proxy rewrites
+// them whole at every sync, and they grow with the cluster) it keeps the
+// changes themselves, each rule decoded, so that a read applies them
+// instead of dumping 10k rules again. What it cannot vouch for makes the
+// next read whole: a lost notification (ENOBUFS), a nat table made or
+// deleted, more touched chains or changes than a read should apply one by
+// one, and any time without a working subscription.
 type chainNotes struct {
 	mu         sync.Mutex
 	subscribed bool
@@ -26,7 +30,40 @@ type chainNotes struct {
 type famNotes struct {
 	reset  bool
 	chains map[string]struct{}
+	// ops are the changes of the mirrored chains, in commit order.
+	ops []ruleOp
 }
+
+// ruleOp is one notified change of a mirrored chain.
+type ruleOp struct {
+	kind   uint8
+	chain  string
+	handle uint64
+	// Where a new rule goes: after the rule with handle pos, else at the
+	// end (appended) or at the start.
+	pos      uint64
+	hasPos   bool
+	appended bool
+	rule     audit.IPTRule
+	// err: the rule could not be decoded (the chain is dumped instead,
+	// and falls back to the text tool if that fails too).
+	err error
+}
+
+const (
+	opNewRule = iota + 1
+	opDelRule
+	opNewChain
+	opDelChain
+)
+
+// mirrored reports whether the notes keep chain's changes themselves.
+func mirrored(chain string) bool { return chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS" }
+
+// maxMirrorOps bounds the changes of mirrored chains kept between two
+// reads: three of kube-proxy's syncs at 10k services (each deletes and
+// adds every KUBE-SERVICES rule). Past it the next read is whole.
+const maxMirrorOps = 64 << 10
 
 // touched is what notes held when a read took them.
 type touched struct {
@@ -38,7 +75,7 @@ var _ NotificationSink = (*chainNotes)(nil)
 
 // Note takes one notification: only the nat tables of ip and ip6, and of
 // them only chains the audit reads.
-func (n *chainNotes) Note(typ uint16, data []byte) {
+func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
 		return
 	}
@@ -59,7 +96,8 @@ func (n *chainNotes) Note(typ uint16, data []byte) {
 		return
 	}
 	var table, chain string
-	switch typ & 0xff {
+	msg := typ & 0xff
+	switch msg {
 	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
 		table, chain = ruleChainOf(data)
 	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nftMsgDestroyChain:
@@ -67,7 +105,7 @@ func (n *chainNotes) Note(typ uint16, data []byte) {
 	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nftMsgDestroyTable:
 		if tableName(data) == "nat" {
 			n.mu.Lock()
-			n.fams[i].reset, n.fams[i].chains = true, nil
+			n.fams[i].reset, n.fams[i].chains, n.fams[i].ops = true, nil, nil
 			n.mu.Unlock()
 		}
 		return
@@ -77,9 +115,48 @@ func (n *chainNotes) Note(typ uint16, data []byte) {
 	if table != "nat" || !audit.Reads(chain) {
 		return
 	}
+	if mirrored(chain) {
+		op := ruleOp{chain: mirroredName(chain)}
+		switch msg {
+		case unix.NFT_MSG_NEWRULE:
+			// Decoded here, off the read: at 10k services a sync adds 10k
+			// rules to KUBE-SERVICES, a few MB of messages.
+			d, err := decodeIPTNFTRule(data, 4+2*i)
+			op.kind, op.handle, op.pos, op.hasPos, op.rule, op.err = opNewRule, d.handle, d.position, d.hasPosition, d.rule, err
+			op.appended = flags&unix.NLM_F_APPEND != 0
+		case unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
+			d, err := decodeIPTNFTRule(data, 4+2*i)
+			op.kind, op.handle, op.err = opDelRule, d.handle, err
+		case unix.NFT_MSG_NEWCHAIN:
+			op.kind = opNewChain
+		default:
+			op.kind = opDelChain
+		}
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		f := &n.fams[i]
+		if f.reset {
+			return
+		}
+		if len(f.ops) >= maxMirrorOps {
+			f.reset, f.chains, f.ops = true, nil, nil
+			return
+		}
+		f.ops = append(f.ops, op)
+		return
+	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.touchLocked(i, chain)
+}
+
+// mirroredName returns the constant string of a mirrored chain's name, so
+// that each change does not keep its own copy.
+func mirroredName(chain string) string {
+	if chain == "KUBE-SERVICES" {
+		return "KUBE-SERVICES"
+	}
+	return "KUBE-NODEPORTS"
 }
 
 func (n *chainNotes) touchLocked(i int, chain string) {
@@ -92,7 +169,7 @@ func (n *chainNotes) touchLocked(i int, chain string) {
 	}
 	if len(f.chains) >= maxChainReads {
 		// A whole read costs less than this many chains one by one.
-		f.reset, f.chains = true, nil
+		f.reset, f.chains, f.ops = true, nil, nil
 		return
 	}
 	if f.chains == nil {

@@ -47,7 +47,7 @@ type nftNetlinkReader struct {
 }
 
 // Note and Lost make the reader a NotificationSink of the change signal.
-func (r *nftNetlinkReader) Note(typ uint16, data []byte) { r.notes.Note(typ, data) }
+func (r *nftNetlinkReader) Note(typ, flags uint16, data []byte) { r.notes.Note(typ, flags, data) }
 
 // Lost: see NotificationSink.
 func (r *nftNetlinkReader) Lost() { r.notes.Lost() }

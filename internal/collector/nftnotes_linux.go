@@ -60,7 +60,7 @@ const maxNotedElems = 200_000
 var _ NotificationSink = (*mapNotes)(nil)
 
 // Note takes one notification. Only kube-proxy's table matters.
-func (m *mapNotes) Note(typ uint16, data []byte) {
+func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 	if len(data) < 4 {
 		return
 	}

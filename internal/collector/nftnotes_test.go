@@ -56,11 +56,11 @@ const anon = unix.NFT_SET_ANONYMOUS | unix.NFT_SET_CONSTANT | unix.NFT_SET_MAP
 func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 	fam := byte(unix.NFPROTO_IPV4)
 	commit := func(m *mapNotes, name string, handle uint64, close bool) {
-		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", name, handle, anon))
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", name, 0, "endpoint-a"))
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", name, 1, "endpoint-b"))
+		m.Note(msgType(unix.NFT_MSG_NEWSET), 0, setMsg("kube-proxy", name, handle, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("kube-proxy", name, 0, "endpoint-a"))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("kube-proxy", name, 1, "endpoint-b"))
 		if close {
-			m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+			m.Note(msgType(unix.NFT_MSG_NEWGEN), 0, genMsg)
 		}
 	}
 	t.Run("whole commit", func(t *testing.T) {
@@ -83,11 +83,11 @@ func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 	})
 	t.Run("notification lost mid-commit", func(t *testing.T) {
 		var m mapNotes
-		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "__map0", 7, anon))
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "__map0", 0, "endpoint-a"))
+		m.Note(msgType(unix.NFT_MSG_NEWSET), 0, setMsg("kube-proxy", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("kube-proxy", "__map0", 0, "endpoint-a"))
 		m.Lost()
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "__map0", 1, "endpoint-b"))
-		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("kube-proxy", "__map0", 1, "endpoint-b"))
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), 0, genMsg)
 		if _, ok := m.take(fam, 7); ok {
 			t.Error("a map with a lost notification was believed")
 		}
@@ -103,18 +103,18 @@ func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 	t.Run("table made again", func(t *testing.T) {
 		var m mapNotes
 		commit(&m, "__map0", 7, true)
-		m.Note(msgType(unix.NFT_MSG_DELTABLE), tableMsg("kube-proxy"))
+		m.Note(msgType(unix.NFT_MSG_DELTABLE), 0, tableMsg("kube-proxy"))
 		if _, ok := m.take(fam, 7); ok {
 			t.Error("a map of a deleted table answers for a new table's handle")
 		}
 	})
 	t.Run("other tables, named sets", func(t *testing.T) {
 		var m mapNotes
-		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("filter", "__map0", 7, anon))
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("filter", "__map0", 0, "x"))
-		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "service-ips", 8, unix.NFT_SET_MAP))
-		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), setElemMsg("kube-proxy", "service-ips", 0, "x"))
-		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		m.Note(msgType(unix.NFT_MSG_NEWSET), 0, setMsg("filter", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("filter", "__map0", 0, "x"))
+		m.Note(msgType(unix.NFT_MSG_NEWSET), 0, setMsg("kube-proxy", "service-ips", 8, unix.NFT_SET_MAP))
+		m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, setElemMsg("kube-proxy", "service-ips", 0, "x"))
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), 0, genMsg)
 		if _, ok := m.take(fam, 7); ok {
 			t.Error("another table's map was taken for kube-proxy's")
 		}
@@ -126,7 +126,7 @@ func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 		var m mapNotes
 		commit(&m, "__map0", 7, true)
 		commit(&m, "__map1", 9, true)
-		m.Note(msgType(unix.NFT_MSG_DELSET), setMsg("kube-proxy", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_DELSET), 0, setMsg("kube-proxy", "__map0", 7, anon))
 		if _, ok := m.take(fam, 7); ok {
 			t.Error("a deleted map was handed out")
 		}
@@ -144,12 +144,12 @@ func FuzzMapNotes(f *testing.F) {
 	f.Add(uint16(unix.NFT_MSG_NEWSETELEM), []byte{2, 0, 0, 0, 4, 0}, []byte{})
 	f.Fuzz(func(t *testing.T, typ uint16, a, b []byte) {
 		var m mapNotes
-		m.Note(msgType(unix.NFT_MSG_NEWSET), setMsg("kube-proxy", "__map0", 7, anon))
+		m.Note(msgType(unix.NFT_MSG_NEWSET), 0, setMsg("kube-proxy", "__map0", 7, anon))
 		for range 3 {
-			m.Note(msgType(typ&0xff), a)
-			m.Note(msgType(unix.NFT_MSG_NEWSETELEM), b)
+			m.Note(msgType(typ&0xff), 0, a)
+			m.Note(msgType(unix.NFT_MSG_NEWSETELEM), 0, b)
 		}
-		m.Note(msgType(unix.NFT_MSG_NEWGEN), genMsg)
+		m.Note(msgType(unix.NFT_MSG_NEWGEN), 0, genMsg)
 		if m.elems > maxNotedElems || m.elems < 0 {
 			t.Fatalf("%d elements held", m.elems)
 		}

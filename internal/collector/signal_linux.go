@@ -173,7 +173,7 @@ func (s *nftSignal) watch() {
 		gen := false
 		for _, m := range msgs {
 			if sink != nil {
-				sink.Note(uint16(m.Header.Type), m.Data)
+				sink.Note(uint16(m.Header.Type), uint16(m.Header.Flags), m.Data)
 			}
 			gen = gen || m.Header.Type == nftNewGen
 		}

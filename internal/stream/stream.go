@@ -320,7 +320,18 @@ type ReadStats struct {
 	// SignalLost counts the kernel's change announcements lost to a full
 	// socket buffer (each answered by a generation check).
 	SignalLost uint64 `json:"signalLost,omitempty"`
+	// Reader names what reads the rules ("iptables (nf_tables backend,
+	// netlink)").
+	Reader string `json:"reader,omitempty"`
+	// Fallbacks counts reads that fell back to the text tool because the
+	// reader could not decode a rule; FallbackReason says why, last.
+	Fallbacks      uint64 `json:"fallbacks,omitempty"`
+	FallbackReason string `json:"fallbackReason,omitempty"`
 }
+
+// maxReaderText bounds the reader's name and fallback reason a report
+// carries.
+const maxReaderText = 512
 
 // ReadReason is why a collector read the rules.
 type ReadReason string
@@ -357,6 +368,9 @@ func (r *ReadStats) Validate() error {
 	if r.LastSeconds < 0 || r.LastSeconds > 3600 || r.LastCPUSeconds < 0 || r.LastCPUSeconds > 3600 || r.LastBytes < 0 ||
 		r.FullReadIntervalSeconds < 0 {
 		return fmt.Errorf("read stats out of range: %gs, %gs CPU, %d bytes", r.LastSeconds, r.LastCPUSeconds, r.LastBytes)
+	}
+	if len(r.Reader) > maxReaderText || len(r.FallbackReason) > maxReaderText {
+		return fmt.Errorf("read stats: a reader name or fallback reason of %d bytes (at most %d)", max(len(r.Reader), len(r.FallbackReason)), maxReaderText)
 	}
 	return nil
 }
