@@ -191,6 +191,12 @@ type CollectorCost struct {
 	FullReadIntervalSeconds float64           `json:"fullReadIntervalSeconds,omitempty"`
 	// SignalLost counts change announcements the node's kernel dropped.
 	SignalLost uint64 `json:"signalLost,omitempty"`
+	// Reader is what reads the node's rules; Fallbacks counts reads that
+	// fell back to the text tool (a rule the reader could not decode),
+	// FallbackReason the last one's why.
+	Reader         string `json:"reader,omitempty"`
+	Fallbacks      uint64 `json:"fallbacks,omitempty"`
+	FallbackReason string `json:"fallbackReason,omitempty"`
 }
 
 // KubeProxySignal is kube-proxy's own account of its syncs, from its

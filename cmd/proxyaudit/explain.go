@@ -128,8 +128,15 @@ func explainTable(w io.Writer, r api.ExplainResponse, bad, unaudited int) {
 		families[p.Service+"|"+p.Port+"|"+p.Protocol]++
 	}
 	if c := r.Collector; c != nil {
-		fmt.Fprintf(w, "collector: %s; last read %s, %s CPU, %s\n", readCounts(c.Reads), seconds(c.LastReadSeconds),
+		reader := ""
+		if c.Reader != "" {
+			reader = " through " + c.Reader
+		}
+		fmt.Fprintf(w, "collector: %s%s; last read %s, %s CPU, %s\n", readCounts(c.Reads), reader, seconds(c.LastReadSeconds),
 			seconds(c.LastReadCPUSeconds), bytesOf(c.LastReadBytes))
+		if c.Fallbacks > 0 {
+			fmt.Fprintf(w, "collector: %d read(s) fell back to the text tool; the last because %s\n", c.Fallbacks, c.FallbackReason)
+		}
 	}
 	for _, p := range r.Ports {
 		name := p.Service

@@ -52,8 +52,8 @@ type iptNFTReader struct {
 	// fell back to iptables-save.
 	whole, chains, byChain, fallbacks atomic.Int64
 	// mirrorOps counts the mirrored chains' notified changes applied.
-	mirrorOps atomic.Int64
-	lastFallback                      atomic.Value // string: why
+	mirrorOps    atomic.Int64
+	lastFallback atomic.Value // string: why
 	// wholeDumpChains: see the constant (tests read small tables chain by
 	// chain with 0).
 	wholeDumpChains int
