@@ -135,7 +135,9 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 		}
 		p.putDNAT(id, targets)
 		n = len(targets)
-		t.dirtySEP[id] = true
+		if t.fronts != nil {
+			t.dirtySEP[id] = true
+		}
 	case chainPolicy:
 		var seps []sepID
 		for _, r := range rules {
@@ -152,7 +154,9 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 			p.policy[k] = seps
 		}
 		n = len(seps)
-		t.dirtyPolicy[name] = true
+		if t.fronts != nil {
+			t.dirtyPolicy[name] = true
+		}
 	case chainDispatch:
 		rs := make([]iptRule, len(rules))
 		for i, r := range rules {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -41,7 +40,9 @@ func undecodable(format string, args ...any) error {
 
 // iptNFTRule is one decoded rule message.
 type iptNFTRule struct {
-	table, chain string
+	// table and chain point into the message: a dump's rules are compared
+	// with the chain being read, not each copied.
+	table, chain []byte
 	handle       uint64
 	// position is the handle of the rule this one follows (set in a
 	// notification of a rule inserted after another).
@@ -81,9 +82,9 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 	for a.next() {
 		switch a.typ {
 		case unix.NFTA_RULE_TABLE:
-			out.table = a.str()
+			out.table = cstr(a.val)
 		case unix.NFTA_RULE_CHAIN:
-			out.chain = a.str()
+			out.chain = cstr(a.val)
 		case unix.NFTA_RULE_HANDLE:
 			out.handle = a.u64()
 		case unix.NFTA_RULE_POSITION:
@@ -95,36 +96,42 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 		}
 	}
 	if a.err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.chain), a.err)
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), a.err)
 	}
-	if !audit.Reads(out.chain) {
+	if !audit.Reads(string(out.chain)) {
 		out.skipped = true
 		return out, nil
 	}
-	d := iptDecoder{fam: fam, strict: out.chain == "KUBE-SERVICES" || out.chain == "KUBE-NODEPORTS" ||
-		strings.HasPrefix(out.chain, "KUBE-EXT-") || strings.HasPrefix(out.chain, "KUBE-FW-")}
+	d := iptDecoder{fam: fam, strict: strictChain(out.chain)}
 	list := attrs{b: exprs}
 	n := 0
 	for list.next() {
 		if n++; n > maxRuleExprs {
-			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(out.chain), maxRuleExprs)
+			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(string(out.chain)), maxRuleExprs)
 		}
 		if err := d.expr(list.val); err != nil {
-			return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(out.chain), err)
+			return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(string(out.chain)), err)
 		}
 	}
 	if list.err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.chain), list.err)
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), list.err)
 	}
 	if d.r.Comment == "" && !d.hasComment {
 		d.r.Comment = udataComment(udata)
 	}
 	if d.r.HasDPort && d.r.Proto == "" {
 		// iptables-save prints a port only under -p tcp/udp/sctp.
-		return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(out.chain), undecodable("a destination port without a protocol"))
+		return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(string(out.chain)), undecodable("a destination port without a protocol"))
 	}
 	out.rule = d.r
 	return out, nil
+}
+
+// strictChain: the dispatch chains, whose every match the model depends
+// on.
+func strictChain(chain []byte) bool {
+	return string(chain) == "KUBE-SERVICES" || string(chain) == "KUBE-NODEPORTS" ||
+		bytes.HasPrefix(chain, []byte("KUBE-EXT-")) || bytes.HasPrefix(chain, []byte("KUBE-FW-"))
 }
 
 // udataComment reads iptables-nft's comment from a rule's user data

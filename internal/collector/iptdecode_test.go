@@ -68,7 +68,7 @@ func decodeAll(msgs [][]byte, fam int) []string {
 	var out []string
 	for _, m := range msgs {
 		d, err := decodeIPTNFTRule(m, fam)
-		line := d.chain
+		line := string(d.chain)
 		switch {
 		case err != nil:
 			line += " error=" + err.Error()
@@ -326,7 +326,7 @@ func TestIPTNFTDecodeEdges(t *testing.T) {
 			t.Errorf("%s: %v", tc.name, err)
 		case d.rule != tc.want:
 			t.Errorf("%s: decoded %+v, want %+v", tc.name, d.rule, tc.want)
-		case d.table != "nat" || d.chain != tc.chain:
+		case string(d.table) != "nat" || string(d.chain) != tc.chain:
 			t.Errorf("%s: table %q chain %q", tc.name, d.table, d.chain)
 		}
 	}

@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"net/netip"
 	"sort"
 	"sync"
@@ -296,21 +295,39 @@ func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam
 	return nil
 }
 
+// fnv64 is FNV-1a, inline (hash/fnv's allocates a hasher per call, and a
+// read digests every chain).
+type fnv64 uint64
+
+const fnvOffset, fnvPrime = 14695981039346656037, 1099511628211
+
+func (h *fnv64) bytes(b []byte) {
+	for _, c := range b {
+		*h = (*h ^ fnv64(c)) * fnvPrime
+	}
+}
+
+func (h *fnv64) str(s string) {
+	for i := 0; i < len(s); i++ {
+		*h = (*h ^ fnv64(s[i])) * fnvPrime
+	}
+	*h = (*h ^ 0xff) * fnvPrime // the end of a string
+}
+
 func nameHash(s string) uint64 {
-	h := fnv.New64a()
-	h.Write([]byte(s))
-	return h.Sum64()
+	h := fnv64(fnvOffset)
+	h.str(s)
+	return uint64(h)
 }
 
 // rulesSum digests a chain's decoded rules.
 func rulesSum(rules []audit.IPTRule) uint64 {
-	h := fnv.New64a()
+	h := fnv64(fnvOffset)
 	var b [64]byte
 	for _, r := range rules {
 		dst, dnat := r.Dst.As16(), r.DNAT.Addr().As16()
-		h.Write(dst[:])
-		h.Write(dnat[:])
-		h.Write(binary.BigEndian.AppendUint16(append(b[:0], byte(r.Dst.BitLen()), byte(r.DNAT.Addr().BitLen())), r.DNAT.Port()))
+		h.bytes(dst[:])
+		h.bytes(dnat[:])
 		fl := byte(0)
 		if r.Cond {
 			fl |= 1
@@ -321,15 +338,12 @@ func rulesSum(rules []audit.IPTRule) uint64 {
 		if r.Goto {
 			fl |= 4
 		}
-		h.Write(binary.BigEndian.AppendUint16(append(b[:0], fl), r.DPort))
-		h.Write([]byte(r.Proto))
-		h.Write([]byte{0})
-		h.Write([]byte(r.Jump))
-		h.Write([]byte{0})
-		h.Write([]byte(r.Comment))
-		h.Write([]byte{0, 0xff})
+		h.bytes(binary.BigEndian.AppendUint16(binary.BigEndian.AppendUint16(append(b[:0], fl, byte(r.Dst.BitLen()), byte(r.DNAT.Addr().BitLen())), r.DNAT.Port()), r.DPort))
+		h.str(r.Proto)
+		h.str(r.Jump)
+		h.str(r.Comment)
 	}
-	return h.Sum64()
+	return uint64(h)
 }
 
 // decodeLegacy walks a table's entries (the blob IPT_SO_GET_ENTRIES
@@ -343,7 +357,7 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string
 	// and its name, in table order.
 	type head struct {
 		off, first int
-		name       []byte
+		name       string
 	}
 	var heads []head
 	for off := 0; off < len(table); {
@@ -352,9 +366,9 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string
 			return err
 		}
 		if string(tname) == "ERROR" {
-			name := cstr(tdata)
-			if string(name) != "ERROR" {
-				heads = append(heads, head{off: off, first: off + next, name: name})
+			if name := cstr(tdata); string(name) != "ERROR" {
+				// One string per chain, shared by every jump to it.
+				heads = append(heads, head{off: off, first: off + next, name: string(name)})
 			}
 		}
 		off += next
@@ -362,24 +376,24 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string
 	chainAt := func(target int) (string, bool) {
 		i := sort.Search(len(heads), func(i int) bool { return heads[i].first >= target })
 		if i < len(heads) && heads[i].first == target {
-			return string(heads[i].name), true
+			return heads[i].name, true
 		}
 		return "", false
 	}
 	var rules []audit.IPTRule
+	var offs []int
 	for h, hd := range heads {
 		end := len(table)
 		if h+1 < len(heads) {
 			end = heads[h+1].off
 		}
-		name := string(hd.name)
+		name := hd.name
 		if !audit.Reads(name) {
 			continue
 		}
-		rules = rules[:0]
+		rules, offs = rules[:0], offs[:0]
 		// The chain's entries up to its ending RETURN (the last entry
 		// before the next chain, or before the table's end marker).
-		var offs []int
 		for off := hd.first; off < end; {
 			next, tname, _, err := entryAt(table, off, lay)
 			if err != nil {

@@ -42,6 +42,9 @@ type iptNFTReader struct {
 	// mirrors are the mirrored chains (see chainNotes) of each family,
 	// kept up to date from notifications.
 	mirrors [2]map[string]*ruleMirror
+	// chainRules and chainHandles are readChain's, kept between calls.
+	chainRules   []audit.IPTRule
+	chainHandles []uint64
 	// text reads one family with iptables-save when the decoder cannot;
 	// nil: no tool (the error stands).
 	text  func(ctx context.Context, fam int) (*audit.Observed, error)
@@ -344,13 +347,13 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 		if err != nil {
 			return err
 		}
-		if d.table != "nat" || d.skipped {
+		if string(d.table) != "nat" || d.skipped {
 			return nil
 		}
 		// A dump lists each chain's rules together.
-		if d.chain != cur {
+		if string(d.chain) != cur {
 			flush()
-			cur = d.chain
+			cur = string(d.chain)
 		}
 		rules, handles = append(rules, d.rule), append(handles, d.handle)
 		return nil
@@ -371,9 +374,12 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 // table) does not exist. A chain's dump interrupted by a commit is tried
 // again; after a few tries its rules are taken as read, and the commit's
 // notifications have it read again next time.
+//
+// The rules and handles returned are the reader's own, valid until its
+// next readChain.
 func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]audit.IPTRule, []uint64, bool, error) {
-	var rules []audit.IPTRule
-	var handles []uint64
+	rules, handles := r.chainRules[:0], r.chainHandles[:0]
+	defer func() { r.chainRules, r.chainHandles = rules[:0], handles[:0] }()
 	for try := 0; ; try++ {
 		rules, handles = rules[:0], handles[:0]
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
@@ -383,7 +389,7 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 				if err != nil {
 					return err
 				}
-				if d.table == "nat" && d.chain == chain {
+				if string(d.table) == "nat" && string(d.chain) == chain {
 					rules, handles = append(rules, d.rule), append(handles, d.handle)
 				}
 				return nil
