@@ -76,6 +76,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	serverName := fs.String("tls-server-name", os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"), "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name (replicas are dialled by IP, so an IP-only --aggregator needs this) [PROXYAUDIT_TLS_SERVER_NAME]")
 	kpMetrics := fs.String("kube-proxy-metrics", envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics), "kube-proxy's metrics URL, scraped with each read and forwarded as a second signal (last sync, pending changes); empty disables [PROXYAUDIT_KUBE_PROXY_METRICS]")
 	nftReader := fs.String("nft-reader", envOr("PROXYAUDIT_NFT_READER", "netlink"), "how to read nftables mode: netlink (the kernel's nf_tables dumps, decoding only what the audit needs) or nft-json (`nft -j list table ip|ip6 kube-proxy`, slower; a fallback) [PROXYAUDIT_NFT_READER]")
+	iptReader := fs.String("iptables-reader", envOr("PROXYAUDIT_IPTABLES_READER", "kernel"), "how to read iptables mode: kernel (iptables-nft's nf_tables rules over netlink, then only the chains each commit touched; the legacy backend's table with the getsockopt iptables-legacy-save uses; no binary needed, and a rule the decoder cannot read falls back to the tool for that read) or iptables-save (`iptables-save -t nat` and `ip6tables-save -t nat`, or their -legacy tools, at every read: slower, and a large table under kube-proxy's churn cannot be read at all) [PROXYAUDIT_IPTABLES_READER]")
 	memLimit := fs.Int64("memory-limit-mib", 40, "soft limit for the Go heap in MiB (GOMEMLIMIT, which wins when set): the collector reads rarely, so the garbage collector keeps a quiet node's collector small instead of letting a read's garbage double the footprint; a heap that needs more grows past it; 0 turns it off")
 	once := fs.Bool("once", false, "read the rules once, print what the collector sees as JSON (mode, frontends, endpoints, snapshot bytes, CPU and peak memory of the read and of the tool it ran) and exit; needs no aggregator")
 	snapshot := fs.String("snapshot", "", "with --once: also write the full snapshot the collector would stream (JSON) to this file; `proxyaudit diff --rules NODE=FILE` audits it")
@@ -108,6 +109,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 		host.NFTJSON = true
 	default:
 		return fail("--nft-reader %q: want netlink or nft-json", *nftReader)
+	}
+	switch *iptReader {
+	case "kernel":
+	case "iptables-save":
+		host.IPTablesSave = true
+	default:
+		return fail("--iptables-reader %q: want kernel or iptables-save", *iptReader)
 	}
 	if *once {
 		return readOnce(host, *mode, *snapshot, stdout, fail)

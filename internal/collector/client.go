@@ -193,6 +193,13 @@ type client struct {
 	// fallbacksSeen is the reader's count of fallbacks to the text tool
 	// as last logged.
 	fallbacksSeen uint64
+	// gapCPU is the CPU the next read is expected to cost, which spaces
+	// reads (readGap): the last read's, except that a reader of changes
+	// is judged by its last read of changes, not by the whole read it
+	// makes once (at the start, after a lost notification): at the
+	// anchors that one costs half a second, and would hold every read of
+	// a few milliseconds after it ten seconds apart.
+	gapCPU time.Duration
 
 	cost struct {
 		Reads                       map[stream.ReadReason]uint64
@@ -420,7 +427,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	// readOrWait reads for why now, or once the read gap has passed since
 	// the last read began.
 	readOrWait := func(why stream.ReadReason) *stream.Report {
-		gap := readGap(time.Duration(c.cost.LastCPUSeconds*float64(time.Second)), c.cfg.ReadBudget, c.cfg.Interval)
+		gap := readGap(c.gapCPU, c.cfg.ReadBudget, c.cfg.Interval)
 		if left := gap - c.cfg.Clock.Since(c.readAt); left > 0 && !c.readAt.IsZero() {
 			if pending == "" {
 				pending, soon = why, c.cfg.Clock.After(left)
@@ -853,7 +860,11 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	}
 	c.cost.Reads[why]++
 	c.cost.LastSeconds = time.Since(start).Seconds()
-	c.cost.LastCPUSeconds = (cpuTime() - before).Seconds()
+	spent := cpuTime() - before
+	c.cost.LastCPUSeconds = spent.Seconds()
+	if _, incremental := c.reader.(ChangeReader); !incremental || changes != nil {
+		c.gapCPU = spent
+	}
 	if b, ok := c.reader.(interface{ BytesRead() int64 }); ok {
 		c.cost.LastBytes = b.BytesRead()
 	}

@@ -2,6 +2,7 @@ package collector
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -159,4 +160,57 @@ func TestE2EIPTablesLegacyAgreesOnCaptures(t *testing.T) {
 			t.Errorf("%s: no frontends", name)
 		}
 	}
+}
+
+// A node whose image has no iptables or nft binary is still detected and
+// read, in both backends: the collector asks the kernel for everything.
+func TestE2ENoIPTablesBinary(t *testing.T) {
+	localcluster.NeedRoot(t, false)
+	ctx := context.Background()
+	bin := collectorBinary(t)
+	data := iptablesCaptures(t, false)["clean/ipt-a.rules"]
+	for _, legacy := range []bool{false, true} {
+		ns, err := localcluster.NewScratch(ctx, "nobin")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ns.RestoreIPTables(ctx, data, legacy); err != nil {
+			ns.Close()
+			t.Fatal(err)
+		}
+		want, err := audit.ParseIPTablesFamily(strings.NewReader(string(natOnlyDump(data))), 4)
+		if err != nil {
+			ns.Close()
+			t.Fatal(err)
+		}
+		endpoints := 0
+		for _, f := range want.Frontends {
+			endpoints += len(f.Endpoints)
+		}
+		cmd := ns.Command(ctx, "env", "PATH="+t.TempDir(), bin, "--once")
+		out, err := cmd.Output()
+		ns.Close()
+		if err != nil {
+			t.Fatalf("legacy %v: %v: %s", legacy, err, out)
+		}
+		var fp struct {
+			Mode                 string
+			Frontends, Endpoints int
+		}
+		if err := json.Unmarshal(out, &fp); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		reader := map[bool]string{false: "iptables (nf_tables backend, netlink)", true: "iptables (legacy backend, getsockopt)"}[legacy]
+		if fp.Mode != reader || fp.Frontends != len(want.Frontends) || fp.Endpoints != endpoints {
+			t.Errorf("legacy %v, no binaries: read %+v, want %s, %d frontends and %d endpoints", legacy, fp, reader, len(want.Frontends), endpoints)
+		}
+	}
+}
+
+// natOnlyDump is a dump's IPv4 nat table.
+func natOnlyDump(dump []byte) []byte {
+	s := string(dump)
+	start := strings.Index(s, "*nat")
+	end := strings.Index(s[start:], "COMMIT\n")
+	return []byte(s[start : start+end+len("COMMIT\n")])
 }

@@ -34,3 +34,15 @@ func (noIPTNetlink) String() string { return "iptables (nf_tables backend, netli
 func newLegacyReader(func(ctx context.Context, fam int) (*audit.Observed, error)) RuleReader {
 	return noIPTNetlink{}
 }
+
+func kernelIPTables(legacy, v6 bool) IPTables { return noKernelChains{} }
+
+func nftChainExists(fam int, table, chain string) (bool, error) {
+	return false, errors.New("nf_tables can only be asked on Linux")
+}
+
+type noKernelChains struct{}
+
+func (noKernelChains) ChainExists(table, chain string) (bool, error) {
+	return false, errors.New("the kernel's chains can only be asked on Linux")
+}

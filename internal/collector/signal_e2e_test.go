@@ -117,7 +117,7 @@ func (s *stub) serve(c net.Conn) {
 
 // wait returns the first report from index from on that satisfies cond,
 // and its index.
-func (s *stub) wait(t *testing.T, from int, d time.Duration, what string, cond func(received) bool) (received, int) {
+func (s *stub) wait(t testing.TB, from int, d time.Duration, what string, cond func(received) bool) (received, int) {
 	t.Helper()
 	deadline := time.After(d)
 	for {

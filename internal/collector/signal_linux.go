@@ -26,7 +26,7 @@ type nftSignal struct {
 	conn *netlink.Conn // requests (GETGEN)
 
 	events chan struct{}
-	mon    *netlink.Conn // the multicast subscription
+	mon    *nfnlSub // the multicast subscription
 	done   chan struct{}
 	lost   atomic.Uint64
 	sink   atomic.Value // NotificationSink: every notification goes there too
@@ -64,13 +64,10 @@ func openNFTSignal(buffer int) (ChangeSignal, error) {
 	}
 	// A subscription that cannot be opened leaves the generation check
 	// at every interval: slower, never silent.
-	if mon, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{Groups: 1 << (unix.NFNLGRP_NFTABLES - 1)}); err == nil {
-		// Room for a commit's burst (SO_RCVBUFFORCE with CAP_NET_ADMIN):
-		// an overrun is survived, but costs the reader the maps it would
-		// have learnt.
-		if buffer > 0 {
-			_ = mon.SetReadBuffer(buffer)
-		}
+	// Room for a commit's burst (SO_RCVBUFFORCE with CAP_NET_ADMIN): an
+	// overrun is survived, but costs the readers what they would have
+	// learnt.
+	if mon, err := openNFNLSub(buffer); err == nil {
 		s.mon = mon
 		go s.watch()
 	}
@@ -139,47 +136,48 @@ func (s *nftSignal) fire() {
 	}
 }
 
-// watch reads the multicast group. Only the message types are looked at:
-// a commit's NEWGEN closes it; an overrun may have hidden one.
+// watch reads the multicast group. Only the message types are looked at
+// here: a commit's NEWGEN closes it; an overrun may have hidden one. The
+// sink sees every message.
 func (s *nftSignal) watch() {
 	for {
-		msgs, err := s.mon.Receive()
+		sink, _ := s.sink.Load().(NotificationSink)
+		gen := false
+		err := s.mon.receive(func(typ, flags uint16, body []byte) {
+			if sink != nil {
+				sink.Note(typ, flags, body)
+			}
+			gen = gen || netlink.HeaderType(typ) == nftNewGen
+		})
 		select {
 		case <-s.done:
 			return
 		default:
 		}
-		sink, _ := s.sink.Load().(NotificationSink)
-		if err != nil {
-			if errors.Is(err, unix.ENOBUFS) {
-				s.lost.Add(1)
-				if sink != nil {
-					sink.Lost()
-				}
-				s.fire()
-				continue
-			}
-			if sink != nil {
-				sink.Lost()
-				if sub, ok := sink.(interface{ Subscribed(bool) }); ok {
-					sub.Subscribed(false)
-				}
-			}
-			// The subscription broke: say so once, through a generation
-			// check, and stop (the interval check remains).
-			s.fire()
-			return
-		}
-		gen := false
-		for _, m := range msgs {
-			if sink != nil {
-				sink.Note(uint16(m.Header.Type), uint16(m.Header.Flags), m.Data)
-			}
-			gen = gen || m.Header.Type == nftNewGen
-		}
 		if gen {
 			s.fire()
 		}
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, unix.ENOBUFS) || errors.Is(err, errTruncated) {
+			s.lost.Add(1)
+			if sink != nil {
+				sink.Lost()
+			}
+			s.fire()
+			continue
+		}
+		if sink != nil {
+			sink.Lost()
+			if sub, ok := sink.(interface{ Subscribed(bool) }); ok {
+				sub.Subscribed(false)
+			}
+		}
+		// The subscription broke: say so once, through a generation
+		// check, and stop (the interval check remains).
+		s.fire()
+		return
 	}
 }
 

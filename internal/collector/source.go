@@ -128,6 +128,9 @@ type Host struct {
 	// IPTablesSave reads iptables-nft with `iptables-save -t nat` instead
 	// of netlink.
 	IPTablesSave bool
+	// NFTChain asks nf_tables whether a chain exists, for detection on a
+	// host without the nft binary; nil: not asked.
+	NFTChain func(fam int, table, chain string) (bool, error)
 }
 
 // NewHost returns the real host: tools from PATH, go-iptables, moby/ipvs,
@@ -139,6 +142,7 @@ func NewHost() *Host {
 		IPTables:     func(legacy bool) (IPTables, error) { return openIPTables(legacy, false) },
 		IP6Tables:    func(legacy bool) (IPTables, error) { return openIPTables(legacy, true) },
 		OpenIPVS:     openIPVS,
+		NFTChain:     nftChainExists,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
 			return err == nil
@@ -179,8 +183,17 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 		if fam.open == nil {
 			continue
 		}
-		if out, err := h.Exec.CommandContext(ctx, "nft", "-j", "list", "chain", fam.nft, "kube-proxy", "services").Output(); err == nil && bytes.Contains(out, []byte(`"services"`)) {
+		out, err := h.Exec.CommandContext(ctx, "nft", "-j", "list", "chain", fam.nft, "kube-proxy", "services").Output()
+		if err == nil && bytes.Contains(out, []byte(`"services"`)) {
 			return Source{Mode: audit.ModeNFTables}, nil
+		}
+		if errors.Is(err, utilexec.ErrExecutableNotFound) && h.NFTChain != nil {
+			// No nft binary: ask nf_tables itself.
+			if ok, err := h.NFTChain(map[string]int{"ip": 4, "ip6": 6}[fam.nft], "kube-proxy", "services"); err != nil {
+				errs = append(errs, err)
+			} else if ok {
+				return Source{Mode: audit.ModeNFTables}, nil
+			}
 		}
 		for _, legacy := range []bool{false, true} {
 			name := fam.ipt

@@ -276,7 +276,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	}
 
 	time.Sleep(2 * *fleetInterval) // the first changes reach every node
-	agg0, err := fleetsim.ReadProcStat(agg.PID())
+	agg0, err := localcluster.ReadProcStat(agg.PID())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -285,7 +285,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		check(false)
 		time.Sleep(500 * time.Millisecond)
 	}
-	agg1, err := fleetsim.ReadProcStat(agg.PID())
+	agg1, err := localcluster.ReadProcStat(agg.PID())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -498,7 +498,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		res.DetectionP99 = lat[min(len(lat)-1, len(lat)*99/100)]
 		res.DetectionMax = lat[len(lat)-1]
 	}
-	end, err := fleetsim.ReadProcStat(agg.PID())
+	end, err := localcluster.ReadProcStat(agg.PID())
 	if err != nil {
 		t.Fatal(err)
 	}

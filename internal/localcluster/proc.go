@@ -200,3 +200,53 @@ func (p *Process) Tail(n int) string { return tailFile(p.Log, n) }
 // PID is the process's ID (of `ip netns exec` for a node's process, which
 // execs the program: the same process).
 func (p *Process) PID() int { return p.p.cmd.Process.Pid }
+
+// ProcStat is a process's resource use as the kernel counts it.
+type ProcStat struct {
+	RSS, PeakRSS int64         // bytes
+	CPU          time.Duration // user + system
+	// ChildCPU is the user + system time of the children it waited for:
+	// kube-proxy's iptables-restore and nft, the collector's
+	// iptables-save. Its own cost includes them.
+	ChildCPU time.Duration
+}
+
+// ReadProcStat reads pid's /proc status and stat.
+func ReadProcStat(pid int) (ProcStat, error) {
+	var ps ProcStat
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return ps, err
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok || (k != "VmRSS" && k != "VmHWM") {
+			continue
+		}
+		kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		if err != nil {
+			return ps, fmt.Errorf("%s: %q: %w", k, v, err)
+		}
+		if k == "VmRSS" {
+			ps.RSS = kb << 10
+		} else {
+			ps.PeakRSS = kb << 10
+		}
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ps, err
+	}
+	// Fields after the command name (which may hold spaces) in parentheses.
+	s := string(stat)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 15 {
+		return ps, fmt.Errorf("short /proc/%d/stat", pid)
+	}
+	ticks := func(i int) time.Duration {
+		n, _ := strconv.ParseInt(f[i], 10, 64)
+		return time.Duration(n) * time.Second / 100 // USER_HZ is 100 on Linux
+	}
+	ps.CPU, ps.ChildCPU = ticks(11)+ticks(12), ticks(13)+ticks(14)
+	return ps, nil
+}

@@ -220,7 +220,7 @@ func freeAddr(b *testing.B, host string) string {
 // iptables-restore and nft, the collector's iptables-save): what it costs
 // the node.
 func cpuOf(b *testing.B, pid int) time.Duration {
-	ps, err := fleetsim.ReadProcStat(pid)
+	ps, err := localcluster.ReadProcStat(pid)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -255,7 +255,7 @@ func BenchmarkQuietNodeCollector(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				ps, _ := fleetsim.ReadProcStat(p.PID())
+				ps, _ := localcluster.ReadProcStat(p.PID())
 				p.Stop()
 				b.ReportMetric(100*(c1-c0).Seconds()/el.Seconds(), "collector-cpu-%")
 				b.ReportMetric(100*(k1-k0).Seconds()/el.Seconds(), "kube-proxy-cpu-%")

@@ -1,0 +1,315 @@
+package collector
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+// churnRun is one run of the real collector binary on a node whose rules a
+// writer keeps rewriting: what it cost and how fast it reported.
+type churnRun struct {
+	services, period          string
+	collectorCPU, writerCPU   time.Duration
+	window                    time.Duration
+	peakRSS                   int64
+	reports, readErrors       int
+	maxGap                    time.Duration
+	driftSeen, flushSeen      time.Duration
+	saveFinished              bool
+	saveTook                  time.Duration
+	syncs                     int
+	lastRead                  *stream.ReadStats
+	collectorShare, writerPct float64
+}
+
+// churnSpec says what a churn run does.
+type churnSpec struct {
+	spec   synth.Spec
+	legacy bool
+	// period is how often the writer commits a partial sync of ten
+	// services' chains; dispatch adds kube-proxy's rewrite of
+	// KUBE-SERVICES to each.
+	period   time.Duration
+	dispatch bool
+	// window is how long the collector's cost is measured under churn.
+	window time.Duration
+}
+
+// runChurn loads cs.spec's rules into a scratch namespace, starts the
+// writer and the collector binary (streaming to a stub aggregator in the
+// namespace), measures the collector's cost over the window, then makes a
+// drift by hand on a service the churn does not touch (one endpoint's
+// DNAT rewritten) and flushes the nat table, timing each until a report
+// shows it. It also runs iptables-save once under the churn, to say
+// whether the text tool could have read the node at all.
+func runChurn(tb testing.TB, cs churnSpec) churnRun {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	var dump bytes.Buffer
+	if err := cs.spec.WriteIPTablesSave(&dump); err != nil {
+		tb.Fatal(err)
+	}
+	ns, err := localcluster.NewScratch(ctx, "churn")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer ns.Close()
+	load := time.Now()
+	if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Logf("%d services × %d endpoints loaded in %s", cs.spec.Services, cs.spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
+	tool, mode := "iptables", "iptables"
+	if cs.legacy {
+		tool, mode = "iptables-legacy", "iptables-legacy"
+	}
+	if out, err := ns.Exec(ctx, "ip", "link", "set", "lo", "up"); err != nil {
+		tb.Fatalf("%v: %s", err, out)
+	}
+	var ln net.Listener
+	if err := localcluster.InNetNS(ns.NetNS, func() error {
+		var err error
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		tb.Fatal(err)
+	}
+	s := startStubOn(tb, ln)
+
+	// The writer: the services it rewrites rotate over the first half of
+	// the cluster; the drift is made in the second half.
+	drift := cs.spec.Services - 1
+	wctx, stopWriter := context.WithCancel(ctx)
+	var wmu sync.Mutex
+	var writerCPU time.Duration
+	var syncs int
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(cs.period)
+		defer tick.Stop()
+		for k := 0; ; k++ {
+			var in bytes.Buffer
+			var svcs []int
+			for j := range 10 {
+				svcs = append(svcs, (k*10+j)%(cs.spec.Services/2))
+			}
+			if err := cs.spec.WritePartialSync(&in, svcs, cs.dispatch); err != nil {
+				tb.Error(err)
+				return
+			}
+			cmd := ns.Command(wctx, tool+"-restore", "--noflush")
+			cmd.Stdin = &in
+			out, err := cmd.CombinedOutput()
+			if wctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				tb.Errorf("writer: %v: %s", err, out)
+				return
+			}
+			wmu.Lock()
+			writerCPU += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+			syncs++
+			wmu.Unlock()
+			select {
+			case <-wctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	})
+	defer func() { stopWriter(); wg.Wait() }()
+
+	run := churnRun{services: fmt.Sprint(cs.spec.Services), period: cs.period.String()}
+	// iptables-save under the churn: does it finish at all?
+	save := ns.Command(ctx, "timeout", "20", tool+"-save", "-t", "nat")
+	t0 := time.Now()
+	out, err := save.Output()
+	run.saveTook = time.Since(t0)
+	run.saveFinished = err == nil && bytes.Contains(out, []byte("COMMIT"))
+	tb.Logf("%s-save -t nat under the churn: finished %v after %s (%d bytes)", tool, run.saveFinished, run.saveTook.Round(time.Millisecond), len(out))
+
+	col := ns.Command(ctx, collectorBinary(tb), "--node-name", "churn", "--aggregator", ln.Addr().String(), "--mode", mode,
+		"--kube-proxy-metrics", "", "--interval", "10s", "--conntrack-interval", "0")
+	var stderr bytes.Buffer
+	col.Stderr = &stderr
+	col.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	started := time.Now()
+	if err := col.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	defer func() {
+		col.Process.Kill()
+		col.Wait()
+		if tb.Failed() {
+			tb.Logf("collector log:\n%s", stderr.String())
+		}
+	}()
+	// The first report: the whole read, under the churn.
+	first, _ := s.wait(tb, 0, 2*time.Minute, "with the rules", func(r received) bool { return r.r.ReadError == "" && !r.r.NoRules })
+	tb.Logf("first report %s after the collector started", first.at.Sub(started).Round(time.Millisecond))
+	base, err := localcluster.ReadProcStat(col.Process.Pid)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	wmu.Lock()
+	w0, s0 := writerCPU, syncs
+	wmu.Unlock()
+	from := s.count()
+	time.Sleep(cs.window)
+	end, err := localcluster.ReadProcStat(col.Process.Pid)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	wmu.Lock()
+	run.writerCPU, run.syncs = writerCPU-w0, syncs-s0
+	wmu.Unlock()
+	run.window = cs.window
+	run.collectorCPU = (end.CPU + end.ChildCPU) - (base.CPU + base.ChildCPU)
+	s.mu.Lock()
+	reports := slices.Clone(s.reports[from:])
+	s.mu.Unlock()
+	run.reports = len(reports)
+	last := first.at
+	for _, r := range reports {
+		if r.r.ReadError != "" {
+			run.readErrors++
+		}
+		run.maxGap = max(run.maxGap, r.at.Sub(last))
+		last = r.at
+		if r.r.Reads != nil {
+			run.lastRead = r.r.Reads
+		}
+	}
+
+	// A drift by hand on a service the churn does not touch: one
+	// endpoint's DNAT rewritten to another address (on nf_tables), or
+	// deleted (on the legacy backend, whose change signal is the table's
+	// size: a same-size rewrite is the full read's to find).
+	key := fmt.Sprintf("%s:80/TCP", synth.VIP(drift))
+	target := "198.18.250.9:8080"
+	old := netip.AddrPortFrom(cs.spec.EndpointAddr(drift, 0), 8080).String()
+	from = s.count()
+	t1 := time.Now()
+	drifted := func(f stream.Frontend) bool { return slices.Contains(f.Endpoints, target) }
+	args := []string{tool, "-t", "nat", "-R", cs.spec.SEPChain(drift, 0), "2", "-p", "tcp", "-m", "tcp", "-j", "DNAT", "--to-destination", target}
+	if cs.legacy {
+		drifted = func(f stream.Frontend) bool { return !slices.Contains(f.Endpoints, old) }
+		args = []string{tool, "-t", "nat", "-D", cs.spec.SEPChain(drift, 0), "2"}
+	}
+	if out, err := ns.Exec(ctx, args...); err != nil {
+		tb.Fatalf("drift: %v: %s", err, out)
+	}
+	got, _ := s.wait(tb, from, 30*time.Second, "with the drifted endpoint", func(r received) bool {
+		for _, f := range r.r.Frontends {
+			if f.Key == key && drifted(f) {
+				return true
+			}
+		}
+		return false
+	})
+	run.driftSeen = got.at.Sub(t1)
+	// The nat table flushed.
+	from = s.count()
+	t2 := time.Now()
+	defer func() {
+		if tb.Failed() {
+			s.mu.Lock()
+			for _, r := range s.reports[from:] {
+				empty := 0
+				for _, f := range r.r.Frontends {
+					if len(f.Endpoints) == 0 {
+						empty++
+					}
+				}
+				tb.Logf("report after the flush: %d frontends (%d without endpoints), %d removed, no rules %v, read error %q", len(r.r.Frontends), empty, len(r.r.Removed), r.r.NoRules, r.r.ReadError)
+			}
+			s.mu.Unlock()
+		}
+	}()
+	if out, err := ns.Exec(ctx, tool, "-t", "nat", "-F"); err != nil {
+		tb.Fatalf("flush: %v: %s", err, out)
+	}
+	// Reported: no rules, or (when the writer's next sync already wrote
+	// KUBE-SERVICES again) nearly every frontend gone or without
+	// endpoints.
+	got, _ = s.wait(tb, from, 30*time.Second, "of the flushed table", func(r received) bool {
+		empty := 0
+		for _, f := range r.r.Frontends {
+			if len(f.Endpoints) == 0 {
+				empty++
+			}
+		}
+		return r.r.NoRules || len(r.r.Removed)+empty >= cs.spec.Services/2
+	})
+	run.flushSeen = got.at.Sub(t2)
+	if p, err := localcluster.ReadProcStat(col.Process.Pid); err == nil {
+		run.peakRSS = p.PeakRSS
+	}
+	run.collectorShare = 100 * run.collectorCPU.Seconds() / cs.window.Seconds()
+	run.writerPct = 100 * run.writerCPU.Seconds() / cs.window.Seconds()
+	tb.Logf("under %d syncs in %s (writer %.1f%% of a core): collector %.2f%% of a core, peak RSS %.1f MB, %d reports (%d with read errors, longest gap %s), last read %+v; drift seen after %s, flush after %s",
+		run.syncs, cs.window, run.writerPct, run.collectorShare, float64(run.peakRSS)/(1<<20), run.reports, run.readErrors, run.maxGap.Round(time.Millisecond),
+		run.lastRead, run.driftSeen.Round(time.Millisecond), run.flushSeen.Round(time.Millisecond))
+	return run
+}
+
+// startStubOn serves the stub aggregator on ln.
+func startStubOn(tb testing.TB, ln net.Listener) *stub {
+	s := &stub{ln: ln, changed: make(chan struct{}, 1)}
+	tb.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go s.serve(c)
+		}
+	}()
+	return s
+}
+
+// On a node whose rules a writer rewrites faster than iptables-save can
+// dump them, the collector stays audited (every report read, none missing
+// for long), reports a drift on a service the churn does not touch and a
+// flushed table within seconds, in both backends.
+func TestE2EChurnFasterThanTheDump(t *testing.T) {
+	localcluster.NeedRoot(t, false)
+	for _, legacy := range []bool{false, true} {
+		name := map[bool]string{false: "nf_tables", true: "legacy"}[legacy]
+		t.Run(name, func(t *testing.T) {
+			run := runChurn(t, churnSpec{spec: synth.Spec{Services: 2500, EndpointsPerService: 10}, legacy: legacy,
+				period: 200 * time.Millisecond, window: 20 * time.Second})
+			if run.readErrors > 0 {
+				t.Errorf("%d reports carried read errors: the aggregator would call the node CollectorMissing", run.readErrors)
+			}
+			if run.maxGap > 15*time.Second {
+				t.Errorf("%s between two reports", run.maxGap)
+			}
+			if !legacy && run.saveFinished {
+				t.Errorf("iptables-save finished under the churn (%s): the test is not where the text tool cannot read", run.saveTook)
+			}
+			if run.driftSeen > 5*time.Second || run.flushSeen > 5*time.Second {
+				t.Errorf("drift reported after %s, flush after %s", run.driftSeen, run.flushSeen)
+			}
+			if run.syncs < 20 {
+				t.Errorf("the writer made only %d syncs in %s", run.syncs, run.window)
+			}
+		})
+	}
+}
+
