@@ -312,4 +312,3 @@ func TestE2EChurnFasterThanTheDump(t *testing.T) {
 		})
 	}
 }
-

@@ -217,4 +217,3 @@ func (c *Churn) Run(ctx context.Context, client kubernetes.Interface, spec synth
 		}()
 	}
 }
-
