@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"net/netip"
 	"sort"
 	"sync"
@@ -38,6 +39,8 @@ type legacyReader struct {
 	bytes atomic.Int64
 	// reads, chains set (changed since the last read), fallbacks.
 	reads, chains, fallbacks atomic.Int64
+	// seed digests chains' entries (see decodeLegacy).
+	seed maphash.Seed
 	lastFallback             atomic.Value // string
 }
 
@@ -55,7 +58,7 @@ type chainSum struct {
 }
 
 func newLegacyReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *legacyReader {
-	return &legacyReader{fds: [2]int{-1, -1}, text: text}
+	return &legacyReader{fds: [2]int{-1, -1}, text: text, seed: maphash.MakeSeed()}
 }
 
 var (
@@ -231,6 +234,9 @@ func (r *legacyReader) readFamily(ctx context.Context, fam int, f *legacyFamily,
 		if err != nil {
 			return fmt.Errorf("%s: room for a table of %d bytes: %w", legacyTool(fam), info.Size, err)
 		}
+		// Huge pages where the kernel gives them on request: a table of
+		// 100 MB is 25,000 page faults in 4 KiB pages.
+		_ = unix.Madvise(buf, unix.MADV_HUGEPAGE)
 		copy(buf, "nat")
 		binary.NativeEndian.PutUint32(buf[32:], info.Size)
 		l := uint32(len(buf))
@@ -265,13 +271,13 @@ func legacyTool(fam int) string {
 // deleted.
 func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam int) error {
 	f.gen++
-	err := decodeLegacy(table, lay, fam, func(chain string, rules []audit.IPTRule) error {
-		k, sum := nameHash(chain), rulesSum(rules)
+	known := func(chain string, sum uint64) bool {
+		k := nameHash(chain)
 		old, ok := f.sums[k]
 		f.sums[k] = chainSum{sum: sum, gen: f.gen}
-		if ok && old.sum == sum {
-			return nil
-		}
+		return ok && old.sum == sum
+	}
+	err := decodeLegacy(table, lay, fam, r.seed, known, func(chain string, rules []audit.IPTRule) error {
 		r.chains.Add(1)
 		return f.nat.SetChain(chain, rules)
 	})
@@ -320,39 +326,19 @@ func nameHash(s string) uint64 {
 	return uint64(h)
 }
 
-// rulesSum digests a chain's decoded rules.
-func rulesSum(rules []audit.IPTRule) uint64 {
-	h := fnv64(fnvOffset)
-	var b [64]byte
-	for _, r := range rules {
-		dst, dnat := r.Dst.As16(), r.DNAT.Addr().As16()
-		h.bytes(dst[:])
-		h.bytes(dnat[:])
-		fl := byte(0)
-		if r.Cond {
-			fl |= 1
-		}
-		if r.HasDPort {
-			fl |= 2
-		}
-		if r.Goto {
-			fl |= 4
-		}
-		h.bytes(binary.BigEndian.AppendUint16(binary.BigEndian.AppendUint16(append(b[:0], fl, byte(r.Dst.BitLen()), byte(r.DNAT.Addr().BitLen())), r.DNAT.Port()), r.DPort))
-		h.str(r.Proto)
-		h.str(r.Jump)
-		h.str(r.Comment)
-	}
-	return uint64(h)
-}
-
 // decodeLegacy walks a table's entries (the blob IPT_SO_GET_ENTRIES
 // returns) and hands each user chain the audit reads its rules, as
 // iptables-legacy-save prints them: a user chain is an ERROR target
 // naming it, its rules, and a RETURN that ends it (not printed); jumps
 // are offsets of the chain's first entry. Built-in chains are not read.
-// Pure; fuzzed.
-func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string, rules []audit.IPTRule) error) error {
+//
+// A chain is decoded only when known says its entries' digest is new:
+// the digest is of the entries' bytes without their packet counters,
+// with each jump's offset replaced by its target's name (a chain that
+// grew shifts every offset after it). kube-proxy replaces the whole
+// table at every sync; most chains come back byte for byte. Pure; fuzzed.
+func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, known func(chain string, sum uint64) bool,
+	emit func(chain string, rules []audit.IPTRule) error) error {
 	// The user chains: where each starts (its first entry after the head)
 	// and its name, in table order.
 	type head struct {
@@ -408,6 +394,9 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string
 		if len(offs) == 0 {
 			return fmt.Errorf("chain %s has no end", clip(name))
 		}
+		if known(name, chainDigest(table, offs[:len(offs)-1], lay, seed, chainAt)) {
+			continue
+		}
 		for _, off := range offs[:len(offs)-1] {
 			rule, err := decodeLegacyEntry(table, off, lay, fam, chainAt, name)
 			if err != nil {
@@ -420,6 +409,39 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, emit func(chain string
 		}
 	}
 	return nil
+}
+
+// chainDigest digests a chain's rule entries (checked by entryAt): their
+// bytes up to the counters and from the matches on, a jump's offset
+// replaced by its target chain's name.
+func chainDigest(table []byte, offs []int, lay entryLayout, seed maphash.Seed, chainAt func(int) (string, bool)) uint64 {
+	var h maphash.Hash
+	h.SetSeed(seed)
+	counters := lay.nextOffset + 2 // comefrom, then the counters, end the header
+	for _, off := range offs {
+		e := table[off:]
+		to := int(binary.NativeEndian.Uint16(e[lay.targetOffset:]))
+		next := int(binary.NativeEndian.Uint16(e[lay.nextOffset:]))
+		h.Write(e[:counters])
+		h.Write(e[lay.size:to])
+		t := e[to:next]
+		if tsize := int(binary.NativeEndian.Uint16(t)); t[2] == 0 && tsize >= xtTargetHead+4 {
+			// The standard target: a verdict, or a jump by offset.
+			h.Write(t[:xtTargetHead])
+			v := int32(binary.NativeEndian.Uint32(t[xtTargetHead:]))
+			if int(v) == off+next {
+				h.WriteByte(1) // fall-through
+			} else if name, ok := chainAt(int(v)); ok && v >= 0 {
+				h.WriteString(name)
+			} else {
+				h.Write(t[xtTargetHead : xtTargetHead+4])
+			}
+		} else {
+			h.Write(t)
+		}
+		h.WriteByte(0)
+	}
+	return h.Sum64()
 }
 
 // entryAt checks the entry at off and returns its length and its

@@ -137,6 +137,11 @@ func (c *churnTable) sync(changed []int, full bool) string {
 // is what iptables-save prints.
 func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 	localcluster.NeedRoot(t, false)
+	t.Run("nf_tables", func(t *testing.T) { incrementalChurn(t, false) })
+	t.Run("legacy", func(t *testing.T) { incrementalChurn(t, true) })
+}
+
+func incrementalChurn(t *testing.T, legacy bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	ns, err := localcluster.NewScratch(ctx, "iptchurn")
@@ -152,12 +157,14 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 			tables[fam].services[i] = tables[fam].newEndpoints(i)
 		}
 	}
+	suffix := ""
+	if legacy {
+		suffix = "-legacy"
+	}
+	toolOf := func(fam int) string { return map[int]string{4: "iptables", 6: "ip6tables"}[fam] + suffix }
 	restore := func(fam int, input string) {
 		t.Helper()
-		tool := "iptables-restore"
-		if fam == 6 {
-			tool = "ip6tables-restore"
-		}
+		tool := toolOf(fam) + "-restore"
 		cmd := ns.Command(ctx, tool, "--noflush")
 		cmd.Stdin = strings.NewReader(input)
 		if out, err := cmd.CombinedOutput(); err != nil {
@@ -166,10 +173,7 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 	}
 	ipt := func(fam int, args ...string) {
 		t.Helper()
-		tool := "iptables"
-		if fam == 6 {
-			tool = "ip6tables"
-		}
+		tool := toolOf(fam)
 		if out, err := ns.Exec(ctx, append([]string{tool, "-t", "nat"}, args...)...); err != nil {
 			t.Fatalf("%s %v: %v: %s", tool, args, err, out)
 		}
@@ -179,7 +183,8 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 	}
 	ipt(4, "-N", "CNI-OTHER")
 
-	var r *iptNFTReader
+	src := Source{Mode: audit.ModeIPTables, Legacy: legacy}
+	var r ChangeReader
 	var sig *nftSignal
 	inNS := func(f func() error) {
 		t.Helper()
@@ -188,31 +193,37 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 		}
 	}
 	inNS(func() error {
+		r = NewHost().Reader(src).(ChangeReader)
+		if legacy {
+			return nil // no notifications: every read compares the table
+		}
 		s, err := openNFTSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
 		sig = s.(*nftSignal)
-		r = NewHost().Reader(Source{Mode: audit.ModeIPTables}).(*iptNFTReader)
-		sig.Feed(r)
+		sig.Feed(r.(NotificationSink))
 		return nil
 	})
-	defer sig.Close()
-	tok0, err := sig.Token()
-	if err != nil {
-		t.Fatal(err)
+	var tok0 uint64
+	if sig != nil {
+		defer sig.Close()
+		tok0, err = sig.Token()
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
 	var state *stream.State
 	read := func(round int, what string) {
 		t.Helper()
 		// The notifications of the last commit reach the reader first.
 		deadline := time.Now().Add(5 * time.Second)
-		for {
+		for sig != nil {
 			tok, err := sig.Token()
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tok == tok0 || uint64(r.notes.lastGen()) == tok {
+			if tok == tok0 || uint64(r.(*iptNFTReader).notes.lastGen()) == tok {
 				break
 			}
 			if time.Now().After(deadline) {
@@ -229,15 +240,19 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 			}
 			// The whole read dumps the small table in one request, or
 			// chain by chain every other round, as a large one.
-			wr := newIPTNFTReader(nil)
-			if round%2 == 1 {
-				wr.wholeDumpChains = 0
+			var wr RuleReader = newLegacyReader(nil)
+			if !legacy {
+				nr := newIPTNFTReader(nil)
+				if round%2 == 1 {
+					nr.wholeDumpChains = 0
+				}
+				wr = nr
 			}
 			if whole, err = wr.Read(ctx); err != nil {
 				return err
 			}
 			if round%10 == 0 {
-				text, err = NewHost().iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
+				text, err = NewHost().iptablesSave(src).Read(ctx)
 			}
 			return err
 		})
@@ -293,11 +308,11 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 						continue
 					}
 					// Fails when a flush emptied the chain: then nothing to tamper.
-					tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+					tool := toolOf(fam)
 					ns.Exec(ctx, tool, "-t", "nat", "-R", e.sep, "2", "-p", "tcp", "-m", "tcp", "-j", "DNAT", "--to-destination", tb.dnatTarget(other[0].ip))
 				}
 			case "delete":
-				tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+				tool := toolOf(fam)
 				ns.Exec(ctx, tool, "-t", "nat", "-D", tb.svcChain(i), "1")
 			case "insert":
 				j := rng.IntN(len(tb.services))
@@ -307,10 +322,10 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 				// notifications that name the rule before.
 				j := rng.IntN(len(tb.services))
 				op := map[string]string{"insert-middle": "-I", "replace-dispatch": "-R"}[kind]
-				tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+				tool := toolOf(fam)
 				ns.Exec(ctx, tool, "-t", "nat", op, "KUBE-SERVICES", []string{"4", "2"}[rng.IntN(2)], "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
 			case "delete-dispatch":
-				tool := map[int]string{4: "iptables", 6: "ip6tables"}[fam]
+				tool := toolOf(fam)
 				ns.Exec(ctx, tool, "-t", "nat", "-D", "KUBE-SERVICES", "1")
 			case "flush-chain":
 				ipt(fam, "-F", tb.svcChain(i))
@@ -330,22 +345,31 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 			did = append(did, fmt.Sprintf("%s/%d", kind, fam))
 			counts[kind]++
 		}
-		if round == 120 {
-			r.Lost() // as after an overrun: the next read is whole, and still agrees
+		if round == 120 && !legacy {
+			r.(NotificationSink).Lost() // as after an overrun: the next read is whole, and still agrees
 			did = append(did, "lost")
 		}
 		read(round, strings.Join(did, " "))
 	}
+	if legacy {
+		lr := r.(*legacyReader)
+		t.Logf("commits: %v; %d reads decoded %d chains that changed; fallbacks: %d", counts, lr.reads.Load(), lr.chains.Load(), lr.fallbacks.Load())
+		if lr.fallbacks.Load() > 0 {
+			t.Errorf("the reader fell back to iptables-legacy-save: %v", lr.lastFallback.Load())
+		}
+		return
+	}
+	nr := r.(*iptNFTReader)
 	t.Logf("commits: %v; chains read one by one: %d; mirrored changes applied: %d; whole reads: %d (by chain: %d); fallbacks: %d",
-		counts, r.chains.Load(), r.mirrorOps.Load(), r.whole.Load(), r.byChain.Load(), r.fallbacks.Load())
-	if r.mirrorOps.Load() == 0 {
+		counts, nr.chains.Load(), nr.mirrorOps.Load(), nr.whole.Load(), nr.byChain.Load(), nr.fallbacks.Load())
+	if nr.mirrorOps.Load() == 0 {
 		t.Error("no change of KUBE-SERVICES was applied from notifications")
 	}
-	if r.chains.Load() == 0 {
+	if nr.chains.Load() == 0 {
 		t.Error("no read was incremental")
 	}
-	if r.fallbacks.Load() > 0 {
-		t.Errorf("the reader fell back to iptables-save: %v", r.lastFallback.Load())
+	if nr.fallbacks.Load() > 0 {
+		t.Errorf("the reader fell back to iptables-save: %v", nr.lastFallback.Load())
 	}
 }
 
