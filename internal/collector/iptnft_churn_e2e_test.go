@@ -288,7 +288,7 @@ func incrementalChurn(t *testing.T, legacy bool) {
 			tb := tables[fam]
 			i := rng.IntN(len(tb.services))
 			kinds := []string{"sync", "sync", "sync", "tamper", "delete", "insert", "flush-chain", "noise", "full", "flush-table", "delete-chain",
-				"insert-middle", "replace-dispatch", "delete-dispatch"}
+				"insert-middle", "replace-dispatch", "delete-dispatch", "port"}
 			kind := kinds[rng.IntN(len(kinds))]
 			switch kind {
 			case "sync":
@@ -324,6 +324,11 @@ func incrementalChurn(t *testing.T, legacy bool) {
 				op := map[string]string{"insert-middle": "-I", "replace-dispatch": "-R"}[kind]
 				tool := toolOf(fam)
 				ns.Exec(ctx, tool, "-t", "nat", op, "KUBE-SERVICES", []string{"4", "2"}[rng.IntN(2)], "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
+			case "port":
+				// Only a match changes: service i's port, its rule and target
+				// otherwise the same (the rule the sync wrote for it).
+				ns.Exec(ctx, toolOf(fam), "-t", "nat", "-R", "KUBE-SERVICES", fmt.Sprint(i+1), "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp",
+					"-m", "comment", "--comment", fmt.Sprintf("ns/s%d:http cluster IP", i), "-m", "tcp", "--dport", "81", "-j", tb.svcChain(i))
 			case "delete-dispatch":
 				tool := toolOf(fam)
 				ns.Exec(ctx, tool, "-t", "nat", "-D", "KUBE-SERVICES", "1")
