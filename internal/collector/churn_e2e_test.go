@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"net"
 	"net/netip"
 	"slices"
@@ -310,5 +311,55 @@ func TestE2EChurnFasterThanTheDump(t *testing.T) {
 				t.Errorf("the writer made only %d syncs in %s", run.syncs, run.window)
 			}
 		})
+	}
+}
+
+// BenchmarkIPTablesUnderChurn runs the collector binary at the anchors
+// (10k services × 10 endpoints; PROXYAUDIT_BENCH_SMALL=1: 1k) under one
+// sync a second for PROXYAUDIT_BENCH_WINDOW (default 60s): the churn of
+// ../shared/TESTBED.md (ten services' chains rewritten with their same
+// content) and kube-proxy's (the same plus its KUBE-SERVICES rewrite), on
+// both backends. It reports the collector's CPU beside the writer's, its
+// peak RSS, and how fast a drift by hand and a flushed table reached the
+// stub aggregator.
+func BenchmarkIPTablesUnderChurn(b *testing.B) {
+	if err := localcluster.CanRun(); err != nil {
+		b.Skipf("needs root, iptables and nft: %v", err)
+	}
+	spec := synth.Spec{Services: 10000, EndpointsPerService: 10}
+	if os.Getenv("PROXYAUDIT_BENCH_SMALL") != "" {
+		spec = synth.Spec{Services: 1000, EndpointsPerService: 10}
+	}
+	window := 60 * time.Second
+	if w, err := time.ParseDuration(os.Getenv("PROXYAUDIT_BENCH_WINDOW")); err == nil {
+		window = w
+	}
+	for _, backend := range []struct {
+		name   string
+		legacy bool
+	}{{"nf_tables", false}, {"legacy", true}} {
+		for _, shape := range []struct {
+			name     string
+			dispatch bool
+		}{{"ten-services", false}, {"kube-proxy", true}} {
+			b.Run(backend.name+"/"+shape.name, func(b *testing.B) {
+				var run churnRun
+				for b.Loop() {
+					run = runChurn(b, churnSpec{spec: spec, legacy: backend.legacy, period: time.Second, dispatch: shape.dispatch, window: window})
+				}
+				b.ReportMetric(run.collectorShare, "collector-%core")
+				b.ReportMetric(run.writerPct, "writer-%core")
+				b.ReportMetric(float64(run.peakRSS)/(1<<20), "peak-RSS-MB")
+				b.ReportMetric(run.driftSeen.Seconds(), "drift-s")
+				b.ReportMetric(run.flushSeen.Seconds(), "flush-s")
+				b.ReportMetric(float64(run.readErrors), "read-errors")
+				b.ReportMetric(run.maxGap.Seconds(), "max-report-gap-s")
+				saved := 0.0
+				if run.saveFinished {
+					saved = 1
+				}
+				b.ReportMetric(saved, "iptables-save-finished")
+			})
+		}
 	}
 }
