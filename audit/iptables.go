@@ -111,6 +111,7 @@ type iptables struct {
 	targets    []netip.AddrPort
 	moreDNAT   map[sepID][]netip.AddrPort // a second DNAT in one chain: never kube-proxy's, kept anyway
 	free       []int32                    // slots of targets no chain uses (IPTablesNAT.SetChain)
+	omitChains bool                       // endpointsOf leaves Endpoint.Chain empty
 	otherIDs   map[string]sepID
 	otherNames []string
 	filterSvc  []iptRule
@@ -564,7 +565,10 @@ func (p *iptables) endpointsOf(policy string) []Endpoint {
 		if !ok {
 			continue
 		}
-		name := p.sepName(sep)
+		name := ""
+		if !p.omitChains {
+			name = p.sepName(sep)
+		}
 		eps = append(eps, Endpoint{Addr: p.targets[ti], Weight: -1, Chain: name})
 		for _, more := range p.moreDNAT[sep] {
 			eps = append(eps, Endpoint{Addr: more, Weight: -1, Chain: name})

@@ -47,10 +47,13 @@ type IPTRule struct {
 // targets, policy chains as their jumps to endpoint chains, and the
 // dispatch chains' rules in full. It is not safe for concurrent use.
 type IPTablesNAT struct {
+	// OmitEndpointChains leaves Endpoint.Chain empty in Changes and
+	// Observed: a reader that streams the model never sends those names
+	// (100k strings at 10k services).
+	OmitEndpointChains bool
+
 	fam int
 	p   *iptables
-	// counts is each kept chain's retained rules, against MaxRules.
-	counts map[chainKey]int
 	// fronts is the frontend table as of the last Changes (nil before).
 	fronts map[FrontendKey]front
 	// What changed since the last Changes.
@@ -61,8 +64,7 @@ type IPTablesNAT struct {
 
 // NewIPTablesNAT returns an empty table of IP family fam (4 or 6).
 func NewIPTablesNAT(fam int) *IPTablesNAT {
-	return &IPTablesNAT{fam: fam, p: newIPTables(), counts: map[chainKey]int{},
-		dirtyPolicy: map[string]bool{}, dirtySEP: map[sepID]bool{}}
+	return &IPTablesNAT{fam: fam, p: newIPTables(), dirtyPolicy: map[string]bool{}, dirtySEP: map[sepID]bool{}}
 }
 
 func newIPTables() *iptables {
@@ -120,13 +122,16 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 		return fmt.Errorf("chain name %q is longer than iptables allows", clip([]byte(name)))
 	}
 	p := t.p
-	n := 0
+	n, old := 0, 0
 	switch kind {
 	case chainSEP:
 		if len(p.otherNames) >= maxOtherNames {
 			return ErrTooManyChainNames
 		}
 		id := p.sepIDOf([]byte(name))
+		if _, ok := p.lookupDNAT(id); ok {
+			old = 1 + len(p.moreDNAT[id])
+		}
 		var targets []netip.AddrPort
 		for _, r := range rules {
 			if r.DNAT.IsValid() {
@@ -139,6 +144,7 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 			t.dirtySEP[id] = true
 		}
 	case chainPolicy:
+		old = len(p.policy[k])
 		var seps []sepID
 		for _, r := range rules {
 			if !r.Goto && strings.HasPrefix(r.Jump, "KUBE-SEP-") {
@@ -158,6 +164,7 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 			t.dirtyPolicy[name] = true
 		}
 	case chainDispatch:
+		old = len(p.rules[k])
 		rs := make([]iptRule, len(rules))
 		for i, r := range rules {
 			rs[i] = iptRule{dst: r.Dst, proto: r.Proto, dport: r.DPort, hasDport: r.HasDPort, jump: r.Jump, comment: r.Comment, cond: r.Cond}
@@ -170,12 +177,7 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 		n = len(rs)
 		t.dispatchDirty = true
 	}
-	p.kept += n - t.counts[k]
-	if n == 0 {
-		delete(t.counts, k)
-	} else {
-		t.counts[k] = n
-	}
+	p.kept += n - old
 	if p.kept > MaxRules {
 		return fmt.Errorf("more than %d kube-proxy rules: not one node's table", MaxRules)
 	}
@@ -235,7 +237,17 @@ func (p *iptables) putDNAT(id sepID, targets []netip.AddrPort) {
 // Chains calls f with the name of every chain that holds rules the audit
 // keeps.
 func (t *IPTablesNAT) Chains(f func(name string)) {
-	for k := range t.counts {
+	p := t.p
+	for a, s := range p.dnat {
+		f(p.sepName(sepID{a: a, b: s.b}))
+	}
+	for id := range p.collide {
+		f(p.sepName(id))
+	}
+	for k := range p.policy {
+		f(k.String())
+	}
+	for k := range p.rules {
 		f(k.String())
 	}
 }
@@ -251,6 +263,7 @@ func (t *IPTablesNAT) Len() int {
 
 // Observed is the whole model of the table.
 func (t *IPTablesNAT) Observed() *Observed {
+	t.p.omitChains = t.OmitEndpointChains
 	return t.p.observed(t.fam, t.p.frontTable(t.fam))
 }
 
@@ -261,6 +274,7 @@ func (t *IPTablesNAT) Observed() *Observed {
 // endpoint chains that chain jumps to did.
 func (t *IPTablesNAT) Changes() (changed []ObservedFrontend, removed []FrontendKey) {
 	p := t.p
+	p.omitChains = t.OmitEndpointChains
 	first := t.fronts == nil
 	dirty := map[FrontendKey]bool{}
 	if first || t.dispatchDirty {

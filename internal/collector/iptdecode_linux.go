@@ -206,12 +206,11 @@ func (d *iptDecoder) other(format string, args ...any) error {
 
 func (d *iptDecoder) expr(b []byte) error {
 	a := attrs{b: b}
-	var name string
-	var data []byte
+	var name, data []byte
 	for a.next() {
 		switch a.typ {
 		case unix.NFTA_EXPR_NAME:
-			name = a.str()
+			name = cstr(a.val)
 		case unix.NFTA_EXPR_DATA:
 			data = a.val
 		}
@@ -219,7 +218,7 @@ func (d *iptDecoder) expr(b []byte) error {
 	if a.err != nil {
 		return a.err
 	}
-	switch name {
+	switch string(name) {
 	case "counter":
 		return nil
 	case "payload":
@@ -242,7 +241,7 @@ func (d *iptDecoder) expr(b []byte) error {
 		d.r.Jump = "MASQUERADE"
 		return nil
 	}
-	return d.other("expression %q", clip(name))
+	return d.other("expression %q", clip(string(name)))
 }
 
 // payload: addresses, the protocol (IPv4's header field) and ports.
@@ -557,13 +556,12 @@ func (d *iptDecoder) nat(b []byte) error {
 // legacy struct it carries.
 func (d *iptDecoder) xt(b []byte, target bool) error {
 	a := attrs{b: b}
-	var name string
+	var name, info []byte
 	var rev uint32
-	var info []byte
 	for a.next() {
 		switch a.typ {
 		case unix.NFTA_MATCH_NAME: // = NFTA_TARGET_NAME
-			name = a.str()
+			name = cstr(a.val)
 		case unix.NFTA_MATCH_REV:
 			rev = a.u32()
 		case unix.NFTA_MATCH_INFO:
@@ -574,8 +572,8 @@ func (d *iptDecoder) xt(b []byte, target bool) error {
 		return a.err
 	}
 	if target {
-		d.r.Jump = name
-		if name == "DNAT" {
+		d.r.Jump = targetName(name)
+		if string(name) == "DNAT" {
 			return d.dnat(rev, info)
 		}
 		return nil
@@ -583,10 +581,21 @@ func (d *iptDecoder) xt(b []byte, target bool) error {
 	return d.match(name, info)
 }
 
+// targetName is a target's name as a string, the common ones without an
+// allocation each.
+func targetName(name []byte) string {
+	for _, s := range []string{"DNAT", "MARK", "MASQUERADE", "SNAT", "REJECT", "RETURN", "ACCEPT", "DROP"} {
+		if string(name) == s {
+			return s
+		}
+	}
+	return string(name)
+}
+
 // match reads an xtables match's payload (the same struct in an
 // iptables-nft rule and a legacy entry).
-func (d *iptDecoder) match(name string, info []byte) error {
-	switch name {
+func (d *iptDecoder) match(name, info []byte) error {
+	switch string(name) {
 	case "comment":
 		d.r.Comment, d.hasComment = cString(info[:min(len(info), xtCommentLen)]), true
 	case "tcp", "udp":
@@ -596,7 +605,7 @@ func (d *iptDecoder) match(name string, info []byte) error {
 			return d.other("%s match of %d bytes", name, len(info))
 		}
 		lo, hi := binary.NativeEndian.Uint16(info[4:]), binary.NativeEndian.Uint16(info[6:])
-		return d.port(name, lo, hi)
+		return d.port(string(name), lo, hi)
 	case "sctp":
 		// struct xt_sctp_info: u16 dpts[2], spts[2], chunkmap[64] (u32),
 		// chunk_match_type, flag_info[4] (3 bytes each), flag_count,
@@ -607,7 +616,7 @@ func (d *iptDecoder) match(name string, info []byte) error {
 		if binary.NativeEndian.Uint32(info[284:])&xtSCTPDestPorts == 0 {
 			return nil
 		}
-		return d.port(name, binary.NativeEndian.Uint16(info[0:]), binary.NativeEndian.Uint16(info[2:]))
+		return d.port("sctp", binary.NativeEndian.Uint16(info[0:]), binary.NativeEndian.Uint16(info[2:]))
 	case "addrtype":
 		// rev 0: u16 source, dest, u32 invert_source, invert_dest;
 		// rev 1: u16 source, dest, u32 flags. A source type is a condition.
@@ -620,7 +629,7 @@ func (d *iptDecoder) match(name string, info []byte) error {
 	case "statistic", "recent", "nfacct", "mark", "conntrack", "state", "limit", "multiport", "connmark", "pkttype", "physdev", "set", "mac":
 		// Matches whose options the text parser skips.
 	default:
-		return d.other("match %q", clip(name))
+		return d.other("match %q", clip(string(name)))
 	}
 	return nil
 }

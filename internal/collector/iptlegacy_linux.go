@@ -41,6 +41,8 @@ type legacyReader struct {
 	reads, chains, fallbacks atomic.Int64
 	// seed digests chains' entries (see decodeLegacy).
 	seed maphash.Seed
+	// omitChains: see iptNFTReader.
+	omitChains bool
 	lastFallback             atomic.Value // string
 }
 
@@ -79,6 +81,7 @@ func (r *legacyReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.fams = [2]*legacyFamily{}
+	r.omitChains = false
 	ch, err := r.read(ctx)
 	if err != nil {
 		return nil, err
@@ -90,6 +93,7 @@ func (r *legacyReader) Read(ctx context.Context) (*audit.Observed, error) {
 func (r *legacyReader) ReadChanges(ctx context.Context) (*Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.omitChains = true // streamed: the stream carries no endpoint chain names
 	return r.read(ctx)
 }
 
@@ -107,6 +111,7 @@ func (r *legacyReader) read(ctx context.Context) (*Changes, error) {
 		if first {
 			f = &legacyFamily{nat: audit.NewIPTablesNAT(fam), sums: map[uint64]chainSum{}}
 		}
+		f.nat.OmitEndpointChains = r.omitChains
 		err := r.readFamily(ctx, fam, f, &n)
 		switch {
 		case errors.Is(err, ErrUndecodable) && r.text != nil:
@@ -513,8 +518,7 @@ func decodeLegacyEntry(table []byte, off int, lay entryLayout, fam int, chainAt 
 		if msize < xtTargetHead || m+msize > to {
 			return d.r, fmt.Errorf("a match of %d bytes", msize)
 		}
-		name := string(cstr(e[m+2 : m+31]))
-		if err := d.match(name, e[m+xtTargetHead:m+msize]); err != nil {
+		if err := d.match(cstr(e[m+2:m+31]), e[m+xtTargetHead:m+msize]); err != nil {
 			return d.r, err
 		}
 		m += msize
@@ -522,11 +526,11 @@ func decodeLegacyEntry(table []byte, off int, lay entryLayout, fam int, chainAt 
 	next := int(binary.NativeEndian.Uint16(e[lay.nextOffset:]))
 	t := e[to:next]
 	tsize := int(binary.NativeEndian.Uint16(t))
-	tname := string(cstr(t[2:31]))
+	tname := cstr(t[2:31])
 	data := t[xtTargetHead:tsize]
-	if tname != "" {
-		d.r.Jump = tname
-		if tname == "DNAT" {
+	if len(tname) > 0 {
+		d.r.Jump = targetName(tname)
+		if string(tname) == "DNAT" {
 			if err := d.dnat(uint32(t[31]), data); err != nil {
 				return d.r, err
 			}

@@ -60,6 +60,9 @@ type iptNFTReader struct {
 	// wholeDumpChains: see the constant (tests read small tables chain by
 	// chain with 0).
 	wholeDumpChains int
+	// omitChains: the models built leave out endpoint chain names (set
+	// by ReadChanges, whose results are streamed).
+	omitChains bool
 }
 
 func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
@@ -95,6 +98,7 @@ func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.fams = [2]*audit.IPTablesNAT{}
+	r.omitChains = false
 	ch, err := r.read(ctx)
 	if err != nil {
 		return nil, err
@@ -106,6 +110,7 @@ func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 func (r *iptNFTReader) ReadChanges(ctx context.Context) (*Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.omitChains = true // what changed is streamed, and the stream carries no endpoint chain names
 	return r.read(ctx)
 }
 
@@ -133,6 +138,9 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 	for i, fam := range []int{4, 6} {
 		t := touched.fams[i]
 		base := r.fams[i]
+		if base != nil {
+			base.OmitEndpointChains = r.omitChains
+		}
 		if base == nil || touched.lost || t.reset || len(t.chains) > maxChainReads {
 			r.mirrors[i] = map[string]*ruleMirror{}
 			nat, err := r.readTable(ctx, fam, r.mirrors[i], &n)
@@ -152,6 +160,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 				r.closeOnError(err)
 				return nil, fmt.Errorf("read table %s nat over netlink: %w", nftFamily(fam), err)
 			default:
+				nat.OmitEndpointChains = r.omitChains
 				fs, _ := nat.Changes()
 				obs = &audit.Observed{Mode: audit.ModeIPTables, Families: []int{fam}, Frontends: fs, NoRules: len(fs) == 0}
 			}
@@ -221,6 +230,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 				continue
 			}
 			if nat := r.fams[i]; nat != nil {
+				nat.OmitEndpointChains = r.omitChains
 				o := nat.Observed()
 				parts = slices.Insert(parts, i, o)
 			}
