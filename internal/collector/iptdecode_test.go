@@ -176,7 +176,7 @@ func captureNetlinkMessages(t *testing.T) {
 			for _, fam := range []int{4, 6} {
 				var msgs [][]byte
 				var n int64
-				if _, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), &n, func(b []byte) error {
+				if _, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), &n, 0, func(b []byte) error {
 					// Every rule of the small captures; the large one's
 					// first 300 (its layout repeats).
 					if len(msgs) < 300 {

@@ -244,7 +244,7 @@ func incrementalChurn(t *testing.T, legacy bool) {
 			if !legacy {
 				nr := newIPTNFTReader(nil)
 				if round%2 == 1 {
-					nr.wholeDumpChains = 0
+					nr.maxDumpParts = 0
 				}
 				wr = nr
 			}

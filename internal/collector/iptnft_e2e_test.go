@@ -91,7 +91,7 @@ func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
 			}
 			// Chain by chain, as a large table is read.
 			byChain := newIPTNFTReader(nil)
-			byChain.wholeDumpChains = 0
+			byChain.maxDumpParts = 0
 			again, err := byChain.Read(ctx)
 			if err != nil {
 				return err
@@ -100,6 +100,15 @@ func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
 				t.Errorf("%s: not read chain by chain", name)
 			}
 			sameModel(t, name+" chain by chain", again, got)
+			// A dump stopped after its first parts, the rest chain by
+			// chain, as a large table is read.
+			parts := newIPTNFTReader(nil)
+			parts.maxDumpParts = 2
+			again, err = parts.Read(ctx)
+			if err != nil {
+				return err
+			}
+			sameModel(t, name+" in two parts, then chain by chain", again, got)
 			want, err = host.iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
 			return err
 		})

@@ -57,16 +57,16 @@ type iptNFTReader struct {
 	// mirrorOps counts the mirrored chains' notified changes applied.
 	mirrorOps    atomic.Int64
 	lastFallback atomic.Value // string: why
-	// wholeDumpChains: see the constant (tests read small tables chain by
-	// chain with 0).
-	wholeDumpChains int
+	// maxDumpParts: see the constant (0 reads chain by chain from the
+	// start, as the tests do).
+	maxDumpParts int
 	// omitChains: the models built leave out endpoint chain names (set
 	// by ReadChanges, whose results are streamed).
 	omitChains bool
 }
 
 func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
-	return &iptNFTReader{fd: -1, text: text, wholeDumpChains: wholeDumpChains}
+	return &iptNFTReader{fd: -1, text: text, maxDumpParts: maxDumpParts}
 }
 
 var (
@@ -262,32 +262,31 @@ func (r *iptNFTReader) closeOnError(err error) {
 // interruptedTries is how many interrupted dumps a read tries again.
 const interruptedTries = 3
 
-// wholeDumpChains is the most chains a table may have for a read to dump
-// its rules in one request. The kernel resumes each 32 KiB part of a
-// dump by walking the table from its start, so one dump of a large table
-// costs the square of its size (4,000 services: a second of system time,
-// 10k: about ten); a dump per chain costs ~10 µs of kernel time per
-// chain whatever the size, which is less from about 1,500 services on
-// (docs/benchmarks.md).
-const wholeDumpChains = 12000
+// maxDumpParts is how many parts of a whole-table dump a read takes
+// before it reads the rest chain by chain. The kernel resumes each 32 KiB
+// part of a dump by walking the table from its start, so part k costs k
+// parts' walk: one dump of a large table costs the square of its size
+// (61, 124 and 481 ms of system time at 500, 1,000 and 2,000 services;
+// about ten seconds at 10k), while a dump per chain costs ~10 µs of kernel
+// time a chain whatever the size. Part 200 walks ~20k rules, about what
+// its ~35 chains cost one by one. A small table (or one just flushed) is
+// read in one request.
+const maxDumpParts = 200
+
+// errDumpStopped: a dump stopped before its end, at its part limit.
+var errDumpStopped = errors.New("the dump stopped at its part limit")
 
 // readTable reads one family's nat table whole into a new model: its
-// chain list, then its rules in one dump when the table is small and
-// chain by chain when it is large. A table that does not exist reads as
-// an empty one.
+// chain list, then its rules in one dump, chain by chain from where that
+// dump reached maxDumpParts. A table that does not exist reads as an
+// empty one.
 func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, error) {
-	var names []string
-	all := 0
+	var order []string // every chain, in the table's order (a dump's)
 	for try := 0; ; try++ {
-		names, all = names[:0], 0
-		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nlAttr(unix.NFTA_CHAIN_TABLE, cstring("nat")), n, func(body []byte) error {
-			table, name := chainOf(body)
-			if table != "nat" {
-				return nil
-			}
-			all++
-			if audit.Reads(name) {
-				names = append(names, name)
+		order = order[:0]
+		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nlAttr(unix.NFTA_CHAIN_TABLE, cstring("nat")), n, 0, func(body []byte) error {
+			if table, name := chainOf(body); table == "nat" {
+				order = append(order, name)
 			}
 			return nil
 		})
@@ -304,22 +303,43 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 			return nil, errors.New("the chain list was interrupted by commits ten times in a row")
 		}
 	}
-	if all <= r.wholeDumpChains {
-		for try := 0; try < interruptedTries; try++ {
-			clear(mirrors)
-			nat, intr, err := r.dumpTable(ctx, fam, mirrors, n)
-			if err != nil || !intr {
-				r.whole.Add(1)
-				return nat, err
+	nat, from := audit.NewIPTablesNAT(fam), 0
+	for try := 0; r.maxDumpParts > 0 && try < interruptedTries; try++ {
+		clear(mirrors)
+		whole, last, intr, err := r.dumpTable(ctx, fam, mirrors, n, r.maxDumpParts)
+		if errors.Is(err, errDumpStopped) {
+			// The rest of the dump is not read: a new socket for what
+			// follows.
+			unix.Close(r.fd)
+			if r.fd, err = openNetfilter(); err != nil {
+				return nil, err
 			}
+			if intr {
+				continue
+			}
+			// The chains before the one the dump stopped in are whole.
+			if i := slices.Index(order, last); i >= 0 {
+				nat, from = whole, i
+			}
+			r.byChain.Add(1)
+			break
 		}
+		if err != nil || !intr {
+			r.whole.Add(1)
+			return whole, err
+		}
+	}
+	if from == 0 {
+		r.byChain.Add(1)
+		clear(mirrors)
+		nat = audit.NewIPTablesNAT(fam)
 	}
 	// Chain by chain; a commit during the read touches chains the next
 	// read reads again.
-	r.byChain.Add(1)
-	nat := audit.NewIPTablesNAT(fam)
-	clear(mirrors)
-	for _, name := range names {
+	for _, name := range order[from:] {
+		if !audit.Reads(name) {
+			continue
+		}
 		rules, handles, ok, err := r.readChain(ctx, fam, name, n)
 		if err != nil {
 			return nil, err
@@ -336,9 +356,11 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 	return nat, nil
 }
 
-// dumpTable reads a family's nat table's rules in one dump.
-func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, bool, error) {
-	nat := audit.NewIPTablesNAT(fam)
+// dumpTable reads a family's nat table's rules in one dump, of at most
+// maxParts parts: when it stops there (errDumpStopped), last is the chain
+// it was reading, which the model does not hold.
+func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64, maxParts int) (nat *audit.IPTablesNAT, last string, intr bool, err error) {
+	nat = audit.NewIPTablesNAT(fam)
 	var cur string
 	var rules []audit.IPTRule
 	var handles []uint64
@@ -352,12 +374,12 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 		}
 		cur, rules, handles = "", rules[:0], handles[:0]
 	}
-	intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, func(body []byte) error {
+	intr, err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, maxParts, func(body []byte) error {
 		d, err := decodeIPTNFTRule(body, fam)
 		if err != nil {
 			return err
 		}
-		if string(d.table) != "nat" || d.skipped {
+		if string(d.table) != "nat" {
 			return nil
 		}
 		// A dump lists each chain's rules together.
@@ -365,19 +387,23 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 			flush()
 			cur = string(d.chain)
 		}
-		rules, handles = append(rules, d.rule), append(handles, d.handle)
+		if !d.skipped {
+			rules, handles = append(rules, d.rule), append(handles, d.handle)
+		}
 		return nil
 	})
-	flush()
 	switch {
+	case errors.Is(err, errDumpStopped):
+		return nat, cur, intr, err
 	case errors.Is(err, unix.ENOENT):
-		return audit.NewIPTablesNAT(fam), false, nil
+		return audit.NewIPTablesNAT(fam), "", false, nil
 	case err != nil:
-		return nil, false, err
-	case ferr != nil:
-		return nil, false, ferr
+		return nil, "", false, err
 	}
-	return nat, intr, nil
+	if flush(); ferr != nil {
+		return nil, "", false, ferr
+	}
+	return nat, "", intr, nil
 }
 
 // readChain dumps one chain's rules; ok is false when the chain (or the
@@ -393,7 +419,7 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 	for try := 0; ; try++ {
 		rules, handles = rules[:0], handles[:0]
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
-			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n,
+			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n, 0,
 			func(body []byte) error {
 				d, err := decodeIPTNFTRule(body, fam)
 				if err != nil {
@@ -516,7 +542,10 @@ func nlAttr(typ uint16, v []byte) []byte {
 // interrupted by a commit (NLM_F_DUMP_INTR): its parts may not agree.
 // The kernel's refusal comes back as its errno (ENOENT: no such table or
 // chain).
-func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []byte, n *int64, fn func([]byte) error) (intr bool, err error) {
+//
+// With maxParts above 0, it stops after that many datagrams and returns
+// errDumpStopped: the rest of the dump is still due on the socket.
+func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []byte, n *int64, maxParts int, fn func([]byte) error) (intr bool, err error) {
 	r.seq++
 	seq := r.seq
 	req := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
@@ -538,9 +567,12 @@ func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []by
 		ferr = fn(body)
 		return nil
 	}
-	for {
+	for parts := 0; ; {
 		if err := ctx.Err(); err != nil {
 			return false, err
+		}
+		if maxParts > 0 && parts >= maxParts {
+			return intr, errDumpStopped
 		}
 		got, err := r.recv()
 		switch {
@@ -550,6 +582,7 @@ func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []by
 			return false, fmt.Errorf("reading the dump: %w", err)
 		}
 		for _, b := range got {
+			parts++
 			*n += int64(len(b))
 			done, in, err := nlMessages(b, seq, each)
 			intr = intr || in
