@@ -37,6 +37,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
+	"github.com/proxyaudit/proxyaudit/internal/tlssecret"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
@@ -162,7 +163,7 @@ type server struct {
 	streams  net.Listener
 	http     net.Listener
 	// tlsSecret keeps the stream listener's pair in a Secret (--tls-secret).
-	tlsSecret *tlsfile.SecretPair
+	tlsSecret *tlssecret.SecretPair
 }
 
 // servingPair is the stream listener's certificate, from files or a Secret.
@@ -197,7 +198,7 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 		}
 		kp.Reloaded, pair = reloaded, kp
 	case o.tlsSecret != "":
-		s.tlsSecret = &tlsfile.SecretPair{Client: client, Namespace: o.leNamespace, Name: o.tlsSecret, Names: o.tlsNames(), Validity: o.tlsValidity, Reloaded: reloaded}
+		s.tlsSecret = &tlssecret.SecretPair{Client: client, Namespace: o.leNamespace, Name: o.tlsSecret, Names: o.tlsNames(), Validity: o.tlsValidity, Reloaded: reloaded}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		err := s.tlsSecret.Ensure(ctx)
 		cancel()

@@ -27,7 +27,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
-	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
+	"github.com/proxyaudit/proxyaudit/internal/tlssecret"
 )
 
 // The chart's tests need only the API server: no nodes.
@@ -158,7 +158,7 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := &tlsfile.SecretPair{Client: serviceAccount(t, c, "proxyaudit", "proxyaudit-aggregator"), Namespace: "proxyaudit", Name: flag("tls-secret"),
+	first := &tlssecret.SecretPair{Client: serviceAccount(t, c, "proxyaudit", "proxyaudit-aggregator"), Namespace: "proxyaudit", Name: flag("tls-secret"),
 		Names: strings.Split(flag("tls-server-names"), ","), Validity: validity}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(200 * time.Millisecond) {
 		if err = first.Ensure(ctx); err == nil || !apierrors.IsForbidden(err) || time.Now().After(deadline) {

@@ -1,4 +1,4 @@
-package tlsfile
+package tlssecret
 
 import (
 	"context"

@@ -1,4 +1,8 @@
-package tlsfile
+// Package tlssecret keeps the aggregator's TLS key pair in a Secret it makes on
+// first start and reads back, so that the chart holds no key. It is apart
+// from tlsfile so that the collector, which only loads a CA bundle, does
+// not link client-go.
+package tlssecret
 
 import (
 	"context"
