@@ -42,8 +42,8 @@ type legacyReader struct {
 	// seed digests chains' entries (see decodeLegacy).
 	seed maphash.Seed
 	// omitChains: see iptNFTReader.
-	omitChains bool
-	lastFallback             atomic.Value // string
+	omitChains   bool
+	lastFallback atomic.Value // string
 }
 
 // legacyFamily is one family's model and what each chain held at the
