@@ -37,17 +37,18 @@ type legacyReader struct {
 	// cannot; nil: no tool.
 	text  func(ctx context.Context, fam int) (*audit.Observed, error)
 	bytes atomic.Int64
-	// reads, chains set (changed since the last read), fallbacks.
+	// reads, chains set (changed since the last read), fallbacks and the
+	// last one's reason.
 	reads, chains, fallbacks atomic.Int64
+	lastFallback             atomic.Value // string
 	// seed digests chains' entries (see decodeLegacy).
 	seed maphash.Seed
 	// omitChains: see iptNFTReader.
-	omitChains   bool
-	lastFallback atomic.Value // string
+	omitChains bool
 }
 
 // legacyFamily is one family's model and what each chain held at the
-// last read (a digest of its decoded rules, by a hash of its name).
+// last read (a digest of its entries, by a hash of its name).
 type legacyFamily struct {
 	nat  *audit.IPTablesNAT
 	sums map[uint64]chainSum
