@@ -129,8 +129,10 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 			return ErrTooManyChainNames
 		}
 		id := p.sepIDOf([]byte(name))
-		if _, ok := p.lookupDNAT(id); ok {
+		var was []netip.AddrPort
+		if idx, ok := p.lookupDNAT(id); ok {
 			old = 1 + len(p.moreDNAT[id])
+			was = append([]netip.AddrPort{p.targets[idx]}, p.moreDNAT[id]...)
 		}
 		var targets []netip.AddrPort
 		for _, r := range rules {
@@ -138,8 +140,11 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 				targets = append(targets, netip.AddrPortFrom(r.DNAT.Addr().Unmap(), r.DNAT.Port()))
 			}
 		}
-		p.putDNAT(id, targets)
 		n = len(targets)
+		if slices.Equal(was, targets) {
+			break // rewritten with what it held, as kube-proxy's syncs do
+		}
+		p.putDNAT(id, targets)
 		if t.fronts != nil {
 			t.dirtySEP[id] = true
 		}
@@ -154,12 +159,15 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 				seps = append(seps, p.sepIDOf([]byte(r.Jump)))
 			}
 		}
+		n = len(seps)
+		if slices.Equal(seps, p.policy[k]) {
+			break
+		}
 		if len(seps) == 0 {
 			delete(p.policy, k)
 		} else {
 			p.policy[k] = seps
 		}
-		n = len(seps)
 		if t.fronts != nil {
 			t.dirtyPolicy[name] = true
 		}
@@ -169,12 +177,15 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 		for i, r := range rules {
 			rs[i] = iptRule{dst: r.Dst, proto: r.Proto, dport: r.DPort, hasDport: r.HasDPort, jump: r.Jump, comment: r.Comment, cond: r.Cond}
 		}
+		n = len(rs)
+		if slices.Equal(rs, p.rules[k]) {
+			break
+		}
 		if len(rs) == 0 {
 			delete(p.rules, k)
 		} else {
 			p.rules[k] = rs
 		}
-		n = len(rs)
 		t.dispatchDirty = true
 	}
 	p.kept += n - old
@@ -269,6 +280,7 @@ func (t *IPTablesNAT) Observed() *Observed {
 
 // Changes returns the frontends that changed since the last call (all of
 // them at the first), sorted by key, and the keys of those that are gone.
+// A chain set to what it held changes nothing.
 // A frontend changed when its dispatch rule now goes elsewhere or carries
 // another name, when its policy chain changed, or when one of the
 // endpoint chains that chain jumps to did.

@@ -277,10 +277,34 @@ const maxDumpParts = 200
 var errDumpStopped = errors.New("the dump stopped at its part limit")
 
 // readTable reads one family's nat table whole into a new model: its
-// chain list, then its rules in one dump, chain by chain from where that
-// dump reached maxDumpParts. A table that does not exist reads as an
-// empty one.
+// rules in one dump, and from where that dump reached maxDumpParts chain
+// by chain, in the order of the table's chain list. A table that does not
+// exist reads as an empty one.
 func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, error) {
+	nat, last := audit.NewIPTablesNAT(fam), ""
+	stopped := false
+	for try := 0; r.maxDumpParts > 0 && try < interruptedTries; try++ {
+		clear(mirrors)
+		whole, at, intr, err := r.dumpTable(ctx, fam, mirrors, n, r.maxDumpParts)
+		if errors.Is(err, errDumpStopped) {
+			// The rest of the dump is not read: a new socket for what
+			// follows.
+			unix.Close(r.fd)
+			if r.fd, err = openNetfilter(); err != nil {
+				return nil, err
+			}
+			if intr {
+				continue
+			}
+			// The chains before the one the dump stopped in are whole.
+			nat, last, stopped = whole, at, true
+			break
+		}
+		if err != nil || !intr {
+			r.whole.Add(1)
+			return whole, err
+		}
+	}
 	var order []string // every chain, in the table's order (a dump's)
 	for try := 0; ; try++ {
 		order = order[:0]
@@ -303,37 +327,14 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 			return nil, errors.New("the chain list was interrupted by commits ten times in a row")
 		}
 	}
-	nat, from := audit.NewIPTablesNAT(fam), 0
-	for try := 0; r.maxDumpParts > 0 && try < interruptedTries; try++ {
-		clear(mirrors)
-		whole, last, intr, err := r.dumpTable(ctx, fam, mirrors, n, r.maxDumpParts)
-		if errors.Is(err, errDumpStopped) {
-			// The rest of the dump is not read: a new socket for what
-			// follows.
-			unix.Close(r.fd)
-			if r.fd, err = openNetfilter(); err != nil {
-				return nil, err
-			}
-			if intr {
-				continue
-			}
-			// The chains before the one the dump stopped in are whole.
-			if i := slices.Index(order, last); i >= 0 {
-				nat, from = whole, i
-			}
-			r.byChain.Add(1)
-			break
-		}
-		if err != nil || !intr {
-			r.whole.Add(1)
-			return whole, err
-		}
-	}
-	if from == 0 {
-		r.byChain.Add(1)
+	from := 0
+	if i := slices.Index(order, last); stopped && i >= 0 {
+		from = i
+	} else {
 		clear(mirrors)
 		nat = audit.NewIPTablesNAT(fam)
 	}
+	r.byChain.Add(1)
 	// Chain by chain; a commit during the read touches chains the next
 	// read reads again.
 	for _, name := range order[from:] {
