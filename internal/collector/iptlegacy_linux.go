@@ -277,10 +277,15 @@ func legacyTool(fam int) string {
 // deleted.
 func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam int) error {
 	f.gen++
+	seen, fresh := 0, 0
 	known := func(chain string, sum uint64) bool {
 		k := nameHash(chain)
 		old, ok := f.sums[k]
 		f.sums[k] = chainSum{sum: sum, gen: f.gen}
+		seen++
+		if !ok {
+			fresh++
+		}
 		return ok && old.sum == sum
 	}
 	err := decodeLegacy(table, lay, fam, r.seed, known, func(chain string, rules []audit.IPTRule) error {
@@ -289,6 +294,10 @@ func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam
 	})
 	if err != nil {
 		return err
+	}
+	if fresh == 0 && seen == len(f.sums) {
+		// Every chain of the last read, and no other: none is gone.
+		return nil
 	}
 	var gone []string
 	f.nat.Chains(func(name string) {
