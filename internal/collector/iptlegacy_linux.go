@@ -322,12 +322,6 @@ type fnv64 uint64
 
 const fnvOffset, fnvPrime = 14695981039346656037, 1099511628211
 
-func (h *fnv64) bytes(b []byte) {
-	for _, c := range b {
-		*h = (*h ^ fnv64(c)) * fnvPrime
-	}
-}
-
 func (h *fnv64) str(s string) {
 	for i := 0; i < len(s); i++ {
 		*h = (*h ^ fnv64(s[i])) * fnvPrime
