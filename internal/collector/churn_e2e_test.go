@@ -40,6 +40,9 @@ type churnRun struct {
 type churnSpec struct {
 	spec   synth.Spec
 	legacy bool
+	// nftables: kube-proxy's nftables mode instead of iptables (the
+	// writer rewrites ten services' chains with `nft -f`).
+	nftables bool
 	// period is how often the writer commits a partial sync of ten
 	// services' chains; dispatch adds kube-proxy's rewrite of
 	// KUBE-SERVICES to each.
@@ -61,7 +64,11 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	var dump bytes.Buffer
-	if err := cs.spec.WriteIPTablesSave(&dump); err != nil {
+	write := cs.spec.WriteIPTablesSave
+	if cs.nftables {
+		write = cs.spec.WriteNFTJSON
+	}
+	if err := write(&dump); err != nil {
 		tb.Fatal(err)
 	}
 	ns, err := localcluster.NewScratch(ctx, "churn")
@@ -70,13 +77,26 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	}
 	defer ns.Close()
 	load := time.Now()
-	if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
+	if cs.nftables {
+		order, err := synth.NFTLoadOrder(dump.Bytes())
+		if err != nil {
+			tb.Fatal(err)
+		}
+		cmd := ns.Command(ctx, "nft", "-j", "-f", "-")
+		cmd.Stdin = bytes.NewReader(order)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			tb.Fatalf("nft load: %v: %s", err, out)
+		}
+	} else if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
 		tb.Fatal(err)
 	}
 	tb.Logf("%d services × %d endpoints loaded in %s", cs.spec.Services, cs.spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
 	tool, mode := "iptables", "iptables"
-	if cs.legacy {
+	switch {
+	case cs.legacy:
 		tool, mode = "iptables-legacy", "iptables-legacy"
+	case cs.nftables:
+		tool, mode = "nft", "nftables"
 	}
 	if out, err := ns.Exec(ctx, "ip", "link", "set", "lo", "up"); err != nil {
 		tb.Fatalf("%v: %s", err, out)
@@ -108,11 +128,18 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 			for j := range 10 {
 				svcs = append(svcs, (k*10+j)%(cs.spec.Services/2))
 			}
-			if err := cs.spec.WritePartialSync(&in, svcs, cs.dispatch); err != nil {
+			var err error
+			argv := []string{tool + "-restore", "--noflush"}
+			if cs.nftables {
+				err, argv = cs.spec.WriteNFTPartialSync(&in, svcs, netip.AddrPort{}), []string{"nft", "-f", "-"}
+			} else {
+				err = cs.spec.WritePartialSync(&in, svcs, cs.dispatch)
+			}
+			if err != nil {
 				tb.Error(err)
 				return
 			}
-			cmd := ns.Command(wctx, tool+"-restore", "--noflush")
+			cmd := ns.Command(wctx, argv...)
 			cmd.Stdin = &in
 			out, err := cmd.CombinedOutput()
 			if wctx.Err() != nil {
@@ -138,13 +165,20 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	run := churnRun{services: fmt.Sprint(cs.spec.Services), period: cs.period.String()}
 	// iptables-save under the churn: does it finish at all?
 	save := ns.Command(ctx, "timeout", "20", tool+"-save", "-t", "nat")
+	if cs.nftables {
+		save = ns.Command(ctx, "timeout", "20", "nft", "-j", "list", "table", "ip", "kube-proxy")
+	}
 	t0 := time.Now()
 	out, err := save.Output()
 	run.saveTook = time.Since(t0)
-	run.saveFinished = err == nil && bytes.Contains(out, []byte("COMMIT"))
+	run.saveFinished = err == nil && (bytes.Contains(out, []byte("COMMIT")) || bytes.Contains(out, []byte(`"nftables"`)))
 	tb.Logf("%s-save -t nat under the churn: finished %v after %s (%d bytes)", tool, run.saveFinished, run.saveTook.Round(time.Millisecond), len(out))
 
-	col := ns.Command(ctx, collectorBinary(tb), "--node-name", "churn", "--aggregator", ln.Addr().String(), "--mode", mode,
+	bin := collectorBinary(tb)
+	if b := os.Getenv("PROXYAUDIT_BENCH_COLLECTOR"); b != "" {
+		bin = b // another build, measured under the same churn
+	}
+	col := ns.Command(ctx, bin, "--node-name", "churn", "--aggregator", ln.Addr().String(), "--mode", mode,
 		"--kube-proxy-metrics", "", "--interval", "10s", "--conntrack-interval", "0")
 	var stderr bytes.Buffer
 	col.Stderr = &stderr
@@ -208,11 +242,21 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	t1 := time.Now()
 	drifted := func(f stream.Frontend) bool { return slices.Contains(f.Endpoints, target) }
 	args := []string{tool, "-t", "nat", "-R", cs.spec.SEPChain(drift, 0), "2", "-p", "tcp", "-m", "tcp", "-j", "DNAT", "--to-destination", target}
-	if cs.legacy {
+	var stdin []byte
+	switch {
+	case cs.legacy:
 		drifted = func(f stream.Frontend) bool { return !slices.Contains(f.Endpoints, old) }
 		args = []string{tool, "-t", "nat", "-D", cs.spec.SEPChain(drift, 0), "2"}
+	case cs.nftables:
+		var in bytes.Buffer
+		if err := cs.spec.WriteNFTPartialSync(&in, []int{drift}, netip.MustParseAddrPort(target)); err != nil {
+			tb.Fatal(err)
+		}
+		args, stdin = []string{"nft", "-f", "-"}, in.Bytes()
 	}
-	if out, err := ns.Exec(ctx, args...); err != nil {
+	dcmd := ns.Command(ctx, args...)
+	dcmd.Stdin = bytes.NewReader(stdin)
+	if out, err := dcmd.CombinedOutput(); err != nil {
 		tb.Fatalf("drift: %v: %s", err, out)
 	}
 	// Timed from when the change is in the kernel: the tool's own run
@@ -245,7 +289,11 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 			s.mu.Unlock()
 		}
 	}()
-	if out, err := ns.Exec(ctx, tool, "-t", "nat", "-F"); err != nil {
+	flush := []string{tool, "-t", "nat", "-F"}
+	if cs.nftables {
+		flush = []string{"nft", "flush", "table", "ip", "kube-proxy"}
+	}
+	if out, err := ns.Exec(ctx, flush...); err != nil {
 		tb.Fatalf("flush: %v: %s", err, out)
 	}
 	run.flushCmd, t2 = time.Since(t2), time.Now()
@@ -320,6 +368,7 @@ func TestE2EChurnFasterThanTheDump(t *testing.T) {
 }
 
 // BenchmarkIPTablesUnderChurn runs the collector binary at the anchors
+// (PROXYAUDIT_BENCH_COLLECTOR: another build of it, measured the same way)
 // (10k services × 10 endpoints; PROXYAUDIT_BENCH_SMALL=1: 1k) under one
 // sync a second for PROXYAUDIT_BENCH_WINDOW (default 60s): the churn of
 // ../shared/TESTBED.md (ten services' chains rewritten with their same
@@ -340,17 +389,20 @@ func BenchmarkIPTablesUnderChurn(b *testing.B) {
 		window = w
 	}
 	for _, backend := range []struct {
-		name   string
-		legacy bool
-	}{{"nf_tables", false}, {"legacy", true}} {
+		name             string
+		legacy, nftables bool
+	}{{"nf_tables", false, false}, {"legacy", true, false}, {"nftables-mode", false, true}} {
 		for _, shape := range []struct {
 			name     string
 			dispatch bool
 		}{{"ten-services", false}, {"kube-proxy", true}} {
+			if backend.nftables && shape.dispatch {
+				continue // nftables mode keeps its frontends in a map kube-proxy updates by element
+			}
 			b.Run(backend.name+"/"+shape.name, func(b *testing.B) {
 				var run churnRun
 				for b.Loop() {
-					run = runChurn(b, churnSpec{spec: spec, legacy: backend.legacy, period: time.Second, dispatch: shape.dispatch, window: window})
+					run = runChurn(b, churnSpec{spec: spec, legacy: backend.legacy, nftables: backend.nftables, period: time.Second, dispatch: shape.dispatch, window: window})
 				}
 				b.ReportMetric(run.collectorShare, "collector-%core")
 				b.ReportMetric(run.writerPct, "writer-%core")

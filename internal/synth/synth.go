@@ -264,6 +264,36 @@ func (s Spec) sepHash(i, j int) string {
 }
 
 // nftChain is kube-proxy's nftables chain name for service i.
+// NFTChain is kube-proxy's nftables service chain for service i.
+func (s Spec) NFTChain(i int) string { return s.nftChain(i) }
+
+// WriteNFTPartialSync writes the `nft -f` input of one kube-proxy
+// nftables-mode sync that rewrites the given services' chains with the
+// content they already have (each chain flushed, then its DNAT rule: a new
+// anonymous numgen map each time, as kube-proxy makes it); with
+// dnatTo, service services[0]'s first endpoint is replaced by that
+// address (a drift by hand).
+func (s Spec) WriteNFTPartialSync(w io.Writer, services []int, dnatTo netip.AddrPort) error {
+	bw := bufio.NewWriterSize(w, 64<<10)
+	for k, i := range services {
+		chain := s.nftChain(i)
+		fmt.Fprintf(bw, "flush chain ip kube-proxy %s\n", chain)
+		fmt.Fprintf(bw, "add rule ip kube-proxy %s meta l4proto tcp dnat ip addr . port to numgen random mod %d map { ", chain, s.EndpointsPerService)
+		for j := range s.EndpointsPerService {
+			if j > 0 {
+				bw.WriteString(", ")
+			}
+			ap := netip.AddrPortFrom(s.EndpointAddr(i, j), 8080)
+			if k == 0 && j == 0 && dnatTo.IsValid() {
+				ap = dnatTo
+			}
+			fmt.Fprintf(bw, "%d : %s . %d", j, ap.Addr(), ap.Port())
+		}
+		bw.WriteString(" }\n")
+	}
+	return bw.Flush()
+}
+
 func (s Spec) nftChain(i int) string {
 	name := Namespace + "/" + ServiceName(i) + "/tcp/http"
 	return "service-" + portProtoHash(name)[:8] + "-" + name
