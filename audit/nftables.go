@@ -29,6 +29,16 @@ var nftMaps = map[string]bool{"service-ips": true, "service-nodeports": true, "n
 // service-ips and service-nodeports maps; the service, local and external
 // chains are followed to their numgen DNAT maps or per-endpoint chains.
 func ParseNFTables(r io.Reader) (*Observed, error) {
+	tables, err := parseNFTTables(r)
+	if err != nil {
+		return nil, err
+	}
+	return reduceNFT(nftSources(tables))
+}
+
+// parseNFTTables reads nft's JSON into kube-proxy's table of each family
+// ("ip", "ip6").
+func parseNFTTables(r io.Reader) (map[string]*nftTable, error) {
 	data, err := io.ReadAll(io.LimitReader(r, MaxJSONBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("read nft JSON: %w", err)
@@ -111,13 +121,18 @@ func ParseNFTables(r io.Reader) (*Observed, error) {
 	if !sawArray {
 		return nil, fmt.Errorf("nft JSON has no \"nftables\" array (expected the output of \"nft -j list table ip kube-proxy\")")
 	}
+	return tables, nil
+}
+
+// nftSources lists the parsed tables, IPv4 first.
+func nftSources(tables map[string]*nftTable) []nftSource {
 	var srcs []nftSource
 	for _, fam := range []string{"ip", "ip6"} {
 		if t := tables[fam]; t != nil {
 			srcs = append(srcs, t)
 		}
 	}
-	return reduceNFT(srcs)
+	return srcs
 }
 
 // nftSource is kube-proxy's table in one family as a reader decoded it:
