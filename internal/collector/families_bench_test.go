@@ -49,7 +49,7 @@ func BenchmarkIPv6Half(b *testing.B) {
 							return nil, err
 						}
 					}
-					t, err := r.table(ctx, 4, &n)
+					t, _, err := r.table(ctx, 4, &n)
 					if err != nil {
 						return nil, err
 					}

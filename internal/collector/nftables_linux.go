@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,13 +45,44 @@ type nftNetlinkReader struct {
 	// reads came from.
 	notes         mapNotes
 	noted, dumped atomic.Int64
+	// touched is what the notifications say each commit touched; fams
+	// what the reader keeps of each family's table between reads (nil:
+	// the next read is whole).
+	touched nftTouched
+	fams    [2]*nftFam
+	// omitChains: the models built leave out endpoint chain names (set
+	// by ReadChanges, whose results are streamed).
+	omitChains bool
+	// whole and chains count whole reads and chains read one by one.
+	whole, chains atomic.Int64
 }
 
-// Note and Lost make the reader a NotificationSink of the change signal.
-func (r *nftNetlinkReader) Note(typ, flags uint16, data []byte) { r.notes.Note(typ, flags, data) }
+// nftFam is what the reader keeps of one family's table: the model, the
+// table's sets (name to handle, kept from notifications) and its maps.
+type nftFam struct {
+	kube       *audit.NFTablesKube
+	sets       map[string]setInfo
+	dispatches bool
+	serviceIPs []audit.NFTMapEntry
+	nodePorts  []audit.NFTMapEntry
+	noEndpoint []audit.FrontendKey
+}
+
+// Note, Lost and Subscribed make the reader a NotificationSink of the
+// change signal.
+func (r *nftNetlinkReader) Note(typ, flags uint16, data []byte) {
+	r.notes.Note(typ, flags, data)
+	r.touched.Note(typ, flags, data)
+}
 
 // Lost: see NotificationSink.
-func (r *nftNetlinkReader) Lost() { r.notes.Lost() }
+func (r *nftNetlinkReader) Lost() {
+	r.notes.Lost()
+	r.touched.Lost()
+}
+
+// Subscribed: see NotificationSink.
+func (r *nftNetlinkReader) Subscribed(on bool) { r.touched.Subscribed(on) }
 
 type cachedSet struct {
 	handle uint64
@@ -93,9 +125,31 @@ const kubeProxyTable = "kube-proxy"
 // nftMaps are the named maps the audit reads.
 var nftNamedMaps = []string{"service-ips", "service-nodeports", "no-endpoint-services"}
 
+var _ ChangeReader = (*nftNetlinkReader)(nil)
+
+// Read reads both families' tables whole.
 func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.fams, r.omitChains = [2]*nftFam{}, false
+	ch, err := r.read(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return ch.Whole, nil
+}
+
+// ReadChanges reads what changed since the last read: the chains the
+// notifications named, each dumped on its own, and the named maps when
+// their elements changed.
+func (r *nftNetlinkReader) ReadChanges(ctx context.Context) (*Changes, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.omitChains = true
+	return r.read(ctx)
+}
+
+func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
 	if r.conn == nil {
 		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 		if err != nil {
@@ -107,28 +161,169 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	// on a single-stack node where the kernel has IPv6.
 	var n int64
 	defer func() { r.bytes.Store(n) }()
-	var tables []*audit.NFTTable
-	for _, fam := range []int{4, 6} {
-		t, err := r.table(ctx, fam, &n)
-		if errors.Is(err, unix.ENOENT) {
-			// The table is gone: kube-proxy's rules of this family were
-			// removed (or the kernel has no IPv6: then no service of
-			// the family can exist either). Read, and empty.
-			t, err = &audit.NFTTable{Family: fam}, nil
+	lost, touched := r.touched.take()
+	whole := false
+	var changed []audit.ObservedFrontend
+	var removed []audit.FrontendKey
+	for i, fam := range []int{4, 6} {
+		f, t := r.fams[i], touched[i]
+		var err error
+		if f == nil || lost || t.reset {
+			f, err = r.wholeFamily(ctx, fam, &n)
+			whole = true
+		} else {
+			err = r.update(ctx, fam, f, t, &n)
 		}
 		if err != nil {
 			// A broken socket is reopened on the next read.
 			r.conn.Close()
-			r.conn = nil
+			r.conn, r.fams = nil, [2]*nftFam{}
 			return nil, fmt.Errorf("read table %s %s over netlink: %w", nftFamily(fam), kubeProxyTable, err)
 		}
-		tables = append(tables, t)
+		r.fams[i] = f
+		f.kube.OmitEndpointChains = r.omitChains
+		c, rm := f.kube.Changes()
+		changed, removed = append(changed, c...), append(removed, rm...)
 	}
-	return audit.FromNFTables(tables...)
+	if whole {
+		parts := make([]*audit.Observed, 2)
+		for i, f := range r.fams {
+			o, err := f.kube.Observed()
+			if err != nil {
+				r.fams = [2]*nftFam{}
+				return nil, err
+			}
+			parts[i] = o
+		}
+		obs, err := audit.Merge(parts...)
+		if err != nil {
+			r.fams = [2]*nftFam{}
+			return nil, err
+		}
+		return &Changes{Whole: obs}, nil
+	}
+	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
+	slices.SortFunc(removed, audit.FrontendKey.Compare)
+	return &Changes{Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
+		NoRules: r.fams[0].kube.Len()+r.fams[1].kube.Len() == 0}, nil
 }
 
-// table reads kube-proxy's table of one family; n counts the bytes read.
-func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*audit.NFTTable, error) {
+// wholeFamily reads a family's table whole into what the reader keeps of
+// it. A table that is gone reads as an empty one: kube-proxy's rules of
+// this family were removed (or the kernel has no IPv6: then no service of
+// the family can exist either).
+func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (*nftFam, error) {
+	r.whole.Add(1)
+	t, sets, err := r.table(ctx, fam, n)
+	if errors.Is(err, unix.ENOENT) {
+		t, sets, err = &audit.NFTTable{Family: fam}, map[string]setInfo{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	f := &nftFam{kube: audit.NewNFTablesKube(fam), sets: sets, dispatches: t.Dispatches,
+		serviceIPs: t.ServiceIPs, nodePorts: t.NodePorts, noEndpoint: t.NoEndpoints}
+	f.kube.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
+	for chain, rules := range t.Chains {
+		if frontendChain(chain) { // the only chains the model reads
+			f.kube.SetChain(chain, rules)
+		}
+	}
+	return f, nil
+}
+
+// update reads what the notifications say changed in a family's table.
+func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t nftFamTouched, n *int64) error {
+	fam := byte(unix.NFPROTO_IPV4)
+	if family == 6 {
+		fam = unix.NFPROTO_IPV6
+	}
+	cache := r.anon[family]
+	if cache == nil {
+		cache = map[string]cachedSet{}
+		r.anon[family] = cache
+	}
+	for _, sc := range t.sets {
+		if sc.gone {
+			delete(f.sets, sc.name)
+			delete(cache, sc.name)
+		} else {
+			f.sets[sc.name] = sc.info
+		}
+	}
+	mapsChanged := t.maps
+	looked := map[string]*lookupMap{}
+	for chain := range t.chains {
+		if !frontendChain(chain) && chain != "services" {
+			continue
+		}
+		r.chains.Add(1)
+		var rules []nftRule
+		err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
+			{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)}}, n, func(data []byte) error {
+			rule, err := decodeRule(data)
+			if err == nil && rule.chain == chain {
+				rules = append(rules, rule)
+			}
+			return err
+		})
+		if errors.Is(err, unix.ENOENT) {
+			err, rules = nil, nil // the chain is gone
+		}
+		if err != nil {
+			return fmt.Errorf("chain %s: %w", clip(chain), err)
+		}
+		if chain == "services" {
+			if d := dispatchesOf(rules); d != f.dispatches {
+				f.dispatches, mapsChanged = d, true
+			}
+			continue
+		}
+		if err := r.lookups(ctx, fam, family, chain, rules, f.sets, nil, cache, cache, looked, n); err != nil {
+			return err
+		}
+		stmts := make([][]audit.NFTStatement, len(rules))
+		for i, rule := range rules {
+			for _, st := range rule.stmts {
+				stmts[i] = append(stmts[i], statement(st, looked))
+			}
+		}
+		f.kube.SetChain(chain, stmts)
+	}
+	if mapsChanged {
+		maps, err := r.namedMaps(ctx, fam, n)
+		if err != nil {
+			return err
+		}
+		if f.serviceIPs, f.nodePorts, f.noEndpoint, err = mapEntries(family, maps); err != nil {
+			return err
+		}
+		f.kube.SetMaps(f.dispatches, f.serviceIPs, f.nodePorts, f.noEndpoint)
+	}
+	// Maps announced but gone again (or never looked up) are forgotten.
+	var last uint64
+	for _, info := range f.sets {
+		last = max(last, info.handle)
+	}
+	r.notes.seen(fam, last)
+	return nil
+}
+
+// dispatchesOf says whether the services chain looks up service-ips.
+func dispatchesOf(rules []nftRule) bool {
+	for _, rule := range rules {
+		for _, st := range rule.stmts {
+			if st.vmap && st.set == "service-ips" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// table reads kube-proxy's table of one family, and lists its sets; n
+// counts the bytes read.
+func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*audit.NFTTable, map[string]setInfo, error) {
 	fam := byte(unix.NFPROTO_IPV4)
 	if family == 6 {
 		fam = unix.NFPROTO_IPV6
@@ -137,7 +332,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 	// the read numbers its sets anew, and the cache must not serve them.
 	handle, err := r.handleOfTable(ctx, fam)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	rules := map[string][]nftRule{}
 	err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)}}, n,
@@ -150,20 +345,16 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 			return nil
 		})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	t := &audit.NFTTable{Family: family, Chains: make(map[string][][]audit.NFTStatement, len(rules))}
 	sets, err := r.sets(ctx, fam, n)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	maps := map[string][]nftElem{}
-	for _, name := range nftNamedMaps {
-		els, err := r.elements(ctx, fam, name, n)
-		if err != nil && !errors.Is(err, unix.ENOENT) {
-			return nil, fmt.Errorf("map %s: %w", name, err)
-		}
-		maps[name] = els
+	maps, err := r.namedMaps(ctx, fam, n)
+	if err != nil {
+		return nil, nil, err
 	}
 	// The maps the frontends' chains look up (anonymous: a numgen DNAT or
 	// verdict map per service); those of the last read still in the table
@@ -176,42 +367,9 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 	defer func() { r.anon[family] = fresh }()
 	looked := map[string]*lookupMap{}
 	for chain, rs := range rules {
-		if !frontendChain(chain) {
-			continue
-		}
-		for _, rule := range rs {
-			for _, st := range rule.stmts {
-				if !(st.vmap || st.dnatMap) || st.set == "" || looked[st.set] != nil {
-					continue
-				}
-				if els, ok := maps[st.set]; ok { // a named map, read above
-					looked[st.set] = decodeLookupMap(family, els)
-					continue
-				}
-				info, known := sets[st.set]
-				if c, ok := cache[st.set]; ok && known && info.anonymous && c.handle == info.handle {
-					looked[st.set], fresh[st.set] = c.m, c
-					continue
-				}
-				var m *lookupMap
-				ok := false
-				if known && info.anonymous {
-					m, ok = r.notes.take(fam, info.handle)
-				}
-				if ok {
-					r.noted.Add(1)
-				} else {
-					els, err := r.elements(ctx, fam, st.set, n)
-					if err != nil {
-						return nil, fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
-					}
-					r.dumped.Add(1)
-					m = decodeLookupMap(family, els)
-				}
-				looked[st.set] = m
-				if known && info.anonymous {
-					fresh[st.set] = cachedSet{handle: info.handle, m: m}
-				}
+		if frontendChain(chain) {
+			if err := r.lookups(ctx, fam, family, chain, rs, sets, maps, cache, fresh, looked, n); err != nil {
+				return nil, nil, err
 			}
 		}
 	}
@@ -226,33 +384,97 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 		for i, rule := range rs {
 			for _, st := range rule.stmts {
 				out[i] = append(out[i], statement(st, looked))
-				if chain == "services" && st.vmap && st.set == "service-ips" {
-					t.Dispatches = true
-				}
 			}
 		}
 		t.Chains[chain] = out
 	}
+	t.Dispatches = dispatchesOf(rules["services"])
+	if t.ServiceIPs, t.NodePorts, t.NoEndpoints, err = mapEntries(family, maps); err != nil {
+		return nil, nil, err
+	}
+	return t, sets, nil
+}
+
+// lookups resolves the maps a chain's rules look up into looked: a named
+// map read with the table (named), or an anonymous one from the cache
+// (by name and handle), from the notifications, or dumped; the anonymous
+// ones go into fresh.
+func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, chain string, rs []nftRule, sets map[string]setInfo,
+	named map[string][]nftElem, cache, fresh map[string]cachedSet, looked map[string]*lookupMap, n *int64) error {
+	for _, rule := range rs {
+		for _, st := range rule.stmts {
+			if !(st.vmap || st.dnatMap) || st.set == "" || looked[st.set] != nil {
+				continue
+			}
+			if els, ok := named[st.set]; ok {
+				looked[st.set] = decodeLookupMap(family, els)
+				continue
+			}
+			info, known := sets[st.set]
+			if c, ok := cache[st.set]; ok && known && info.anonymous && c.handle == info.handle {
+				looked[st.set], fresh[st.set] = c.m, c
+				continue
+			}
+			var m *lookupMap
+			ok := false
+			if known && info.anonymous {
+				m, ok = r.notes.take(fam, info.handle)
+			}
+			if ok {
+				r.noted.Add(1)
+			} else {
+				els, err := r.elements(ctx, fam, st.set, n)
+				if err != nil {
+					return fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
+				}
+				r.dumped.Add(1)
+				m = decodeLookupMap(family, els)
+			}
+			looked[st.set] = m
+			if known && info.anonymous {
+				fresh[st.set] = cachedSet{handle: info.handle, m: m}
+			}
+		}
+	}
+	return nil
+}
+
+// namedMaps dumps the named maps the audit reads (a map that is not there
+// reads as empty).
+func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (map[string][]nftElem, error) {
+	maps := map[string][]nftElem{}
+	for _, name := range nftNamedMaps {
+		els, err := r.elements(ctx, fam, name, n)
+		if err != nil && !errors.Is(err, unix.ENOENT) {
+			return nil, fmt.Errorf("map %s: %w", name, err)
+		}
+		maps[name] = els
+	}
+	return maps, nil
+}
+
+// mapEntries decodes the named maps' elements.
+func mapEntries(family int, maps map[string][]nftElem) (ips, ports []audit.NFTMapEntry, none []audit.FrontendKey, err error) {
 	for _, el := range maps["service-ips"] {
 		k, err := serviceIPKey(family, el.key)
 		if err != nil {
-			return nil, fmt.Errorf("map service-ips: %w", err)
+			return nil, nil, nil, fmt.Errorf("map service-ips: %w", err)
 		}
-		t.ServiceIPs = append(t.ServiceIPs, audit.NFTMapEntry{Key: k, Target: el.target})
+		ips = append(ips, audit.NFTMapEntry{Key: k, Target: el.target})
 	}
 	for _, el := range maps["service-nodeports"] {
 		k, err := nodePortKey(family, el.key)
 		if err != nil {
-			return nil, fmt.Errorf("map service-nodeports: %w", err)
+			return nil, nil, nil, fmt.Errorf("map service-nodeports: %w", err)
 		}
-		t.NodePorts = append(t.NodePorts, audit.NFTMapEntry{Key: k, Target: el.target})
+		ports = append(ports, audit.NFTMapEntry{Key: k, Target: el.target})
 	}
 	for _, el := range maps["no-endpoint-services"] {
 		if k, err := serviceIPKey(family, el.key); err == nil {
-			t.NoEndpoints = append(t.NoEndpoints, k)
+			none = append(none, k)
 		}
 	}
-	return t, nil
+	return ips, ports, none, nil
 }
 
 // frontendChain: the chains a frontend's traffic goes through.

@@ -1,0 +1,165 @@
+package collector
+
+import (
+	"slices"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// nftTouched learns from the change signal's notifications what each
+// commit touched in kube-proxy's nftables tables: the chains whose rules
+// changed (NEWRULE, DELRULE, NEWCHAIN, DELCHAIN), whether a named map the
+// audit reads changed (its elements), and the sets made and deleted (an
+// anonymous map's name and handle, so that a read can tell a cached map
+// from a new one without listing every set). What it cannot vouch for
+// makes the next read whole, as chainNotes does for iptables-nft.
+type nftTouched struct {
+	mu         sync.Mutex
+	subscribed bool
+	lost       bool
+	fams       [2]nftFamTouched
+	// gen is the generation of the last commit announced.
+	gen uint32
+}
+
+type nftFamTouched struct {
+	reset  bool
+	maps   bool
+	chains map[string]struct{}
+	// sets made (handle, anonymous) and deleted, in order.
+	sets []setChange
+}
+
+type setChange struct {
+	name string
+	info setInfo
+	gone bool
+}
+
+// maxTouchedSets bounds the set changes kept between two reads (a
+// kube-proxy sync makes and deletes one anonymous map per service it
+// rewrites); past it the next read is whole.
+const maxTouchedSets = 64 << 10
+
+var _ NotificationSink = (*nftTouched)(nil)
+
+func (n *nftTouched) Note(typ, _ uint16, data []byte) {
+	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
+		return
+	}
+	if typ&0xff == unix.NFT_MSG_NEWGEN {
+		if g, ok := genID(data); ok {
+			n.mu.Lock()
+			n.gen = g
+			n.mu.Unlock()
+		}
+		return
+	}
+	i := 0
+	switch data[0] {
+	case unix.NFPROTO_IPV4:
+	case unix.NFPROTO_IPV6:
+		i = 1
+	default:
+		return
+	}
+	switch typ & 0xff {
+	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
+		table, chain, _ := ruleChainOf(data)
+		if string(table) == kubeProxyTable {
+			n.touch(i, string(chain))
+		}
+	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nftMsgDestroyChain:
+		if table, chain := chainOf(data); table == kubeProxyTable {
+			n.touch(i, chain)
+		}
+	case unix.NFT_MSG_NEWSET, unix.NFT_MSG_DELSET, nftMsgDestroySet:
+		table, name, info, err := decodeSetNote(data)
+		if err != nil || table != kubeProxyTable {
+			return
+		}
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		f := &n.fams[i]
+		if slices.Contains(nftNamedMaps, name) {
+			f.maps = true
+		}
+		if f.reset {
+			return
+		}
+		if len(f.sets) >= maxTouchedSets {
+			f.reset, f.chains, f.sets = true, nil, nil
+			return
+		}
+		f.sets = append(f.sets, setChange{name: name, info: info, gone: typ&0xff != unix.NFT_MSG_NEWSET})
+	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nftMsgDestroySetElem:
+		if table, set := elemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
+			n.mu.Lock()
+			n.fams[i].maps = true
+			n.mu.Unlock()
+		}
+	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nftMsgDestroyTable:
+		if tableName(data) == kubeProxyTable {
+			n.mu.Lock()
+			n.fams[i] = nftFamTouched{reset: true}
+			n.mu.Unlock()
+		}
+	}
+}
+
+func (n *nftTouched) touch(i int, chain string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	f := &n.fams[i]
+	if f.reset {
+		return
+	}
+	if _, ok := f.chains[chain]; ok {
+		return
+	}
+	if len(f.chains) >= maxChainReads {
+		f.reset, f.chains, f.sets = true, nil, nil
+		return
+	}
+	if f.chains == nil {
+		f.chains = map[string]struct{}{}
+	}
+	f.chains[chain] = struct{}{}
+}
+
+// lastGen is the generation of the last commit announced.
+func (n *nftTouched) lastGen() uint32 {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.gen
+}
+
+// Lost: a notification was dropped; the next read is whole.
+func (n *nftTouched) Lost() {
+	n.mu.Lock()
+	n.lost = true
+	n.mu.Unlock()
+}
+
+// Subscribed says whether notifications flow.
+func (n *nftTouched) Subscribed(on bool) {
+	n.mu.Lock()
+	n.subscribed, n.lost = on, true
+	n.mu.Unlock()
+}
+
+// take returns what was touched since the last take.
+func (n *nftTouched) take() (lost bool, fams [2]nftFamTouched) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	lost, fams = n.lost || !n.subscribed, n.fams
+	n.lost, n.fams = false, [2]nftFamTouched{}
+	return lost, fams
+}
+
+// Message types newer than golang.org/x/sys knows (Linux 6.3).
+const (
+	nftMsgDestroySet     = 29
+	nftMsgDestroySetElem = 30
+)
