@@ -76,7 +76,9 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 	svc := func(i int) string { return fmt.Sprintf("service-%08d-ns/s%d/tcp/http", i, i) }
 	ext := func(i int) string { return fmt.Sprintf("external-%08d-ns/s%d/tcp/http", i, i) }
 	local := func(i int) string { return fmt.Sprintf("local-%08d-ns/s%d/tcp/http", i, i) }
-	epc := func(i, j int) string { return fmt.Sprintf("endpoint-%08d-ns/s%d/tcp/http__198.18.%d.%d/8080", j, i, i, j) }
+	epc := func(i, j int) string {
+		return fmt.Sprintf("endpoint-%08d-ns/s%d/tcp/http__198.18.%d.%d/8080", j, i, i, j)
+	}
 	addr := func() netip.AddrPort {
 		return netip.AddrPortFrom(netip.AddrFrom4([4]byte{198, 18, 128, byte(rng.IntN(250))}), 8080)
 	}
