@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -239,8 +240,11 @@ func TestE2EDualStack(t *testing.T) {
 	if *capture {
 		save(ctx, t, c, "clean", nil)
 	}
-	// What an SRE's tools print parses to what the collector read, and
-	// holds IPv6 frontends of every kind, node ports included.
+	// What an SRE's tools print parses to what the collector read from
+	// the kernel (iptables-nft over netlink, legacy with getsockopt,
+	// nftables over netlink), frontend by frontend and endpoint by
+	// endpoint, and holds IPv6 frontends of every kind, node ports
+	// included.
 	for _, n := range c.Nodes() {
 		text, err := n.Rules(ctx)
 		if err != nil {
@@ -251,8 +255,14 @@ func TestE2EDualStack(t *testing.T) {
 			t.Fatalf("%s: %v", n.Name, err)
 		}
 		got := read(ctx, t, n)
-		if !slices.Equal(ref.Families, got.Families) || len(ref.Frontends) != len(got.Frontends) {
+		if !slices.Equal(ref.Families, got.Families) || !reflect.DeepEqual(ref.Frontends, got.Frontends) {
 			t.Errorf("%s: the tools' dump (families %v, %d frontends) and the collector (%v, %d) differ", n.Name, ref.Families, len(ref.Frontends), got.Families, len(got.Frontends))
+			for i := range min(len(ref.Frontends), len(got.Frontends)) {
+				if !reflect.DeepEqual(ref.Frontends[i], got.Frontends[i]) {
+					t.Logf("first difference:\n tools     %+v\n collector %+v", ref.Frontends[i], got.Frontends[i])
+					break
+				}
+			}
 		}
 		kinds := map[string]bool{}
 		for _, f := range got.Frontends {
