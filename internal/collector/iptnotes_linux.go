@@ -20,12 +20,73 @@ import (
 // deleted, more touched chains or changes than a read should apply one by
 // one, and any time without a working subscription.
 type chainNotes struct {
+	notesBase
+	fams [2]famNotes
+}
+
+// notesBase is what the notification sinks that follow changes share:
+// whether notifications flow, whether one was lost, and the generation
+// of the last commit announced.
+type notesBase struct {
 	mu         sync.Mutex
 	subscribed bool
 	lost       bool
-	fams       [2]famNotes
-	// gen is the generation of the last commit announced.
-	gen uint32
+	gen        uint32
+}
+
+// family reads what a notification is: its message type and its family
+// (index 0 for IPv4, 1 for IPv6). ok is false for what the sinks do not
+// follow: another subsystem or family, and a commit's NEWGEN, whose
+// generation it records.
+func (b *notesBase) family(typ uint16, data []byte) (msg uint16, i int, ok bool) {
+	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
+		return 0, 0, false
+	}
+	if typ&0xff == unix.NFT_MSG_NEWGEN {
+		if g, ok := genID(data); ok {
+			b.mu.Lock()
+			b.gen = g
+			b.mu.Unlock()
+		}
+		return 0, 0, false
+	}
+	switch data[0] {
+	case unix.NFPROTO_IPV4:
+		return typ & 0xff, 0, true
+	case unix.NFPROTO_IPV6:
+		return typ & 0xff, 1, true
+	}
+	return 0, 0, false
+}
+
+// Lost: a notification was dropped; the next read is whole.
+func (b *notesBase) Lost() {
+	b.mu.Lock()
+	b.lost = true
+	b.mu.Unlock()
+}
+
+// Subscribed says whether notifications flow: without them every read is
+// whole.
+func (b *notesBase) Subscribed(on bool) {
+	b.mu.Lock()
+	b.subscribed, b.lost = on, true
+	b.mu.Unlock()
+}
+
+// lastGen is the generation of the last commit announced.
+func (b *notesBase) lastGen() uint32 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.gen
+}
+
+// taken reports, for a take (b.mu held), whether the next read must be
+// whole, and starts afresh.
+func (b *notesBase) taken() bool {
+	lost := b.lost || !b.subscribed
+	b.lost = false
+	return lost
 }
 
 type famNotes struct {
@@ -77,30 +138,14 @@ var _ NotificationSink = (*chainNotes)(nil)
 // Note takes one notification: only the nat tables of ip and ip6, and of
 // them only chains the audit reads.
 func (n *chainNotes) Note(typ, flags uint16, data []byte) {
-	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
-		return
-	}
-	if typ&0xff == unix.NFT_MSG_NEWGEN {
-		if g, ok := genID(data); ok {
-			n.mu.Lock()
-			n.gen = g
-			n.mu.Unlock()
-		}
-		return
-	}
-	i := 0
-	switch data[0] {
-	case unix.NFPROTO_IPV4:
-	case unix.NFPROTO_IPV6:
-		i = 1
-	default:
+	msg, i, ok := n.family(typ, data)
+	if !ok {
 		return
 	}
 	// Names as views into the message: most notifications are of chains
 	// the audit does not read, or of the mirrored ones.
 	var table, chain []byte
 	var handle uint64
-	msg := typ & 0xff
 	switch msg {
 	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
 		table, chain, handle = ruleChainOf(data)
@@ -209,34 +254,11 @@ func (n *chainNotes) touch(fam int, chain string) {
 	n.touchLocked(i, chain)
 }
 
-// Lost: a notification was dropped; the next read is whole.
-func (n *chainNotes) Lost() {
-	n.mu.Lock()
-	n.lost = true
-	n.mu.Unlock()
-}
-
-// Subscribed says whether notifications flow: without them every read is
-// whole.
-func (n *chainNotes) Subscribed(on bool) {
-	n.mu.Lock()
-	n.subscribed, n.lost = on, true
-	n.mu.Unlock()
-}
-
-// lastGen is the generation of the last commit announced.
-func (n *chainNotes) lastGen() uint32 {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.gen
-}
-
 // take returns what was touched since the last take and starts afresh.
 func (n *chainNotes) take() touched {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	t := touched{lost: n.lost || !n.subscribed, fams: n.fams}
-	n.lost = false
+	t := touched{lost: n.taken(), fams: n.fams}
 	n.fams = [2]famNotes{}
 	return t
 }

@@ -2,7 +2,6 @@ package collector
 
 import (
 	"slices"
-	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -15,12 +14,8 @@ import (
 // from a new one without listing every set). What it cannot vouch for
 // makes the next read whole, as chainNotes does for iptables-nft.
 type nftTouched struct {
-	mu         sync.Mutex
-	subscribed bool
-	lost       bool
-	fams       [2]nftFamTouched
-	// gen is the generation of the last commit announced.
-	gen uint32
+	notesBase
+	fams [2]nftFamTouched
 }
 
 type nftFamTouched struct {
@@ -45,26 +40,11 @@ const maxTouchedSets = 64 << 10
 var _ NotificationSink = (*nftTouched)(nil)
 
 func (n *nftTouched) Note(typ, _ uint16, data []byte) {
-	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
+	msg, i, ok := n.family(typ, data)
+	if !ok {
 		return
 	}
-	if typ&0xff == unix.NFT_MSG_NEWGEN {
-		if g, ok := genID(data); ok {
-			n.mu.Lock()
-			n.gen = g
-			n.mu.Unlock()
-		}
-		return
-	}
-	i := 0
-	switch data[0] {
-	case unix.NFPROTO_IPV4:
-	case unix.NFPROTO_IPV6:
-		i = 1
-	default:
-		return
-	}
-	switch typ & 0xff {
+	switch msg {
 	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
 		table, chain, _ := ruleChainOf(data)
 		if string(table) == kubeProxyTable {
@@ -92,7 +72,7 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 			f.reset, f.chains, f.sets = true, nil, nil
 			return
 		}
-		f.sets = append(f.sets, setChange{name: name, info: info, gone: typ&0xff != unix.NFT_MSG_NEWSET})
+		f.sets = append(f.sets, setChange{name: name, info: info, gone: msg != unix.NFT_MSG_NEWSET})
 	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nftMsgDestroySetElem:
 		if table, set := elemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
 			n.mu.Lock()
@@ -128,33 +108,12 @@ func (n *nftTouched) touch(i int, chain string) {
 	f.chains[chain] = struct{}{}
 }
 
-// lastGen is the generation of the last commit announced.
-func (n *nftTouched) lastGen() uint32 {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.gen
-}
-
-// Lost: a notification was dropped; the next read is whole.
-func (n *nftTouched) Lost() {
-	n.mu.Lock()
-	n.lost = true
-	n.mu.Unlock()
-}
-
-// Subscribed says whether notifications flow.
-func (n *nftTouched) Subscribed(on bool) {
-	n.mu.Lock()
-	n.subscribed, n.lost = on, true
-	n.mu.Unlock()
-}
-
 // take returns what was touched since the last take.
 func (n *nftTouched) take() (lost bool, fams [2]nftFamTouched) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	lost, fams = n.lost || !n.subscribed, n.fams
-	n.lost, n.fams = false, [2]nftFamTouched{}
+	lost, fams = n.taken(), n.fams
+	n.fams = [2]nftFamTouched{}
 	return lost, fams
 }
 

@@ -126,7 +126,8 @@ func toolHost(run func(argv string) (stdout, stderr string, exit error)) (*colle
 		}
 		return fakeexec.InitFakeCmd(fc, cmd, args...)
 	}
-	return &collector.Host{Exec: &fakeexec.FakeExec{CommandScript: []fakeexec.FakeCommandAction{action, action, action, action}}}, &ran
+	// The tools are what is under test here, not the kernel readers.
+	return &collector.Host{Exec: &fakeexec.FakeExec{CommandScript: []fakeexec.FakeCommandAction{action, action, action, action}}, IPTablesSave: true}, &ran
 }
 
 // Every reader reads both IP families, each with its own tool run, and
