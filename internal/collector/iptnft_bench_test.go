@@ -219,7 +219,7 @@ func BenchmarkIPTablesRead(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			for deadline := time.Now().Add(10 * time.Second); uint64(r.notes.lastGen()) != tok; time.Sleep(time.Millisecond) {
+			for deadline := time.Now().Add(10 * time.Second); !r.notes.caughtUp(tok); time.Sleep(time.Millisecond) {
 				if time.Now().After(deadline) {
 					b.Fatal("the sync's notifications did not arrive")
 				}

@@ -223,7 +223,7 @@ func incrementalChurn(t *testing.T, legacy bool) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tok == tok0 || uint64(r.(*iptNFTReader).notes.lastGen()) == tok {
+			if tok == tok0 || r.(*iptNFTReader).notes.caughtUp(tok) {
 				break
 			}
 			if time.Now().After(deadline) {

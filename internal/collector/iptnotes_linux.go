@@ -31,7 +31,9 @@ type notesBase struct {
 	mu         sync.Mutex
 	subscribed bool
 	lost       bool
-	gen        uint32
+	// gen: the generation of the last commit announced (the tests wait
+	// for it).
+	gen uint32
 }
 
 // family reads what a notification is: its message type and its family
@@ -72,13 +74,6 @@ func (b *notesBase) Subscribed(on bool) {
 	b.mu.Lock()
 	b.subscribed, b.lost = on, true
 	b.mu.Unlock()
-}
-
-// lastGen is the generation of the last commit announced.
-func (b *notesBase) lastGen() uint32 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.gen
 }
 
 // taken reports, for a take (b.mu held), whether the next read must be

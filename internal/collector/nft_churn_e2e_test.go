@@ -179,7 +179,7 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tok == tok0 || uint64(r.touched.lastGen()) == tok {
+			if tok == tok0 || r.touched.caughtUp(tok) {
 				break
 			}
 			if time.Now().After(deadline) {
