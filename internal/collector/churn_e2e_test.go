@@ -32,7 +32,7 @@ type churnRun struct {
 	maxGap                    time.Duration
 	driftSeen, flushSeen      time.Duration
 	driftSeens                []time.Duration // each drift's, when several
-	driftCmd, flushCmd        time.Duration // the tool's own run
+	driftCmd, flushCmd        time.Duration   // the tool's own run
 	saveFinished              bool
 	saveTook                  time.Duration
 	syncs                     int
