@@ -6,12 +6,14 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -120,6 +122,13 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 		tb.Fatal(err)
 	}
 	s := startStubOn(tb, ln)
+	// kube-proxy's metrics, as the collector scrapes them on every node:
+	// the last sync is the writer's (a drift by hand is no sync). On the
+	// legacy backend they are half the change signal; without them every
+	// heartbeat would read.
+	var lastSync atomic.Int64
+	lastSync.Store(time.Now().UnixMilli())
+	metrics := startMetricsStub(tb, ns, &lastSync)
 
 	// The writer: the services it rewrites rotate over the first half of
 	// the cluster; the drifts are made in the second half.
@@ -161,6 +170,7 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 				tb.Errorf("writer: %v: %s", err, out)
 				return
 			}
+			lastSync.Store(time.Now().UnixMilli())
 			wmu.Lock()
 			writerCPU += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
 			syncs++
@@ -193,7 +203,7 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 		bin = b // another build, measured under the same churn
 	}
 	cargs := []string{bin, "--node-name", "churn", "--aggregator", ln.Addr().String(), "--mode", mode,
-		"--kube-proxy-metrics", "", "--interval", "10s", "--conntrack-interval", "0"}
+		"--kube-proxy-metrics", metrics, "--interval", "10s", "--conntrack-interval", "0"}
 	cargs = append(cargs, strings.Fields(os.Getenv("PROXYAUDIT_BENCH_COLLECTOR_ARGS"))...)
 	col := ns.Command(ctx, cargs...)
 	var stderr bytes.Buffer
@@ -350,6 +360,27 @@ func driftOne(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, s *s
 		return false
 	})
 	return max(0, got.at.Sub(t1)), took
+}
+
+// startMetricsStub serves kube-proxy's sync gauges in ns, the last sync
+// at *lastSync (Unix milliseconds), and returns their URL.
+func startMetricsStub(tb testing.TB, ns *localcluster.Scratch, lastSync *atomic.Int64) string {
+	tb.Helper()
+	var ln net.Listener
+	if err := localcluster.InNetNS(ns.NetNS, func() error {
+		var err error
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		tb.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		at := float64(lastSync.Load()) / 1000
+		fmt.Fprintf(w, "kubeproxy_sync_proxy_rules_last_timestamp_seconds %.3f\nkubeproxy_sync_proxy_rules_last_queued_timestamp_seconds %.3f\n", at, at)
+	})}
+	go srv.Serve(ln)
+	tb.Cleanup(func() { srv.Close() })
+	return "http://" + ln.Addr().String() + "/metrics"
 }
 
 // startStubOn serves the stub aggregator on ln.

@@ -176,6 +176,9 @@ type client struct {
 
 	signal      ChangeSignal
 	signalTried bool
+	// fed: the signal hands its notifications to the reader, whose reads
+	// of changes say which generation they reflect.
+	fed bool
 	// legacy: the signal is the legacy backend's, which kube-proxy's own
 	// sync time completes.
 	legacy bool
@@ -885,6 +888,11 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 		c.cached = stream.FromModel(obs)
 	}
 	c.token, c.kpSyncAtRead = tok, kpSync
+	if changes != nil && c.fed {
+		// A read of notified changes shows the commits its notes
+		// covered (see Changes.Through).
+		c.token = changes.Through
+	}
 	if tokErr != nil {
 		c.token = 0 // unknown: the next check reads again
 	}
@@ -927,6 +935,7 @@ func (c *client) openSignal(src Source) {
 		if f, ok := sig.(interface{ Feed(NotificationSink) }); ok {
 			if sink, ok := c.reader.(NotificationSink); ok {
 				f.Feed(sink)
+				c.fed = true
 			}
 		}
 	}

@@ -248,7 +248,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 	for _, nat := range r.fams {
 		total += nat.Len()
 	}
-	return &Changes{Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
+	return &Changes{Through: touched.through, Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
 }
 
 // closeOnError drops a socket that may hold part of a dump.

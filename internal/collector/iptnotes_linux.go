@@ -31,9 +31,12 @@ type notesBase struct {
 	mu         sync.Mutex
 	subscribed bool
 	lost       bool
-	// gen: the generation of the last commit announced (the tests wait
-	// for it).
-	gen uint32
+	// gen is the generation of the last commit announced (genKnown: one
+	// was, since the subscription). A commit's NEWGEN comes after all
+	// its other notifications, so the notes hold every change of the
+	// commits up to gen, and perhaps some of the next.
+	gen      uint32
+	genKnown bool
 }
 
 // family reads what a notification is: its message type and its family
@@ -47,7 +50,7 @@ func (b *notesBase) family(typ uint16, data []byte) (msg uint16, i int, ok bool)
 	if typ&0xff == unix.NFT_MSG_NEWGEN {
 		if g, ok := genID(data); ok {
 			b.mu.Lock()
-			b.gen = g
+			b.gen, b.genKnown = g, true
 			b.mu.Unlock()
 		}
 		return 0, 0, false
@@ -72,16 +75,27 @@ func (b *notesBase) Lost() {
 // whole.
 func (b *notesBase) Subscribed(on bool) {
 	b.mu.Lock()
-	b.subscribed, b.lost = on, true
+	b.subscribed, b.lost, b.genKnown = on, true, false
 	b.mu.Unlock()
 }
 
 // taken reports, for a take (b.mu held), whether the next read must be
-// whole, and starts afresh.
-func (b *notesBase) taken() bool {
-	lost := b.lost || !b.subscribed
+// whole, and through which generation the notes taken hold every change
+// (0: unknown), and starts afresh.
+//
+// A read of changes reflects the commits up to that generation, not
+// those up to the kernel's generation when it started: some of a commit's
+// notifications may be taken while the rest, and its NEWGEN, are still
+// on the way. The reader's token must say so, or that NEWGEN would find
+// the token already moved and the rest would wait for the next commit
+// (on a quiet node, forever).
+func (b *notesBase) taken() (lost bool, through uint64) {
+	lost = b.lost || !b.subscribed
 	b.lost = false
-	return lost
+	if b.genKnown {
+		through = uint64(b.gen)
+	}
+	return lost, through
 }
 
 type famNotes struct {
@@ -124,8 +138,9 @@ const maxMirrorOps = 64 << 10
 
 // touched is what notes held when a read took them.
 type touched struct {
-	lost bool
-	fams [2]famNotes
+	lost    bool
+	through uint64
+	fams    [2]famNotes
 }
 
 var _ NotificationSink = (*chainNotes)(nil)
@@ -253,7 +268,8 @@ func (n *chainNotes) touch(fam int, chain string) {
 func (n *chainNotes) take() touched {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	t := touched{lost: n.taken(), fams: n.fams}
+	t := touched{fams: n.fams}
+	t.lost, t.through = n.taken()
 	n.fams = [2]famNotes{}
 	return t
 }

@@ -161,7 +161,7 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
 	// on a single-stack node where the kernel has IPv6.
 	var n int64
 	defer func() { r.bytes.Store(n) }()
-	lost, touched := r.touched.take()
+	lost, through, touched := r.touched.take()
 	whole := false
 	var changed []audit.ObservedFrontend
 	var removed []audit.FrontendKey
@@ -204,7 +204,7 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
 	}
 	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
 	slices.SortFunc(removed, audit.FrontendKey.Compare)
-	return &Changes{Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
+	return &Changes{Through: through, Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
 		NoRules: r.fams[0].kube.Len()+r.fams[1].kube.Len() == 0}, nil
 }
 

@@ -108,13 +108,14 @@ func (n *nftTouched) touch(i int, chain string) {
 	f.chains[chain] = struct{}{}
 }
 
-// take returns what was touched since the last take.
-func (n *nftTouched) take() (lost bool, fams [2]nftFamTouched) {
+// take returns what was touched since the last take (see taken).
+func (n *nftTouched) take() (lost bool, through uint64, fams [2]nftFamTouched) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	lost, fams = n.taken(), n.fams
+	lost, through = n.taken()
+	fams = n.fams
 	n.fams = [2]nftFamTouched{}
-	return lost, fams
+	return lost, through, fams
 }
 
 // Message types newer than golang.org/x/sys knows (Linux 6.3).

@@ -47,6 +47,12 @@ type Changes struct {
 	Mode     audit.Mode
 	Families []int
 	NoRules  bool
+	// Through is the change signal's generation (its token) up to which
+	// the read holds every commit's changes, when the reader learns the
+	// changes from the signal's notifications (0: unknown). It can lag
+	// the token taken before the read: that commit's notifications were
+	// still on the way, and its NEWGEN must cause another read.
+	Through uint64
 }
 
 // Reader returns the reader for src, reading both IP families (kube-proxy
