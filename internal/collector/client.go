@@ -58,10 +58,14 @@ type Config struct {
 	// with a change signal, for what the signal can miss (default 5m).
 	FullReadInterval time.Duration
 	// ReadBudget is the share of a core reads may average while the rules
-	// keep changing: reads that changes or read-now requests cause start
-	// at least their last read's CPU divided by this apart (and at least
-	// 1 s, at most Interval). 0 means DefaultReadBudget.
+	// keep changing: reads that changes or read-now requests cause wait
+	// while reads have spent more than this earns (see readCredit), and
+	// start at least 1 s and at most Interval apart. 0 means
+	// DefaultReadBudget. ReadBurst is the CPU reads may spend at once
+	// after a quiet spell (0: what the budget earns in
+	// DefaultReadBurstWindow).
 	ReadBudget float64
+	ReadBurst  time.Duration
 	// Conntrack reads the node's conntrack table; nil: not read.
 	// ConntrackInterval is the least time between two reads (a report
 	// reads it when that much has passed since the last): a hung
@@ -89,10 +93,11 @@ type ConntrackSource interface {
 	Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error)
 }
 
-// DefaultReadBudget: 5 % of a core. At the anchors a read costs ~0.5 s of
-// CPU, so under sustained churn the collector reads every ~10 s (its
-// heartbeat interval) instead of after every kube-proxy commit; a change
-// after a quiet spell is still read at once.
+// DefaultReadBudget: 5 % of a core. A whole read at the anchors costs
+// 0.5-1.9 s of CPU, so where every read is whole (the legacy backend)
+// the collector reads under sustained churn about once an interval (10 s)
+// instead of after every kube-proxy commit; a change after a quiet spell
+// is still read at once, and reads of changes cost milliseconds.
 const DefaultReadBudget = 0.05
 
 // Run connects to the aggregator and reports until ctx ends, reconnecting
@@ -123,7 +128,10 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.ReadBudget <= 0 {
 		cfg.ReadBudget = DefaultReadBudget
 	}
-	c := &client{cfg: cfg, reader: cfg.Reader}
+	if cfg.ReadBurst <= 0 {
+		cfg.ReadBurst = time.Duration(cfg.ReadBudget * float64(DefaultReadBurstWindow))
+	}
+	c := &client{cfg: cfg, reader: cfg.Reader, credit: newReadCredit(cfg.ReadBudget, cfg.ReadBurst, cfg.Interval)}
 	c.cost.Reads = map[stream.ReadReason]uint64{}
 	if src, ok := cfg.Reader.(interface{ Source() Source }); ok {
 		c.openSignal(src.Source())
@@ -196,13 +204,8 @@ type client struct {
 	// fallbacksSeen is the reader's count of fallbacks to the text tool
 	// as last logged.
 	fallbacksSeen uint64
-	// gapCPU is the CPU the next read is expected to cost, which spaces
-	// reads (readGap): the last read's, except that a reader of changes
-	// is judged by its last read of changes, not by the whole read it
-	// makes once (at the start, after a lost notification): at the
-	// anchors that one costs half a second, and would hold every read of
-	// a few milliseconds after it ten seconds apart.
-	gapCPU time.Duration
+	// credit is the read budget (see readCredit).
+	credit *readCredit
 
 	cost struct {
 		Reads                       map[stream.ReadReason]uint64
@@ -430,8 +433,8 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	// readOrWait reads for why now, or once the read gap has passed since
 	// the last read began.
 	readOrWait := func(why stream.ReadReason) *stream.Report {
-		gap := readGap(c.gapCPU, c.cfg.ReadBudget, c.cfg.Interval)
-		if left := gap - c.cfg.Clock.Since(c.readAt); left > 0 && !c.readAt.IsZero() {
+		now := c.cfg.Clock.Now()
+		if left := readWait(now.Sub(c.readAt), c.credit.wait(now), c.cfg.Interval); left > 0 && !c.readAt.IsZero() {
 			if pending == "" {
 				pending, soon = why, c.cfg.Clock.After(left)
 			}
@@ -643,17 +646,14 @@ const exactBackstop = 12
 // aggregator's read-now requests or announced changes can cause.
 const minReadGap = time.Second
 
-// readGap is the least time between the starts of two reads that changes
-// or read-now requests cause: minReadGap, stretched so that reads average
-// at most budget of a core (a read that cost cpu waits cpu/budget), never
-// longer than the heartbeat interval, so a node under churn still reports
-// what it shows at least once an interval.
-func readGap(cpu time.Duration, budget float64, interval time.Duration) time.Duration {
-	gap := minReadGap
-	if budget > 0 {
-		gap = max(gap, time.Duration(float64(cpu)/budget))
-	}
-	return min(gap, max(interval, minReadGap))
+// readWait is how long a read that a change or a read-now request causes
+// waits: until minReadGap has passed since the last read began and the
+// read budget is out of debt, but never beyond the heartbeat interval
+// after that read, so a node under churn still reports what it shows at
+// least once an interval.
+func readWait(sinceLast, budgetWait, interval time.Duration) time.Duration {
+	left := max(minReadGap-sinceLast, budgetWait)
+	return min(left, max(interval, minReadGap)-sinceLast)
 }
 
 // settleDelay lets a burst of announced commits (kube-proxy's sync of
@@ -865,9 +865,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	c.cost.LastSeconds = time.Since(start).Seconds()
 	spent := cpuTime() - before
 	c.cost.LastCPUSeconds = spent.Seconds()
-	if _, incremental := c.reader.(ChangeReader); !incremental || changes != nil {
-		c.gapCPU = spent
-	}
+	c.credit.spend(c.cfg.Clock.Now(), spent)
 	if b, ok := c.reader.(interface{ BytesRead() int64 }); ok {
 		c.cost.LastBytes = b.BytesRead()
 	}

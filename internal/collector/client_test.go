@@ -129,12 +129,21 @@ func TestClientReadNow(t *testing.T) {
 	}
 }
 
-// Reads that cost CPU are spaced by their cost: with a budget of 5 % of a
-// core, a read that took 100 ms of CPU is followed by the next one no
-// sooner than 2 s after it began, however often the aggregator asks (or
-// kube-proxy commits). Before, a node under churn read once a second at
-// whatever a read cost: a quarter of a core at the anchors.
+// Reads that cost CPU are spaced by their cost once the budget's burst is
+// spent: with a budget of 5 % of a core and no burst, a read that took
+// 100 ms of CPU is followed by the next one no sooner than 2 s after it
+// began, however often the aggregator asks (or kube-proxy commits).
+// Before the budget, a node under churn read once a second at whatever a
+// read cost: a quarter of a core at the anchors. With the default burst
+// (a minute's budget), the next read comes after the 1 s floor.
 func TestClientReadBudget(t *testing.T) {
+	t.Run("spent", func(t *testing.T) { clientReadBudget(t, time.Nanosecond, 1900*time.Millisecond, 10*time.Second) })
+	t.Run("burst", func(t *testing.T) {
+		clientReadBudget(t, 0, collector.MinReadGap-50*time.Millisecond, collector.MinReadGap+time.Second)
+	})
+}
+
+func clientReadBudget(t *testing.T, burst, least, most time.Duration) {
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	defer ln.Close()
 	burn := func() {
@@ -144,16 +153,17 @@ func TestClientReadBudget(t *testing.T) {
 	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) { burn(); return synthRules(t, 2), nil }}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads, ReadBudget: 0.05})
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads, ReadBudget: 0.05, ReadBurst: burst})
 	conn := welcome(t, ln)
 	defer conn.Close()
 	report := func() time.Time { return nextReport(t, conn, 10*time.Second) }
 	first := report()
 	stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
-	// At least 2 s (100 ms / 5 %); well before the 1 h interval, however
-	// much more than 100 ms the read cost.
-	if gap := report().Sub(first); gap < 1900*time.Millisecond {
-		t.Errorf("a read costing 100 ms of CPU was followed %s later; want at least 2 s (100 ms / 5 %%)", gap)
+	// Spent: at least 2 s (100 ms / 5 %), well before the 1 h interval,
+	// however much more than 100 ms the read cost. With the burst: the
+	// floor.
+	if gap := report().Sub(first); gap < least || gap > most {
+		t.Errorf("a read costing 100 ms of CPU was followed by the next %s later; want %s to %s", gap, least, most)
 	}
 }
 
@@ -169,21 +179,20 @@ func nextReport(t *testing.T, conn net.Conn, within time.Duration) time.Time {
 	return time.Now()
 }
 
-func TestReadGap(t *testing.T) {
+func TestReadWait(t *testing.T) {
 	for _, tc := range []struct {
-		cpu      time.Duration
-		budget   float64
-		interval time.Duration
-		want     time.Duration
+		since, budget, interval time.Duration
+		want                    time.Duration
 	}{
-		{10 * time.Millisecond, 0.05, 10 * time.Second, time.Second},       // cheap: the floor
-		{500 * time.Millisecond, 0.05, 10 * time.Second, 10 * time.Second}, // the anchors: every interval
-		{200 * time.Millisecond, 0.05, 10 * time.Second, 4 * time.Second},  // in between
-		{5 * time.Second, 0.05, 10 * time.Second, 10 * time.Second},        // never beyond the interval
-		{5 * time.Second, 0.05, 500 * time.Millisecond, time.Second},       // nor below the floor
+		{0, 0, 10 * time.Second, time.Second},                                                      // the floor
+		{400 * time.Millisecond, 0, 10 * time.Second, 600 * time.Millisecond},                      // the rest of it
+		{5 * time.Second, 0, 10 * time.Second, 0},                                                  // long past: at once
+		{2 * time.Second, 3 * time.Second, 10 * time.Second, 3 * time.Second},                      // the budget's debt
+		{2 * time.Second, 30 * time.Second, 10 * time.Second, 8 * time.Second},                     // never beyond the interval
+		{200 * time.Millisecond, 30 * time.Second, 500 * time.Millisecond, 800 * time.Millisecond}, // nor below the floor
 	} {
-		if got := collector.ReadGap(tc.cpu, tc.budget, tc.interval); got != tc.want {
-			t.Errorf("readGap(%s, %g, %s) = %s, want %s", tc.cpu, tc.budget, tc.interval, got, tc.want)
+		if got := collector.ReadWait(tc.since, tc.budget, tc.interval); got != tc.want {
+			t.Errorf("readWait(%s since the last, budget wait %s, interval %s) = %s, want %s", tc.since, tc.budget, tc.interval, got, tc.want)
 		}
 	}
 }

@@ -3,10 +3,10 @@ package collector
 // MinReadGap is minReadGap, for the tests of package collector_test.
 const MinReadGap = minReadGap
 
-// ReadGap and CPUTime, for the tests of package collector_test.
+// ReadWait and CPUTime, for the tests of package collector_test.
 var (
-	ReadGap = readGap
-	CPUTime = cpuTime
+	ReadWait = readWait
+	CPUTime  = cpuTime
 )
 
 // caughtUp says whether a sink has heard everything up to the commit of

@@ -131,7 +131,8 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 				}
 			}
 			load()
-			c := &client{cfg: Config{Log: zap.NewNop(), Clock: clock.RealClock{}, FullReadInterval: time.Hour, Interval: 10 * time.Second}, fed: true}
+			c := &client{cfg: Config{Log: zap.NewNop(), Clock: clock.RealClock{}, FullReadInterval: time.Hour, Interval: 10 * time.Second}, fed: true,
+				credit: newReadCredit(DefaultReadBudget, time.Second, 10*time.Second)}
 			c.cost.Reads = map[stream.ReadReason]uint64{}
 			var sig *nftSignal
 			gate := &gateSink{}
