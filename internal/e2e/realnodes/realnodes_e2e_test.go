@@ -496,7 +496,7 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 			}
 		}
 	}
-	if phase, logs := once("collector-once", ""); phase != corev1.PodSucceeded || !strings.Contains(logs, `"mode": "iptables (nf_tables backend)"`) {
+	if phase, logs := once("collector-once", ""); phase != corev1.PodSucceeded || !strings.Contains(logs, `"mode": "iptables (nf_tables backend, netlink)"`) {
 		t.Errorf("the collector's container as the chart runs it, --once: %s\n%s", phase, clip(logs))
 	}
 	if phase, logs := once("collector-once-no-net-admin", "NET_ADMIN"); phase != corev1.PodFailed || !strings.Contains(logs, "CAP_NET_ADMIN") {

@@ -31,6 +31,23 @@ type drill struct {
 	svc     *corev1.Service
 	epoch   int
 	started time.Time
+	// before holds the Events that existed when the scenario began: an
+	// Event's time has only whole seconds, so one from the scenario
+	// before, in the same second, cannot be told apart by time alone.
+	before map[types.UID]bool
+}
+
+// begin starts a scenario: only Events made from now on are its own.
+func (d *drill) begin(t *testing.T) {
+	d.begin(t)
+	evs, err := d.c.Client.CoreV1().Events(metav1.NamespaceDefault).List(d.ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.before = make(map[types.UID]bool, len(evs.Items))
+	for _, e := range evs.Items {
+		d.before[e.UID] = true
+	}
 }
 
 // change moves the drill service to its next endpoint: a node whose
@@ -72,7 +89,7 @@ func (d *drill) events(node, reason string) []string {
 	}
 	var out []string
 	for _, e := range evs.Items {
-		if !e.FirstTimestamp.Time.Before(d.started.Truncate(time.Second)) {
+		if !d.before[e.UID] && !e.FirstTimestamp.Time.Before(d.started.Truncate(time.Second)) {
 			out = append(out, e.Message)
 		}
 	}
@@ -304,7 +321,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	a, b, nft := c.Node("real-ipt-a"), c.Node("real-ipt-b"), c.Node("real-nft-a")
 
 	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		before := kubeProxyPod(ctx, t, c, a.Name)
 		// An earlier test may have left the condition (False: in sync);
 		// dry-run must not change it.
@@ -336,7 +353,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	})
 
 	t.Run("restart, re-audit, cordon, uncordon", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		upgrade(t, "remediation.mode=restart-and-cordon", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
 			"slack.botToken=xoxb-e2e-test", "slack.channel=C0PROXYAUDIT", "slack.apiURL="+relay(t, sl.URL), "clusterName=e2e")
 		// A frozen kube-proxy: the restart cures it.
@@ -396,7 +413,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	})
 
 	t.Run("leader crash loop: no repair repeated, none lost", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		upgrade(t, "remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m",
 			"slack.botToken=", "slack.channel=", "slack.apiURL=")
 		pods := d.proxyPods(nft.Name)
@@ -422,7 +439,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	})
 
 	t.Run("fleet cap, then the leader killed mid-incident", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		upgrade(t, "remediation.mode=restart", "remediation.recheck=60s", "remediation.maxNodes=1", "remediation.cooldown=10m")
 		d.forget(a.Name, b.Name)
 		podsA, podsB := d.proxyPods(a.Name), d.proxyPods(b.Name)
@@ -462,7 +479,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	})
 
 	t.Run("paused from the CLI: paged, not repaired; resumed: repaired", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		upgrade(t, "remediation.pausers[0].kind=User", "remediation.pausers[0].name=oncall@example.com")
 		d.forget(nft.Name)
 		as := func(user string, args ...string) (string, error) {
@@ -502,7 +519,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	})
 
 	t.Run("silenced in Alertmanager: paged, not repaired; silence expired: repaired, alert resolved", func(t *testing.T) {
-		d.t, d.started = t, time.Now()
+		d.begin(t)
 		// A genuine Alertmanager on the host, where the pods reach it (the
 		// API server's address), its one receiver a webhook.
 		hook := remediatetest.NewWebhook(t, "127.0.0.1")
