@@ -39,7 +39,7 @@ type drill struct {
 
 // begin starts a scenario: only Events made from now on are its own.
 func (d *drill) begin(t *testing.T) {
-	d.begin(t)
+	d.t, d.started = t, time.Now()
 	evs, err := d.c.Client.CoreV1().Events(metav1.NamespaceDefault).List(d.ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
