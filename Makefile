@@ -7,12 +7,12 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e demo fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e demo demo-deps demo-binaries modules fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
-build:
-	$(GO) build -o $(BIN)/ ./cmd/...
+build: modules
+	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GO) build -o $(BIN)/ ./cmd/...
 	cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
 
 ## image: the project's container image without a container engine (Debian packages by version, the
@@ -22,7 +22,7 @@ image: deps
 	$(GO) run ./deploy/image -out $(BIN) $(IMAGE_ARGS)
 
 ## test: unit + end-to-end tests, then every fuzz target briefly (the README's test command; .ci/run calls it)
-test: deps cluster-binaries
+test: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) ./...
 	$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
 	$(MAKE) --no-print-directory race
@@ -38,11 +38,12 @@ unit:
 	$(GO) test -short -count=1 ./...
 
 ## e2e: end-to-end tests only, on the real local cluster
-e2e: deps cluster-binaries
+e2e: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) -run 'E2E' ./...
 
-## demo: bring up the local cluster, drift one node, show the findings
-demo: deps build cluster-binaries
+## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
+## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
+demo: demo-deps build demo-binaries
 	$(BIN)/localcluster demo --out demo-out
 
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
@@ -118,15 +119,26 @@ vulncheck:
 fmt:
 	gofmt -w $$(git ls-files '*.go')
 
-## deps: Debian packages the local cluster needs (root; no-op when present)
+## deps: Debian packages the local cluster and the tests need (root; no-op when present)
 deps:
 	@deploy/install-deps.sh
 
-## cluster-binaries: build (or reuse) kube-apiserver, kube-proxy, etcd, kubectl, kubelet, Alertmanager, promtool,
-## kube-controller-manager, kube-scheduler and CoreDNS from Go modules
-cluster-binaries:
+demo-deps:
+	@deploy/install-deps.sh demo
+
+## modules: download proxyaudit's Go modules (one line; the list is in .cache/logs/go-modules.log)
+modules:
+	@deploy/quiet.sh go-modules "downloading proxyaudit's Go modules" -- $(GO) mod download
+
+## demo-binaries: build (or reuse) what the demo runs from Go modules: kube-apiserver, kube-proxy, etcd, kubectl,
+## kubelet, kube-controller-manager, kube-scheduler, CoreDNS and Helm
+demo-binaries:
 	@deploy/k8s-tools/build.sh >/dev/null
 	@deploy/k8s-tools/coredns.sh >/dev/null
+	@deploy/k8s-tools/helm.sh >/dev/null
+
+## cluster-binaries: the demo's, and the tests' own: Alertmanager and promtool
+cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null
 

@@ -4,9 +4,18 @@
 # containerd, runc and containernetworking-plugins for the real kubelet nodes;
 # chromium for the status page's browser tests; gcc for go test -race.)
 # Does nothing when they are present; needs root (apt-get) otherwise.
+# `install-deps.sh demo`: only what `make demo` runs (no VM, browser or gcc).
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+demo="ip:iproute2 iptables:iptables iptables-legacy:iptables nft:nftables conntrack:conntrack ss:iproute2 containerd:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins"
+all="$demo ipvsadm:ipvsadm /usr/bin/time:time ipset:ipset qemu-system-x86_64:qemu-system-x86 busybox:busybox-static depmod:kmod cpio:cpio chromium:chromium gcc:gcc"
+case ${1:-} in
+  demo) want=$demo ;;
+  "") want=$all ;;
+  *) echo "usage: $0 [demo]" >&2; exit 2 ;;
+esac
 need=()
-for pair in ip:iproute2 iptables:iptables iptables-legacy:iptables nft:nftables ipvsadm:ipvsadm conntrack:conntrack ss:iproute2 /usr/bin/time:time ipset:ipset qemu-system-x86_64:qemu-system-x86 busybox:busybox-static depmod:kmod cpio:cpio containerd:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins chromium:chromium gcc:gcc; do
+for pair in $want; do
   cmd=${pair%%:*}; pkg=${pair#*:}
   PATH=$PATH:/usr/sbin:/sbin command -v "$cmd" >/dev/null 2>&1 || need+=("$pkg")
 done
@@ -16,7 +25,6 @@ if [ "$(id -u)" -ne 0 ]; then
   echo "missing packages: ${need[*]} (install them as root: apt-get install ${need[*]})" >&2
   exit 0
 fi
-echo "installing Debian packages: ${need[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq >&2
-apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+"$here/quiet.sh" apt "installing Debian packages: ${need[*]}" -- \
+  sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"' apt "${need[@]}"

@@ -20,7 +20,6 @@ bin="$cache/alertmanager-$AM_VERSION-$key"
 if [ -x "$bin/alertmanager" ]; then
   echo "$bin/alertmanager"; exit 0
 fi
-echo "building alertmanager $AM_VERSION from the Go module proxy (~2 min)" >&2
 src=$(GOFLAGS=-mod=mod go mod download -json "github.com/prometheus/alertmanager@$AM_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
 work=$(mktemp -d)
 trap 'chmod -R u+w "$work"; rm -rf "$work"' EXIT
@@ -30,7 +29,8 @@ for ui in elm mantine; do
   echo '<!doctype html><title>Alertmanager</title><p>Built without its web UI; use the API (/api/v2/).' > "$work/am/ui/app/dist/$ui/index.html"
 done
 mkdir -p "$bin.tmp"
-(cd "$work/am" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -o "$bin.tmp/alertmanager" \
-  -ldflags "-s -w -X github.com/prometheus/common/version.Version=${AM_VERSION#v}" ./cmd/alertmanager) >&2
+"$repo/deploy/quiet.sh" alertmanager "building alertmanager $AM_VERSION from the Go module proxy (~2 min)" -- \
+  env -C "$work/am" CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -o "$bin.tmp/alertmanager" \
+  -ldflags "-s -w -X github.com/prometheus/common/version.Version=${AM_VERSION#v}" ./cmd/alertmanager >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin/alertmanager"

@@ -16,13 +16,13 @@ if [ $have = 1 ]; then
   echo "$bin"; exit 0
 fi
 mkdir -p "$bin.tmp"
-echo "building $tools (k8s $(grep -oE 'k8s.io/kubernetes v[0-9.]+' "$here/go.mod" | cut -d' ' -f2)); a cold build takes ~12 min on 2 cores" >&2
 # The version the binaries report (/version, kube-proxy --version), as a
 # release build sets it; without it the API server says v0.0.0-master and
 # `helm install` refuses a chart with a kubeVersion constraint.
 v=$(grep -oE 'k8s.io/kubernetes v[0-9.]+' "$here/go.mod" | cut -d' ' -f2)
 minor=$(echo "$v" | cut -d. -f2)
 ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
-(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags="$ldflags" -o "$bin.tmp/" $(for t in $tools; do echo "./$t"; done)) >&2
+"$repo/deploy/quiet.sh" k8s-tools "building the control plane, kubelet and kube-proxy (k8s $v; ~12 min cold)" -- \
+  env -C "$here" CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags="$ldflags" -o "$bin.tmp/" $(for t in $tools; do echo "./$t"; done) >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin"

@@ -13,9 +13,9 @@ bin="$cache/coredns-$COREDNS_VERSION-$key"
 if [ -x "$bin/coredns" ]; then
   echo "$bin/coredns"; exit 0
 fi
-echo "building coredns $COREDNS_VERSION from the Go module proxy (~3 min)" >&2
 mkdir -p "$bin.tmp"
-CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" \
+"$repo/deploy/quiet.sh" coredns "building coredns $COREDNS_VERSION from the Go module proxy (~3 min)" -- \
+  env CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" \
   "github.com/coredns/coredns@$COREDNS_VERSION" >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin/coredns"

@@ -13,7 +13,6 @@ bin="$cache/helm-$HELM_VERSION-$key"
 if [ -x "$bin/helm" ]; then
   echo "$bin/helm"; exit 0
 fi
-echo "building helm $HELM_VERSION from the Go module proxy (~2 min)" >&2
 mkdir -p "$bin.tmp"
 # -ldflags as helm's own Makefile sets them: the version helm reports, and the
 # Kubernetes version `helm template` and `helm lint` assume without a cluster:
@@ -21,7 +20,8 @@ mkdir -p "$bin.tmp"
 # chart's kubeVersion).
 k8s="-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=36"
 k8s="$k8s -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=36"
-CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath \
+"$repo/deploy/quiet.sh" helm "building helm $HELM_VERSION from the Go module proxy (~2 min)" -- \
+  env CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath \
   -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION $k8s" \
   "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"

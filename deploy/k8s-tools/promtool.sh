@@ -15,9 +15,9 @@ bin="$cache/promtool-$PROM_VERSION-$key"
 if [ -x "$bin/promtool" ]; then
   echo "$bin/promtool"; exit 0
 fi
-echo "building promtool (prometheus $PROM_VERSION) from the Go module proxy (~5 min)" >&2
 mkdir -p "$bin.tmp"
-CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" \
+"$repo/deploy/quiet.sh" promtool "building promtool (prometheus $PROM_VERSION) from the Go module proxy (~5 min)" -- \
+  env CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" \
   "github.com/prometheus/prometheus/cmd/promtool@$PROM_VERSION" >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin/promtool"
