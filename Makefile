@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e demo demo-deps demo-binaries modules fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -45,6 +45,12 @@ e2e: deps modules cluster-binaries
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
 demo: demo-deps build demo-binaries
 	$(BIN)/localcluster demo --out demo-out
+
+## screenshots: the README's pictures (the status page's fleet, a drifted node, incidents; the report in a
+## terminal) from the real-node Chromium test, into docs/screenshots/ (regenerate when the page changes)
+screenshots: deps modules cluster-binaries
+	PROXYAUDIT_SCREENSHOTS=$(CURDIR)/docs/screenshots PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 30m \
+		-run '^TestE2EStatusPageOnRealNodes$$' ./internal/e2e/realnodes
 
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
 ## kube-proxies (review the diff)

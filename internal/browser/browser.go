@@ -5,6 +5,8 @@ package browser
 
 import (
 	"context"
+	"encoding/base64"
+	"html"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -82,6 +84,60 @@ func Screenshot(t testing.TB, ctx context.Context, name string) {
 	dir := t.TempDir()
 	if a, ok := t.(interface{ ArtifactDir() string }); ok {
 		dir = a.ArtifactDir()
+	}
+	save(t, dir, name, png)
+}
+
+// Picture is Screenshot for the README: saved also as docs name.png under
+// $PROXYAUDIT_SCREENSHOTS (`make screenshots` sets it to docs/screenshots)
+// when that is set.
+func Picture(t testing.TB, ctx context.Context, name string) {
+	t.Helper()
+	Screenshot(t, ctx, name)
+	if dir := os.Getenv("PROXYAUDIT_SCREENSHOTS"); dir != "" {
+		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+		if err != nil {
+			t.Errorf("screenshot %s: %v", name, err)
+			return
+		}
+		save(t, dir, name, png)
+	}
+}
+
+// Terminal shows text as a terminal prints it, under the command that
+// printed it, and takes a Picture of it: how a CLI's output looks, for the
+// README.
+func Terminal(t testing.TB, ctx context.Context, name, command, text string) {
+	t.Helper()
+	page := `<!doctype html><meta charset="utf-8"><style>
+body { margin: 0; background: #fff; }
+pre { display: inline-block; margin: 0; padding: 14px 18px; background: #1d1f21; color: #d8d8d8;
+      font: 13px/1.35 "DejaVu Sans Mono", "Liberation Mono", monospace; }
+.cmd { color: #8fbf6f; }
+</style><pre id="term"><span class="cmd">$ ` + html.EscapeString(command) + "</span>\n" + html.EscapeString(text) + `</pre>`
+	Do(t, ctx, "the terminal page", chromedp.Navigate("data:text/html;base64,"+base64.StdEncoding.EncodeToString([]byte(page))))
+	c, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	png, err := chromedp.Run(c, chromedp.Screenshot(chromedp.CSS("#term")))
+	if err != nil {
+		t.Errorf("screenshot %s: %v", name, err)
+		return
+	}
+	dir := t.TempDir()
+	if a, ok := t.(interface{ ArtifactDir() string }); ok {
+		dir = a.ArtifactDir()
+	}
+	save(t, dir, name, png)
+	if d := os.Getenv("PROXYAUDIT_SCREENSHOTS"); d != "" {
+		save(t, d, name, png)
+	}
+}
+
+func save(t testing.TB, dir, name string, png []byte) {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Errorf("screenshot %s: %v", name, err)
+		return
 	}
 	p := filepath.Join(dir, name+".png")
 	if err := os.WriteFile(p, png, 0o644); err != nil {

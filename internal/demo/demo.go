@@ -33,11 +33,13 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
-// The demo shortens the grace period and the collector interval so that it
-// finishes in a few minutes, and turns remediation on; production defaults
-// are 30s, 10s and dry-run.
+// The demo keeps the chart's grace period (shorter, the lingering conntrack
+// entries of DNS lookups that ended just before CoreDNS rolled would
+// outlive it on every node: their 30 s timeout runs from their last
+// packet), shortens the collector interval and turns remediation on; the
+// chart's defaults are 30s, 10s and dry-run.
 const (
-	Grace    = 15 * time.Second
+	Grace    = 30 * time.Second
 	interval = 3 * time.Second
 	// Release and Namespace are the chart's, as the README installs it.
 	Release   = "proxyaudit"
@@ -224,7 +226,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 
 	// The claim above is what the report must bear out: StuckProxy, and
 	// every stale endpoint just printed, on the drifted node.
-	d.say("\n▶ waiting for the aggregator to judge (grace %s for the demo; the default is 30s)", Grace)
+	d.say("\n▶ waiting for the aggregator to judge: a change is drift once it outlives the grace period (%s)", Grace)
 	want := []string{res.GoneDNS + ":53", webPods[1] + ":8080", webPods[1] + ":8443"}
 	drifted, err := d.wait(ctx, Grace+2*time.Minute, "StuckProxy and the stale endpoints on "+hung.Name, func(r *Report) bool {
 		if !slices.ContainsFunc(r.Findings, func(f audit.TimedFinding) bool { return f.Kind == audit.StuckProxy && f.Node == hung.Name }) {
@@ -251,6 +253,22 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	d.say("\nWhat the report says about %s:", hung.Name)
 	for _, line := range d.story(drifted, hung.Name) {
 		d.say("  · %s", line)
+	}
+	var others []string
+	for _, n := range c.Nodes() {
+		if n != hung {
+			if lines := d.story(drifted, n.Name); len(lines) > 0 {
+				others = append(others, n.Name+": "+strings.Join(lines, "; "))
+			}
+		}
+	}
+	if len(others) == 0 {
+		d.say("and about the other nodes: nothing; their kube-proxies followed the API.")
+	} else {
+		d.say("and about the other nodes:")
+		for _, o := range others {
+			d.say("  · %s", o)
+		}
 	}
 
 	d.say("\n▶ repairs resumed: remediation (on for the demo; the chart's default is dry-run) deletes %s's kube-proxy pod, and its DaemonSet makes a new one", hung.Name)
@@ -315,6 +333,7 @@ func (d *demo) story(r *Report, node string) []string {
 		what := map[audit.Kind]string{
 			audit.StaleEndpoint:   "still sends to %s, which the cluster no longer lists (a pod that is gone)",
 			audit.MissingEndpoint: "does not send to %s, which the cluster lists now",
+			audit.StaleConntrack:  "flows still DNATed to %s, which left the service",
 		}[k.kind]
 		if what == "" {
 			what = "%s"
@@ -338,7 +357,7 @@ func staleOf(r *Report, node, service string) []string {
 // install runs helm install with the demo's values.
 func (d *demo) install(ctx context.Context) error {
 	args := []string{"install", Release, filepath.Join(d.root, chart.Dir), "--namespace", Namespace, "--create-namespace",
-		"--set", "grace=" + Grace.String(), "--set", "collector.interval=" + interval.String(),
+		"--set", "collector.interval=" + interval.String(),
 		"--set", "remediation.mode=restart", "--set", "remediation.maxUnhealthy=50%"}
 	d.say("▶ $ helm %s", strings.Join(args, " "))
 	if out, err := d.helmRun(ctx, args...); err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -48,8 +49,12 @@ func TestE2EDemoScenario(t *testing.T) {
 	}
 	var dnsPorts []string
 	for _, f := range res.Drifted.Findings {
-		if f.Node != drift {
+		if f.Node != drift && f.Kind != audit.StaleConntrack {
 			t.Errorf("a finding on a node that did not drift: %+v", f)
+		} else if f.Node != drift {
+			// A flow's entry outliving grace (see demo.Grace): the
+			// narrative names it, and it is no drift of the rules.
+			t.Logf("on %s: %s %s", f.Node, f.Kind, f.Detail)
 		}
 		if f.Node == drift && f.Kind == audit.StaleEndpoint && f.Service == "kube-system/kube-dns" && f.Endpoint == res.GoneDNS+":53" {
 			dnsPorts = append(dnsPorts, f.Port)
@@ -64,6 +69,9 @@ func TestE2EDemoScenario(t *testing.T) {
 		t.Fatalf("no narrative of the report:\n%s", printed)
 	}
 	story, _, _ = strings.Cut(story, "\n▶")
+	if others := !strings.Contains(story, "about the other nodes: nothing"); others != slices.ContainsFunc(res.Drifted.Findings, func(f audit.TimedFinding) bool { return f.Node != drift }) {
+		t.Errorf("the narrative about the other nodes does not match the report:\n%s", story)
+	}
 	for _, want := range []string{"StuckProxy", "StaleEndpoint kube-system/kube-dns (", res.GoneDNS + ":53", "StaleEndpoint shop/web ("} {
 		if !strings.Contains(story, want) {
 			t.Errorf("the narrative does not say %q:\n%s", want, story)

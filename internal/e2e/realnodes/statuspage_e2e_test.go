@@ -23,7 +23,9 @@ import (
 // node's kube-proxy is frozen and the CoreDNS pod replaced: the fleet
 // page shows that node Stuck in the heatmap, its page the old pod's
 // address STALE under kube-dns and kube-proxy's own last sync, the
-// incidents page the dry-run ladder.
+// incidents page the dry-run ladder. With PROXYAUDIT_SCREENSHOTS set
+// (make screenshots) its pictures, and the report's as a terminal shows
+// it, are the README's.
 func TestE2EStatusPageOnRealNodes(t *testing.T) {
 	c := cluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -86,6 +88,13 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 		}
 	}
 
+	// The report as a terminal shows it, for the README (make screenshots).
+	table, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "report", "-n", "proxyaudit").Output()
+	if !strings.Contains(string(table), "kube-system/kube-dns") || !strings.Contains(string(table), string(audit.StuckProxy)) {
+		t.Errorf("the report while %s is stuck (%v):\n%s", stuck.Name, err, table)
+	}
+	browser.Terminal(t, bctx, "report", "kubectl proxyaudit report", string(table))
+
 	do := func(what string, a chromedp.Action[chromedp.Void]) {
 		t.Helper()
 		browser.Do(t, bctx, what+" (proxyaudit ui said: "+strings.TrimSpace(out.String())+")", a)
@@ -100,7 +109,7 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 	if got := eval(`String(document.querySelectorAll('#heatmap [data-node]').length)`); got != fmt.Sprint(len(fleet)) {
 		t.Errorf("%s cells, want %d", got, len(fleet))
 	}
-	browser.Screenshot(t, bctx, "fleet")
+	browser.Picture(t, bctx, "status-fleet")
 	do("opening the node", chromedp.Click(cell))
 	do("the node page", chromedp.WaitVisible("#ports"))
 	if got := eval(`document.querySelector('#state').innerText`); got != string(audit.NodeStuck) {
@@ -112,14 +121,14 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 	if kp := eval(`(document.querySelector('#kubeproxy') || {innerText: ""}).innerText`); !strings.Contains(kp, "Last sync") {
 		t.Errorf("kube-proxy's own account missing: %q", kp)
 	}
-	browser.Screenshot(t, bctx, "node-"+stuck.Name)
+	browser.Picture(t, bctx, "status-node")
 	do("the incidents page", chromedp.Navigate(base+"incidents"))
 	do("an incident", chromedp.WaitVisible(fmt.Sprintf(`.incident[data-node="%s"]`, stuck.Name)))
 	if got := eval(fmt.Sprintf(`document.querySelector('.incident[data-node="%s"]').innerText`, stuck.Name)); !strings.Contains(got, "dry-run: nothing was changed") ||
 		!strings.Contains(got, "RestartProxy") {
 		t.Errorf("the incident:\n%s", got)
 	}
-	browser.Screenshot(t, bctx, "incidents")
+	browser.Picture(t, bctx, "status-incidents")
 }
 
 func nodeState(r *fleetReport, node string) audit.NodeState {
