@@ -9,9 +9,11 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
+	"net/netip"
 	"net/url"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -42,6 +44,8 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 	fs.Usage = func() { fmt.Fprint(stderr, uiUsage); fs.PrintDefaults() }
 	access := accessFlags(fs)
 	listen := fs.String("listen", "127.0.0.1:8484", "address to serve the page on; keep it on loopback: whoever reaches it reads what your credentials may")
+	var accept hostList
+	fs.Var(&accept, "accept-host", "a host name the page may be asked for besides localhost and IP addresses (repeatable); a request naming any other host is refused, so that a web page cannot reach it through DNS rebinding")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitClean
@@ -62,7 +66,7 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit ui: warning: serving on %s, not loopback: whoever reaches it reads the findings with your credentials\n", ln.Addr())
 	}
 	fmt.Fprintf(stdout, "proxyaudit status page: http://%s/ui/ (Ctrl-C to stop)\n", ln.Addr())
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: hostGuard(accept, h), ReadHeaderTimeout: 10 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	go func() {
@@ -76,6 +80,62 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	return exitClean
+}
+
+// hostList is a repeatable flag of host names.
+type hostList []string
+
+func (l *hostList) String() string { return strings.Join(*l, ",") }
+func (l *hostList) Set(v string) error {
+	if v == "" || strings.ContainsAny(v, ":/ ") {
+		return fmt.Errorf("%q: want a host name without port or scheme", v)
+	}
+	*l = append(*l, strings.ToLower(v))
+	return nil
+}
+
+// hostGuard serves only requests that name this machine: a Host (and an
+// Origin, when a browser sends one) that is an IP address, localhost, or
+// a name in accept. A web page the SRE opens can point a name of its own
+// at 127.0.0.1 (DNS rebinding) and then read the page as same-origin; the
+// browser still sends that name as Host, and it is refused here, before
+// the reader token is attached. An IP address cannot be rebound.
+func hostGuard(accept []string, next http.Handler) http.Handler {
+	ok := func(hostport string) bool {
+		host := hostport
+		if h, _, err := net.SplitHostPort(hostport); err == nil {
+			host = h
+		}
+		host = strings.ToLower(strings.TrimSuffix(strings.Trim(host, "[]"), "."))
+		if host == "localhost" || strings.HasSuffix(host, ".localhost") {
+			return true
+		}
+		if _, err := netip.ParseAddr(host); err == nil {
+			return true
+		}
+		return slices.Contains(accept, host)
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !ok(r.Host) {
+			http.Error(w, fmt.Sprintf("proxyaudit ui: refused: the request names host %q, which is not this machine's address or localhost (a web page may be trying to read the findings through DNS rebinding); open the address proxyaudit ui printed, or pass --accept-host %s", r.Host, hostOnly(r.Host)), http.StatusForbidden)
+			return
+		}
+		if o := r.Header.Get("Origin"); o != "" {
+			u, err := url.Parse(o)
+			if err != nil || (u.Scheme != "http" && u.Scheme != "https") || !ok(u.Host) || u.Host != r.Host {
+				http.Error(w, fmt.Sprintf("proxyaudit ui: refused: a request from another origin (%q)", o), http.StatusForbidden)
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func hostOnly(hostport string) string {
+	if h, _, err := net.SplitHostPort(hostport); err == nil {
+		return h
+	}
+	return hostport
 }
 
 // uiProxy forwards GETs of /ui/ to the aggregator: at --aggregator, or

@@ -115,3 +115,63 @@ current-context: x
 		t.Errorf("got %q; the API server saw %v with reader token %q; want %v", b, paths, tokenHeader, want)
 	}
 }
+
+// DNS rebinding: a web page the SRE opens points a name of its own at
+// 127.0.0.1 and reads the page as same-origin. The browser still names
+// that host, and proxyaudit ui refuses it before the reader token is
+// attached; this machine's addresses, localhost and --accept-host names
+// are served, a foreign Origin is not.
+func TestUIRefusesOtherHosts(t *testing.T) {
+	asked := 0
+	agg := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		asked++
+		io.WriteString(w, "page")
+	}))
+	defer agg.Close()
+	tok := filepath.Join(t.TempDir(), "token")
+	os.WriteFile(tok, []byte("reader-token\n"), 0o600)
+	srv := httptest.NewServer(hostGuard([]string{"workstation.corp"}, uiProxy(t, "--aggregator", agg.URL, "--token-file", tok)))
+	defer srv.Close()
+	_, port, _ := strings.Cut(strings.TrimPrefix(srv.URL, "http://"), ":")
+	for _, c := range []struct {
+		host, origin string
+		served       bool
+	}{
+		{"127.0.0.1:" + port, "", true},
+		{"localhost:" + port, "", true},
+		{"[::1]:" + port, "", true},
+		{"198.18.0.7:" + port, "", true}, // an address of this machine: cannot be rebound
+		{"workstation.corp:" + port, "", true},
+		{"127.0.0.1:" + port, "http://127.0.0.1:" + port, true},
+		{"attacker.example:" + port, "", false},
+		{"attacker.example:" + port, "http://attacker.example:" + port, false},
+		{"127.0.0.1.attacker.example:" + port, "", false},
+		{"127.0.0.1:" + port, "http://attacker.example", false},
+		{"127.0.0.1:" + port, "null", false},
+	} {
+		before := asked
+		req, _ := http.NewRequest("GET", srv.URL+"/ui/", nil)
+		req.Host = c.host
+		if c.origin != "" {
+			req.Header.Set("Origin", c.origin)
+		}
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if served := r.StatusCode == http.StatusOK; served != c.served || (asked > before) != c.served {
+			t.Errorf("Host %q Origin %q: %d %q (aggregator asked: %v), want served %v", c.host, c.origin, r.StatusCode, b, asked > before, c.served)
+		}
+		if !c.served && !strings.Contains(string(b), "refused") {
+			t.Errorf("Host %q: the refusal does not say why: %q", c.host, b)
+		}
+	}
+	var l hostList
+	for _, bad := range []string{"", "a:1", "http://a", "a b"} {
+		if l.Set(bad) == nil {
+			t.Errorf("--accept-host %q taken", bad)
+		}
+	}
+}
