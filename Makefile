@@ -13,7 +13,7 @@ all: build
 
 build: modules
 	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GO) build -o $(BIN)/ ./cmd/...
-	cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
+	@cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
 
 ## image: the project's container image without a container engine (Debian packages by version, the
 ## binaries built here), as bin/proxyaudit-image.tar for `ctr images import` (path printed last);

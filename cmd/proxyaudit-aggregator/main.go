@@ -279,7 +279,10 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	if o.readers != "" {
 		rns, rsvc, _ := o.readerService() // validated
 		readerAuth = &aggregator.ReaderAuth{Client: reviews, Audience: o.readerAudience, Namespace: rns, Service: rsvc, Clock: clk,
-			Budget: aggregator.NewBudget(o.readerReviewQPS, max(1, int(2*o.readerReviewQPS)), 0, 0),
+			// One source address may spend half the readers' reviews: a pod
+			// flooding tokens leaves the other half to the readers, who
+			// come through the API server's proxy.
+			Budget: aggregator.NewBudget(o.readerReviewQPS, max(1, int(2*o.readerReviewQPS)), o.readerReviewQPS/2, max(1, int(o.readerReviewQPS))),
 			Denied: func(r aggregator.DenyReason) { metrics.HTTPDenied.WithLabelValues(string(r)).Inc() }}
 	} else {
 		log.Warn("--http-readers is empty: anyone who reaches the HTTP port reads the findings (restrict it with a NetworkPolicy)")

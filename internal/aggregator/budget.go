@@ -119,7 +119,7 @@ func (b *Budget) slot(d, wait time.Duration) time.Duration {
 
 // precheck refuses, without asking the API server, a token that could
 // never pass its review: not a JWT, not for audience, expired, or bound to
-// another node than the one claimed. It trusts nothing it reads: a token
+// another node than the one claimed (node "": a reader, bound to none). It trusts nothing it reads: a token
 // it lets through is reviewed as before.
 func precheck(token, audience, node string, now time.Time) error {
 	parts := strings.Split(token, ".")
@@ -150,7 +150,7 @@ func precheck(token, audience, node string, now time.Time) error {
 		return fmt.Errorf("%w: the token expired at %s (the kubelet rotates a projected token; is the collector re-reading its --token-file?)",
 			ErrUnauthenticated, time.Unix(int64(*claims.Exp), 0).UTC().Format(time.RFC3339))
 	}
-	if n := claims.K8s.Node.Name; n != "" && n != node {
+	if n := claims.K8s.Node.Name; node != "" && n != "" && n != node {
 		return fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, n, node)
 	}
 	return nil

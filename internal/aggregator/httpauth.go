@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -75,7 +76,7 @@ func (ra *ReaderAuth) Wrap(next http.Handler) http.Handler {
 				ra.Audience, api.TokenHeader))
 			return
 		}
-		code, err := ra.decide(r.Context(), token)
+		code, err := ra.decide(r.Context(), token, sourceOf(r.RemoteAddr))
 		if code == http.StatusTooManyRequests {
 			w.Header().Set("Retry-After", "1")
 		}
@@ -99,8 +100,13 @@ func (ra *ReaderAuth) deny(w http.ResponseWriter, code int, reason DenyReason, m
 	writeError(w, code, msg)
 }
 
-// decide reviews the token and the access, or answers from the cache.
-func (ra *ReaderAuth) decide(ctx context.Context, token string) (int, error) {
+// decide reviews the token and the access, or answers from the cache. A
+// token that cannot be one (not a JWT for Audience, or expired) is refused
+// here, at no cost to the API server or the budget; the reviews the rest
+// cost are shared out by source address, so one pod sending tokens cannot
+// spend every reader's (genuine readers come through the API server's
+// service proxy: its address is their source).
+func (ra *ReaderAuth) decide(ctx context.Context, token, source string) (int, error) {
 	key := sha256.Sum256([]byte(token))
 	now := ra.Clock.Now()
 	ra.mu.Lock()
@@ -109,7 +115,10 @@ func (ra *ReaderAuth) decide(ctx context.Context, token string) (int, error) {
 	if ok && now.Before(d.expires) {
 		return d.code, d.err
 	}
-	if err := ra.Budget.take(ctx, "", 0); err != nil {
+	if err := precheck(token, ra.Audience, "", now); err != nil {
+		return http.StatusUnauthorized, err
+	}
+	if err := ra.Budget.take(ctx, source, 0); err != nil {
 		return http.StatusTooManyRequests, errors.New("too many reader tokens to review at once; retry in a second")
 	}
 	code, err := ra.review(ctx, token)
@@ -159,4 +168,12 @@ func (ra *ReaderAuth) review(ctx context.Context, token string) (int, error) {
 			u.Username, ra.Namespace, ra.Service)
 	}
 	return http.StatusOK, nil
+}
+
+// sourceOf is a request's source address without its port.
+func sourceOf(remote string) string {
+	if h, _, err := net.SplitHostPort(remote); err == nil {
+		return h
+	}
+	return remote
 }
