@@ -106,8 +106,10 @@ type iptables struct {
 	// targets, keyed by the ID's first 64 bits: small slots and a fast hash
 	// keep a 100k-entry map cache-friendly. IDs that share those bits with
 	// another live in collide.
-	dnat       map[uint64]sepSlot
-	collide    map[sepID]int32
+	dnat    map[uint64]sepSlot
+	collide map[sepID]int32
+	// walked counts the rules policyOf looked at (tests bound it).
+	walked     int
 	targets    []netip.AddrPort
 	moreDNAT   map[sepID][]netip.AddrPort // a second DNAT in one chain: never kube-proxy's, kept anyway
 	free       []int32                    // slots of targets no chain uses (IPTablesNAT.SetChain)
@@ -534,12 +536,25 @@ var (
 func (p *iptables) frontTable(fam int) map[FrontendKey]front {
 	svc, np := p.rules[keyServices], p.rules[keyNodePorts]
 	out := make(map[FrontendKey]front, len(svc)+len(np))
+	// Each chain is followed once, however many frontends jump to it: a
+	// dump whose external chain is long and shared would otherwise cost
+	// frontends × its length.
+	type reached struct {
+		scope  Scope
+		policy string
+	}
+	memo := map[string]reached{}
 	add := func(key FrontendKey, r iptRule) {
 		if _, ok := out[key]; ok {
 			return
 		}
-		if scope, policy := p.policyOf(r.jump, 0); policy != "" {
-			out[key] = front{scope: scope, policy: policy, name: commentName(r.comment)}
+		to, ok := memo[r.jump]
+		if !ok {
+			to.scope, to.policy = p.policyOf(r.jump, 0)
+			memo[r.jump] = to
+		}
+		if to.policy != "" {
+			out[key] = front{scope: to.scope, policy: to.policy, name: commentName(r.comment)}
 		}
 	}
 	for _, r := range svc {
@@ -624,6 +639,7 @@ func (p *iptables) policyOf(chain string, depth int) (Scope, string) {
 		rules := p.rules[keyString(chain)]
 		for i := len(rules) - 1; i >= 0; i-- {
 			r := rules[i]
+			p.walked++
 			if strings.HasPrefix(r.jump, "KUBE-EXT-") || strings.HasPrefix(r.jump, "KUBE-SVC-") || strings.HasPrefix(r.jump, "KUBE-SVL-") {
 				if !r.cond || strings.HasPrefix(chain, "KUBE-FW-") {
 					return p.policyOf(r.jump, depth+1)
