@@ -33,8 +33,8 @@ func ParseMode(s string) (Mode, error) {
 // Policy bounds what remediation may do.
 type Policy struct {
 	Mode Mode
-	// MaxConcurrent nodes in remediation (restarted and not yet judged,
-	// or cordoned) at once.
+	// MaxConcurrent nodes in remediation at once: restarted (or flushed)
+	// and not yet judged, and, counted apart, cordoned by proxyaudit.
 	MaxConcurrent int
 	// MaxUnhealthy nodes of the fleet in remediation at once, as a
 	// number, a share or all but N (NodeHealthCheck's maxUnhealthy); the
@@ -230,12 +230,22 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 	nodes := append([]Node(nil), f.Nodes...)
 	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
 	limit := p.Limit(len(nodes))
-	busy := 0 // nodes in remediation: restarted and waiting, or cordoned by us
+	// Restarts (and conntrack flushes) and cordons have budgets of their
+	// own, each the limit: a restarted node counts until its re-audit, a
+	// node proxyaudit cordoned for as long as it stays cordoned. A
+	// cordoned node that goes on reporting drift (broken, or lying about
+	// itself) holds further cordons, so the fleet's capacity is kept, but
+	// not the restarts of other nodes: one node could otherwise keep every
+	// repair in the fleet from happening.
+	restarting, cordoned := 0, 0
 	// Nodes restarted within the breaker's window, this round's included.
 	restarted, breaker := 0, max(1, int(math.Ceil(p.BreakerShare*float64(len(nodes)))))
 	for _, n := range nodes {
-		if n.Incident.Stage == StageRestarted || !n.Incident.Cordoned.IsZero() {
-			busy++
+		if n.Incident.Stage == StageRestarted {
+			restarting++
+		}
+		if !n.Incident.Cordoned.IsZero() {
+			cordoned++
 		}
 		if p.BreakerWindow > 0 && len(recent(n.Incident.Restarts, now, p.BreakerWindow)) > 0 {
 			restarted++
@@ -268,7 +278,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			out = append(out, Action{Kind: kind, Node: n.Name, Reason: reason, DryRun: dry && kind != Page && kind != Resolve, Incident: next})
 		}
 		check := func() (string, string) {
-			if held, why := blocked(n, p, inc, now, busy, limit, hold, holdWhy); why != "" {
+			if held, why := blocked(n, p, inc, now, restarting, limit, hold, holdWhy); why != "" {
 				return held, why
 			}
 			return tripped(n)
@@ -297,7 +307,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			}
 			inc.Stage = StageRestarted
 			inc.Restarts = append(inc.Restarts, now)
-			busy++
+			restarting++
 			restarted += fresh(n)
 			act(RestartProxy, n.Summary+"; restarting kube-proxy on the node", inc)
 		case inc.Stage == StageRestarted && now.Sub(last(inc.Restarts)) < p.Recheck:
@@ -306,13 +316,13 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			// Still drifted: after a restart that did not help, or an open
 			// incident whose repair was blocked and may now be allowed.
 			if inc.Stage == StageRestarted {
-				busy-- // its restart has been judged
+				restarting-- // its restart has been judged
 			}
 			_, why := check()
 			if why == "" {
 				inc.Stage = StageRestarted
 				inc.Restarts = append(inc.Restarts, now)
-				busy++
+				restarting++
 				restarted += fresh(n)
 				act(RestartProxy, n.Summary+fmt.Sprintf("; still drifted, restarting kube-proxy again (%d of %d in %s)", len(inc.Restarts), p.RestartBudget, p.BudgetWindow), inc)
 				continue
@@ -327,9 +337,12 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if why == "" && n.Silenced != "" {
 				held, why = HeldSilenced, n.Silenced
 			}
-			if p.Mode == RestartAndCordon && !n.Unschedulable && busy < limit && n.Exempt == "" && n.Leaving == "" && why == "" {
+			if why == "" && cordoned >= limit {
+				held, why = HeldBudget, fmt.Sprintf("cordon budget reached (%d node(s) cordoned by proxyaudit at once: the smaller of --remediation-max-nodes %d and --remediation-max-unhealthy %s of the fleet)", limit, p.MaxConcurrent, p.MaxUnhealthy)
+			}
+			if p.Mode == RestartAndCordon && !n.Unschedulable && n.Exempt == "" && n.Leaving == "" && why == "" {
 				inc.Cordoned = now
-				busy++
+				cordoned++
 				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
 				continue
 			}
@@ -344,7 +357,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		}
 	}
 	if p.Conntrack.Enabled && !f.Storm {
-		out = planFlushes(now, p, nodes, out, &busy, limit, hold, holdWhy)
+		out = planFlushes(now, p, nodes, out, &restarting, limit, hold, holdWhy)
 	}
 	return out
 }

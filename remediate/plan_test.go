@@ -282,3 +282,65 @@ func TestHeldDecisionsSayWhy(t *testing.T) {
 		t.Errorf("silence lifted: %s", describe(as))
 	}
 }
+
+// One node that goes on reporting drift after proxyaudit cordoned it
+// (broken for good, or compromised and lying about itself) must not hold
+// every other node's repair: with the chart's default budget (one node),
+// 20 nodes under restart-and-cordon for two days, a real stuck node
+// elsewhere is restarted. Before, the cordoned liar counted against the
+// budget for as long as it lied: 0 restarts, "held: budget". It still
+// holds further cordons (the fleet's capacity), which say so.
+func TestLyingCordonedNodeHoldsNoOtherRepair(t *testing.T) {
+	p := DefaultPolicy()
+	p.Mode, p.MaxConcurrent, p.MaxUnhealthy = RestartAndCordon, 1, MustBudget("10%")
+	p.BreakerWindow = 0
+	nodes := make([]Node, 20)
+	for i := range nodes {
+		nodes[i] = Node{Name: fmt.Sprintf("n%02d", i), Healthy: true}
+	}
+	liar, stuck, broken := 0, 7, 13
+	restarts := map[string]int{}
+	var heldCordon string
+	now := t0
+	for round := 0; now.Before(t0.Add(48 * time.Hour)); round++ {
+		// The liar drifts from the start; a real stuck node a day in, and
+		// a node a restart cannot fix too.
+		nodes[liar].Drifted, nodes[liar].Healthy = true, false
+		if now.After(t0.Add(24 * time.Hour)) {
+			if restarts[nodes[stuck].Name] == 0 {
+				nodes[stuck].Drifted, nodes[stuck].Healthy = true, false
+			}
+			nodes[broken].Drifted, nodes[broken].Healthy = true, false
+		}
+		for _, a := range Plan(now, p, Fleet{Nodes: nodes}) {
+			i := map[string]int{nodes[liar].Name: liar, nodes[stuck].Name: stuck, nodes[broken].Name: broken}[a.Node]
+			nodes[i].Incident = a.Incident
+			switch a.Kind {
+			case RestartProxy:
+				restarts[a.Node]++
+				if a.Node == nodes[stuck].Name { // the restart cures it
+					nodes[stuck].Drifted, nodes[stuck].Healthy = false, true
+				}
+			case Cordon:
+				nodes[i].Unschedulable = true
+			case Page:
+				if a.Node == nodes[broken].Name && a.Held == HeldBudget {
+					heldCordon = a.Reason
+				}
+			}
+		}
+		now = now.Add(10 * time.Second)
+	}
+	if !nodes[liar].Unschedulable {
+		t.Errorf("the liar was not cordoned: %+v", nodes[liar].Incident)
+	}
+	if restarts[nodes[stuck].Name] != 1 {
+		t.Errorf("the stuck node was restarted %d times in two days beside a cordoned liar, want once", restarts[nodes[stuck].Name])
+	}
+	if restarts[nodes[broken].Name] == 0 {
+		t.Errorf("the broken node was never restarted")
+	}
+	if nodes[broken].Unschedulable || !strings.Contains(heldCordon, "cordon budget reached") {
+		t.Errorf("a second node was cordoned beside the liar (budget one), or its page does not say why not: %q", heldCordon)
+	}
+}
