@@ -44,7 +44,7 @@ e2e: deps modules cluster-binaries
 ## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
 demo: demo-deps build demo-binaries
-	$(BIN)/localcluster demo --out demo-out
+	@$(BIN)/localcluster demo --out demo-out
 
 ## screenshots: the README's pictures (the status page's fleet, a drifted node, incidents; the report in a
 ## terminal) from the real-node Chromium test, into docs/screenshots/ (regenerate when the page changes)

@@ -69,7 +69,7 @@ func demoFlags(o *demoOptions) *flag.FlagSet {
 
 func runDemo(ctx context.Context, o demoOptions) error {
 	logf := func(format string, args ...any) { fmt.Printf("  · "+format+"\n", args...) }
-	fmt.Println("▶ starting etcd and kube-apiserver (built from k8s.io/kubernetes; the first run compiles the control plane and kubelet, ~10 min)")
+	fmt.Println("▶ starting etcd and kube-apiserver (built here from k8s.io/kubernetes)")
 	c, err := localcluster.Start(ctx, localcluster.Config{Logf: logf})
 	if err != nil {
 		return err
