@@ -104,15 +104,16 @@ func Picture(t testing.TB, ctx context.Context, name string) {
 	}
 }
 
-// Terminal shows text as a terminal prints it, under the command that
-// printed it, and takes a Picture of it: how a CLI's output looks, for the
+// Terminal shows text as a terminal 120 columns wide prints it, under the
+// command that printed it, and takes a Picture of it: how a CLI's output looks, for the
 // README.
 func Terminal(t testing.TB, ctx context.Context, name, command, text string) {
 	t.Helper()
 	page := `<!doctype html><meta charset="utf-8"><style>
 body { margin: 0; background: #fff; }
 pre { display: inline-block; margin: 0; padding: 14px 18px; background: #1d1f21; color: #d8d8d8;
-      font: 13px/1.35 "DejaVu Sans Mono", "Liberation Mono", monospace; }
+      font: 13px/1.35 "DejaVu Sans Mono", "Liberation Mono", monospace;
+      width: 120ch; white-space: pre-wrap; overflow-wrap: anywhere; }
 .cmd { color: #8fbf6f; }
 </style><pre id="term"><span class="cmd">$ ` + html.EscapeString(command) + "</span>\n" + html.EscapeString(text) + `</pre>`
 	Do(t, ctx, "the terminal page", chromedp.Navigate("data:text/html;base64,"+base64.StdEncoding.EncodeToString([]byte(page))))
