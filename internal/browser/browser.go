@@ -73,7 +73,14 @@ func Text(t testing.TB, ctx context.Context, js string) string {
 
 // Screenshot saves the whole page as name.png in the test's artifact
 // directory (go test -artifacts keeps it) and says where.
-func Screenshot(t testing.TB, ctx context.Context, name string) {
+func Screenshot(t testing.TB, ctx context.Context, name string) { shot(t, ctx, name, false) }
+
+// Picture is Screenshot for the README: saved also as name.png under
+// $PROXYAUDIT_SCREENSHOTS (`make screenshots` sets it to docs/screenshots)
+// when that is set.
+func Picture(t testing.TB, ctx context.Context, name string) { shot(t, ctx, name, true) }
+
+func shot(t testing.TB, ctx context.Context, name string, readme bool) {
 	t.Helper()
 	// Quality 100 is a PNG (below, a JPEG).
 	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
@@ -81,32 +88,12 @@ func Screenshot(t testing.TB, ctx context.Context, name string) {
 		t.Errorf("screenshot %s: %v", name, err)
 		return
 	}
-	dir := t.TempDir()
-	if a, ok := t.(interface{ ArtifactDir() string }); ok {
-		dir = a.ArtifactDir()
-	}
-	save(t, dir, name, png)
-}
-
-// Picture is Screenshot for the README: saved also as docs name.png under
-// $PROXYAUDIT_SCREENSHOTS (`make screenshots` sets it to docs/screenshots)
-// when that is set.
-func Picture(t testing.TB, ctx context.Context, name string) {
-	t.Helper()
-	Screenshot(t, ctx, name)
-	if dir := os.Getenv("PROXYAUDIT_SCREENSHOTS"); dir != "" {
-		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
-		if err != nil {
-			t.Errorf("screenshot %s: %v", name, err)
-			return
-		}
-		save(t, dir, name, png)
-	}
+	keep(t, name, png, readme)
 }
 
 // Terminal shows text as a terminal 120 columns wide prints it, under the
-// command that printed it, and takes a Picture of it: how a CLI's output looks, for the
-// README.
+// command that printed it, and keeps its picture as Picture does: how a
+// CLI's output looks, for the README.
 func Terminal(t testing.TB, ctx context.Context, name, command, text string) {
 	t.Helper()
 	page := `<!doctype html><meta charset="utf-8"><style>
@@ -124,12 +111,19 @@ pre { display: inline-block; margin: 0; padding: 14px 18px; background: #1d1f21;
 		t.Errorf("screenshot %s: %v", name, err)
 		return
 	}
+	keep(t, name, png, true)
+}
+
+// keep saves png in the test's artifact directory and, for the README,
+// under $PROXYAUDIT_SCREENSHOTS when that is set.
+func keep(t testing.TB, name string, png []byte, readme bool) {
+	t.Helper()
 	dir := t.TempDir()
 	if a, ok := t.(interface{ ArtifactDir() string }); ok {
 		dir = a.ArtifactDir()
 	}
 	save(t, dir, name, png)
-	if d := os.Getenv("PROXYAUDIT_SCREENSHOTS"); d != "" {
+	if d := os.Getenv("PROXYAUDIT_SCREENSHOTS"); readme && d != "" {
 		save(t, d, name, png)
 	}
 }
