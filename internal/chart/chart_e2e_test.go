@@ -28,6 +28,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/tlssecret"
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 // The chart's tests need only the API server: no nodes.
@@ -533,6 +534,44 @@ func TestE2EChartRBAC(t *testing.T) {
 	apply("remediation.mode=restart-and-cordon")
 	verify(ctx, t, "aggregator (restart-and-cordon)", append(reads, remediation...), never)
 	t.Run("admission policy holds remediation to kube-proxy pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg, ns) })
+	t.Run("a pause names its writer as the API server knows them", func(t *testing.T) { pauseNamesItsWriter(ctx, t, c, ns) })
+}
+
+// Anyone allowed to pause writes the pause ConfigMap; its "by" must be who
+// the API server says writes it, else every page while paused would blame
+// whoever the writer chose. Server-side dry runs: admission runs, nothing
+// changes.
+func pauseNamesItsWriter(ctx context.Context, t *testing.T, c *localcluster.Cluster, ns string) {
+	if _, err := c.Client.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "oncall-pause"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "proxyaudit-aggregator-pause"},
+		Subjects: []rbacv1.Subject{{Kind: "User", APIGroup: rbacv1.GroupName, Name: "oncall@example.com"}}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	oncall := as(t, c, "oncall@example.com")
+	pause := func(by string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			body, _ := json.Marshal(map[string]any{"data": remediate.PauseRequest{By: by, Reason: "drill", Since: time.Now()}.Data()})
+			_, err := oncall.CoreV1().ConfigMaps(ns).Patch(ctx, "proxyaudit-aggregator-pause", types.MergePatchType, body, metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}
+	}
+	// The API server loads a new policy from an informer: give it a while.
+	var err error
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(300 * time.Millisecond) {
+		if err = pause("the-cto@example.com")(ctx); apierrors.IsForbidden(err) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), `the API server knows the writer as "oncall@example.com"`) {
+		t.Errorf("a pause naming someone else: %v, want Forbidden saying who writes it", err)
+	}
+	verify(ctx, t, "a pauser", []check{
+		{"pause naming themselves", pause("oncall@example.com")},
+		{"resume", func(ctx context.Context) error {
+			_, err := oncall.CoreV1().ConfigMaps(ns).Patch(ctx, "proxyaudit-aggregator-pause", types.MergePatchType, []byte(`{"data":null}`), metav1.PatchOptions{DryRun: dryRun})
+			return err
+		}},
+	}, []check{{"pause without saying who", pause("")}})
 }
 
 // RBAC lets the remediating aggregator delete any pod in kube-system and
