@@ -565,6 +565,7 @@ func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 	out.Results = make([]stream.FlushResult, len(f.Pairs))
 	var targets []FlushTarget
 	var index []int
+	var explicit map[audit.FrontendKey]bool // the rules' frontends that are not node ports, for node ports' targets
 	for i, p := range f.Pairs {
 		fe, _ := stream.ParseKey(p.Frontend) // Check parsed both
 		dest, _ := netip.ParseAddrPort(p.Dest)
@@ -572,7 +573,19 @@ func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 			out.Results[i].Refused = why
 			continue
 		}
-		targets = append(targets, FlushTarget{Frontend: fe, Dest: dest, TCP: p.TCP})
+		t := FlushTarget{Frontend: fe, Dest: dest, TCP: p.TCP}
+		if fe.NodePort {
+			if explicit == nil {
+				explicit = map[audit.FrontendKey]bool{}
+				c.cached.ParsedKeys(func(_ string, k audit.FrontendKey) {
+					if !k.NodePort {
+						explicit[audit.FrontendKey{IP: k.IP.Unmap(), Protocol: k.Protocol, Port: k.Port}] = true
+					}
+				})
+			}
+			t.Explicit = explicit
+		}
+		targets = append(targets, t)
 		index = append(index, i)
 	}
 	if len(targets) > 0 {

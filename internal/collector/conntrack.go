@@ -293,6 +293,12 @@ type FlushTarget struct {
 	Frontend audit.FrontendKey
 	Dest     netip.AddrPort
 	TCP      bool
+	// Explicit, for a node port, are the node's frontends that are not
+	// node ports: a flow to one of them (an external or load-balancer IP
+	// that is one of the node's addresses, on the node port's port) is
+	// that frontend's — kube-proxy's KUBE-SERVICES matches it before
+	// KUBE-NODEPORTS — and never the node port's to delete.
+	Explicit map[audit.FrontendKey]bool
 }
 
 // matches says whether the decoded entry is one of t's.
@@ -317,7 +323,8 @@ func (t *FlushTarget) matches(e *ctEntry, local func(netip.Addr) bool) bool {
 	}
 	dst := e.origDst.Addr().Unmap()
 	if t.Frontend.NodePort {
-		return e.origDst.Port() == t.Frontend.Port && dst.Is4() == (t.Frontend.Family() == 4) && local != nil && local(dst)
+		return e.origDst.Port() == t.Frontend.Port && dst.Is4() == (t.Frontend.Family() == 4) && local != nil && local(dst) &&
+			!t.Explicit[audit.FrontendKey{IP: dst, Protocol: proto, Port: t.Frontend.Port}]
 	}
 	return dst == t.Frontend.IP.Unmap() && e.origDst.Port() == t.Frontend.Port
 }

@@ -98,6 +98,15 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 			return fmt.Errorf("after the rule moved, the stale flow: %v, want no answer (conntrack keeps it on the gone pod)", err)
 		}
 		r := &ConntrackReader{}
+		// Another service's external IP is this node's address, on the node
+		// port's port: the flow to 198.18.77.1:30053 is that frontend's, and
+		// a flush naming the node port with its live endpoint (what a
+		// compromised aggregator would ask) leaves it alone.
+		other := audit.FrontendKey{IP: netip.MustParseAddr("198.18.77.1"), Protocol: "UDP", Port: 30053}
+		if got, err := r.Delete(ctx, []FlushTarget{{Frontend: fe("nodeport:30053/UDP"), Dest: ap("198.18.77.2:5353"),
+			Explicit: map[audit.FrontendKey]bool{other: true}}}); err != nil || fmt.Sprint(got) != "[0]" {
+			return fmt.Errorf("a node port's flush beside a frontend of the node's address on its port: deleted %v (%v), want [0]", got, err)
+		}
 		targets := []FlushTarget{
 			{Frontend: fe("198.19.0.11:53/UDP"), Dest: ap("198.18.77.3:5353")},
 			{Frontend: fe("198.19.0.10:80/TCP"), Dest: ap("198.18.77.2:8080"), TCP: true},

@@ -200,3 +200,39 @@ func askFlush(t *testing.T, conn net.Conn, pairs []stream.FlushPair) *stream.Flu
 		}
 	}
 }
+
+// A node port's flows are those to any of the node's addresses on its
+// port — except those to a frontend of its own there (an external IP that
+// is the node's address), which kube-proxy matches first. A compromised
+// aggregator naming the node port with the other service's live endpoint
+// must not get that service's flows deleted: the target the collector
+// hands the kernel reader carries the rules' own frontends, and the reader
+// spares their flows (TestConntrackFlushOnRealFlows, on a real kernel).
+func TestFlushOfANodePortSparesExplicitFrontends(t *testing.T) {
+	rules := synthRules(t, 2)
+	np := audit.NodePortKey(4, "UDP", 30053)
+	ext := audit.FrontendKey{IP: netip.MustParseAddr("198.18.77.1"), Protocol: "UDP", Port: 30053}
+	rules.Frontends = append(rules.Frontends,
+		audit.ObservedFrontend{FrontendKey: np, Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: netip.MustParseAddrPort("198.18.77.3:5353")}}},
+		audit.ObservedFrontend{FrontendKey: ext, Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: netip.MustParseAddrPort("198.18.77.2:5353")}}})
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	table := &ctTable{}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
+		Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: true})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	nextReport(t, conn, 5*time.Second)
+	got := askFlush(t, conn, []stream.FlushPair{{Frontend: stream.KeyString(np), Dest: "198.18.77.2:5353"}})
+	if got.Error != "" || len(got.Results) != 1 || got.Results[0].Refused != "" {
+		t.Fatalf("answer %+v", got)
+	}
+	table.mu.Lock()
+	defer table.mu.Unlock()
+	if len(table.asked) != 1 || len(table.asked[0]) != 1 || !table.asked[0][0].Explicit[ext] || table.asked[0][0].Explicit[np] {
+		t.Fatalf("the node port's target %+v: want the rules' other frontends (%v) spared", table.asked, ext)
+	}
+}
