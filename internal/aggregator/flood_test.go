@@ -274,3 +274,50 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A peer that claims a huge frame and then trickles it held its share of
+// the decode budget for as long as the read deadline its own declared
+// interval set (up to 30 minutes: eight such peers held all 64 MiB). Once
+// a frame holds its share, its body must arrive at the aggregator's pace
+// (bodyDeadline); a trickler is cut and its share given back.
+func TestTricklingFrameGivesBackItsBudget(t *testing.T) {
+	defer func(r int, s time.Duration) { bodyRate, bodySlack = r, s }(bodyRate, bodySlack)
+	bodyRate, bodySlack = 64<<20, 300*time.Millisecond // a 16 MiB frame: 550 ms
+	const budget = 64 << 20
+	a := New(Config{DecodeBudget: budget}, &View{})
+	server, client := net.Pipe()
+	defer client.Close()
+	done := make(chan error, 1)
+	go func() {
+		_, _, release, err := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
+		release()
+		done <- err
+	}()
+	if _, err := client.Write(binary.BigEndian.AppendUint32(nil, 16<<20)); err != nil {
+		t.Fatal(err)
+	}
+	go func() { // a byte every 100 ms
+		for range 100 {
+			if _, err := client.Write([]byte("{")); err != nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("a trickled 16 MiB frame was read")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a peer trickling a 16 MiB frame still held its share of the decode budget after 5 s")
+	}
+	got := make(chan int, 1)
+	go func() { got <- a.budget.Take(budget) }()
+	select {
+	case n := <-got:
+		a.budget.Give(n)
+	case <-time.After(time.Second):
+		t.Fatal("the trickler's share was not given back")
+	}
+}

@@ -228,6 +228,11 @@ func (a *Aggregator) read(c *conn, max int, budgeted bool, alive func(), ahead *
 		a.cfg.Metrics.ReportsWaiting.Inc()
 		took := a.budget.Take(min(size, a.cfg.DecodeBudget/8))
 		a.cfg.Metrics.ReportsWaiting.Dec()
+		// Holding its share, the body must now arrive at the pace the
+		// aggregator sets, not within a deadline the collector's own
+		// declared interval stretched to half an hour: a peer claiming a
+		// huge frame and trickling it held its share that long.
+		c.SetReadDeadline(time.Now().Add(bodyDeadline(size)))
 		release = func() {
 			a.budget.Give(took)
 			if ahead != nil {
@@ -251,6 +256,19 @@ func (a *Aggregator) read(c *conn, max int, budgeted bool, alive func(), ahead *
 	}
 	a.cfg.Metrics.StreamMessages.WithLabelValues("in", typ).Inc()
 	return m, n, release, nil
+}
+
+// bodyRate and bodySlack bound how long a budgeted frame's body may take
+// once its share of the decode budget is held: bodySlack plus its size at
+// bodyRate (a 16 MiB snapshot: 26 s; in-cluster links carry it in well
+// under a second). Variables for tests.
+var (
+	bodyRate  = 1 << 20 // bytes a second
+	bodySlack = 10 * time.Second
+)
+
+func bodyDeadline(size int) time.Duration {
+	return bodySlack + time.Duration(size)*time.Second/time.Duration(bodyRate)
 }
 
 // readAhead is a stream's reader running ahead of its handling: held
