@@ -1,6 +1,7 @@
 package aggregator
 
 import (
+	"context"
 	"encoding/binary"
 	"fmt"
 	"net"
@@ -10,6 +11,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/goleak"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -319,5 +323,55 @@ func TestTricklingFrameGivesBackItsBudget(t *testing.T) {
 		a.budget.Give(n)
 	case <-time.After(time.Second):
 		t.Fatal("the trickler's share was not given back")
+	}
+}
+
+// 64 addresses with no credentials, 64 idle connections each (the
+// per-address limit), filled all 4,096 pre-hello slots and every
+// collector was refused until they left. Collectors connect from the
+// cluster's Node addresses (host network); other sources now share a
+// quarter of the slots, so the nodes keep the rest.
+func TestPreHelloGateKeepsRoomForNodes(t *testing.T) {
+	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "198.18.0.10"}, {Type: corev1.NodeHostName, Address: "n1"}}}})
+	v := NewView(ViewConfig{Client: client, Keep: time.Minute})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	v.factory.Start(ctx.Done())
+	v.factory.WaitForCacheSync(ctx.Done())
+	if !v.IsNodeAddress("198.18.0.10") || !v.IsNodeAddress("::ffff:198.18.0.10") || v.IsNodeAddress("198.18.0.11") || v.IsNodeAddress("n1") {
+		t.Fatal("the Node address index is wrong")
+	}
+	g := pendingGate{max: 4096, perSource: 64, bySource: map[string]int{}, isNode: func(s string) bool {
+		return strings.HasPrefix(s, "198.18.0.") // the fleet's Node addresses
+	}}
+	admitted := 0
+	for a := range 64 {
+		for range 64 {
+			if _, ok := g.enter(fmt.Sprintf("198.51.100.%d", a)); ok {
+				admitted++
+			}
+		}
+	}
+	if admitted != 1024 {
+		t.Errorf("%d idle connections from 64 foreign addresses admitted, want 1024 (a quarter of the slots)", admitted)
+	}
+	served := 0
+	var leave []func()
+	for n := range 10 {
+		if l, ok := g.enter(fmt.Sprintf("198.18.0.%d", n+1)); ok {
+			served++
+			leave = append(leave, l)
+		}
+	}
+	if served != 10 {
+		t.Errorf("%d of 10 collectors from Node addresses admitted under the flood", served)
+	}
+	for _, l := range leave {
+		l()
+		l() // leaving twice counts once
+	}
+	if g.n != 1024 || g.others != 1024 {
+		t.Errorf("after the collectors left: %d pending, %d foreign", g.n, g.others)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"net/netip"
 	"time"
 
 	"go.uber.org/zap"
@@ -64,6 +65,7 @@ type View struct {
 	// reduced once and kept until it changes, so a rebuild under churn
 	// costs the changed services, not the cluster.
 	sliceIdx cache.Indexer
+	nodeIdx  cache.Indexer // Nodes by address
 	reduced  map[string]audit.Service
 	nodeInfo map[string]audit.NodeInfo
 
@@ -141,13 +143,30 @@ func NewView(cfg ViewConfig) *View {
 		panic(err) // only fails on a started informer
 	}
 	v.sliceIdx = sliceInf.GetIndexer()
+	nodeInf := f.Core().V1().Nodes().Informer()
+	if err := nodeInf.AddIndexers(cache.Indexers{byAddress: func(obj any) ([]string, error) {
+		n, ok := obj.(*corev1.Node)
+		if !ok {
+			return nil, nil
+		}
+		var out []string
+		for _, a := range n.Status.Addresses {
+			if ip, err := netip.ParseAddr(a.Address); err == nil {
+				out = append(out, ip.Unmap().String())
+			}
+		}
+		return out, nil
+	}}); err != nil {
+		panic(err)
+	}
+	v.nodeIdx = nodeInf.GetIndexer()
 	for _, k := range []struct {
 		kind string
 		inf  cache.SharedIndexInformer
 	}{
 		{"Services", f.Core().V1().Services().Informer()},
 		{"EndpointSlices", sliceInf},
-		{"Nodes", f.Core().V1().Nodes().Informer()},
+		{"Nodes", nodeInf},
 	} {
 		v.watch(k.kind, k.inf, v.changed)
 	}
@@ -499,4 +518,20 @@ func servicesProgrammed(st *audit.State) int {
 		}
 	}
 	return n
+}
+
+const byAddress = "address"
+
+// IsNodeAddress says whether ip is an address of a Node of the cluster
+// (collectors run on the host's network: their streams come from one).
+func (v *View) IsNodeAddress(ip string) bool {
+	if v == nil || v.nodeIdx == nil {
+		return false
+	}
+	a, err := netip.ParseAddr(ip)
+	if err != nil {
+		return false
+	}
+	objs, _ := v.nodeIdx.ByIndex(byAddress, a.Unmap().String())
+	return len(objs) > 0
 }

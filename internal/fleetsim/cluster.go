@@ -150,7 +150,9 @@ func CreateNode(ctx context.Context, client kubernetes.Interface, name string, i
 		{Type: corev1.NodeDiskPressure, Status: corev1.ConditionFalse, Reason: "KubeletHasNoDiskPressure", LastHeartbeatTime: now, LastTransitionTime: now},
 		{Type: corev1.NodePIDPressure, Status: corev1.ConditionFalse, Reason: "KubeletHasSufficientPID", LastHeartbeatTime: now, LastTransitionTime: now},
 	}
-	n.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255)}, {Type: corev1.NodeHostName, Address: name}}
+	// The address its simulated collector connects from (fleet.go), as a
+	// collector on the host network does.
+	n.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: fmt.Sprintf("127.%d.%d.%d", 64+(i>>16&63), i>>8&255, i&255)}, {Type: corev1.NodeHostName, Address: name}}
 	n.Status.NodeInfo = corev1.NodeSystemInfo{KernelVersion: "6.1.0-56-amd64", OSImage: "Debian GNU/Linux 12 (bookworm)", ContainerRuntimeVersion: "containerd://1.7.24",
 		KubeletVersion: "v1.36.3", OperatingSystem: "linux", Architecture: "amd64", MachineID: fmt.Sprintf("%032x", i), SystemUUID: fmt.Sprintf("%08x-0000-0000-0000-000000000000", i), BootID: fmt.Sprintf("%08x-0000-0000-0000-000000000001", i)}
 	for k := range 20 {
