@@ -3,12 +3,12 @@ package aggregator
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"reflect"
 	"slices"
 	"sort"
 	"strings"
 	"sync"
-	"net/netip"
 	"time"
 
 	"go.uber.org/zap"
