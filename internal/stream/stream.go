@@ -22,6 +22,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
@@ -603,7 +604,7 @@ func ParseKey(s string) (audit.FrontendKey, error) { return audit.ParseFrontendK
 
 // FromObserved converts an observed frontend to its wire form.
 func FromObserved(of audit.ObservedFrontend) Frontend {
-	f := Frontend{Key: KeyString(of.FrontendKey), Scope: string(of.Scope), Chain: of.Chain, Name: of.Name}
+	f := Frontend{Key: KeyString(of.FrontendKey), Scope: string(of.Scope), Chain: cutName(of.Chain), Name: cutName(of.Name)}
 	weights := false
 	for _, e := range of.Endpoints {
 		f.Endpoints = append(f.Endpoints, e.Addr.String())
@@ -621,6 +622,16 @@ func FromObserved(of audit.ObservedFrontend) Frontend {
 
 // ToObserved validates a wire frontend and converts it back.
 func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
+	// A node's copy keeps what its reports sent: every string is bounded
+	// here, where it enters (names were kept whole and only cut when read:
+	// 24 small reports with a 12 MiB chain name each grew the leader's heap
+	// by 300 MiB). The kernel bounds the names kube-proxy writes (255 bytes)
+	// and FromObserved cuts them to maxName, so a genuine collector never
+	// sends longer.
+	if len(f.Key) > maxKey || len(f.Chain) > maxName || len(f.Name) > maxName {
+		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: key, chain or rule name of %d, %d and %d bytes: longer than any kube-proxy writes (%d, %d)",
+			clip(f.Key), len(f.Key), len(f.Chain), len(f.Name), maxKey, maxName)
+	}
 	k, err := ParseKey(f.Key)
 	if err != nil {
 		return audit.ObservedFrontend{}, err
@@ -637,6 +648,9 @@ func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
 	of := audit.ObservedFrontend{FrontendKey: k, Scope: audit.Scope(f.Scope), Chain: safetext.Clean(f.Chain, maxName), Name: safetext.Clean(f.Name, maxName)}
 	for i, e := range f.Endpoints {
 		ap, err := netip.ParseAddrPort(e)
+		if err == nil && (len(e) > maxKey || ap.Addr().Zone() != "") {
+			err = errors.New("not an endpoint address")
+		}
 		if err != nil {
 			return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad endpoint %q", f.Key, clip(e))
 		}
@@ -675,5 +689,22 @@ func (f Frontend) Digest() uint64 {
 func clip(s string) string { return safetext.Clean(s, 80) }
 
 // maxName bounds a frontend's chain and rule names; kube-proxy's are at
-// most a few dozen bytes (nft chain names carry the service's name).
-const maxName = 256
+// most a few dozen bytes (nft chain names carry the service's name), and
+// the kernel's at most 255. maxKey bounds a key and an endpoint address
+// ("[ffff:…:ffff]:65535/SCTP" is 52 bytes).
+const (
+	maxName = 256
+	maxKey  = 64
+)
+
+// cutName cuts a name to maxName bytes on a character boundary.
+func cutName(s string) string {
+	if len(s) <= maxName {
+		return s
+	}
+	s = s[:maxName]
+	for len(s) > 0 && !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s
+}

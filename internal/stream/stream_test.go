@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
+	"net/netip"
 	"reflect"
 	"runtime"
 	"slices"
@@ -462,12 +464,46 @@ func TestReportFactsAndNodeText(t *testing.T) {
 	}
 	// Chain and rule names come from the node's rules (comments are free
 	// text): cleaned and bounded where they enter.
-	of, err := Frontend{Key: "198.19.0.1:80/TCP", Scope: "cluster", Chain: "KUBE-SVC-X\x1b]8;;http://evil\x07" + strings.Repeat("é", 600),
+	of, err := Frontend{Key: "198.19.0.1:80/TCP", Scope: "cluster", Chain: "KUBE-SVC-X\x1b]8;;http://evil\x07" + strings.Repeat("é", 100),
 		Name: "ns/a:\u202e80", Endpoints: []string{"198.18.0.1:8080"}}.ToObserved()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if strings.ContainsAny(of.Chain+of.Name+of.Endpoints[0].Chain, "\x1b\x07\u202e") || len(of.Chain) > maxName+len("…") || of.Endpoints[0].Chain != of.Chain {
 		t.Errorf("names kept as sent: %q %q %q", of.Chain, of.Name, of.Endpoints[0].Chain)
+	}
+	// Longer than the kernel lets kube-proxy write: refused, not kept.
+	for _, f := range []Frontend{
+		{Key: "198.19.0.1:80/TCP", Scope: "cluster", Chain: strings.Repeat("é", 600)},
+		{Key: "198.19.0.1:80/TCP", Scope: "cluster", Name: strings.Repeat("x", maxName+1)},
+		{Key: "[fe80::1%" + strings.Repeat("z", 100) + "]:80/TCP", Scope: "cluster"},
+		{Key: "198.19.0.1:80/TCP", Scope: "cluster", Endpoints: []string{"[fe80::1%eth0]:80"}},
+	} {
+		if _, err := f.ToObserved(); err == nil {
+			t.Errorf("frontend of %d+%d+%d bytes, endpoints %q taken", len(f.Key), len(f.Chain), len(f.Name), f.Endpoints)
+		}
+	}
+	// What a collector sends is cut to what is taken.
+	long := FromObserved(audit.ObservedFrontend{FrontendKey: audit.FrontendKey{IP: netip.MustParseAddr("198.19.0.1"), Protocol: "TCP", Port: 80},
+		Scope: audit.ScopeCluster, Chain: strings.Repeat("é", 600)})
+	if _, err := long.ToObserved(); err != nil || len(long.Chain) > maxName {
+		t.Errorf("a collector's long chain name: %d bytes, %v", len(long.Chain), err)
+	}
+}
+
+// 24 small reports at the allowed rate, each adding one frontend with a
+// 12 MiB chain name, grew the leader's heap by 300 MiB: a node's copy
+// kept names whole. Such a report is refused and the copy holds nothing.
+func TestNodeCopyHoldsNoHugeName(t *testing.T) {
+	s := NewPooledState(NewPool())
+	name := strings.Repeat("K", 12<<20)
+	for i := range 24 {
+		r := &Report{Seq: uint64(i + 1), Frontends: []Frontend{{Key: fmt.Sprintf("198.19.0.%d:80/TCP", i+1), Scope: "cluster", Chain: name}}}
+		if _, err := s.Apply(r); err == nil {
+			t.Fatalf("report %d with a 12 MiB chain name applied", i)
+		}
+	}
+	if s.Len() != 0 {
+		t.Errorf("the copy holds %d frontends", s.Len())
 	}
 }
