@@ -337,10 +337,11 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if why == "" && n.Silenced != "" {
 				held, why = HeldSilenced, n.Silenced
 			}
-			if why == "" && cordoned >= limit {
+			cordonable := p.Mode == RestartAndCordon && !n.Unschedulable && n.Exempt == "" && n.Leaving == ""
+			if cordonable && why == "" && cordoned >= limit {
 				held, why = HeldBudget, fmt.Sprintf("cordon budget reached (%d node(s) cordoned by proxyaudit at once: the smaller of --remediation-max-nodes %d and --remediation-max-unhealthy %s of the fleet)", limit, p.MaxConcurrent, p.MaxUnhealthy)
 			}
-			if p.Mode == RestartAndCordon && !n.Unschedulable && n.Exempt == "" && n.Leaving == "" && why == "" {
+			if cordonable && why == "" {
 				inc.Cordoned = now
 				cordoned++
 				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
