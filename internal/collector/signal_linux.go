@@ -141,14 +141,18 @@ func (s *nftSignal) fire() {
 // sink sees every message.
 func (s *nftSignal) watch() {
 	for {
-		sink, _ := s.sink.Load().(NotificationSink)
 		gen := false
+		// The sink is looked up for each message, not once a receive: a
+		// receive that began before Feed would otherwise hand what it
+		// returns after Feed to no sink, and no lost notification would
+		// say so (seen under -race: a commit's notes never arrived).
 		err := s.mon.receive(func(typ, flags uint16, body []byte) {
-			if sink != nil {
+			if sink, _ := s.sink.Load().(NotificationSink); sink != nil {
 				sink.Note(typ, flags, body)
 			}
 			gen = gen || netlink.HeaderType(typ) == nftNewGen
 		})
+		sink, _ := s.sink.Load().(NotificationSink)
 		select {
 		case <-s.done:
 			return
