@@ -54,17 +54,8 @@ func TestFlushRefusesWhatTheRulesServe(t *testing.T) {
 	fe := stream.KeyString(served.FrontendKey)
 	for _, on := range []bool{false, true} {
 		t.Run(fmt.Sprintf("deletion on %v", on), func(t *testing.T) {
-			ln, _ := net.Listen("tcp", "127.0.0.1:0")
-			defer ln.Close()
 			table := &ctTable{}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
-				Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
-				Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: on})
-			conn := welcome(t, ln)
-			defer conn.Close()
-			nextReport(t, conn, 5*time.Second)
+			conn := flushingCollector(t, rules, table, on)
 			ask := func(pairs ...stream.FlushPair) *stream.Flushed { return askFlush(t, conn, pairs) }
 			got := ask(
 				stream.FlushPair{Frontend: fe, Dest: live, TCP: true},                  // served by the rules
@@ -215,17 +206,8 @@ func TestFlushOfANodePortSparesExplicitFrontends(t *testing.T) {
 	rules.Frontends = append(rules.Frontends,
 		audit.ObservedFrontend{FrontendKey: np, Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: netip.MustParseAddrPort("198.18.77.3:5353")}}},
 		audit.ObservedFrontend{FrontendKey: ext, Scope: audit.ScopeCluster, Endpoints: []audit.Endpoint{{Addr: netip.MustParseAddrPort("198.18.77.2:5353")}}})
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
 	table := &ctTable{}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
-		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
-		Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: true})
-	conn := welcome(t, ln)
-	defer conn.Close()
-	nextReport(t, conn, 5*time.Second)
+	conn := flushingCollector(t, rules, table, true)
 	got := askFlush(t, conn, []stream.FlushPair{{Frontend: stream.KeyString(np), Dest: "198.18.77.2:5353"}})
 	if got.Error != "" || len(got.Results) != 1 || got.Results[0].Refused != "" {
 		t.Fatalf("answer %+v", got)
@@ -235,4 +217,23 @@ func TestFlushOfANodePortSparesExplicitFrontends(t *testing.T) {
 	if len(table.asked) != 1 || len(table.asked[0]) != 1 || !table.asked[0][0].Explicit[ext] || table.asked[0][0].Explicit[np] {
 		t.Fatalf("the node port's target %+v: want the rules' other frontends (%v) spared", table.asked, ext)
 	}
+}
+
+// flushingCollector runs a collector reading rules, with table as its
+// conntrack table (deletion on or off), connected to a stand-in
+// aggregator whose end it returns after the first report; all of it ends
+// with the test.
+func flushingCollector(t *testing.T, rules *audit.Observed, table *ctTable, deletion bool) net.Conn {
+	t.Helper()
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	t.Cleanup(func() { ln.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
+		Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: deletion})
+	conn := welcome(t, ln)
+	t.Cleanup(func() { conn.Close() })
+	nextReport(t, conn, 5*time.Second)
+	return conn
 }

@@ -30,6 +30,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
+	"github.com/proxyaudit/proxyaudit/internal/e2e"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -208,7 +209,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kube-proxy livez on %s: %w", hung.Name, err)
 	}
-	if err := capture(ctx, c, d.Capture); err != nil {
+	if err := e2e.Capture(ctx, c, d.Capture); err != nil {
 		return nil, err
 	}
 	d.say("\n%s's kube-proxy (pod %s) answers /livez %d, yet its rules still send DNS to the CoreDNS pod that is gone (%s):", hung.Name, proxyPod, code, res.GoneDNS)
@@ -488,30 +489,6 @@ func (d *demo) allInSync(r *Report) bool {
 		}
 	}
 	return len(r.Nodes) == d.n && in == d.n && len(r.Findings) == 0
-}
-
-// capture writes the cluster state and each node's rules into out.
-func capture(ctx context.Context, c *localcluster.Cluster, out string) error {
-	if err := os.MkdirAll(out, 0o755); err != nil {
-		return err
-	}
-	state, err := c.DumpClusterJSON(ctx)
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(out, "cluster.json"), state, 0o644); err != nil {
-		return err
-	}
-	for _, n := range c.Nodes() {
-		r, err := n.Rules(ctx)
-		if err != nil {
-			return err
-		}
-		if err := os.WriteFile(filepath.Join(out, n.Name+".rules"), []byte(r), 0o644); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // DiffCommand is the offline check of what Run captured.
