@@ -11,8 +11,12 @@ E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
 all: build
 
+# The flags of every build of proxyaudit's binaries (images and tests too: localcluster.GoBuildFlags) and
+# of the k8s tools': the Go build cache then compiles a package once for all of them.
+GOBUILD := CGO_ENABLED=0 $(GO) build -trimpath -buildvcs=false
+
 build: modules
-	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GO) build -o $(BIN)/ ./cmd/...
+	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GOBUILD) -o $(BIN)/ ./cmd/...
 	@cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
 
 ## image: the project's container image without a container engine (Debian packages by version, the
@@ -43,7 +47,8 @@ e2e: deps modules cluster-binaries
 
 ## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
-demo: demo-deps build demo-binaries
+# The k8s tools first: proxyaudit's build then finds client-go and its kin compiled.
+demo: demo-deps demo-binaries build
 	@$(BIN)/localcluster demo --out demo-out
 
 ## screenshots: the README's pictures (the status page's fleet, a drifted node, incidents; the report in a

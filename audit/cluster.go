@@ -73,6 +73,24 @@ type SliceEndpoint struct {
 	ZoneHints, NodeHints        []string
 }
 
+// ServiceEndpoints bounds the service endpoints kube-proxy would program
+// for the state on one node, per IP family: each slice's ports times its
+// endpoints (a rule per pair), summed. It is counted in one pass, so a
+// caller can refuse a state whose expected model would be too large to
+// build before building it.
+func (st *State) ServiceEndpoints() int {
+	n := 0
+	for i := range st.Services {
+		if st.Services[i].Skip != "" {
+			continue
+		}
+		for _, sl := range st.Services[i].Slices {
+			n += len(sl.Ports) * len(sl.Endpoints)
+		}
+	}
+	return n
+}
+
 // ErrNotAList is returned for cluster input that is not a v1 List.
 var ErrNotAList = errors.New(`cluster input is not a v1 List (expected the output of "kubectl get services,endpointslices,nodes -A -o json")`)
 

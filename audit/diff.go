@@ -82,14 +82,12 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			Detail: fmt.Sprintf("no kube-proxy service rules at all (%s mode): the table was flushed or kube-proxy never programmed it; every service through this node fails", obs.Mode)}}
 	}
 
+	// Findings are gathered, then sorted stably and their duplicates
+	// dropped (the first emitted is kept): no key is built per finding.
 	var out []Finding
-	seen := map[string]bool{}
 	emit := func(f Finding) {
 		f.Node = exp.Node
-		if k := f.key(); !seen[k] {
-			seen[k] = true
-			out = append(out, f)
-		}
+		out = append(out, f)
 	}
 	matched := map[FrontendKey]bool{}
 	// Frontends sharing one endpoint slice (one policy chain) and one
@@ -169,7 +167,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		}
 	}
 	SortFindings(out)
-	return out
+	return slices.CompactFunc(out, sameFinding)
 }
 
 // draining reports an IPVS real server at weight 0: kube-proxy's graceful
@@ -209,7 +207,7 @@ func Draining(exp Expected, obs *Observed) []Finding {
 		}
 	}
 	SortFindings(out)
-	return slices.CompactFunc(out, func(a, b Finding) bool { return a.key() == b.key() })
+	return slices.CompactFunc(out, sameFinding)
 }
 
 // UnownedFrontend is the StaleService finding for a frontend no service has, on node.

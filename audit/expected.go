@@ -3,7 +3,6 @@ package audit
 import (
 	"net/netip"
 	"slices"
-	"sort"
 
 	corev1 "k8s.io/api/core/v1"
 )
@@ -32,10 +31,26 @@ func ExpectedFor(st *State, node string) Expected {
 
 // categorized endpoint, as kube-proxy sees it.
 type cep struct {
-	addr                        netip.AddrPort
-	ready, serving, terminating bool
-	local                       bool
-	zoneHints, nodeHints        []string
+	addr netip.AddrPort
+	*SliceEndpoint
+	local bool
+}
+
+// dedupe keeps one copy of each address in all (sorted stably by address):
+// the last non-terminating copy, or the first when every copy terminates.
+func dedupe(all []cep) []cep {
+	out := all[:0]
+	for i := 0; i < len(all); {
+		j, keep := i, all[i]
+		for ; j < len(all) && all[j].addr == all[i].addr; j++ {
+			if !all[j].Terminating {
+				keep = all[j]
+			}
+		}
+		out = append(out, keep)
+		i = j
+	}
+	return out
 }
 
 func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.Addr, node, zone string) ExpectedPort {
@@ -78,9 +93,13 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 	usesLocal := svc.ITPLocal || (svc.ETPLocal && externallyAccessible)
 
 	// Endpoints of this port across slices of this family; an endpoint seen
-	// twice keeps the non-terminating copy, as kube-proxy's cache does.
-	byAddr := map[netip.AddrPort]cep{}
-	for _, sl := range svc.Slices {
+	// twice keeps the non-terminating copy (the last one), as kube-proxy's
+	// cache does. A Service with n ports and n endpoints is n² of these, as
+	// it is n² rules for kube-proxy: a sorted slice of small records, not a
+	// map, keeps that to ~100 bytes each (docs/benchmarks.md).
+	var all []cep
+	for si := range svc.Slices {
+		sl := &svc.Slices[si]
 		if sl.Family != fam {
 			continue
 		}
@@ -95,40 +114,34 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 		if !found {
 			continue
 		}
-		for _, e := range sl.Endpoints {
-			c := cep{
-				addr:  netip.AddrPortFrom(e.Addr, num),
-				ready: e.Ready, serving: e.Serving, terminating: e.Terminating,
-				local: e.NodeName != "" && e.NodeName == node, zoneHints: e.ZoneHints, nodeHints: e.NodeHints,
-			}
-			if _, ok := byAddr[c.addr]; !ok || !c.terminating {
-				byAddr[c.addr] = c
-			}
+		if all == nil {
+			all = make([]cep, 0, len(sl.Endpoints))
+		}
+		for ei := range sl.Endpoints {
+			e := &sl.Endpoints[ei]
+			all = append(all, cep{addr: netip.AddrPortFrom(e.Addr, num), SliceEndpoint: e, local: e.NodeName != "" && e.NodeName == node})
 		}
 	}
-	all := make([]cep, 0, len(byAddr))
-	for _, c := range byAddr {
-		all = append(all, c)
-	}
-	sort.Slice(all, func(i, j int) bool { return all[i].addr.Compare(all[j].addr) < 0 })
+	slices.SortStableFunc(all, func(a, b cep) int { return a.addr.Compare(b.addr) })
+	all = dedupe(all)
 
 	if usesCluster {
 		mode := topologyMode(all, node, zone)
-		cl := filter(all, func(c cep) bool { return c.ready && availableForTopology(c, mode, node, zone) })
+		cl := filter(all, func(c cep) bool { return c.Ready && availableForTopology(c, mode, node, zone) })
 		if len(cl) == 0 {
-			cl = filter(all, func(c cep) bool { return c.serving && c.terminating })
+			cl = filter(all, func(c cep) bool { return c.Serving && c.Terminating })
 		}
 		ep.Endpoints[ScopeCluster] = cl
 		if mode != "" {
-			if without := filter(all, func(c cep) bool { return c.ready }); !slices.Equal(without, cl) {
+			if without := filter(all, func(c cep) bool { return c.Ready }); !slices.Equal(without, cl) {
 				ep.NoTopology = without
 			}
 		}
 	}
 	if usesLocal {
-		loc := filter(all, func(c cep) bool { return c.local && c.ready })
+		loc := filter(all, func(c cep) bool { return c.local && c.Ready })
 		if len(loc) == 0 {
-			loc = filter(all, func(c cep) bool { return c.local && c.serving && c.terminating })
+			loc = filter(all, func(c cep) bool { return c.local && c.Serving && c.Terminating })
 		}
 		ep.Endpoints[ScopeLocal] = loc
 	}
@@ -176,7 +189,13 @@ func (p *ExpectedPort) WantFor(of *ObservedFrontend, scope Scope, mode Mode) []n
 }
 
 func filter(all []cep, keep func(cep) bool) []netip.AddrPort {
-	out := []netip.AddrPort{}
+	n := 0
+	for _, c := range all {
+		if keep(c) {
+			n++
+		}
+	}
+	out := make([]netip.AddrPort, 0, n)
 	for _, c := range all {
 		if keep(c) {
 			out = append(out, c.addr)
@@ -192,18 +211,18 @@ func filter(all []cep, keep func(cep) bool) []netip.AddrPort {
 func topologyMode(all []cep, node, zone string) string {
 	hasReady, allNode, forNode, allZone, forZone := false, true, false, true, false
 	for _, c := range all {
-		if !c.ready {
+		if !c.Ready {
 			continue
 		}
 		hasReady = true
-		if len(c.nodeHints) == 0 {
+		if len(c.NodeHints) == 0 {
 			allNode = false
-		} else if slices.Contains(c.nodeHints, node) {
+		} else if slices.Contains(c.NodeHints, node) {
 			forNode = true
 		}
-		if len(c.zoneHints) == 0 {
+		if len(c.ZoneHints) == 0 {
 			allZone = false
-		} else if slices.Contains(c.zoneHints, zone) {
+		} else if slices.Contains(c.ZoneHints, zone) {
 			forZone = true
 		}
 	}
@@ -221,9 +240,9 @@ func topologyMode(all []cep, node, zone string) string {
 func availableForTopology(c cep, mode, node, zone string) bool {
 	switch mode {
 	case "node":
-		return slices.Contains(c.nodeHints, node)
+		return slices.Contains(c.NodeHints, node)
 	case "zone":
-		return slices.Contains(c.zoneHints, zone)
+		return slices.Contains(c.ZoneHints, zone)
 	}
 	return true
 }

@@ -424,7 +424,7 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 	} else {
 		v.Findings = append(v.Findings, drift...)
 	}
-	sort.SliceStable(v.Findings, func(a, b int) bool { return v.Findings[a].key() < v.Findings[b].key() })
+	SortTimed(v.Findings)
 	return v
 }
 

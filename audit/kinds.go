@@ -1,7 +1,8 @@
 package audit
 
 import (
-	"sort"
+	"cmp"
+	"slices"
 	"strings"
 	"time"
 )
@@ -60,14 +61,34 @@ func (f Finding) onNode() string {
 
 // SortTimed orders timed findings as SortFindings does.
 func SortTimed(fs []TimedFinding) {
-	sort.SliceStable(fs, func(i, j int) bool { return fs[i].key() < fs[j].key() })
+	slices.SortStableFunc(fs, func(a, b TimedFinding) int { return compareFindings(&a.Finding, &b.Finding) })
 }
 
 // SortFindings orders findings by node, service, port, protocol, scope,
 // kind and endpoint.
 func SortFindings(fs []Finding) {
-	sort.SliceStable(fs, func(i, j int) bool { return fs[i].key() < fs[j].key() })
+	slices.SortStableFunc(fs, func(a, b Finding) int { return compareFindings(&a, &b) })
 }
+
+// compareFindings orders findings as their keys do, field by field and
+// without building the keys (a Service with n ports and n endpoints all
+// missing is n² findings: sorting them must not allocate per comparison).
+func compareFindings(a, b *Finding) int {
+	return cmp.Or(
+		strings.Compare(a.Node, b.Node),
+		strings.Compare(a.Service, b.Service),
+		strings.Compare(a.Port, b.Port),
+		strings.Compare(a.Protocol, b.Protocol),
+		cmp.Compare(a.Family, b.Family),
+		strings.Compare(string(a.Scope), string(b.Scope)),
+		strings.Compare(string(a.Kind), string(b.Kind)),
+		strings.Compare(a.Endpoint, b.Endpoint),
+		strings.Compare(a.Frontend, b.Frontend),
+	)
+}
+
+// sameFinding is equal keys: the same finding, whatever its detail says.
+func sameFinding(a, b Finding) bool { return compareFindings(&a, &b) == 0 }
 
 // Node- and fleet-level finding kinds, raised by a Judge over time.
 const (

@@ -20,6 +20,7 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
+	"slices"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -42,6 +43,14 @@ const (
 
 // maxInputBytes bounds one input file; larger inputs are refused.
 const maxInputBytes = 1 << 30
+
+// maxServiceEndpoints bounds the expected model: a Service with n ports and
+// n endpoints is n² rules for kube-proxy and n² expected endpoints here
+// (and, on a node that misses them, n² findings), so a cluster file of a
+// few hundred kilobytes could ask for gigabytes. The bound is the one the
+// aggregator puts on a node's report (stream.MaxEndpoints), far above the
+// largest clusters' (100k endpoints at the anchors).
+const maxServiceEndpoints = 2_000_000
 
 const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from the cluster.
 
@@ -187,6 +196,9 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	st, err := audit.ParseClusterList(data)
 	if err != nil {
 		return fail("--cluster %s: %v", *cluster, err)
+	}
+	if n := st.ServiceEndpoints(); n > maxServiceEndpoints {
+		return fail("--cluster %s: its services ask kube-proxy for %d endpoint rules (each EndpointSlice's ports × endpoints), more than the %d this command audits in one run (the collector's cap for one node); audit a part of the cluster: kubectl get services,endpointslices,nodes -n NAMESPACE -o json", *cluster, n, maxServiceEndpoints)
 	}
 	// A node's dumps: one per family (iptables-save and ip6tables-save),
 	// or one holding both.
@@ -462,10 +474,7 @@ func writeTable(w io.Writer, rep Report, nodes []string) {
 	for _, c := range rep.Coverage {
 		notAudited[c.Node] = len(c.NotAudited) > 0
 	}
-	byNode := map[string][]audit.Finding{}
-	for _, f := range rep.Findings {
-		byNode[f.Node] = append(byNode[f.Node], f)
-	}
+	byNode := findingsByNode(rep.Findings)
 	for _, n := range nodes {
 		fs := byNode[n]
 		if len(fs) == 0 && notAudited[n] {
@@ -480,7 +489,7 @@ func writeTable(w io.Writer, rep Report, nodes []string) {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "  SERVICE\tSCOPE\tKIND\tENDPOINT\tDETAIL")
 		prev := ""
-		for _, f := range fs {
+		eachRow(fs, func(f audit.Finding, more int) {
 			sp := rep.svcPortIn(f)
 			if f.Kind == audit.NoRules {
 				sp = "(all services)"
@@ -490,15 +499,38 @@ func writeTable(w io.Writer, rep Report, nodes []string) {
 				shown = `  "`
 			}
 			prev = sp
+			if more > 0 {
+				fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\n", shown, orDash(string(f.Scope)), f.Kind, fmt.Sprintf("(%d more)", more), moreRows)
+				return
+			}
 			ep := f.Endpoint
 			if ep == "" {
 				ep = "-"
 			}
 			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\n", shown, orDash(string(f.Scope)), f.Kind, ep, f.Detail)
-		}
+		})
 		tw.Flush()
 	}
 	writeDraining(w, rep.Draining)
+}
+
+// findingsByNode splits findings sorted by node into each node's run,
+// without copying them (there can be millions).
+func findingsByNode(fs []audit.Finding) map[string][]audit.Finding {
+	out := map[string][]audit.Finding{}
+	for i := 0; i < len(fs); {
+		j := i + 1
+		for j < len(fs) && fs[j].Node == fs[i].Node {
+			j++
+		}
+		if prev, ok := out[fs[i].Node]; ok { // not sorted after all
+			out[fs[i].Node] = append(slices.Clip(prev), fs[i:j]...)
+		} else {
+			out[fs[i].Node] = fs[i:j:j]
+		}
+		i = j
+	}
+	return out
 }
 
 // writeDraining lists IPVS real servers at weight 0 after the findings.
@@ -549,7 +581,46 @@ func writeMarkdown(w io.Writer, rep Report, nodes []string) {
 	defer writeDraining(w, rep.Draining)
 	fmt.Fprintln(w, "| Node | Service | Scope | Kind | Endpoint | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
-	for _, f := range rep.Findings {
+	eachRow(rep.Findings, func(f audit.Finding, more int) {
+		if more > 0 {
+			fmt.Fprintf(w, "| %s | %s | %s | %s | (%d more) | %s |\n", mdCell(f.Node), mdCell(rep.svcPortIn(f)), orDash(string(f.Scope)), mdCell(string(f.Kind)), more, moreRows)
+			return
+		}
 		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", mdCell(f.Node), mdCell(rep.svcPortIn(f)), orDash(string(f.Scope)), mdCell(string(f.Kind)), orDash(mdCell(f.Endpoint)), mdCell(f.Detail))
+	})
+}
+
+// maxGroupRows is how many findings of one kind on one service port of one
+// node a table or markdown output lists; the rest are counted in one row.
+// A Service with n ports and n endpoints that a node misses is n² findings:
+// a reader learns nothing from the 21st row of the same thing, and the
+// output stays proportional to the services, not to their square (JSON
+// lists every finding).
+const maxGroupRows = 20
+
+const moreRows = "of the same kind on this service port, not listed here: -o json lists every finding"
+
+// eachRow calls row(f, 0) for each finding to list and, after the first
+// maxGroupRows of a run of findings (sorted) sharing node, service port,
+// scope and kind, row(f, n) once with the run's next finding and how many
+// are left out.
+func eachRow(fs []audit.Finding, row func(f audit.Finding, more int)) {
+	for i := 0; i < len(fs); {
+		j := i + 1
+		for j < len(fs) && sameGroup(fs[i], fs[j]) {
+			j++
+		}
+		for k := i; k < j && k < i+maxGroupRows; k++ {
+			row(fs[k], 0)
+		}
+		if j-i > maxGroupRows {
+			row(fs[i+maxGroupRows], j-i-maxGroupRows)
+		}
+		i = j
 	}
+}
+
+func sameGroup(a, b audit.Finding) bool {
+	return a.Node == b.Node && a.Service == b.Service && a.Port == b.Port && a.Protocol == b.Protocol &&
+		a.Family == b.Family && a.Scope == b.Scope && a.Kind == b.Kind
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -42,9 +41,7 @@ func BenchmarkCollectorFootprint(b *testing.B) {
 		b.Fatal(err)
 	}
 	bin := filepath.Join(b.TempDir(), "proxyaudit-collector")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/proxyaudit-collector")
-	build.Dir = root
-	if out, err := build.CombinedOutput(); err != nil {
+	if out, err := localcluster.GoBuild(context.Background(), root, bin, "./cmd/proxyaudit-collector").CombinedOutput(); err != nil {
 		b.Fatalf("build: %v\n%s", err, out)
 	}
 	ctx := context.Background()

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -43,9 +42,7 @@ func collectorBinary(t testing.TB) string {
 			return
 		}
 		binPath = filepath.Join(dir, "proxyaudit-collector")
-		build := exec.Command("go", "build", "-o", binPath, "./cmd/proxyaudit-collector")
-		build.Dir = root
-		if out, err := build.CombinedOutput(); err != nil {
+		if out, err := localcluster.GoBuild(context.Background(), root, binPath, "./cmd/proxyaudit-collector").CombinedOutput(); err != nil {
 			binErr = fmt.Errorf("build: %v\n%s", err, out)
 		}
 	})

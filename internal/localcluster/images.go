@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 
@@ -54,10 +53,8 @@ func BuildImages(ctx context.Context, dir string, all bool, built func(*image.Bu
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", tmp+"/",
+	build := GoBuild(ctx, root, tmp+"/", "-ldflags=-s -w",
 		"./cmd/proxyaudit", "./cmd/proxyaudit-aggregator", "./cmd/proxyaudit-collector", "./deploy/image/pause")
-	build.Dir = root
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("build the binaries: %v\n%s", err, out)
 	}
