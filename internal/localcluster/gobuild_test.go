@@ -2,6 +2,7 @@ package localcluster
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -73,4 +74,66 @@ func sameSet(a, b []string) bool {
 		seen[x]--
 	}
 	return true
+}
+
+// The k8s tools and proxyaudit's binaries are built in two modules; a
+// package they share (client-go and everything under it) is compiled once
+// only when both select the same version of its module and of every module
+// below it. This fails when an upgrade on one side left the other behind:
+// raise the lower one (`go get MODULE@VERSION` there).
+func TestToolsShareModuleVersions(t *testing.T) {
+	if testing.Short() {
+		t.Skip("lists the k8s tools' packages: needs their modules downloaded")
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tools := strings.Fields(regexp.MustCompile(`(?m)^tools="([^"]+)"`).FindStringSubmatch(mustRead(t, filepath.Join(root, "deploy/k8s-tools/build.sh")))[1])
+	for i, tool := range tools {
+		tools[i] = "./" + tool
+	}
+	mine := compiledModules(t, root, "./cmd/...")
+	theirs := compiledModules(t, filepath.Join(root, "deploy/k8s-tools"), tools...)
+	shared := 0
+	for mod, v := range mine {
+		w, ok := theirs[mod]
+		if !ok {
+			continue
+		}
+		shared++
+		if v != w {
+			t.Errorf("%s: proxyaudit builds %s, the k8s tools %s: its packages and every one above them are compiled twice", mod, v, w)
+		}
+	}
+	if shared < 20 {
+		t.Errorf("only %d modules in common: the listing is wrong", shared)
+	}
+}
+
+func mustRead(t *testing.T, path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// compiledModules is module path → version of the packages a static build
+// of pkgs compiles.
+func compiledModules(t *testing.T, dir string, pkgs ...string) map[string]string {
+	cmd := exec.Command("go", append([]string{"list", "-deps", "-f", "{{with .Module}}{{.Path}} {{.Version}}{{end}}"}, pkgs...)...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOFLAGS=-mod=mod")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list in %s: %v", dir, err)
+	}
+	mods := map[string]string{}
+	for _, l := range strings.Split(string(out), "\n") {
+		if path, v, ok := strings.Cut(l, " "); ok && v != "" {
+			mods[path] = v
+		}
+	}
+	return mods
 }
