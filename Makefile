@@ -13,7 +13,7 @@ all: build
 
 # The flags of every build of proxyaudit's binaries (images and tests too: localcluster.GoBuildFlags) and
 # of the k8s tools': the Go build cache then compiles a package once for all of them.
-GOBUILD := CGO_ENABLED=0 $(GO) build -trimpath -buildvcs=false
+GOBUILD := env CGO_ENABLED=0 $(GO) build -trimpath -buildvcs=false
 
 build: modules
 	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GOBUILD) -o $(BIN)/ ./cmd/...
