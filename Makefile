@@ -143,15 +143,15 @@ modules:
 
 ## demo-binaries: build (or reuse) what the demo runs from Go modules: kube-apiserver, kube-proxy, etcd, kubectl,
 ## kubelet, kube-controller-manager, kube-scheduler, CoreDNS and Helm
-## (side by side: one Go build leaves part of two cores idle)
-DEMO_TOOLS := deploy/k8s-tools/build.sh deploy/k8s-tools/coredns.sh deploy/k8s-tools/helm.sh
 demo-binaries:
-	@deploy/together.sh "building the demo's tools: control plane, kubelet, kube-proxy, CoreDNS, Helm (~8 min cold)" -- $(DEMO_TOOLS)
+	@deploy/k8s-tools/build.sh >/dev/null
+	@deploy/k8s-tools/coredns.sh >/dev/null
+	@deploy/k8s-tools/helm.sh >/dev/null
 
 ## cluster-binaries: the demo's, and the tests' own: Alertmanager and promtool
-cluster-binaries:
-	@deploy/together.sh "building the cluster's tools: control plane, kubelet, kube-proxy, CoreDNS, Helm, Alertmanager, promtool (~12 min cold)" -- \
-		$(DEMO_TOOLS) deploy/k8s-tools/alertmanager.sh deploy/k8s-tools/promtool.sh
+cluster-binaries: demo-binaries
+	@deploy/k8s-tools/alertmanager.sh >/dev/null
+	@deploy/k8s-tools/promtool.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

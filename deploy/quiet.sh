@@ -6,9 +6,7 @@
 #   building kube-apiserver … (~12 min cold) 1m05s  [log: .cache/logs/k8s.log]
 # On a terminal the line's clock ticks; elsewhere (CI, a log) the line starts
 # when the step does and ends with its time. A step that fails prints its whole log. V=1 shows everything as
-# it comes, as if this script were not there. With QUIET_STATUS=FILE (set by
-# together.sh) it prints nothing but a failure, and writes its name and how
-# it ended to FILE. Logs go to $PROXYAUDIT_LOGS
+# it comes, as if this script were not there. Logs go to $PROXYAUDIT_LOGS
 # (default: <repo>/.cache/logs). Exit status: the command's.
 set -uo pipefail
 if [ $# -lt 4 ] || [ "$3" != "--" ]; then
@@ -38,21 +36,6 @@ start=$SECONDS
 "$@" >"$log" 2>&1 </dev/null &
 pid=$!
 trap 'kill $pid 2>/dev/null' INT TERM
-if [ -n "${QUIET_STATUS:-}" ]; then
-  # Run by together.sh, which shows one line for its steps: say what runs
-  # and how it ended in the status file, not on the terminal.
-  echo "$name" >"$QUIET_STATUS"
-  rc=0
-  wait $pid || rc=$?
-  if [ $rc -eq 0 ]; then
-    echo "done $(clock)" >>"$QUIET_STATUS"
-    exit 0
-  fi
-  echo "failed $rc" >>"$QUIET_STATUS"
-  printf '  %s FAILED after %s (exit status %d); its whole output (%s):\n' "$what" "$(clock)" $rc "$shown" >&2
-  sed 's/^/    /' "$log" >&2
-  exit $rc
-fi
 if [ -t 2 ]; then
   while kill -0 $pid 2>/dev/null; do
     printf '\r  %s … %s  [log: %s]\033[K' "$what" "$(clock)" "$shown" >&2
