@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"flag"
 	"math/big"
 	"os"
 	"path/filepath"
@@ -81,5 +82,69 @@ func TestTLSServerName(t *testing.T) {
 	var errb bytes.Buffer
 	if code := run([]string{"--node-name", "n", "--aggregator", "198.18.1.1:9443", "--ca-file", ca}, &errb, &errb); code != 2 || !strings.Contains(errb.String(), "--tls-server-name") {
 		t.Errorf("IP-only aggregator with a CA: exit %d: %q", code, errb.String())
+	}
+}
+
+// Every flag's help is a sentence or two, and docs/collector.md says how it
+// works: a flag added without its account there fails here.
+func TestEveryFlagIsDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/collector.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	o := defaultOptions()
+	o.addFlags(fs)
+	n := 0
+	fs.VisitAll(func(f *flag.Flag) {
+		n++
+		if !strings.Contains(string(doc), "`--"+f.Name) {
+			t.Errorf("--%s is not in docs/collector.md", f.Name)
+		}
+		if len(f.Usage) > 220 || strings.Count(f.Usage, ". ") > 1 {
+			t.Errorf("--%s: help of %d bytes; say it in a sentence or two and the rest in docs/collector.md", f.Name, len(f.Usage))
+		}
+	})
+	if n < 15 {
+		t.Errorf("only %d flags registered", n)
+	}
+}
+
+// What the collector cannot run with is refused before it starts, saying
+// which flag and why.
+func TestOptionsValidate(t *testing.T) {
+	base := func() options {
+		o := defaultOptions()
+		o.node, o.aggregator = "n", "agg.example:9443"
+		return o
+	}
+	if o := base(); o.validate() != nil {
+		t.Fatalf("the defaults with a node and an aggregator: %v", o.validate())
+	}
+	for name, c := range map[string]struct {
+		change func(*options)
+		want   string
+	}{
+		"buffer":           {func(o *options) { o.notifyMiB = 2048 }, "--notification-buffer-mib"},
+		"nft reader":       {func(o *options) { o.nftReader = "nft" }, "--nft-reader"},
+		"iptables reader":  {func(o *options) { o.iptReader = "xtables" }, "--iptables-reader"},
+		"full read":        {func(o *options) { o.fullRead = time.Second }, "--full-read-interval"},
+		"budget":           {func(o *options) { o.readBudget = 2 }, "--read-budget"},
+		"conntrack":        {func(o *options) { o.ctInterval = time.Second }, "--conntrack-interval"},
+		"tiny messages":    {func(o *options) { o.maxMessageBytes = 10 }, "--max-message-bytes"},
+		"snapshot running": {func(o *options) { o.snapshot = "x.json" }, "--snapshot"},
+		"mode":             {func(o *options) { o.mode = "userspace" }, "userspace"},
+	} {
+		o := base()
+		c.change(&o)
+		if err := o.validate(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error naming %s", name, err, c.want)
+		}
+	}
+	// --once needs neither a node nor an aggregator.
+	o := defaultOptions()
+	o.node, o.aggregator, o.once, o.snapshot = "", "", true, "x.json"
+	if err := o.validate(); err != nil {
+		t.Errorf("--once --snapshot: %v", err)
 	}
 }
