@@ -199,60 +199,86 @@ func closure(ctx context.Context, pkgs []string) ([]string, error) {
 var debName = regexp.MustCompile(`^([a-z0-9][a-z0-9+.-]*)_([^_]+)_(amd64|all)\.deb$`)
 
 // unpack downloads each package (the version apt would install today,
-// kept in debCache by file name) and extracts it into root.
+// kept in debCache by file name) and extracts it into root. apt is asked
+// once for all the versions and once for all the downloads: each apt-cache
+// or apt-get run loads the package lists (half a second here), and one run
+// per package was half of a cold `make demo`'s node images.
 func unpack(ctx context.Context, names []string, debCache, root string) ([]Package, error) {
 	if err := os.MkdirAll(debCache, 0o755); err != nil {
 		return nil, err
 	}
-	var pkgs []Package
-	updated := false
-	for _, n := range names {
-		ver, err := candidate(ctx, n)
-		if err != nil && !updated {
-			// A machine whose package lists were never fetched (or were
-			// cleaned) knows no candidate: fetch them once, as root may.
-			updated = true
-			if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
-				return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
-			}
-			ver, err = candidate(ctx, n)
+	vers, err := candidates(ctx, names)
+	if err != nil {
+		// A machine whose package lists were never fetched (or were
+		// cleaned) knows no candidate: fetch them once, as root may.
+		if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
+			return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
 		}
-		if err != nil {
+		if vers, err = candidates(ctx, names); err != nil {
 			return nil, err
 		}
-		deb, err := findDeb(debCache, n, ver)
+	}
+	var fetch []string
+	for _, n := range names {
+		deb, err := findDeb(debCache, n, vers[n])
 		if err != nil {
 			return nil, err
 		}
 		if deb == "" {
-			cmd := exec.CommandContext(ctx, "apt-get", "download", n+"="+ver)
-			cmd.Dir = debCache
-			if out, err := cmd.CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("apt-get download %s=%s: %w\n%s", n, ver, err, out)
-			}
-			if deb, err = findDeb(debCache, n, ver); err != nil || deb == "" {
-				return nil, fmt.Errorf("apt-get download %s=%s left no .deb in %s", n, ver, debCache)
-			}
+			fetch = append(fetch, n+"="+vers[n])
+		}
+	}
+	if len(fetch) > 0 {
+		cmd := exec.CommandContext(ctx, "apt-get", append([]string{"download"}, fetch...)...)
+		cmd.Dir = debCache
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("apt-get download %s: %w\n%s", strings.Join(fetch, " "), err, out)
+		}
+	}
+	var pkgs []Package
+	for _, n := range names {
+		deb, err := findDeb(debCache, n, vers[n])
+		if err != nil {
+			return nil, err
+		}
+		if deb == "" {
+			return nil, fmt.Errorf("apt-get download %s=%s left no .deb in %s", n, vers[n], debCache)
 		}
 		if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", deb, root).CombinedOutput(); err != nil {
 			return nil, fmt.Errorf("dpkg-deb -x %s: %w\n%s", deb, err, out)
 		}
-		pkgs = append(pkgs, Package{Name: n, Version: ver})
+		pkgs = append(pkgs, Package{Name: n, Version: vers[n]})
 	}
 	return pkgs, nil
 }
 
-func candidate(ctx context.Context, pkg string) (string, error) {
-	out, err := exec.CommandContext(ctx, "apt-cache", "policy", pkg).Output()
-	if err != nil {
-		return "", fmt.Errorf("apt-cache policy %s: %w", pkg, exitText(err))
+// candidates is the version apt would install of each package, from one
+// `apt-cache policy`; a package it does not know is an error.
+func candidates(ctx context.Context, pkgs []string) (map[string]string, error) {
+	vers := map[string]string{}
+	if len(pkgs) == 0 {
+		return vers, nil
 	}
+	out, err := exec.CommandContext(ctx, "apt-cache", append([]string{"policy"}, pkgs...)...).Output()
+	if err != nil {
+		return nil, fmt.Errorf("apt-cache policy %s: %w", strings.Join(pkgs, " "), exitText(err))
+	}
+	pkg := ""
 	for _, line := range strings.Split(string(out), "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Candidate: "); ok && v != "(none)" {
-			return v, nil
+		if name, ok := strings.CutSuffix(line, ":"); ok && line != "" && line[0] != ' ' {
+			pkg = strings.TrimSuffix(name, ":amd64")
+			continue
+		}
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Candidate: "); ok && pkg != "" && v != "(none)" {
+			vers[pkg] = v
 		}
 	}
-	return "", fmt.Errorf("no installable version of Debian package %s (run apt-get update)", pkg)
+	for _, n := range pkgs {
+		if vers[n] == "" {
+			return nil, fmt.Errorf("no installable version of Debian package %s (run apt-get update)", n)
+		}
+	}
+	return vers, nil
 }
 
 // findDeb finds pkg's .deb of version ver in dir (apt-get writes an epoch's
