@@ -22,7 +22,7 @@ mkdir -p "$bin.tmp"
 v=$(grep -oE 'k8s.io/kubernetes v[0-9.]+' "$here/go.mod" | cut -d' ' -f2)
 minor=$(echo "$v" | cut -d. -f2)
 ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
-"$repo/deploy/quiet.sh" k8s-tools "building the control plane, kubelet and kube-proxy (k8s $v; ~12 min cold)" -- \
+"$repo/deploy/quiet.sh" k8s-tools "building the control plane, kubelet and kube-proxy (k8s $v; ~6 min cold)" -- \
   env -C "$here" CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags="$ldflags" -o "$bin.tmp/" $(for t in $tools; do echo "./$t"; done) >&2
 rm -rf "$bin"; mv "$bin.tmp" "$bin"
 echo "$bin"
