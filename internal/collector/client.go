@@ -357,7 +357,7 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	if reply.Peers != nil {
 		c.learnPeers(reply.Peers)
 	}
-	if leader, err := Answer(reply); leader != "" || err != nil {
+	if leader, err := HelloOutcome(reply); leader != "" || err != nil {
 		return leader, err
 	}
 	c.welcomed = true

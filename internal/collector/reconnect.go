@@ -75,10 +75,10 @@ func Reconnect(ctx context.Context, clk clock.Clock, session Session, ended func
 	}
 }
 
-// Answer reads the aggregator's answer to a hello: nil for a welcome, the
+// HelloOutcome reads the aggregator's answer to a hello: nil for a welcome, the
 // leader's address for a redirect, or why it refused (a busy refusal
 // carries when to come back, which Reconnect keeps).
-func Answer(reply *stream.Message) (leader string, err error) {
+func HelloOutcome(reply *stream.Message) (leader string, err error) {
 	switch reply.Type {
 	case stream.TypeWelcome:
 		return "", nil

@@ -273,7 +273,7 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 		return "", false, fmt.Errorf("hello: %w", err)
 	}
 	c.SetReadDeadline(time.Time{})
-	if leader, err := collector.Answer(m); leader != "" || err != nil {
+	if leader, err := collector.HelloOutcome(m); leader != "" || err != nil {
 		if m.Type == stream.TypeReject {
 			f.Rejects.Add(1)
 		}

@@ -692,7 +692,7 @@ func Reply(w *Want, recent []Sent) *Content {
 		for i := range recent {
 			states[i] = recent[i].Next
 		}
-		ct.Frontends = Answer(w.Sums, states).Frontends
+		ct.Frontends = findSums(w.Sums, states).Frontends
 	}
 	return ct
 }
@@ -1012,10 +1012,10 @@ func (s *State) Find(sums []string) map[string]Frontend {
 	return out
 }
 
-// Answer finds the frontends with the wanted hashes in the states recent
+// findSums finds the frontends with the wanted hashes in the states recent
 // reports sent, newest first; one no longer there is left out and the
 // aggregator asks for a full snapshot.
-func Answer(sums []string, recent []State) *Content {
+func findSums(sums []string, recent []State) *Content {
 	ct := &Content{Frontends: []Frontend{}}
 	left := slices.Clone(sums)
 	for i := len(recent) - 1; i >= 0 && len(left) > 0; i-- {
