@@ -272,59 +272,6 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 	}
 }
 
-// TestFlushAnswersBelongToTheirStream: a collector answers for its own
-// node only — another node's collector answering the flush (IDs are
-// sequential, so guessable) is cut off and changes nothing — and a flush
-// whose stream ends before the answer returns then, not when its wait runs
-// out.
-func TestFlushAnswersBelongToTheirStream(t *testing.T) {
-	h := start(t, 2*time.Second, tokens)
-	n1, n2 := h.dial("n1"), h.dial("n2")
-	expect(t, n1, stream.TypeWelcome, "")
-	expect(t, n2, stream.TypeWelcome, "")
-	pair := remediate.StalePair{Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP",
-		Frontend: audit.FrontendKey{IP: netip.MustParseAddr("198.18.96.10"), Protocol: "UDP", Port: 53}.Wire(), Dest: "198.18.200.7:53", Flows: 3}
-	type answer struct {
-		res []remediate.FlushResult
-		err error
-	}
-	done := make(chan answer, 1)
-	began := time.Now()
-	go func() {
-		res, err := h.agg.Flush(context.Background(), "n1", []remediate.StalePair{pair})
-		done <- answer{res, err}
-	}()
-	n1.SetReadDeadline(time.Now().Add(5 * time.Second))
-	m, _, err := stream.Read(n1, 1<<20)
-	if err != nil || m.Type != stream.TypeFlush || m.Flush == nil || len(m.Flush.Pairs) != 1 || m.Flush.Pairs[0].Dest != pair.Dest {
-		t.Fatalf("n1's collector was sent %+v (%v), want the flush", m, err)
-	}
-	// n2 answers n1's flush: "deleted 99".
-	stream.Write(n2, &stream.Message{Type: stream.TypeFlushed, Flushed: &stream.Flushed{ID: m.Flush.ID, Results: []stream.FlushResult{{Deleted: 99}}}})
-	expect(t, n2, stream.TypeReject, "nobody asked this stream")
-	select {
-	case a := <-done:
-		t.Fatalf("the flush took another node's answer: %+v, %v", a.res, a.err)
-	case <-time.After(time.Second):
-	}
-	// n1's stream ends without an answer.
-	n1.Close()
-	select {
-	case a := <-done:
-		if a.err == nil || !strings.Contains(a.err.Error(), "stream ended") || a.res != nil {
-			t.Fatalf("flush on a stream that ended: %+v, %v", a.res, a.err)
-		}
-		t.Logf("released %s after it was asked: %v", time.Since(began).Round(time.Millisecond), a.err)
-	case <-time.After(10 * time.Second):
-		t.Fatalf("the flush still waits 10 s after its stream ended (its wait is %s)", flushWait)
-	}
-	h.agg.flush.mu.Lock()
-	defer h.agg.flush.mu.Unlock()
-	if len(h.agg.flush.waiting) != 0 {
-		t.Errorf("%d flushes still waiting", len(h.agg.flush.waiting))
-	}
-}
-
 // TestTheWelcomeComesFirst: a flush (or read-now, or peers list) sent to
 // a node while its new stream opens must not reach the collector before
 // the stream's welcome: the collector reads the answer to its hello

@@ -24,13 +24,6 @@ func (a *Aggregator) Evaluate() {
 		return
 	}
 	start := a.cfg.Clock.Now()
-	type job struct {
-		n         *node
-		snap      stream.State // a copy: its buckets are immutable
-		at, shown time.Time
-		reuse     bool
-		noRule    bool
-	}
 	var nodeInfo map[string]audit.NodeInfo
 	var families []int // the IP families the cluster has services in
 	// A report is judged once the cluster state covers its time (see
@@ -44,36 +37,7 @@ func (a *Aggregator) Evaluate() {
 		held = a.cfg.Clock.Since(start)
 		nodeInfo, families = st.Nodes, audit.ServiceFamilies(st)
 		a.mu.Lock()
-		for _, n := range a.nodes {
-			if !n.fresh || !n.complete {
-				continue
-			}
-			rules, version, noRules, shownSince := n.state, n.version, n.noRules, n.shownSince
-			at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
-			if b := n.before; !ok && b != nil {
-				// The latest report's rules are newer than the view: the
-				// report before, if the view covers it.
-				rules, version, noRules, shownSince = &b.state, b.version, b.noRules, b.since
-				at, ok = judgeAt(b.at, b.since, n.judged, covered)
-			}
-			if !ok {
-				continue
-			}
-			// Judged as of an earlier time than the latest report: its
-			// turn comes.
-			n.fresh, n.judged = !at.Equal(n.heard), at
-			if b := n.before; b != nil && !at.Before(b.at) {
-				n.before = nil // judged as of its time or later
-			}
-			j := job{n: n, at: at, shown: shownSince, noRule: noRules}
-			if n.assessedVersion == version && n.assessedGen == gen {
-				j.reuse = true
-			} else {
-				j.snap = *rules
-				n.assessedVersion, n.assessedGen = version, gen
-			}
-			jobs = append(jobs, j)
-		}
+		jobs = a.dueLocked(covered, gen)
 		a.mu.Unlock()
 		a.startGeneration(st, h, gen)
 		services := servicesProgrammed(st)
@@ -139,6 +103,53 @@ func (a *Aggregator) Evaluate() {
 	if !recovering {
 		a.handOff(&v)
 	}
+}
+
+// job is one node's report due for judgement: its rules as of at.
+type job struct {
+	n         *node
+	snap      stream.State // a copy: its buckets are immutable
+	at, shown time.Time
+	reuse     bool // the node's assessment of its last judgement stands
+	noRule    bool
+}
+
+// dueLocked picks the reports the view now covers (a.mu held), each to
+// be judged as of the time it shows; gen is the cluster state's
+// generation.
+func (a *Aggregator) dueLocked(covered time.Time, gen uint64) []job {
+	var jobs []job
+	for _, n := range a.nodes {
+		if !n.fresh || !n.complete {
+			continue
+		}
+		rules, version, noRules, shownSince := n.state, n.version, n.noRules, n.shownSince
+		at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
+		if b := n.before; !ok && b != nil {
+			// The latest report's rules are newer than the view: the
+			// report before, if the view covers it.
+			rules, version, noRules, shownSince = &b.state, b.version, b.noRules, b.since
+			at, ok = judgeAt(b.at, b.since, n.judged, covered)
+		}
+		if !ok {
+			continue
+		}
+		// Judged as of an earlier time than the latest report: its
+		// turn comes.
+		n.fresh, n.judged = !at.Equal(n.heard), at
+		if b := n.before; b != nil && !at.Before(b.at) {
+			n.before = nil // judged as of its time or later
+		}
+		j := job{n: n, at: at, shown: shownSince, noRule: noRules}
+		if n.assessedVersion == version && n.assessedGen == gen {
+			j.reuse = true
+		} else {
+			j.snap = *rules
+			n.assessedVersion, n.assessedGen = version, gen
+		}
+		jobs = append(jobs, j)
+	}
+	return jobs
 }
 
 // judgeConntrack judges every node's last conntrack counts against the

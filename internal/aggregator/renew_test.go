@@ -3,7 +3,6 @@ package aggregator
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -20,7 +19,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
-	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
 // expiring is an authenticator whose tokens say their node and their
@@ -42,68 +40,6 @@ func (e expiring) Authenticate(_ context.Context, h Hello) (time.Time, error) {
 		return time.Time{}, fmt.Errorf("%w: token expired", ErrUnauthenticated)
 	}
 	return until, nil
-}
-
-// hello opens a raw stream with the given token and expects welcome.
-func (h *harness) hello(node, token string) net.Conn {
-	h.t.Helper()
-	c := h.dial("")
-	stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: node, Token: token, IntervalSeconds: 1}})
-	expect(h.t, c, stream.TypeWelcome, "")
-	return c
-}
-
-// A stream lives no longer than the token it was opened with: a stolen
-// token that was valid once cannot keep reporting for a node forever. A
-// collector renews in-band with the token the kubelet rotated in, and the
-// renewal is held to the same node binding as a hello.
-func TestStreamLivesNoLongerThanItsToken(t *testing.T) {
-	h := startWith(t, 2*time.Second, nil, fakeCluster(), nil)
-	h.agg.cfg.Auth = expiring{h.clk}
-	rejected := func() float64 {
-		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonAuth)))
-	}
-	full := func(c net.Conn, st *stream.State, seq uint64) {
-		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), seq, true, false)})
-	}
-	// alive proves the stream still takes reports: a wrong digest is
-	// answered by a resync, not a rejection.
-	alive := func(c net.Conn, st *stream.State, seq uint64) {
-		t.Helper()
-		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: seq, Root: st.Root() + 1}})
-		expect(t, c, stream.TypeResync, "")
-	}
-
-	// Unrenewed: the first report after expiry ends the stream.
-	c := h.hello("n1", "n1/30")
-	st := stream.NewState()
-	full(c, st, 1)
-	alive(c, st, 2)
-	h.clk.Step(31 * time.Second)
-	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 3, Root: st.Root()}})
-	expect(t, c, stream.TypeReject, "expired")
-	// ... and the expired token opens no new one.
-	c = h.dial("")
-	stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: "n1", Token: "n1/30", IntervalSeconds: 1}})
-	expect(t, c, stream.TypeReject, "expired")
-
-	// Renewed: the stream outlives its first token.
-	c = h.hello("n1", "n1/60")
-	st = stream.NewState()
-	full(c, st, 1)
-	stream.Write(c, &stream.Message{Type: stream.TypeAuth, Auth: &stream.Auth{Token: "n1/3600"}})
-	alive(c, st, 2) // everything sent so far is taken before the clock moves
-	h.clk.Step(60 * time.Second)
-	alive(c, st, 3)
-
-	// A renewal with another node's token ends the stream, as such a hello
-	// would have been refused.
-	before := rejected()
-	stream.Write(c, &stream.Message{Type: stream.TypeAuth, Auth: &stream.Auth{Token: "n2/3600"}})
-	expect(t, c, stream.TypeReject, "bound to node")
-	if got := rejected(); got != before+1 {
-		t.Errorf("rejected{auth} = %v, want %v", got, before+1)
-	}
 }
 
 // The real collector re-reads its token file at each heartbeat and renews

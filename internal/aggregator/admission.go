@@ -1,0 +1,214 @@
+package aggregator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// pendingGate counts connections that have not passed their hello, overall and
+// by source address: each costs a goroutine and up to a hello's bytes
+// before anyone knows who sent it.
+type pendingGate struct {
+	mu             sync.Mutex
+	max, perSource int
+	n              int
+	bySource       map[string]int
+	// isNode says whether a source is an address of a Node of the
+	// cluster, where collectors connect from. Other sources (pods, the
+	// world) share at most a quarter of max between them: 64 addresses
+	// of idle connections filled every slot and locked every collector
+	// out. others counts theirs.
+	isNode func(string) bool
+	others int
+}
+
+// enter admits a connection from source unless a limit is reached; the
+// returned func leaves (call it once).
+func (g *pendingGate) enter(source string) (func(), bool) {
+	node := g.isNode != nil && g.isNode(source)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.n >= g.max || g.bySource[source] >= g.perSource || (!node && g.others >= max(1, g.max/4)) {
+		return nil, false
+	}
+	g.n++
+	g.bySource[source]++
+	if !node {
+		g.others++
+	}
+	return sync.OnceFunc(func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.n--
+		if !node {
+			g.others--
+		}
+		if g.bySource[source]--; g.bySource[source] <= 0 {
+			delete(g.bySource, source)
+		}
+	}), true
+}
+
+// redirect tells a collector where the leader is, when another replica
+// leads.
+func (a *Aggregator) redirect(c *conn, leader string) {
+	if leader != "" && leader != a.cfg.Self {
+		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}, Peers: a.knownPeers()}))
+		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
+	}
+}
+
+// reject refuses or ends a stream with a reason the collector logs.
+func (a *Aggregator) reject(log *zap.Logger, c *conn, reason RejectReason, why string) {
+	a.rejectWith(log, c, reason, &stream.Reject{Reason: why}, nil)
+}
+
+// rejectWith sends r, and peers when not nil (the replicas a follower
+// knows), and counts it.
+func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r *stream.Reject, peers *stream.Peers) {
+	if reason == ReasonBusy {
+		// Expected by the thousand during a fleet reconnect: counted, not
+		// logged one by one.
+		log.Debug("collector stream rejected", zap.String("reason", string(reason)), zap.String("why", r.Reason))
+	} else {
+		log.Warn("collector stream rejected", zap.String("reason", string(reason)), zap.String("why", r.Reason))
+	}
+	a.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)).Inc()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
+	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r, Peers: peers}))
+}
+
+// checkHello says what is wrong with a stream's first message, if
+// anything, and the report interval it declares.
+func checkHello(m *stream.Message) (time.Duration, string) {
+	h := m.Hello
+	if m.Type != stream.TypeHello || h == nil {
+		return 0, fmt.Sprintf("first message must be a hello, got %q", m.Type)
+	}
+	if errs := validation.IsDNS1123Subdomain(h.Node); len(errs) > 0 {
+		return 0, fmt.Sprintf("hello names no valid node (%q): %s", clip(h.Node), errs[0])
+	}
+	interval := time.Duration(h.IntervalSeconds * float64(time.Second))
+	if interval < time.Second || interval > 10*time.Minute {
+		return 0, fmt.Sprintf("interval %gs out of range (1s to 10m)", h.IntervalSeconds)
+	}
+	return interval, ""
+}
+
+// open admits a stream whose first message m arrived on c: a valid
+// hello, to the leader, with a token the authenticator accepts. It
+// registers the stream as its node's, answers with the welcome and
+// returns the session; nil when the stream was refused (c was told why).
+func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *zap.Logger) *session {
+	interval, bad := checkHello(m)
+	if bad != "" {
+		a.reject(log, c, ReasonProtocol, bad)
+		return nil
+	}
+	h := m.Hello
+	log = log.With(zap.String("node", h.Node))
+	// A follower sends the collector on before reviewing anything: a
+	// redirect carries nothing secret, and a fleet reconnecting after a
+	// leader change must not cost the API server a review at each replica.
+	a.mu.Lock()
+	leading, leader := a.leading, a.leader
+	a.mu.Unlock()
+	if !leading {
+		if leader == "" || leader == a.cfg.Self {
+			// The replicas it knows go with the refusal (see knownPeers).
+			a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly"}, a.knownPeers())
+			return nil
+		}
+		a.redirect(c, leader)
+		return nil
+	}
+	s := &session{a: a, c: c, log: log, hello: *h, interval: interval,
+		// A collector sends one report per interval plus answers to resyncs.
+		limit: rate.NewLimiter(rate.Every(interval/4), 8)}
+	s.source, _, _ = net.SplitHostPort(c.RemoteAddr().String())
+	if !s.authenticate(ctx, h.Token) {
+		return nil
+	}
+	c.authenticated()
+	if a.cfg.Insecure {
+		log.Warn("accepting an unauthenticated collector stream (--insecure-no-auth): any client can report for any node")
+	}
+	if !a.register(s) {
+		return nil
+	}
+	if a.peersMsg.Load() != nil {
+		a.sendPeers(c)
+	}
+	log.Info("collector stream open", zap.String("version", h.Version), zap.Duration("interval", interval))
+	return s
+}
+
+// authenticate reviews the stream's token, at its hello or renewed; false
+// when the stream was refused.
+func (s *session) authenticate(ctx context.Context, token string) bool {
+	expires, err := s.a.cfg.Auth.Authenticate(ctx, Hello{Node: s.hello.Node, Token: token, Source: s.source})
+	if err != nil {
+		var busy *BusyError
+		switch {
+		case s.n != nil:
+			s.reject(ReasonAuth, "renewing the stream's token: "+err.Error())
+		case errors.As(err, &busy):
+			s.a.rejectWith(s.log, s.c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()}, nil)
+		case errors.Is(err, ErrBusy):
+			s.reject(ReasonBusy, err.Error())
+		default:
+			s.reject(ReasonAuth, err.Error())
+		}
+		return false
+	}
+	s.expires = expires
+	return true
+}
+
+// register makes s its node's stream, replacing the one before, and
+// welcomes it; false when this aggregator stopped leading meanwhile.
+func (a *Aggregator) register(s *session) bool {
+	c := s.c
+	// The stream's writes are held from its registration to its welcome:
+	// once registered, a flush, a read-now or a peers list may be sent on
+	// it at any moment, and the collector takes the first message for the
+	// answer to its hello. (Writes are never made under a.mu, so taking
+	// it while holding wmu cannot deadlock.)
+	c.wmu.Lock()
+	a.mu.Lock()
+	if !a.leading {
+		a.mu.Unlock()
+		c.wmu.Unlock()
+		s.reject(ReasonProtocol, "this aggregator stopped leading; reconnect to find the leader")
+		return false
+	}
+	n := a.nodes[s.hello.Node]
+	if n == nil {
+		n = &node{name: s.hello.Node}
+		a.nodes[s.hello.Node] = n
+	}
+	if n.conn != nil {
+		s.log.Info("a new stream replaces the node's previous one")
+		n.conn.Close()
+	}
+	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
+	s.n = n
+	a.mu.Unlock()
+	if hook := a.testHookRegistered.Load(); hook != nil {
+		(*hook)()
+	}
+	a.sent(c.writeLocked(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
+	c.wmu.Unlock()
+	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
+	return true
+}

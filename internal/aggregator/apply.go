@@ -1,0 +1,164 @@
+package aggregator
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// maxReadError bounds the read error a node's report may carry.
+const maxReadError = 512
+
+// apply records one report. It returns whether the copy matches the
+// collector's root; a reason when the stream must end. The report is
+// validated and applied to a copy outside the lock (a full snapshot at the
+// anchors takes ~0.1 s): only this stream's goroutine changes its node's
+// copy, and a newer stream for the node supersedes it. missing names the
+// hashes of refs no node's copy holds: the report is not applied, and
+// applied again (resumed) once their content came. now is when the report
+// began to arrive (see arrived).
+func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
+	a.mu.Lock()
+	if n.conn != c || !a.leading {
+		a.mu.Unlock()
+		return true, ReasonProtocol, "stream superseded", nil
+	}
+	if r.Seq <= n.lastSeq && !(resumed && r.Seq == n.lastSeq) {
+		a.mu.Unlock()
+		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq), nil
+	}
+	if r.Reads != nil {
+		if err := r.Reads.Validate(); err != nil {
+			a.mu.Unlock()
+			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+		}
+	}
+	if err := r.CheckFacts(); err != nil {
+		a.mu.Unlock()
+		return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+	}
+	if ct := r.Conntrack; ct != nil {
+		// Kept as soon as it is valid: it does not depend on the rules.
+		if ct.Error != "" {
+			n.conntrack, n.conntrackErr = nil, safetext.Clean(ct.Error, maxReadError)
+		} else if m, err := ct.Model(); err != nil {
+			a.mu.Unlock()
+			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
+		} else {
+			n.conntrack, n.conntrackErr = m, ""
+		}
+	}
+	// A read error is shown to people (explain, report, Slack): clean
+	// and short.
+	r.ReadError = safetext.Clean(r.ReadError, maxReadError)
+	n.lastSeq = r.Seq
+	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy),
+		Cost: a.collectorCost(n, r.Reads)}
+	if r.ReadError != "" {
+		a.judge.Heard(n.name, hb)
+		a.mu.Unlock()
+		return true, "", "", nil
+	}
+	if !r.Full && !n.complete {
+		a.mu.Unlock()
+		return false, "", "no full snapshot on this stream yet", nil
+	}
+	next := *n.state
+	a.mu.Unlock()
+
+	match, err := next.Apply(r)
+
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n.conn != c || !a.leading {
+		return true, ReasonProtocol, "stream superseded", nil
+	}
+	if me := (*stream.MissingError)(nil); errors.As(err, &me) {
+		return true, "", "", me
+	}
+	if err != nil {
+		return false, ReasonInvalid, "invalid report: " + err.Error(), nil
+	}
+	prev, wasComplete := *n.state, n.complete
+	*n.state = next
+	if !match {
+		n.complete = false
+		return false, "", "root digest differs from the aggregator's copy", nil
+	}
+	n.complete = true
+	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
+		// The rules the last report showed, if no judgement reached it
+		// yet: judged in its stead while this report is newer than the
+		// view (judgeAt).
+		n.before = nil
+		if wasComplete && n.fresh && n.heard.After(n.judged) {
+			n.before = &shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules}
+		}
+		n.version++
+		n.shownSince = now
+	}
+	if r.NoRules && !n.noRules {
+		a.cfg.Log.Info("node has no kube-proxy rules (flushed, or kube-proxy not running)", zap.String("node", n.name))
+		a.cfg.Metrics.NoRulesSeen.WithLabelValues(n.name).Inc()
+	}
+	n.noRules = r.NoRules
+	n.heard, n.fresh = now, true
+	a.judge.Heard(n.name, hb)
+	return true, "", "", nil
+}
+
+func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
+	if k == nil {
+		return nil
+	}
+	unix := func(f float64) time.Time {
+		if f <= 0 {
+			return time.Time{}
+		}
+		return time.Unix(0, int64(f*1e9)).UTC()
+	}
+	return &audit.KubeProxySignal{LastSync: unix(k.LastSync), LastQueued: unix(k.LastQueued),
+		EndpointChangesPending: int(k.EndpointChangesPending), ServiceChangesPending: int(k.ServiceChangesPending), Error: safetext.Clean(k.Error, maxReadError),
+		Version: clip(k.Version)}
+}
+
+// collectorCost turns what a collector says its reads cost into the
+// node's record and the fleet's metrics (a.mu held): counts are
+// cumulative per collector, so the metrics add what grew since its last
+// word (a restarted collector starts from zero).
+func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.CollectorCost {
+	if rs == nil {
+		return nil
+	}
+	cost := &audit.CollectorCost{Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
+		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
+		Reader: safetext.Clean(rs.Reader, maxReadError), Fallbacks: rs.Fallbacks, FallbackReason: safetext.Clean(rs.FallbackReason, maxReadError)}
+	if prev := n.fallbacks; rs.Fallbacks > prev {
+		a.cfg.Metrics.CollectorFallbacks.Add(float64(rs.Fallbacks - prev))
+	}
+	n.fallbacks = rs.Fallbacks
+	grew := false
+	for reason, count := range rs.Reads {
+		cost.Reads[string(reason)] = count
+		prev := n.reads[reason]
+		if count < prev {
+			prev = 0
+		}
+		if count > prev {
+			grew = true
+			a.cfg.Metrics.CollectorReads.WithLabelValues(string(reason)).Add(float64(count - prev))
+		}
+	}
+	if grew {
+		a.cfg.Metrics.CollectorReadSeconds.Observe(rs.LastSeconds)
+		a.cfg.Metrics.CollectorReadBytes.Observe(float64(rs.LastBytes))
+	}
+	n.reads = rs.Reads
+	return cost
+}
