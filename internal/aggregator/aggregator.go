@@ -83,7 +83,7 @@ type Aggregator struct {
 	// mostly programs the same rules.
 	pool    *stream.Pool
 	warmup  warmup
-	budget  *stream.Budget
+	budget  *decodeBudget
 	unauth  pendingGate
 	verdict *audit.Verdict
 	// Evaluate's goroutine only: what nodes share at the current cluster
@@ -211,7 +211,7 @@ func New(cfg Config, view *View) *Aggregator {
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
 	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
-		budget: stream.NewBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
+		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }
 

@@ -1,32 +1,35 @@
-// Package stream is the wire protocol between a node's collector and the
-// aggregator: length-prefixed JSON messages over one TCP (or TLS)
-// connection. The collector says hello with its node name and token, then
-// reports its rules as digests and deltas: a full snapshot first, then per
-// interval only the frontends that changed and the root digest over all of
-// them (a steady node sends the root alone). The aggregator applies each
-// delta to its copy and asks for a full resync when its root differs
-// (anti-entropy). Every message is bounded before it is read.
+// Package stream is the protocol between a node's collector and the
+// aggregator, both ends of it:
+//
+//   - the messages (stream.go) and their framing (frame.go):
+//     length-prefixed JSON over one TCP (or TLS) connection, every message
+//     bounded before it is read;
+//   - the rules state both ends keep in step (state.go, frontend.go): the
+//     collector says hello with its node name and token, then reports its
+//     rules as digests and deltas, a full snapshot first, then per
+//     interval only the frontends that changed and the root digest over
+//     all of them (a steady node sends the root alone); the aggregator
+//     applies each (apply.go) and asks for a resync when its root differs;
+//   - the names by hash a report may use instead of content (tops.go: a
+//     whole state by one hash, its buckets' names) and the collector's
+//     answers to the aggregator's wants (reply.go);
+//   - the aggregator's interning of that state (pool.go): it shares the
+//     state's representation (buckets and entries, interned by identity),
+//     which would have to be exported to live elsewhere.
+//
+// Sessions (who says what when) live with each side: the aggregator's
+// session and the collector's session; this package is what they say.
 package stream
 
 import (
-	"bytes"
-	"context"
-	"crypto/sha256"
-	"encoding/binary"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"io"
 	"net/netip"
 	"slices"
-	"strconv"
 	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
-	"golang.org/x/sync/semaphore"
 )
 
 // DefaultMaxMessageBytes bounds one message: a full snapshot of a node at
@@ -420,269 +423,6 @@ func (r *Report) CheckFacts() error {
 		}
 	}
 	return nil
-}
-
-// Ref names a frontend by its key and content hash.
-type Ref struct {
-	Key string `json:"k"`
-	Sum string `json:"h"`
-}
-
-// sumLen is the bytes of SHA-256 a Sum keeps: 128 bits, so that no node
-// can make up a frontend with the hash of another node's (a Ref resolves
-// to content another node sent; the 64-bit FNV digests below are for
-// change detection only and are trivially forged).
-const sumLen = 16
-
-// Sum hashes everything a frontend holds, in order, chain names included:
-// two frontends with one Sum are the same frontend.
-func (f Frontend) Sum() string {
-	s := f.sum()
-	return hex.EncodeToString(s[:])
-}
-
-func (f Frontend) sum() [sumLen]byte {
-	h := sha256.New()
-	var n [binary.MaxVarintLen64]byte
-	put := func(s string) {
-		h.Write(n[:binary.PutUvarint(n[:], uint64(len(s)))])
-		h.Write([]byte(s))
-	}
-	put(f.Key)
-	put(f.Scope)
-	put(f.Chain)
-	put(f.Name)
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(f.Endpoints)))])
-	for _, e := range f.Endpoints {
-		put(e)
-	}
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(f.Weights)))])
-	for _, w := range f.Weights {
-		h.Write(n[:binary.PutVarint(n[:], int64(w))])
-	}
-	var full [sha256.Size]byte
-	return [sumLen]byte(h.Sum(full[:0]))
-}
-
-// parseSum decodes a Sum's wire form.
-func parseSum(s string) ([sumLen]byte, bool) {
-	var out [sumLen]byte
-	if len(s) != 2*sumLen {
-		return out, false
-	}
-	if _, err := hex.Decode(out[:], []byte(s)); err != nil {
-		return out, false
-	}
-	return out, hex.EncodeToString(out[:]) == s // lower case only: one spelling per hash
-}
-
-// Write sends one message.
-func Write(w io.Writer, m *Message) error {
-	body, err := json.Marshal(m)
-	if err != nil {
-		return err
-	}
-	frame := make([]byte, 4+len(body))
-	binary.BigEndian.PutUint32(frame, uint32(len(body)))
-	copy(frame[4:], body)
-	_, err = w.Write(frame)
-	return err
-}
-
-// Read receives one message of at most max bytes. A larger message is
-// ErrTooLarge and its body is not read: the stream must be closed.
-func Read(r io.Reader, max int) (*Message, int, error) {
-	body, n, err := ReadFrame(r, max)
-	if err != nil {
-		return nil, n, err
-	}
-	m, err := Decode(body)
-	return m, n, err
-}
-
-// ReadFrame receives one message's body of at most max bytes without
-// decoding it; n counts the frame with its header. Memory follows the
-// bytes that arrive, not the length the header claims: a peer that claims
-// 16 MiB and sends four bytes costs a few KiB.
-func ReadFrame(r io.Reader, max int) ([]byte, int, error) {
-	n, err := ReadHeader(r, max)
-	if err != nil {
-		return nil, n, err
-	}
-	body, err := ReadBody(r, n)
-	return body, n + 4, err
-}
-
-// ReadHeader reads a frame's length: the body's bytes, at most max.
-func ReadHeader(r io.Reader, max int) (int, error) {
-	var hdr [4]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, err
-	}
-	n := int(binary.BigEndian.Uint32(hdr[:]))
-	if n > max {
-		return n, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, max)
-	}
-	return n, nil
-}
-
-// ReadBody reads a frame's body of n bytes (its header read), growing
-// the buffer as the bytes arrive.
-func ReadBody(r io.Reader, n int) ([]byte, error) {
-	body := make([]byte, 0, min(n, firstChunk))
-	for len(body) < n {
-		if len(body) == cap(body) {
-			// Four times what came so far: all the copies of a 3 MB
-			// snapshot add up to a third of it, and memory stays within
-			// four times the bytes received.
-			body = slices.Grow(body, min(n-len(body), 3*cap(body)))
-		}
-		m, err := r.Read(body[len(body):min(n, cap(body))])
-		body = body[:len(body)+m]
-		if err != nil && len(body) < n {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return nil, fmt.Errorf("truncated message: %w", err)
-		}
-	}
-	return body, nil
-}
-
-// firstChunk is what a frame's body gets before its bytes arrive.
-const firstChunk = 4 << 10
-
-// Decode decodes a message body.
-func Decode(body []byte) (*Message, error) {
-	// Every frontend is one JSON object: a small message of empty ones
-	// ("{},{},…", 3 bytes each, 112 once decoded) would make the decoder
-	// allocate ~40 times the message. Count before decoding.
-	// A conntrack pair is up to two (itself, its TCP states).
-	if objs := bytes.Count(body, []byte("{")); objs > MaxFrontends+2*MaxConntrackPairs+maxOtherObjects {
-		return nil, fmt.Errorf("malformed message: %d JSON objects, more than the %d frontends and %d conntrack pairs a node can have", objs, MaxFrontends, MaxConntrackPairs)
-	}
-	var m Message
-	if err := json.Unmarshal(body, &m); err != nil {
-		return nil, fmt.Errorf("malformed message: %v", err)
-	}
-	return &m, nil
-}
-
-// Budget bounds the bytes of large messages being decoded and applied at
-// once across streams: a message decodes to about ten times its size, and
-// after a leader change every collector sends its full snapshot (3 MB at
-// 100k endpoints) at the same moment. Waiters are served in order and
-// woken one at a time (a condition variable woke all 5,000 streams of a
-// fleet at every release: a fifth of the leader's CPU while it was
-// behind).
-type Budget struct {
-	sem  *semaphore.Weighted
-	size int
-}
-
-// NewBudget returns a budget of n bytes.
-func NewBudget(n int) *Budget {
-	return &Budget{sem: semaphore.NewWeighted(int64(n)), size: n}
-}
-
-// Take waits for n bytes of the budget (at most all of it) and returns
-// what it took.
-func (b *Budget) Take(n int) int {
-	n = min(n, b.size)
-	_ = b.sem.Acquire(context.Background(), int64(n)) // no context: never fails
-	return n
-}
-
-// Give returns what Take took.
-func (b *Budget) Give(n int) { b.sem.Release(int64(n)) }
-
-// KeyString is the wire form of a frontend key (audit.FrontendKey.Wire).
-func KeyString(k audit.FrontendKey) string { return k.Wire() }
-
-// ParseKey reverses KeyString.
-func ParseKey(s string) (audit.FrontendKey, error) { return audit.ParseFrontendKey(s) }
-
-// FromObserved converts an observed frontend to its wire form.
-func FromObserved(of audit.ObservedFrontend) Frontend {
-	f := Frontend{Key: KeyString(of.FrontendKey), Scope: string(of.Scope), Chain: cutName(of.Chain), Name: cutName(of.Name)}
-	weights := false
-	for _, e := range of.Endpoints {
-		f.Endpoints = append(f.Endpoints, e.Addr.String())
-		if e.Weight >= 0 {
-			weights = true
-		}
-	}
-	if weights {
-		for _, e := range of.Endpoints {
-			f.Weights = append(f.Weights, e.Weight)
-		}
-	}
-	return f
-}
-
-// ToObserved validates a wire frontend and converts it back.
-func (f Frontend) ToObserved() (audit.ObservedFrontend, error) {
-	// A node's copy keeps what its reports sent: every string is bounded
-	// here, where it enters (names were kept whole and only cut when read:
-	// 24 small reports with a 12 MiB chain name each grew the leader's heap
-	// by 300 MiB). The kernel bounds the names kube-proxy writes (255 bytes)
-	// and FromObserved cuts them to maxName, so a genuine collector never
-	// sends longer.
-	if len(f.Key) > maxKey || len(f.Chain) > maxName || len(f.Name) > maxName {
-		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: key, chain or rule name of %d, %d and %d bytes: longer than any kube-proxy writes (%d, %d)",
-			clip(f.Key), len(f.Key), len(f.Chain), len(f.Name), maxKey, maxName)
-	}
-	k, err := ParseKey(f.Key)
-	if err != nil {
-		return audit.ObservedFrontend{}, err
-	}
-	// IPVS virtual servers carry no scope: "" is allowed.
-	if f.Scope != string(audit.ScopeCluster) && f.Scope != string(audit.ScopeLocal) && f.Scope != "" {
-		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad scope %q", f.Key, clip(f.Scope))
-	}
-	if len(f.Weights) != 0 && len(f.Weights) != len(f.Endpoints) {
-		return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: %d weights for %d endpoints", f.Key, len(f.Weights), len(f.Endpoints))
-	}
-	// Names are shown to people (details, explain, Slack): cleaned and
-	// bounded here, where they enter.
-	of := audit.ObservedFrontend{FrontendKey: k, Scope: audit.Scope(f.Scope), Chain: safetext.Clean(f.Chain, maxName), Name: safetext.Clean(f.Name, maxName)}
-	for i, e := range f.Endpoints {
-		ap, err := netip.ParseAddrPort(e)
-		if err == nil && (len(e) > maxKey || ap.Addr().Zone() != "") {
-			err = errors.New("not an endpoint address")
-		}
-		if err != nil {
-			return audit.ObservedFrontend{}, fmt.Errorf("frontend %s: bad endpoint %q", f.Key, clip(e))
-		}
-		w := -1
-		if len(f.Weights) > 0 {
-			w = f.Weights[i]
-		}
-		of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: ap, Weight: w, Chain: of.Chain})
-	}
-	return of, nil
-}
-
-// Digest hashes what routes traffic in a frontend: key, scope, endpoints
-// and weights (not chain names, which only name things).
-func (f Frontend) Digest() uint64 {
-	h := fnv.New64a()
-	h.Write([]byte(f.Key))
-	h.Write([]byte{0})
-	h.Write([]byte(f.Scope))
-	eps := make([]string, len(f.Endpoints))
-	for i, e := range f.Endpoints {
-		eps[i] = e
-		if len(f.Weights) > 0 {
-			eps[i] += "=" + strconv.Itoa(f.Weights[i])
-		}
-	}
-	slices.Sort(eps)
-	for _, e := range eps {
-		h.Write([]byte{0})
-		h.Write([]byte(e))
-	}
-	return h.Sum64()
 }
 
 // clip is a node's text quoted in an error: cleaned and short.
