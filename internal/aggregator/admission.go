@@ -120,9 +120,7 @@ func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *
 	// A follower sends the collector on before reviewing anything: a
 	// redirect carries nothing secret, and a fleet reconnecting after a
 	// leader change must not cost the API server a review at each replica.
-	a.mu.Lock()
-	leading, leader := a.leading, a.leader
-	a.mu.Unlock()
+	leader, leading := a.lead.now()
 	if !leading {
 		if leader == "" || leader == a.cfg.Self {
 			// The replicas it knows go with the refusal (see knownPeers).
@@ -186,7 +184,7 @@ func (a *Aggregator) register(s *session) bool {
 	// it while holding wmu cannot deadlock.)
 	c.wmu.Lock()
 	a.mu.Lock()
-	if !a.leading {
+	if !a.lead.isLeading() {
 		a.mu.Unlock()
 		c.wmu.Unlock()
 		s.reject(ReasonProtocol, "this aggregator stopped leading; reconnect to find the leader")

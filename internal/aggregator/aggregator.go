@@ -66,19 +66,34 @@ type Config struct {
 }
 
 // Aggregator holds every node's stream state and the judge.
+//
+// Its state is split by owner, each part with its own lock:
+//
+//   - mu, the fleet's: the nodes and their streams' copies, the judge and
+//     the last verdict (streams, Evaluate, the API's reads);
+//   - lead (leadership): whether this replica leads, who does, the term;
+//   - health (viewHealth): whether the view of the API is stale, and the
+//     recovery after it (Evaluate writes, the API reads);
+//   - remedy (remediationState): the storm's start and why repairs are
+//     held (the remediation rounds write, the API reads); repair hands
+//     verdicts to those rounds;
+//   - warmup, unauth, flush and the decode budget guard themselves.
+//
+// Lock order: mu, then any one of the others. Leadership changes are made
+// holding mu too (a new term begins with an empty fleet), so a stream's
+// goroutine that holds mu sees leadership as it stands with the nodes.
+// Every lock but mu is a leaf: nothing is locked while one is held, and
+// no effect (a write, a notice, a call out) is made under any of them.
 type Aggregator struct {
 	cfg  Config
 	view *View
 
-	mu      sync.Mutex
-	leading bool
-	leader  string
-	// leadCtx ends when this replica's leadership does; term orders
-	// leaderships (see Term): remediation acts only within both.
-	leadCtx context.Context
-	term    int64
-	judge   *audit.Judge
-	nodes   map[string]*node
+	mu     sync.Mutex
+	lead   leadership
+	health viewHealth
+	remedy remediationState
+	judge  *audit.Judge
+	nodes  map[string]*node
 	// pool shares identical frontends among the nodes' copies: a fleet
 	// mostly programs the same rules.
 	pool    *stream.Pool
@@ -95,16 +110,6 @@ type Aggregator struct {
 	// isolated turns peers' baselines and shared service assessments
 	// off: the comparison benchmarks' "before".
 	isolated bool
-	// stale: since when the leader's view of the API is stale (zero: fresh)
-	// and why; while stale nothing is judged or repaired.
-	staleSince time.Time
-	staleWhy   string
-	freshSince time.Time // a stale view first looked fresh again
-	// recovering: until when node drift is held back after a stale view.
-	recovering time.Time
-	// stormSince: since when most nodes drift at once (MassDivergence),
-	// paged once for the fleet (zero: no storm).
-	stormSince time.Time
 	// journal records the remediation actions for the status page.
 	journal *journal
 	// flush pairs collectors' answers to flush requests with the waiting
@@ -116,9 +121,6 @@ type Aggregator struct {
 	// testHookRegistered, when set, runs once a stream is registered and
 	// before its welcome is written (tests widen that window with it).
 	testHookRegistered atomic.Pointer[func()]
-	// hold: why every repair is held (a pause, outside the windows), as
-	// the last remediation round decided; shown by the API.
-	hold string
 	// repair hands verdicts to the remediation rounds, which run beside
 	// the evaluations (see handOff).
 	repair struct {
@@ -227,8 +229,10 @@ func (a *Aggregator) StartedLeading() { a.Lead(context.Background(), effect.Unfe
 func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.leading, a.leader = true, a.cfg.Self
-	a.leadCtx, a.term = ctx, term
+	a.lead.mu.Lock()
+	a.lead.leading, a.lead.leader = true, a.cfg.Self
+	a.lead.ctx, a.lead.term = ctx, term
+	a.lead.mu.Unlock()
 	a.judge = audit.NewJudge(a.cfg.Policy)
 	a.nodes = map[string]*node{}
 	a.verdict = nil
@@ -241,11 +245,14 @@ func (a *Aggregator) Lead(ctx context.Context, term int64) {
 // when it is known) and forgets the nodes.
 func (a *Aggregator) StoppedLeading() {
 	a.mu.Lock()
-	if !a.leading {
+	a.lead.mu.Lock()
+	was, leader := a.lead.leading, a.lead.leader
+	a.lead.leading = false
+	a.lead.mu.Unlock()
+	if !was {
 		a.mu.Unlock()
 		return
 	}
-	a.leading = false
 	a.cfg.Metrics.Leader.Set(0)
 	// Only the leader judges its view; a follower's stale flag would keep
 	// ProxyAuditViewStale firing for a replica that no longer decides.
@@ -258,7 +265,6 @@ func (a *Aggregator) StoppedLeading() {
 	}
 	a.nodes = map[string]*node{}
 	a.verdict = nil
-	leader := a.leader
 	a.mu.Unlock()
 	a.repair.Lock()
 	a.repair.next = nil // judged while leading: not for a later term
@@ -270,57 +276,6 @@ func (a *Aggregator) StoppedLeading() {
 		c.Close()
 	}
 	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", leader), zap.Int("streams", len(open)))
-}
-
-// SetTerm sets the term of the current leadership once it is known.
-func (a *Aggregator) SetTerm(ctx context.Context, term int64) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.leadCtx == ctx {
-		a.term = term
-	}
-}
-
-// Term says whether this replica leads now and in which term: the
-// executor asks before every action and stamps every record write with
-// it, so a replica that lost the Lease cannot act on, or overwrite, what
-// the new leader decided.
-func (a *Aggregator) Term() (int64, bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	ok := a.leading && a.leadCtx != nil && a.leadCtx.Err() == nil && (a.term >= 0 || a.term == effect.Unfenced)
-	return a.term, ok
-}
-
-// leadContext is the current leadership's context (ended when not
-// leading).
-func (a *Aggregator) leadContext() context.Context {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if !a.leading || a.leadCtx == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		return ctx
-	}
-	return a.leadCtx
-}
-
-// NewLeader records who leads (this replica or another).
-func (a *Aggregator) NewLeader(identity string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if identity != a.leader {
-		a.cfg.Log.Info("leader changed", zap.String("leader", identity))
-	}
-	a.leader = identity
-}
-
-// Leader returns the current leader's identity ("" when unknown) and
-// whether it is this replica.
-func (a *Aggregator) Leader() (string, bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.leader, a.leading
 }
 
 // Verdict returns the latest verdict, or nil before the first one (or on

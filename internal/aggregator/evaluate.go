@@ -14,10 +14,7 @@ import (
 // Evaluate assesses every node that reported since the last call and
 // concludes; the loop in Run calls it every second.
 func (a *Aggregator) Evaluate() {
-	a.mu.Lock()
-	leading := a.leading
-	a.mu.Unlock()
-	if !leading || a.view.Synced() != nil {
+	if !a.lead.isLeading() || a.view.Synced() != nil {
 		return
 	}
 	if a.blind() {
@@ -59,7 +56,7 @@ func (a *Aggregator) Evaluate() {
 	})
 	names := a.view.ExpectedNodes()
 	a.mu.Lock()
-	if !a.leading {
+	if !a.lead.isLeading() {
 		a.mu.Unlock()
 		return
 	}
@@ -69,7 +66,7 @@ func (a *Aggregator) Evaluate() {
 	gone := a.pruneLocked(&v)
 	audit.WarnKnownBad(&v, nodeInfo)
 	a.warnUnauditedLocked(&v, families)
-	recovering := now.Before(a.recovering)
+	recovering := now.Before(a.Recovering())
 	if recovering {
 		v = holdBackDrift(v)
 	}

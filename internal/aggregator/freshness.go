@@ -7,17 +7,32 @@ import (
 	"sync"
 	"time"
 
-	"github.com/proxyaudit/proxyaudit/remediate"
 	"go.uber.org/zap"
 	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
+
+// viewHealth is whether the leader's view of the API is stale, and the
+// recovery after it. Evaluate's goroutine writes it (blind); the API and
+// Evaluate read it.
+type viewHealth struct {
+	mu sync.Mutex
+	// staleSince: since when the view is stale (zero: fresh), and why;
+	// while stale nothing is judged or repaired.
+	staleSince time.Time
+	staleWhy   string
+	freshSince time.Time // a stale view first looked fresh again
+	// recovering: until when node drift is held back after a stale view.
+	recovering time.Time
+}
 
 // Recovering says until when node drift is held back after the view came
 // back from stale (zero or past: not recovering).
 func (a *Aggregator) Recovering() time.Time {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.recovering
+	a.health.mu.Lock()
+	defer a.health.mu.Unlock()
+	return a.health.recovering
 }
 
 // blind checks the view's freshness. A stale view is not judged from:
@@ -27,28 +42,28 @@ func (a *Aggregator) Recovering() time.Time {
 func (a *Aggregator) blind() bool {
 	since, why := a.view.Stale()
 	now := a.cfg.Clock.Now()
-	a.mu.Lock()
-	was := !a.staleSince.IsZero()
+	a.health.mu.Lock()
+	was := !a.health.staleSince.IsZero()
 	switch {
 	case !since.IsZero():
-		if !was || since.Before(a.staleSince) {
-			a.staleSince = since
+		if !was || since.Before(a.health.staleSince) {
+			a.health.staleSince = since
 		}
-		a.staleWhy, a.freshSince = why, time.Time{}
+		a.health.staleWhy, a.health.freshSince = why, time.Time{}
 	case was:
 		// A watch that flaps (lists work, watches fail) must not page on
 		// every relist: fresh again only after freshAfter without a fault.
-		if a.freshSince.IsZero() {
-			a.freshSince = now
+		if a.health.freshSince.IsZero() {
+			a.health.freshSince = now
 		}
-		if now.Sub(a.freshSince) >= freshAfter {
-			a.staleSince, a.staleWhy = time.Time{}, ""
-			a.recovering = now.Add(a.cfg.RecoveryGrace)
+		if now.Sub(a.health.freshSince) >= freshAfter {
+			a.health.staleSince, a.health.staleWhy = time.Time{}, ""
+			a.health.recovering = now.Add(a.cfg.RecoveryGrace)
 		}
 	}
-	stale := !a.staleSince.IsZero()
-	staleSince, staleWhy := a.staleSince, a.staleWhy
-	a.mu.Unlock()
+	stale := !a.health.staleSince.IsZero()
+	staleSince, staleWhy := a.health.staleSince, a.health.staleWhy
+	a.health.mu.Unlock()
 	a.cfg.Metrics.ViewStale.Set(map[bool]float64{true: 1}[stale])
 	if stale == was {
 		return stale
@@ -74,9 +89,9 @@ const freshAfter = 5 * time.Second
 
 // Stale says since when and why the leader's view is stale (zero: fresh).
 func (a *Aggregator) Stale() (time.Time, string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.staleSince, a.staleWhy
+	a.health.mu.Lock()
+	defer a.health.mu.Unlock()
+	return a.health.staleSince, a.health.staleWhy
 }
 
 type watchFailure struct {

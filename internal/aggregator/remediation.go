@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
@@ -152,9 +153,9 @@ func (a *Aggregator) alertmanager(ctx context.Context, am *effect.Alertmanager, 
 	if fleet.Storm {
 		for _, f := range v.Findings {
 			if f.Kind == audit.MassDivergence {
-				a.mu.Lock()
-				since := a.stormSince
-				a.mu.Unlock()
+				a.remedy.mu.Lock()
+				since := a.remedy.stormSince
+				a.remedy.mu.Unlock()
 				alerts = append(alerts, remediate.Alert{Kind: string(audit.MassDivergence), Severity: remediate.SeverityCritical, Summary: f.Detail,
 					Action: "nothing is repaired and no node is marked until it is over: suspect the API or the aggregator's view, not the nodes", Since: since})
 				break
@@ -176,21 +177,31 @@ func (a *Aggregator) alertmanager(ctx context.Context, am *effect.Alertmanager, 
 	}
 }
 
+// remediationState is what the remediation rounds decided for the fleet:
+// since when most nodes drift at once (MassDivergence, paged once for the
+// fleet; zero: no storm) and why every repair is held (a pause, outside
+// the windows; "" when none is), shown by the API.
+type remediationState struct {
+	mu         sync.Mutex
+	stormSince time.Time
+	hold       string
+}
+
 // stormNotice pages once when a mass divergence begins and once when it
 // ends, for the fleet, through the notifier that says when the view is
 // stale (freshness.go).
 func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
-	a.mu.Lock()
-	was := !a.stormSince.IsZero()
-	since := a.stormSince
+	a.remedy.mu.Lock()
+	was := !a.remedy.stormSince.IsZero()
+	since := a.remedy.stormSince
 	switch {
 	case storm && !was:
-		a.stormSince = a.cfg.Clock.Now()
-		since = a.stormSince
+		a.remedy.stormSince = a.cfg.Clock.Now()
+		since = a.remedy.stormSince
 	case !storm && was:
-		a.stormSince = time.Time{}
+		a.remedy.stormSince = time.Time{}
 	}
-	a.mu.Unlock()
+	a.remedy.mu.Unlock()
 	if storm == was || a.cfg.Notifier == nil {
 		return
 	}
@@ -260,10 +271,10 @@ func (v *View) Node(name string) *corev1.Node {
 // holding records why every repair is held ("" when none is), for the
 // API and the metric, and logs each change.
 func (a *Aggregator) holding(hold string, paused bool) {
-	a.mu.Lock()
-	was := a.hold
-	a.hold = hold
-	a.mu.Unlock()
+	a.remedy.mu.Lock()
+	was := a.remedy.hold
+	a.remedy.hold = hold
+	a.remedy.mu.Unlock()
 	byPause, byWindow := 0.0, 0.0
 	switch {
 	case paused:
@@ -284,7 +295,7 @@ func (a *Aggregator) holding(hold string, paused bool) {
 
 // RemediationHold is why every repair is held now, or "".
 func (a *Aggregator) RemediationHold() string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.hold
+	a.remedy.mu.Lock()
+	defer a.remedy.mu.Unlock()
+	return a.remedy.hold
 }
