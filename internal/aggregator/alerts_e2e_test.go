@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"net/http/httptest"
 	"reflect"
 	"regexp"
@@ -55,58 +56,11 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 	h.collector(h.ctx, "n3", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return stuck })
 	srv := httptest.NewServer(h.agg.Handler("0"))
 	defer srv.Close()
-	// samples["metric{labels}"] holds one value per scrape.
-	samples := map[string][]string{}
-	scrapes := 0
-	scrape := func() {
-		resp, err := srv.Client().Get(srv.URL + "/metrics")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		p := expfmt.NewTextParser(model.UTF8Validation)
-		fams, err := p.TextToMetricFamilies(resp.Body)
-		if err != nil {
-			t.Fatal(err)
-		}
-		add := func(name, labels string, v float64) {
-			key := name + "{" + labels + "}"
-			for len(samples[key]) < scrapes { // a series that appeared late
-				samples[key] = append(samples[key], "_")
-			}
-			samples[key] = append(samples[key], fmt.Sprint(v))
-		}
-		for name, fam := range fams {
-			if !strings.HasPrefix(name, "proxyaudit_") {
-				continue
-			}
-			for _, m := range fam.GetMetric() {
-				labels := `namespace="proxyaudit",pod="proxyaudit-aggregator-0"`
-				for _, l := range m.GetLabel() {
-					labels += fmt.Sprintf(",%s=%q", l.GetName(), l.GetValue())
-				}
-				switch {
-				case m.Gauge != nil:
-					add(name, labels, m.GetGauge().GetValue())
-				case m.Counter != nil:
-					add(name, labels, m.GetCounter().GetValue())
-				case m.Histogram != nil:
-					h := m.GetHistogram()
-					for _, b := range h.GetBucket() {
-						add(name+"_bucket", labels+fmt.Sprintf(",le=%q", fmt.Sprint(b.GetUpperBound())), float64(b.GetCumulativeCount()))
-					}
-					add(name+"_bucket", labels+`,le="+Inf"`, float64(h.GetSampleCount()))
-					add(name+"_sum", labels, h.GetSampleSum())
-					add(name+"_count", labels, float64(h.GetSampleCount()))
-				}
-			}
-		}
-		scrapes++
-	}
+	sc := &scraper{url: srv.URL + "/metrics", client: srv.Client(), samples: map[string][]string{}}
 	every := func(d time.Duration) {
 		for end := h.clk.Now().Add(d); h.clk.Now().Before(end); {
 			h.advance(15*time.Second, nil)
-			scrape()
+			sc.scrape(t)
 		}
 	}
 	h.until(10*time.Second, "the nodes in sync", func() bool {
@@ -138,7 +92,7 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 
 	stuckKey := `proxyaudit_findings{namespace="proxyaudit",pod="proxyaudit-aggregator-0",kind="StuckProxy"}`
 	first, last := -1, -1
-	for i, v := range samples[stuckKey] {
+	for i, v := range sc.samples[stuckKey] {
 		if v != "0" && v != "_" {
 			if first < 0 {
 				first = i
@@ -147,10 +101,10 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 		}
 	}
 	if first < 0 || last-first < 6 {
-		t.Fatalf("the scraped StuckProxy gauge never rose for long: %v", samples[stuckKey])
+		t.Fatalf("the scraped StuckProxy gauge never rose for long: %v", sc.samples[stuckKey])
 	}
 	var in []promtool.Series
-	for k, vs := range samples {
+	for k, vs := range sc.samples {
 		in = append(in, promtool.Series{Series: k, Values: strings.Join(vs, " ")})
 	}
 	at := func(i int) string { return fmt.Sprintf("%ds", 15*i) }
@@ -186,7 +140,65 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 	if out, err := promtool.TestRules(bin, t.TempDir(), spec, ut); err != nil {
 		t.Fatalf("promtool test rules on the scraped series: %v\n%s", err, out)
 	}
-	t.Logf("%d scrapes of %d series; StuckProxy from scrape %d to %d; the alert fired a minute in and resolved; %d dashboard queries evaluated", scrapes, len(in), first, last, len(exprs))
+	t.Logf("%d scrapes of %d series; StuckProxy from scrape %d to %d; the alert fired a minute in and resolved; %d dashboard queries evaluated", sc.scrapes, len(in), first, last, len(exprs))
+}
+
+// scraper keeps what each scrape of the aggregator's /metrics returned,
+// as Prometheus would store it (with the namespace and pod its
+// ServiceMonitor adds): samples["metric{labels}"] holds one value per
+// scrape ("_" before a series appeared).
+type scraper struct {
+	url     string
+	client  *http.Client
+	samples map[string][]string
+	scrapes int
+}
+
+func (sc *scraper) scrape(t *testing.T) {
+	t.Helper()
+	resp, err := sc.client.Get(sc.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	add := func(name, labels string, v float64) {
+		key := name + "{" + labels + "}"
+		for len(sc.samples[key]) < sc.scrapes { // a series that appeared late
+			sc.samples[key] = append(sc.samples[key], "_")
+		}
+		sc.samples[key] = append(sc.samples[key], fmt.Sprint(v))
+	}
+	for name, fam := range fams {
+		if !strings.HasPrefix(name, "proxyaudit_") {
+			continue
+		}
+		for _, m := range fam.GetMetric() {
+			labels := `namespace="proxyaudit",pod="proxyaudit-aggregator-0"`
+			for _, l := range m.GetLabel() {
+				labels += fmt.Sprintf(",%s=%q", l.GetName(), l.GetValue())
+			}
+			switch {
+			case m.Gauge != nil:
+				add(name, labels, m.GetGauge().GetValue())
+			case m.Counter != nil:
+				add(name, labels, m.GetCounter().GetValue())
+			case m.Histogram != nil:
+				h := m.GetHistogram()
+				for _, b := range h.GetBucket() {
+					add(name+"_bucket", labels+fmt.Sprintf(",le=%q", fmt.Sprint(b.GetUpperBound())), float64(b.GetCumulativeCount()))
+				}
+				add(name+"_bucket", labels+`,le="+Inf"`, float64(h.GetSampleCount()))
+				add(name+"_sum", labels, h.GetSampleSum())
+				add(name+"_count", labels, float64(h.GetSampleCount()))
+			}
+		}
+	}
+	sc.scrapes++
 }
 
 // The chart's Grafana dashboard asks only for what the aggregator
