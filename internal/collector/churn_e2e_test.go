@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -75,44 +76,8 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	var dump bytes.Buffer
-	write := cs.spec.WriteIPTablesSave
-	if cs.nftables {
-		write = cs.spec.WriteNFTJSON
-	}
-	if err := write(&dump); err != nil {
-		tb.Fatal(err)
-	}
-	ns, err := localcluster.NewScratch(ctx, "churn")
-	if err != nil {
-		tb.Fatal(err)
-	}
+	ns, tool, mode := loadChurn(tb, ctx, cs)
 	defer ns.Close()
-	load := time.Now()
-	if cs.nftables {
-		order, err := synth.NFTLoadOrder(dump.Bytes())
-		if err != nil {
-			tb.Fatal(err)
-		}
-		cmd := ns.Command(ctx, "nft", "-j", "-f", "-")
-		cmd.Stdin = bytes.NewReader(order)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			tb.Fatalf("nft load: %v: %s", err, out)
-		}
-	} else if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
-		tb.Fatal(err)
-	}
-	tb.Logf("%d services × %d endpoints loaded in %s", cs.spec.Services, cs.spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
-	tool, mode := "iptables", "iptables"
-	switch {
-	case cs.legacy:
-		tool, mode = "iptables-legacy", "iptables-legacy"
-	case cs.nftables:
-		tool, mode = "nft", "nftables"
-	}
-	if out, err := ns.Exec(ctx, "ip", "link", "set", "lo", "up"); err != nil {
-		tb.Fatalf("%v: %s", err, out)
-	}
 	var ln net.Listener
 	if err := localcluster.InNetNS(ns.NetNS, func() error {
 		var err error
@@ -126,18 +91,110 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	// the last sync is the writer's (a drift by hand is no sync). On the
 	// legacy backend they are half the change signal; without them every
 	// heartbeat would read.
-	var lastSync atomic.Int64
-	lastSync.Store(time.Now().UnixMilli())
-	metrics := startMetricsStub(tb, ns, &lastSync)
+	w := &churnWriter{}
+	w.lastSync.Store(time.Now().UnixMilli())
+	metrics := startMetricsStub(tb, ns, &w.lastSync)
+	w.start(tb, ctx, ns, cs, tool)
+	defer w.stop()
 
-	// The writer: the services it rewrites rotate over the first half of
-	// the cluster; the drifts are made in the second half.
-	wctx, stopWriter := context.WithCancel(ctx)
-	var wmu sync.Mutex
-	var writerCPU time.Duration
-	var syncs int
-	var wg sync.WaitGroup
-	wg.Go(func() {
+	run := churnRun{services: fmt.Sprint(cs.spec.Services), period: cs.period.String()}
+	run.saveTook, run.saveFinished = saveUnderChurn(tb, ctx, ns, cs, tool)
+
+	col, started, stopCollector := startChurnCollector(tb, ctx, ns, ln, mode, metrics)
+	defer stopCollector()
+	// The first report: the whole read, under the churn.
+	first, _ := s.wait(tb, 0, 2*time.Minute, "with the rules", func(r received) bool { return r.r.ReadError == "" && !r.r.NoRules })
+	tb.Logf("first report %s after the collector started", first.at.Sub(started).Round(time.Millisecond))
+	measureChurn(tb, &run, cs, col, s, w, first.at)
+
+	// Drifts by hand on services the churn does not touch: one
+	// endpoint's DNAT rewritten to another address (on nf_tables), or
+	// deleted (on the legacy backend, whose change signal is the table's
+	// size: a same-size rewrite is the full read's to find).
+	for i := range max(1, cs.drifts) {
+		if i > 0 {
+			time.Sleep(cs.driftEvery)
+		}
+		seen, took := driftOne(tb, ctx, ns, s, cs, tool, cs.spec.Services-1-i)
+		run.driftSeens = append(run.driftSeens, seen)
+		run.driftSeen, run.driftCmd = max(run.driftSeen, seen), max(run.driftCmd, took)
+	}
+	run.flushCmd, run.flushSeen = flushUnderChurn(tb, ctx, ns, s, cs, tool)
+	if p, err := localcluster.ReadProcStat(col.Process.Pid); err == nil {
+		run.peakRSS = p.PeakRSS
+	}
+	run.collectorShare = 100 * run.collectorCPU.Seconds() / cs.window.Seconds()
+	run.writerPct = 100 * run.writerCPU.Seconds() / cs.window.Seconds()
+	tb.Logf("under %d syncs in %s (writer %.1f%% of a core): collector %.2f%% of a core, peak RSS %.1f MB, %d reports (%d with read errors, longest gap %s), last read %+v; drifts seen %v after the tool returned (its run up to %s), flush %s after (its run %s)",
+		run.syncs, cs.window, run.writerPct, run.collectorShare, float64(run.peakRSS)/(1<<20), run.reports, run.readErrors, run.maxGap.Round(time.Millisecond),
+		run.lastRead, run.driftSeens, run.driftCmd.Round(time.Millisecond), run.flushSeen.Round(time.Millisecond), run.flushCmd.Round(time.Millisecond))
+	return run
+}
+
+// loadChurn loads cs.spec's rules into a new scratch namespace and says
+// which tool writes them and which mode the collector reads.
+func loadChurn(tb testing.TB, ctx context.Context, cs churnSpec) (ns *localcluster.Scratch, tool, mode string) {
+	tb.Helper()
+	var dump bytes.Buffer
+	write := cs.spec.WriteIPTablesSave
+	if cs.nftables {
+		write = cs.spec.WriteNFTJSON
+	}
+	if err := write(&dump); err != nil {
+		tb.Fatal(err)
+	}
+	ns, err := localcluster.NewScratch(ctx, "churn")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	load := time.Now()
+	if cs.nftables {
+		order, err := synth.NFTLoadOrder(dump.Bytes())
+		if err != nil {
+			ns.Close()
+			tb.Fatal(err)
+		}
+		cmd := ns.Command(ctx, "nft", "-j", "-f", "-")
+		cmd.Stdin = bytes.NewReader(order)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			ns.Close()
+			tb.Fatalf("nft load: %v: %s", err, out)
+		}
+	} else if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
+		ns.Close()
+		tb.Fatal(err)
+	}
+	tb.Logf("%d services × %d endpoints loaded in %s", cs.spec.Services, cs.spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
+	tool, mode = "iptables", "iptables"
+	switch {
+	case cs.legacy:
+		tool, mode = "iptables-legacy", "iptables-legacy"
+	case cs.nftables:
+		tool, mode = "nft", "nftables"
+	}
+	if out, err := ns.Exec(ctx, "ip", "link", "set", "lo", "up"); err != nil {
+		ns.Close()
+		tb.Fatalf("%v: %s", err, out)
+	}
+	return ns, tool, mode
+}
+
+// churnWriter is kube-proxy as the churn plays it: every period a partial
+// sync of ten services' chains. The services it rewrites rotate over the
+// first half of the cluster; the drifts are made in the second half.
+type churnWriter struct {
+	lastSync atomic.Int64 // the last sync's end, Unix milliseconds
+	mu       sync.Mutex
+	cpu      time.Duration
+	syncs    int
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+}
+
+func (w *churnWriter) start(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, cs churnSpec, tool string) {
+	wctx, cancel := context.WithCancel(ctx)
+	w.cancel = cancel
+	w.wg.Go(func() {
 		if cs.period == 0 {
 			return // a quiet node
 		}
@@ -170,11 +227,11 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 				tb.Errorf("writer: %v: %s", err, out)
 				return
 			}
-			lastSync.Store(time.Now().UnixMilli())
-			wmu.Lock()
-			writerCPU += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
-			syncs++
-			wmu.Unlock()
+			w.lastSync.Store(time.Now().UnixMilli())
+			w.mu.Lock()
+			w.cpu += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+			w.syncs++
+			w.mu.Unlock()
 			select {
 			case <-wctx.Done():
 				return
@@ -182,10 +239,20 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 			}
 		}
 	})
-	defer func() { stopWriter(); wg.Wait() }()
+}
 
-	run := churnRun{services: fmt.Sprint(cs.spec.Services), period: cs.period.String()}
-	// iptables-save under the churn: does it finish at all?
+func (w *churnWriter) stop() { w.cancel(); w.wg.Wait() }
+
+// done says how much CPU the writer spent and how many syncs it made.
+func (w *churnWriter) done() (time.Duration, int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.cpu, w.syncs
+}
+
+// saveUnderChurn runs the text tool once under the churn: does it finish
+// at all?
+func saveUnderChurn(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, cs churnSpec, tool string) (time.Duration, bool) {
 	saveFor := cmp.Or(cs.saveFor, 20*time.Second)
 	limit := strconv.Itoa(int(saveFor.Seconds()))
 	save := ns.Command(ctx, "timeout", limit, tool+"-save", "-t", "nat")
@@ -194,10 +261,15 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	}
 	t0 := time.Now()
 	out, err := save.Output()
-	run.saveTook = time.Since(t0)
-	run.saveFinished = err == nil && (bytes.Contains(out, []byte("COMMIT")) || bytes.Contains(out, []byte(`"nftables"`)))
-	tb.Logf("%s under the churn: finished %v after %s (%d bytes)", strings.Join(save.Args[4:], " "), run.saveFinished, run.saveTook.Round(time.Millisecond), len(out))
+	took := time.Since(t0)
+	finished := err == nil && (bytes.Contains(out, []byte("COMMIT")) || bytes.Contains(out, []byte(`"nftables"`)))
+	tb.Logf("%s under the churn: finished %v after %s (%d bytes)", strings.Join(save.Args[4:], " "), finished, took.Round(time.Millisecond), len(out))
+	return took, finished
+}
 
+// startChurnCollector starts the collector binary in ns, streaming to ln;
+// stop kills it (its log shown if the test failed).
+func startChurnCollector(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, ln net.Listener, mode, metrics string) (col *exec.Cmd, started time.Time, stop func()) {
 	bin := collectorBinary(tb)
 	if b := os.Getenv("PROXYAUDIT_BENCH_COLLECTOR"); b != "" {
 		bin = b // another build, measured under the same churn
@@ -205,47 +277,46 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	cargs := []string{bin, "--node-name", "churn", "--aggregator", ln.Addr().String(), "--mode", mode,
 		"--kube-proxy-metrics", metrics, "--interval", "10s", "--conntrack-interval", "0"}
 	cargs = append(cargs, strings.Fields(os.Getenv("PROXYAUDIT_BENCH_COLLECTOR_ARGS"))...)
-	col := ns.Command(ctx, cargs...)
+	col = ns.Command(ctx, cargs...)
 	var stderr bytes.Buffer
 	col.Stderr = &stderr
 	col.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	started := time.Now()
+	started = time.Now()
 	if err := col.Start(); err != nil {
 		tb.Fatal(err)
 	}
-	defer func() {
+	return col, started, func() {
 		col.Process.Kill()
 		col.Wait()
 		if tb.Failed() {
 			tb.Logf("collector log:\n%s", stderr.String())
 		}
-	}()
-	// The first report: the whole read, under the churn.
-	first, _ := s.wait(tb, 0, 2*time.Minute, "with the rules", func(r received) bool { return r.r.ReadError == "" && !r.r.NoRules })
-	tb.Logf("first report %s after the collector started", first.at.Sub(started).Round(time.Millisecond))
+	}
+}
+
+// measureChurn measures the collector's CPU and its reports over the
+// window, from its first report at first.
+func measureChurn(tb testing.TB, run *churnRun, cs churnSpec, col *exec.Cmd, s *stub, w *churnWriter, first time.Time) {
 	base, err := localcluster.ReadProcStat(col.Process.Pid)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	wmu.Lock()
-	w0, s0 := writerCPU, syncs
-	wmu.Unlock()
+	w0, s0 := w.done()
 	from := s.count()
 	time.Sleep(cs.window)
 	end, err := localcluster.ReadProcStat(col.Process.Pid)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	wmu.Lock()
-	run.writerCPU, run.syncs = writerCPU-w0, syncs-s0
-	wmu.Unlock()
+	w1, s1 := w.done()
+	run.writerCPU, run.syncs = w1-w0, s1-s0
 	run.window = cs.window
 	run.collectorCPU = (end.CPU + end.ChildCPU) - (base.CPU + base.ChildCPU)
 	s.mu.Lock()
 	reports := slices.Clone(s.reports[from:])
 	s.mu.Unlock()
 	run.reports = len(reports)
-	last := first.at
+	last := first
 	for _, r := range reports {
 		if r.r.ReadError != "" {
 			run.readErrors++
@@ -256,35 +327,27 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 			run.lastRead = r.r.Reads
 		}
 	}
+}
 
-	// Drifts by hand on services the churn does not touch: one
-	// endpoint's DNAT rewritten to another address (on nf_tables), or
-	// deleted (on the legacy backend, whose change signal is the table's
-	// size: a same-size rewrite is the full read's to find).
-	for i := range max(1, cs.drifts) {
-		if i > 0 {
-			time.Sleep(cs.driftEvery)
-		}
-		seen, took := driftOne(tb, ctx, ns, s, cs, tool, cs.spec.Services-1-i)
-		run.driftSeens = append(run.driftSeens, seen)
-		run.driftSeen, run.driftCmd = max(run.driftSeen, seen), max(run.driftCmd, took)
-	}
-	// The nat table flushed.
-	from = s.count()
+// flushUnderChurn flushes the nat table and returns the tool's run and
+// how long after it a report showed the flush.
+func flushUnderChurn(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, s *stub, cs churnSpec, tool string) (took, seen time.Duration) {
+	from := s.count()
 	t2 := time.Now()
 	defer func() {
-		if tb.Failed() {
-			s.mu.Lock()
-			for _, r := range s.reports[from:] {
-				empty := 0
-				for _, f := range r.r.Frontends {
-					if len(f.Endpoints) == 0 {
-						empty++
-					}
+		if !tb.Failed() {
+			return
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for _, r := range s.reports[from:] {
+			empty := 0
+			for _, f := range r.r.Frontends {
+				if len(f.Endpoints) == 0 {
+					empty++
 				}
-				tb.Logf("report after the flush: %d frontends (%d without endpoints), %d removed, no rules %v, read error %q", len(r.r.Frontends), empty, len(r.r.Removed), r.r.NoRules, r.r.ReadError)
 			}
-			s.mu.Unlock()
+			tb.Logf("report after the flush: %d frontends (%d without endpoints), %d removed, no rules %v, read error %q", len(r.r.Frontends), empty, len(r.r.Removed), r.r.NoRules, r.r.ReadError)
 		}
 	}()
 	flush := []string{tool, "-t", "nat", "-F"}
@@ -294,7 +357,7 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	if out, err := ns.Exec(ctx, flush...); err != nil {
 		tb.Fatalf("flush: %v: %s", err, out)
 	}
-	run.flushCmd, t2 = time.Since(t2), time.Now()
+	took, t2 = time.Since(t2), time.Now()
 	// Reported: no rules, or (when the writer's next sync already wrote
 	// KUBE-SERVICES again) nearly every frontend gone or without
 	// endpoints.
@@ -307,16 +370,7 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 		}
 		return r.r.NoRules || len(r.r.Removed)+empty >= cs.spec.Services/2
 	})
-	run.flushSeen = max(0, got.at.Sub(t2))
-	if p, err := localcluster.ReadProcStat(col.Process.Pid); err == nil {
-		run.peakRSS = p.PeakRSS
-	}
-	run.collectorShare = 100 * run.collectorCPU.Seconds() / cs.window.Seconds()
-	run.writerPct = 100 * run.writerCPU.Seconds() / cs.window.Seconds()
-	tb.Logf("under %d syncs in %s (writer %.1f%% of a core): collector %.2f%% of a core, peak RSS %.1f MB, %d reports (%d with read errors, longest gap %s), last read %+v; drifts seen %v after the tool returned (its run up to %s), flush %s after (its run %s)",
-		run.syncs, cs.window, run.writerPct, run.collectorShare, float64(run.peakRSS)/(1<<20), run.reports, run.readErrors, run.maxGap.Round(time.Millisecond),
-		run.lastRead, run.driftSeens, run.driftCmd.Round(time.Millisecond), run.flushSeen.Round(time.Millisecond), run.flushCmd.Round(time.Millisecond))
-	return run
+	return took, max(0, got.at.Sub(t2))
 }
 
 // driftOne makes one drift by hand on service drift and returns how long

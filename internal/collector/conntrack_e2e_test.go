@@ -118,6 +118,21 @@ func ctFrontends() *audit.Observed {
 	}}
 }
 
+// askUDP sends one datagram to to and waits up to 2 s for the answer.
+func askUDP(to string) error {
+	c, err := net.Dial("udp4", to)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("q")); err != nil {
+		return err
+	}
+	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	_, err = c.Read(make([]byte, 8))
+	return err
+}
+
 // Real traffic through real DNAT rules in a real kernel's conntrack: the
 // reader counts each frontend's flows per destination, UDP and TCP by
 // state, the unanswered ones, and leaves out what is not kube-proxy's.
@@ -132,19 +147,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 			return err
 		}
 		defer stop()
-		ask := func(to string) error {
-			c, err := net.Dial("udp4", to)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if _, err := c.Write([]byte("q")); err != nil {
-				return err
-			}
-			c.SetReadDeadline(time.Now().Add(2 * time.Second))
-			_, err = c.Read(make([]byte, 8))
-			return err
-		}
+		ask := askUDP
 		for range 3 {
 			if err := ask("198.19.0.10:53"); err != nil {
 				return fmt.Errorf("a DNS-like client through the cluster IP: %w", err)

@@ -28,13 +28,7 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 		t.Fatal(err, out)
 	}
 	keys := append(ctKeys(ctFrontends()), audit.FrontendKey{IP: netip.MustParseAddr("198.19.0.12"), Protocol: "TCP", Port: 80})
-	fe := func(s string) audit.FrontendKey {
-		k, err := audit.ParseFrontendKey(s)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return k
-	}
+	fe := func(s string) audit.FrontendKey { return mustKey(t, s) }
 	ap := netip.MustParseAddrPort
 	err := localcluster.InNetNS(ns.NetNS, func() error {
 		stop, err := servePod()
@@ -42,14 +36,7 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 			return err
 		}
 		defer stop()
-		asked := func(c net.Conn) error {
-			if _, err := c.Write([]byte("q")); err != nil {
-				return err
-			}
-			c.SetReadDeadline(time.Now().Add(700 * time.Millisecond))
-			_, err := c.Read(make([]byte, 8))
-			return err
-		}
+		asked := askOn
 		// The stale client: it asked while the service's endpoint was
 		// 198.18.77.3 (which is gone: nothing answers there).
 		stale, err := net.Dial("udp4", "198.19.0.11:53")
@@ -124,13 +111,9 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 		if got, err := r.Delete(ctx, targets[2:3]); err != nil || fmt.Sprint(got) != "[1]" {
 			return fmt.Errorf("the unanswered connection attempt, TCP asked: %v %v", got, err)
 		}
-		after, err := r.Read(ctx, keys)
+		left, err := flowsLeft(ctx, r, keys)
 		if err != nil {
 			return err
-		}
-		left := map[string]int{}
-		for _, f := range after.Flows {
-			left[f.Frontend.String()+" -> "+f.Dest.String()] = f.Total()
 		}
 		want := map[string]int{"198.19.0.10:53/UDP -> 198.18.77.2:5353": 1, "198.19.0.10:80/TCP -> 198.18.77.2:8080": 1}
 		if fmt.Sprint(left) != fmt.Sprint(want) {
@@ -155,4 +138,36 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 	if out, err := ns.Exec(ctx, "conntrack", "-L", "-o", "extended", "--dst-nat"); err != nil || strings.Contains(out, "src=198.18.77.3 ") {
 		t.Errorf("conntrack -L after the flushes (%v):\n%s", err, out)
 	}
+}
+
+// askOn sends one datagram on c and waits up to 0.7 s for the answer.
+func askOn(c net.Conn) error {
+	if _, err := c.Write([]byte("q")); err != nil {
+		return err
+	}
+	c.SetReadDeadline(time.Now().Add(700 * time.Millisecond))
+	_, err := c.Read(make([]byte, 8))
+	return err
+}
+
+// flowsLeft reads the table: the flows of each frontend and destination.
+func flowsLeft(ctx context.Context, r *ConntrackReader, keys []audit.FrontendKey) (map[string]int, error) {
+	after, err := r.Read(ctx, keys)
+	if err != nil {
+		return nil, err
+	}
+	left := map[string]int{}
+	for _, f := range after.Flows {
+		left[f.Frontend.String()+" -> "+f.Dest.String()] = f.Total()
+	}
+	return left, nil
+}
+
+func mustKey(t *testing.T, s string) audit.FrontendKey {
+	t.Helper()
+	k, err := audit.ParseFrontendKey(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }

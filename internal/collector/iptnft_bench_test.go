@@ -10,6 +10,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
 // rusage is this process's CPU and its waited-for children's.
@@ -44,209 +45,236 @@ func BenchmarkIPTablesRead(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Logf("%d services × %d endpoints loaded in %s", spec.Services, spec.EndpointsPerService, time.Since(load).Round(time.Millisecond))
+	want := spec.Services * spec.EndpointsPerService
+	b.Run("whole", func(b *testing.B) { benchIPTWhole(b, ctx, ns, want) })
+	b.Run("legacy-whole", func(b *testing.B) { benchIPTLegacyWhole(b, ctx, ipt, want) })
+	b.Run("changes-10-services", func(b *testing.B) { benchIPTChanges(b, ctx, ns, spec) })
+}
+
+// endpointCount is how many endpoints a model holds.
+func endpointCount(o *audit.Observed) int {
+	n := 0
+	for _, f := range o.Frontends {
+		n += len(f.Endpoints)
+	}
+	return n
+}
+
+// benchIPTWhole: iptables-save parsed as it streams beside the netlink
+// reader's whole read, on the nf_tables backend in ns.
+func benchIPTWhole(b *testing.B, ctx context.Context, ns *localcluster.Scratch, want int) {
 	inNS := func(f func() error) {
 		b.Helper()
 		if err := localcluster.InNetNS(ns.NetNS, f); err != nil {
 			b.Fatal(err)
 		}
 	}
-	want := spec.Services * spec.EndpointsPerService
-	endpoints := func(o *audit.Observed) int {
-		n := 0
-		for _, f := range o.Frontends {
-			n += len(f.Endpoints)
-		}
-		return n
-	}
-	b.Run("whole", func(b *testing.B) {
-		var saveWall, saveCPU, nlWall, nlCPU time.Duration
-		var alloc uint64
-		for b.Loop() {
-			inNS(func() error {
-				s0, k0 := rusage()
-				t0 := time.Now()
-				text, err := NewHost().iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
-				if err != nil {
-					return err
-				}
-				s1, k1 := rusage()
-				t1 := time.Now()
-				var m0, m1 runtime.MemStats
-				runtime.ReadMemStats(&m0)
-				nl, err := newIPTNFTReader(nil).Read(ctx)
-				if err != nil {
-					return err
-				}
-				runtime.ReadMemStats(&m1)
-				s2, _ := rusage()
-				saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
-				nlWall, nlCPU = nlWall+time.Since(t1), nlCPU+(s2-s1)
-				alloc += m1.TotalAlloc - m0.TotalAlloc
-				if endpoints(nl) != want || endpoints(text) != want {
-					b.Fatalf("read %d (netlink) and %d (iptables-save) endpoints, want %d", endpoints(nl), endpoints(text), want)
-				}
-				return nil
-			})
-		}
-		n := float64(b.N)
-		b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
-		b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
-		b.ReportMetric(nlWall.Seconds()/n, "netlink-s")
-		b.ReportMetric(nlCPU.Seconds()/n, "netlink-cpu-s")
-		b.ReportMetric(saveWall.Seconds()/nlWall.Seconds(), "x-faster")
-		b.ReportMetric(float64(alloc)/n/(1<<20), "netlink-alloc-MB")
-	})
-	b.Run("legacy-whole", func(b *testing.B) {
-		lns, err := localcluster.NewScratch(ctx, "iptlegread")
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer lns.Close()
-		if err := lns.RestoreIPTables(ctx, ipt, true); err != nil {
-			b.Fatal(err)
-		}
-		src := Source{Mode: audit.ModeIPTables, Legacy: true}
-		var saveWall, saveCPU, rdWall, rdCPU time.Duration
-		var alloc uint64
-		var tableBytes int64
-		for b.Loop() {
-			if err := localcluster.InNetNS(lns.NetNS, func() error {
-				s0, k0 := rusage()
-				t0 := time.Now()
-				text, err := NewHost().iptablesSave(src).Read(ctx)
-				if err != nil {
-					return err
-				}
-				s1, k1 := rusage()
-				t1 := time.Now()
-				var m0, m1 runtime.MemStats
-				runtime.ReadMemStats(&m0)
-				lr := newLegacyReader(nil)
-				got, err := lr.Read(ctx)
-				if err != nil {
-					return err
-				}
-				runtime.ReadMemStats(&m1)
-				s2, _ := rusage()
-				saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
-				rdWall, rdCPU = rdWall+time.Since(t1), rdCPU+(s2-s1)
-				alloc += m1.TotalAlloc - m0.TotalAlloc
-				tableBytes = lr.BytesRead()
-				if endpoints(got) != want || endpoints(text) != want {
-					b.Fatalf("read %d (getsockopt) and %d (iptables-legacy-save) endpoints, want %d", endpoints(got), endpoints(text), want)
-				}
-				return nil
-			}); err != nil {
-				b.Fatal(err)
-			}
-		}
-		// A read of a table that did not change (kube-proxy's sync of
-		// the same content replaces the whole table on this backend).
-		var again time.Duration
-		var againAlloc uint64
-		if err := localcluster.InNetNS(lns.NetNS, func() error {
-			lr := newLegacyReader(nil)
-			if _, err := lr.ReadChanges(ctx); err != nil {
+
+	var saveWall, saveCPU, nlWall, nlCPU time.Duration
+	var alloc uint64
+	for b.Loop() {
+		inNS(func() error {
+			s0, k0 := rusage()
+			t0 := time.Now()
+			text, err := NewHost().iptablesSave(Source{Mode: audit.ModeIPTables}).Read(ctx)
+			if err != nil {
 				return err
 			}
-			for range 3 {
-				var m0, m1 runtime.MemStats
-				runtime.ReadMemStats(&m0)
-				s0, _ := rusage()
-				ch, err := lr.ReadChanges(ctx)
-				if err != nil {
-					return err
-				}
-				s1, _ := rusage()
-				runtime.ReadMemStats(&m1)
-				again, againAlloc = again+(s1-s0), againAlloc+(m1.TotalAlloc-m0.TotalAlloc)
-				if ch.Whole != nil || len(ch.Frontends) > 0 {
-					b.Fatalf("an unchanged table read as changed: %d frontends", len(ch.Frontends))
-				}
+			s1, k1 := rusage()
+			t1 := time.Now()
+			var m0, m1 runtime.MemStats
+			runtime.ReadMemStats(&m0)
+			nl, err := newIPTNFTReader(nil).Read(ctx)
+			if err != nil {
+				return err
+			}
+			runtime.ReadMemStats(&m1)
+			s2, _ := rusage()
+			saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
+			nlWall, nlCPU = nlWall+time.Since(t1), nlCPU+(s2-s1)
+			alloc += m1.TotalAlloc - m0.TotalAlloc
+			if endpointCount(nl) != want || endpointCount(text) != want {
+				b.Fatalf("read %d (netlink) and %d (iptables-save) endpoints, want %d", endpointCount(nl), endpointCount(text), want)
+			}
+			return nil
+		})
+	}
+	n := float64(b.N)
+	b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
+	b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
+	b.ReportMetric(nlWall.Seconds()/n, "netlink-s")
+	b.ReportMetric(nlCPU.Seconds()/n, "netlink-cpu-s")
+	b.ReportMetric(saveWall.Seconds()/nlWall.Seconds(), "x-faster")
+	b.ReportMetric(float64(alloc)/n/(1<<20), "netlink-alloc-MB")
+
+}
+
+// benchIPTLegacyWhole: iptables-legacy-save beside the getsockopt
+// reader, on the legacy backend loaded with ipt; then a read of the
+// table unchanged.
+func benchIPTLegacyWhole(b *testing.B, ctx context.Context, ipt []byte, want int) {
+
+	lns, err := localcluster.NewScratch(ctx, "iptlegread")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer lns.Close()
+	if err := lns.RestoreIPTables(ctx, ipt, true); err != nil {
+		b.Fatal(err)
+	}
+	src := Source{Mode: audit.ModeIPTables, Legacy: true}
+	var saveWall, saveCPU, rdWall, rdCPU time.Duration
+	var alloc uint64
+	var tableBytes int64
+	for b.Loop() {
+		if err := localcluster.InNetNS(lns.NetNS, func() error {
+			s0, k0 := rusage()
+			t0 := time.Now()
+			text, err := NewHost().iptablesSave(src).Read(ctx)
+			if err != nil {
+				return err
+			}
+			s1, k1 := rusage()
+			t1 := time.Now()
+			var m0, m1 runtime.MemStats
+			runtime.ReadMemStats(&m0)
+			lr := newLegacyReader(nil)
+			got, err := lr.Read(ctx)
+			if err != nil {
+				return err
+			}
+			runtime.ReadMemStats(&m1)
+			s2, _ := rusage()
+			saveWall, saveCPU = saveWall+t1.Sub(t0), saveCPU+(s1-s0)+(k1-k0)
+			rdWall, rdCPU = rdWall+time.Since(t1), rdCPU+(s2-s1)
+			alloc += m1.TotalAlloc - m0.TotalAlloc
+			tableBytes = lr.BytesRead()
+			if endpointCount(got) != want || endpointCount(text) != want {
+				b.Fatalf("read %d (getsockopt) and %d (iptables-legacy-save) endpoints, want %d", endpointCount(got), endpointCount(text), want)
 			}
 			return nil
 		}); err != nil {
 			b.Fatal(err)
 		}
-		b.ReportMetric(again.Seconds()/3, "unchanged-read-cpu-s")
-		b.ReportMetric(float64(againAlloc)/3/(1<<20), "unchanged-read-alloc-MB")
-		n := float64(b.N)
-		b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
-		b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
-		b.ReportMetric(rdWall.Seconds()/n, "getsockopt-s")
-		b.ReportMetric(rdCPU.Seconds()/n, "getsockopt-cpu-s")
-		b.ReportMetric(saveWall.Seconds()/rdWall.Seconds(), "x-faster")
-		b.ReportMetric(float64(alloc)/n/(1<<20), "heap-alloc-MB")
-		b.ReportMetric(float64(tableBytes)/(1<<20), "table-MB")
-	})
-	b.Run("changes-10-services", func(b *testing.B) {
-		var r *iptNFTReader
-		var sig *nftSignal
-		inNS(func() error {
-			s, err := openNFTSignal(DefaultNotifyBuffer)
+	}
+	// A read of a table that did not change (kube-proxy's sync of
+	// the same content replaces the whole table on this backend).
+	var again time.Duration
+	var againAlloc uint64
+	if err := localcluster.InNetNS(lns.NetNS, func() error {
+		lr := newLegacyReader(nil)
+		if _, err := lr.ReadChanges(ctx); err != nil {
+			return err
+		}
+		for range 3 {
+			var m0, m1 runtime.MemStats
+			runtime.ReadMemStats(&m0)
+			s0, _ := rusage()
+			ch, err := lr.ReadChanges(ctx)
 			if err != nil {
 				return err
 			}
-			sig = s.(*nftSignal)
-			r = newIPTNFTReader(nil)
-			sig.Feed(r)
-			_, err = r.ReadChanges(ctx)
-			return err
-		})
-		defer sig.Close()
-		var sync bytes.Buffer
-		services := []int{}
-		for i := range 10 {
-			services = append(services, i*spec.Services/10)
+			s1, _ := rusage()
+			runtime.ReadMemStats(&m1)
+			again, againAlloc = again+(s1-s0), againAlloc+(m1.TotalAlloc-m0.TotalAlloc)
+			if ch.Whole != nil || len(ch.Frontends) > 0 {
+				b.Fatalf("an unchanged table read as changed: %d frontends", len(ch.Frontends))
+			}
 		}
-		if err := spec.WritePartialSync(&sync, services, true); err != nil {
+		return nil
+	}); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(again.Seconds()/3, "unchanged-read-cpu-s")
+	b.ReportMetric(float64(againAlloc)/3/(1<<20), "unchanged-read-alloc-MB")
+	n := float64(b.N)
+	b.ReportMetric(saveWall.Seconds()/n, "save+parse-s")
+	b.ReportMetric(saveCPU.Seconds()/n, "save+parse-cpu-s")
+	b.ReportMetric(rdWall.Seconds()/n, "getsockopt-s")
+	b.ReportMetric(rdCPU.Seconds()/n, "getsockopt-cpu-s")
+	b.ReportMetric(saveWall.Seconds()/rdWall.Seconds(), "x-faster")
+	b.ReportMetric(float64(alloc)/n/(1<<20), "heap-alloc-MB")
+	b.ReportMetric(float64(tableBytes)/(1<<20), "table-MB")
+
+}
+
+// benchIPTChanges: with the reader fed by the change signal, a read of
+// what one kube-proxy partial sync of ten services changed.
+func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch, spec synth.Spec) {
+	inNS := func(f func() error) {
+		b.Helper()
+		if err := localcluster.InNetNS(ns.NetNS, f); err != nil {
 			b.Fatal(err)
 		}
-		var cpu time.Duration
-		var alloc uint64
-		var frontends int
-		for b.Loop() {
-			b.StopTimer()
-			// The CPU counted is this process's from the commit on: the
-			// notifications decoded as they arrive, and the read.
-			cpu0, _ := rusage()
-			cmd := ns.Command(ctx, "iptables-restore", "--noflush")
-			cmd.Stdin = bytes.NewReader(sync.Bytes())
-			if out, err := cmd.CombinedOutput(); err != nil {
-				b.Fatalf("%v: %s", err, out)
-			}
-			tok, err := sig.Token()
-			if err != nil {
-				b.Fatal(err)
-			}
-			for deadline := time.Now().Add(10 * time.Second); !r.notes.caughtUp(tok); time.Sleep(time.Millisecond) {
-				if time.Now().After(deadline) {
-					b.Fatal("the sync's notifications did not arrive")
-				}
-			}
-			b.StartTimer()
-			inNS(func() error {
-				var m0, m1 runtime.MemStats
-				runtime.ReadMemStats(&m0)
-				ch, err := r.ReadChanges(ctx)
-				if err != nil {
-					return err
-				}
-				s1, _ := rusage()
-				runtime.ReadMemStats(&m1)
-				cpu += s1 - cpu0
-				alloc += m1.TotalAlloc - m0.TotalAlloc
-				if ch.Whole != nil {
-					b.Fatal("a whole read where the changes were known")
-				}
-				frontends += len(ch.Frontends)
-				return nil
-			})
+	}
+
+	var r *iptNFTReader
+	var sig *nftSignal
+	inNS(func() error {
+		s, err := openNFTSignal(DefaultNotifyBuffer)
+		if err != nil {
+			return err
 		}
-		n := float64(b.N)
-		b.ReportMetric(cpu.Seconds()/n, "notes+read-cpu-s")
-		b.ReportMetric(float64(alloc)/n/(1<<20), "alloc-MB")
-		b.ReportMetric(float64(frontends)/n, "frontends-changed")
-		b.ReportMetric(float64(r.chains.Load())/n, "chains-read")
+		sig = s.(*nftSignal)
+		r = newIPTNFTReader(nil)
+		sig.Feed(r)
+		_, err = r.ReadChanges(ctx)
+		return err
 	})
+	defer sig.Close()
+	var sync bytes.Buffer
+	services := []int{}
+	for i := range 10 {
+		services = append(services, i*spec.Services/10)
+	}
+	if err := spec.WritePartialSync(&sync, services, true); err != nil {
+		b.Fatal(err)
+	}
+	var cpu time.Duration
+	var alloc uint64
+	var frontends int
+	for b.Loop() {
+		b.StopTimer()
+		// The CPU counted is this process's from the commit on: the
+		// notifications decoded as they arrive, and the read.
+		cpu0, _ := rusage()
+		cmd := ns.Command(ctx, "iptables-restore", "--noflush")
+		cmd.Stdin = bytes.NewReader(sync.Bytes())
+		if out, err := cmd.CombinedOutput(); err != nil {
+			b.Fatalf("%v: %s", err, out)
+		}
+		tok, err := sig.Token()
+		if err != nil {
+			b.Fatal(err)
+		}
+		for deadline := time.Now().Add(10 * time.Second); !r.notes.caughtUp(tok); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				b.Fatal("the sync's notifications did not arrive")
+			}
+		}
+		b.StartTimer()
+		inNS(func() error {
+			var m0, m1 runtime.MemStats
+			runtime.ReadMemStats(&m0)
+			ch, err := r.ReadChanges(ctx)
+			if err != nil {
+				return err
+			}
+			s1, _ := rusage()
+			runtime.ReadMemStats(&m1)
+			cpu += s1 - cpu0
+			alloc += m1.TotalAlloc - m0.TotalAlloc
+			if ch.Whole != nil {
+				b.Fatal("a whole read where the changes were known")
+			}
+			frontends += len(ch.Frontends)
+			return nil
+		})
+	}
+	n := float64(b.N)
+	b.ReportMetric(cpu.Seconds()/n, "notes+read-cpu-s")
+	b.ReportMetric(float64(alloc)/n/(1<<20), "alloc-MB")
+	b.ReportMetric(float64(frontends)/n, "frontends-changed")
+	b.ReportMetric(float64(r.chains.Load())/n, "chains-read")
+
 }

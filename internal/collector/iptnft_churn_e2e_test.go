@@ -141,6 +141,24 @@ func TestE2EIPTablesIncrementalEqualsWholeRead(t *testing.T) {
 	t.Run("legacy", func(t *testing.T) { incrementalChurn(t, true) })
 }
 
+// iptChurn is one run of TestE2EIPTablesIncrementalEqualsWholeRead: the
+// tables a scratch namespace holds, and the reader kept up to date with
+// them.
+type iptChurn struct {
+	t      *testing.T
+	ctx    context.Context
+	ns     *localcluster.Scratch
+	rng    *rand.Rand
+	legacy bool
+	tables map[int]*churnTable
+	src    Source
+	r      ChangeReader
+	sig    *nftSignal
+	tok0   uint64
+	// state is the model kept from the reader's changes alone.
+	state *stream.State
+}
+
 func incrementalChurn(t *testing.T, legacy bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
@@ -149,222 +167,258 @@ func incrementalChurn(t *testing.T, legacy bool) {
 		t.Fatal(err)
 	}
 	defer ns.Close()
-	rng := rand.New(rand.NewPCG(7, 11))
-	tables := map[int]*churnTable{}
+	c := &iptChurn{t: t, ctx: ctx, ns: ns, rng: rand.New(rand.NewPCG(7, 11)), legacy: legacy, tables: map[int]*churnTable{},
+		src: Source{Mode: audit.ModeIPTables, Legacy: legacy}}
 	for _, fam := range []int{4, 6} {
-		tables[fam] = &churnTable{fam: fam, rng: rng, services: make([][]churnEndpoint, map[int]int{4: 60, 6: 15}[fam])}
-		for i := range tables[fam].services {
-			tables[fam].services[i] = tables[fam].newEndpoints(i)
+		c.tables[fam] = &churnTable{fam: fam, rng: c.rng, services: make([][]churnEndpoint, map[int]int{4: 60, 6: 15}[fam])}
+		for i := range c.tables[fam].services {
+			c.tables[fam].services[i] = c.tables[fam].newEndpoints(i)
 		}
 	}
-	suffix := ""
-	if legacy {
-		suffix = "-legacy"
+	for fam, tb := range c.tables {
+		c.restore(fam, tb.sync(nil, true))
 	}
-	toolOf := func(fam int) string { return map[int]string{4: "iptables", 6: "ip6tables"}[fam] + suffix }
-	restore := func(fam int, input string) {
-		t.Helper()
-		tool := toolOf(fam) + "-restore"
-		cmd := ns.Command(ctx, tool, "--noflush")
-		cmd.Stdin = strings.NewReader(input)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("%s: %v: %s\n%s", tool, err, out, input)
-		}
+	c.ipt(4, "-N", "CNI-OTHER")
+	c.open()
+	if c.sig != nil {
+		defer c.sig.Close()
 	}
-	ipt := func(fam int, args ...string) {
-		t.Helper()
-		tool := toolOf(fam)
-		if out, err := ns.Exec(ctx, append([]string{tool, "-t", "nat"}, args...)...); err != nil {
-			t.Fatalf("%s %v: %v: %s", tool, args, err, out)
-		}
-	}
-	for fam, tb := range tables {
-		restore(fam, tb.sync(nil, true))
-	}
-	ipt(4, "-N", "CNI-OTHER")
-
-	src := Source{Mode: audit.ModeIPTables, Legacy: legacy}
-	var r ChangeReader
-	var sig *nftSignal
-	inNS := func(f func() error) {
-		t.Helper()
-		if err := localcluster.InNetNS(ns.NetNS, f); err != nil {
-			t.Fatal(err)
-		}
-	}
-	inNS(func() error {
-		r = NewHost().Reader(src).(ChangeReader)
-		if legacy {
-			return nil // no notifications: every read compares the table
-		}
-		s, err := openNFTSignal(DefaultNotifyBuffer)
-		if err != nil {
-			return err
-		}
-		sig = s.(*nftSignal)
-		sig.Feed(r.(NotificationSink))
-		return nil
-	})
-	var tok0 uint64
-	if sig != nil {
-		defer sig.Close()
-		tok0, err = sig.Token()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	var state *stream.State
-	read := func(round int, what string) {
-		t.Helper()
-		// The notifications of the last commit reach the reader first.
-		deadline := time.Now().Add(5 * time.Second)
-		for sig != nil {
-			tok, err := sig.Token()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if tok == tok0 || r.(*iptNFTReader).notes.caughtUp(tok) {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("round %d: the notifications of generation %d did not arrive in 5s", round, tok)
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-		var ch *Changes
-		var whole, text *audit.Observed
-		inNS(func() error {
-			var err error
-			if ch, err = r.ReadChanges(ctx); err != nil {
-				return err
-			}
-			// The whole read dumps the small table in one request, or
-			// chain by chain every other round, as a large one.
-			var wr RuleReader = newLegacyReader(nil)
-			if !legacy {
-				nr := newIPTNFTReader(nil)
-				if round%2 == 1 {
-					nr.maxDumpParts = 0
-				}
-				wr = nr
-			}
-			if whole, err = wr.Read(ctx); err != nil {
-				return err
-			}
-			if round%10 == 0 {
-				text, err = NewHost().iptablesSave(src).Read(ctx)
-			}
-			return err
-		})
-		if ch.Whole != nil {
-			state = stream.FromModel(ch.Whole)
-		} else {
-			if state == nil {
-				t.Fatalf("round %d: changes without a whole read first", round)
-			}
-			state = applyChanges(state, ch)
-		}
-		want := stream.FromModel(whole)
-		var differ []string
-		stream.ChangedKeys(state, want, func(k string) { differ = append(differ, k) })
-		if len(differ) > 0 || state.Root() != want.Root() || state.NoRules != want.NoRules || state.Mode != want.Mode ||
-			fmt.Sprint(state.Families) != fmt.Sprint(want.Families) {
-			t.Fatalf("round %d (%s): the incremental model (%d frontends, root %x) is not the whole read's (%d, root %x); frontends that differ: %v",
-				round, what, state.Len(), state.Root(), want.Len(), want.Root(), differ)
-		}
-		if text != nil {
-			sameModel(t, fmt.Sprintf("round %d (%s)", round, what), whole, text)
-		}
-	}
-	read(0, "first read")
+	c.read(0, "first read")
 	counts := map[string]int{}
 	for round := 1; round <= 240; round++ {
 		var did []string
-		for range 1 + rng.IntN(3) {
+		for range 1 + c.rng.IntN(3) {
 			fam := 4
-			if rng.IntN(5) == 0 {
+			if c.rng.IntN(5) == 0 {
 				fam = 6
 			}
-			tb := tables[fam]
-			i := rng.IntN(len(tb.services))
+			i := c.rng.IntN(len(c.tables[fam].services))
 			kinds := []string{"sync", "sync", "sync", "tamper", "delete", "insert", "flush-chain", "noise", "full", "flush-table", "delete-chain",
 				"insert-middle", "replace-dispatch", "delete-dispatch", "port"}
-			kind := kinds[rng.IntN(len(kinds))]
-			switch kind {
-			case "sync":
-				var changed []int
-				for range 1 + rng.IntN(8) {
-					changed = append(changed, rng.IntN(len(tb.services)))
-				}
-				changed = uniqueInts(changed)
-				restore(fam, tb.sync(changed, false))
-			case "full":
-				restore(fam, tb.sync(nil, true))
-			case "tamper":
-				if eps := tb.services[i]; len(eps) > 0 {
-					e := eps[rng.IntN(len(eps))]
-					other := tables[fam].services[rng.IntN(len(tb.services))]
-					if len(other) == 0 {
-						continue
-					}
-					// Fails when a flush emptied the chain: then nothing to tamper.
-					tool := toolOf(fam)
-					ns.Exec(ctx, tool, "-t", "nat", "-R", e.sep, "2", "-p", "tcp", "-m", "tcp", "-j", "DNAT", "--to-destination", tb.dnatTarget(other[0].ip))
-				}
-			case "delete":
-				tool := toolOf(fam)
-				ns.Exec(ctx, tool, "-t", "nat", "-D", tb.svcChain(i), "1")
-			case "insert":
-				j := rng.IntN(len(tb.services))
-				ipt(fam, "-I", "KUBE-SERVICES", "1", "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
-			case "insert-middle", "replace-dispatch":
-				// After the third rule, or in place of the second:
-				// notifications that name the rule before.
-				j := rng.IntN(len(tb.services))
-				op := map[string]string{"insert-middle": "-I", "replace-dispatch": "-R"}[kind]
-				tool := toolOf(fam)
-				ns.Exec(ctx, tool, "-t", "nat", op, "KUBE-SERVICES", []string{"4", "2"}[rng.IntN(2)], "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
-			case "port":
-				// Only a match changes: service i's port, its rule and target
-				// otherwise the same (the rule the sync wrote for it).
-				ns.Exec(ctx, toolOf(fam), "-t", "nat", "-R", "KUBE-SERVICES", fmt.Sprint(i+1), "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp",
-					"-m", "comment", "--comment", fmt.Sprintf("ns/s%d:http cluster IP", i), "-m", "tcp", "--dport", "81", "-j", tb.svcChain(i))
-			case "delete-dispatch":
-				tool := toolOf(fam)
-				ns.Exec(ctx, tool, "-t", "nat", "-D", "KUBE-SERVICES", "1")
-			case "flush-chain":
-				ipt(fam, "-F", tb.svcChain(i))
-			case "noise":
-				if fam == 4 {
-					ipt(4, "-A", "CNI-OTHER", "-d", "198.18.1.1/32", "-j", "RETURN")
-				}
-			case "flush-table":
-				ipt(fam, "-F")
-			case "delete-chain":
-				// A stale endpoint chain nothing jumps to any more.
-				ipt(fam, "-N", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
-				ipt(fam, "-A", "KUBE-SEP-ZZZZZZZZZZZZZZZZ", "-p", "tcp", "-j", "DNAT", "--to-destination", tb.dnatTarget(netip.MustParseAddr(map[int]string{4: "198.18.200.1", 6: "2001:2:0:9000::1"}[fam])))
-				ipt(fam, "-F", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
-				ipt(fam, "-X", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
+			kind := kinds[c.rng.IntN(len(kinds))]
+			if !c.commit(kind, fam, i) {
+				continue
 			}
 			did = append(did, fmt.Sprintf("%s/%d", kind, fam))
 			counts[kind]++
 		}
 		if round == 120 && !legacy {
-			r.(NotificationSink).Lost() // as after an overrun: the next read is whole, and still agrees
+			c.r.(NotificationSink).Lost() // as after an overrun: the next read is whole, and still agrees
 			did = append(did, "lost")
 		}
-		read(round, strings.Join(did, " "))
+		c.read(round, strings.Join(did, " "))
 	}
-	if legacy {
-		lr := r.(*legacyReader)
+	c.summary(counts)
+}
+
+func (c *iptChurn) toolOf(fam int) string {
+	suffix := ""
+	if c.legacy {
+		suffix = "-legacy"
+	}
+	return map[int]string{4: "iptables", 6: "ip6tables"}[fam] + suffix
+}
+
+func (c *iptChurn) restore(fam int, input string) {
+	c.t.Helper()
+	tool := c.toolOf(fam) + "-restore"
+	cmd := c.ns.Command(c.ctx, tool, "--noflush")
+	cmd.Stdin = strings.NewReader(input)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		c.t.Fatalf("%s: %v: %s\n%s", tool, err, out, input)
+	}
+}
+
+func (c *iptChurn) ipt(fam int, args ...string) {
+	c.t.Helper()
+	tool := c.toolOf(fam)
+	if out, err := c.ns.Exec(c.ctx, append([]string{tool, "-t", "nat"}, args...)...); err != nil {
+		c.t.Fatalf("%s %v: %v: %s", tool, args, err, out)
+	}
+}
+
+// try runs a command that may fail (a chain a flush emptied).
+func (c *iptChurn) try(fam int, args ...string) {
+	c.ns.Exec(c.ctx, append([]string{c.toolOf(fam), "-t", "nat"}, args...)...)
+}
+
+func (c *iptChurn) inNS(f func() error) {
+	c.t.Helper()
+	if err := localcluster.InNetNS(c.ns.NetNS, f); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// open makes the reader in the namespace, fed by the nf_tables signal
+// (the legacy backend has no notifications: every read compares the
+// table).
+func (c *iptChurn) open() {
+	c.inNS(func() error {
+		c.r = NewHost().Reader(c.src).(ChangeReader)
+		if c.legacy {
+			return nil
+		}
+		s, err := openNFTSignal(DefaultNotifyBuffer)
+		if err != nil {
+			return err
+		}
+		c.sig = s.(*nftSignal)
+		c.sig.Feed(c.r.(NotificationSink))
+		return nil
+	})
+	if c.sig != nil {
+		var err error
+		if c.tok0, err = c.sig.Token(); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+}
+
+// commit makes one random commit of the kind on family fam, about
+// service i; false when there was nothing to do.
+func (c *iptChurn) commit(kind string, fam, i int) bool {
+	tb := c.tables[fam]
+	rng := c.rng
+	switch kind {
+	case "sync":
+		var changed []int
+		for range 1 + rng.IntN(8) {
+			changed = append(changed, rng.IntN(len(tb.services)))
+		}
+		c.restore(fam, tb.sync(uniqueInts(changed), false))
+	case "full":
+		c.restore(fam, tb.sync(nil, true))
+	case "tamper":
+		if eps := tb.services[i]; len(eps) > 0 {
+			e := eps[rng.IntN(len(eps))]
+			other := tb.services[rng.IntN(len(tb.services))]
+			if len(other) == 0 {
+				return false
+			}
+			// Fails when a flush emptied the chain: then nothing to tamper.
+			c.try(fam, "-R", e.sep, "2", "-p", "tcp", "-m", "tcp", "-j", "DNAT", "--to-destination", tb.dnatTarget(other[0].ip))
+		}
+	case "delete":
+		c.try(fam, "-D", tb.svcChain(i), "1")
+	case "insert":
+		j := rng.IntN(len(tb.services))
+		c.ipt(fam, "-I", "KUBE-SERVICES", "1", "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
+	case "insert-middle", "replace-dispatch":
+		// After the third rule, or in place of the second:
+		// notifications that name the rule before.
+		j := rng.IntN(len(tb.services))
+		op := map[string]string{"insert-middle": "-I", "replace-dispatch": "-R"}[kind]
+		c.try(fam, op, "KUBE-SERVICES", []string{"4", "2"}[rng.IntN(2)], "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp", "-m", "tcp", "--dport", "80", "-j", tb.svcChain(j))
+	case "port":
+		// Only a match changes: service i's port, its rule and target
+		// otherwise the same (the rule the sync wrote for it).
+		c.try(fam, "-R", "KUBE-SERVICES", fmt.Sprint(i+1), "-d", tb.clusterIP(i)+tb.prefix(), "-p", "tcp",
+			"-m", "comment", "--comment", fmt.Sprintf("ns/s%d:http cluster IP", i), "-m", "tcp", "--dport", "81", "-j", tb.svcChain(i))
+	case "delete-dispatch":
+		c.try(fam, "-D", "KUBE-SERVICES", "1")
+	case "flush-chain":
+		c.ipt(fam, "-F", tb.svcChain(i))
+	case "noise":
+		if fam == 4 {
+			c.ipt(4, "-A", "CNI-OTHER", "-d", "198.18.1.1/32", "-j", "RETURN")
+		}
+	case "flush-table":
+		c.ipt(fam, "-F")
+	case "delete-chain":
+		// A stale endpoint chain nothing jumps to any more.
+		c.ipt(fam, "-N", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
+		c.ipt(fam, "-A", "KUBE-SEP-ZZZZZZZZZZZZZZZZ", "-p", "tcp", "-j", "DNAT", "--to-destination", tb.dnatTarget(netip.MustParseAddr(map[int]string{4: "198.18.200.1", 6: "2001:2:0:9000::1"}[fam])))
+		c.ipt(fam, "-F", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
+		c.ipt(fam, "-X", "KUBE-SEP-ZZZZZZZZZZZZZZZZ")
+	}
+	return true
+}
+
+// read reads the changes and checks the model kept from them against a
+// whole read (and, every tenth round, against what iptables-save prints).
+func (c *iptChurn) read(round int, what string) {
+	t := c.t
+	t.Helper()
+	c.caughtUp(round)
+	var ch *Changes
+	var whole, text *audit.Observed
+	c.inNS(func() error {
+		var err error
+		if ch, err = c.r.ReadChanges(c.ctx); err != nil {
+			return err
+		}
+		// The whole read dumps the small table in one request, or
+		// chain by chain every other round, as a large one.
+		var wr RuleReader = newLegacyReader(nil)
+		if !c.legacy {
+			nr := newIPTNFTReader(nil)
+			if round%2 == 1 {
+				nr.maxDumpParts = 0
+			}
+			wr = nr
+		}
+		if whole, err = wr.Read(c.ctx); err != nil {
+			return err
+		}
+		if round%10 == 0 {
+			text, err = NewHost().iptablesSave(c.src).Read(c.ctx)
+		}
+		return err
+	})
+	if ch.Whole != nil {
+		c.state = stream.FromModel(ch.Whole)
+	} else {
+		if c.state == nil {
+			t.Fatalf("round %d: changes without a whole read first", round)
+		}
+		c.state = applyChanges(c.state, ch)
+	}
+	state, want := c.state, stream.FromModel(whole)
+	var differ []string
+	stream.ChangedKeys(state, want, func(k string) { differ = append(differ, k) })
+	if len(differ) > 0 || state.Root() != want.Root() || state.NoRules != want.NoRules || state.Mode != want.Mode ||
+		fmt.Sprint(state.Families) != fmt.Sprint(want.Families) {
+		t.Fatalf("round %d (%s): the incremental model (%d frontends, root %x) is not the whole read's (%d, root %x); frontends that differ: %v",
+			round, what, state.Len(), state.Root(), want.Len(), want.Root(), differ)
+	}
+	if text != nil {
+		sameModel(t, fmt.Sprintf("round %d (%s)", round, what), whole, text)
+	}
+}
+
+// caughtUp waits for the notifications of the last commit to reach the
+// reader.
+func (c *iptChurn) caughtUp(round int) {
+	c.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for c.sig != nil {
+		tok, err := c.sig.Token()
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		if tok == c.tok0 || c.r.(*iptNFTReader).notes.caughtUp(tok) {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("round %d: the notifications of generation %d did not arrive in 5s", round, tok)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// summary says what the reader did, and fails when it never read
+// incrementally or fell back to the text tool.
+func (c *iptChurn) summary(counts map[string]int) {
+	t := c.t
+	if c.legacy {
+		lr := c.r.(*legacyReader)
 		t.Logf("commits: %v; %d reads decoded %d chains that changed; fallbacks: %d", counts, lr.reads.Load(), lr.chains.Load(), lr.fallbacks.Load())
 		if lr.fallbacks.Load() > 0 {
 			t.Errorf("the reader fell back to iptables-legacy-save: %v", lr.lastFallback.Load())
 		}
 		return
 	}
-	nr := r.(*iptNFTReader)
+	nr := c.r.(*iptNFTReader)
 	t.Logf("commits: %v; chains read one by one: %d; mirrored changes applied: %d; whole reads: %d (by chain: %d); fallbacks: %d",
 		counts, nr.chains.Load(), nr.mirrorOps.Load(), nr.whole.Load(), nr.byChain.Load(), nr.fallbacks.Load())
 	if nr.mirrorOps.Load() == 0 {

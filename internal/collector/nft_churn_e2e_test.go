@@ -171,44 +171,8 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var state *stream.State
-	read := func(round int, what string) {
-		t.Helper()
-		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-			tok, err := sig.Token()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if tok == tok0 || r.touched.caughtUp(tok) {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("round %d: the notifications of generation %d did not arrive in 5s", round, tok)
-			}
-		}
-		var ch *Changes
-		var whole *audit.Observed
-		inNS(func() error {
-			var err error
-			if ch, err = r.ReadChanges(ctx); err != nil {
-				return err
-			}
-			whole, err = newNFTNetlinkReader().Read(ctx)
-			return err
-		})
-		if ch.Whole != nil {
-			state = stream.FromModel(ch.Whole)
-		} else {
-			state = applyChanges(state, ch)
-		}
-		want := stream.FromModel(whole)
-		var differ []string
-		stream.ChangedKeys(state, want, func(k string) { differ = append(differ, k) })
-		if len(differ) > 0 || state.Root() != want.Root() || state.NoRules != want.NoRules || fmt.Sprint(state.Families) != fmt.Sprint(want.Families) {
-			t.Fatalf("round %d (%s): the incremental model (%d frontends, root %x) is not the whole read's (%d, root %x); frontends that differ: %v",
-				round, what, state.Len(), state.Root(), want.Len(), want.Root(), differ)
-		}
-	}
+	ir := &nftIncremental{t: t, ctx: ctx, ns: ns, r: r, sig: sig, tok0: tok0}
+	read := ir.read
 	read(0, "first read")
 	counts := map[string]int{}
 	flushed := map[int]bool{}
@@ -227,61 +191,15 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 				fam = 6
 			}
 			tb := tables[fam]
-			f := tb.family()
 			i := rng.IntN(tb.services)
 			kinds := []string{"sync", "sync", "sync", "element", "unlist", "redirect", "external", "tamper", "flush-chain", "noise", "flush-table"}
 			kind := kinds[rng.IntN(len(kinds))]
-			var script string
-			switch kind {
-			case "sync":
-				for range 1 + rng.IntN(5) {
-					script += tb.rewrite(rng.IntN(tb.services))
-				}
-			case "element": // listed again after an unlist
-				if strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
-					continue
-				}
-				script = fmt.Sprintf("add element %s kube-proxy service-ips { %s . tcp . 80 : goto %s }\n", f, tb.vip(i), tb.svc(i))
-			case "unlist":
-				script = fmt.Sprintf("delete element %s kube-proxy service-ips { %s . tcp . 80 }\nadd element %s kube-proxy no-endpoint-services { %s . tcp . 80 : goto reject-chain }\n",
-					f, tb.vip(i), f, tb.vip(i))
-				// Fails when not listed: then do nothing this time.
-				if !strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
-					continue
-				}
-			case "redirect": // another service's chain
-				j := rng.IntN(tb.services)
-				script = fmt.Sprintf("delete element %s kube-proxy service-ips { %s . tcp . 80 }\nadd element %s kube-proxy service-ips { %s . tcp . 80 : goto %s }\n",
-					f, tb.vip(i), f, tb.vip(i), tb.svc(j))
-				if !strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
-					script = script[strings.Index(script, "\n")+1:]
-				}
-			case "external": // externalTrafficPolicy: Local, and back
-				i -= i % 3
-				target := tb.svc(i)
-				if rng.IntN(2) == 0 {
-					target = tb.loc(i)
-					addr, port := tb.endpoint()
-					script = fmt.Sprintf("add chain %s kube-proxy %s\nflush chain %s kube-proxy %s\nadd rule %s kube-proxy %s meta l4proto tcp dnat %s to %s\n",
-						f, target, f, target, f, target, f, hostPort(tb.fam, addr, port))
-				}
-				script += fmt.Sprintf("flush chain %s kube-proxy %s\nadd rule %s kube-proxy %s jump mark-for-masquerade\nadd rule %s kube-proxy %s goto %s\n",
-					f, tb.ext(i), f, tb.ext(i), f, tb.ext(i), target)
-			case "tamper": // one DNAT rewritten by hand
-				addr, port := tb.endpoint()
-				chain := tb.svc(i)
-				if i%5 == 0 {
-					chain = tb.ep(i, 0)
-				}
-				script = fmt.Sprintf("flush chain %s kube-proxy %s\nadd rule %s kube-proxy %s meta l4proto tcp dnat %s to %s\n", f, chain, f, chain, f, hostPort(tb.fam, addr, port))
-			case "flush-chain":
-				script = fmt.Sprintf("flush chain %s kube-proxy %s\n", f, tb.svc(i))
-			case "noise":
-				script = "add rule ip other c counter\n"
-			case "flush-table":
-				// Every chain emptied (the maps keep their elements); the
-				// next round restarts kube-proxy.
-				script, flushed[fam] = fmt.Sprintf("flush table %s kube-proxy\n", f), true
+			script, ok := tb.commit(ctx, ns, kind, i)
+			if !ok {
+				continue
+			}
+			if kind == "flush-table" {
+				flushed[fam] = true // the next round restarts kube-proxy
 			}
 			apply(script)
 			did = append(did, fmt.Sprintf("%s/%d", kind, fam))
@@ -298,6 +216,121 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 	if r.chains.Load() == 0 {
 		t.Error("no read was incremental")
 	}
+}
+
+// nftIncremental is the reader under test in
+// TestE2ENFTablesIncrementalEqualsWholeRead and the model kept from its
+// changes alone.
+type nftIncremental struct {
+	t     *testing.T
+	ctx   context.Context
+	ns    *localcluster.Scratch
+	r     *nftNetlinkReader
+	sig   *nftSignal
+	tok0  uint64
+	state *stream.State
+}
+
+// read waits for the last commit's notifications to reach the reader,
+// reads the changes and checks the model kept from them against a whole
+// read.
+func (ir *nftIncremental) read(round int, what string) {
+	t := ir.t
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		tok, err := ir.sig.Token()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tok == ir.tok0 || ir.r.touched.caughtUp(tok) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("round %d: the notifications of generation %d did not arrive in 5s", round, tok)
+		}
+	}
+	var ch *Changes
+	var whole *audit.Observed
+	if err := localcluster.InNetNS(ir.ns.NetNS, func() error {
+		var err error
+		if ch, err = ir.r.ReadChanges(ir.ctx); err != nil {
+			return err
+		}
+		whole, err = newNFTNetlinkReader().Read(ir.ctx)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if ch.Whole != nil {
+		ir.state = stream.FromModel(ch.Whole)
+	} else {
+		ir.state = applyChanges(ir.state, ch)
+	}
+	state, want := ir.state, stream.FromModel(whole)
+	var differ []string
+	stream.ChangedKeys(state, want, func(k string) { differ = append(differ, k) })
+	if len(differ) > 0 || state.Root() != want.Root() || state.NoRules != want.NoRules || fmt.Sprint(state.Families) != fmt.Sprint(want.Families) {
+		t.Fatalf("round %d (%s): the incremental model (%d frontends, root %x) is not the whole read's (%d, root %x); frontends that differ: %v",
+			round, what, state.Len(), state.Root(), want.Len(), want.Root(), differ)
+	}
+}
+
+// commit returns the nft script of one random commit of the kind, about
+// service i; false when there is nothing to do this time.
+func (tb *nftChurn) commit(ctx context.Context, ns *localcluster.Scratch, kind string, i int) (string, bool) {
+	rng, f := tb.rng, tb.family()
+	var script string
+	switch kind {
+	case "sync":
+		for range 1 + rng.IntN(5) {
+			script += tb.rewrite(rng.IntN(tb.services))
+		}
+	case "element": // listed again after an unlist
+		if strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
+			return "", false
+		}
+		script = fmt.Sprintf("add element %s kube-proxy service-ips { %s . tcp . 80 : goto %s }\n", f, tb.vip(i), tb.svc(i))
+	case "unlist":
+		script = fmt.Sprintf("delete element %s kube-proxy service-ips { %s . tcp . 80 }\nadd element %s kube-proxy no-endpoint-services { %s . tcp . 80 : goto reject-chain }\n",
+			f, tb.vip(i), f, tb.vip(i))
+		// Fails when not listed: then do nothing this time.
+		if !strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
+			return "", false
+		}
+	case "redirect": // another service's chain
+		j := rng.IntN(tb.services)
+		script = fmt.Sprintf("delete element %s kube-proxy service-ips { %s . tcp . 80 }\nadd element %s kube-proxy service-ips { %s . tcp . 80 : goto %s }\n",
+			f, tb.vip(i), f, tb.vip(i), tb.svc(j))
+		if !strings.Contains(mustNFT(ns, ctx, "list", "map", f, "kube-proxy", "service-ips"), tb.vip(i)+" . tcp . 80") {
+			script = script[strings.Index(script, "\n")+1:]
+		}
+	case "external": // externalTrafficPolicy: Local, and back
+		i -= i % 3
+		target := tb.svc(i)
+		if rng.IntN(2) == 0 {
+			target = tb.loc(i)
+			addr, port := tb.endpoint()
+			script = fmt.Sprintf("add chain %s kube-proxy %s\nflush chain %s kube-proxy %s\nadd rule %s kube-proxy %s meta l4proto tcp dnat %s to %s\n",
+				f, target, f, target, f, target, f, hostPort(tb.fam, addr, port))
+		}
+		script += fmt.Sprintf("flush chain %s kube-proxy %s\nadd rule %s kube-proxy %s jump mark-for-masquerade\nadd rule %s kube-proxy %s goto %s\n",
+			f, tb.ext(i), f, tb.ext(i), f, tb.ext(i), target)
+	case "tamper": // one DNAT rewritten by hand
+		addr, port := tb.endpoint()
+		chain := tb.svc(i)
+		if i%5 == 0 {
+			chain = tb.ep(i, 0)
+		}
+		script = fmt.Sprintf("flush chain %s kube-proxy %s\nadd rule %s kube-proxy %s meta l4proto tcp dnat %s to %s\n", f, chain, f, chain, f, hostPort(tb.fam, addr, port))
+	case "flush-chain":
+		script = fmt.Sprintf("flush chain %s kube-proxy %s\n", f, tb.svc(i))
+	case "noise":
+		script = "add rule ip other c counter\n"
+	case "flush-table":
+		// Every chain emptied (the maps keep their elements).
+		script = fmt.Sprintf("flush table %s kube-proxy\n", f)
+	}
+	return script, true
 }
 
 func mustNFT(ns *localcluster.Scratch, ctx context.Context, args ...string) string {

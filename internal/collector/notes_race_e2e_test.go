@@ -84,52 +84,7 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			// A table of 30 services, then a commit that gives each of
-			// them new endpoints.
-			var load, commit func()
-			src := Source{Mode: audit.ModeIPTables}
-			switch mode {
-			case "iptables":
-				tb := &churnTable{fam: 4, rng: rand.New(rand.NewPCG(3, 5)), services: make([][]churnEndpoint, 30)}
-				for i := range tb.services {
-					tb.services[i] = tb.newEndpoints(i)
-				}
-				restore := func(in string) {
-					t.Helper()
-					cmd := ns.Command(ctx, "iptables-restore", "--noflush")
-					cmd.Stdin = strings.NewReader(in)
-					if out, err := cmd.CombinedOutput(); err != nil {
-						t.Fatalf("iptables-restore: %v: %s", err, out)
-					}
-				}
-				load = func() { restore(tb.sync(nil, true)) }
-				commit = func() {
-					all := make([]int, len(tb.services))
-					for i := range all {
-						all[i] = i
-					}
-					restore(tb.sync(all, false))
-				}
-			case "nftables":
-				src = Source{Mode: audit.ModeNFTables}
-				tb := &nftChurn{fam: 4, services: 30, rng: rand.New(rand.NewPCG(3, 5))}
-				apply := func(in string) {
-					t.Helper()
-					cmd := ns.Command(ctx, "nft", "-f", "-")
-					cmd.Stdin = strings.NewReader(in)
-					if out, err := cmd.CombinedOutput(); err != nil {
-						t.Fatalf("nft: %v: %s\n%s", err, out, in)
-					}
-				}
-				load = func() { apply(tb.base()) }
-				commit = func() {
-					var all strings.Builder
-					for i := range tb.services {
-						all.WriteString(tb.rewrite(i))
-					}
-					apply(all.String())
-				}
-			}
+			src, load, commit := notesRaceTables(t, ctx, ns, mode)
 			load()
 			c := &client{cfg: Config{Log: zap.NewNop(), Clock: clock.RealClock{}, FullReadInterval: time.Hour, Interval: 10 * time.Second}, fed: true,
 				credit: newReadCredit(DefaultReadBudget, time.Second, 10*time.Second)}
@@ -180,25 +135,7 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 			}
 			close(gate.release)
 			// The rest of the commit arrives, the NEWGEN last.
-			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-				tok, err := sig.Token()
-				if err != nil {
-					t.Fatal(err)
-				}
-				var notes *notesBase
-				switch r := c.reader.(type) {
-				case *iptNFTReader:
-					notes = &r.notes.notesBase
-				case *nftNetlinkReader:
-					notes = &r.touched.notesBase
-				}
-				if notes.caughtUp(tok) {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the rest of the commit's notifications did not arrive")
-				}
-			}
+			restArrives(t, c, sig)
 			why := c.due("")
 			if why != stream.ReadChange {
 				t.Fatalf("the rest of the commit arrived and due says %q: the node would show half a commit until the next one", why)
@@ -214,5 +151,74 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 			}
 			t.Logf("reads: %v", c.cost.Reads)
 		})
+	}
+}
+
+// notesRaceTables makes the table of 30 services to load in mode, and a
+// commit that gives each of them new endpoints.
+func notesRaceTables(t *testing.T, ctx context.Context, ns *localcluster.Scratch, mode string) (src Source, load, commit func()) {
+	switch mode {
+	case "iptables":
+		tb := &churnTable{fam: 4, rng: rand.New(rand.NewPCG(3, 5)), services: make([][]churnEndpoint, 30)}
+		for i := range tb.services {
+			tb.services[i] = tb.newEndpoints(i)
+		}
+		restore := func(in string) {
+			t.Helper()
+			cmd := ns.Command(ctx, "iptables-restore", "--noflush")
+			cmd.Stdin = strings.NewReader(in)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("iptables-restore: %v: %s", err, out)
+			}
+		}
+		return Source{Mode: audit.ModeIPTables}, func() { restore(tb.sync(nil, true)) }, func() {
+			all := make([]int, len(tb.services))
+			for i := range all {
+				all[i] = i
+			}
+			restore(tb.sync(all, false))
+		}
+	default:
+		tb := &nftChurn{fam: 4, services: 30, rng: rand.New(rand.NewPCG(3, 5))}
+		apply := func(in string) {
+			t.Helper()
+			cmd := ns.Command(ctx, "nft", "-f", "-")
+			cmd.Stdin = strings.NewReader(in)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("nft: %v: %s\n%s", err, out, in)
+			}
+		}
+		return Source{Mode: audit.ModeNFTables}, func() { apply(tb.base()) }, func() {
+			var all strings.Builder
+			for i := range tb.services {
+				all.WriteString(tb.rewrite(i))
+			}
+			apply(all.String())
+		}
+	}
+}
+
+// restArrives waits until the reader has every notification of the
+// kernel's current generation.
+func restArrives(t *testing.T, c *client, sig *nftSignal) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		tok, err := sig.Token()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var notes *notesBase
+		switch r := c.reader.(type) {
+		case *iptNFTReader:
+			notes = &r.notes.notesBase
+		case *nftNetlinkReader:
+			notes = &r.touched.notesBase
+		}
+		if notes.caughtUp(tok) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the rest of the commit's notifications did not arrive")
+		}
 	}
 }
