@@ -58,6 +58,10 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit explain: -o %q: choose table or json\n", *format)
 		return exitUsage
 	}
+	if err := acc.single("explain"); err != nil {
+		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
+		return exitUsage
+	}
 	get, cancel, err := acc.getter()
 	if err != nil {
 		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)

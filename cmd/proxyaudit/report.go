@@ -19,6 +19,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	authnv1 "k8s.io/api/authentication/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -30,6 +31,7 @@ const reportUsage = `proxyaudit report: the fleet at a glance, from the aggregat
 
 Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
+  proxyaudit report --context A --context B ... | --all-contexts [-o table|json|markdown]
 
 Without --aggregator it goes the way kubectl does: the current kubeconfig and
 context, through the API server's proxy to the aggregator's Service
@@ -40,9 +42,15 @@ shows it to the aggregator, which serves findings only to callers allowed to
 use that proxy (the chart's report-reader Role allows both). With --aggregator,
 pass such a token with --token-file.
 
+Several --context flags (or --all-contexts) report several clusters side by
+side: each is asked in parallel through its own API server, within --timeout
+each, and shown with a CLUSTER column; a cluster that cannot be reached or
+refuses is named with the reason and never hides the others.
+
 Exit status: 0 no findings, 1 findings, 2 usage error, aggregator unreachable,
 or the aggregator's view of the API stale (the findings shown are the last
-known, not current).
+known, not current). Across clusters: 2 when any cluster could not be read or
+is stale, else 1 when any has findings.
 `
 
 // FleetReport is report's JSON output.
@@ -77,6 +85,7 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	fs.Usage = func() { fmt.Fprint(stderr, reportUsage); fs.PrintDefaults() }
 	access := accessFlags(fs)
 	format := fs.String("o", "table", "output format: table, json or markdown")
+	all := fs.Bool("all-contexts", false, "every context of the kubeconfig, one cluster each, side by side (see --context)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitClean
@@ -86,6 +95,13 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	if *format != "table" && *format != "json" && *format != "markdown" {
 		fmt.Fprintf(stderr, "proxyaudit report: -o %q: choose table, json or markdown\n", *format)
 		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "proxyaudit report: unexpected arguments %q\n", fs.Args())
+		return exitUsage
+	}
+	if *all || len(access.contexts) > 1 {
+		return runClustersReport(access, *all, *format, stdout, stderr)
 	}
 	get, cancel, err := access.getter()
 	if err != nil {
@@ -141,13 +157,24 @@ type access struct {
 	url, kubeconfig, context, namespace, service, port *string
 	reader, audience, tokenFile                        *string
 	timeout                                            *time.Duration
+	// contexts are the --context flags in order; context is the last.
+	contexts []string
+}
+
+// single refuses several --context flags where a command reads one
+// cluster.
+func (a *access) single(cmd string) error {
+	if len(a.contexts) > 1 {
+		return fmt.Errorf("%s reads one cluster: give --context once (report takes several)", cmd)
+	}
+	return nil
 }
 
 func accessFlags(fs *flag.FlagSet) *access {
 	a := &access{
 		url:        fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server"),
 		kubeconfig: fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"),
-		context:    fs.String("context", "", "kubeconfig context (default: the current one)"),
+		context:    new(string),
 		namespace:  fs.String("namespace", "proxyaudit", "namespace of the aggregator's Service"),
 		service:    fs.String("aggregator-service", "proxyaudit-aggregator", "the aggregator's Service"),
 		port:       fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
@@ -157,6 +184,14 @@ func accessFlags(fs *flag.FlagSet) *access {
 		tokenFile:  fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
 	}
 	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
+	fs.Func("context", "kubeconfig context (default: the current one); report takes it more than once, one cluster each", func(v string) error {
+		if v == "" {
+			return errors.New("an empty context name")
+		}
+		a.contexts = append(a.contexts, v)
+		*a.context = v
+		return nil
+	})
 	return a
 }
 
@@ -239,6 +274,15 @@ func proxyError(err error, body []byte, namespace, service, port, noToken string
 	}
 	if json.Unmarshal(body, &agg) == nil && agg.Error != "" {
 		return fmt.Errorf("the aggregator behind service %s/%s refused: %s%s", namespace, service, agg.Error, noToken)
+	}
+	var ue *neturl.Error
+	switch {
+	case errors.As(err, &ue):
+		return fmt.Errorf("cannot reach the API server: %v (check the kubeconfig context's server and your network)", ue.Err)
+	case apierrors.IsUnauthorized(err):
+		return fmt.Errorf("the API server refused your credentials (401 Unauthorized): log in to this cluster again (kubectl get nodes says the same)")
+	case apierrors.IsForbidden(err):
+		return fmt.Errorf("the API server does not let you use service %s/%s's proxy (403 Forbidden): bind the chart's report-reader Role to you%s", namespace, service, noToken)
 	}
 	return fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w%s (is proxyaudit installed there? -n selects the namespace)", namespace, service, port, err, noToken)
 }

@@ -52,6 +52,10 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		}
 		return exitUsage
 	}
+	if err := access.single("ui"); err != nil {
+		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
+		return exitUsage
+	}
 	h, err := access.uiProxy(stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)

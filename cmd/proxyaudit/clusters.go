@@ -1,0 +1,213 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// ClustersReport is report's JSON output across clusters: each cluster's
+// report, or why it could not be read.
+type ClustersReport struct {
+	At       time.Time       `json:"at"`
+	Clusters []ClusterReport `json:"clusters"`
+}
+
+// ClusterReport is one cluster (a kubeconfig context) of a report across
+// clusters.
+type ClusterReport struct {
+	Context string       `json:"context"`
+	Report  *FleetReport `json:"report,omitempty"`
+	Error   string       `json:"error,omitempty"`
+}
+
+// kubeContexts lists the kubeconfig's contexts, sorted.
+func kubeContexts(kubeconfig string) ([]string, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	cfg, err := rules.Load()
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig: %v", err)
+	}
+	var out []string
+	for name := range cfg.Contexts {
+		out = append(out, name)
+	}
+	slices.Sort(out)
+	if len(out) == 0 {
+		return nil, errors.New("kubeconfig: no contexts")
+	}
+	return out, nil
+}
+
+// runClustersReport reports every cluster named (or, with all, every
+// context of the kubeconfig), each asked in parallel through its own API
+// server within the timeout.
+func runClustersReport(a *access, all bool, format string, stdout, stderr io.Writer) int {
+	if *a.url != "" {
+		fmt.Fprintln(stderr, "proxyaudit report: --aggregator names one aggregator; several clusters are reached through their API servers (drop --aggregator)")
+		return exitUsage
+	}
+	contexts := slices.Clone(a.contexts)
+	if all {
+		if len(contexts) > 0 {
+			fmt.Fprintln(stderr, "proxyaudit report: --all-contexts or --context, not both")
+			return exitUsage
+		}
+		var err error
+		if contexts, err = kubeContexts(*a.kubeconfig); err != nil {
+			fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
+			return exitUsage
+		}
+	}
+	rep := fetchClusters(a, contexts)
+	switch format {
+	case "json":
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(rep)
+	case "markdown":
+		shown(stdout, func(w io.Writer) { clustersMarkdown(w, rep) })
+	default:
+		shown(stdout, func(w io.Writer) { clustersTable(w, rep) })
+	}
+	code := exitClean
+	for _, c := range rep.Clusters {
+		switch {
+		case c.Report == nil || c.Report.Stale != nil:
+			return exitUsage
+		case len(c.Report.Findings) > 0:
+			code = exitFindings
+		}
+	}
+	return code
+}
+
+// fetchClusters reads each context's report in parallel; a cluster that
+// cannot be read carries why.
+func fetchClusters(a *access, contexts []string) *ClustersReport {
+	out := &ClustersReport{At: time.Now().UTC(), Clusters: make([]ClusterReport, len(contexts))}
+	var wg sync.WaitGroup
+	for i, name := range contexts {
+		wg.Go(func() {
+			one := *a
+			one.context = &name
+			out.Clusters[i].Context = name
+			get, cancel, err := one.getter()
+			if err != nil {
+				out.Clusters[i].Error = err.Error()
+				return
+			}
+			defer cancel()
+			rep, err := fetchReport(get)
+			if err != nil {
+				out.Clusters[i].Error = err.Error()
+				return
+			}
+			out.Clusters[i].Report = rep
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// clusterLine is one cluster's state in a line: its nodes, or why it
+// could not be read, or that its view is stale.
+func clusterLine(c ClusterReport) string {
+	switch {
+	case c.Report == nil:
+		return "UNREADABLE: " + c.Error
+	case c.Report.Stale != nil:
+		return fmt.Sprintf("STALE since %s (%s): %s", c.Report.Stale.Since.UTC().Format(time.RFC3339), c.Report.Stale.Reason, countsLine(c.Report))
+	}
+	line := countsLine(c.Report)
+	if c.Report.RemediationHold != "" {
+		line += "; repairs held: " + c.Report.RemediationHold
+	}
+	return line
+}
+
+func clustersTable(w io.Writer, rep *ClustersReport) {
+	fmt.Fprintf(w, "proxyaudit report across %d cluster(s) at %s\n", len(rep.Clusters), rep.At.Format(time.RFC3339))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "CLUSTER\tFINDINGS\tNODES")
+	findings := 0
+	for _, c := range rep.Clusters {
+		n := "-"
+		if c.Report != nil {
+			n = fmt.Sprint(len(c.Report.Findings))
+			findings += len(c.Report.Findings)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", c.Context, n, clusterLine(c))
+	}
+	tw.Flush()
+	if findings == 0 {
+		fmt.Fprintln(w, "\nNo findings in the clusters read.")
+		return
+	}
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "CLUSTER\tNODE\tSERVICE\tKIND\tENDPOINT\tSINCE")
+	for _, c := range rep.Clusters {
+		if c.Report == nil {
+			continue
+		}
+		nodes, m := byNode(c.Report)
+		for _, n := range nodes {
+			for _, f := range m[n] {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", c.Context, orDash(n), servicePort(f), f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
+			}
+		}
+	}
+	tw.Flush()
+}
+
+func clustersMarkdown(w io.Writer, rep *ClustersReport) {
+	fmt.Fprintf(w, "### proxyaudit report across %d cluster(s), %s\n\n", len(rep.Clusters), rep.At.Format(time.RFC3339))
+	fmt.Fprintln(w, "| Cluster | Findings | Nodes |")
+	fmt.Fprintln(w, "|---|---|---|")
+	findings := 0
+	for _, c := range rep.Clusters {
+		n := "-"
+		if c.Report != nil {
+			n = fmt.Sprint(len(c.Report.Findings))
+			findings += len(c.Report.Findings)
+		}
+		fmt.Fprintf(w, "| %s | %s | %s |\n", mdCell(c.Context), n, mdCell(clusterLine(c)))
+	}
+	if findings == 0 {
+		fmt.Fprintln(w, "\nNo findings in the clusters read.")
+		return
+	}
+	fmt.Fprintln(w, "\n| Cluster | Node | Service | Kind | Endpoint | Since | Detail |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|")
+	for _, c := range rep.Clusters {
+		if c.Report == nil {
+			continue
+		}
+		nodes, m := byNode(c.Report)
+		for _, n := range nodes {
+			for _, f := range m[n] {
+				fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", mdCell(c.Context), orDash(mdCell(n)), mdCell(servicePort(f)), mdCell(string(f.Kind)),
+					orDash(mdCell(f.Endpoint)), f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))
+			}
+		}
+	}
+}
+
+// servicePort is a finding's service, port and family, or "-".
+func servicePort(f audit.TimedFinding) string {
+	if f.Service == "" {
+		return "-"
+	}
+	return svcPortFamily(f.Finding)
+}
