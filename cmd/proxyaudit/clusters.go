@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -70,16 +69,7 @@ func runClustersReport(a *access, all bool, format string, stdout, stderr io.Wri
 		}
 	}
 	rep := fetchClusters(a, contexts)
-	switch format {
-	case "json":
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		enc.Encode(rep)
-	case "markdown":
-		shown(stdout, func(w io.Writer) { clustersMarkdown(w, rep) })
-	default:
-		shown(stdout, func(w io.Writer) { clustersTable(w, rep) })
-	}
+	render(stdout, format, rep, func(w io.Writer) { clustersTable(w, rep) }, func(w io.Writer) { clustersMarkdown(w, rep) })
 	code := exitClean
 	for _, c := range rep.Clusters {
 		switch {
@@ -157,17 +147,9 @@ func clustersTable(w io.Writer, rep *ClustersReport) {
 	fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "CLUSTER\tNODE\tSERVICE\tKIND\tENDPOINT\tSINCE")
-	for _, c := range rep.Clusters {
-		if c.Report == nil {
-			continue
-		}
-		nodes, m := byNode(c.Report)
-		for _, n := range nodes {
-			for _, f := range m[n] {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", c.Context, orDash(n), servicePort(f), f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
-			}
-		}
-	}
+	eachFinding(rep, func(cluster, node string, f audit.TimedFinding) {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", cluster, orDash(node), servicePort(f), f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
+	})
 	tw.Flush()
 }
 
@@ -190,15 +172,23 @@ func clustersMarkdown(w io.Writer, rep *ClustersReport) {
 	}
 	fmt.Fprintln(w, "\n| Cluster | Node | Service | Kind | Endpoint | Since | Detail |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|---|")
+	eachFinding(rep, func(cluster, node string, f audit.TimedFinding) {
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", mdCell(cluster), orDash(mdCell(node)), mdCell(servicePort(f)), mdCell(string(f.Kind)),
+			orDash(mdCell(f.Endpoint)), f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))
+	})
+}
+
+// eachFinding calls f with every finding of the clusters read, cluster by
+// cluster, node by node.
+func eachFinding(rep *ClustersReport, f func(cluster, node string, tf audit.TimedFinding)) {
 	for _, c := range rep.Clusters {
 		if c.Report == nil {
 			continue
 		}
 		nodes, m := byNode(c.Report)
 		for _, n := range nodes {
-			for _, f := range m[n] {
-				fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", mdCell(c.Context), orDash(mdCell(n)), mdCell(servicePort(f)), mdCell(string(f.Kind)),
-					orDash(mdCell(f.Endpoint)), f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))
+			for _, tf := range m[n] {
+				f(c.Context, n, tf)
 			}
 		}
 	}

@@ -114,16 +114,7 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
 		return exitUsage
 	}
-	switch *format {
-	case "json":
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		enc.Encode(rep)
-	case "markdown":
-		shown(stdout, func(w io.Writer) { reportMarkdown(w, rep) })
-	default:
-		shown(stdout, func(w io.Writer) { reportTable(w, rep) })
-	}
+	render(stdout, *format, rep, func(w io.Writer) { reportTable(w, rep) }, func(w io.Writer) { reportMarkdown(w, rep) })
 	switch {
 	case rep.Stale != nil:
 		return exitUsage
@@ -131,6 +122,21 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 		return exitFindings
 	}
 	return exitClean
+}
+
+// render writes v as indented JSON, or through table or markdown (each
+// shown inert: see shown).
+func render(stdout io.Writer, format string, v any, table, markdown func(io.Writer)) {
+	switch format {
+	case "json":
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(v)
+	case "markdown":
+		shown(stdout, markdown)
+	default:
+		shown(stdout, table)
+	}
 }
 
 // banner warns that the report is not current: the aggregator's view is
