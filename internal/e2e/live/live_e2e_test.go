@@ -28,6 +28,8 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
@@ -407,6 +409,33 @@ func (l *live) report(t *testing.T, args ...string) (string, int) {
 	return l.cli(t, append([]string{"report"}, args...)...)
 }
 
+// withUnreachableContext writes the SRE's kubeconfig with a second
+// context, "gone", whose API server does not answer; it returns the file
+// and the live context's name.
+func (l *live) withUnreachableContext(t *testing.T) (string, string) {
+	t.Helper()
+	cfg, err := clientcmd.LoadFromFile(l.sreKubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur := cfg.Contexts[cfg.CurrentContext]
+	if cur == nil {
+		t.Fatalf("the SRE's kubeconfig has no current context")
+	}
+	gone := clientcmdapi.NewCluster()
+	gone.Server = "https://127.0.0.1:1"
+	gone.CertificateAuthority = cfg.Clusters[cur.Cluster].CertificateAuthority
+	cfg.Clusters["gone"] = gone
+	ctx := clientcmdapi.NewContext()
+	ctx.Cluster, ctx.AuthInfo = "gone", cur.AuthInfo
+	cfg.Contexts["gone"] = ctx
+	path := filepath.Join(l.dir, "two-clusters.kubeconfig")
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatal(err)
+	}
+	return path, cfg.CurrentContext
+}
+
 // cli runs `kubectl proxyaudit SUBCOMMAND` as that user: the genuine
 // kubectl finds the plugin on PATH, the plugin the kubeconfig in
 // KUBECONFIG, as on a workstation.
@@ -689,6 +718,14 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 	}
 	if out, code := l.report(t); code != 1 || !strings.Contains(out, "1 stuck") || !strings.Contains(out, "agg-ipt (Stuck)") {
 		t.Errorf("proxyaudit report through the API server: exit %d\n%s", code, out)
+	}
+	// The same cluster beside one whose API server is gone, in one
+	// report: the live one's findings under its name, the other named
+	// with why, exit status 2.
+	multi, live := l.withUnreachableContext(t)
+	if out, code := l.report(t, "--kubeconfig", multi, "--context", live, "--context", "gone"); code != 2 ||
+		!strings.Contains(out, "gone     -         UNREADABLE: cannot reach the API server") || !strings.Contains(out, live+"  agg-ipt") {
+		t.Errorf("proxyaudit report across a live and a gone cluster: exit %d\n%s", code, out)
 	}
 	if out, code := l.cli(t, "explain", "node", "agg-ipt", "--service", churnNS+"/churn-00"); code != 1 ||
 		strings.Count(out, "STALE") != 3 || strings.Count(out, "MISSING") != 3 || !strings.Contains(out, "KUBE-SVC-") {
