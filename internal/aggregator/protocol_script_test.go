@@ -137,7 +137,7 @@ func (sa scriptAuth) Authenticate(_ context.Context, h Hello) (time.Time, error)
 	token, until, _ := strings.Cut(h.Token, "@")
 	switch {
 	case token == "busy":
-		return time.Time{}, &BusyError{RetryAfter: 3 * time.Second, why: "token reviews are rate-limited"}
+		return time.Time{}, &BusyError{RetryAfter: 3 * time.Second} // the review budget is spent
 	case token != "t-"+h.Node:
 		return time.Time{}, errors.New("unauthenticated: token is bound to another node")
 	case until != "":
