@@ -40,16 +40,9 @@ const prometheusOperator = "github.com/prometheus-operator/prometheus-operator@v
 
 func installMonitoringCRDs(ctx context.Context, t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
-	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", prometheusOperator).Output()
-	if err != nil {
-		t.Fatalf("go mod download %s: %v", prometheusOperator, err)
-	}
-	var mod struct{ Dir string }
-	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
-		t.Fatalf("go mod download %s: %v %s", prometheusOperator, err, out)
-	}
+	dir := moduleDir(ctx, t, prometheusOperator)
 	for _, kind := range []string{"servicemonitors", "prometheusrules"} {
-		path := filepath.Join(mod.Dir, "example/prometheus-operator-crd", "monitoring.coreos.com_"+kind+".yaml")
+		path := filepath.Join(dir, "example/prometheus-operator-crd", "monitoring.coreos.com_"+kind+".yaml")
 		crd, err := os.ReadFile(path)
 		if err != nil {
 			t.Fatal(err)
@@ -70,6 +63,21 @@ func installMonitoringCRDs(ctx context.Context, t *testing.T, c *localcluster.Cl
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// moduleDir downloads a pinned module through the module proxy (the
+// only source CI has) and returns where it is.
+func moduleDir(ctx context.Context, t *testing.T, module string) string {
+	t.Helper()
+	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", module).Output()
+	if err != nil {
+		t.Fatalf("go mod download %s: %v", module, err)
+	}
+	var mod struct{ Dir string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download %s: %v %s", module, err, out)
+	}
+	return mod.Dir
 }
 
 func applyYAML(ctx context.Context, c *localcluster.Cluster, doc []byte) error {

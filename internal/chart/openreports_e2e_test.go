@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -32,15 +31,7 @@ func TestE2EOpenReportsValidateServerSide(t *testing.T) {
 	c := localcluster.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", reportsAPI).Output()
-	if err != nil {
-		t.Fatalf("go mod download %s: %v", reportsAPI, err)
-	}
-	var mod struct{ Dir string }
-	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
-		t.Fatalf("go mod download %s: %v %s", reportsAPI, err, out)
-	}
-	crd, err := os.ReadFile(filepath.Join(mod.Dir, "config/crd/openreports.io_clusterreports.yaml"))
+	crd, err := os.ReadFile(filepath.Join(moduleDir(ctx, t, reportsAPI), "config/crd/openreports.io_clusterreports.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
