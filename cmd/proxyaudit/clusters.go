@@ -130,15 +130,7 @@ func clustersTable(w io.Writer, rep *ClustersReport) {
 	fmt.Fprintf(w, "proxyaudit report across %d cluster(s) at %s\n", len(rep.Clusters), rep.At.Format(time.RFC3339))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "CLUSTER\tFINDINGS\tNODES")
-	findings := 0
-	for _, c := range rep.Clusters {
-		n := "-"
-		if c.Report != nil {
-			n = fmt.Sprint(len(c.Report.Findings))
-			findings += len(c.Report.Findings)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\n", c.Context, n, clusterLine(c))
-	}
+	findings := eachCluster(rep, func(c ClusterReport, n string) { fmt.Fprintf(tw, "%s\t%s\t%s\n", c.Context, n, clusterLine(c)) })
 	tw.Flush()
 	if findings == 0 {
 		fmt.Fprintln(w, "\nNo findings in the clusters read.")
@@ -157,15 +149,9 @@ func clustersMarkdown(w io.Writer, rep *ClustersReport) {
 	fmt.Fprintf(w, "### proxyaudit report across %d cluster(s), %s\n\n", len(rep.Clusters), rep.At.Format(time.RFC3339))
 	fmt.Fprintln(w, "| Cluster | Findings | Nodes |")
 	fmt.Fprintln(w, "|---|---|---|")
-	findings := 0
-	for _, c := range rep.Clusters {
-		n := "-"
-		if c.Report != nil {
-			n = fmt.Sprint(len(c.Report.Findings))
-			findings += len(c.Report.Findings)
-		}
+	findings := eachCluster(rep, func(c ClusterReport, n string) {
 		fmt.Fprintf(w, "| %s | %s | %s |\n", mdCell(c.Context), n, mdCell(clusterLine(c)))
-	}
+	})
 	if findings == 0 {
 		fmt.Fprintln(w, "\nNo findings in the clusters read.")
 		return
@@ -176,6 +162,21 @@ func clustersMarkdown(w io.Writer, rep *ClustersReport) {
 		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", mdCell(cluster), orDash(mdCell(node)), mdCell(servicePort(f)), mdCell(string(f.Kind)),
 			orDash(mdCell(f.Endpoint)), f.Since.UTC().Format(time.RFC3339), mdCell(f.Detail))
 	})
+}
+
+// eachCluster calls f with each cluster and its count of findings ("-"
+// when it could not be read), and returns the findings of all.
+func eachCluster(rep *ClustersReport, f func(c ClusterReport, findings string)) int {
+	total := 0
+	for _, c := range rep.Clusters {
+		n := "-"
+		if c.Report != nil {
+			n = fmt.Sprint(len(c.Report.Findings))
+			total += len(c.Report.Findings)
+		}
+		f(c, n)
+	}
+	return total
 }
 
 // eachFinding calls f with every finding of the clusters read, cluster by

@@ -64,6 +64,10 @@ type protocolScript struct {
 	clk     *clocktesting.FakeClock
 	streams map[string]*scriptStream
 	flushes chan string
+	// flushing counts the flushes sent whose result has not come.
+	flushing int
+	// parked hears a session begin to wait for a cold pool's warm-up.
+	parked chan struct{}
 }
 
 // scriptStream is one collector as the script plays it: what it last
@@ -167,7 +171,9 @@ func newProtocolScript(t *testing.T) *protocolScript {
 	wg.Add(1)
 	go func() { defer wg.Done(); view.Run(ctx) }()
 	a.StartedLeading()
-	s := &protocolScript{t: t, ctx: ctx, a: a, clk: clk, streams: map[string]*scriptStream{}, flushes: make(chan string, 4)}
+	s := &protocolScript{t: t, ctx: ctx, a: a, clk: clk, streams: map[string]*scriptStream{}, flushes: make(chan string, 4),
+		parked: make(chan struct{}, 4)}
+	a.warmup.onWait = func() { s.parked <- struct{}{} }
 	deadline := time.Now().Add(10 * time.Second)
 	for view.Synced() != nil {
 		if time.Now().After(deadline) {
@@ -373,7 +379,7 @@ func (s *protocolScript) report(d *datadriven.TestData) []string {
 
 // receive hands m to st's session as if it began to arrive at began
 // (zero: now). A session that waits (for another stream to warm a cold
-// pool) is left waiting: "wait" takes its answer.
+// pool) is left waiting (the warm-up says so): "wait" takes its answer.
 func (s *protocolScript) receive(st *scriptStream, m *stream.Message, began time.Time) []string {
 	if st.ended {
 		return []string{"(the stream has ended)"}
@@ -395,9 +401,12 @@ func (s *protocolScript) receive(st *scriptStream, m *stream.Message, began time
 			s.t.Fatalf("the session kept the decode budget of a %s", m.Type)
 		}
 		return s.answered(st, ok)
-	case <-time.After(500 * time.Millisecond):
+	case <-s.parked:
 		st.async = done
 		return append(s.said(st), "(waiting)")
+	case <-time.After(10 * time.Second):
+		s.t.Fatalf("the session of %s neither answered nor waited", st.node)
+		return nil
 	}
 }
 
@@ -508,6 +517,7 @@ func (s *protocolScript) flush(d *datadriven.TestData) []string {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		if out := s.said(st); len(out) > 0 {
+			s.flushing++
 			return out
 		}
 		select {
@@ -522,12 +532,18 @@ func (s *protocolScript) flush(d *datadriven.TestData) []string {
 	}
 }
 
-// flushResult is the result of a flush the last step ended, if any.
+// flushResult is the result of a flush the last step answered or
+// ended, when one was waiting.
 func (s *protocolScript) flushResult() []string {
+	if s.flushing == 0 {
+		return nil
+	}
 	select {
 	case r := <-s.flushes:
+		s.flushing--
 		return []string{r}
-	case <-time.After(100 * time.Millisecond):
+	case <-time.After(5 * time.Second):
+		s.t.Fatal("a flush waiting for its answer got no result")
 		return nil
 	}
 }

@@ -22,6 +22,8 @@ type warmup struct {
 	warm  bool
 	owner *conn
 	ready chan struct{} // closed when the owner is done
+	// onWait, when set (tests), is called as a stream begins to wait.
+	onWait func()
 }
 
 // warmupWait bounds how long a stream waits for another to warm the pool.
@@ -41,8 +43,11 @@ func (w *warmup) wait(ctx context.Context, c *conn, clk clock.Clock) bool {
 		w.mu.Unlock()
 		return false
 	}
-	ready := w.ready
+	ready, onWait := w.ready, w.onWait
 	w.mu.Unlock()
+	if onWait != nil {
+		onWait()
+	}
 	t := clk.NewTimer(warmupWait)
 	defer t.Stop()
 	select {

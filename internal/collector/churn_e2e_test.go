@@ -78,14 +78,7 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	defer cancel()
 	ns, tool, mode := loadChurn(tb, ctx, cs)
 	defer ns.Close()
-	var ln net.Listener
-	if err := localcluster.InNetNS(ns.NetNS, func() error {
-		var err error
-		ln, err = net.Listen("tcp", "127.0.0.1:0")
-		return err
-	}); err != nil {
-		tb.Fatal(err)
-	}
+	ln := listenIn(tb, ns)
 	s := startStubOn(tb, ln)
 	// kube-proxy's metrics, as the collector scrapes them on every node:
 	// the last sync is the writer's (a drift by hand is no sync). On the
@@ -416,9 +409,8 @@ func driftOne(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, s *s
 	return max(0, got.at.Sub(t1)), took
 }
 
-// startMetricsStub serves kube-proxy's sync gauges in ns, the last sync
-// at *lastSync (Unix milliseconds), and returns their URL.
-func startMetricsStub(tb testing.TB, ns *localcluster.Scratch, lastSync *atomic.Int64) string {
+// listenIn listens on a loopback port inside ns.
+func listenIn(tb testing.TB, ns *localcluster.Scratch) net.Listener {
 	tb.Helper()
 	var ln net.Listener
 	if err := localcluster.InNetNS(ns.NetNS, func() error {
@@ -428,6 +420,14 @@ func startMetricsStub(tb testing.TB, ns *localcluster.Scratch, lastSync *atomic.
 	}); err != nil {
 		tb.Fatal(err)
 	}
+	return ln
+}
+
+// startMetricsStub serves kube-proxy's sync gauges in ns, the last sync
+// at *lastSync (Unix milliseconds), and returns their URL.
+func startMetricsStub(tb testing.TB, ns *localcluster.Scratch, lastSync *atomic.Int64) string {
+	tb.Helper()
+	ln := listenIn(tb, ns)
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		at := float64(lastSync.Load()) / 1000
 		fmt.Fprintf(w, "kubeproxy_sync_proxy_rules_last_timestamp_seconds %.3f\nkubeproxy_sync_proxy_rules_last_queued_timestamp_seconds %.3f\n", at, at)
