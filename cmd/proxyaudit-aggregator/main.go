@@ -6,6 +6,7 @@
 package main
 
 import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	// The maintenance windows' time zones, whatever the image holds.
 	_ "time/tzdata"
 
@@ -30,12 +31,14 @@ import (
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 
 	"go.uber.org/zap"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/openreports"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 	"github.com/proxyaudit/proxyaudit/internal/tlssecret"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -88,7 +91,7 @@ func run(args []string, stderr io.Writer) int {
 	if os.Getenv("GOMEMLIMIT") == "" && o.memoryLimit > 0 {
 		debug.SetMemoryLimit(o.memoryLimit / 10 * 9)
 	}
-	client, reviews, election, err := o.client()
+	cs, err := o.client()
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -98,7 +101,7 @@ func run(args []string, stderr io.Writer) int {
 	}
 	defer log.Sync()
 	log = log.With(zap.String("replica", o.self))
-	s, err := o.build(client, reviews, election, log)
+	s, err := o.build(cs, log)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -108,8 +111,8 @@ func run(args []string, stderr io.Writer) int {
 // client is the API client from --kubeconfig or the pod's service account,
 // one of its own for token and access reviews (client-go's default of 5
 // requests a second admitted 60 of 300 collectors in 10 s), and one for
-// the leader election.
-func (o *options) client() (client, reviews, election kubernetes.Interface, err error) {
+// the leader election; and a dynamic client for the OpenReports.
+func (o *options) client() (cs clients, err error) {
 	var cfg *rest.Config
 	if o.kubeconfig != "" {
 		cfg, err = clientcmd.BuildConfigFromFlags("", o.kubeconfig)
@@ -117,7 +120,7 @@ func (o *options) client() (client, reviews, election kubernetes.Interface, err 
 		cfg, err = rest.InClusterConfig()
 	}
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("API client: %v (outside a cluster, pass --kubeconfig)", err)
+		return cs, fmt.Errorf("API client: %v (outside a cluster, pass --kubeconfig)", err)
 	}
 	cfg.UserAgent = "proxyaudit-aggregator/" + version()
 	// The Lease on a client of its own: its renewals never wait behind
@@ -125,16 +128,16 @@ func (o *options) client() (client, reviews, election kubernetes.Interface, err 
 	// Events once queued behind client-go's default of 5 a second).
 	ecfg := rest.CopyConfig(cfg)
 	ecfg.UserAgent += " (leader election)"
-	election, err = kubernetes.NewForConfig(ecfg)
+	cs.election, err = kubernetes.NewForConfig(ecfg)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("API client: %v", err)
+		return cs, fmt.Errorf("API client: %v", err)
 	}
 	// The rest: the watch barrier's two writes a second, the incident
 	// record, kube-proxy pod lookups, Events, conditions, restarts.
 	cfg.QPS, cfg.Burst = 50, 100
-	client, err = kubernetes.NewForConfig(cfg)
+	cs.client, err = kubernetes.NewForConfig(cfg)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("API client: %v", err)
+		return cs, fmt.Errorf("API client: %v", err)
 	}
 	rcfg := rest.CopyConfig(cfg)
 	// Each admission is two requests: a collector's TokenReview and the
@@ -145,11 +148,25 @@ func (o *options) client() (client, reviews, election kubernetes.Interface, err 
 	rcfg.QPS = float32(2 * (o.reviewQPS + o.readerReviewQPS))
 	rcfg.Burst = 2 * (o.reviewBurst + int(2*o.readerReviewQPS))
 	rcfg.UserAgent = "proxyaudit-aggregator/" + version() + " (reviews)"
-	reviews, err = kubernetes.NewForConfig(rcfg)
+	cs.reviews, err = kubernetes.NewForConfig(rcfg)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("API client: %v", err)
+		return cs, fmt.Errorf("API client: %v", err)
 	}
-	return client, reviews, election, nil
+	// The reports' writes are paced by their writer
+	// (--openreports-writes-per-second); the client only bounds bursts.
+	dcfg := rest.CopyConfig(cfg)
+	dcfg.QPS, dcfg.Burst = float32(2*o.reportWrites), 2*int(max(1, o.reportWrites))
+	dcfg.UserAgent += " (openreports)"
+	if cs.reports, err = dynamic.NewForConfig(dcfg); err != nil {
+		return cs, fmt.Errorf("API client: %v", err)
+	}
+	return cs, nil
+}
+
+// clients are the aggregator's API clients (see options.client).
+type clients struct {
+	client, reviews, election kubernetes.Interface
+	reports                   dynamic.Interface
 }
 
 // server is a built aggregator replica, ready to serve.
@@ -164,6 +181,8 @@ type server struct {
 	http     net.Listener
 	// tlsSecret keeps the stream listener's pair in a Secret (--tls-secret).
 	tlsSecret *tlssecret.SecretPair
+	// reports writes the OpenReports (--openreports); nil: off.
+	reports *openreports.Writer
 }
 
 // servingPair is the stream listener's certificate, from files or a Secret.
@@ -174,8 +193,9 @@ type servingPair interface {
 
 // build wires the aggregator from the options: listeners, authentication,
 // view, remediation, paging.
-func (o *options) build(client, reviews, election kubernetes.Interface, log *zap.Logger) (*server, error) {
-	s := &server{o: o, client: client, election: election}
+func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
+	client, reviews := cs.client, cs.reviews
+	s := &server{o: o, client: client, election: cs.election}
 	ln, err := net.Listen("tcp", o.streamListen)
 	if err != nil {
 		return nil, fmt.Errorf("--stream-listen: %v", err)
@@ -294,11 +314,37 @@ func (o *options) build(client, reviews, election kubernetes.Interface, log *zap
 	if s.notifier != nil {
 		acfg.Notifier = s.notifier
 	}
+	if s.reports, err = o.openReports(cs, metrics, log.Named("openreports"), clk); err != nil {
+		return nil, err
+	}
+	if s.reports != nil {
+		acfg.Reports = s.reports
+	}
 	s.agg = aggregator.New(acfg, s.view)
 	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
 		zap.Stringer("max_unhealthy", o.remediation.MaxUnhealthy), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
 	return s, nil
+}
+
+// openReports is the OpenReports writer the flags ask for, or nil.
+func (o *options) openReports(cs clients, metrics *aggregator.Metrics, log *zap.Logger, clk clock.PassiveClock) (*openreports.Writer, error) {
+	if o.reportsMode == "off" {
+		return nil, nil
+	}
+	cfg := openreports.WriterConfig{Client: cs.reports, WritesPerSecond: o.reportWrites, Burst: max(1, int(o.reportWrites)),
+		UpdateEvery: o.reportUpdate, Clock: clk, Log: log, Writes: metrics.ReportWrites, QuietNoCRD: o.reportsMode == "auto"}
+	if o.reportOwner != "" {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		cr, err := cs.client.RbacV1().ClusterRoles().Get(ctx, o.reportOwner, metav1.GetOptions{})
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("--openreports-owner %s: %v (the aggregator needs get on that ClusterRole; empty: reports are not deleted with it)", o.reportOwner, err)
+		}
+		cfg.Owner = &openreports.OwnerReference{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "ClusterRole", Name: cr.Name, UID: string(cr.UID)}
+	}
+	log.Info("OpenReports", zap.String("mode", o.reportsMode), zap.Float64("writes_per_second", o.reportWrites), zap.Duration("update_every", o.reportUpdate), zap.String("owner", o.reportOwner))
+	return openreports.NewWriter(cfg), nil
 }
 
 // slack is the Slack notifier the flags ask for, or nil.
@@ -407,6 +453,9 @@ func (s *server) serve(log *zap.Logger) int {
 	}
 	if s.notifier != nil {
 		go s.notifier.Run(ctx)
+	}
+	if s.reports != nil {
+		go s.reports.Run(ctx)
 	}
 	srv := apiServer(s.agg.Handler(o.httpPort))
 	go srv.Serve(s.http)

@@ -55,6 +55,9 @@ type options struct {
 	slackTokenFile, slackChannel  string
 	slackWebhookFile, slackAPI    string
 	clusterName                   string
+	reportsMode, reportOwner      string
+	reportWrites                  float64
+	reportUpdate                  time.Duration
 	amURLs, amTokenFile, amCAFile string
 	self, streamPort, httpPort    string // derived by validate
 }
@@ -73,6 +76,7 @@ func defaultOptions() options {
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
+		reportsMode: "auto", reportWrites: 20, reportUpdate: time.Minute,
 	}
 }
 
@@ -157,6 +161,10 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.amURLs, "alertmanager-url", os.Getenv("PROXYAUDIT_ALERTMANAGER_URL"), "comma-separated base URLs of every Alertmanager replica (http://alertmanager.monitoring:9093): each incident is an alert there (alertname ProxyAuditIncident; labels node, kind, cluster, severity: warning while proxyaudit may repair, critical once it needs a human), firing while it lasts and resolved when it ends; a node whose alert a silence mutes is paged, not repaired; an Alertmanager that cannot be asked holds every repair. Empty: none [PROXYAUDIT_ALERTMANAGER_URL]")
 	fs.StringVar(&o.amTokenFile, "alertmanager-token-file", o.amTokenFile, "file holding a bearer token for Alertmanager (behind an authenticating proxy); read at start")
 	fs.StringVar(&o.amCAFile, "alertmanager-ca-file", o.amCAFile, "PEM file of the CAs an https Alertmanager's certificate is checked against (default: the system's)")
+	fs.StringVar(&o.reportsMode, "openreports", o.reportsMode, "write the findings as OpenReports (openreports.io/v1alpha1 ClusterReport, one per node with findings, named proxyaudit-node-NODE, and proxyaudit-fleet), which Policy Reporter and hub collectors read: auto (when the API serves the CRD; checked again every minute), on (warns while it does not), off. The leader writes; a new leader adopts what it finds")
+	fs.StringVar(&o.reportOwner, "openreports-owner", o.reportOwner, "ClusterRole every report is owned by, so that the garbage collector deletes them with it (the chart passes its own: helm uninstall takes the reports). Empty: reports stay until deleted")
+	fs.Float64Var(&o.reportWrites, "openreports-writes-per-second", o.reportWrites, "API writes a second for the reports, fleet-wide (a storm of 5,000 nodes' reports is written over minutes at 20, never faster)")
+	fs.DurationVar(&o.reportUpdate, "openreports-update-interval", o.reportUpdate, "a report whose findings change is rewritten at most this often; one appears and goes at once (within the write rate)")
 	fs.StringVar(&o.clusterName, "cluster-name", o.clusterName, "cluster name shown in pages [PROXYAUDIT_CLUSTER_NAME]")
 }
 
@@ -203,6 +211,14 @@ func (o *options) validate() error {
 	}
 	if r.BreakerShare < 0 || r.BreakerShare > 1 || r.BreakerWindow < 0 {
 		return fmt.Errorf("--remediation-breaker-share %g must be in [0, 1] and --remediation-breaker-window %s at least 0", r.BreakerShare, r.BreakerWindow)
+	}
+	switch o.reportsMode {
+	case "auto", "on", "off":
+	default:
+		return fmt.Errorf("--openreports %q: want auto, on or off", o.reportsMode)
+	}
+	if o.reportWrites <= 0 || o.reportUpdate < time.Second {
+		return errors.New("--openreports-writes-per-second must be positive and --openreports-update-interval at least 1s")
 	}
 	if o.memoryLimit < 0 {
 		return fmt.Errorf("--memory-limit-bytes %d (or PROXYAUDIT_MEMORY_LIMIT %q): want a byte count, 0 to turn it off", o.memoryLimit, os.Getenv("PROXYAUDIT_MEMORY_LIMIT"))

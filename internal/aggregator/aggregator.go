@@ -63,6 +63,11 @@ type Config struct {
 	// decoded and applied at once; more wait. Default 64 MiB: about 20
 	// snapshots at 100k endpoints, ~0.5 GiB decoded.
 	DecodeBudget int
+	// Reports, when set, is offered every verdict the leader publishes
+	// (outside a recovery): the OpenReports writer.
+	Reports interface {
+		Offer(lead context.Context, v *audit.Verdict)
+	}
 }
 
 // Aggregator holds every node's stream state and the judge.

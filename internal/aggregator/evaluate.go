@@ -99,6 +99,9 @@ func (a *Aggregator) Evaluate() {
 	a.logChanges(prev, &v)
 	if !recovering {
 		a.handOff(&v)
+		if a.cfg.Reports != nil {
+			a.cfg.Reports.Offer(a.leadContext(), &v)
+		}
 	}
 }
 

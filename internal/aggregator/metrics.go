@@ -43,6 +43,7 @@ type Metrics struct {
 	Leader             prometheus.Gauge
 	ViewStale          prometheus.Gauge
 	Actions            *prometheus.CounterVec
+	ReportWrites       *prometheus.CounterVec
 	Slack              *prometheus.CounterVec
 	// Held is 1 while every repair is held, by why: paused, window.
 	Held *prometheus.GaugeVec
@@ -156,6 +157,8 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_view_stale", Help: "1 while the leader's view of the API is stale (a watch failing, or its Lease renewals not seen): nothing is judged or repaired."}),
+		ReportWrites: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_openreports_writes_total", Help: "API writes of the OpenReports ClusterReports (the leader's), by verb (create, update, delete) and outcome (ok, error)."}, []string{"verb", "outcome"}),
 		Actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_remediation_actions_total", Help: "Remediation actions by kind (RestartProxy, Cordon, Uncordon, Page, Resolve) and outcome (done, dry_run, refused, failed)."}, []string{"action", "outcome"}),
 		Slack: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -168,7 +171,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -1,6 +1,7 @@
 package chart_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -12,7 +13,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -20,8 +20,47 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
 )
 
-// reportsAPI pins the OpenReports CRDs the reports are validated against.
+// reportsAPI is the module the chart's OpenReports CRD comes from.
 const reportsAPI = "github.com/openreports/reports-api@v0.2.1"
+
+// The CRD the chart installs (openReports.installCRD) is the module's, byte
+// for byte: vendored, never edited.
+func TestOpenReportsCRDIsUpstream(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	want, err := os.ReadFile(filepath.Join(moduleDir(ctx, t, reportsAPI), "config/crd/openreports.io_clusterreports.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := openReportsCRD(t); !bytes.Equal(got, want) {
+		t.Fatalf("charts/proxyaudit/files/openreports.io_clusterreports.yaml differs from %s's config/crd: copy it again", reportsAPI)
+	}
+}
+
+func openReportsCRD(t *testing.T) []byte {
+	t.Helper()
+	crd, err := os.ReadFile(filepath.Join(root(t), "charts/proxyaudit/files/openreports.io_clusterreports.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return crd
+}
+
+// installOpenReportsCRD applies the chart's OpenReports CRD and waits
+// until the API serves it.
+func installOpenReportsCRD(ctx context.Context, t *testing.T, c *localcluster.Cluster) {
+	t.Helper()
+	if err := applyYAML(ctx, c, openReportsCRD(t)); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		if _, err := c.Client.Discovery().ServerResourcesForGroupVersion("openreports.io/v1alpha1"); err == nil {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("openreports.io/v1alpha1 not served: %v", err)
+		}
+	}
+}
 
 // The reports proxyaudit builds are what the genuine OpenReports CRD
 // accepts, field by field (strict validation on the real API server): a
@@ -31,21 +70,8 @@ func TestE2EOpenReportsValidateServerSide(t *testing.T) {
 	c := localcluster.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	crd, err := os.ReadFile(filepath.Join(moduleDir(ctx, t, reportsAPI), "config/crd/openreports.io_clusterreports.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := applyYAML(ctx, c, crd); err != nil {
-		t.Fatal(err)
-	}
-	gvr := schema.GroupVersionResource{Group: "openreports.io", Version: "v1alpha1", Resource: "clusterreports"}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		if _, err := c.Client.Discovery().ServerResourcesForGroupVersion("openreports.io/v1alpha1"); err == nil {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatalf("openreports.io/v1alpha1 not served: %v", err)
-		}
-	}
+	installOpenReportsCRD(ctx, t, c)
+	gvr := openreports.Resource
 	dc, err := dynamic.NewForConfig(c.RESTConfig)
 	if err != nil {
 		t.Fatal(err)

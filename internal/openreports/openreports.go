@@ -2,14 +2,16 @@
 // (openreports.io/v1alpha1 ClusterReport), the form policy tools share
 // findings in and that Policy Reporter, hub collectors and dashboards
 // read: one ClusterReport per node with findings, scoped to the Node, and
-// one for the fleet's own findings (a mass divergence). It is pure: the
-// leader's writer (not yet wired) decides when to write what Plan says.
+// one for the fleet's own findings (a mass divergence).
 //
 // One report per node, not one per cluster: a node's findings change on
 // their own, so a change rewrites one small object instead of the whole
 // cluster's; each object stays far below etcd's limit (a flushed node
 // with 10k services is summarised, see MaxResults); and a consumer shows
 // findings by resource, which the Node scope gives it.
+//
+// Build, Want and Plan are pure; the Writer (writer.go) makes the leader's
+// API writes, rate-limited and merged.
 //
 // The types are written here to the API's JSON schema rather than taken
 // from github.com/openreports/reports-api: that module moves
@@ -64,6 +66,15 @@ type ObjectMeta struct {
 	Name            string            `json:"name"`
 	Labels          map[string]string `json:"labels,omitempty"`
 	ResourceVersion string            `json:"resourceVersion,omitempty"`
+	OwnerReferences []OwnerReference  `json:"ownerReferences,omitempty"`
+}
+
+// OwnerReference names the object a report lives and dies with.
+type OwnerReference struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Name       string `json:"name"`
+	UID        string `json:"uid"`
 }
 
 // ObjectReference names a Kubernetes object.
@@ -224,6 +235,40 @@ func clip(s string) string {
 		cut--
 	}
 	return s[:cut] + "…"
+}
+
+// Want is what the API should hold for a verdict, given the reports it
+// holds: Build's, and, kept as they are, those of nodes the verdict does
+// not judge yet (pending: a new leader, or a node that has not reported
+// since it took over) — a leader adopts what the last one wrote instead
+// of deleting a node's report until that node is heard again. A node's
+// report goes when the node is judged without findings, or leaves the
+// cluster; the fleet's when a judged fleet has no fleet-wide finding.
+func Want(v *audit.Verdict, have []ClusterReport) []ClusterReport {
+	want := Build(v)
+	named := make(map[string]bool, len(want))
+	for _, r := range want {
+		named[r.Metadata.Name] = true
+	}
+	pending := map[string]bool{}
+	judged := false
+	for _, n := range v.Nodes {
+		if n.State == audit.NodePending {
+			pending[n.Node] = true
+		} else {
+			judged = true
+		}
+	}
+	for _, h := range have {
+		if named[h.Metadata.Name] {
+			continue
+		}
+		node := h.Metadata.Labels[LabelNode]
+		if pending[node] || (!judged && h.Metadata.Name == FleetName) {
+			want = append(want, h)
+		}
+	}
+	return want
 }
 
 // Plan compares the reports that exist (of proxyaudit's, found by

@@ -120,3 +120,31 @@ func TestPlan(t *testing.T) {
 		t.Errorf("an unchanged verdict writes %d, %d, %d", len(c), len(u), len(d))
 	}
 }
+
+// Want keeps, as they are, the reports of nodes the verdict has not
+// judged yet (a new leader's first verdicts), and the fleet's while no
+// node is judged; it drops those of nodes judged clean or gone.
+func TestWantKeepsWhatIsNotJudgedYet(t *testing.T) {
+	have := Build(&audit.Verdict{Findings: []audit.TimedFinding{stale("node-a", 1), stale("node-b", 2), stale("node-c", 3),
+		{Since: since, Finding: audit.Finding{Kind: audit.MassDivergence, Detail: "storm"}}}})
+	for i := range have {
+		have[i].Metadata.ResourceVersion = fmt.Sprint(i + 1)
+	}
+	names := func(rs []ClusterReport) string {
+		var out []string
+		for _, r := range rs {
+			out = append(out, r.Metadata.Name)
+		}
+		return strings.Join(out, " ")
+	}
+	// Nobody judged yet: everything stays, nothing is written.
+	v := &audit.Verdict{Nodes: []audit.NodeStatus{{Node: "node-a", State: audit.NodePending}, {Node: "node-b", State: audit.NodePending}}}
+	if c, u, d := Plan(have, Want(v, have)); len(c)+len(u) != 0 || fmt.Sprint(d) != "[proxyaudit-node-node-c]" {
+		t.Errorf("before any judgement: create %s, update %s, delete %v (only node-c, gone from the cluster, goes)", names(c), names(u), d)
+	}
+	// node-a judged clean, node-b still pending: node-a's and the fleet's go.
+	v.Nodes[0].State = audit.NodeInSync
+	if c, u, d := Plan(have, Want(v, have)); len(c)+len(u) != 0 || fmt.Sprint(d) != "[proxyaudit-fleet proxyaudit-node-node-a proxyaudit-node-node-c]" {
+		t.Errorf("node-a judged: create %s, update %s, delete %v", names(c), names(u), d)
+	}
+}
