@@ -109,6 +109,17 @@ type Result struct {
 	// histogram's buckets): a slow cycle delays every finding.
 	Evaluations, EvaluationsOver2s int
 	EvaluationMeanSeconds          float64
+	// The OpenReports ClusterReports' API writes, as the API server
+	// counted them: per node per minute in the churn window without
+	// faults, in all during the stuck rounds and per node stuck, the
+	// highest rate over 10 s, and all over the run; the reports held at
+	// the end, against the nodes with findings then.
+	ReportWritesPerNodeMinuteChurn     float64
+	ReportWritesStuckRounds            float64
+	ReportWritesPerStuckNode           float64
+	ReportWritesPeakPerSecond          float64
+	ReportWritesTotal                  float64
+	ReportsHeldAtEnd, ReportNodesAtEnd int
 }
 
 // TestE2EFleetSimulation runs the real aggregator binary against the real
@@ -137,6 +148,18 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Fatalf("populate: %v", err)
 	}
 	t.Logf("created %d nodes, %d services, %d endpoint slices in %s", N, S, len(sl), time.Since(start).Round(time.Second))
+
+	installReportsCRD(ctx, t, c)
+	sctx, sstop := context.WithCancel(ctx)
+	defer sstop()
+	reportW := sampleReportWrites(sctx, client, 5*time.Second)
+	writesNow := func() float64 {
+		n, err := apiReportWrites(ctx, client)
+		if err != nil {
+			t.Logf("the API server's write count: %v", err)
+		}
+		return n
+	}
 
 	truth := fleetsim.NewTruth(client, time.Minute)
 	truth.Run(ctx, time.Second)
@@ -281,6 +304,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Fatal(err)
 	}
 	b0, a0, m0, r0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load(), fleet.BytesSentRefs.Load()
+	rw0 := writesNow()
 	for time.Since(a0) < *fleetSteady {
 		check(false)
 		time.Sleep(500 * time.Millisecond)
@@ -290,6 +314,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Fatal(err)
 	}
 	wall := time.Since(a0).Seconds()
+	res.ReportWritesPerNodeMinuteChurn = (writesNow() - rw0) / float64(N) / (wall / 60)
 	res.ChurnPerSecond = float64(churn.Made.Load()-m0) / wall
 	res.AggregatorCPUCores = (agg1.CPU - agg0.CPU).Seconds() / wall
 	res.IngestBytesPerSecondChurn = float64(fleet.BytesSent.Load()-b0) / wall
@@ -423,9 +448,12 @@ func TestE2EFleetSimulation(t *testing.T) {
 			delete(stuck, name)
 		}
 	}
+	rw1 := writesNow()
 	for round := range *fleetRounds {
 		stuckRound(round)
 	}
+	res.ReportWritesStuckRounds = writesNow() - rw1
+	res.ReportWritesPerStuckNode = res.ReportWritesStuckRounds / float64(k**fleetRounds)
 	if h, err := aggAPI.evaluations(); err != nil {
 		t.Logf("the leader's evaluation durations: %v", err)
 	} else {
@@ -508,6 +536,14 @@ func TestE2EFleetSimulation(t *testing.T) {
 	res.Wants = fleet.Wants.Load()
 	res.WriteBlockedMaxSeconds = time.Duration(fleet.WriteBlocked.Load()).Seconds()
 	res.TruthMaxLagSeconds = truth.MaxLag().Seconds()
+	checkReportsHeld(ctx, t, c, aggAPI, &res)
+	sstop()
+	res.ReportWritesTotal, res.ReportWritesPeakPerSecond = writesNow(), reportW.peak(10*time.Second)
+	t.Logf("OpenReports writes: %.3f per node per minute under churn, %.0f in the stuck rounds (%.1f per stuck node), peak %.1f/s over 10 s, %.0f in all; %d reports held at the end for %d nodes with findings",
+		res.ReportWritesPerNodeMinuteChurn, res.ReportWritesStuckRounds, res.ReportWritesPerStuckNode, res.ReportWritesPeakPerSecond, res.ReportWritesTotal, res.ReportsHeldAtEnd, res.ReportNodesAtEnd)
+	if res.ReportWritesPerNodeMinuteChurn > 1 || res.ReportWritesPeakPerSecond > 60 {
+		t.Errorf("OpenReports writes over their bounds: %.3f per node per minute under churn (≤ 1), peak %.1f/s (≤ 60)", res.ReportWritesPerNodeMinuteChurn, res.ReportWritesPeakPerSecond)
+	}
 	if errs := fleet.LastErrors(); len(errs) > 0 {
 		t.Logf("stream errors on %d nodes, e.g. %v", len(errs), first(errs))
 	}

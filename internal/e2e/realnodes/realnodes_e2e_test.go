@@ -36,6 +36,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/image"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/openreports"
 )
 
 // The fleet: kube-proxy in both modes the host kernel runs, two zones.
@@ -251,7 +252,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	defer cancel()
 	waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
 	start := time.Now()
-	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace")
+	// With the OpenReports CRD (the chart installs it, as Kyverno or
+	// Policy Reporter would): findings are ClusterReports too.
+	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace", "--set", "openReports.installCRD=true")
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=collector", len(fleet), 3*time.Minute)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	t.Logf("helm install: every pod Ready after %s", time.Since(start).Round(time.Millisecond))
@@ -347,6 +350,8 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	}
 	defer undo(context.Background())
 	watch = watchFindings(ctx, t, c)
+	reports := watchReports(ctx, t, c)
+	defer reports.stop()
 	svc, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "probe", Namespace: "default"},
 		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
 	if err != nil {
@@ -388,6 +393,19 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("no StuckProxy finding on %s before it was healed; seen: %v", stuck.Name, seen)
 	}
 	t.Logf("healed: %s in sync %s after the change", stuck.Name, time.Since(changed).Round(time.Millisecond))
+	// Its ClusterReport (OpenReports) came with the finding and went with
+	// it; no other node had one.
+	reports.waitSaw(t, 30*time.Second, "DELETED", openreports.Name(stuck.Name), "")
+	if !reports.saw("ADDED", openreports.Name(stuck.Name), "proxyaudit/StuckProxy") {
+		t.Errorf("no ClusterReport of %s with a proxyaudit/StuckProxy result; seen: %v", stuck.Name, reports.seen())
+	}
+	for _, e := range reports.seen() {
+		if !strings.Contains(e, openreports.Name(stuck.Name)) {
+			t.Errorf("a ClusterReport of a healthy node: %s", e)
+		}
+	}
+	t.Logf("OpenReports: %s", strings.Join(reports.seen(), "; "))
+	reports.stop()
 
 	// A static kube-proxy that gets stuck: paged with what to do, its
 	// mirror pod never deleted; healed as the page says.
@@ -507,6 +525,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 
 	// helm uninstall leaves nothing but what the chart's README says.
 	helm(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	// The reports go with the chart's ClusterRole, their owner (the CRD
+	// stays: other tools' reports live in it).
+	waitNoReports(ctx, t, c, 2*time.Minute)
 	// Pods end after their controllers are gone, with their grace period.
 	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
 		pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{})
