@@ -52,10 +52,13 @@ demo: demo-deps demo-binaries build
 	@$(BIN)/localcluster demo --out demo-out
 
 ## screenshots: the README's pictures (the status page's fleet, a drifted node, incidents; the report in a
-## terminal) from the real-node Chromium test, into docs/screenshots/ (regenerate when the page changes)
+## terminal) from the real-node Chromium test, and the clusters page of `proxyaudit ui`, into docs/screenshots/
+## (regenerate when the page changes)
 screenshots: deps modules cluster-binaries
 	PROXYAUDIT_SCREENSHOTS=$(CURDIR)/docs/screenshots PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 30m \
 		-run '^TestE2EStatusPageOnRealNodes$$' ./internal/e2e/realnodes
+	PROXYAUDIT_SCREENSHOTS=$(CURDIR)/docs/screenshots PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 \
+		-run '^TestUIAcrossClusters$$' ./cmd/proxyaudit
 
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
 ## kube-proxies (review the diff)

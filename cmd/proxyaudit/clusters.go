@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"text/tabwriter"
 	"time"
@@ -12,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/ui"
 )
 
 // ClustersReport is report's JSON output across clusters: each cluster's
@@ -52,21 +55,10 @@ func kubeContexts(kubeconfig string) ([]string, error) {
 // context of the kubeconfig), each asked in parallel through its own API
 // server within the timeout.
 func runClustersReport(a *access, all bool, format string, stdout, stderr io.Writer) int {
-	if *a.url != "" {
-		fmt.Fprintln(stderr, "proxyaudit report: --aggregator names one aggregator; several clusters are reached through their API servers (drop --aggregator)")
+	contexts, err := a.clusters(all)
+	if err != nil {
+		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
 		return exitUsage
-	}
-	contexts := slices.Clone(a.contexts)
-	if all {
-		if len(contexts) > 0 {
-			fmt.Fprintln(stderr, "proxyaudit report: --all-contexts or --context, not both")
-			return exitUsage
-		}
-		var err error
-		if contexts, err = kubeContexts(*a.kubeconfig); err != nil {
-			fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
-			return exitUsage
-		}
 	}
 	rep := fetchClusters(a, contexts)
 	render(stdout, format, rep, func(w io.Writer) { clustersTable(w, rep) }, func(w io.Writer) { clustersMarkdown(w, rep) })
@@ -80,6 +72,21 @@ func runClustersReport(a *access, all bool, format string, stdout, stderr io.Wri
 		}
 	}
 	return code
+}
+
+// clusters are the contexts several clusters are read from: the
+// --context flags, or with all every context of the kubeconfig.
+func (a *access) clusters(all bool) ([]string, error) {
+	if *a.url != "" {
+		return nil, fmt.Errorf("--aggregator names one aggregator; several clusters are reached through their API servers (drop --aggregator)")
+	}
+	if !all {
+		return slices.Clone(a.contexts), nil
+	}
+	if len(a.contexts) > 0 {
+		return nil, errors.New("--all-contexts or --context, not both")
+	}
+	return kubeContexts(*a.kubeconfig)
 }
 
 // fetchClusters reads each context's report in parallel; a cluster that
@@ -201,4 +208,81 @@ func servicePort(f audit.TimedFinding) string {
 		return "-"
 	}
 	return svcPortFamily(f.Finding)
+}
+
+// clustersUI serves several clusters' status: the page of them all at
+// /clusters/, and each cluster's own pages under /clusters/SLUG/ui/,
+// through that cluster's API server as `proxyaudit ui` reaches one.
+func (a *access) clustersUI(contexts []string, stderr io.Writer) http.Handler {
+	mux := http.NewServeMux()
+	slugs := clusterSlugs(contexts)
+	for i, name := range contexts {
+		one := *a
+		one.context = &name
+		prefix := "/clusters/" + slugs[i]
+		h, err := one.uiProxy(stderr)
+		if err != nil {
+			msg := fmt.Sprintf("proxyaudit ui: cluster %s: %v", name, err)
+			h = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { http.Error(w, msg, http.StatusBadGateway) })
+		}
+		mux.Handle("GET "+prefix+"/ui/", http.StripPrefix(prefix, h))
+	}
+	mux.Handle("GET /clusters/static/", ui.StaticAt("/clusters/"))
+	mux.HandleFunc("GET /clusters/{$}", func(w http.ResponseWriter, _ *http.Request) {
+		ui.Serve(w, "clusters", clustersPage(fetchClusters(a, contexts), slugs))
+	})
+	mux.Handle("GET /{$}", http.RedirectHandler("/clusters/", http.StatusFound))
+	return mux
+}
+
+// clustersPage is the page of a report across clusters; slugs name each
+// cluster's pages.
+func clustersPage(rep *ClustersReport, slugs []string) ui.ClustersPage {
+	p := ui.ClustersPage{Base: ui.Base{Title: "clusters", Root: "./", At: rep.At, Now: time.Now()}}
+	for i, c := range rep.Clusters {
+		link := slugs[i] + "/ui/"
+		if c.Report == nil {
+			p.Clusters = append(p.Clusters, ui.ClusterRow{Name: c.Context, Link: link, Error: c.Error})
+			p.Unreadable++
+			continue
+		}
+		row := ui.Cluster(c.Context, link, c.Report.At, c.Report.Nodes, c.Report.Findings)
+		row.Hold = c.Report.RemediationHold
+		if st := c.Report.Stale; st != nil {
+			row.Stale = fmt.Sprintf("since %s: %s", st.Since.UTC().Format(time.RFC3339), st.Reason)
+		}
+		p.Clusters = append(p.Clusters, row)
+	}
+	return p
+}
+
+// clusterSlugs names each context in a URL path: lower case, every run
+// of other characters than letters, digits, dots and dashes one dash
+// (EKS contexts are ARNs, arn:aws:eks:…:cluster/name), made unique.
+func clusterSlugs(contexts []string) []string {
+	out := make([]string, len(contexts))
+	used := map[string]bool{}
+	for i, name := range contexts {
+		var b strings.Builder
+		dash := false
+		for _, r := range strings.ToLower(name) {
+			if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '.' || r == '-' {
+				b.WriteRune(r)
+				dash = false
+			} else if !dash {
+				b.WriteByte('-')
+				dash = true
+			}
+		}
+		slug := strings.Trim(b.String(), "-.")
+		if slug == "" {
+			slug = "cluster"
+		}
+		for n := 2; used[slug]; n++ {
+			slug = fmt.Sprintf("%s-%d", strings.TrimSuffix(slug, fmt.Sprintf("-%d", n-1)), n)
+		}
+		used[slug] = true
+		out[i] = slug
+	}
+	return out
 }

@@ -171,7 +171,7 @@ type access struct {
 // cluster.
 func (a *access) single(cmd string) error {
 	if len(a.contexts) > 1 {
-		return fmt.Errorf("%s reads one cluster: give --context once (report takes several)", cmd)
+		return fmt.Errorf("%s reads one cluster: give --context once (report and ui take several)", cmd)
 	}
 	return nil
 }
@@ -190,7 +190,7 @@ func accessFlags(fs *flag.FlagSet) *access {
 		tokenFile:  fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
 	}
 	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
-	fs.Func("context", "kubeconfig context (default: the current one); report takes it more than once, one cluster each", func(v string) error {
+	fs.Func("context", "kubeconfig context (default: the current one); report and ui take it more than once, one cluster each", func(v string) error {
 		if v == "" {
 			return errors.New("an empty context name")
 		}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/internal/api"
+	"github.com/proxyaudit/proxyaudit/internal/ui"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -51,14 +52,30 @@ func serve(t *testing.T, fr api.FindingsResponse, nr api.NodesResponse) string {
 	return srv.URL
 }
 
-// aggregatorAPI answers the two paths report reads, as the aggregator does.
+// aggregatorAPI answers the two paths report reads, as the aggregator
+// does, and its status page's fleet and node pages (rendered from them by
+// internal/ui, as the aggregator renders them).
 func aggregatorAPI(fr api.FindingsResponse, nr api.NodesResponse) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch r.URL.Path {
-		case "/api/v1/findings":
+		base := ui.Base{Title: "fleet", Root: "./", At: nr.At, Now: nr.At, Leader: fr.Leader, Grace: 30}
+		switch node, isNode := strings.CutPrefix(r.URL.Path, "/ui/nodes/"); {
+		case r.URL.Path == "/api/v1/findings":
 			json.NewEncoder(w).Encode(fr)
-		case "/api/v1/nodes":
+		case r.URL.Path == "/api/v1/nodes":
 			json.NewEncoder(w).Encode(nr)
+		case r.URL.Path == "/ui/":
+			ui.Serve(w, "fleet", ui.Fleet(base, nr.Nodes, fr.Findings, func(string) string { return "" }))
+		case strings.HasPrefix(r.URL.Path, "/ui/static/"):
+			ui.Static().ServeHTTP(w, r)
+		case isNode:
+			base.Title, base.Root = node, "../"
+			for _, n := range nr.Nodes {
+				if n.Node == node {
+					ui.Serve(w, "node", ui.NodePage{Base: base, Status: n})
+					return
+				}
+			}
+			http.NotFound(w, r)
 		default:
 			http.NotFound(w, r)
 		}

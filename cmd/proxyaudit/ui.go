@@ -29,12 +29,18 @@ import (
 )
 
 const uiUsage = `Usage: proxyaudit ui [--listen 127.0.0.1:8484] [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE]
+       proxyaudit ui --context A --context B ... | --all-contexts
 
 Serves the aggregator's read-only status page on this machine: the fleet's
 heatmap, each node's rules and kube-proxy's own account, the incidents. It
 reaches the aggregator as proxyaudit report does, through the API server's
 service proxy with your kubeconfig (and a short-lived reader token it mints
 and renews), or at --aggregator. Open the address it prints; Ctrl-C stops it.
+
+With several contexts (or --all-contexts) it serves a page of the clusters
+side by side (each one's nodes by state and the nodes to look at, read
+through its own API server; one that cannot be read says why) linking into
+each cluster's own pages.
 
 `
 
@@ -43,6 +49,7 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, uiUsage); fs.PrintDefaults() }
 	access := accessFlags(fs)
+	all := fs.Bool("all-contexts", false, "every context of the kubeconfig, side by side (see --context)")
 	listen := fs.String("listen", "127.0.0.1:8484", "address to serve the page on; keep it on loopback: whoever reaches it reads what your credentials may")
 	var accept hostList
 	fs.Var(&accept, "accept-host", "a host name the page may be asked for besides localhost and IP addresses (repeatable); a request naming any other host is refused, so that a web page cannot reach it through DNS rebinding")
@@ -52,14 +59,21 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		}
 		return exitUsage
 	}
-	if err := access.single("ui"); err != nil {
-		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
-		return exitUsage
-	}
-	h, err := access.uiProxy(stderr)
-	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
-		return exitUsage
+	var h http.Handler
+	page := "/ui/"
+	if *all || len(access.contexts) > 1 {
+		contexts, err := access.clusters(*all)
+		if err != nil {
+			fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
+			return exitUsage
+		}
+		h, page = access.clustersUI(contexts, stderr), "/clusters/"
+	} else {
+		var err error
+		if h, err = access.uiProxy(stderr); err != nil {
+			fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
+			return exitUsage
+		}
 	}
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
@@ -69,7 +83,7 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 	if host, _, _ := net.SplitHostPort(ln.Addr().String()); !net.ParseIP(host).IsLoopback() {
 		fmt.Fprintf(stderr, "proxyaudit ui: warning: serving on %s, not loopback: whoever reaches it reads the findings with your credentials\n", ln.Addr())
 	}
-	fmt.Fprintf(stdout, "proxyaudit status page: http://%s/ui/ (Ctrl-C to stop)\n", ln.Addr())
+	fmt.Fprintf(stdout, "proxyaudit status page: http://%s%s (Ctrl-C to stop)\n", ln.Addr(), page)
 	srv := &http.Server{Handler: hostGuard(accept, h), ReadHeaderTimeout: 10 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -153,7 +153,33 @@ type IncidentsPage struct {
 	Recent    []Entry
 }
 
-// Render writes the named page ("fleet", "node", "incidents").
+// ClustersPage is several clusters side by side (`proxyaudit ui` with
+// several kubeconfig contexts): each cluster's nodes by state and the
+// nodes to look at, linking into that cluster's own pages.
+type ClustersPage struct {
+	Base
+	Clusters []ClusterRow
+	// Unreadable counts the clusters that could not be read.
+	Unreadable int
+}
+
+// ClusterRow is one cluster of the ClustersPage.
+type ClusterRow struct {
+	Name string // its kubeconfig context
+	// Link is the relative path to its fleet page ("SLUG/ui/"); its nodes'
+	// pages are under it.
+	Link string
+	// Error says why it could not be read ("" when it was); Stale why its
+	// leader's view is stale; Hold why its repairs are held.
+	Error, Stale, Hold string
+	At                 time.Time
+	Total, Findings    int
+	States             []Count
+	// Look are the nodes not in sync (at most 20), the worst first.
+	Look []Cell
+}
+
+// Render writes the named page ("fleet", "node", "incidents", "clusters").
 func Render(w io.Writer, page string, data any) error {
 	return pages.ExecuteTemplate(w, page+".html", data)
 }
@@ -175,8 +201,39 @@ func Serve(w http.ResponseWriter, page string, data any) {
 }
 
 // Static serves the embedded stylesheet and script under /ui/static/.
-func Static() http.Handler {
-	return http.StripPrefix("/ui/", http.FileServerFS(files))
+func Static() http.Handler { return StaticAt("/ui/") }
+
+// StaticAt serves them under prefix + "static/".
+func StaticAt(prefix string) http.Handler {
+	return http.StripPrefix(prefix, http.FileServerFS(files))
+}
+
+// Cluster builds a ClusterRow from a cluster's node states and findings.
+func Cluster(name, link string, at time.Time, nodes []audit.NodeStatus, findings []audit.TimedFinding) ClusterRow {
+	r := ClusterRow{Name: name, Link: link, At: at, Total: len(nodes), Findings: len(findings)}
+	byNode := map[string]int{}
+	for _, f := range findings {
+		byNode[f.Node]++
+	}
+	states := map[string]int{}
+	for _, n := range nodes {
+		states[string(n.State)]++
+		if n.State != audit.NodeInSync {
+			r.Look = append(r.Look, Cell{Node: n.Node, State: string(n.State), P99: n.Lag.P99, Findings: byNode[n.Node], StaleFlows: n.StaleFlows})
+		}
+	}
+	sort.SliceStable(r.Look, func(i, j int) bool {
+		a, b := r.Look[i], r.Look[j]
+		if a.Findings != b.Findings {
+			return a.Findings > b.Findings
+		}
+		return a.Node < b.Node
+	})
+	if len(r.Look) > 20 {
+		r.Look = r.Look[:20]
+	}
+	r.States = counts(states)
+	return r
 }
 
 // Fleet builds the fleet page's breakdowns from the judge's node states
