@@ -151,10 +151,11 @@ demo-binaries:
 	@deploy/k8s-tools/coredns.sh >/dev/null
 	@deploy/k8s-tools/helm.sh >/dev/null
 
-## cluster-binaries: the demo's, and the tests' own: Alertmanager and promtool
+## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool and an OpenTelemetry Collector
 cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null
+	@deploy/k8s-tools/otelcol.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

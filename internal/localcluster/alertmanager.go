@@ -35,6 +35,14 @@ func EnsureAlertmanager(ctx context.Context) (string, error) {
 	return ensureTool(ctx, "alertmanager.sh")
 }
 
+// EnsureOTelCollector returns an OpenTelemetry Collector with the
+// k8sobjects receiver (deploy/k8s-tools/otelcol.sh), building it when the
+// cache does not hold it yet (~3 min cold): a consumer of the OpenReports
+// proxyaudit did not write.
+func EnsureOTelCollector(ctx context.Context) (string, error) {
+	return ensureTool(ctx, "otelcol.sh")
+}
+
 // StartAlertmanager runs Alertmanager on host (an address of this machine;
 // Alertmanager binds a free port itself) with its state in dir, sending
 // every alert group to webhook. It is ready to take alerts when this
