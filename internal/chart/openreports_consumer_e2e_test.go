@@ -75,10 +75,17 @@ service:
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	defer func() { cmd.Process.Kill(); <-exited }()
 	waitOut := func(what string, ok func(string) bool) {
 		t.Helper()
 		for deadline := time.Now().Add(time.Minute); !ok(seen()); time.Sleep(200 * time.Millisecond) {
+			select {
+			case <-exited:
+				t.Fatalf("the collector exited before it logged %s:\n%s", what, tailLines(seen(), 40))
+			default:
+			}
 			if time.Now().After(deadline) {
 				t.Fatalf("the collector never logged %s:\n%s", what, tailLines(seen(), 40))
 			}

@@ -32,7 +32,7 @@ func main() {
 		BuildInfo: component.BuildInfo{Command: "otelcol", Description: "OpenTelemetry Collector: k8sobjects receiver, debug exporter", Version: "0.111.0"},
 		Factories: components,
 		ConfigProviderSettings: otelcol.ConfigProviderSettings{ResolverSettings: confmap.ResolverSettings{
-			ProviderFactories: []confmap.ProviderFactory{fileprovider.NewFactory()}}},
+			ProviderFactories: []confmap.ProviderFactory{fileprovider.NewFactory()}, DefaultScheme: "file"}},
 	}
 	if err := otelcol.NewCommand(set).Execute(); err != nil {
 		log.Fatal(err)
