@@ -76,16 +76,6 @@ func sampleReportWrites(ctx context.Context, client kubernetes.Interface, every 
 	return w
 }
 
-// total is the writes counted so far.
-func (w *reportWrites) total() float64 {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if len(w.count) == 0 {
-		return 0
-	}
-	return w.count[len(w.count)-1]
-}
-
 // peak is the highest rate over any window of at least span between
 // samples.
 func (w *reportWrites) peak(span time.Duration) float64 {
