@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -386,4 +387,29 @@ func (r *Release) SecretData(name string) (map[string][]byte, error) {
 		out[k] = []byte(v)
 	}
 	return out, nil
+}
+
+// ApplyCRD applies a document of CustomResourceDefinitions (as Apply does)
+// and waits, up to 30 s, until the API serves groupVersion.
+func ApplyCRD(ctx context.Context, cfg *rest.Config, doc []byte, groupVersion string) error {
+	rel := Release{Namespace: "default"}
+	if err := rel.Decode(doc); err != nil {
+		return err
+	}
+	if err := rel.Apply(ctx, cfg); err != nil {
+		return err
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_, err := dc.ServerResourcesForGroupVersion(groupVersion)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not served 30 s after its CRD was applied: %w", groupVersion, err)
+		}
+	}
 }

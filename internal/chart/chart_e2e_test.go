@@ -47,21 +47,9 @@ func installMonitoringCRDs(ctx context.Context, t *testing.T, c *localcluster.Cl
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := applyYAML(ctx, c, crd); err != nil {
+		if err := chart.ApplyCRD(ctx, c.RESTConfig, crd, "monitoring.coreos.com/v1"); err != nil {
 			t.Fatal(err)
 		}
-	}
-	// The API server serves a new CRD's kind a moment after it is established.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		_, err := c.Client.Discovery().ServerResourcesForGroupVersion("monitoring.coreos.com/v1")
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("monitoring.coreos.com/v1 not served: %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
 	}
 }
 
@@ -78,14 +66,6 @@ func moduleDir(ctx context.Context, t *testing.T, module string) string {
 		t.Fatalf("go mod download %s: %v %s", module, err, out)
 	}
 	return mod.Dir
-}
-
-func applyYAML(ctx context.Context, c *localcluster.Cluster, doc []byte) error {
-	rel := chart.Release{Namespace: "default"}
-	if err := rel.Decode(doc); err != nil {
-		return err
-	}
-	return rel.Apply(ctx, c.RESTConfig)
 }
 
 // Every values set under ci/ and the defaults apply server-side to the real

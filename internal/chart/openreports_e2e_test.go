@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
 )
@@ -50,15 +51,8 @@ func openReportsCRD(t *testing.T) []byte {
 // until the API serves it.
 func installOpenReportsCRD(ctx context.Context, t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
-	if err := applyYAML(ctx, c, openReportsCRD(t)); err != nil {
+	if err := chart.ApplyCRD(ctx, c.RESTConfig, openReportsCRD(t), "openreports.io/v1alpha1"); err != nil {
 		t.Fatal(err)
-	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		if _, err := c.Client.Discovery().ServerResourcesForGroupVersion("openreports.io/v1alpha1"); err == nil {
-			return
-		} else if time.Now().After(deadline) {
-			t.Fatalf("openreports.io/v1alpha1 not served: %v", err)
-		}
 	}
 }
 

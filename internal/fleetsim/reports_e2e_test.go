@@ -28,19 +28,8 @@ func installReportsCRD(ctx context.Context, t *testing.T, c *localcluster.Cluste
 	if err != nil {
 		t.Fatal(err)
 	}
-	rel := chart.Release{Namespace: "default"}
-	if err := rel.Decode(doc); err != nil {
+	if err := chart.ApplyCRD(ctx, c.RESTConfig, doc, "openreports.io/v1alpha1"); err != nil {
 		t.Fatal(err)
-	}
-	if err := rel.Apply(ctx, c.RESTConfig); err != nil {
-		t.Fatal(err)
-	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		if _, err := c.Client.Discovery().ServerResourcesForGroupVersion("openreports.io/v1alpha1"); err == nil {
-			return
-		} else if time.Now().After(deadline) {
-			t.Fatalf("openreports.io/v1alpha1 not served: %v", err)
-		}
 	}
 }
 
