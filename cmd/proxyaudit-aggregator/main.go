@@ -6,7 +6,6 @@
 package main
 
 import (
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	// The maintenance windows' time zones, whatever the image holds.
 	_ "time/tzdata"
 
@@ -31,6 +30,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 
 	"go.uber.org/zap"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
