@@ -6,13 +6,17 @@
 // Everything it creates carries the "pa-" prefix (network namespaces, links)
 // or the PROXYAUDIT_LOCALCLUSTER environment marker (processes), so that a run
 // after a crash removes what a previous run left and tests can assert that
-// nothing is left. Only one cluster runs on a machine at a time: Start takes a
-// machine-wide file lock and holds it until Stop.
+// nothing is left. Only one test process runs clusters on a machine at a
+// time: Start takes a machine-wide file lock and holds it until Stop. Inside
+// that process a second control plane may run beside the first
+// (Config.Instance), as a platform team's second cluster.
 //
 // Addresses: the API server is advertised on 198.18.0.1 (a host-only veth);
 // node i gets a veth pair 198.18.0.(4i+1) (host) / 198.18.0.(4i+2) (node);
-// services use 198.19.0.0/16 and pods 198.18.128.0/17. All of it is in the
-// 198.18.0.0/15 benchmarking range and no traffic leaves the machine.
+// services use 198.19.0.0/16 and pods 198.18.128.0/17. A second instance
+// uses 198.18.2.0/24 the same way (its API server on 198.18.2.1:6444). All
+// of it is in the 198.18.0.0/15 benchmarking range and no traffic leaves the
+// machine.
 package localcluster
 
 import (
@@ -112,6 +116,36 @@ type Config struct {
 	// primary family is IPv6. The nodes keep their IPv4 link to reach the
 	// API server.
 	IPv6Only bool
+	// Instance 1 starts a second control plane beside the one this
+	// process already runs (instance 0, the default): its own etcd, API
+	// server (SecondAPIServerIP:SecondAPIServerPort), host link and node
+	// addresses (198.18.2.0/24) and namespaces (pa-c1-NAME), so node names
+	// may repeat the first cluster's. It does not clean the machine at
+	// Start and removes only what is its own at Stop (stop it before
+	// instance 0, whose Stop removes everything). It runs namespace-only
+	// nodes, IPv4 only.
+	Instance int
+}
+
+// The second instance's API server (Config.Instance 1).
+const (
+	SecondAPIServerIP   = "198.18.2.1"
+	SecondAPIServerPort = 6444
+)
+
+// instance holds what differs between control planes on one machine.
+type instance struct {
+	apiIP                string
+	apiPort              int
+	etcdClient, etcdPeer string
+	link                 string // the host-only link holding apiIP
+	prefix               string // of network namespaces and node links
+	nodeNet              string // node i: NET.(4i+1) / NET.(4i+2)
+}
+
+var instances = []instance{
+	{APIServerIP, APIServerPort, etcdClientURL, etcdPeerURL, apiLink, namePrefix, "198.18.0"},
+	{SecondAPIServerIP, SecondAPIServerPort, "http://127.0.0.1:32389", "http://127.0.0.1:32390", "pa-api1", namePrefix + "c1-", "198.18.2"},
 }
 
 // Cluster is a running local control plane with its nodes.
@@ -126,6 +160,7 @@ type Cluster struct {
 	AdminKubeconfig string
 
 	cfg             Config
+	in              instance
 	bin             string
 	pki             pki
 	adminToken      string
@@ -180,7 +215,13 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	if err := CanRun(); err != nil {
 		return nil, err
 	}
-	c = &Cluster{cfg: cfg, nodes: map[string]*Node{}}
+	if cfg.Instance < 0 || cfg.Instance >= len(instances) {
+		return nil, fmt.Errorf("local cluster instance %d: want 0 (the first) or 1 (a second beside it)", cfg.Instance)
+	}
+	if cfg.Instance > 0 && (cfg.DualStack || cfg.IPv6Only) {
+		return nil, errors.New("a second local cluster instance is IPv4 only")
+	}
+	c = &Cluster{cfg: cfg, in: instances[cfg.Instance], nodes: map[string]*Node{}}
 	if c.release, err = takeLock(ctx, c.logf); err != nil {
 		return nil, err
 	}
@@ -190,7 +231,13 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 			c = nil
 		}
 	}()
-	if err := CleanupStale(ctx); err != nil {
+	// The first instance clears what a crashed run left; a second one
+	// must not touch the first's.
+	if cfg.Instance == 0 {
+		if err := CleanupStale(ctx); err != nil {
+			return c, fmt.Errorf("clean up a previous run: %w", err)
+		}
+	} else if err := c.removeOwn(ctx); err != nil {
 		return c, fmt.Errorf("clean up a previous run: %w", err)
 	}
 	c.bin = cfg.BinDir
@@ -205,20 +252,20 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	c.logf("local cluster work dir %s", c.Dir)
 	// A host-only veth pair holds the API server's advertised address.
 	link := [][]string{
-		{"ip", "link", "add", apiLink, "type", "veth", "peer", "name", apiLink + "-peer"},
-		{"ip", "addr", "add", APIServerIP + "/32", "dev", apiLink},
-		{"ip", "link", "set", apiLink, "up"},
-		{"ip", "link", "set", apiLink + "-peer", "up"},
+		{"ip", "link", "add", c.in.link, "type", "veth", "peer", "name", c.in.link + "-peer"},
+		{"ip", "addr", "add", c.in.apiIP + "/32", "dev", c.in.link},
+		{"ip", "link", "set", c.in.link, "up"},
+		{"ip", "link", "set", c.in.link + "-peer", "up"},
 	}
 	if cfg.IPv6Only {
-		link = append(link, []string{"ip", "addr", "add", APIServerIP6 + "/128", "dev", apiLink, "nodad"})
+		link = append(link, []string{"ip", "addr", "add", APIServerIP6 + "/128", "dev", c.in.link, "nodad"})
 	}
 	for _, argv := range link {
 		if _, err := run(ctx, argv...); err != nil {
 			return c, err
 		}
 	}
-	ips := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(APIServerIP), net.ParseIP(KubernetesServiceIP), net.ParseIP(VMHostIP)}
+	ips := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(c.in.apiIP), net.ParseIP(KubernetesServiceIP), net.ParseIP(VMHostIP)}
 	if c.pki, err = writePKI(c.Dir, ips); err != nil {
 		return c, fmt.Errorf("write certificates: %w", err)
 	}
@@ -233,11 +280,11 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	c.AdminKubeconfig = filepath.Join(c.Dir, "admin.kubeconfig")
-	if err := writeKubeconfig(c.AdminKubeconfig, "https://127.0.0.1:6443", c.pki.CACert, c.adminToken, ""); err != nil {
+	if err := writeKubeconfig(c.AdminKubeconfig, c.localURL(), c.pki.CACert, c.adminToken, ""); err != nil {
 		return c, err
 	}
 	c.proxyKubeconfig = filepath.Join(c.Dir, "kube-proxy.kubeconfig")
-	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", APIServerIP, APIServerPort), c.pki.CACert, c.proxyToken, ""); err != nil {
+	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", c.in.apiIP, c.in.apiPort), c.pki.CACert, c.proxyToken, ""); err != nil {
 		return c, err
 	}
 	if err := c.startEtcd(ctx); err != nil {
@@ -247,6 +294,14 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	return c, nil
+}
+
+// localURL is the API server as host processes reach it.
+func (c *Cluster) localURL() string { return fmt.Sprintf("https://127.0.0.1:%d", c.in.apiPort) }
+
+// APIServer is the API server's address as nodes reach it, ip:port.
+func (c *Cluster) APIServer() string {
+	return net.JoinHostPort(c.in.apiIP, strconv.Itoa(c.in.apiPort))
 }
 
 // procLock shares the machine-wide lock inside one process: a test
@@ -313,11 +368,11 @@ func (c *Cluster) startEtcd(ctx context.Context) error {
 		filepath.Join(c.bin, "etcd"),
 		"--name=default",
 		"--data-dir=" + filepath.Join(c.Dir, "etcd"),
-		"--listen-client-urls=" + etcdClientURL,
-		"--advertise-client-urls=" + etcdClientURL,
-		"--listen-peer-urls=" + etcdPeerURL,
-		"--initial-advertise-peer-urls=" + etcdPeerURL,
-		"--initial-cluster=default=" + etcdPeerURL,
+		"--listen-client-urls=" + c.in.etcdClient,
+		"--advertise-client-urls=" + c.in.etcdClient,
+		"--listen-peer-urls=" + c.in.etcdPeer,
+		"--initial-advertise-peer-urls=" + c.in.etcdPeer,
+		"--initial-cluster=default=" + c.in.etcdPeer,
 		"--unsafe-no-fsync",
 		"--log-level=warn",
 	})
@@ -326,7 +381,7 @@ func (c *Cluster) startEtcd(ctx context.Context) error {
 	}
 	hc := &http.Client{Timeout: time.Second}
 	return c.waitProcess(ctx, c.etcd, 60*time.Second, "etcd healthy", func() bool {
-		resp, err := hc.Get(etcdClientURL + "/health")
+		resp, err := hc.Get(c.in.etcdClient + "/health")
 		if err != nil {
 			return false
 		}
@@ -339,9 +394,9 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 	var err error
 	c.apiserver, err = startProcess("kube-apiserver", filepath.Join(c.Dir, "kube-apiserver.log"), []string{
 		filepath.Join(c.bin, "kube-apiserver"),
-		"--etcd-servers=" + etcdClientURL,
+		"--etcd-servers=" + c.in.etcdClient,
 		"--bind-address=" + c.bindAddress(),
-		fmt.Sprintf("--secure-port=%d", APIServerPort),
+		fmt.Sprintf("--secure-port=%d", c.in.apiPort),
 		"--advertise-address=" + c.advertiseAddress(),
 		"--tls-cert-file=" + c.pki.ServingCert,
 		"--tls-private-key-file=" + c.pki.ServingKey,
@@ -365,7 +420,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		return err
 	}
 	c.RESTConfig = &rest.Config{
-		Host:            "https://127.0.0.1:6443",
+		Host:            c.localURL(),
 		BearerToken:     c.adminToken,
 		TLSClientConfig: rest.TLSClientConfig{CAFile: c.pki.CACert},
 		QPS:             200,
@@ -380,7 +435,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 	}
 	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: certPool(caPEM)}}}
 	ready := func() bool {
-		req, _ := http.NewRequest("GET", "https://127.0.0.1:6443/readyz", nil)
+		req, _ := http.NewRequest("GET", c.localURL()+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+c.adminToken)
 		resp, err := hc.Do(req)
 		if err != nil {
@@ -461,15 +516,15 @@ func (c *Cluster) newNodeNet(ctx context.Context, name string, mode Mode, zone s
 	}
 	n := &Node{
 		Name: name, Mode: mode, Zone: zone, Index: idx,
-		NetNS:  namePrefix + name,
-		HostIP: fmt.Sprintf("198.18.0.%d", 4*idx+1),
-		IP:     fmt.Sprintf("198.18.0.%d", 4*idx+2),
+		NetNS:  c.in.prefix + name,
+		HostIP: fmt.Sprintf("%s.%d", c.in.nodeNet, 4*idx+1),
+		IP:     fmt.Sprintf("%s.%d", c.in.nodeNet, 4*idx+2),
 		c:      c,
 	}
 	c.nodes[name] = n
 	c.mu.Unlock()
 
-	hostLink, nodeLink := fmt.Sprintf("pa-h%d", idx), fmt.Sprintf("pa-n%d", idx)
+	hostLink, nodeLink := fmt.Sprintf("%sh%d", c.in.prefix, idx), fmt.Sprintf("%sn%d", c.in.prefix, idx)
 	for _, argv := range [][]string{
 		{"ip", "netns", "add", n.NetNS},
 		{"ip", "link", "add", hostLink, "type", "veth", "peer", "name", nodeLink},
@@ -529,7 +584,7 @@ func (c *Cluster) advertiseAddress() string {
 	if c.cfg.IPv6Only {
 		return APIServerIP6
 	}
-	return APIServerIP
+	return c.in.apiIP
 }
 
 // bindAddress: both families where the API server advertises IPv6.
@@ -543,7 +598,7 @@ func (c *Cluster) bindAddress() string {
 // KubernetesEndpoint is default/kubernetes' endpoint, ip:port, as
 // kube-proxy DNATs to it.
 func (c *Cluster) KubernetesEndpoint() string {
-	return net.JoinHostPort(c.advertiseAddress(), strconv.Itoa(APIServerPort))
+	return net.JoinHostPort(c.advertiseAddress(), strconv.Itoa(c.in.apiPort))
 }
 
 func (c *Cluster) registerNode(ctx context.Context, n *Node) error {
@@ -619,8 +674,13 @@ func (c *Cluster) Stop() error {
 	c.etcd.stop(10 * time.Second)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	err := CleanupStale(ctx)
-	if c.Dir != "" {
+	var err error
+	if c.cfg.Instance == 0 {
+		err = CleanupStale(ctx)
+	} else {
+		err = c.removeOwn(ctx)
+	}
+	if c.Dir != "" && c.cfg.Instance == 0 {
 		err = errors.Join(err, cleanupRealNodes(c.Dir+"/"))
 	}
 	c.mu.Lock()
@@ -675,6 +735,27 @@ func CleanupStale(ctx context.Context) error {
 		// Deleting one end of a veth removes its peer: ignore "not found".
 		if out, err := run(ctx, "ip", "link", "del", l); err != nil && !strings.Contains(out, "Cannot find device") {
 			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeOwn removes a second instance's network namespaces and links (its
+// processes Stop has ended), leaving the first instance's alone.
+func (c *Cluster) removeOwn(ctx context.Context) error {
+	var errs []error
+	for _, ns := range ourNetNS() {
+		if strings.HasPrefix(ns, c.in.prefix) {
+			if _, err := run(ctx, "ip", "netns", "del", ns); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	for _, l := range ourLinks() {
+		if strings.HasPrefix(l, c.in.prefix) || l == c.in.link || l == c.in.link+"-peer" {
+			if out, err := run(ctx, "ip", "link", "del", l); err != nil && !strings.Contains(out, "Cannot find device") {
+				errs = append(errs, err)
+			}
 		}
 	}
 	return errors.Join(errs...)
@@ -771,6 +852,6 @@ current-context: local
 // on an address of its own that every node routes to, as pods have. It
 // goes away with the cluster.
 func (c *Cluster) AddHostAddress(ctx context.Context, ip string) error {
-	_, err := run(ctx, "ip", "addr", "replace", ip+"/32", "dev", apiLink)
+	_, err := run(ctx, "ip", "addr", "replace", ip+"/32", "dev", c.in.link)
 	return err
 }

@@ -21,10 +21,10 @@ type Undo func(ctx context.Context) error
 // 200, but it sees no more changes: the field failure behind stale rules.
 // (Dropping only OUTPUT still lets some watch data in.)
 func (n *Node) HangInformer(ctx context.Context) (Undo, error) {
-	port := strconv.Itoa(APIServerPort)
+	ip, port := n.c.in.apiIP, strconv.Itoa(n.c.in.apiPort)
 	rules := [][]string{
-		{"OUTPUT", "-d", APIServerIP, "-p", "tcp", "--dport", port, "-j", "DROP"},
-		{"INPUT", "-s", APIServerIP, "-p", "tcp", "--sport", port, "-j", "DROP"},
+		{"OUTPUT", "-d", ip, "-p", "tcp", "--dport", port, "-j", "DROP"},
+		{"INPUT", "-s", ip, "-p", "tcp", "--sport", port, "-j", "DROP"},
 	}
 	return n.insertFilterRules(ctx, rules)
 }
@@ -45,7 +45,8 @@ func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
 		}
 		match, who = "pid="+strconv.Itoa(pid)+",", fmt.Sprintf("kube-proxy (pid %d)", pid)
 	}
-	out, err := n.Exec(ctx, "ss", "-tnpH", "state", "established", "( dport = :"+strconv.Itoa(APIServerPort)+" )")
+	ip, port := n.c.in.apiIP, strconv.Itoa(n.c.in.apiPort)
+	out, err := n.Exec(ctx, "ss", "-tnpH", "state", "established", "( dport = :"+port+" )")
 	if err != nil {
 		return nil, err
 	}
@@ -65,8 +66,8 @@ func (n *Node) DropAPIConnection(ctx context.Context) (Undo, error) {
 		}
 		lport := local[i+1:]
 		rules = append(rules,
-			[]string{"OUTPUT", "-p", "tcp", "--sport", lport, "-d", APIServerIP, "--dport", strconv.Itoa(APIServerPort), "-j", "DROP"},
-			[]string{"INPUT", "-p", "tcp", "-s", APIServerIP, "--sport", strconv.Itoa(APIServerPort), "--dport", lport, "-j", "DROP"})
+			[]string{"OUTPUT", "-p", "tcp", "--sport", lport, "-d", ip, "--dport", port, "-j", "DROP"},
+			[]string{"INPUT", "-p", "tcp", "-s", ip, "--sport", port, "--dport", lport, "-j", "DROP"})
 	}
 	if len(rules) == 0 {
 		return nil, fmt.Errorf("no established API connection of %s on %s:\n%s", who, n.Name, out)

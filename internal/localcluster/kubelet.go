@@ -64,6 +64,9 @@ func (n *Node) Real() bool { return n.real != nil }
 // registered it and it is Ready. kube-proxy comes as a pod: the
 // DaemonSet's (DeployKubeProxy) or, with StaticProxy, a static pod.
 func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*Node, error) {
+	if c.cfg.Instance != 0 {
+		return nil, fmt.Errorf("node %s: real nodes run only in the first local cluster instance", spec.Name)
+	}
 	if err := c.ensureControlPlane(ctx); err != nil {
 		return nil, err
 	}

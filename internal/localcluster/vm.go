@@ -82,6 +82,9 @@ func CanRunVM() error {
 // kube-proxy has programmed default/kubernetes. Only one VM runs at a
 // time (its address is fixed); Stop (or the cluster's Stop) ends it.
 func (c *Cluster) AddVMNode(ctx context.Context, name, zone string) (*VMNode, error) {
+	if c.cfg.Instance != 0 {
+		return nil, fmt.Errorf("node %s: VM nodes run only in the first local cluster instance", name)
+	}
 	v, err := BootVM(ctx, name, filepath.Join(c.Dir, "vm-"+name), c.logf)
 	if err != nil {
 		return nil, err

@@ -64,17 +64,19 @@ const (
 var replicaIPs = []string{"198.18.1.1", "198.18.1.2"}
 
 type live struct {
-	t       *testing.T
-	c       *localcluster.Cluster
-	bin     string
-	dir     string
-	aggs    map[string]*localcluster.Process // by IP
-	cols    map[string]*localcluster.Process // by node
-	svcs    []*corev1.Service
-	epoch   int
-	http    *http.Client
-	tokens  map[string]string
-	started time.Time
+	t        *testing.T
+	c        *localcluster.Cluster
+	specs    []localcluster.NodeSpec // the cluster's nodes
+	replicas []string                // the aggregators' addresses
+	bin      string
+	dir      string
+	aggs     map[string]*localcluster.Process // by IP
+	cols     map[string]*localcluster.Process // by node
+	svcs     []*corev1.Service
+	epoch    int
+	http     *http.Client
+	tokens   map[string]string
+	started  time.Time
 
 	rel              *chart.Release // the chart as this test renders it
 	aggSpec, colSpec *corev1.PodSpec
@@ -165,7 +167,7 @@ func (l *live) startCollector(n *localcluster.Node) {
 		l.t.Fatal(err)
 	}
 	var addrs []string
-	for _, ip := range replicaIPs {
+	for _, ip := range l.replicas {
 		addrs = append(addrs, ip+":9443")
 	}
 	p, err := n.StartProcess("collector-"+n.Name, append(l.localArgv(loc), "--aggregator="+strings.Join(addrs, ","))...)
@@ -178,7 +180,7 @@ func (l *live) startCollector(n *localcluster.Node) {
 // get asks the replicas in turn (a follower proxies to the leader).
 func (l *live) get(path string, v any) error {
 	var errs []string
-	for _, ip := range replicaIPs {
+	for _, ip := range l.replicas {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+ip+":8080"+path, nil)
 		req.Header.Set(api.TokenHeader, l.reader)
 		r, err := l.http.Do(req)
@@ -258,7 +260,7 @@ func (l *live) waitAllInSync(what string) {
 	l.t.Helper()
 	l.waitFor(what, 150*time.Second, func(fs []audit.TimedFinding) bool {
 		ns := l.nodes()
-		for _, n := range liveNodes {
+		for _, n := range l.specs {
 			if ns[n.Name].State != audit.NodeInSync {
 				return false
 			}
@@ -298,11 +300,16 @@ func (l *live) setEndpoints(ctx context.Context, i, epoch int) error {
 }
 
 // newLive starts two aggregator replicas (with extra flags) and a
-// collector per node, on the churn services, and waits for every node to
-// be in sync. Everything stops with the test.
+// collector per node of the shared cluster, on the churn services, and
+// waits for every node to be in sync. Everything stops with the test.
 func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
-	c := localcluster.Shared(t)
-	l := &live{t: t, c: c, bin: localcluster.BuildForTest(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
+	return newLiveOn(ctx, t, localcluster.Shared(t), liveNodes, replicaIPs, sets...)
+}
+
+// newLiveOn is newLive on cluster c, whose nodes are specs, with replicas
+// listening on the given addresses.
+func newLiveOn(ctx context.Context, t *testing.T, c *localcluster.Cluster, specs []localcluster.NodeSpec, replicas []string, sets ...string) *live {
+	l := &live{t: t, c: c, specs: specs, replicas: replicas, bin: localcluster.BuildForTest(t), dir: t.TempDir(), aggs: map[string]*localcluster.Process{},
 		cols: map[string]*localcluster.Process{}, http: &http.Client{Timeout: 5 * time.Second}, tokens: map[string]string{},
 		started: time.Now()}
 	t.Cleanup(func() {
@@ -332,7 +339,7 @@ func newLive(ctx context.Context, t *testing.T, sets ...string) *live {
 	}
 	l.deploy(ctx, sets)
 	l.reader = l.mintToken(ctx, "proxyaudit-reader", api.DefaultReaderAudience)
-	for _, ip := range replicaIPs {
+	for _, ip := range l.replicas {
 		if err := c.AddHostAddress(ctx, ip); err != nil {
 			t.Fatal(err)
 		}
@@ -378,7 +385,7 @@ func (l *live) aggregatorService(ctx context.Context) {
 	// written by hand (see the file-ignore at the top).
 	ep := &corev1.Endpoints{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
 		Subsets: []corev1.EndpointSubset{{Ports: []corev1.EndpointPort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}}}}}
-	for i, ip := range replicaIPs {
+	for i, ip := range l.replicas {
 		name := fmt.Sprintf("proxyaudit-aggregator-%d", i)
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
 			Spec: corev1.PodSpec{ServiceAccountName: sa, AutomountServiceAccountToken: new(bool),
@@ -626,7 +633,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 			t.Errorf("%s: rejected with %q, want it to say %q", tc.name, got, tc.says)
 		}
 	}
-	if ns := l.nodes(); len(ns) != len(liveNodes) {
+	if ns := l.nodes(); len(ns) != len(l.specs) {
 		t.Errorf("rejected streams recorded nodes: %v", ns)
 	}
 	var nr api.NodeResponse
@@ -995,7 +1002,7 @@ func (l *live) flood(ctx context.Context, t *testing.T) {
 func (l *live) partitioned(ctx context.Context, t *testing.T) {
 	n := l.c.Node("agg-legacy")
 	resyncs := l.metrics(t)["proxyaudit_stream_resyncs_total"]
-	undo, err := n.Partition(ctx, 9443, replicaIPs...)
+	undo, err := n.Partition(ctx, 9443, l.replicas...)
 	if err != nil {
 		t.Fatal(err)
 	}
