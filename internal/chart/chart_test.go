@@ -190,6 +190,10 @@ func TestDefaultShape(t *testing.T) {
 	if a.LivenessProbe.HTTPGet.Path != "/healthz" || a.ReadinessProbe.HTTPGet.Path != "/readyz" || agg.Affinity.PodAntiAffinity == nil {
 		t.Errorf("aggregator probes/affinity: %+v %+v %+v", a.LivenessProbe, a.ReadinessProbe, agg.Affinity)
 	}
+	if tsc := agg.TopologySpreadConstraints; len(tsc) != 1 || tsc[0].TopologyKey != "topology.kubernetes.io/zone" || tsc[0].WhenUnsatisfiable != "ScheduleAnyway" ||
+		tsc[0].LabelSelector == nil || tsc[0].LabelSelector.MatchLabels["app.kubernetes.io/component"] != "aggregator" {
+		t.Errorf("aggregator replicas not spread over zones: %+v", tsc)
+	}
 	for _, want := range []string{"--tls-secret=proxyaudit-aggregator-tls", "--tls-validity=87600h", "--remediation=dry-run", "--leader-elect=true",
 		"--collector-service-accounts=proxyaudit/proxyaudit-collector", "--token-audience=proxyaudit"} {
 		if !slices.Contains(a.Args, want) {
