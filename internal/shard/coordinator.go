@@ -54,7 +54,8 @@ type Config struct {
 // shard at once; what this adds is the balance.
 type Coordinator struct {
 	cfg Config
-	// keep stops without releasing (tests: a replica that crashes).
+	// keep leaves the Leases to expire when it stops, as a crashed
+	// replica does (tests; set before Run).
 	keep bool
 
 	wg        sync.WaitGroup // campaigns
@@ -159,31 +160,78 @@ func (c *Coordinator) round(ctx context.Context) {
 		c.cfg.Log.Warn("cannot read the shard Leases", zap.Error(err))
 		return
 	}
+	takeover := c.decide(ctx, leases.Items)
+	// A shard whose holder stopped renewing is taken here, on our own
+	// observation of its expiry, by an update conditional on the Lease
+	// being unchanged since it was read (its resourceVersion): client-go's
+	// elector, new to the Lease, would otherwise wait a whole Lease
+	// duration more before believing it expired. It then finds the Lease
+	// naming us and leads at once.
+	var won []int
+	for _, l := range takeover {
+		now := metav1.NewMicroTime(time.Now())
+		prev := ptr.Deref(l.Spec.HolderIdentity, "")
+		l.Spec.HolderIdentity = ptr.To(c.cfg.Identity)
+		l.Spec.LeaseDurationSeconds = ptr.To(int32(c.cfg.LeaseDuration / time.Second))
+		l.Spec.AcquireTime, l.Spec.RenewTime = &now, &now
+		l.Spec.LeaseTransitions = ptr.To(ptr.Deref(l.Spec.LeaseTransitions, 0) + 1)
+		if _, err := c.cfg.Client.CoordinationV1().Leases(c.cfg.Namespace).Update(ctx, &l, metav1.UpdateOptions{}); err != nil {
+			c.cfg.Log.Info("an expired shard Lease changed before it could be taken over", zap.String("lease", l.Name), zap.Error(err))
+			continue
+		}
+		c.cfg.Log.Info("took over a shard whose holder stopped renewing", zap.String("lease", l.Name), zap.String("holder", prev))
+		k, _ := strconv.Atoi(l.Labels["proxyaudit.io/shard"])
+		won = append(won, k)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, k := range won {
+		if c.campaigns[k] == nil && ctx.Err() == nil {
+			c.campaigns[k] = c.campaign(ctx, k)
+		}
+	}
+}
+
+// decide reads the Leases into the members and each shard's holder,
+// gives up and campaigns as Decide says, and returns the expired Leases of
+// shards to take over.
+func (c *Coordinator) decide(ctx context.Context, leases []coordinationv1.Lease) (takeover []coordinationv1.Lease) {
 	now := time.Now()
 	members := []string{c.cfg.Identity}
 	holders := make([]string, c.cfg.Shards)
+	expired := map[int]coordinationv1.Lease{}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	seen := map[string]observed{}
-	for _, l := range leases.Items {
+	for _, l := range leases {
 		o := observed{holder: ptr.Deref(l.Spec.HolderIdentity, ""), duration: time.Duration(ptr.Deref(l.Spec.LeaseDurationSeconds, 0)) * time.Second, at: now}
 		if l.Spec.RenewTime != nil {
 			o.renew = l.Spec.RenewTime.Time
 		}
 		if prev, ok := c.seen[l.Name]; ok && prev.holder == o.holder && prev.renew.Equal(o.renew) {
 			o.at = prev.at // not renewed since: it ages on our clock
+		} else if !ok && l.Labels[LabelKind] == "member" && o.renew.Before(now) {
+			// A membership first seen ages from when its writer renewed
+			// it: a replica that starts after another crashed does not
+			// count the dead one for a whole Lease duration (and take too
+			// small a share). Membership only sizes the shares; which
+			// shard Lease is free stays judged on our own clock.
+			o.at = o.renew
 		}
 		seen[l.Name] = o
+		k, err := strconv.Atoi(l.Labels["proxyaudit.io/shard"])
+		isShard := l.Labels[LabelKind] == "shard" && err == nil && k >= 0 && k < c.cfg.Shards && l.Name == c.ShardLease(k)
 		if o.holder == "" || now.Sub(o.at) >= o.duration {
+			if isShard && o.holder != "" && o.holder != c.cfg.Identity {
+				expired[k] = l
+			}
 			continue // free, or expired as we see it
 		}
-		switch l.Labels[LabelKind] {
-		case "member":
+		switch {
+		case l.Labels[LabelKind] == "member":
 			members = append(members, o.holder)
-		case "shard":
-			if k, err := strconv.Atoi(l.Labels["proxyaudit.io/shard"]); err == nil && k >= 0 && k < c.cfg.Shards && l.Name == c.ShardLease(k) {
-				holders[k] = o.holder
-			}
+		case isShard:
+			holders[k] = o.holder
 		}
 	}
 	c.seen = seen
@@ -216,20 +264,25 @@ func (c *Coordinator) round(ctx context.Context) {
 	}
 	for k, cp := range c.campaigns {
 		if !cp.leading.Load() && holders[k] != "" && holders[k] != c.cfg.Identity {
-			cp.cancel() // another replica won it
+			c.cfg.Log.Debug("another replica holds the shard campaigned for", zap.Int("shard", k), zap.String("holder", holders[k]))
+			cp.cancel()
 			delete(c.campaigns, k)
 		}
 	}
 	for _, k := range acquire {
-		if c.campaigns[k] == nil {
+		if l, ok := expired[k]; ok && c.campaigns[k] == nil {
+			takeover = append(takeover, l)
+		} else if c.campaigns[k] == nil {
 			c.campaigns[k] = c.campaign(ctx, k)
 		}
 	}
+	return takeover
 }
 
 // campaign runs client-go's leader election on shard k's Lease until it
 // is cancelled or the Lease is lost.
 func (c *Coordinator) campaign(ctx context.Context, k int) *campaign {
+	c.cfg.Log.Debug("campaigning for a shard", zap.Int("shard", k))
 	ctx, cancel := context.WithCancel(ctx)
 	cp := &campaign{cancel: cancel}
 	lock := &resourcelock.LeaseLock{
