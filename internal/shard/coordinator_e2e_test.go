@@ -10,12 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )

@@ -23,9 +23,23 @@ func TestOfIsStableAndBalanced(t *testing.T) {
 			t.Errorf("%d shards: sizes %d..%d for %d nodes, want each within 10%% of %d", n, lo, hi, nodes, want)
 		}
 	}
-	// The same on every call (no per-process seed).
-	if Of("node-a", 16) != Of("node-a", 16) || Of("node-a", 16) != 5 {
-		t.Errorf("Of(node-a, 16) = %d, want 5 on every replica", Of("node-a", 16))
+}
+
+// The shard of a node is pinned: replicas of two versions side by side in
+// a rolling update must agree, and an upgrade must not move every node.
+func TestOfIsPinned(t *testing.T) {
+	for _, c := range []struct {
+		node       string
+		of16, of64 int
+	}{
+		{"node-a", 5, 20},
+		{"ip-10-0-1-17.ec2.internal", 7, 7},
+		{"gke-prod-pool-1-abcd", 4, 4},
+		{"aks-nodepool1-12345678-vmss000003", 8, 57},
+	} {
+		if a, b := Of(c.node, 16), Of(c.node, 64); a != c.of16 || b != c.of64 {
+			t.Errorf("%s: shard %d of 16 and %d of 64, pinned at %d and %d", c.node, a, b, c.of16, c.of64)
+		}
 	}
 }
 
@@ -278,12 +292,7 @@ func TestMovesOnlyWhatMust(t *testing.T) {
 		before = s.handover
 		s.alive[victim] = true
 		s.settle(t, seed)
-		var alive []string
-		for _, r := range pool {
-			alive = append(alive, r)
-		}
-		slices.Sort(alive)
-		if moved, q := s.handover-before, Quota(alive, victim, len(s.holder)); moved != q {
+		if moved, q := s.handover-before, Quota(pool, victim, len(s.holder)); moved != q {
 			t.Fatalf("seed %d: %s back (quota %d) moved %d shards", seed, victim, q, moved)
 		}
 	}
