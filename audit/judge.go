@@ -2,6 +2,7 @@ package audit
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"sort"
 	"strings"
@@ -366,6 +367,31 @@ func (j *Judge) Forget(node string) { delete(j.nodes, node) }
 // a node outside it is judged while it reports and forgotten once silent
 // (it left the cluster, or is going away), never called missing.
 func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
+	return Conclude(j.Policy, j.JudgeNodes(now, cluster))
+}
+
+// Partial is a judge's verdict on its nodes before the mass-divergence
+// guard, which must see every node at once: replicas sharing the fleet
+// (issue #41) each judge their shards' nodes, and one Conclude over all
+// their partials decides for the fleet. Conclude over any split of the
+// nodes among judges gives what one judge of them all would
+// (TestConcludeOverAnySplit).
+type Partial struct {
+	At    time.Time    `json:"at"`
+	Nodes []NodeStatus `json:"nodes"`
+	// Missing are findings about collectors (never held back); Drift
+	// about rules, each drifted node's earliest in Drifted.
+	Missing []TimedFinding       `json:"missing"`
+	Drift   []TimedFinding       `json:"drift"`
+	Drifted map[string]time.Time `json:"drifted"`
+	// Reporting counts the nodes judged on their rules (neither missing
+	// nor pending): the guard's denominator.
+	Reporting int `json:"reporting"`
+}
+
+// JudgeNodes judges every node the judge knows, and those of cluster
+// (the Nodes the API lists, which are expected to report), as of now.
+func (j *Judge) JudgeNodes(now time.Time, cluster []string) Partial {
 	for _, n := range cluster {
 		j.record(n, now)
 	}
@@ -383,29 +409,51 @@ func (j *Judge) Evaluate(now time.Time, cluster []string) Verdict {
 	}
 	sort.Strings(names)
 
-	v := Verdict{At: now, Findings: []TimedFinding{}}
-	var drift []TimedFinding
-	drifted := map[string]time.Time{}
-	reporting := 0
+	p := Partial{At: now, Drifted: map[string]time.Time{}}
 	for _, n := range names {
 		st, fs, missing := j.judgeNode(n, j.nodes[n], now)
-		v.Nodes = append(v.Nodes, st)
+		p.Nodes = append(p.Nodes, st)
 		if missing {
-			v.Findings = append(v.Findings, fs...)
+			p.Missing = append(p.Missing, fs...)
 			continue
 		}
 		if st.State == NodePending {
 			continue
 		}
-		reporting++
+		p.Reporting++
 		for _, f := range fs {
-			if s, ok := drifted[n]; !ok || f.Since.Before(s) {
-				drifted[n] = f.Since
+			if s, ok := p.Drifted[n]; !ok || f.Since.Before(s) {
+				p.Drifted[n] = f.Since
 			}
 		}
-		drift = append(drift, fs...)
+		p.Drift = append(p.Drift, fs...)
 	}
-	p := j.Policy
+	return p
+}
+
+// Conclude makes one verdict of partials over disjoint sets of nodes,
+// judged at one time (the first's): the nodes, the findings about
+// collectors, and the drift, or — when at least MassMinNodes and more
+// than MassShare of the reporting nodes drifted at once — one
+// MassDivergence finding in place of the drift.
+func Conclude(p Policy, parts ...Partial) Verdict {
+	v := Verdict{Findings: []TimedFinding{}}
+	drifted := map[string]time.Time{}
+	var drift []TimedFinding
+	reporting := 0
+	for i, part := range parts {
+		if i == 0 {
+			v.At = part.At
+		}
+		v.Nodes = append(v.Nodes, part.Nodes...)
+		v.Findings = append(v.Findings, part.Missing...)
+		drift = append(drift, part.Drift...)
+		maps.Copy(drifted, part.Drifted)
+		reporting += part.Reporting
+	}
+	if len(parts) > 1 {
+		slices.SortStableFunc(v.Nodes, func(a, b NodeStatus) int { return strings.Compare(a.Node, b.Node) })
+	}
 	if len(drifted) >= max(p.MassMinNodes, 1) && float64(len(drifted)) > p.MassShare*float64(reporting) {
 		var since time.Time
 		ds := make([]string, 0, len(drifted))

@@ -2,6 +2,7 @@ package audit_test
 
 import (
 	"fmt"
+	"hash/fnv"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -68,8 +69,12 @@ func TestJudgeScripts(t *testing.T) {
 }
 
 type script struct {
-	policy   audit.Policy
-	j        *audit.Judge
+	policy audit.Policy
+	j      *audit.Judge
+	// shards judge the same nodes split three ways, as replicas sharing
+	// the fleet do (issue #41): Conclude over their partials must say
+	// what j says at every evaluate.
+	shards   [3]*audit.Judge
 	h        *audit.History
 	spec     synth.Spec
 	versions []cluster
@@ -79,6 +84,16 @@ type script struct {
 func (s *script) setPolicy(p audit.Policy) {
 	p.Grace = 30 * time.Second
 	s.policy, s.j = p, audit.NewJudge(p)
+	for i := range s.shards {
+		s.shards[i] = audit.NewJudge(p)
+	}
+}
+
+// shard is the judge of node among shards.
+func (s *script) shard(node string) *audit.Judge {
+	h := fnv.New32a()
+	h.Write([]byte(node))
+	return s.shards[h.Sum32()%uint32(len(s.shards))]
 }
 
 func (s *script) current() *audit.State { return s.versions[len(s.versions)-1].state() }
@@ -111,6 +126,9 @@ func (s *script) run(t *testing.T, d *datadriven.TestData) string {
 			}
 		}
 		s.policy, s.j = p, audit.NewJudge(p)
+		for i := range s.shards {
+			s.shards[i] = audit.NewJudge(p)
+		}
 		return ""
 	case "cluster":
 		s.spec = synth.Spec{}
@@ -161,7 +179,9 @@ func (s *script) run(t *testing.T, d *datadriven.TestData) string {
 		s.nodes[name] = info
 		return ""
 	case "heard":
-		s.j.Heard(arg(t, d, "node"), s.heartbeat(t, d, audit.Mode(optArg(d, "mode", "")), strings.TrimSpace(d.Input)))
+		hb := s.heartbeat(t, d, audit.Mode(optArg(d, "mode", "")), strings.TrimSpace(d.Input))
+		s.j.Heard(arg(t, d, "node"), hb)
+		s.shard(arg(t, d, "node")).Heard(arg(t, d, "node"), hb)
 		return ""
 	case "report":
 		obs := s.rules(t, d)
@@ -169,7 +189,10 @@ func (s *script) run(t *testing.T, d *datadriven.TestData) string {
 		hb := s.heartbeat(t, d, obs.Mode, "")
 		s.j.Heard(node, hb)
 		st := s.current()
-		lags := s.j.Observe(node, hb.At, hb.At, len(st.Services), obs.NoRules, audit.Assess(st, s.h, node, obs), s.h)
+		as := audit.Assess(st, s.h, node, obs)
+		lags := s.j.Observe(node, hb.At, hb.At, len(st.Services), obs.NoRules, as, s.h)
+		s.shard(node).Heard(node, hb)
+		s.shard(node).Observe(node, hb.At, hb.At, len(st.Services), obs.NoRules, as, s.h)
 		if len(lags) == 0 {
 			return ""
 		}
@@ -202,10 +225,26 @@ func (s *script) run(t *testing.T, d *datadriven.TestData) string {
 		return b.String()
 	case "evaluate":
 		v := s.j.Evaluate(at(t, d), argVals(d, "nodes"))
+		var parts []audit.Partial
+		for _, j := range s.shards {
+			var mine []string
+			for _, n := range argVals(d, "nodes") {
+				if s.shard(n) == j {
+					mine = append(mine, n)
+				}
+			}
+			parts = append(parts, j.JudgeNodes(at(t, d), mine))
+		}
+		split := audit.Conclude(s.policy, parts...)
 		if d.HasArg("known-bad") {
 			audit.WarnKnownBad(&v, s.nodeInfo())
+			audit.WarnKnownBad(&split, s.nodeInfo())
 		}
-		return verdictText(v, d.HasArg("details"))
+		text := verdictText(v, d.HasArg("details"))
+		if got := verdictText(split, d.HasArg("details")); got != text {
+			t.Errorf("%s: the nodes judged in three shards and concluded together say\n%s\nwhere one judge of them all says\n%s", d.Pos, got, text)
+		}
+		return text
 	}
 	t.Fatalf("%s: unknown command %q", d.Pos, d.Cmd)
 	return ""
