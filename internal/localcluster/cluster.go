@@ -284,7 +284,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		return c, err
 	}
 	c.proxyKubeconfig = filepath.Join(c.Dir, "kube-proxy.kubeconfig")
-	if err := writeKubeconfig(c.proxyKubeconfig, fmt.Sprintf("https://%s:%d", c.in.apiIP, c.in.apiPort), c.pki.CACert, c.proxyToken, ""); err != nil {
+	if err := writeKubeconfig(c.proxyKubeconfig, "https://"+c.APIServer(), c.pki.CACert, c.proxyToken, ""); err != nil {
 		return c, err
 	}
 	if err := c.startEtcd(ctx); err != nil {

@@ -22,8 +22,9 @@ import (
 
 // Labels on the Leases a coordinator writes, so one list reads a set.
 const (
-	LabelSet  = "proxyaudit.io/shard-set" // Config.Prefix
-	LabelKind = "proxyaudit.io/lease"     // "member" or "shard"
+	LabelSet   = "proxyaudit.io/shard-set" // Config.Prefix
+	LabelKind  = "proxyaudit.io/lease"     // "member" or "shard"
+	LabelShard = "proxyaudit.io/shard"     // a shard Lease's shard
 )
 
 // Config configures a Coordinator.
@@ -180,7 +181,7 @@ func (c *Coordinator) round(ctx context.Context) {
 			continue
 		}
 		c.cfg.Log.Info("took over a shard whose holder stopped renewing", zap.String("lease", l.Name), zap.String("holder", prev))
-		k, _ := strconv.Atoi(l.Labels["proxyaudit.io/shard"])
+		k, _ := strconv.Atoi(l.Labels[LabelShard])
 		won = append(won, k)
 	}
 	c.mu.Lock()
@@ -219,7 +220,7 @@ func (c *Coordinator) decide(ctx context.Context, leases []coordinationv1.Lease)
 			o.at = o.renew
 		}
 		seen[l.Name] = o
-		k, err := strconv.Atoi(l.Labels["proxyaudit.io/shard"])
+		k, err := strconv.Atoi(l.Labels[LabelShard])
 		isShard := l.Labels[LabelKind] == "shard" && err == nil && k >= 0 && k < c.cfg.Shards && l.Name == c.ShardLease(k)
 		if o.holder == "" || now.Sub(o.at) >= o.duration {
 			if isShard && o.holder != "" && o.holder != c.cfg.Identity {
@@ -289,7 +290,7 @@ func (c *Coordinator) campaign(ctx context.Context, k int) *campaign {
 		LeaseMeta:  metav1.ObjectMeta{Namespace: c.cfg.Namespace, Name: c.ShardLease(k)},
 		Client:     c.cfg.Client.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: c.cfg.Identity},
-		Labels:     map[string]string{LabelSet: c.cfg.Prefix, LabelKind: "shard", "proxyaudit.io/shard": strconv.Itoa(k)},
+		Labels:     map[string]string{LabelSet: c.cfg.Prefix, LabelKind: "shard", LabelShard: strconv.Itoa(k)},
 	}
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 		Lock:            lock,
