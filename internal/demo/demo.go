@@ -283,7 +283,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 			healed = pod
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("remediation did not replace kube-proxy pod %s on %s within 3 minutes", proxyPod, hung.Name)
+			return nil, fmt.Errorf("remediation did not replace kube-proxy pod %s on %s within 3 minutes; what proxyaudit said about the node:\n%s", proxyPod, hung.Name, nodeEvents(ctx, c, hung.Name))
 		}
 	}
 	if _, err := d.wait(ctx, 2*time.Minute, "every node in sync again", d.allInSync); err != nil {
@@ -561,4 +561,29 @@ func multiPortSlice(s *corev1.Service, name string, ips []string, ports []discov
 		es.Endpoints = append(es.Endpoints, localcluster.ReadyEndpoint(ip, ""))
 	}
 	return es
+}
+
+// nodeEvents is the last Events about node (each remediation action and
+// each page says why it acted or held), for an error that explains.
+func nodeEvents(ctx context.Context, c *localcluster.Cluster, node string) string {
+	evs, err := c.Client.CoreV1().Events("").List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.kind=Node,involvedObject.name=" + node})
+	if err != nil {
+		return "  (the Events cannot be read: " + err.Error() + ")"
+	}
+	when := func(e corev1.Event) time.Time {
+		if e.LastTimestamp.IsZero() {
+			return e.EventTime.Time
+		}
+		return e.LastTimestamp.Time
+	}
+	items := evs.Items
+	slices.SortFunc(items, func(a, b corev1.Event) int { return when(a).Compare(when(b)) })
+	var b strings.Builder
+	for _, e := range items[max(0, len(items)-8):] {
+		fmt.Fprintf(&b, "  %s %s/%s ×%d: %s\n", when(e).UTC().Format(time.RFC3339), e.Source.Component, e.Reason, e.Count, e.Message)
+	}
+	if b.Len() == 0 {
+		return "  (no Events about the node)"
+	}
+	return b.String()
 }
