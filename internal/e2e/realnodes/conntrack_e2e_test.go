@@ -99,7 +99,7 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 	}
 	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
 		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "collector.conntrackInterval=5s")
-	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	defer uninstall(t, c)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 
@@ -217,7 +217,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "collector.conntrackInterval=5s",
 		"--set", "remediation.mode=dry-run", "--set", "remediation.conntrack.enabled=true",
 		"--set", "remediation.maxNodes=3", "--set", "remediation.maxUnhealthy=100%", "--set", "remediation.breakerShare=1")
-	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	defer uninstall(t, c)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 	nodes := []*localcluster.Node{c.Node("real-ipt-a"), c.Node("real-nft-a")}

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -156,6 +157,19 @@ func TestE2ERealNodesRunKubeProxyAndDNS(t *testing.T) {
 		}); err != nil {
 			t.Fatalf("%v\nkubelet:\n%s", err, n.KubeletLog(20))
 		}
+	}
+}
+
+// uninstall removes the chart and the incident record it leaves by design
+// (open incidents survive a reinstall): a test's incidents must not hold
+// the next test's repairs (the fleet budget counts nodes not yet
+// re-audited).
+func uninstall(t *testing.T, c *localcluster.Cluster) {
+	t.Helper()
+	ctx := context.Background()
+	helm(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	if err := c.Client.CoreV1().ConfigMaps("proxyaudit").Delete(ctx, "proxyaudit-aggregator-incidents", metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Error(err)
 	}
 }
 

@@ -302,7 +302,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
 		"--set", "grace=10s", "--set", "collector.interval=5s", "--set", "remediation.mode=dry-run", "--set", "remediation.maxUnhealthy=50%",
 		"--set", "remediation.breakerWindow=0")
-	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	defer uninstall(t, c)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 	upgrade := func(t *testing.T, sets ...string) {

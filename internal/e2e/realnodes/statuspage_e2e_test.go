@@ -36,7 +36,7 @@ func TestE2EStatusPageOnRealNodes(t *testing.T) {
 		// collectors' DNS lookups that ended just before CoreDNS's pod went
 		// outlive it on every node (the pictures are the README's).
 		"--set", "collector.interval=5s", "--set", "remediation.mode=dry-run", "--set", "remediation.maxUnhealthy=100%")
-	defer helm(context.Background(), t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
+	defer uninstall(t, c)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
 	waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 
