@@ -30,6 +30,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 
 	"go.uber.org/zap"
+	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -39,6 +40,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
 	"github.com/proxyaudit/proxyaudit/internal/tlssecret"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -57,7 +59,9 @@ Usage:
 HTTP API (on --http-listen): GET /api/v1/findings, /api/v1/nodes,
 /api/v1/nodes/{name}, /metrics, /healthz, /readyz. With --http-readers,
 /api/ answers only a reader token (X-Proxyaudit-Token or Authorization:
-Bearer); the others stay open.
+Bearer); the others stay open. With --shards, /internal/v1/ is the
+replicas' own (partial verdicts, explain and flush on a node's holder),
+answering only the replicas' ServiceAccount.
 
 Flags (environment fallbacks in brackets):
 `
@@ -123,6 +127,7 @@ func (o *options) client() (cs clients, err error) {
 		return cs, fmt.Errorf("API client: %v (outside a cluster, pass --kubeconfig)", err)
 	}
 	cfg.UserAgent = "proxyaudit-aggregator/" + version()
+	cs.rest = rest.CopyConfig(cfg)
 	// The Lease on a client of its own: its renewals never wait behind
 	// the leader's other requests (a remediation round's lookups and
 	// Events once queued behind client-go's default of 5 a second).
@@ -165,6 +170,9 @@ func (o *options) client() (cs clients, err error) {
 
 // clients are the aggregator's API clients (see options.client).
 type clients struct {
+	// rest is the configuration the clients were made from: its
+	// credentials are also this replica's to the other replicas.
+	rest                      *rest.Config
 	client, reviews, election kubernetes.Interface
 	reports                   dynamic.Interface
 }
@@ -183,6 +191,8 @@ type server struct {
 	tlsSecret *tlssecret.SecretPair
 	// reports writes the OpenReports (--openreports); nil: off.
 	reports *openreports.Writer
+	// shards holds this replica's shards (--shards); nil: off.
+	shards *shard.Coordinator
 }
 
 // servingPair is the stream listener's certificate, from files or a Secret.
@@ -269,7 +279,7 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	}
 	if o.barrier {
 		vcfg.Barrier = &aggregator.Barrier{Namespace: o.leNamespace, Identity: o.self, Every: time.Second, Timeout: 10 * time.Second,
-			Active: func() bool { _, leading := s.agg.Leader(); return leading }}
+			Active: func() bool { return s.agg.Judging() }}
 	}
 	s.view = aggregator.NewView(vcfg)
 	executor := &effect.Executor{Client: client, Policy: o.remediation, ProxyNamespace: o.proxyNamespace, ProxySelector: o.proxySelector,
@@ -320,11 +330,48 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	if s.reports != nil {
 		acfg.Reports = s.reports
 	}
+	if o.shards > 1 {
+		if acfg.Shards, err = o.shardPeers(cs, reviews, clk); err != nil {
+			return nil, err
+		}
+	}
 	s.agg = aggregator.New(acfg, s.view)
+	if o.shards > 1 {
+		s.shards, err = shard.New(shard.Config{Client: cs.election, Namespace: o.leNamespace, Prefix: fmt.Sprintf("%s-%d", o.leName, o.shards), Identity: o.self, Shards: o.shards,
+			LeaseDuration: o.leDuration, RenewDeadline: o.leRenew, RetryPeriod: o.leRetry, OnShard: s.agg.HoldShard, Log: log.Named("shards")})
+		if err != nil {
+			return nil, fmt.Errorf("--shards: %v", err)
+		}
+		acfg.Shards.Holders = s.shards.Holders
+	}
 	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
 		zap.Stringer("max_unhealthy", o.remediation.MaxUnhealthy), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
 	return s, nil
+}
+
+// shardPeers is what a sharded replica needs to reach the others: its own
+// credentials for its requests, and who they must come as to be admitted
+// (this replica's own user, asked of the API server: every replica runs as
+// the same ServiceAccount).
+func (o *options) shardPeers(cs clients, reviews kubernetes.Interface, clk clock.PassiveClock) (*aggregator.Shards, error) {
+	sh := &aggregator.Shards{Count: o.shards, HTTPPort: o.httpPort}
+	rt, err := rest.HTTPWrappersForConfig(cs.rest, http.DefaultTransport)
+	if err != nil {
+		return nil, fmt.Errorf("--shards: the replica's credentials: %v", err)
+	}
+	sh.Client = &http.Client{Transport: rt, Timeout: time.Minute}
+	if o.insecure {
+		return sh, nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	me, err := cs.client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authnv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("--shards: asking the API server who this replica is (SelfSubjectReview), to admit only the other replicas to the internal API: %v", err)
+	}
+	sh.Auth = &aggregator.PeerAuth{Client: reviews, Username: me.Status.UserInfo.Username, Clock: clk}
+	return sh, nil
 }
 
 // openReports is the OpenReports writer the flags ask for, or nil.
@@ -479,6 +526,12 @@ func (s *server) serve(log *zap.Logger) int {
 		close(elected)
 		s.agg.StartedLeading()
 	}
+	sharded := make(chan struct{})
+	if s.shards != nil {
+		go func() { s.shards.Run(ctx); close(sharded) }()
+	} else {
+		close(sharded)
+	}
 	code := 0
 	select {
 	case <-ctx.Done():
@@ -500,6 +553,11 @@ func (s *server) serve(log *zap.Logger) int {
 	// a follower takes over at once.
 	select {
 	case <-elected:
+	case <-sctx.Done():
+	}
+	// So are the shards' Leases: their holders take them at once.
+	select {
+	case <-sharded:
 	case <-sctx.Done():
 	}
 	return code

@@ -33,6 +33,7 @@ type options struct {
 	leaderElect                   bool
 	leNamespace, leName           string
 	leDuration, leRenew, leRetry  time.Duration
+	shards                        int
 	barrier                       bool
 	audience, collectorSAs        string
 	collectorDS                   string
@@ -114,6 +115,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.leRenew, "leader-elect-renew-deadline", o.leRenew, "how long the leader keeps trying to renew before it steps down")
 	fs.DurationVar(&o.recoveryGrace, "api-recovery-grace", o.recoveryGrace, "after this replica's view of the API comes back from stale (an API outage), node drift is neither reported nor repaired for this long: kube-proxies reconnect with client-go's backoff, up to 60 s")
 	fs.DurationVar(&o.leRetry, "leader-elect-retry-period", o.leRetry, "how often candidates try to acquire or renew the Lease")
+	fs.IntVar(&o.shards, "shards", o.shards, "split the nodes into this many shards, each held by one replica through a Lease (LEASE-NAME-shard-K): a node's collector streams to its shard's holder, which judges it, and the leader concludes for the fleet from every holder's partial verdict and alone repairs and pages. Every replica must be given the same count. 0: no sharding, the leader takes every stream (up to ~5,000 nodes; see the chart README's sizing guide)")
 	fs.StringVar(&o.advertise, "advertise-address", o.advertise, "address collectors reach this replica at; with the stream port it is the leader identity followers redirect to [POD_IP]")
 	fs.StringVar(&o.audience, "token-audience", o.audience, "audience the collectors' projected ServiceAccount tokens must carry")
 	fs.StringVar(&o.collectorSAs, "collector-service-accounts", o.collectorSAs, "comma-separated namespace/name of the collectors' ServiceAccounts")
@@ -172,6 +174,12 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 // ports and this replica's identity.
 func (o *options) validate() error {
 	p := o.policy
+	if o.shards < 0 || o.shards > 4096 {
+		return fmt.Errorf("--shards %d: want 0 (no sharding) to 4096", o.shards)
+	}
+	if o.shards > 1 && !o.leaderElect {
+		return fmt.Errorf("--shards %d needs --leader-elect: shards are held through Leases", o.shards)
+	}
 	if p.WeightZeroLimit < 0 {
 		return fmt.Errorf("--ipvs-weight-zero-limit %s: must not be negative (0 turns the check off)", p.WeightZeroLimit)
 	}

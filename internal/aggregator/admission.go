@@ -120,14 +120,21 @@ func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *
 	// A follower sends the collector on before reviewing anything: a
 	// redirect carries nothing secret, and a fleet reconnecting after a
 	// leader change must not cost the API server a review at each replica.
-	leader, leading := a.lead.now()
-	if !leading {
-		if leader == "" || leader == a.cfg.Self {
-			// The replicas it knows go with the refusal (see knownPeers).
-			a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly"}, a.knownPeers())
+	// With shards, the node's shard's holder stands for the leader.
+	a.mu.Lock()
+	owns := a.ownsLocked(h.Node)
+	a.mu.Unlock()
+	if !owns {
+		if holder := a.holderOf(h.Node); holder != "" && holder != a.cfg.Self {
+			a.redirect(c, holder)
 			return nil
 		}
-		a.redirect(c, leader)
+		why := "this aggregator is not the leader and no leader is elected yet; retry shortly"
+		if a.sharded() {
+			why = fmt.Sprintf("no aggregator replica holds this node's shard (%d) yet (a handover); retry shortly", a.shardOf(h.Node))
+		}
+		// The replicas it knows go with the refusal (see knownPeers).
+		a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: why}, a.knownPeers())
 		return nil
 	}
 	s := &session{a: a, c: c, log: log, hello: *h, interval: interval,
@@ -184,10 +191,10 @@ func (a *Aggregator) register(s *session) bool {
 	// it while holding wmu cannot deadlock.)
 	c.wmu.Lock()
 	a.mu.Lock()
-	if !a.lead.isLeading() {
+	if !a.ownsLocked(s.hello.Node) {
 		a.mu.Unlock()
 		c.wmu.Unlock()
-		s.reject(ReasonProtocol, "this aggregator stopped leading; reconnect to find the leader")
+		s.reject(ReasonProtocol, "this aggregator stopped leading (or gave up the node's shard); reconnect to find the leader")
 		return false
 	}
 	n := a.nodes[s.hello.Node]

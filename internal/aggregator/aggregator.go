@@ -68,6 +68,9 @@ type Config struct {
 	Reports interface {
 		Offer(lead context.Context, v *audit.Verdict)
 	}
+	// Shards, when set, makes this replica one of several that share the
+	// fleet's nodes (see Shards); nil: the leader takes every stream.
+	Shards *Shards
 }
 
 // Aggregator holds every node's stream state and the judge.
@@ -123,6 +126,14 @@ type Aggregator struct {
 	// peersMsg: the replicas' addresses last sent to the collectors, for
 	// new streams and followers' answers.
 	peersMsg atomic.Pointer[stream.Message]
+	// held are the shards this replica holds (a.mu; sharded only); own
+	// its last judgement of their nodes, for the leader; gathered the
+	// holders' partials as the leader last read them (Evaluate's
+	// goroutine only).
+	held          map[int]bool
+	own           atomic.Pointer[PartialResponse]
+	gathered      map[string]gathered
+	unheardLogged time.Time
 	// testHookRegistered, when set, runs once a stream is registered and
 	// before its welcome is written (tests widen that window with it).
 	testHookRegistered atomic.Pointer[func()]
@@ -217,7 +228,7 @@ func New(cfg Config, view *View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, held: map[int]bool{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }
@@ -238,11 +249,17 @@ func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.lead.leading, a.lead.leader = true, a.cfg.Self
 	a.lead.ctx, a.lead.term = ctx, term
 	a.lead.mu.Unlock()
+	a.verdict = nil
+	a.cfg.Metrics.Leader.Set(1)
+	if a.sharded() {
+		// The streams and nodes are the shards' (HoldShard): leading
+		// the fleet only concludes over them and acts.
+		a.cfg.Log.Info("leading the fleet: concluding over the shards' partial verdicts", zap.String("self", a.cfg.Self))
+		return
+	}
 	a.judge = audit.NewJudge(a.cfg.Policy)
 	a.nodes = map[string]*node{}
-	a.verdict = nil
 	a.warmup.reset()
-	a.cfg.Metrics.Leader.Set(1)
 	a.cfg.Log.Info("leading: accepting collector streams", zap.String("self", a.cfg.Self))
 }
 
@@ -262,6 +279,16 @@ func (a *Aggregator) StoppedLeading() {
 	// Only the leader judges its view; a follower's stale flag would keep
 	// ProxyAuditViewStale firing for a replica that no longer decides.
 	a.cfg.Metrics.ViewStale.Set(0)
+	if a.sharded() {
+		// Its shards' streams stay: only the fleet's decisions move.
+		a.verdict = nil
+		a.mu.Unlock()
+		a.repair.Lock()
+		a.repair.next = nil
+		a.repair.Unlock()
+		a.cfg.Log.Info("no longer leading the fleet", zap.String("leader", leader))
+		return
+	}
 	var open []*conn
 	for _, n := range a.nodes {
 		if n.conn != nil {

@@ -69,7 +69,7 @@ func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fa
 }
 
 // startView is startWith with the view's debounce and barrier in vc.
-func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc ViewConfig) *harness {
+func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc ViewConfig, opts ...func(*Config)) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	clk := clocktesting.NewFakeClock(t0)
@@ -77,7 +77,11 @@ func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fa
 	view := NewView(vc)
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
-	agg := New(Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}, view)
+	cfg := Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	agg := New(cfg, view)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -25,7 +25,7 @@ const maxReadError = 512
 // began to arrive (see arrived).
 func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
 	a.mu.Lock()
-	if n.conn != c || !a.lead.isLeading() {
+	if n.conn != c || !a.ownsLocked(n.name) {
 		a.mu.Unlock()
 		return true, ReasonProtocol, "stream superseded", nil
 	}
@@ -76,7 +76,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if n.conn != c || !a.lead.isLeading() {
+	if n.conn != c || !a.ownsLocked(n.name) {
 		return true, ReasonProtocol, "stream superseded", nil
 	}
 	if me := (*stream.MissingError)(nil); errors.As(err, &me) {

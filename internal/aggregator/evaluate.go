@@ -13,8 +13,12 @@ import (
 
 // Evaluate assesses every node that reported since the last call and
 // concludes; the loop in Run calls it every second.
+//
+// With shards (Config.Shards), each replica judges the nodes of the
+// shards it holds and publishes that partial verdict; the leader then
+// reads every holder's and concludes for the fleet (concludeFleet).
 func (a *Aggregator) Evaluate() {
-	if !a.lead.isLeading() || a.view.Synced() != nil {
+	if !a.Judging() || a.view.Synced() != nil {
 		return
 	}
 	if a.blind() {
@@ -56,12 +60,26 @@ func (a *Aggregator) Evaluate() {
 	})
 	names := a.view.ExpectedNodes()
 	a.mu.Lock()
-	if !a.lead.isLeading() {
+	if !a.judgingLocked() {
 		a.mu.Unlock()
 		return
 	}
 	now := a.cfg.Clock.Now()
-	v := a.judge.Evaluate(now, names)
+	var v audit.Verdict
+	var part audit.Partial
+	if a.sharded() {
+		var mine []string // names is the view's own: not filtered in place
+		for _, n := range names {
+			if a.held[a.shardOf(n)] {
+				mine = append(mine, n)
+			}
+		}
+		names = mine
+		part = a.judge.JudgeNodes(now, names)
+		v = audit.Verdict{At: now, Nodes: part.Nodes, Findings: append(slices.Clone(part.Missing), part.Drift...)}
+	} else {
+		v = a.judge.Evaluate(now, names)
+	}
 	addConntrack(&v, stale, ctErrs)
 	gone := a.pruneLocked(&v)
 	audit.WarnKnownBad(&v, nodeInfo)
@@ -70,11 +88,17 @@ func (a *Aggregator) Evaluate() {
 	if recovering {
 		v = holdBackDrift(v)
 	}
-	prev := a.verdict
-	a.markFound(prev, &v, now)
-	a.verdict = &v
 	asks := a.readNowDue(now, &v, recovering)
-	a.mu.Unlock()
+	prev := a.verdict
+	if a.sharded() {
+		shards := a.heldShardsLocked()
+		a.mu.Unlock()
+		a.publishPartial(partialOf(part, &v, recovering), shards)
+	} else {
+		a.markFound(prev, &v, now)
+		a.verdict = &v
+		a.mu.Unlock()
+	}
 	// Each on its own: a collector slow to read its socket must not hold
 	// up the evaluation (a write may wait out its 10 s deadline).
 	for _, c := range asks {
@@ -88,6 +112,14 @@ func (a *Aggregator) Evaluate() {
 		if r := a.cfg.Remediation; r != nil {
 			r.Executor.Forget(name)
 		}
+	}
+	if a.sharded() {
+		if !a.lead.isLeading() {
+			// A shard holder only: the leader concludes.
+			a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
+			return
+		}
+		v = a.concludeFleet(now, prev, recovering)
 	}
 	a.cfg.Metrics.setVerdict(&v)
 	took := a.cfg.Clock.Since(start)

@@ -42,6 +42,10 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 		c = n.conn
 	}
 	a.mu.Unlock()
+	if c == nil && a.sharded() && a.holderOf(node) != a.cfg.Self {
+		// The leader acts; the shard's holder has the stream.
+		return a.flushOnHolder(ctx, node, pairs)
+	}
 	if c == nil {
 		return nil, fmt.Errorf("no collector of node %s is streaming to this replica (its collector pod is down or reconnecting: check the DaemonSet pod on the node; the flush is tried again when the node's cooldown ends)", node)
 	}

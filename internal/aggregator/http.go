@@ -87,6 +87,9 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	})
 	v1.HandleFunc("GET /api/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
 		resp, ok := a.Explain(r.PathValue("name"), r.URL.Query().Get("service"))
+		if !ok && a.sharded() && a.proxyToHolder(w, r, r.PathValue("name"), "/internal/v1/nodes/"+r.PathValue("name")+"/explain") {
+			return
+		}
 		if !ok {
 			writeError(w, http.StatusNotFound, "no rules from node "+r.PathValue("name")+" yet: its collector has not sent a full snapshot to the leader")
 			return
@@ -96,6 +99,9 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	mux.Handle("/api/", a.readers(a.onLeader(v1, httpPort)))
 	mux.Handle("/ui/", a.readers(a.onLeader(a.uiHandler(), httpPort)))
 	mux.Handle("GET /ui", http.RedirectHandler("ui/", http.StatusFound))
+	if a.sharded() {
+		mux.Handle("/internal/", a.internalHandler())
+	}
 	return mux
 }
 

@@ -41,10 +41,13 @@ type Metrics struct {
 	// node assessments, by whether another node's result was shared.
 	ServiceAssessments *prometheus.CounterVec
 	Leader             prometheus.Gauge
-	ViewStale          prometheus.Gauge
-	Actions            *prometheus.CounterVec
-	ReportWrites       *prometheus.CounterVec
-	Slack              *prometheus.CounterVec
+	// Sharded replicas (issue #41).
+	ShardsHeld, ShardsUnheard prometheus.Gauge
+	PartialReads              *prometheus.CounterVec
+	ViewStale                 prometheus.Gauge
+	Actions                   *prometheus.CounterVec
+	ReportWrites              *prometheus.CounterVec
+	Slack                     *prometheus.CounterVec
 	// Held is 1 while every repair is held, by why: paused, window.
 	Held *prometheus.GaugeVec
 	// HeldDecisions counts pages instead of repairs by what held them.
@@ -155,6 +158,12 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_service_assessments_total", Help: "Services reassessed within incremental and peer node assessments: computed, or shared (another node showing the same frontends for the service, expecting the same of it, was assessed at the same cluster state)."}, []string{"how"}),
 		Leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_leader", Help: "1 when this replica leads (judges and accepts streams)."}),
+		ShardsHeld: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_shards_held", Help: "The shards this replica holds: it takes their nodes' streams and judges them (sharded replicas, --shards)."}),
+		ShardsUnheard: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "proxyaudit_shards_unheard", Help: "On the leader of sharded replicas: shards whose holder's partial verdict could not be read for 10 s, or that nobody holds; their nodes are missing from the findings and node list."}),
+		PartialReads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_partial_reads_total", Help: "The leader's reads of the other replicas' partial verdicts (sharded replicas), by outcome (ok, failed)."}, []string{"outcome"}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_view_stale", Help: "1 while the leader's view of the API is stale (a watch failing, or its Lease renewals not seen): nothing is judged or repaired."}),
 		ReportWrites: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -171,7 +180,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.ShardsHeld, m.ShardsUnheard, m.PartialReads, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -52,7 +52,7 @@ func (a *Aggregator) announcePeers() {
 	m := &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: ips}}
 	a.peersMsg.Store(m)
 	a.mu.Lock()
-	leading := a.lead.isLeading()
+	leading := a.lead.isLeading() || len(a.held) > 0
 	var conns []*conn
 	for _, n := range a.nodes {
 		if n.conn != nil {

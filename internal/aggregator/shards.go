@@ -1,0 +1,543 @@
+package aggregator
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/time/rate"
+	authnv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/api"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
+	"github.com/proxyaudit/proxyaudit/remediate"
+)
+
+// Shards makes a replica one of several that share the fleet (issue #41):
+// a node's stream is taken, and the node judged, by the replica holding
+// its shard (HoldShard, run by the shard coordinator), and the leader
+// (the fleet Lease) only concludes: it reads every holder's partial
+// verdict, applies the mass-divergence guard over all of them, and alone
+// remediates, pages, writes reports and serves the findings.
+type Shards struct {
+	// Count is the number of shards, fixed for the fleet's life (every
+	// replica must agree: a node's shard is shard.Of(node, Count)).
+	Count int
+	// Holders says who holds each shard as last read, "" for a free one
+	// (the coordinator's Holders).
+	Holders func() []string
+	// HTTPPort is the port every replica serves its HTTP API on: the
+	// leader reads the partials there.
+	HTTPPort string
+	// Client makes this replica's requests to the others, carrying its
+	// credentials; nil: http.DefaultClient.
+	Client *http.Client
+	// Auth, when set, admits the internal API's callers: the other
+	// replicas. Nil: anyone who reaches the port (--insecure-no-auth).
+	Auth *PeerAuth
+}
+
+// PartialResponse is GET /internal/v1/partial: a replica's judgement of
+// the nodes of the shards it holds.
+type PartialResponse struct {
+	Replica string        `json:"replica"`
+	Shards  []int         `json:"shards"`
+	Partial audit.Partial `json:"partial"`
+}
+
+// maxPartialBytes bounds a partial read from a peer: at ~1 KB per node
+// status, 64 MiB is ten times the nodes a replica is sized for.
+const maxPartialBytes = 64 << 20
+
+// partialStale is how long the leader goes on using a holder's last
+// partial when the holder does not answer: a replica that is gone loses
+// its shards within a Lease duration, and its nodes are judged again by
+// their new holder.
+const partialStale = 10 * time.Second
+
+func (a *Aggregator) sharded() bool { return a.cfg.Shards != nil }
+
+func (a *Aggregator) shardOf(node string) int { return shard.Of(node, a.cfg.Shards.Count) }
+
+// ownsLocked says whether this replica takes node's stream and judges
+// it: the leader, or its shard's holder. a.mu held.
+func (a *Aggregator) ownsLocked(node string) bool {
+	if !a.sharded() {
+		return a.lead.isLeading()
+	}
+	return a.held[a.shardOf(node)]
+}
+
+// holderOf is who takes node's stream ("" while nobody does).
+func (a *Aggregator) holderOf(node string) string {
+	if !a.sharded() {
+		leader, _ := a.lead.now()
+		return leader
+	}
+	return a.shardHolder(a.shardOf(node))
+}
+
+func (a *Aggregator) shardHolder(k int) string {
+	if h := a.cfg.Shards.Holders(); k < len(h) {
+		return h[k]
+	}
+	return ""
+}
+
+// HoldShard takes shard k's streams and judges its nodes until ctx ends
+// (the coordinator's OnShard). When it ends (the shard given up, lost,
+// or the coordinator stopping) only that shard's streams are closed, each
+// sent on to the new holder when it is known, and only its nodes are
+// forgotten: the rest of the replica's fleet is not touched.
+func (a *Aggregator) HoldShard(ctx context.Context, k int) {
+	a.mu.Lock()
+	a.held[k] = true
+	n := len(a.held)
+	a.mu.Unlock()
+	a.cfg.Metrics.ShardsHeld.Set(float64(n))
+	a.cfg.Log.Info("holding a shard: taking its collectors' streams", zap.Int("shard", k), zap.Int("held", n))
+	<-ctx.Done()
+	a.mu.Lock()
+	delete(a.held, k)
+	n = len(a.held)
+	var open []*conn
+	for name, nd := range a.nodes {
+		if a.shardOf(name) != k {
+			continue
+		}
+		if nd.conn != nil {
+			open = append(open, nd.conn)
+		}
+		delete(a.nodes, name)
+		a.judge.Forget(name)
+	}
+	a.mu.Unlock()
+	a.cfg.Metrics.ShardsHeld.Set(float64(n))
+	holder := a.shardHolder(k)
+	for _, c := range open {
+		a.redirect(c, holder)
+		c.Close()
+	}
+	a.cfg.Log.Info("shard given up: its streams handed over", zap.Int("shard", k), zap.String("holder", holder), zap.Int("streams", len(open)))
+}
+
+// Judging says whether this replica judges nodes: the leader, or (with
+// shards) a replica holding some; its view's freshness then matters (the
+// watch barrier runs while it does).
+func (a *Aggregator) Judging() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.judgingLocked()
+}
+
+func (a *Aggregator) judgingLocked() bool { return a.lead.isLeading() || len(a.held) > 0 }
+
+// concludeFleet is the leader's part with shards: every holder's partial
+// (its own included) concluded as one verdict, the guard over the whole
+// fleet, each finding dated by when the fleet's verdicts first held it.
+// recovering is the leader's own view's recovery: drift is held back.
+func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recovering bool) audit.Verdict {
+	parts, unheard := a.gatherPartials(a.leadContext(), now)
+	v := audit.Conclude(a.cfg.Policy, parts...)
+	v.At = now
+	if recovering {
+		v = holdBackDrift(v)
+	}
+	a.cfg.Metrics.ShardsUnheard.Set(float64(len(unheard)))
+	if len(unheard) > 0 && (a.unheardLogged.IsZero() || now.Sub(a.unheardLogged) > time.Minute) {
+		a.unheardLogged = now
+		a.cfg.Log.Warn("shards without a partial verdict: their nodes are left out of the findings until a replica holding them answers",
+			zap.Ints("shards", unheard), zap.Strings("holders", a.cfg.Shards.Holders()))
+	}
+	a.markFound(prev, &v, now)
+	a.mu.Lock()
+	if a.lead.isLeading() {
+		a.verdict = &v
+	}
+	a.mu.Unlock()
+	return v
+}
+
+// heldShards lists the shards this replica holds. a.mu held.
+func (a *Aggregator) heldShardsLocked() []int {
+	ks := make([]int, 0, len(a.held))
+	for k := range a.held {
+		ks = append(ks, k)
+	}
+	slices.Sort(ks)
+	return ks
+}
+
+// publishPartial keeps this replica's judgement of its shards for the
+// leader to read.
+func (a *Aggregator) publishPartial(p audit.Partial, shards []int) {
+	a.own.Store(&PartialResponse{Replica: a.cfg.Self, Shards: shards, Partial: p})
+}
+
+// partialOf makes a Partial of the verdict decorations Evaluate made on
+// the nodes this replica judged (conntrack, warnings, the hold-back after
+// an outage): its nodes are v's, and the findings never held back by the
+// guard (collectors missing, stale conntrack) go with the missing ones.
+func partialOf(p audit.Partial, v *audit.Verdict, recovering bool) audit.Partial {
+	p.Nodes = v.Nodes
+	p.Missing = nil
+	for _, f := range v.Findings {
+		if f.Kind == audit.CollectorMissing || f.Kind == audit.StaleConntrack {
+			p.Missing = append(p.Missing, f)
+		}
+	}
+	if recovering {
+		p.Drift, p.Drifted = nil, map[string]time.Time{}
+	}
+	return p
+}
+
+// gathered is one holder's partial as the leader last read it.
+type gathered struct {
+	resp *PartialResponse
+	at   time.Time
+}
+
+// gatherPartials reads every holder's partial (this replica's own from
+// memory) and returns the parts covering each shard once, from the
+// replica that holds it, and the shards no part covers. Evaluate's
+// goroutine only (a.gathered).
+func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit.Partial, []int) {
+	holders := a.cfg.Shards.Holders()
+	distinct := map[string]bool{}
+	for _, h := range holders {
+		if h != "" && h != a.cfg.Self {
+			distinct[h] = true
+		}
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	if a.gathered == nil {
+		a.gathered = map[string]gathered{}
+	}
+	for h := range distinct {
+		wg.Go(func() {
+			resp, err := a.fetchPartial(ctx, h)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				a.cfg.Metrics.PartialReads.WithLabelValues("failed").Inc()
+				a.cfg.Log.Warn("could not read a replica's partial verdict: its shards' nodes are shown as last read", zap.String("replica", h), zap.Error(err))
+				return
+			}
+			a.cfg.Metrics.PartialReads.WithLabelValues("ok").Inc()
+			a.gathered[h] = gathered{resp: resp, at: now}
+		})
+	}
+	wg.Wait()
+	if own := a.own.Load(); own != nil {
+		a.gathered[a.cfg.Self] = gathered{resp: own, at: now}
+	}
+	for h, g := range a.gathered {
+		if now.Sub(g.at) > partialStale || (!distinct[h] && h != a.cfg.Self) {
+			delete(a.gathered, h)
+		}
+	}
+	var parts []audit.Partial
+	var unheard []int
+	take := map[string]map[int]bool{}
+	for k, h := range holders {
+		g, ok := a.gathered[h]
+		if h == "" || !ok || !slices.Contains(g.resp.Shards, k) {
+			unheard = append(unheard, k)
+			continue
+		}
+		if take[h] == nil {
+			take[h] = map[int]bool{}
+		}
+		take[h][k] = true
+	}
+	for h, ks := range take {
+		parts = append(parts, a.only(a.gathered[h].resp.Partial, ks))
+	}
+	return parts, unheard
+}
+
+// only keeps the nodes of p in shards ks: during a handover two replicas
+// may both still show a shard's nodes, and each node is taken once, from
+// the holder the Leases name.
+func (a *Aggregator) only(p audit.Partial, ks map[int]bool) audit.Partial {
+	in := func(node string) bool { return ks[a.shardOf(node)] }
+	out := audit.Partial{At: p.At, Drifted: map[string]time.Time{}}
+	for _, n := range p.Nodes {
+		if !in(n.Node) {
+			continue
+		}
+		out.Nodes = append(out.Nodes, n)
+		if n.State != audit.NodeMissing && n.State != audit.NodePending {
+			out.Reporting++
+		}
+	}
+	for _, f := range p.Missing {
+		if in(f.Node) {
+			out.Missing = append(out.Missing, f)
+		}
+	}
+	for _, f := range p.Drift {
+		if in(f.Node) {
+			out.Drift = append(out.Drift, f)
+		}
+	}
+	for n, t := range p.Drifted {
+		if in(n) {
+			out.Drifted[n] = t
+		}
+	}
+	return out
+}
+
+// peerURL is a replica's internal API address.
+func (a *Aggregator) peerURL(replica, path string) (string, error) {
+	host, _, err := net.SplitHostPort(replica)
+	if err != nil {
+		return "", fmt.Errorf("replica identity %q is not host:port", replica)
+	}
+	return (&url.URL{Scheme: "http", Host: net.JoinHostPort(host, a.cfg.Shards.HTTPPort), Path: path}).String(), nil
+}
+
+func (a *Aggregator) peerClient() *http.Client {
+	if c := a.cfg.Shards.Client; c != nil {
+		return c
+	}
+	return http.DefaultClient
+}
+
+// fetchPartial reads one replica's partial, within 2 s and 64 MiB.
+func (a *Aggregator) fetchPartial(ctx context.Context, replica string) (*PartialResponse, error) {
+	u, err := a.peerURL(replica, "/internal/v1/partial")
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	resp, err := a.peerClient().Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPartialBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s: %s", u, resp.Status, clip(string(body)))
+	}
+	if len(body) > maxPartialBytes {
+		return nil, fmt.Errorf("%s: partial larger than %d MiB", u, maxPartialBytes>>20)
+	}
+	var out PartialResponse
+	if err := json.Unmarshal(body, &out); err != nil {
+		return nil, fmt.Errorf("%s: not a partial verdict: %v", u, err)
+	}
+	if out.Replica != replica {
+		return nil, fmt.Errorf("%s answered as %q, not %q", u, clip(out.Replica), replica)
+	}
+	return &out, nil
+}
+
+// internalHandler serves the replicas' own API: a replica's partial, and
+// what the leader asks of the holder of a node's stream (its explain, a
+// conntrack flush).
+func (a *Aggregator) internalHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /internal/v1/partial", func(w http.ResponseWriter, _ *http.Request) {
+		p := a.own.Load()
+		if p == nil {
+			writeError(w, http.StatusServiceUnavailable, "this replica has judged no shard yet")
+			return
+		}
+		writeJSON(w, http.StatusOK, p)
+	})
+	mux.HandleFunc("GET /internal/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
+		resp, ok := a.Explain(r.PathValue("name"), r.URL.Query().Get("service"))
+		if !ok {
+			writeError(w, http.StatusNotFound, "no rules from node "+r.PathValue("name")+" on this replica: its collector has not sent a full snapshot to its shard's holder")
+			return
+		}
+		writeJSON(w, http.StatusOK, resp)
+	})
+	mux.HandleFunc("POST /internal/v1/nodes/{name}/flush", func(w http.ResponseWriter, r *http.Request) {
+		var pairs []remediate.StalePair
+		if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&pairs); err != nil {
+			writeError(w, http.StatusBadRequest, "a flush is a JSON list of stale pairs: "+err.Error())
+			return
+		}
+		res, err := a.Flush(r.Context(), r.PathValue("name"), pairs)
+		if err != nil {
+			writeError(w, http.StatusBadGateway, err.Error())
+			return
+		}
+		writeJSON(w, http.StatusOK, res)
+	})
+	if a.cfg.Shards.Auth != nil {
+		return a.cfg.Shards.Auth.Wrap(mux)
+	}
+	return mux
+}
+
+// proxyToHolder serves r from the replica holding node's stream (its
+// internal API, with this replica's credentials: the caller was admitted
+// here); false when this replica is the holder or nobody is.
+func (a *Aggregator) proxyToHolder(w http.ResponseWriter, r *http.Request, node, path string) bool {
+	holder := a.holderOf(node)
+	if holder == "" || holder == a.cfg.Self {
+		return false
+	}
+	u, err := a.peerURL(holder, path)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, err.Error())
+		return true
+	}
+	target, _ := url.Parse(u)
+	p := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL.Scheme, pr.Out.URL.Host, pr.Out.URL.Path, pr.Out.Host = target.Scheme, target.Host, target.Path, ""
+			pr.Out.Header.Del("Authorization")
+			pr.Out.Header.Del(api.TokenHeader)
+		},
+		Transport: a.peerClient().Transport,
+		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
+			writeError(w, http.StatusBadGateway, "node "+node+" streams to replica "+holder+", which did not answer: "+err.Error())
+		},
+	}
+	w.Header().Set("X-Proxyaudit-Served-By", "the holder of the node's shard, "+holder)
+	p.ServeHTTP(w, r)
+	return true
+}
+
+// flushOnHolder asks the replica holding node's stream to flush.
+func (a *Aggregator) flushOnHolder(ctx context.Context, node string, pairs []remediate.StalePair) ([]remediate.FlushResult, error) {
+	holder := a.holderOf(node)
+	if holder == "" {
+		return nil, fmt.Errorf("no replica holds node %s's shard yet (a handover): the flush is tried again when the node's cooldown ends", node)
+	}
+	u, err := a.peerURL(holder, "/internal/v1/nodes/"+url.PathEscape(node)+"/flush")
+	if err != nil {
+		return nil, err
+	}
+	body, _ := json.Marshal(pairs)
+	ctx, cancel := context.WithTimeout(ctx, flushWait+5*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := a.peerClient().Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("node %s streams to replica %s, which did not answer the flush: %v", node, holder, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if resp.StatusCode != http.StatusOK {
+		var e struct{ Error string }
+		json.Unmarshal(b, &e)
+		return nil, fmt.Errorf("replica %s: %s", holder, clip(e.Error))
+	}
+	var out []remediate.FlushResult
+	if err := json.Unmarshal(b, &out); err != nil {
+		return nil, fmt.Errorf("replica %s answered the flush with no results: %v", holder, err)
+	}
+	return out, nil
+}
+
+// PeerAuth admits the other replicas to the internal API: a bearer token
+// the API server authenticates (for its own audience, as a pod's
+// ServiceAccount token is) as Username, the ServiceAccount every replica
+// runs as. Decisions are cached for 30 s; reviews of new tokens are
+// limited to five a second, so a flood of tokens at the port costs the
+// API server little.
+type PeerAuth struct {
+	Client   kubernetes.Interface
+	Username string
+	Clock    clock.PassiveClock
+
+	once  sync.Once
+	limit *rate.Limiter
+	mu    sync.Mutex
+	cache map[[32]byte]peerDecision
+}
+
+type peerDecision struct {
+	err     error
+	expires time.Time
+}
+
+// Wrap returns next behind the check.
+func (pa *PeerAuth) Wrap(next http.Handler) http.Handler {
+	pa.once.Do(func() { pa.limit = rate.NewLimiter(5, 10) })
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if !ok || token == "" {
+			writeError(w, http.StatusUnauthorized, "the internal API is for the aggregator's replicas: send the replica's ServiceAccount token as Authorization: Bearer")
+			return
+		}
+		if code, err := pa.decide(r.Context(), token); err != nil {
+			if code == http.StatusTooManyRequests {
+				w.Header().Set("Retry-After", "1")
+			}
+			writeError(w, code, err.Error())
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (pa *PeerAuth) decide(ctx context.Context, token string) (int, error) {
+	key := sha256.Sum256([]byte(token))
+	now := pa.Clock.Now()
+	pa.mu.Lock()
+	d, ok := pa.cache[key]
+	pa.mu.Unlock()
+	if ok && now.Before(d.expires) {
+		if d.err != nil {
+			return http.StatusForbidden, d.err
+		}
+		return http.StatusOK, nil
+	}
+	if !pa.limit.Allow() {
+		return http.StatusTooManyRequests, errors.New("too many tokens to review at once; retry in a second")
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tr, err := pa.Client.AuthenticationV1().TokenReviews().Create(rctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: token}}, metav1.CreateOptions{})
+	if err != nil {
+		return http.StatusServiceUnavailable, fmt.Errorf("cannot review the token with the API server (retry): %v", err)
+	}
+	switch {
+	case !tr.Status.Authenticated:
+		err = fmt.Errorf("token not valid: %s", clip(tr.Status.Error))
+	case tr.Status.User.Username != pa.Username:
+		err = fmt.Errorf("%s is not an aggregator replica (%s): the internal API is theirs alone", clip(tr.Status.User.Username), pa.Username)
+	}
+	pa.mu.Lock()
+	if pa.cache == nil || len(pa.cache) >= 1024 {
+		pa.cache = map[[32]byte]peerDecision{}
+	}
+	pa.cache[key] = peerDecision{err: err, expires: now.Add(readerCacheFor)}
+	pa.mu.Unlock()
+	if err != nil {
+		return http.StatusForbidden, err
+	}
+	return http.StatusOK, nil
+}

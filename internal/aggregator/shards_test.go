@@ -1,0 +1,386 @@
+package aggregator
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap/zaptest"
+	authnv1 "k8s.io/api/authentication/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+)
+
+// peer is another replica's internal API on a loopback address of its
+// own (all replicas serve on one port, as pods do), answering as told.
+type peer struct {
+	identity string
+	answer   atomic.Pointer[func(w http.ResponseWriter)]
+}
+
+// peersOn starts n peers on 127.0.0.2.. sharing one port, and returns it.
+func peersOn(t *testing.T, n int) (string, []*peer) {
+	var port string
+	var out []*peer
+	for i := range n {
+		host := fmt.Sprintf("127.0.0.%d", i+2)
+		ln, err := net.Listen("tcp", net.JoinHostPort(host, map[bool]string{true: "0", false: port}[port == ""]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, port, _ = net.SplitHostPort(ln.Addr().String())
+		p := &peer{identity: host + ":9443"}
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			if f := p.answer.Load(); f != nil {
+				(*f)(w)
+				return
+			}
+			http.Error(w, "nothing yet", http.StatusServiceUnavailable)
+		})}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		out = append(out, p)
+	}
+	return port, out
+}
+
+func (p *peer) serve(f func(w http.ResponseWriter)) { p.answer.Store(&f) }
+
+// partialAnswer answers with a partial of nodes as replica, claiming shards.
+func partialAnswer(replica string, shards []int, nodes ...audit.NodeStatus) func(w http.ResponseWriter) {
+	return func(w http.ResponseWriter) {
+		p := audit.Partial{Nodes: nodes, Drifted: map[string]time.Time{}}
+		for _, n := range nodes {
+			if n.State == audit.NodeStuck {
+				f := audit.TimedFinding{Since: t0, Finding: audit.Finding{Node: n.Node, Kind: audit.StaleEndpoint}}
+				p.Drift = append(p.Drift, f)
+				p.Drifted[n.Node] = t0
+			}
+			if n.State != audit.NodeMissing && n.State != audit.NodePending {
+				p.Reporting++
+			}
+		}
+		json.NewEncoder(w).Encode(PartialResponse{Replica: replica, Shards: shards, Partial: p})
+	}
+}
+
+// nodesIn returns count node names whose shard (of shards) is k.
+func nodesIn(k, shards, count int) []string {
+	var out []string
+	for i := 0; len(out) < count; i++ {
+		if name := fmt.Sprintf("node-%d", i); shard.Of(name, shards) == k {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
+func names(parts []audit.Partial) []string {
+	var out []string
+	for _, p := range parts {
+		for _, n := range p.Nodes {
+			out = append(out, n.Node)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// The leader reads every holder's partial and takes each shard once,
+// from the replica the Leases name, whatever the others send: a peer
+// still showing a shard it handed over, one answering garbage, too much,
+// as someone else, or not at all. A shard nobody answers for is counted
+// unheard; a holder's last good partial stands for 10 s, no longer.
+func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
+	const shards = 4
+	port, peers := peersOn(t, 2)
+	a, b := peers[0], peers[1]
+	clk := clocktesting.NewFakeClock(t0)
+	holders := []string{"127.0.0.1:9443", a.identity, b.identity, ""}
+	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
+		Shards: &Shards{Count: shards, HTTPPort: port, Holders: func() []string { return holders }}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+	in := func(k int) []string { return nodesIn(k, shards, 2) }
+	status := func(names []string, st audit.NodeState) []audit.NodeStatus {
+		var out []audit.NodeStatus
+		for _, n := range names {
+			out = append(out, audit.NodeStatus{Node: n, State: st})
+		}
+		return out
+	}
+	agg.publishPartial(audit.Partial{Nodes: status(in(0), audit.NodeInSync), Reporting: 2}, []int{0})
+	// a holds shard 1, and still shows shard 2's nodes it handed to b.
+	a.serve(partialAnswer(a.identity, []int{1, 2}, append(status(in(1), audit.NodeInSync), status(in(2), audit.NodeStuck)...)...))
+	b.serve(partialAnswer(b.identity, []int{2}, status(in(2), audit.NodeInSync)...))
+
+	parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
+	want := slices.Sorted(slices.Values(slices.Concat(in(0), in(1), in(2))))
+	if got := names(parts); !slices.Equal(got, want) {
+		t.Errorf("nodes gathered %v, want %v (each shard once, from its holder)", got, want)
+	}
+	if !slices.Equal(unheard, []int{3}) {
+		t.Errorf("unheard %v, want [3] (nobody holds it)", unheard)
+	}
+	v := audit.Conclude(audit.DefaultPolicy(), parts...)
+	for _, n := range v.Nodes {
+		if n.State != audit.NodeInSync {
+			t.Errorf("%s %s: a shard's former holder's view was taken over its holder's", n.Node, n.State)
+		}
+	}
+
+	hostile := []struct {
+		name string
+		f    func(w http.ResponseWriter)
+	}{
+		{"garbage", func(w http.ResponseWriter) { w.Write([]byte("{\"replica\": [1,2")) }},
+		{"another replica's name", partialAnswer("10.0.0.9:9443", []int{1}, status(in(1), audit.NodeStuck)...)},
+		{"an error", func(w http.ResponseWriter) { http.Error(w, "no", http.StatusForbidden) }},
+		{"more than 64 MiB", func(w http.ResponseWriter) {
+			w.Write([]byte(`{"replica":"` + a.identity + `","partial":{"nodes":[`))
+			chunk := []byte(strings.Repeat(`{"node":"x"},`, 1<<12))
+			for written := 0; written <= maxPartialBytes; written += len(chunk) {
+				if _, err := w.Write(chunk); err != nil {
+					return
+				}
+			}
+		}},
+		{"silence", func(w http.ResponseWriter) { time.Sleep(3 * time.Second) }},
+	}
+	for _, h := range hostile {
+		t.Run(h.name, func(t *testing.T) {
+			a.serve(h.f)
+			failed := testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed"))
+			clk.Step(time.Second)
+			start := time.Now()
+			parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
+			if took := time.Since(start); took > 2500*time.Millisecond {
+				t.Errorf("a peer's %s held the leader %s (bound: 2 s)", h.name, took)
+			}
+			if testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
+				t.Errorf("a peer's %s was not counted as a failed read", h.name)
+			}
+			// Its last good partial stands (within 10 s).
+			if got := names(parts); !slices.Equal(got, want) || !slices.Equal(unheard, []int{3}) {
+				t.Errorf("after a peer's %s: nodes %v, unheard %v; want %v and [3] (its last good partial)", h.name, got, unheard, want)
+			}
+		})
+	}
+	a.serve(func(w http.ResponseWriter) { http.Error(w, "gone", http.StatusServiceUnavailable) })
+	clk.Step(partialStale + time.Second)
+	parts, unheard = agg.gatherPartials(context.Background(), clk.Now())
+	if got := names(parts); slices.ContainsFunc(got, func(n string) bool { return slices.Contains(in(1), n) }) || !slices.Equal(unheard, []int{1, 3}) {
+		t.Errorf("a holder silent for over 10 s: nodes %v, unheard %v; want its shard 1 unheard", got, unheard)
+	}
+}
+
+// The mass-divergence guard sees the fleet, not a shard: every node of
+// one shard drifted is 2 of 6 nodes here, under the 50 % share, so it is
+// reported node by node; the same drift over most shards is one
+// MassDivergence and no node finding.
+func TestConcludeOverShardsGuardsTheFleet(t *testing.T) {
+	const shards = 3
+	port, peers := peersOn(t, 2)
+	clk := clocktesting.NewFakeClock(t0)
+	holders := []string{"127.0.0.1:9443", peers[0].identity, peers[1].identity}
+	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk, Policy: audit.Policy{MassShare: 0.5, MassMinNodes: 3},
+		Shards: &Shards{Count: shards, HTTPPort: port, Holders: func() []string { return holders }}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+	st := func(k int, s audit.NodeState) []audit.NodeStatus {
+		var out []audit.NodeStatus
+		for _, n := range nodesIn(k, shards, 2) {
+			out = append(out, audit.NodeStatus{Node: n, State: s})
+		}
+		return out
+	}
+	own := func(s audit.NodeState) {
+		rec := httptest.NewRecorder()
+		partialAnswer(agg.cfg.Self, []int{0}, st(0, s)...)(rec)
+		var p PartialResponse
+		json.Unmarshal(rec.Body.Bytes(), &p)
+		agg.publishPartial(p.Partial, []int{0})
+	}
+	own(audit.NodeInSync)
+	peers[0].serve(partialAnswer(peers[0].identity, []int{1}, st(1, audit.NodeStuck)...))
+	peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeInSync)...))
+	parts, _ := agg.gatherPartials(context.Background(), clk.Now())
+	v := audit.Conclude(agg.cfg.Policy, parts...)
+	if kinds := kindsOf(v); strings.Contains(kinds, string(audit.MassDivergence)) || strings.Count(kinds, string(audit.StaleEndpoint)) != 2 {
+		t.Errorf("one shard's 2 of 6 nodes drifted: %s; want their 2 findings", kinds)
+	}
+	own(audit.NodeStuck)
+	peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeStuck)...))
+	clk.Step(time.Second)
+	parts, _ = agg.gatherPartials(context.Background(), clk.Now())
+	v = audit.Conclude(agg.cfg.Policy, parts...)
+	if kinds := kindsOf(v); kinds != ":"+string(audit.MassDivergence) {
+		t.Errorf("every shard's nodes drifted: %s; want one MassDivergence", kinds)
+	}
+}
+
+// The internal API admits the aggregator's own ServiceAccount only, and
+// asks the API server once per token in 30 s: no token, a token of
+// another user, one the API server rejects, and a flood of new tokens.
+func TestPeerAuth(t *testing.T) {
+	const me = "system:serviceaccount:proxyaudit:proxyaudit-aggregator"
+	client := fake.NewClientset()
+	var mu sync.Mutex
+	reviews := 0
+	client.PrependReactor("create", "tokenreviews", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		mu.Lock()
+		reviews++
+		mu.Unlock()
+		tr := action.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
+		switch {
+		case tr.Spec.Token == "replica":
+			tr.Status = authnv1.TokenReviewStatus{Authenticated: true, User: authnv1.UserInfo{Username: me}}
+		case strings.HasPrefix(tr.Spec.Token, "reader"):
+			tr.Status = authnv1.TokenReviewStatus{Authenticated: true, User: authnv1.UserInfo{Username: "system:serviceaccount:proxyaudit:proxyaudit-reader"}}
+		default:
+			tr.Status = authnv1.TokenReviewStatus{Error: "invalid bearer token"}
+		}
+		return true, tr, nil
+	})
+	pa := &PeerAuth{Client: client, Username: me, Clock: clocktesting.NewFakeClock(t0)}
+	h := pa.Wrap(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("partial")) }))
+	get := func(token string) int {
+		r, _ := http.NewRequest(http.MethodGet, "/internal/v1/partial", nil)
+		if token != "" {
+			r.Header.Set("Authorization", "Bearer "+token)
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, r)
+		return rec.Code
+	}
+	for _, c := range []struct {
+		token string
+		want  int
+	}{{"", http.StatusUnauthorized}, {"replica", http.StatusOK}, {"replica", http.StatusOK}, {"reader-1", http.StatusForbidden}, {"forged", http.StatusForbidden}} {
+		if got := get(c.token); got != c.want {
+			t.Errorf("token %q: %d, want %d", c.token, got, c.want)
+		}
+	}
+	if reviews != 3 {
+		t.Errorf("%d reviews for 3 distinct tokens (one cached)", reviews)
+	}
+	busy := 0
+	for i := range 100 {
+		if get(fmt.Sprintf("reader-flood-%d", i)) == http.StatusTooManyRequests {
+			busy++
+		}
+	}
+	if reviews > 3+12 || busy < 85 {
+		t.Errorf("a flood of 100 new tokens cost %d reviews and %d were told to retry: want at most the burst reviewed", reviews-3, busy)
+	}
+	if get("replica") != http.StatusOK {
+		t.Errorf("the replica's cached token refused during a flood")
+	}
+}
+
+// A sharded replica takes the streams of the nodes of the shards it
+// holds, sends the others to their shard's holder, asks them to retry
+// while nobody holds it, and on giving a shard up closes only that
+// shard's streams (sending them on) and forgets only its nodes.
+func TestShardAdmission(t *testing.T) {
+	const shards = 3
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	holders := []string{"127.0.0.1:1", "127.0.0.9:9443", ""}
+	var hmu sync.Mutex
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, func(c *Config) {
+		c.Shards = &Shards{Count: shards, HTTPPort: "1", Holders: func() []string { hmu.Lock(); defer hmu.Unlock(); return slices.Clone(holders) }}
+	})
+	agg := h.agg
+	shardCtx, give := context.WithCancel(ctx)
+	held := make(chan struct{})
+	go func() { agg.HoldShard(shardCtx, 0); close(held) }()
+	h.eventually(5*time.Second, "shard 0 held", func() bool { agg.mu.Lock(); defer agg.mu.Unlock(); return agg.held[0] })
+
+	mine, theirs, free := nodesIn(0, shards, 2), nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0]
+	var conns []net.Conn
+	for _, n := range mine {
+		c := h.dial(n)
+		expect(t, c, stream.TypeWelcome, "")
+		conns = append(conns, c)
+	}
+	c := h.dial(theirs)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if m, _, err := stream.Read(c, 1<<20); err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != holders[1] {
+		t.Errorf("a node of another replica's shard: %+v, %v; want a redirect to %s", m, err, holders[1])
+	}
+	expect(t, h.dial(free), stream.TypeReject, "no aggregator replica holds this node's shard")
+
+	// The shard is given up (its new holder known): its streams are sent
+	// on, and the replica keeps nothing of its nodes.
+	hmu.Lock()
+	holders[0] = "127.0.0.9:9443"
+	hmu.Unlock()
+	give()
+	<-held
+	for i, c := range conns {
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		m, _, err := stream.Read(c, 1<<20)
+		if err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != "127.0.0.9:9443" {
+			t.Errorf("%s's stream when its shard was given up: %+v, %v; want a redirect to the new holder", mine[i], m, err)
+		}
+	}
+	agg.mu.Lock()
+	left := len(agg.nodes)
+	agg.mu.Unlock()
+	if left != 0 {
+		t.Errorf("%d nodes remembered after their shard was given up", left)
+	}
+}
+
+// A sharded leader holding every shard itself goes the whole way through
+// real collector clients: each node judged in its shard, the replica's
+// partial published for the others, and the fleet's verdict concluded
+// from it, with a divergent node found on that node only.
+func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
+	const shards = 2
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, func(c *Config) {
+		c.Shards = &Shards{Count: shards, HTTPPort: "1", Holders: func() []string { return []string{"127.0.0.1:1", "127.0.0.1:1"} }}
+	})
+	for k := range shards {
+		go h.agg.HoldShard(h.ctx, k)
+	}
+	for _, n := range []string{"n1", "n2"} {
+		h.collector(h.ctx, n, func() *audit.Observed { return rules(t) })
+	}
+	h.collector(h.ctx, "n3", func() *audit.Observed { return rules(t, 0) })
+	h.until(20*time.Second, "n3 found, n1 and n2 in sync", func() bool {
+		v := h.verdict()
+		states := map[string]audit.NodeState{}
+		for _, n := range v.Nodes {
+			states[n.Node] = n.State
+		}
+		return len(v.Findings) > 0 && len(only(v.Findings, "n3")) == len(v.Findings) && states["n1"] == audit.NodeInSync && states["n2"] == audit.NodeInSync
+	})
+	own := h.agg.own.Load()
+	if own == nil || !slices.Equal(own.Shards, []int{0, 1}) || len(own.Partial.Nodes) != 3 || own.Partial.Reporting != 3 || len(own.Partial.Drifted) != 1 {
+		t.Errorf("the replica's partial: %+v", own)
+	}
+}
+
+func only(fs []audit.TimedFinding, node string) []audit.TimedFinding {
+	var out []audit.TimedFinding
+	for _, f := range fs {
+		if f.Node == node {
+			out = append(out, f)
+		}
+	}
+	return out
+}
