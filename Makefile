@@ -84,16 +84,20 @@ IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
 bench-ipvs: deps
 	$(GO) test -v -count=1 -timeout 45m -run '^TestIPVSBenchmarkInVM$$' ./internal/e2e -ipvs-bench '$(IPVS_BENCH)'
 
-## fleet-sim: the real aggregator (two replicas) against the real API server at the anchors (10k
-## services, 100k endpoints, 100 changes/s) with FLEET_SIZES simulated collectors, each reviewed by a
-## real TokenReview; the leader is SIGKILLed mid-run, then nodes are replaced; results in docs/benchmarks.md
+## fleet-sim: the real aggregator (FLEET_REPLICAS replicas, 2 by default) against the real API server at
+## the anchors (10k services, 100k endpoints, 100 changes/s) with FLEET_SIZES simulated collectors, each
+## reviewed by a real TokenReview; the leader is SIGKILLed mid-run, then nodes are replaced. With
+## FLEET_SHARDS (e.g. FLEET_REPLICAS=4 FLEET_SHARDS=16) the replicas share the nodes by shard and a
+## replica that does not lead is killed instead; results in docs/benchmarks.md
 FLEET_SIZES ?= 250 500 1000
+FLEET_REPLICAS ?= 2
+FLEET_SHARDS ?= 0
 FLEET_ARGS ?= -fleet-services 10000 -fleet-interval 10s -fleet-steady 60s -fleet-rounds 2
 fleet-sim: deps cluster-binaries
 	@for n in $(FLEET_SIZES); do \
 		log=$$(mktemp); \
 		$(GO) test -count=1 -timeout 60m -v -run '^TestE2EFleetSimulation$$' ./internal/fleetsim \
-			-fleet-nodes $$n $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl > $$log 2>&1; rc=$$?; \
+			-fleet-nodes $$n -fleet-replicas $(FLEET_REPLICAS) -fleet-shards $(FLEET_SHARDS) $(FLEET_ARGS) -fleet-report $(CURDIR)/fleet-sim.jsonl > $$log 2>&1; rc=$$?; \
 		grep -E 'RESULT|fleet_e2e|FAIL|^ok' $$log; \
 		if [ $$rc -ne 0 ]; then echo "fleet-sim: $$n nodes failed; full log in $$log"; exit $$rc; fi; rm -f $$log; \
 	done

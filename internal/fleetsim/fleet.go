@@ -133,10 +133,19 @@ func (f *Fleet) Replace(i int, name, token string) {
 // are left out.
 func (f *Fleet) Heard(since time.Time) []time.Duration {
 	var out []time.Duration
+	for _, d := range f.Reconnected(since) {
+		out = append(out, d)
+	}
+	return out
+}
+
+// Reconnected is Heard by node name.
+func (f *Fleet) Reconnected(since time.Time) map[string]time.Duration {
+	out := map[string]time.Duration{}
 	for _, n := range f.nodes {
 		n.mu.Lock()
 		if !n.welcomed.Before(since) && !n.heard.IsZero() {
-			out = append(out, n.heard.Sub(since))
+			out[n.name] = n.heard.Sub(since)
 		}
 		n.mu.Unlock()
 	}

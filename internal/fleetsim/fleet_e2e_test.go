@@ -25,6 +25,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
@@ -46,7 +47,8 @@ var (
 	fleetAggArgs  = flag.String("fleet-aggregator-args", "", "more flags for every aggregator replica, space-separated (e.g. --token-review-qps=400)")
 	fleetAuth     = flag.Bool("fleet-auth", true, "authenticate every simulated collector by a real TokenReview (a token bound to a pod of the collector DaemonSet on its node); false: --insecure-no-auth")
 	fleetReplicas = flag.Int("fleet-replicas", 2, "aggregator replicas (leader election on; 1 with -fleet-kill=false runs one without election)")
-	fleetKill     = flag.Bool("fleet-kill", true, "SIGKILL the leader mid-run and measure how soon the fleet is heard again")
+	fleetKill     = flag.Bool("fleet-kill", true, "SIGKILL the leader (with -fleet-shards, a replica that does not lead) mid-run and measure how soon its nodes are heard again")
+	fleetShards   = flag.Int("fleet-shards", 0, "shards the replicas share the nodes in (--shards; 0: the leader takes every stream); needs -fleet-replicas of at least 2")
 	fleetReplace  = flag.Int("fleet-replacements", 120, "nodes replaced (deleted, a new one joins) after the stuck rounds, in two halves: the leader's heap after each must not grow")
 	fleetReplRate = flag.Float64("fleet-replacement-rate", 4, "node replacements a second")
 )
@@ -90,6 +92,16 @@ type Result struct {
 
 	Auth     bool
 	Replicas int
+	// With shards: every replica's RSS at the end and CPU in the churn
+	// window (the leader's also in AggregatorRSSMB and
+	// AggregatorCPUCores), by address; the nodes of the killed replica's
+	// shards, and how many other nodes reconnected after the kill (0:
+	// losing a replica moves only its shards).
+	Shards                int                `json:",omitempty"`
+	ReplicaRSSMB          map[string]float64 `json:",omitempty"`
+	ReplicaCPUCores       map[string]float64 `json:",omitempty"`
+	KilledReplicaNodes    int                `json:",omitempty"`
+	UnmovedNodesReconnect int                `json:",omitempty"`
 	// After the leader's SIGKILL: how long until each node's first
 	// report on a stream to the new leader, and the TokenReviews the API
 	// server served meanwhile.
@@ -200,6 +212,9 @@ func TestE2EFleetSimulation(t *testing.T) {
 	if *fleetReplicas == 1 && !*fleetKill {
 		args = append(args, "--leader-elect=false")
 	}
+	if res.Shards = *fleetShards; res.Shards > 0 {
+		args = append(args, fmt.Sprintf("--shards=%d", res.Shards))
+	}
 	reps := startReplicas(t, c, aggBin, *fleetReplicas, args...)
 	defer reps.stop()
 	leader := reps.waitLeader(ctx, 5*time.Minute)
@@ -305,6 +320,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	reps0 := reps.stats()
 	b0, a0, m0, r0 := fleet.BytesSent.Load(), time.Now(), churn.Made.Load(), fleet.BytesSentRefs.Load()
 	rw0 := writesNow()
 	for time.Since(a0) < *fleetSteady {
@@ -319,6 +335,13 @@ func TestE2EFleetSimulation(t *testing.T) {
 	res.ReportWritesPerNodeMinuteChurn = (writesNow() - rw0) / float64(N) / (wall / 60)
 	res.ChurnPerSecond = float64(churn.Made.Load()-m0) / wall
 	res.AggregatorCPUCores = (agg1.CPU - agg0.CPU).Seconds() / wall
+	if res.Shards > 0 {
+		res.ReplicaCPUCores = map[string]float64{}
+		for ip, st := range reps.stats() {
+			res.ReplicaCPUCores[ip] = (st.CPU - reps0[ip].CPU).Seconds() / wall
+		}
+		t.Logf("replicas' CPU under churn (cores): %v", res.ReplicaCPUCores)
+	}
 	res.IngestBytesPerSecondChurn = float64(fleet.BytesSent.Load()-b0) / wall
 	res.BytesPerNodePerIntervalChurn = res.IngestBytesPerSecondChurn / float64(N) * fleetInterval.Seconds()
 	perNode := func(bytes int64, nodes int) float64 {
@@ -463,7 +486,29 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Logf("the leader's evaluations: %d, mean %.3f s, %d over 2 s", h.count, h.mean, h.over2s)
 	}
 
-	if *fleetKill {
+	if *fleetKill && res.Shards > 0 {
+		killShardHolder(ctx, t, reps, fleet, leader, &res, check)
+		// The new holders judging the moved nodes again, and the killed
+		// replica back (as its Deployment would bring it): it takes a
+		// share of the shards, whose nodes move to it, with no false
+		// finding.
+		killedAt := time.Now()
+		waitFor(t, 3*time.Minute, "the fleet judged again after the killed replica rejoined", func() bool {
+			v := check(true)
+			if len(v.Nodes) < N {
+				return false
+			}
+			for _, s := range v.Nodes {
+				if !s.LastReport.After(killedAt) || s.State != audit.NodeInSync {
+					return false
+				}
+			}
+			return true
+		})
+		res.JudgingAgainSeconds = time.Since(killedAt).Seconds()
+		t.Logf("every node judged in sync again %.1f s after the killed replica rejoined", res.JudgingAgainSeconds)
+		stuckRound(*fleetRounds)
+	} else if *fleetKill {
 		// The leader SIGKILLed under churn: the fleet must be heard by
 		// the new leader soon, each collector reviewed once at most.
 		reviews0, err := tokenReviews(ctx, client)
@@ -533,6 +578,13 @@ func TestE2EFleetSimulation(t *testing.T) {
 		t.Fatal(err)
 	}
 	res.AggregatorRSSMB, res.AggregatorPeakRSSMB = float64(end.RSS)/1e6, float64(end.PeakRSS)/1e6
+	if res.Shards > 0 {
+		res.ReplicaRSSMB = map[string]float64{}
+		for ip, st := range reps.stats() {
+			res.ReplicaRSSMB[ip] = float64(st.RSS) / 1e6
+		}
+		t.Logf("replicas' RSS at the end (MB): %v", res.ReplicaRSSMB)
+	}
 	res.Resyncs = fleet.Resyncs.Load()
 	res.ReadNows = fleet.ReadNows.Load()
 	res.Wants = fleet.Wants.Load()
@@ -735,4 +787,60 @@ func (a *apiClient) get(path string, v any) error {
 		return fmt.Errorf("GET %s: %s: %s", path, r.Status, strings.TrimSpace(string(body)))
 	}
 	return json.Unmarshal(body, v)
+}
+
+// killShardHolder SIGKILLs a replica holding shards that does not lead,
+// under churn: the nodes of its shards must be heard again by their new
+// holders (p99 ≤ 30 s, Lease expiry included), and no other node's stream
+// may move. The verdict is checked for false findings throughout.
+func killShardHolder(ctx context.Context, t *testing.T, reps *replicas, fleet *fleetsim.Fleet, leader string, res *Result, check func(bool) audit.Verdict) {
+	var victim string
+	for _, ip := range replicaIPs[:res.Replicas] {
+		if ip != leader && len(reps.shardsOf(ctx, ip)) > 0 {
+			victim = ip
+			break
+		}
+	}
+	if victim == "" {
+		t.Fatalf("no replica but the leader (%s) holds a shard", leader)
+	}
+	held := reps.shardsOf(ctx, victim)
+	moved := map[string]bool{}
+	for i := range res.Nodes {
+		if name := fleet.Name(i); held[shard.Of(name, res.Shards)] {
+			moved[name] = true
+		}
+	}
+	res.KilledReplicaNodes = len(moved)
+	killedAt := time.Now()
+	reps.procs[victim].Kill()
+	t.Logf("replica %s SIGKILLed under churn, holding %d shards and %d nodes (the leader is %s)", victim, len(held), len(moved), leader)
+	heardAgain := func() (in []time.Duration, out int) {
+		for name, d := range fleet.Reconnected(killedAt) {
+			if moved[name] {
+				in = append(in, d)
+			} else {
+				out++
+			}
+		}
+		return in, out
+	}
+	waitFor(t, 5*time.Minute, "the killed replica's nodes heard again", func() bool {
+		check(false)
+		in, _ := heardAgain()
+		return len(in) == len(moved)
+	})
+	heard, others := heardAgain()
+	slices.Sort(heard)
+	res.ReconnectP50, res.ReconnectP99, res.ReconnectMax = heard[len(heard)/2].Seconds(), heard[min(len(heard)-1, len(heard)*99/100)].Seconds(), heard[len(heard)-1].Seconds()
+	res.UnmovedNodesReconnect = others
+	t.Logf("the killed replica's %d nodes heard again by their new holders: p50 %.1f s, p99 %.1f s, max %.1f s; %d other nodes reconnected",
+		len(moved), res.ReconnectP50, res.ReconnectP99, res.ReconnectMax, others)
+	if res.ReconnectP99 > 30 {
+		t.Errorf("p99 of the killed replica's nodes heard again %.1f s after the kill, want ≤ 30 s", res.ReconnectP99)
+	}
+	if others > 0 {
+		t.Errorf("%d nodes of shards the killed replica did not hold reconnected: losing a replica must move only its shards", others)
+	}
+	reps.start(victim)
 }

@@ -25,6 +25,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
 )
 
 // The collectors' identity, as the chart makes it: a ServiceAccount and a
@@ -105,7 +106,7 @@ type replicas struct {
 	procs                map[string]*localcluster.Process // by IP
 }
 
-var replicaIPs = []string{"127.0.1.1", "127.0.1.2"}
+var replicaIPs = []string{"127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4", "127.0.1.5", "127.0.1.6", "127.0.1.7", "127.0.1.8"}
 
 func startReplicas(t *testing.T, c *localcluster.Cluster, bin string, n int, args ...string) *replicas {
 	r := &replicas{t: t, c: c, bin: bin, args: args, procs: map[string]*localcluster.Process{}}
@@ -151,6 +152,41 @@ func (r *replicas) leader(ctx context.Context) string {
 		return ""
 	}
 	return host
+}
+
+// shardsOf are the shards the replica at ip holds, as their Leases say.
+func (r *replicas) shardsOf(ctx context.Context, ip string) map[int]bool {
+	leases, err := r.c.Client.CoordinationV1().Leases(fleetNS).List(ctx, metav1.ListOptions{LabelSelector: shard.LabelKind + "=shard"})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	out := map[int]bool{}
+	for _, l := range leases.Items {
+		if l.Spec.HolderIdentity == nil {
+			continue
+		}
+		if host, _, _ := net.SplitHostPort(*l.Spec.HolderIdentity); host == ip {
+			k, err := strconv.Atoi(l.Labels[shard.LabelShard])
+			if err == nil {
+				out[k] = true
+			}
+		}
+	}
+	return out
+}
+
+// stats reads every live replica's CPU time and memory, by IP.
+func (r *replicas) stats() map[string]localcluster.ProcStat {
+	out := map[string]localcluster.ProcStat{}
+	for ip, p := range r.procs {
+		if p.Exited() {
+			continue
+		}
+		if st, err := localcluster.ReadProcStat(p.PID()); err == nil {
+			out[ip] = st
+		}
+	}
+	return out
 }
 
 func (r *replicas) stop() {
