@@ -25,6 +25,8 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/remediate"
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
 
 // peer is another replica's internal API on a loopback address of its
@@ -383,4 +385,67 @@ func only(fs []audit.TimedFinding, node string) []audit.TimedFinding {
 		}
 	}
 	return out
+}
+
+// One decider: a replica that judges a drifted node but does not lead
+// never remediates it (no lookup of its kube-proxy, no page); the leader,
+// which holds no shard of its own here, finds the drift in the holder's
+// partial read over HTTP and alone acts on it. Budgets are spent in one
+// place, however many replicas judge.
+func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
+	const shards = 2
+	ln, err := net.Listen("tcp", "127.0.0.3:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	holder := "127.0.0.3:9443"
+	lookups := func(c *fake.Clientset) *atomic.Int32 {
+		var n atomic.Int32
+		c.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+			n.Add(1)
+			return false, nil, nil // no kube-proxy pod: the node is paged
+		})
+		return &n
+	}
+	withRemediation := func(client *fake.Clientset, rec *notes) func(*Config) {
+		return func(c *Config) {
+			ex := &effect.Executor{Client: client, Policy: remediate.DefaultPolicy(), Notifier: rec, Log: zaptest.NewLogger(t)}
+			c.Remediation = &Remediation{Policy: remediate.DefaultPolicy(), Executor: ex}
+		}
+	}
+	hClient, lClient := fakeCluster(), fakeCluster()
+	hLookups, lLookups := lookups(hClient), lookups(lClient)
+	hNotes, lNotes := &notes{open: map[string]bool{}}, &notes{open: map[string]bool{}}
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, ViewConfig{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
+		c.Self = holder
+		c.Shards = &Shards{Count: shards, HTTPPort: port, Holders: func() []string { return []string{holder, holder} }}
+	})
+	h.agg.StoppedLeading() // it holds shards, the other replica leads
+	srv := &http.Server{Handler: h.agg.Handler(port)}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	for k := range shards {
+		go h.agg.HoldShard(h.ctx, k)
+	}
+	l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, ViewConfig{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
+		c.Self = "127.0.0.2:9443"
+		c.Shards = &Shards{Count: shards, HTTPPort: port, Holders: func() []string { return []string{holder, holder} }}
+	})
+	h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t, 0) })
+	h.collector(h.ctx, "n2", func() *audit.Observed { return rules(t) })
+	h.until(30*time.Second, "the leader remediating n1", func() bool {
+		l.clk.Step(step)
+		l.agg.Evaluate()
+		return len(only(l.verdict().Findings, "n1")) > 0 && lLookups.Load() > 0
+	})
+	h.advance(5*time.Second, func() { l.clk.Step(step); l.agg.Evaluate() })
+	if n := hLookups.Load(); n != 0 || h.agg.Verdict() != nil {
+		t.Errorf("the replica that judges n1 but does not lead looked its kube-proxy up %d times (verdict %v): only the leader acts", n, h.agg.Verdict())
+	}
+	hNotes.mu.Lock()
+	defer hNotes.mu.Unlock()
+	if hNotes.noticed != 0 {
+		t.Errorf("the replica that does not lead paged %d times", hNotes.noticed)
+	}
 }
