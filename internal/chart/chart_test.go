@@ -275,6 +275,8 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"remediation.conntrack.tcpServices[0]=api":                            "/remediation/conntrack/tcpServices/0",
 		"remediation.conntrack.enable=true":                                   "'enable' not allowed",
 		"remediation.conntrack.enabled=true,collector.conntrackInterval=0":    "needs collector.conntrackInterval above 0",
+		"aggregator.replicas=5,aggregator.shards=4":                           "aggregator.shards (4) is less than aggregator.replicas (5)",
+		"aggregator.shards=-1":                                                "/aggregator/shards",
 	} {
 		_, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, set)
 		switch {
@@ -439,5 +441,37 @@ func TestGrafanaDashboardOnlyWhenEnabled(t *testing.T) {
 	}
 	if cm.GetLabels()["grafana_dashboard"] != "1" || cm.GetNamespace() != "monitoring" || cm.GetAnnotations()["grafana_folder"] != "Networking" {
 		t.Errorf("labels %v, namespace %q, annotations %v", cm.GetLabels(), cm.GetNamespace(), cm.GetAnnotations())
+	}
+}
+
+// Two replicas are a leader and a standby, as before; more share the
+// nodes by shard (16 unless set), with the Lease verbs the shards need,
+// which two replicas are not given.
+func TestShardsOnlyBeyondTwoReplicas(t *testing.T) {
+	skipShort(t)
+	argsOf := func(r *chart.Release) []string {
+		a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a.Containers[0].Args
+	}
+	listsLeases := func(r *chart.Release) bool {
+		for _, rule := range rules(t, r, "Role", "proxyaudit-aggregator") {
+			if slices.Contains(rule.Resources, "leases") && slices.Contains(rule.Verbs, "list") && len(rule.ResourceNames) == 0 {
+				return true
+			}
+		}
+		return false
+	}
+	two := render(t, nil)
+	if slices.ContainsFunc(argsOf(two), func(a string) bool { return strings.HasPrefix(a, "--shards") }) || listsLeases(two) {
+		t.Errorf("two replicas are sharded, or may list every Lease: %v", argsOf(two))
+	}
+	for sets, want := range map[string]string{"aggregator.replicas=3": "--shards=16", "aggregator.replicas=20,aggregator.shards=64": "--shards=64"} {
+		r := render(t, nil, strings.Split(sets, ",")...)
+		if !slices.Contains(argsOf(r), want) || !listsLeases(r) {
+			t.Errorf("%s: want %s and the shards' Lease verbs; args %v", sets, want, argsOf(r))
+		}
 	}
 }

@@ -192,6 +192,7 @@ func TestE2EShardedReplicas(t *testing.T) {
 			t.Errorf("something was reported while a replica joined: %s", bad)
 		}
 		after := l.streamsOpened()
+		t.Logf("nodes' holders before the newcomer: %s; after: %s", nodeHolders(holdersBefore), nodeHolders(holders))
 		for _, s := range l.specs {
 			movedNode := holders[s.Name] != holdersBefore[s.Name]
 			if reconnected := after[s.Name] != before[s.Name]; reconnected != movedNode {
