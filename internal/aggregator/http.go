@@ -86,8 +86,9 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 		writeError(w, http.StatusNotFound, "no node "+name+" in the cluster or among the reporting collectors")
 	})
 	v1.HandleFunc("GET /api/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {
-		resp, ok := a.Explain(r.PathValue("name"), r.URL.Query().Get("service"))
-		if !ok && a.sharded() && a.proxyToHolder(w, r, r.PathValue("name"), "/internal/v1/nodes/"+r.PathValue("name")+"/explain") {
+		resp, ok, err := a.explain(r.Context(), r.PathValue("name"), r.URL.Query().Get("service"))
+		if err != nil {
+			writeError(w, http.StatusBadGateway, err.Error())
 			return
 		}
 		if !ok {

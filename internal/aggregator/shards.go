@@ -10,7 +10,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httputil"
 	"net/url"
 	"slices"
 	"strings"
@@ -398,34 +397,46 @@ func (a *Aggregator) internalHandler() http.Handler {
 	return mux
 }
 
-// proxyToHolder serves r from the replica holding node's stream (its
-// internal API, with this replica's credentials: the caller was admitted
-// here); false when this replica is the holder or nobody is.
-func (a *Aggregator) proxyToHolder(w http.ResponseWriter, r *http.Request, node, path string) bool {
+// explain is Explain, asked of the replica holding the node's stream
+// when that is another one (with this replica's credentials: the caller
+// was admitted here). ok is false when nobody has the node's rules; err
+// says why the holder could not be asked.
+func (a *Aggregator) explain(ctx context.Context, node, service string) (api.ExplainResponse, bool, error) {
+	if resp, ok := a.Explain(node, service); ok || !a.sharded() {
+		return resp, ok, nil
+	}
 	holder := a.holderOf(node)
 	if holder == "" || holder == a.cfg.Self {
-		return false
+		return api.ExplainResponse{}, false, nil
 	}
-	u, err := a.peerURL(holder, path)
+	u, err := a.peerURL(holder, "/internal/v1/nodes/"+url.PathEscape(node)+"/explain")
 	if err != nil {
-		writeError(w, http.StatusBadGateway, err.Error())
-		return true
+		return api.ExplainResponse{}, false, err
 	}
-	target, _ := url.Parse(u)
-	p := &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.Out.URL.Scheme, pr.Out.URL.Host, pr.Out.URL.Path, pr.Out.Host = target.Scheme, target.Host, target.Path, ""
-			pr.Out.Header.Del("Authorization")
-			pr.Out.Header.Del(api.TokenHeader)
-		},
-		Transport: a.peerClient().Transport,
-		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
-			writeError(w, http.StatusBadGateway, "node "+node+" streams to replica "+holder+", which did not answer: "+err.Error())
-		},
+	if service != "" {
+		u += "?" + url.Values{"service": {service}}.Encode()
 	}
-	w.Header().Set("X-Proxyaudit-Served-By", "the holder of the node's shard, "+holder)
-	p.ServeHTTP(w, r)
-	return true
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	resp, err := a.peerClient().Do(req)
+	if err != nil {
+		return api.ExplainResponse{}, false, fmt.Errorf("node %s streams to replica %s, which did not answer: %v", node, holder, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxPartialBytes))
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusNotFound:
+		return api.ExplainResponse{}, false, nil
+	default:
+		return api.ExplainResponse{}, false, fmt.Errorf("node %s streams to replica %s, which answered %s: %s", node, holder, resp.Status, clip(string(body)))
+	}
+	var out api.ExplainResponse
+	if err := json.Unmarshal(body, &out); err != nil {
+		return api.ExplainResponse{}, false, fmt.Errorf("replica %s: not an explanation: %v", holder, err)
+	}
+	return out, true, nil
 }
 
 // flushOnHolder asks the replica holding node's stream to flush.

@@ -86,7 +86,7 @@ func (a *Aggregator) uiHandler() http.Handler {
 				p.Findings = append(p.Findings, f)
 			}
 		}
-		if ex, ok := a.Explain(name, ""); ok {
+		if ex, ok, _ := a.explain(r.Context(), name, ""); ok {
 			p.Ports, p.Explained = ex.Ports, true
 		}
 		p.Incident = a.uiIncident(name)
