@@ -815,6 +815,10 @@ func killShardHolder(ctx context.Context, t *testing.T, reps *replicas, fleet *f
 		}
 	}
 	res.KilledReplicaNodes = len(moved)
+	reviews0, err := tokenReviews(ctx, reps.c.Client)
+	if err != nil {
+		t.Fatal(err)
+	}
 	killedAt := time.Now()
 	reps.procs[victim].Kill()
 	t.Logf("replica %s SIGKILLed under churn, holding %d shards and %d nodes (the leader is %s)", victim, len(held), len(moved), leader)
@@ -837,8 +841,11 @@ func killShardHolder(ctx context.Context, t *testing.T, reps *replicas, fleet *f
 	slices.Sort(heard)
 	res.ReconnectP50, res.ReconnectP99, res.ReconnectMax = heard[len(heard)/2].Seconds(), heard[min(len(heard)-1, len(heard)*99/100)].Seconds(), heard[len(heard)-1].Seconds()
 	res.UnmovedNodesReconnect = others
-	t.Logf("the killed replica's %d nodes heard again by their new holders: p50 %.1f s, p99 %.1f s, max %.1f s; %d other nodes reconnected",
-		len(moved), res.ReconnectP50, res.ReconnectP99, res.ReconnectMax, others)
+	if reviews1, err := tokenReviews(ctx, reps.c.Client); err == nil {
+		res.ReconnectTokenReviews = reviews1 - reviews0
+	}
+	t.Logf("the killed replica's %d nodes heard again by their new holders: p50 %.1f s, p99 %.1f s, max %.1f s; %d other nodes reconnected; %.0f TokenReviews",
+		len(moved), res.ReconnectP50, res.ReconnectP99, res.ReconnectMax, others, res.ReconnectTokenReviews)
 	if res.ReconnectP99 > 30 {
 		t.Errorf("p99 of the killed replica's nodes heard again %.1f s after the kill, want ≤ 30 s", res.ReconnectP99)
 	}
