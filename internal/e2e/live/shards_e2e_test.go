@@ -27,12 +27,15 @@ import (
 var shardedReplicas = []string{"198.18.1.1", "198.18.1.2", "198.18.1.3"}
 
 const (
-	shardCount = 16 // the chart's default when aggregator.replicas > 2
+	// shardCount: the three nodes fall in shards 0, 1 and 2 of three, so
+	// each replica holds one node, a frozen node is always on a replica
+	// that does not lead, and the newcomer always takes a node's shard.
+	shardCount = 3
 	newcomer   = "198.18.1.4"
 )
 
-// Three replicas of the chart sharing the fleet (issue #41), on the real
-// cluster with real collectors and kube-proxies:
+// Three replicas of the chart sharing the fleet (issue #41) in three
+// shards, on the real cluster with real collectors and kube-proxies:
 //   - every node streams to the replica holding its shard's Lease, and
 //     only that replica's partial verdict holds it; the internal API
 //     admits only the aggregator's own ServiceAccount;
@@ -45,7 +48,7 @@ const (
 //     nodes of those shards reconnect, and nothing is reported.
 func TestE2EShardedReplicas(t *testing.T) {
 	ctx := context.Background()
-	l := newLiveOn(ctx, t, localcluster.Shared(t), liveNodes, shardedReplicas, "aggregator.replicas=3")
+	l := newLiveOn(ctx, t, localcluster.Shared(t), liveNodes, shardedReplicas, "aggregator.replicas=3", fmt.Sprintf("aggregator.shards=%d", shardCount))
 	peerToken := l.peerToken(ctx)
 
 	holders := l.waitShardsHeld(t, len(shardedReplicas))
@@ -72,8 +75,7 @@ func TestE2EShardedReplicas(t *testing.T) {
 			}
 		}
 		if victim == "" {
-			victim = l.specs[0].Name
-			t.Logf("every node's shard is the leader's: freezing %s, which the leader holds", victim)
+			t.Fatalf("every node's shard is the leader's (%s): with three shards for three replicas each holds one", nodeHolders(holders))
 		}
 		n := l.c.Node(victim)
 		thaw, err := n.Freeze(ctx)
@@ -124,7 +126,7 @@ func TestE2EShardedReplicas(t *testing.T) {
 			}
 		}
 		if victim == "" {
-			t.Skipf("every node's shard is the leader's (%v): no replica but the leader holds a node", nodeHolders(holders))
+			t.Fatalf("every node's shard is the leader's (%v): with three shards for three replicas each holds one", nodeHolders(holders))
 		}
 		var moved, stayed []string
 		for _, s := range l.specs {
@@ -195,6 +197,9 @@ func TestE2EShardedReplicas(t *testing.T) {
 		}
 		after := l.streamsOpened()
 		t.Logf("nodes' holders before the newcomer: %s; after: %s", nodeHolders(holdersBefore), nodeHolders(holders))
+		if !slices.ContainsFunc(l.specs, func(s localcluster.NodeSpec) bool { return holders[s.Name] == newcomer+":9443" }) {
+			t.Errorf("no node's shard moved to the newcomer (holders %s)", nodeHolders(holders))
+		}
 		for _, s := range l.specs {
 			movedNode := holders[s.Name] != holdersBefore[s.Name]
 			if reconnected := after[s.Name] != before[s.Name]; reconnected != movedNode {
@@ -244,7 +249,8 @@ func (l *live) internalGet(ip, path, token string) (int, []byte) {
 
 // shardHolders reads the shard Leases: the shards each replica holds.
 func (l *live) shardHolders(ctx context.Context, t *testing.T) map[string][]int {
-	leases, err := l.c.Client.CoordinationV1().Leases(ns).List(ctx, metav1.ListOptions{LabelSelector: shard.LabelKind + "=shard"})
+	leases, err := l.c.Client.CoordinationV1().Leases(ns).List(ctx, metav1.ListOptions{
+		LabelSelector: fmt.Sprintf("%s=shard,%s=proxyaudit-aggregator-%d", shard.LabelKind, shard.LabelSet, shardCount)})
 	if err != nil {
 		t.Fatal(err)
 	}
