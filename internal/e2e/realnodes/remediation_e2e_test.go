@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
 )
@@ -572,4 +573,77 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 			t.Errorf("still firing in Alertmanager: %+v", alerts)
 		}
 	})
+
+	// Last, as it leaves three replicas: sharded (issue #41), each replica
+	// judges the nodes of its shards, and the budget must stay the
+	// leader's alone: two stuck nodes whose shards other replicas may
+	// hold, room for one repair, and for a minute the holders of both
+	// nodes' shards and the leader killed in turn. One restart, never two.
+	t.Run("sharded replicas: the fleet cap holds while replicas are killed", func(t *testing.T) {
+		d.begin(t)
+		helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "aggregator.replicas=3",
+			"--set", "remediation.mode=restart", "--set", "remediation.recheck=60s", "--set", "remediation.maxNodes=1", "--set", "remediation.cooldown=10m")
+		waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 3, 3*time.Minute)
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "three sharded replicas")
+		d.forget(a.Name, b.Name)
+		t.Logf("shard holders: %s %s, %s %s; the leader %s", a.Name, shardHolderPod(ctx, c, a.Name), b.Name, shardHolderPod(ctx, c, b.Name), d.leaderPod())
+		undoA := d.stuck(a, true)
+		undoB := d.stuck(b, true)
+		restarted := func() int {
+			return len(d.events(a.Name, "ProxyauditRestartProxy")) + len(d.events(b.Name, "ProxyauditRestartProxy"))
+		}
+		d.until(2*time.Minute, "one restart and one capped page", func() bool {
+			return restarted() == 1 && (d.paged(a.Name, "remediation budget reached") || d.paged(b.Name, "remediation budget reached"))
+		})
+		kills := 0
+		for end, i := time.Now().Add(time.Minute), 0; time.Now().Before(end); i++ {
+			victims := []string{shardHolderPod(ctx, c, []string{a.Name, b.Name}[i%2])}
+			if i%2 == 1 {
+				victims = append(victims, d.leaderPod())
+			}
+			for _, p := range victims {
+				if p != "" && c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, p, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}) == nil {
+					kills++
+				}
+			}
+			for next := time.Now().Add(10 * time.Second); time.Now().Before(next); time.Sleep(time.Second) {
+				if n := restarted(); n > 1 {
+					t.Fatalf("%d kube-proxy restarts with room for one, after %d replica kills\naggregators:\n%s", n, kills, aggregatorLogs(ctx, c, a.Name))
+				}
+			}
+		}
+		waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 3, 3*time.Minute)
+		time.Sleep(20 * time.Second) // the replicas back, their shards taken, a round or two
+		if n := restarted(); n != 1 {
+			t.Fatalf("%d kube-proxy restarts after %d replica kills, want the one", n, kills)
+		}
+		t.Logf("injected: %d aggregator pods deleted in a minute (shard holders and the leader); one restart throughout", kills)
+		for _, undo := range []localcluster.Undo{undoA, undoB} {
+			if err := undo(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "both nodes fixed by hand")
+		d.until(2*time.Minute, "both incidents closed", func() bool { return d.incident(a.Name).Stage == "" && d.incident(b.Name).Stage == "" })
+	})
+}
+
+// shardHolderPod is the aggregator pod holding node's shard's Lease (the
+// chart's 16 shards), "" when none does.
+func shardHolderPod(ctx context.Context, c *localcluster.Cluster, node string) string {
+	const shards = 16
+	l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, fmt.Sprintf("proxyaudit-aggregator-%d-shard-%d", shards, shard.Of(node, shards)), metav1.GetOptions{})
+	if err != nil || l.Spec.HolderIdentity == nil {
+		return ""
+	}
+	pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
+	if err != nil {
+		return ""
+	}
+	for _, p := range pods.Items {
+		if p.Status.PodIP != "" && strings.HasPrefix(*l.Spec.HolderIdentity, p.Status.PodIP+":") && p.DeletionTimestamp == nil {
+			return p.Name
+		}
+	}
+	return ""
 }
