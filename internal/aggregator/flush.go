@@ -33,16 +33,24 @@ type flushWaiter struct {
 
 // Flush asks the node's collector, over its stream, to delete the
 // conntrack entries of pairs, and returns what became of each (the
-// collector decides: see collector.Flusher). It fails when the node has
-// no stream to this replica or does not answer in time.
+// collector decides: see collector.Flusher). With shards, a node whose
+// stream is on another replica is flushed by that replica. It fails when
+// the node's collector cannot be reached or does not answer in time.
 func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.StalePair) ([]remediate.FlushResult, error) {
+	return a.flushVia(ctx, node, pairs, true)
+}
+
+// flushVia is Flush; onHolder: ask the node's holder when the stream is not
+// here (never for a request that came from another replica: two replicas
+// that each believe the other holds the node would pass it back and forth).
+func (a *Aggregator) flushVia(ctx context.Context, node string, pairs []remediate.StalePair, onHolder bool) ([]remediate.FlushResult, error) {
 	a.mu.Lock()
 	var c *conn
 	if n := a.nodes[node]; n != nil {
 		c = n.conn
 	}
 	a.mu.Unlock()
-	if c == nil && a.sharded() && a.holderOf(node) != a.cfg.Self {
+	if c == nil && onHolder && a.sharded() && a.holderOf(node) != a.cfg.Self {
 		// The leader acts; the shard's holder has the stream.
 		return a.flushOnHolder(ctx, node, pairs)
 	}

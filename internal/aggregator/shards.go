@@ -384,7 +384,7 @@ func (a *Aggregator) internalHandler() http.Handler {
 			writeError(w, http.StatusBadRequest, "a flush is a JSON list of stale pairs: "+err.Error())
 			return
 		}
-		res, err := a.Flush(r.Context(), r.PathValue("name"), pairs)
+		res, err := a.flushVia(r.Context(), r.PathValue("name"), pairs, false)
 		if err != nil {
 			writeError(w, http.StatusBadGateway, err.Error())
 			return

@@ -449,3 +449,46 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 		t.Errorf("the replica that does not lead paged %d times", hNotes.noticed)
 	}
 }
+
+// Two replicas that each believe the other holds a node (Leases read at
+// different moments): the leader's flush is passed to the one it believes
+// holds the node, which answers from its own streams only, never passing
+// it back: one request, and an error saying where the stream is not.
+func TestFlushIsPassedOnOnce(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.5:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	lnA, err := net.Listen("tcp", net.JoinHostPort("127.0.0.4", port))
+	if err != nil {
+		t.Skipf("port %s not free on 127.0.0.4: %v", port, err)
+	}
+	a, b := "127.0.0.4:9443", "127.0.0.5:9443"
+	var served [2]atomic.Int32
+	serve := func(h *harness, l net.Listener, n *atomic.Int32) {
+		inner := h.agg.Handler(port)
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { n.Add(1); inner.ServeHTTP(w, r) })}
+		go srv.Serve(l)
+		t.Cleanup(func() { srv.Close() })
+	}
+	believes := func(self, other string) func(*Config) {
+		return func(c *Config) {
+			c.Self = self
+			c.Shards = &Shards{Count: 1, HTTPPort: port, Holders: func() []string { return []string{other} }}
+		}
+	}
+	ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, believes(a, b))
+	hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, believes(b, a))
+	serve(ha, lnA, &served[0])
+	serve(hb, ln, &served[1])
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = ha.agg.Flush(ctx, "n1", []remediate.StalePair{{Service: "synth/svc-00000", Port: "http", Protocol: "UDP", Frontend: "198.19.192.0:80/UDP", Dest: "198.18.0.18:8080", Flows: 1}})
+	if err == nil || !strings.Contains(err.Error(), "replica "+b) || !strings.Contains(err.Error(), "no collector of node n1") {
+		t.Errorf("flush of a node neither replica streams: %v; want the holder's answer that it has no stream", err)
+	}
+	if served[0].Load() != 0 || served[1].Load() != 1 {
+		t.Errorf("requests: %d to the leader, %d to the replica it believes holds the node; want 0 and 1", served[0].Load(), served[1].Load())
+	}
+}
