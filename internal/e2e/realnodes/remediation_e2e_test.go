@@ -584,7 +584,7 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 		// The Alertmanager of the scenario before is gone: an unreachable
 		// one holds every repair, so it is taken out of the values.
 		helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values", "--set", "aggregator.replicas=3",
-			"--set", "alertmanager.urls=null", "--set", "remediation.mode=restart", "--set", "remediation.recheck=60s", "--set", "remediation.maxNodes=1",
+			"--set-json", "alertmanager.urls=[]", "--set", "remediation.mode=restart", "--set", "remediation.recheck=60s", "--set", "remediation.maxNodes=1",
 			"--set", "remediation.cooldown=10m")
 		waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 3, 3*time.Minute)
 		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "three sharded replicas")
