@@ -494,19 +494,10 @@ func TestE2EFleetSimulation(t *testing.T) {
 		// finding.
 		killedAt := time.Now()
 		waitFor(t, 3*time.Minute, "the fleet judged again after the killed replica rejoined", func() bool {
-			v := check(true)
-			if len(v.Nodes) < N {
-				return false
-			}
 			// Under churn a node is rarely in sync at any one moment: a
 			// report judged after the rejoin is the measure, as for a
 			// leader's kill; a false finding fails the run in check.
-			for _, s := range v.Nodes {
-				if !s.LastReport.After(killedAt) {
-					return false
-				}
-			}
-			return true
+			return allJudgedAfter(check(true).Nodes, N, killedAt)
 		})
 		res.JudgingAgainSeconds = time.Since(killedAt).Seconds()
 		t.Logf("every node judged again %.1f s after the killed replica rejoined (taking back a share of the shards)", res.JudgingAgainSeconds)
@@ -550,15 +541,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		// last judged report made after the kill.
 		waitFor(t, 3*time.Minute, "the new leader judging every node again", func() bool {
 			v, err := aggAPI.verdict()
-			if err != nil || len(v.Nodes) < N {
-				return false
-			}
-			for _, s := range v.Nodes {
-				if !s.LastReport.After(killedAt) {
-					return false
-				}
-			}
-			return true
+			return err == nil && allJudgedAfter(v.Nodes, N, killedAt)
 		})
 		res.JudgingAgainSeconds = time.Since(killedAt).Seconds()
 		t.Logf("the new leader judged every node again %.1f s after the kill", res.JudgingAgainSeconds)
@@ -790,6 +773,20 @@ func (a *apiClient) get(path string, v any) error {
 		return fmt.Errorf("GET %s: %s: %s", path, r.Status, strings.TrimSpace(string(body)))
 	}
 	return json.Unmarshal(body, v)
+}
+
+// allJudgedAfter says whether a verdict holds the n nodes, each judged on
+// a report made after at.
+func allJudgedAfter(nodes []audit.NodeStatus, n int, at time.Time) bool {
+	if len(nodes) < n {
+		return false
+	}
+	for _, s := range nodes {
+		if !s.LastReport.After(at) {
+			return false
+		}
+	}
+	return true
 }
 
 // killShardHolder SIGKILLs a replica holding shards that does not lead,

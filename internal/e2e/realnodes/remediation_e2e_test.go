@@ -236,7 +236,13 @@ func (d *drill) leaderPod() string { return leaderPod(d.ctx, d.c) }
 
 // leaderPod is the aggregator pod holding the Lease ("" when none does).
 func leaderPod(ctx context.Context, c *localcluster.Cluster) string {
-	l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+	return leasePod(ctx, c, "proxyaudit-aggregator")
+}
+
+// leasePod is the live aggregator pod whose address holds the Lease
+// named lease ("" when none does).
+func leasePod(ctx context.Context, c *localcluster.Cluster, lease string) string {
+	l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, lease, metav1.GetOptions{})
 	if err != nil || l.Spec.HolderIdentity == nil {
 		return ""
 	}
@@ -641,18 +647,5 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 // chart's 16 shards), "" when none does.
 func shardHolderPod(ctx context.Context, c *localcluster.Cluster, node string) string {
 	const shards = 16
-	l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, fmt.Sprintf("proxyaudit-aggregator-%d-shard-%d", shards, shard.Of(node, shards)), metav1.GetOptions{})
-	if err != nil || l.Spec.HolderIdentity == nil {
-		return ""
-	}
-	pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"})
-	if err != nil {
-		return ""
-	}
-	for _, p := range pods.Items {
-		if p.Status.PodIP != "" && strings.HasPrefix(*l.Spec.HolderIdentity, p.Status.PodIP+":") && p.DeletionTimestamp == nil {
-			return p.Name
-		}
-	}
-	return ""
+	return leasePod(ctx, c, fmt.Sprintf("proxyaudit-aggregator-%d-shard-%d", shards, shard.Of(node, shards)))
 }
