@@ -334,16 +334,17 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 		if acfg.Shards, err = o.shardPeers(cs, reviews, clk); err != nil {
 			return nil, err
 		}
-	}
-	s.agg = aggregator.New(acfg, s.view)
-	if o.shards > 1 {
+		// The coordinator runs the aggregator's HoldShard for each shard
+		// it takes (s.agg is set below, before Run starts it).
 		s.shards, err = shard.New(shard.Config{Client: cs.election, Namespace: o.leNamespace, Prefix: fmt.Sprintf("%s-%d", o.leName, o.shards), Identity: o.self, Shards: o.shards,
-			LeaseDuration: o.leDuration, RenewDeadline: o.leRenew, RetryPeriod: o.leRetry, OnShard: s.agg.HoldShard, Log: log.Named("shards")})
+			LeaseDuration: o.leDuration, RenewDeadline: o.leRenew, RetryPeriod: o.leRetry, Log: log.Named("shards"),
+			OnShard: func(ctx context.Context, k int) { s.agg.HoldShard(ctx, k) }})
 		if err != nil {
 			return nil, fmt.Errorf("--shards: %v", err)
 		}
 		acfg.Shards.Holders = s.shards.Holders
 	}
+	s.agg = aggregator.New(acfg, s.view)
 	executor.Lead = s.agg.Term
 	log.Info("remediation", zap.String("mode", string(o.remediation.Mode)), zap.Int("max_nodes", o.remediation.MaxConcurrent),
 		zap.Stringer("max_unhealthy", o.remediation.MaxUnhealthy), zap.Stringer("windows", o.remediation.Windows), zap.String("pause_configmap", o.leNamespace+"/"+o.pause))
