@@ -191,6 +191,23 @@ func TestE2EShardedReplicas(t *testing.T) {
 			}
 		}
 		holders = l.waitShardsHeld(t, len(l.replicas))
+		// The leader keeps a holder's last partial for 10 s, so the fleet
+		// can look in sync before a moved node's collector reconnected:
+		// wait for those reconnects first.
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(250 * time.Millisecond) {
+			now, waiting := l.streamsOpened(), false
+			for _, s := range l.specs {
+				if holders[s.Name] != holdersBefore[s.Name] && now[s.Name] == before[s.Name] {
+					waiting = true
+				}
+			}
+			if !waiting {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("a moved node's collector did not reconnect within 60 s (holders %s)\n%s", nodeHolders(holders), l.logs())
+			}
+		}
 		l.waitAllInSync("every node in sync after the newcomer joined")
 		if bad := watch.stop(); bad != "" {
 			t.Errorf("something was reported while a replica joined: %s", bad)
