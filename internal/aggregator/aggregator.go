@@ -8,6 +8,7 @@ package aggregator
 
 import (
 	"context"
+	"crypto/rand"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -127,11 +128,13 @@ type Aggregator struct {
 	// new streams and followers' answers.
 	peersMsg atomic.Pointer[stream.Message]
 	// held are the shards this replica holds (a.mu; sharded only); own
-	// its last judgement of their nodes, for the leader; gathered the
-	// holders' partials as the leader last read them (Evaluate's
-	// goroutine only).
+	// its last judgement of their nodes, for the leader itself; partials
+	// the same as the other replicas' leader reads it (in changes);
+	// gathered the holders' partials as the leader last read them
+	// (Evaluate's goroutine only).
 	held          map[int]bool
 	own           atomic.Pointer[PartialResponse]
+	partials      *partialLog
 	gathered      map[string]gathered
 	unheardLogged time.Time
 	// testHookRegistered, when set, runs once a stream is registered and
@@ -228,7 +231,7 @@ func New(cfg Config, view *View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, held: map[int]bool{}, judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, held: map[int]bool{}, partials: newPartialLog(rand.Text()), judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }

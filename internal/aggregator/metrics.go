@@ -44,6 +44,7 @@ type Metrics struct {
 	// Sharded replicas (issue #41).
 	ShardsHeld, ShardsUnheard prometheus.Gauge
 	PartialReads              *prometheus.CounterVec
+	PartialReadBytes          *prometheus.CounterVec
 	ViewStale                 prometheus.Gauge
 	Actions                   *prometheus.CounterVec
 	ReportWrites              *prometheus.CounterVec
@@ -164,6 +165,8 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_shards_unheard", Help: "On the leader of sharded replicas: shards whose holder's partial verdict could not be read for 10 s, or that nobody holds; their nodes are missing from the findings and node list."}),
 		PartialReads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_partial_reads_total", Help: "The leader's reads of the other replicas' partial verdicts (sharded replicas), by outcome (ok, failed)."}, []string{"outcome"}),
+		PartialReadBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "proxyaudit_partial_read_bytes_total", Help: "Bytes of the other replicas' partial verdicts the leader read (sharded replicas), by kind: full (every node), changes (what changed since the leader's last read)."}, []string{"kind"}),
 		ViewStale: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "proxyaudit_view_stale", Help: "1 while the leader's view of the API is stale (a watch failing, or its Lease renewals not seen): nothing is judged or repaired."}),
 		ReportWrites: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -180,7 +183,7 @@ func NewMetrics() *Metrics {
 			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
-		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.ShardsHeld, m.ShardsUnheard, m.PartialReads, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
+		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.ShardsHeld, m.ShardsUnheard, m.PartialReads, m.PartialReadBytes, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

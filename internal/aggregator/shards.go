@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -53,12 +54,21 @@ type Shards struct {
 	Auth *PeerAuth
 }
 
-// PartialResponse is GET /internal/v1/partial: a replica's judgement of
-// the nodes of the shards it holds.
+// PartialResponse is GET /internal/v1/partial[?epoch=E&since=V]: a
+// replica's judgement of the nodes of the shards it holds, version
+// Version of its run Epoch. With Since 0 Partial holds every node; else
+// only the changes after version Since (partials.go): Partial.Nodes the
+// nodes new or sent whole again, States the nodes whose state changed,
+// Gone the nodes that left. Partial's findings are always whole.
 type PartialResponse struct {
 	Replica string        `json:"replica"`
 	Shards  []int         `json:"shards"`
+	Epoch   string        `json:"epoch,omitempty"`
+	Version uint64        `json:"version,omitempty"`
+	Since   uint64        `json:"since,omitempty"`
 	Partial audit.Partial `json:"partial"`
+	States  []NodeLight   `json:"states,omitempty"`
+	Gone    []string      `json:"gone,omitempty"`
 }
 
 // maxPartialBytes bounds a partial read from a peer: at ~1 KB per node
@@ -188,6 +198,7 @@ func (a *Aggregator) heldShardsLocked() []int {
 // leader to read.
 func (a *Aggregator) publishPartial(p audit.Partial, shards []int) {
 	a.own.Store(&PartialResponse{Replica: a.cfg.Self, Shards: shards, Partial: p})
+	a.partials.publish(p, shards, a.cfg.Clock.Now())
 }
 
 // partialOf makes a Partial of the verdict decorations Evaluate made on
@@ -210,8 +221,8 @@ func partialOf(p audit.Partial, v *audit.Verdict, recovering bool) audit.Partial
 
 // gathered is one holder's partial as the leader last read it.
 type gathered struct {
-	resp *PartialResponse
-	at   time.Time
+	mirror *partialMirror
+	at     time.Time
 }
 
 // gatherPartials reads every holder's partial (this replica's own from
@@ -232,8 +243,15 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 		a.gathered = map[string]gathered{}
 	}
 	for h := range distinct {
+		g := a.gathered[h] // each goroutine its own holder's
 		wg.Go(func() {
-			resp, err := a.fetchPartial(ctx, h)
+			resp, n, err := a.fetchPartial(ctx, h, g.mirror.query())
+			if err == nil {
+				if g.mirror == nil {
+					g.mirror = &partialMirror{}
+				}
+				err = g.mirror.apply(resp)
+			}
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -241,13 +259,20 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 				a.cfg.Log.Warn("could not read a replica's partial verdict: its shards' nodes are shown as last read", zap.String("replica", h), zap.Error(err))
 				return
 			}
+			kind := "full"
+			if resp.Since != 0 {
+				kind = "changes"
+			}
 			a.cfg.Metrics.PartialReads.WithLabelValues("ok").Inc()
-			a.gathered[h] = gathered{resp: resp, at: now}
+			a.cfg.Metrics.PartialReadBytes.WithLabelValues(kind).Add(float64(n))
+			a.gathered[h] = gathered{mirror: g.mirror, at: now}
 		})
 	}
 	wg.Wait()
 	if own := a.own.Load(); own != nil {
-		a.gathered[a.cfg.Self] = gathered{resp: own, at: now}
+		m := &partialMirror{}
+		m.apply(own)
+		a.gathered[a.cfg.Self] = gathered{mirror: m, at: now}
 	}
 	for h, g := range a.gathered {
 		if now.Sub(g.at) > partialStale || (!distinct[h] && h != a.cfg.Self) {
@@ -259,7 +284,7 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 	take := map[string]map[int]bool{}
 	for k, h := range holders {
 		g, ok := a.gathered[h]
-		if h == "" || !ok || !slices.Contains(g.resp.Shards, k) {
+		if h == "" || !ok || g.mirror == nil || !slices.Contains(g.mirror.shards, k) {
 			unheard = append(unheard, k)
 			continue
 		}
@@ -269,7 +294,7 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 		take[h][k] = true
 	}
 	for h, ks := range take {
-		parts = append(parts, a.only(a.gathered[h].resp.Partial, ks))
+		parts = append(parts, a.only(a.gathered[h].mirror.whole(), ks))
 	}
 	return parts, unheard
 }
@@ -323,38 +348,40 @@ func (a *Aggregator) peerClient() *http.Client {
 	return http.DefaultClient
 }
 
-// fetchPartial reads one replica's partial, within 2 s and 64 MiB.
-func (a *Aggregator) fetchPartial(ctx context.Context, replica string) (*PartialResponse, error) {
+// fetchPartial reads one replica's partial (query: the changes after
+// what the leader holds), within 2 s and 64 MiB; n is its size.
+func (a *Aggregator) fetchPartial(ctx context.Context, replica, query string) (_ *PartialResponse, n int, _ error) {
 	u, err := a.peerURL(replica, "/internal/v1/partial")
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
+	u += query
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	resp, err := a.peerClient().Do(req)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxPartialBytes+1))
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("%s: %s: %s", u, resp.Status, clip(string(body)))
+		return nil, 0, fmt.Errorf("%s: %s: %s", u, resp.Status, clip(string(body)))
 	}
 	if len(body) > maxPartialBytes {
-		return nil, fmt.Errorf("%s: partial larger than %d MiB", u, maxPartialBytes>>20)
+		return nil, 0, fmt.Errorf("%s: partial larger than %d MiB", u, maxPartialBytes>>20)
 	}
 	var out PartialResponse
 	if err := json.Unmarshal(body, &out); err != nil {
-		return nil, fmt.Errorf("%s: not a partial verdict: %v", u, err)
+		return nil, 0, fmt.Errorf("%s: not a partial verdict: %v", u, err)
 	}
 	if out.Replica != replica {
-		return nil, fmt.Errorf("%s answered as %q, not %q", u, clip(out.Replica), replica)
+		return nil, 0, fmt.Errorf("%s answered as %q, not %q", u, clip(out.Replica), replica)
 	}
-	return &out, nil
+	return &out, len(body), nil
 }
 
 // internalHandler serves the replicas' own API: a replica's partial, and
@@ -362,12 +389,22 @@ func (a *Aggregator) fetchPartial(ctx context.Context, replica string) (*Partial
 // conntrack flush).
 func (a *Aggregator) internalHandler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /internal/v1/partial", func(w http.ResponseWriter, _ *http.Request) {
-		p := a.own.Load()
-		if p == nil {
+	mux.HandleFunc("GET /internal/v1/partial", func(w http.ResponseWriter, r *http.Request) {
+		var since uint64
+		if q := r.URL.Query().Get("since"); q != "" {
+			v, err := strconv.ParseUint(q, 10, 64)
+			if err != nil {
+				writeError(w, http.StatusBadRequest, "since is the version of this replica's partial the caller holds, a whole number: "+err.Error())
+				return
+			}
+			since = v
+		}
+		p, ok := a.partials.since(r.URL.Query().Get("epoch"), since)
+		if !ok {
 			writeError(w, http.StatusServiceUnavailable, "this replica has judged no shard yet")
 			return
 		}
+		p.Replica = a.cfg.Self
 		writeJSON(w, http.StatusOK, p)
 	})
 	mux.HandleFunc("GET /internal/v1/nodes/{name}/explain", func(w http.ResponseWriter, r *http.Request) {

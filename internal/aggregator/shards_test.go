@@ -34,6 +34,7 @@ import (
 type peer struct {
 	identity string
 	answer   atomic.Pointer[func(w http.ResponseWriter)]
+	handler  atomic.Pointer[http.Handler] // before answer, when set
 }
 
 // peersOn starts n peers on 127.0.0.2.. sharing one port, and returns it.
@@ -48,7 +49,11 @@ func peersOn(t *testing.T, n int) (string, []*peer) {
 		}
 		_, port, _ = net.SplitHostPort(ln.Addr().String())
 		p := &peer{identity: host + ":9443"}
-		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if h := p.handler.Load(); h != nil {
+				(*h).ServeHTTP(w, r)
+				return
+			}
 			if f := p.answer.Load(); f != nil {
 				(*f)(w)
 				return
@@ -62,7 +67,10 @@ func peersOn(t *testing.T, n int) (string, []*peer) {
 	return port, out
 }
 
-func (p *peer) serve(f func(w http.ResponseWriter)) { p.answer.Store(&f) }
+func (p *peer) serve(f func(w http.ResponseWriter)) { p.handler.Store(nil); p.answer.Store(&f) }
+
+// handle serves h as the peer's API: a real replica's.
+func (p *peer) handle(h http.Handler) { p.handler.Store(&h) }
 
 // partialAnswer answers with a partial of nodes as replica, claiming shards.
 func partialAnswer(replica string, shards []int, nodes ...audit.NodeStatus) func(w http.ResponseWriter) {
