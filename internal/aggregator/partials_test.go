@@ -173,7 +173,7 @@ func TestPartialChangesThatDoNotFollow(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range []PartialResponse{
-		{Epoch: "run", Version: 9, Since: 4, States: []NodeLight{{Node: "a", State: audit.NodeStuck}}},  // after a version it does not hold
+		{Epoch: "run", Version: 9, Since: 4, States: []NodeLight{{Node: "a", State: audit.NodeStuck}}},   // after a version it does not hold
 		{Epoch: "other", Version: 9, Since: 5, States: []NodeLight{{Node: "a", State: audit.NodeStuck}}}, // another run's
 		{Epoch: "run", Version: 6, Since: 5, States: []NodeLight{{Node: "zz", State: audit.NodeStuck}}},  // a node never sent
 	} {
