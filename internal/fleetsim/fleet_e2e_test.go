@@ -102,6 +102,11 @@ type Result struct {
 	ReplicaCPUCores       map[string]float64 `json:",omitempty"`
 	KilledReplicaNodes    int                `json:",omitempty"`
 	UnmovedNodesReconnect int                `json:",omitempty"`
+	// The leader's reads of the other replicas' partials before the
+	// kill: how many, their bytes in full and as changes, and the bytes
+	// per node read (the nodes the others hold taken as an even share).
+	PartialReads, PartialReadBytesFull, PartialReadBytesChanges float64 `json:",omitempty"`
+	PartialBytesPerNodeRead                                     float64 `json:",omitempty"`
 	// After the leader's SIGKILL: how long until each node's first
 	// report on a stream to the new leader, and the TokenReviews the API
 	// server served meanwhile.
@@ -484,6 +489,11 @@ func TestE2EFleetSimulation(t *testing.T) {
 	} else {
 		res.Evaluations, res.EvaluationsOver2s, res.EvaluationMeanSeconds = h.count, h.over2s, h.mean
 		t.Logf("the leader's evaluations: %d, mean %.3f s, %d over 2 s", h.count, h.mean, h.over2s)
+		if res.Shards > 0 && h.partialReads > 0 {
+			res.PartialReads, res.PartialReadBytesFull, res.PartialReadBytesChanges = h.partialReads, h.partialBytes["full"], h.partialBytes["changes"]
+			res.PartialBytesPerNodeRead = (h.partialBytes["full"] + h.partialBytes["changes"]) / h.partialReads / (float64(N) * float64(*fleetReplicas-1) / float64(*fleetReplicas))
+			t.Logf("the leader read %.0f partials: %.1f MB in full, %.1f MB of changes; %.1f bytes per node per read", h.partialReads, h.partialBytes["full"]/1e6, h.partialBytes["changes"]/1e6, res.PartialBytesPerNodeRead)
+		}
 	}
 
 	if *fleetKill && res.Shards > 0 {
@@ -708,6 +718,10 @@ func (a *apiClient) verdictStale(nodes bool) (audit.Verdict, *api.StaleView, err
 type evaluations struct {
 	count, over2s int
 	mean          float64
+	// Sharded: the leader's reads of the other replicas' partials, and
+	// their bytes by kind (full, changes).
+	partialReads float64
+	partialBytes map[string]float64
 }
 
 // evaluations reads the leader's evaluation cycle durations from its
@@ -723,6 +737,21 @@ func (a *apiClient) evaluations() (evaluations, error) {
 	mf, err := parser.TextToMetricFamilies(r.Body)
 	if err != nil {
 		return e, err
+	}
+	e.partialBytes = map[string]float64{}
+	for _, m := range mf["proxyaudit_partial_read_bytes_total"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "kind" {
+				e.partialBytes[l.GetValue()] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	for _, m := range mf["proxyaudit_partial_reads_total"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "outcome" && l.GetValue() == "ok" {
+				e.partialReads = m.GetCounter().GetValue()
+			}
+		}
 	}
 	f := mf["proxyaudit_reconcile_duration_seconds"]
 	if f == nil {
