@@ -137,6 +137,10 @@ type Aggregator struct {
 	partials      *partialLog
 	gathered      map[string]gathered
 	unheardLogged time.Time
+	// concluded are the nodes of the leader's fleet verdicts: those of
+	// the last one, and those of shards unheard since (Evaluate's
+	// goroutine only).
+	concluded map[string]bool
 	// testHookRegistered, when set, runs once a stream is registered and
 	// before its welcome is written (tests widen that window with it).
 	testHookRegistered atomic.Pointer[func()]

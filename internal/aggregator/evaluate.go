@@ -109,8 +109,8 @@ func (a *Aggregator) Evaluate() {
 	}
 	for _, name := range gone {
 		a.cfg.Metrics.NoRulesSeen.DeleteLabelValues(name)
-		if r := a.cfg.Remediation; r != nil {
-			r.Executor.Forget(name)
+		if r := a.cfg.Remediation; r != nil && !a.sharded() {
+			r.Executor.Forget(name) // sharded, the leader forgets from the fleet's verdict
 		}
 	}
 	if a.sharded() {

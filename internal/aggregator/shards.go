@@ -181,7 +181,33 @@ func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recoverin
 		a.verdict = &v
 	}
 	a.mu.Unlock()
+	a.forgetDeparted(&v, unheard)
 	return v
+}
+
+// forgetDeparted tells the leader's executor of the nodes that left the
+// fleet: in none of its verdicts since, their shard heard. A holder
+// forgets the nodes it judged, but the leader remediated them, whoever
+// held them: its per-node memory must not grow with node churn. A node of
+// a shard not heard is kept until its shard is.
+func (a *Aggregator) forgetDeparted(v *audit.Verdict, unheard []int) {
+	next := make(map[string]bool, len(v.Nodes))
+	for _, n := range v.Nodes {
+		next[n.Node] = true
+	}
+	for n := range a.concluded {
+		if next[n] {
+			continue
+		}
+		if slices.Contains(unheard, a.shardOf(n)) {
+			next[n] = true
+			continue
+		}
+		if r := a.cfg.Remediation; r != nil {
+			r.Executor.Forget(n)
+		}
+	}
+	a.concluded = next
 }
 
 // heldShards lists the shards this replica holds. a.mu held.
