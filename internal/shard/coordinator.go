@@ -14,7 +14,11 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	coordlisters "k8s.io/client-go/listers/coordination/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/utils/ptr"
@@ -59,7 +63,11 @@ type Coordinator struct {
 	// replica does (tests; set before Run).
 	keep bool
 
-	wg        sync.WaitGroup // campaigns
+	wg sync.WaitGroup // campaigns
+	// leases is the set's Leases as one watch keeps them (Run starts it):
+	// a round reads them there, not with a list.
+	leases    coordlisters.LeaseNamespaceLister
+	wrote     time.Time // the last membership renewal written
 	rounds    int
 	mu        sync.Mutex
 	seen      map[string]observed
@@ -108,6 +116,17 @@ func (c *Coordinator) memberLease() string {
 // Run takes part until ctx ends, then gives up its shards (their Leases
 // released, so others take them at once) and its membership.
 func (c *Coordinator) Run(ctx context.Context) {
+	f := informers.NewSharedInformerFactoryWithOptions(c.cfg.Client, 0, informers.WithNamespace(c.cfg.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = LabelSet + "=" + c.cfg.Prefix }))
+	inf := f.Coordination().V1().Leases()
+	c.leases = inf.Lister().Leases(c.cfg.Namespace)
+	f.Start(ctx.Done())
+	defer f.Shutdown()
+	for !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+		if ctx.Err() != nil {
+			return
+		}
+	}
 	t := time.NewTicker(c.cfg.RetryPeriod)
 	defer t.Stop()
 	for {
@@ -151,17 +170,33 @@ func (c *Coordinator) round(ctx context.Context) {
 	if ctx.Err() != nil {
 		return
 	}
-	if err := c.renewMembership(ctx); err != nil {
-		c.cfg.Log.Warn("cannot renew this replica's membership Lease", zap.String("lease", c.memberLease()), zap.Error(err))
-	}
-	leases, err := c.cfg.Client.CoordinationV1().Leases(c.cfg.Namespace).List(ctx, metav1.ListOptions{LabelSelector: LabelSet + "=" + c.cfg.Prefix})
+	wrote, err := c.renewMembership(ctx)
 	if err != nil {
 		// Nothing new is taken or given up blind; held shards keep
 		// renewing (or stop, on their own deadline).
+		c.cfg.Log.Warn("cannot renew this replica's membership Lease; deciding nothing until it can", zap.String("lease", c.memberLease()), zap.Error(err))
+		return
+	}
+	// The Leases as the watch has them, if it is current: it shows our
+	// membership as written a round ago. A watch behind would show every
+	// other replica's Leases unrenewed, ageing on our clock as if expired.
+	prev := c.wrote
+	c.wrote = wrote
+	mine, err := c.leases.Get(c.memberLease())
+	if !prev.IsZero() && (err != nil || mine.Spec.RenewTime == nil || mine.Spec.RenewTime.Time.Before(prev.Truncate(time.Microsecond))) {
+		c.cfg.Log.Info("the Lease watch is behind (it does not show this replica's last membership renewal); deciding nothing this round", zap.Error(err))
+		return
+	}
+	cached, err := c.leases.List(labels.Everything())
+	if err != nil {
 		c.cfg.Log.Warn("cannot read the shard Leases", zap.Error(err))
 		return
 	}
-	takeover := c.decide(ctx, leases.Items)
+	leases := make([]coordinationv1.Lease, 0, len(cached))
+	for _, l := range cached {
+		leases = append(leases, *l.DeepCopy())
+	}
+	takeover := c.decide(ctx, leases)
 	// A shard whose holder stopped renewing is taken here, on our own
 	// observation of its expiry, by an update conditional on the Lease
 	// being unchanged since it was read (its resourceVersion): client-go's
@@ -329,21 +364,31 @@ func (c *Coordinator) campaign(ctx context.Context, k int) *campaign {
 	return cp
 }
 
-func (c *Coordinator) renewMembership(ctx context.Context) error {
+// renewMembership writes this replica's membership Lease, updating the
+// copy the watch holds (a Get only when that is missing or out of date),
+// and says the renew time written.
+func (c *Coordinator) renewMembership(ctx context.Context) (time.Time, error) {
 	leases := c.cfg.Client.CoordinationV1().Leases(c.cfg.Namespace)
 	now := metav1.NewMicroTime(time.Now())
 	spec := coordinationv1.LeaseSpec{HolderIdentity: ptr.To(c.cfg.Identity), LeaseDurationSeconds: ptr.To(int32(c.cfg.LeaseDuration / time.Second)), RenewTime: &now}
+	update := func(l *coordinationv1.Lease) error {
+		l = l.DeepCopy()
+		l.Spec = spec
+		_, err := leases.Update(ctx, l, metav1.UpdateOptions{})
+		return err
+	}
+	if l, err := c.leases.Get(c.memberLease()); err == nil && update(l) == nil {
+		return now.Time, nil
+	}
 	l, err := leases.Get(ctx, c.memberLease(), metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		_, err = leases.Create(ctx, &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: c.memberLease(), Labels: c.labels("member")}, Spec: spec}, metav1.CreateOptions{})
-		return err
+		return now.Time, err
 	}
 	if err != nil {
-		return err
+		return time.Time{}, err
 	}
-	l.Spec = spec
-	_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
-	return err
+	return now.Time, update(l)
 }
 
 // stop ends every campaign (releasing held Leases unless keep) and, on a
