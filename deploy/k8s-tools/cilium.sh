@@ -4,7 +4,8 @@
 # and caches them under $PROXYAUDIT_CACHE (default: <repo>/.cache) with the
 # module's bpf/ C sources, which the agent compiles with clang at start
 # (clang-19 and llc-19 from Debian; bookworm's default clang 14 is too old).
-# Prints the directory: bin/cilium-agent, bin/cilium-dbg, lib/bpf/.
+# Prints the directory: bin/cilium-agent, bin/cilium-dbg, lib/bpf/, and
+# crds/ (the CustomResourceDefinitions its operator would install).
 #
 # Why v1.20.2 and not v1.18.4: v1.18.4's go.mod replaces k8s.io/apimachinery
 # and gobgp/v3 with Cilium's own forks, which the module proxy does not
@@ -32,5 +33,6 @@ rm -rf "$out.tmp"; mkdir -p "$out.tmp/bin" "$out.tmp/lib"
   env -C "$work/cilium" CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" -o "$out.tmp/bin/" ./daemon ./cilium-dbg >&2
 mv "$out.tmp/bin/daemon" "$out.tmp/bin/cilium-agent"
 cp -r "$work/cilium/bpf" "$out.tmp/lib/bpf"
+cp -r "$work/cilium/pkg/k8s/apis/cilium.io/client/crds" "$out.tmp/crds"
 rm -rf "$out"; mv "$out.tmp" "$out"
 echo "$out"

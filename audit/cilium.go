@@ -1,0 +1,338 @@
+package audit
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+)
+
+// Cilium's load-balancing maps (issue #42, first part: reading them). With
+// kube-proxy replaced, Cilium's agent programs services as entries of
+// pinned BPF hash maps under the BPF filesystem's tc/globals/:
+//
+//   - cilium_lb4_services_v2 / cilium_lb6_services_v2: per frontend
+//     (address, port, protocol, scope) a master entry (slot 0: the counts,
+//     flags and reverse-NAT index) and one entry per backend slot (1..n,
+//     the backend's ID);
+//   - cilium_lb4_backends_v3 / cilium_lb6_backends_v3: backend ID → address,
+//     port, protocol, state (active, terminating, quarantined,
+//     maintenance), cluster ID and zone;
+//   - cilium_lb4_reverse_nat / cilium_lb6_reverse_nat: reverse-NAT index →
+//     the frontend's address and port.
+//
+// The layouts are Cilium's own (pkg/loadbalancer/maps/types.go, bpf/lib/lb.h
+// of v1.18–v1.20), known by map name and key and value sizes: a map of
+// another size is an error naming it, never guessed at. Addresses and
+// ports are in network byte order, the rest in the host's.
+
+// CiliumMapDump is one pinned map's raw entries, as the collector reads
+// them (and as fixtures captured from the genuine agent hold them).
+type CiliumMapDump struct {
+	Name      string        `json:"name"`
+	KeySize   int           `json:"keySize"`
+	ValueSize int           `json:"valueSize"`
+	Entries   []CiliumEntry `json:"entries"`
+}
+
+// CiliumEntry is one key and value, in hex.
+type CiliumEntry struct {
+	Key   string `json:"key"`
+	Value string `json:"value"`
+}
+
+// Cilium's LB map names.
+const (
+	CiliumServices4 = "cilium_lb4_services_v2"
+	CiliumServices6 = "cilium_lb6_services_v2"
+	CiliumBackends4 = "cilium_lb4_backends_v3"
+	CiliumBackends6 = "cilium_lb6_backends_v3"
+	CiliumRevNat4   = "cilium_lb4_reverse_nat"
+	CiliumRevNat6   = "cilium_lb6_reverse_nat"
+)
+
+// ciliumLayouts are the key and value sizes each map has in the Cilium
+// releases whose layouts are known.
+var ciliumLayouts = map[string][2]int{
+	CiliumServices4: {12, 12}, CiliumServices6: {24, 12},
+	CiliumBackends4: {4, 12}, CiliumBackends6: {4, 24},
+	CiliumRevNat4: {2, 6}, CiliumRevNat6: {2, 18},
+}
+
+// CiliumMapNames are the maps the reader opens, IPv4's first.
+var CiliumMapNames = []string{CiliumServices4, CiliumBackends4, CiliumRevNat4, CiliumServices6, CiliumBackends6, CiliumRevNat6}
+
+// Service flags (struct lb4_service's flags and flags2, bpf/lib/lb.h).
+const (
+	CiliumFlagExternalIP    = 1 << 0
+	CiliumFlagNodePort      = 1 << 1
+	CiliumFlagExtLocalScope = 1 << 2
+	CiliumFlagHostPort      = 1 << 3
+	CiliumFlagAffinity      = 1 << 4
+	CiliumFlagLoadBalancer  = 1 << 5
+	CiliumFlagRoutable      = 1 << 6
+	CiliumFlagSourceRange   = 1 << 7
+
+	CiliumFlag2LocalRedirect = 1 << 0
+	CiliumFlag2NAT46x64      = 1 << 1
+	CiliumFlag2L7LB          = 1 << 2
+	CiliumFlag2IntLocalScope = 1 << 4
+	CiliumFlag2TwoScopes     = 1 << 5
+	CiliumFlag2Quarantined   = 1 << 6 // on a backend slot
+)
+
+// Lookup scopes of a frontend key: with two scopes (traffic policies
+// that differ), the internal one holds the node-local backends.
+const (
+	CiliumScopeExternal = 0
+	CiliumScopeInternal = 1
+)
+
+// CiliumBackendState is a backend's state (enum lb_backend_state).
+type CiliumBackendState uint8
+
+// Backend states.
+const (
+	CiliumActive CiliumBackendState = iota
+	CiliumTerminating
+	CiliumQuarantined
+	CiliumMaintenance
+)
+
+func (s CiliumBackendState) String() string {
+	if int(s) < len(ciliumStates) {
+		return ciliumStates[s]
+	}
+	return fmt.Sprintf("state %d", s)
+}
+
+var ciliumStates = []string{"active", "terminating", "quarantined", "maintenance"}
+
+// CiliumFrontend is one frontend of the services map: its master entry
+// and its backend slots.
+type CiliumFrontend struct {
+	Addr     netip.AddrPort
+	Protocol string // TCP, UDP, SCTP; ANY for the per-address entry that drops unknown ports
+	Scope    uint8
+	// From the master entry: the active backends (Count, slots 1..Count),
+	// the quarantined ones after them (QCount, Cilium 1.19 and later), the
+	// reverse-NAT index and the flags. Master is the master's backend-ID
+	// field, which holds the session-affinity timeout or L7 proxy port.
+	Count, QCount int
+	RevNat        uint16
+	Flags, Flags2 uint8
+	Master        uint32
+	// Slots are the backend IDs of slots 1..n in order (0: no entry for
+	// the slot); SlotFlags2 their flags2 (SVC_FLAG_QUARANTINED).
+	Slots      []uint32
+	SlotFlags2 []uint8
+	// Mastered: the master entry was present (a frontend read while the
+	// agent writes it may have slots without one).
+	Mastered bool
+}
+
+// CiliumBackend is one entry of the backends map.
+type CiliumBackend struct {
+	ID        uint32
+	Addr      netip.AddrPort
+	Protocol  string
+	State     CiliumBackendState
+	ClusterID uint16
+	Zone      uint8
+}
+
+// CiliumLB is a node's LB maps decoded.
+type CiliumLB struct {
+	Frontends []CiliumFrontend // sorted by address, port, protocol, scope
+	Backends  map[uint32]CiliumBackend
+	RevNat    map[uint16]netip.AddrPort
+	Families  []int
+}
+
+func ciliumProto(p uint8) string {
+	switch p {
+	case 0:
+		return "ANY"
+	case 6:
+		return "TCP"
+	case 17:
+		return "UDP"
+	case 132:
+		return "SCTP"
+	}
+	return fmt.Sprintf("proto %d", p)
+}
+
+// DecodeCilium decodes the dumps of Cilium's LB maps. Maps of unknown
+// names are ignored; a known map of other sizes, or an entry that is not
+// hex of the map's sizes, is an error naming the map.
+func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
+	lb := &CiliumLB{Backends: map[uint32]CiliumBackend{}, RevNat: map[uint16]netip.AddrPort{}}
+	type fkey struct {
+		addr  netip.AddrPort
+		proto uint8
+		scope uint8
+	}
+	fronts := map[fkey]*CiliumFrontend{}
+	var fams [7]bool
+	for _, d := range dumps {
+		sizes, known := ciliumLayouts[d.Name]
+		if !known {
+			continue
+		}
+		if d.KeySize != sizes[0] || d.ValueSize != sizes[1] {
+			return nil, fmt.Errorf("Cilium map %s has %d-byte keys and %d-byte values; proxyaudit knows it with %d and %d (Cilium 1.18 to 1.20): this Cilium's layout is not one proxyaudit can read", d.Name, d.KeySize, d.ValueSize, sizes[0], sizes[1])
+		}
+		v6 := strings.HasPrefix(d.Name, "cilium_lb6_")
+		alen := 4
+		if v6 {
+			alen = 16
+		}
+		for i, e := range d.Entries {
+			k, err1 := hex.DecodeString(e.Key)
+			v, err2 := hex.DecodeString(e.Value)
+			if err1 != nil || err2 != nil || len(k) != d.KeySize || len(v) != d.ValueSize {
+				return nil, fmt.Errorf("Cilium map %s, entry %d: not a %d-byte key and %d-byte value in hex", d.Name, i, d.KeySize, d.ValueSize)
+			}
+			switch d.Name {
+			case CiliumServices4, CiliumServices6:
+				addr := addrOf(k[:alen])
+				fk := fkey{netip.AddrPortFrom(addr, binary.BigEndian.Uint16(k[alen:])), k[alen+4], k[alen+5]}
+				slot := int(binary.NativeEndian.Uint16(k[alen+2:]))
+				f := fronts[fk]
+				if f == nil {
+					f = &CiliumFrontend{Addr: fk.addr, Protocol: ciliumProto(fk.proto), Scope: fk.scope}
+					fronts[fk] = f
+				}
+				id := binary.NativeEndian.Uint32(v[0:])
+				if slot == 0 {
+					f.Mastered = true
+					f.Master, f.Count, f.RevNat = id, int(binary.NativeEndian.Uint16(v[4:])), binary.BigEndian.Uint16(v[6:])
+					f.Flags, f.Flags2, f.QCount = v[8], v[9], int(binary.NativeEndian.Uint16(v[10:]))
+					if v6 {
+						fams[6] = true
+					} else {
+						fams[4] = true
+					}
+					continue
+				}
+				for len(f.Slots) < slot {
+					f.Slots, f.SlotFlags2 = append(f.Slots, 0), append(f.SlotFlags2, 0)
+				}
+				f.Slots[slot-1], f.SlotFlags2[slot-1] = id, v[9]
+			case CiliumBackends4, CiliumBackends6:
+				id := binary.NativeEndian.Uint32(k)
+				lb.Backends[id] = CiliumBackend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
+					Protocol: ciliumProto(v[alen+2]), State: CiliumBackendState(v[alen+3]), ClusterID: binary.NativeEndian.Uint16(v[alen+4:]), Zone: v[alen+6]}
+			case CiliumRevNat4, CiliumRevNat6:
+				lb.RevNat[binary.BigEndian.Uint16(k)] = netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:]))
+			}
+		}
+	}
+	for _, f := range fronts {
+		lb.Frontends = append(lb.Frontends, *f)
+	}
+	slices.SortFunc(lb.Frontends, func(a, b CiliumFrontend) int {
+		if c := a.Addr.Compare(b.Addr); c != 0 {
+			return c
+		}
+		if c := strings.Compare(a.Protocol, b.Protocol); c != 0 {
+			return c
+		}
+		return int(a.Scope) - int(b.Scope)
+	})
+	lb.Families = familyList(fams)
+	return lb, nil
+}
+
+func addrOf(b []byte) netip.Addr {
+	a, _ := netip.AddrFromSlice(b)
+	return a.Unmap()
+}
+
+// FlagNames names the master entry's flags as Cilium does (its
+// ServiceFlags.String: the frontend's type first, then the traffic
+// policies, scopes, affinity, routability, …).
+func (f CiliumFrontend) FlagNames() string {
+	fl := uint16(f.Flags) | uint16(f.Flags2)<<8
+	typ := "ClusterIP"
+	switch {
+	case fl&CiliumFlagExternalIP != 0:
+		typ = "ExternalIPs"
+	case fl&CiliumFlagNodePort != 0:
+		typ = "NodePort"
+	case fl&CiliumFlagLoadBalancer != 0:
+		typ = "LoadBalancer"
+	case fl&CiliumFlagHostPort != 0:
+		typ = "HostPort"
+	case fl&(CiliumFlag2LocalRedirect<<8) != 0:
+		typ = "LocalRedirect"
+	}
+	out := []string{typ}
+	add := func(bit uint16, name string) {
+		if fl&bit != 0 {
+			out = append(out, name)
+		}
+	}
+	add(CiliumFlagExtLocalScope, "Local")
+	add(CiliumFlag2IntLocalScope<<8, "InternalLocal")
+	add(CiliumFlag2TwoScopes<<8, "two-scopes")
+	add(CiliumFlagAffinity, "sessionAffinity")
+	if fl&CiliumFlagRoutable == 0 {
+		out = append(out, "non-routable")
+	}
+	deny := false
+	if fl&CiliumFlagSourceRange != 0 {
+		out = append(out, "check source-range")
+		if fl&(CiliumFlag2Quarantined<<8) != 0 { // the same bit: deny on a master
+			deny = true
+			out = append(out, "deny")
+		}
+	}
+	add(CiliumFlag2NAT46x64<<8, "46x64")
+	add(CiliumFlag2L7LB<<8, "l7-load-balancer")
+	if fl&(1<<11) != 0 {
+		if typ == "HostPort" {
+			out = append(out, "loopback")
+		} else {
+			out = append(out, "delegate-if-local")
+		}
+	}
+	if !deny && fl&(CiliumFlag2Quarantined<<8) != 0 {
+		out = append(out, "quarantined")
+	}
+	add(1<<15, "dsr")
+	return strings.Join(out, ", ")
+}
+
+// Lines renders the frontends as `cilium-dbg bpf lb list` does, one line
+// per service-map entry, sorted ("198.19.0.1:443/TCP (1)
+// 198.18.90.1:6443/TCP (1) (1)"; a master "… (0) 0.0.0.0:0 (REVNAT) (0)
+// [FLAGS]"; "/i" marks the internal scope): for comparing with the genuine
+// tool.
+func (lb *CiliumLB) Lines() []string {
+	var out []string
+	for _, f := range lb.Frontends {
+		front := fmt.Sprintf("%s/%s", f.Addr, f.Protocol)
+		if f.Scope == CiliumScopeInternal {
+			front += "/i"
+		}
+		if f.Mastered {
+			out = append(out, fmt.Sprintf("%s (0) 0.0.0.0:0 (%d) (0) [%s]", front, f.RevNat, f.FlagNames()))
+		}
+		for i, id := range f.Slots {
+			if id == 0 {
+				continue
+			}
+			target := fmt.Sprintf("backend %d (missing)", id)
+			if be, ok := lb.Backends[id]; ok {
+				target = fmt.Sprintf("%s/%s", be.Addr, be.Protocol)
+			}
+			out = append(out, fmt.Sprintf("%s (%d) %s (%d) (%d)", front, i+1, target, f.RevNat, i+1))
+		}
+	}
+	slices.Sort(out)
+	return out
+}

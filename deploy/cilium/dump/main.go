@@ -1,0 +1,30 @@
+// Command dump writes the raw entries of Cilium's LB maps pinned under a
+// BPF filesystem (-bpffs) as JSON: the golden captures of the genuine
+// agent's maps in audit/testdata/cilium are made with it
+// (deploy/cilium/capture.sh).
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/proxyaudit/proxyaudit/internal/collector"
+)
+
+func main() {
+	bpffs := flag.String("bpffs", "/sys/fs/bpf", "the BPF filesystem the agent pins its maps to (cilium-agent --bpf-root)")
+	flag.Parse()
+	maps, err := collector.ReadCiliumMaps(*bpffs)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dump:", err)
+		os.Exit(1)
+	}
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", " ")
+	if err := enc.Encode(maps); err != nil {
+		fmt.Fprintln(os.Stderr, "dump:", err)
+		os.Exit(1)
+	}
+}

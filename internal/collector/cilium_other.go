@@ -1,0 +1,14 @@
+//go:build !linux
+
+package collector
+
+import (
+	"errors"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// ReadCiliumMaps needs Linux's BPF maps.
+func ReadCiliumMaps(string) ([]audit.CiliumMapDump, error) {
+	return nil, errors.New("Cilium's BPF maps can only be read on Linux")
+}
