@@ -178,7 +178,7 @@ func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
 			clk.Step(time.Second)
 			start := time.Now()
 			parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
-			if took := time.Since(start); took > 2500*time.Millisecond {
+			if took := time.Since(start); took > 2500*time.Millisecond && !raceEnabled {
 				t.Errorf("a peer's %s held the leader %s (bound: 2 s)", h.name, took)
 			}
 			if testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
