@@ -17,15 +17,20 @@ import (
 // every node's status, ~1.2 KB a node: ~120 MB/s of JSON at 100,000
 // nodes. So a holder answers with what changed since the version the
 // leader last read: a node's state and the facts that make findings at
-// once (NodeLight), its whole status (counts, lag, last report, kube-proxy
-// and collector figures) when it is new and then at most every
-// detailEvery, and the nodes that left. Findings are whole in every
+// once, its last report when it moved by reportEvery (NodeLight), its
+// whole status (counts, lag, kube-proxy and collector figures) when it is
+// new and then at most every detailEvery, and the nodes that left. Findings are whole in every
 // answer: they are small unless the fleet is drifting, and then they are
 // what matters.
 
-// detailEvery is how old a node's whole status may be on the leader.
+// detailEvery is how old a node's whole status may be on the leader;
+// reportEvery how far its last report may trail (a node reports every
+// second or so under churn: sending each would be most of the bytes).
 // Its state and findings are never older than a read.
-const detailEvery = 10 * time.Second
+const (
+	detailEvery = 10 * time.Second
+	reportEvery = 3 * time.Second
+)
 
 // keepVersions is how many versions (about one a second) a holder keeps
 // the nodes that left for: a leader further behind is answered in full.
@@ -35,6 +40,7 @@ const keepVersions = 300
 type NodeLight struct {
 	Node       string          `json:"node"`
 	State      audit.NodeState `json:"state"`
+	LastReport time.Time       `json:"lastReport,omitzero"`
 	Mode       audit.Mode      `json:"mode,omitempty"`
 	ReadError  string          `json:"readError,omitempty"`
 	Warnings   []string        `json:"warnings,omitempty"`
@@ -42,15 +48,17 @@ type NodeLight struct {
 }
 
 func lightOf(st audit.NodeStatus) NodeLight {
-	return NodeLight{Node: st.Node, State: st.State, Mode: st.Mode, ReadError: st.ReadError, Warnings: st.Warnings, StaleFlows: st.StaleFlows}
+	return NodeLight{Node: st.Node, State: st.State, LastReport: st.LastReport, Mode: st.Mode, ReadError: st.ReadError, Warnings: st.Warnings, StaleFlows: st.StaleFlows}
 }
 
+// same: o says nothing the leader must know now that l does not (its
+// last report moved by less than reportEvery).
 func (l NodeLight) same(o NodeLight) bool {
-	return l.State == o.State && l.Mode == o.Mode && l.ReadError == o.ReadError && l.StaleFlows == o.StaleFlows && slices.Equal(l.Warnings, o.Warnings)
+	return o.LastReport.Sub(l.LastReport) < reportEvery && l.State == o.State && l.Mode == o.Mode && l.ReadError == o.ReadError && l.StaleFlows == o.StaleFlows && slices.Equal(l.Warnings, o.Warnings)
 }
 
 func (l NodeLight) onto(st *audit.NodeStatus) {
-	st.State, st.Mode, st.ReadError, st.Warnings, st.StaleFlows = l.State, l.Mode, l.ReadError, l.Warnings, l.StaleFlows
+	st.State, st.LastReport, st.Mode, st.ReadError, st.Warnings, st.StaleFlows = l.State, l.LastReport, l.Mode, l.ReadError, l.Warnings, l.StaleFlows
 }
 
 // partialLog is a replica's partial as the leader may read it: each

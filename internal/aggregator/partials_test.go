@@ -64,8 +64,8 @@ func fleetStep(r *rand.Rand, prev audit.Partial, now time.Time, step int) audit.
 // The leader's copy, kept from changes alone, is the holder's partial as
 // the holder would send it whole, after any run of reads: some missed,
 // the holder restarted (a new run), the leader far behind. A node's state
-// and the findings are never older than the read; the rest no older than
-// detailEvery.
+// and the findings are never older than the read, its last report no more
+// than reportEvery, the rest no more than detailEvery.
 func TestPartialChangesMirrorTheHolder(t *testing.T) {
 	for seed := range uint64(20) {
 		r := rand.New(rand.NewPCG(seed, 7))
@@ -117,7 +117,10 @@ func TestPartialChangesMirrorTheHolder(t *testing.T) {
 				if st.Node != pub.Node || st.State != pub.State || !slices.Equal(st.Warnings, pub.Warnings) {
 					t.Fatalf("seed %d step %d: the leader holds %s %s %v, published %s %s %v", seed, step, st.Node, st.State, st.Warnings, pub.Node, pub.State, pub.Warnings)
 				}
-				if age := now.Sub(st.LastReport); age > detailEvery {
+				if age := now.Sub(st.LastReport); age >= reportEvery {
+					t.Fatalf("seed %d step %d: %s's last report on the leader is %s old (bound %s)", seed, step, st.Node, age, reportEvery)
+				}
+				if age := time.Duration(step-st.Lag.Samples) * time.Second; age >= detailEvery {
 					t.Fatalf("seed %d step %d: %s's status on the leader is %s old (bound %s)", seed, step, st.Node, age, detailEvery)
 				}
 			}
