@@ -226,6 +226,20 @@ func TestE2EShardedReplicas(t *testing.T) {
 		}
 		l.checkPartials(t, l.peerToken(ctx), holders)
 	})
+
+	// The leader reads the others' partials as changes since its last
+	// read, not whole each second (a whole read after each holder's start
+	// or restart only).
+	t.Run("the leader reads changes", func(t *testing.T) {
+		m := l.metrics(t)
+		full, changes, reads := m[`proxyaudit_partial_read_bytes_total{kind="full"}`], m[`proxyaudit_partial_read_bytes_total{kind="changes"}`], m[`proxyaudit_partial_reads_total{outcome="ok"}`]
+		t.Logf("the leader's partial reads: %.0f, %.0f bytes whole, %.0f as changes (%.0f bytes a read)", reads, full, changes, (full+changes)/max(reads, 1))
+		// Whole: once per holder's run (two at the start, the one that
+		// took the killed replica's shard, the newcomer), each ~1.4 KB.
+		if changes == 0 || full > 6*1500 {
+			t.Errorf("the leader read %.0f bytes whole and %.0f as changes in %.0f reads: want a whole read per holder's run at most, changes otherwise", full, changes, reads)
+		}
+	})
 }
 
 // nodeHolders prints holders sorted.
