@@ -17,7 +17,8 @@ import (
 // every node's status, ~1.2 KB a node: ~120 MB/s of JSON at 100,000
 // nodes. So a holder answers with what changed since the version the
 // leader last read: a node's state and the facts that make findings at
-// once, its last report when it moved by reportEvery (NodeLight), its
+// once (a flip between in sync and lagging with the whole status), its
+// last report when it moved by reportEvery (NodeLight), its
 // whole status (counts, lag, kube-proxy and collector figures) when it is
 // new and then at most every detailEvery, and the nodes that left. Findings are whole in every
 // answer: they are small unless the fleet is drifting, and then they are
@@ -51,10 +52,14 @@ func lightOf(st audit.NodeStatus) NodeLight {
 	return NodeLight{Node: st.Node, State: st.State, LastReport: st.LastReport, Mode: st.Mode, ReadError: st.ReadError, Warnings: st.Warnings, StaleFlows: st.StaleFlows}
 }
 
-// same: o says nothing the leader must know now that l does not (its
-// last report moved by less than reportEvery).
+// same: o says nothing the leader must know now that l does not: its
+// last report moved by less than reportEvery, and its state is the same,
+// or went between in sync and lagging (within grace: no finding, no
+// repair; under churn nodes flip between the two every second, and those
+// flips ride with the whole status).
 func (l NodeLight) same(o NodeLight) bool {
-	return o.LastReport.Sub(l.LastReport) < reportEvery && l.State == o.State && l.Mode == o.Mode && l.ReadError == o.ReadError && l.StaleFlows == o.StaleFlows && slices.Equal(l.Warnings, o.Warnings)
+	calm := func(s audit.NodeState) bool { return s == audit.NodeInSync || s == audit.NodeLagging }
+	return o.LastReport.Sub(l.LastReport) < reportEvery && (l.State == o.State || calm(l.State) && calm(o.State)) && l.Mode == o.Mode && l.ReadError == o.ReadError && l.StaleFlows == o.StaleFlows && slices.Equal(l.Warnings, o.Warnings)
 }
 
 func (l NodeLight) onto(st *audit.NodeStatus) {
