@@ -183,7 +183,7 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 			continue
 		}
 		if d.KeySize != sizes[0] || d.ValueSize != sizes[1] {
-			return nil, fmt.Errorf("Cilium map %s has %d-byte keys and %d-byte values; proxyaudit knows it with %d and %d (Cilium 1.18 to 1.20): this Cilium's layout is not one proxyaudit can read", d.Name, d.KeySize, d.ValueSize, sizes[0], sizes[1])
+			return nil, fmt.Errorf("cilium map %s has %d-byte keys and %d-byte values; proxyaudit knows it with %d and %d (Cilium 1.18 to 1.20): this Cilium's layout is not one proxyaudit can read", d.Name, d.KeySize, d.ValueSize, sizes[0], sizes[1])
 		}
 		v6 := strings.HasPrefix(d.Name, "cilium_lb6_")
 		alen := 4
@@ -194,7 +194,7 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 			k, err1 := hex.DecodeString(e.Key)
 			v, err2 := hex.DecodeString(e.Value)
 			if err1 != nil || err2 != nil || len(k) != d.KeySize || len(v) != d.ValueSize {
-				return nil, fmt.Errorf("Cilium map %s, entry %d: not a %d-byte key and %d-byte value in hex", d.Name, i, d.KeySize, d.ValueSize)
+				return nil, fmt.Errorf("cilium map %s, entry %d: not a %d-byte key and %d-byte value in hex", d.Name, i, d.KeySize, d.ValueSize)
 			}
 			switch d.Name {
 			case CiliumServices4, CiliumServices6:

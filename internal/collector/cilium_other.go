@@ -10,5 +10,5 @@ import (
 
 // ReadCiliumMaps needs Linux's BPF maps.
 func ReadCiliumMaps(string) ([]audit.CiliumMapDump, error) {
-	return nil, errors.New("Cilium's BPF maps can only be read on Linux")
+	return nil, errors.New("cilium's BPF maps can only be read on Linux")
 }
