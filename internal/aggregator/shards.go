@@ -245,10 +245,26 @@ func partialOf(p audit.Partial, v *audit.Verdict, recovering bool) audit.Partial
 	return p
 }
 
-// gathered is one holder's partial as the leader last read it.
+// gathered is one holder's partial as the leader last read it: another
+// replica's kept from its answers (mirror), or this replica's own.
 type gathered struct {
 	mirror *partialMirror
+	own    *PartialResponse
 	at     time.Time
+}
+
+func (g gathered) shards() []int {
+	if g.own != nil {
+		return g.own.Shards
+	}
+	return g.mirror.shards
+}
+
+func (g gathered) whole() audit.Partial {
+	if g.own != nil {
+		return g.own.Partial
+	}
+	return g.mirror.whole()
 }
 
 // gatherPartials reads every holder's partial (this replica's own from
@@ -296,9 +312,7 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 	}
 	wg.Wait()
 	if own := a.own.Load(); own != nil {
-		m := &partialMirror{}
-		m.apply(own)
-		a.gathered[a.cfg.Self] = gathered{mirror: m, at: now}
+		a.gathered[a.cfg.Self] = gathered{own: own, at: now}
 	}
 	for h, g := range a.gathered {
 		if now.Sub(g.at) > partialStale || (!distinct[h] && h != a.cfg.Self) {
@@ -310,7 +324,7 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 	take := map[string]map[int]bool{}
 	for k, h := range holders {
 		g, ok := a.gathered[h]
-		if h == "" || !ok || g.mirror == nil || !slices.Contains(g.mirror.shards, k) {
+		if h == "" || !ok || !slices.Contains(g.shards(), k) {
 			unheard = append(unheard, k)
 			continue
 		}
@@ -320,7 +334,7 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 		take[h][k] = true
 	}
 	for h, ks := range take {
-		parts = append(parts, a.only(a.gathered[h].mirror.whole(), ks))
+		parts = append(parts, a.only(a.gathered[h].whole(), ks))
 	}
 	return parts, unheard
 }
