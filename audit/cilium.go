@@ -78,13 +78,17 @@ const (
 	CiliumFlag2LocalRedirect = 1 << 0
 	CiliumFlag2NAT46x64      = 1 << 1
 	CiliumFlag2L7LB          = 1 << 2
+	CiliumFlag2Loopback      = 1 << 3 // HostPort: loopback host IP; else delegate if local
 	CiliumFlag2IntLocalScope = 1 << 4
 	CiliumFlag2TwoScopes     = 1 << 5
-	CiliumFlag2Quarantined   = 1 << 6 // on a backend slot
+	CiliumFlag2Quarantined   = 1 << 6 // on a backend slot; on a master: source range deny
+	CiliumFlag2DSR           = 1 << 7
 )
 
 // Lookup scopes of a frontend key: with two scopes (traffic policies
-// that differ), the internal one holds the node-local backends.
+// that differ; externalTrafficPolicy Local), the external one holds the
+// node's own backends and the internal one ("/i") all of them, as the
+// genuine agent's capture shows.
 const (
 	CiliumScopeExternal = 0
 	CiliumScopeInternal = 1
@@ -293,7 +297,7 @@ func (f CiliumFrontend) FlagNames() string {
 	}
 	add(CiliumFlag2NAT46x64<<8, "46x64")
 	add(CiliumFlag2L7LB<<8, "l7-load-balancer")
-	if fl&(1<<11) != 0 {
+	if fl&(CiliumFlag2Loopback<<8) != 0 {
 		if typ == "HostPort" {
 			out = append(out, "loopback")
 		} else {
@@ -303,7 +307,7 @@ func (f CiliumFrontend) FlagNames() string {
 	if !deny && fl&(CiliumFlag2Quarantined<<8) != 0 {
 		out = append(out, "quarantined")
 	}
-	add(1<<15, "dsr")
+	add(CiliumFlag2DSR<<8, "dsr")
 	return strings.Join(out, ", ")
 }
 

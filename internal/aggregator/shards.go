@@ -284,8 +284,14 @@ func (a *Aggregator) gatherPartials(ctx context.Context, now time.Time) ([]audit
 	if a.gathered == nil {
 		a.gathered = map[string]gathered{}
 	}
+	// Each goroutine gets its own holder's copy, taken before any of them
+	// starts: they write a.gathered (under mu) while this loop would
+	// still be reading it.
+	last := make(map[string]gathered, len(distinct))
 	for h := range distinct {
-		g := a.gathered[h] // each goroutine its own holder's
+		last[h] = a.gathered[h]
+	}
+	for h, g := range last {
 		wg.Go(func() {
 			resp, n, err := a.fetchPartial(ctx, h, g.mirror.query())
 			if err == nil {
