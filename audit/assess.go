@@ -136,7 +136,7 @@ func ownerOf(owner map[FrontendKey]string, of *ObservedFrontend, mode Mode) (str
 	if o, ok := owner[of.FrontendKey]; ok {
 		return o, true
 	}
-	if mode == ModeIPVS && !of.NodePort {
+	if mode.perAddressNodePorts() && !of.NodePort {
 		// IPVS has a virtual server per node address for a node port.
 		o, ok := owner[of.nodePortOf()]
 		return o, ok
@@ -199,7 +199,7 @@ func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[F
 			o.Rejects[k] = true
 		}
 	}
-	if obs.Mode == ModeIPVS {
+	if obs.Mode.perAddressNodePorts() {
 		for _, of := range obs.Frontends {
 			if !of.NodePort && !keys[of.FrontendKey] && keys[of.nodePortOf()] {
 				o.Frontends = append(o.Frontends, of)

@@ -152,7 +152,8 @@ type CiliumLB struct {
 	Frontends []CiliumFrontend // sorted by address, port, protocol, scope
 	Backends  map[uint32]CiliumBackend
 	RevNat    map[uint16]netip.AddrPort
-	Families  []int
+	// Families are those whose services map was read.
+	Families []int
 }
 
 func ciliumProto(p uint8) string {
@@ -194,6 +195,14 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 		if v6 {
 			alen = 16
 		}
+		// The families are those whose services map was read, entries or
+		// not: an empty map is a node without services, not one unread.
+		switch d.Name {
+		case CiliumServices4:
+			fams[4] = true
+		case CiliumServices6:
+			fams[6] = true
+		}
 		for i, e := range d.Entries {
 			k, err1 := hex.DecodeString(e.Key)
 			v, err2 := hex.DecodeString(e.Value)
@@ -215,11 +224,6 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 					f.Mastered = true
 					f.Master, f.Count, f.RevNat = id, int(binary.NativeEndian.Uint16(v[4:])), binary.BigEndian.Uint16(v[6:])
 					f.Flags, f.Flags2, f.QCount = v[8], v[9], int(binary.NativeEndian.Uint16(v[10:]))
-					if v6 {
-						fams[6] = true
-					} else {
-						fams[4] = true
-					}
 					continue
 				}
 				for len(f.Slots) < slot {
@@ -339,4 +343,86 @@ func (lb *CiliumLB) Lines() []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// Observed reduces the decoded maps to the audit's model of what the
+// node's services dispatch to, as the genuine agent programs them:
+//
+//   - a frontend is a master entry of TCP, UDP or SCTP; the per-address
+//     ANY entries (which drop traffic to ports no service has), HostPort
+//     and local-redirect entries are not services' and are left out;
+//   - the node port entry at 0.0.0.0 (or ::) is the node port; Cilium
+//     adds one per node address, kept as address frontends that stand
+//     for the node port (as IPVS's per-address virtual servers do);
+//   - slots 1..Count are the backends new connections go to (the active
+//     ones, or the terminating ones when none is active); the slots after
+//     them hold terminating and quarantined backends: a terminating one
+//     is kept for its connections (Endpoint.Weight 0, "no new
+//     connections"), a quarantined one is Cilium's health checking
+//     holding a listed backend out (not drift: counted as present);
+//   - a frontend without backends is a drop entry (Rejects): a service
+//     without endpoints, or a Local scope without local ones;
+//   - of a frontend with two scopes (externalTrafficPolicy Local), the
+//     external scope (the node's own backends) is the frontend; the
+//     internal one ("/i": every backend, for traffic from the node's own
+//     pods) is not compared yet.
+//
+// A slot whose backend is not in the backends map, or slots without a
+// master (a read racing the agent's write), become warnings; the
+// frontend keeps what could be resolved.
+func (lb *CiliumLB) Observed() *Observed {
+	o := &Observed{Mode: ModeCilium, Families: lb.Families, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
+	for i := range lb.Frontends {
+		f := &lb.Frontends[i]
+		if f.Protocol != "TCP" && f.Protocol != "UDP" && f.Protocol != "SCTP" {
+			continue
+		}
+		if !f.Mastered {
+			o.Warnings = append(o.Warnings, fmt.Sprintf("cilium: %s/%s has backend slots but no master entry (read while the agent wrote it?)", f.Addr, f.Protocol))
+			continue
+		}
+		if f.Flags&CiliumFlagHostPort != 0 || f.Flags2&(CiliumFlag2LocalRedirect|CiliumFlag2L7LB) != 0 {
+			continue
+		}
+		o.NoRules = false
+		if f.Scope == CiliumScopeInternal {
+			continue
+		}
+		key := FrontendKey{IP: f.Addr.Addr(), Protocol: f.Protocol, Port: f.Addr.Port()}
+		if f.Flags&CiliumFlagNodePort != 0 && f.Addr.Addr().IsUnspecified() {
+			key = NodePortKey(family(f.Addr.Addr()), f.Protocol, f.Addr.Port())
+		}
+		clusterIP := f.Flags&(CiliumFlagExternalIP|CiliumFlagNodePort|CiliumFlagLoadBalancer) == 0
+		scope := ScopeCluster
+		if clusterIP && f.Flags2&CiliumFlag2IntLocalScope != 0 || !clusterIP && f.Flags&CiliumFlagExtLocalScope != 0 {
+			scope = ScopeLocal
+		}
+		fam := "lb4"
+		if key.Family() == 6 {
+			fam = "lb6"
+		}
+		of := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: fmt.Sprintf("cilium_%s service %d (%s)", fam, f.RevNat, f.FlagNames())}
+		for s, id := range f.Slots {
+			if id == 0 {
+				continue
+			}
+			be, ok := lb.Backends[id]
+			if !ok {
+				o.Warnings = append(o.Warnings, fmt.Sprintf("cilium: %s/%s slot %d names backend %d, which the backends map lacks", f.Addr, f.Protocol, s+1, id))
+				continue
+			}
+			w := -1
+			if s >= f.Count && f.SlotFlags2[s]&CiliumFlag2Quarantined == 0 && be.State != CiliumQuarantined {
+				w = 0 // terminating: its connections only
+			}
+			of.Endpoints = append(of.Endpoints, Endpoint{Addr: be.Addr, Weight: w, Chain: fmt.Sprintf("backend %d slot %d (%s)", id, s+1, be.State)})
+		}
+		if len(of.Endpoints) == 0 {
+			o.Rejects[key] = true
+			continue
+		}
+		o.Frontends = append(o.Frontends, of)
+	}
+	o.normalize()
+	return o
 }

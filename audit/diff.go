@@ -35,12 +35,12 @@ func expectedIndex(exp Expected, obs *Observed) frontendIndex {
 }
 
 // match finds the expected frontend an observed one implements: itself,
-// or in IPVS mode the node port a per-address virtual server serves.
+// or in IPVS and Cilium modes the node port a per-address frontend serves.
 func (idx frontendIndex) match(k FrontendKey, mode Mode) (expIndex, bool) {
 	if e, ok := idx[k]; ok {
 		return e, true
 	}
-	if mode == ModeIPVS && !k.NodePort {
+	if mode.perAddressNodePorts() && !k.NodePort {
 		e, ok := idx[k.nodePortOf()]
 		return e, ok
 	}
@@ -78,8 +78,11 @@ func Diff(exp Expected, obs *Observed) []Finding {
 		if !wantAny {
 			return nil
 		}
-		return []Finding{{Node: exp.Node, Kind: NoRules,
-			Detail: fmt.Sprintf("no kube-proxy service rules at all (%s mode): the table was flushed or kube-proxy never programmed it; every service through this node fails", obs.Mode)}}
+		detail := fmt.Sprintf("no kube-proxy service rules at all (%s mode): the table was flushed or kube-proxy never programmed it; every service through this node fails", obs.Mode)
+		if obs.Mode == ModeCilium {
+			detail = "no service entries at all in Cilium's LB maps: the maps were emptied or the agent never programmed them; every service through this node fails"
+		}
+		return []Finding{{Node: exp.Node, Kind: NoRules, Detail: detail}}
 	}
 
 	// Findings are gathered, then sorted stably and their duplicates
@@ -130,15 +133,23 @@ func Diff(exp Expected, obs *Observed) []Finding {
 				f := base
 				f.Kind, f.Endpoint = MissingEndpoint, a.String()
 				f.Detail = fmt.Sprintf("%s %s should route to %s but the rules behind %s do not", e.fe.Kind, e.fe.FrontendKey, a, of.Chain)
-				if ok {
+				if ok && obs.Mode == ModeCilium {
+					f.Detail += " (it is there as a terminating backend, after the active slots: no new connections)"
+				} else if ok {
 					f.Detail += " (it is there at IPVS weight 0: no new connections)"
 				}
 				emit(f)
 			}
 		}
 		for _, ep := range of.Endpoints {
-			if wantSet[ep.Addr] || ep.draining() {
+			if wantSet[ep.Addr] {
+				continue
+			}
+			if ep.draining() && obs.Mode != ModeCilium {
 				continue // a draining real server is judged by its age (Draining)
+			}
+			if ep.draining() && slices.Contains(e.port.Terminating, ep.Addr) {
+				continue // Cilium keeps a terminating endpoint for its connections
 			}
 			f := base
 			f.Kind, f.Endpoint = StaleEndpoint, ep.Addr.String()
@@ -158,10 +169,17 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			f := Finding{Service: p.Name.Service(), Port: p.Name.Port, Protocol: p.Protocol, Family: p.Family, Scope: fe.Scope, Kind: MissingService}
 			switch {
 			case len(want) > 0:
-				f.Detail = fmt.Sprintf("no rule for %s %s, which should route to %s", fe.Kind, fe.FrontendKey, joinAddrs(want, len(want)))
+				what := "rule"
+				if obs.Mode == ModeCilium {
+					what = "service entry in Cilium's maps"
+				}
+				f.Detail = fmt.Sprintf("no %s for %s %s, which should route to %s", what, fe.Kind, fe.FrontendKey, joinAddrs(want, len(want)))
 				emit(f)
 			case fe.Kind == KindClusterIP && fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[fe.FrontendKey]:
 				f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", fe.Kind, fe.FrontendKey)
+				if obs.Mode == ModeCilium {
+					f.Detail = fmt.Sprintf("no service entry for %s %s, which has no endpoints (Cilium drops its traffic with an entry of no backends; without one it is not a service to the datapath)", fe.Kind, fe.FrontendKey)
+				}
 				emit(f)
 			}
 		}

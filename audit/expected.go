@@ -132,6 +132,9 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 			cl = filter(all, func(c cep) bool { return c.Serving && c.Terminating })
 		}
 		ep.Endpoints[ScopeCluster] = cl
+		if slices.ContainsFunc(all, func(c cep) bool { return c.Terminating }) {
+			ep.Terminating = filter(all, func(c cep) bool { return c.Terminating })
+		}
 		if mode != "" {
 			if without := filter(all, func(c cep) bool { return c.Ready }); !slices.Equal(without, cl) {
 				ep.NoTopology = without

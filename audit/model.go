@@ -9,7 +9,8 @@ import (
 	"strings"
 )
 
-// Mode is the kind of rules kube-proxy programs on a node.
+// Mode is the kind of rules kube-proxy programs on a node, or Cilium's
+// service maps where Cilium replaces kube-proxy.
 type Mode string
 
 // Proxy modes.
@@ -17,7 +18,22 @@ const (
 	ModeIPTables Mode = "iptables"
 	ModeNFTables Mode = "nftables"
 	ModeIPVS     Mode = "ipvs"
+	ModeCilium   Mode = "cilium"
 )
+
+// perAddressNodePorts: the mode serves a node port with a frontend per
+// node address (an IPVS virtual server, a Cilium service entry) beside
+// or instead of one for every address.
+func (m Mode) perAddressNodePorts() bool { return m == ModeIPVS || m == ModeCilium }
+
+// Dataplane names what programs the node's services in this mode, for
+// people: "kube-proxy" or "Cilium".
+func (m Mode) Dataplane() string {
+	if m == ModeCilium {
+		return "Cilium"
+	}
+	return "kube-proxy"
+}
 
 // Scope says which endpoint set a frontend dispatches to: every usable
 // endpoint of the service (cluster) or only those on this node (local, for
@@ -331,6 +347,11 @@ type ExpectedPort struct {
 	// can lack the label the cluster has), and then routes to every ready
 	// endpoint: live pods, not drift (see Observed).
 	NoTopology []netip.AddrPort
+	// Terminating are the terminating endpoints (serving or not), set
+	// only where there are any: Cilium keeps them in the slots after the
+	// active ones, for their connections (new ones go to them only when
+	// no endpoint is ready and they serve).
+	Terminating []netip.AddrPort
 	// Affinity is ClientIP session affinity.
 	Affinity bool
 }

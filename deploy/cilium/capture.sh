@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# capture.sh OUTDIR — golden captures of the genuine Cilium agent's LB maps.
+# capture.sh DIR — golden captures of the genuine Cilium agent's LB maps.
 #
 # Brings up, on this machine alone: etcd and kube-apiserver (the project's
 # own builds) in network namespace pa-cilapi (198.18.90.1), and the genuine
@@ -7,12 +7,19 @@
 # namespace pa-cilx (198.18.90.2) as node "cilx", its own BPF filesystem,
 # state and library directories under a temporary directory. Applies
 # deploy/cilium/scenario.yaml, waits until the agent has programmed every
-# service, and writes to OUTDIR: maps.json (the raw map entries,
-# deploy/cilium/dump), lb-list.txt and service-list.txt (cilium-dbg's own
-# reading, the oracle the tests compare with), scenario.yaml. Tears
+# service, and writes to DIR/scenario: maps.json (the raw map entries,
+# deploy/cilium/dump), lb-list.txt, lb-list.json, lb-backends.json and
+# service-list.txt
+# (cilium-dbg's own reading, the oracle the tests compare with),
+# cluster.json (the API's services, slices and nodes, as `proxyaudit
+# audit` takes them), scenario.yaml. Then freezes the agent (SIGSTOP, the
+# hung agent of cilium#48050), changes the cluster under it (an endpoint
+# leaves web, one joins dns, service late appears) and writes the same
+# but service-list.txt (the frozen agent answers no API) to DIR/frozen:
+# a node whose maps drifted, by the genuine agent's hand. Tears
 # everything down on exit. Root; clang-19 and llc-19 (Debian).
 set -euo pipefail
-out=${1:?usage: capture.sh OUTDIR}
+dir=${1:?usage: capture.sh DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 k8s=$("$repo/deploy/k8s-tools/build.sh")
@@ -22,7 +29,7 @@ work=$(mktemp -d /tmp/pa-cilium.XXXXXX)
 api=pa-cilapi node=pa-cilx
 cleanup() {
   set +e
-  [ -n "${agent:-}" ] && kill "$agent" 2>/dev/null && wait "$agent" 2>/dev/null
+  [ -n "${agent:-}" ] && kill -CONT "$agent" 2>/dev/null && kill "$agent" 2>/dev/null && wait "$agent" 2>/dev/null
   [ -n "${apiserver:-}" ] && kill "$apiserver" 2>/dev/null && wait "$apiserver" 2>/dev/null
   [ -n "${etcd:-}" ] && kill "$etcd" 2>/dev/null && wait "$etcd" 2>/dev/null
   umount "$work/bpffs" 2>/dev/null
@@ -59,7 +66,7 @@ kc get --raw /readyz >/dev/null
 kc apply -f - >/dev/null <<EOY
 apiVersion: v1
 kind: Node
-metadata: {name: cilx, labels: {kubernetes.io/hostname: cilx}}
+metadata: {name: cilx, labels: {kubernetes.io/hostname: cilx, topology.kubernetes.io/zone: a}}
 spec: {podCIDR: 198.18.128.0/24, podCIDRs: [198.18.128.0/24]}
 EOY
 kc patch node cilx --subresource=status --type=merge -p '{"status":{"addresses":[{"type":"InternalIP","address":"198.18.90.2"}]}}' >/dev/null
@@ -93,10 +100,38 @@ kc patch service shop --subresource=status --type=merge -p '{"status":{"loadBala
 want='198.18.201.1:8443'
 for i in $(seq 60); do dbg service list 2>/dev/null | grep -q "$want" && break; sleep 1; done
 sleep 3 # the agent's reconciler writes the maps after its tables
-mkdir -p "$out"
-go run -C "$repo" ./deploy/cilium/dump -bpffs "$work/bpffs" >"$out/maps.json"
-dbg bpf lb list >"$out/lb-list.txt"
-dbg service list >"$out/service-list.txt"
-cp "$here/scenario.yaml" "$out/scenario.yaml"
-grep -m1 "^CILIUM_VERSION=" "$repo/deploy/k8s-tools/cilium.sh" >"$out/version.txt"
-echo "captured $(grep -c '"key"' "$out/maps.json") map entries from cilium-agent into $out"
+capture() { # capture OUT [service list too]
+  local out=$1
+  mkdir -p "$out"
+  go run -C "$repo" ./deploy/cilium/dump -bpffs "$work/bpffs" >"$out/maps.json"
+  dbg bpf lb list >"$out/lb-list.txt"
+  dbg bpf lb list -o json >"$out/lb-list.json"
+  dbg bpf lb list --backends -o json >"$out/lb-backends.json"
+  [ "${2:-}" = "" ] || dbg service list >"$out/service-list.txt"
+  kc get services,endpointslices,nodes -A -o json >"$out/cluster.json"
+  grep -m1 "^CILIUM_VERSION=" "$repo/deploy/k8s-tools/cilium.sh" >"$out/version.txt"
+  echo "captured $(grep -c '"key"' "$out/maps.json") map entries from cilium-agent into $out"
+}
+capture "$dir/scenario" services
+cp "$here/scenario.yaml" "$dir/scenario/scenario.yaml"
+# The hung agent: its maps stay as they are while the cluster moves on.
+kill -STOP "$agent"
+kc patch endpointslice web-1 --type=json -p '[{"op":"remove","path":"/endpoints/1"}]' >/dev/null
+kc patch endpointslice dns-1 --type=json -p '[{"op":"add","path":"/endpoints/-","value":{"addresses":["198.18.128.21"],"conditions":{"ready":true},"nodeName":"cilx"}}]' >/dev/null
+kc apply -f - >/dev/null <<EOY
+apiVersion: v1
+kind: Service
+metadata: {name: late, namespace: default}
+spec:
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: late-1, namespace: default, labels: {kubernetes.io/service-name: late}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [198.18.129.80], conditions: {ready: true}, nodeName: other}
+EOY
+sleep 3
+capture "$dir/frozen"
