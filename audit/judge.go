@@ -516,7 +516,7 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		if r.assessed.Sub(r.noRulesSince) > p.Grace {
 			st.State = NodeNoRules
 			return st, []TimedFinding{{Since: r.noRulesSince, Finding: Finding{Node: name, Kind: NoRules,
-				Detail: fmt.Sprintf("no kube-proxy service rules on this node for %s (flushed, or kube-proxy not running): every service is unreachable through it", r.assessed.Sub(r.noRulesSince).Round(time.Second))}}}, false
+				Detail: r.mode.noRulesDetail(r.assessed.Sub(r.noRulesSince).Round(time.Second))}}}, false
 		}
 		return st, nil, false
 	}
@@ -566,8 +566,8 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 	case len(stuck) > 0:
 		st.State = NodeStuck
 		out = append(out, TimedFinding{Since: stuckSince, Finding: Finding{Node: name, Kind: StuckProxy,
-			Detail: fmt.Sprintf("kube-proxy on this node stopped following the API: its rules still show versions of %d service(s) that changed up to %s ago (%s)%s; restart kube-proxy on this node",
-				len(stuck), r.assessed.Sub(stuckSince).Round(time.Second), listSome(stuck, 10), r.kubeProxy.describe())}})
+			Detail: fmt.Sprintf("%s on this node stopped following the API: its %s still show versions of %d service(s) that changed up to %s ago (%s)%s; restart %s on this node",
+				r.mode.Dataplane(), r.mode.rulesNoun(), len(stuck), r.assessed.Sub(stuckSince).Round(time.Second), listSome(stuck, 10), r.kubeProxy.describe(), r.mode.agent())}})
 	case len(out) > 0:
 		st.State = NodeDivergent
 	case st.Lagging > 0 || st.Divergent > 0:
@@ -634,4 +634,28 @@ func (r *nodeRecord) lastHeard() time.Time {
 		return r.alive
 	}
 	return r.reported
+}
+
+// noRulesDetail says that the node has had no service rules for d.
+func (m Mode) noRulesDetail(d time.Duration) string {
+	if m == ModeCilium {
+		return fmt.Sprintf("no service entries in Cilium's LB maps on this node for %s (emptied, or the agent never programmed them): every service is unreachable through it", d)
+	}
+	return fmt.Sprintf("no kube-proxy service rules on this node for %s (flushed, or kube-proxy not running): every service is unreachable through it", d)
+}
+
+// rulesNoun is what the mode's dataplane holds services in.
+func (m Mode) rulesNoun() string {
+	if m == ModeCilium {
+		return "service maps"
+	}
+	return "rules"
+}
+
+// agent is the process a person restarts to repair the mode's dataplane.
+func (m Mode) agent() string {
+	if m == ModeCilium {
+		return "the Cilium agent"
+	}
+	return "kube-proxy"
 }

@@ -31,15 +31,17 @@ import (
 )
 
 const usage = `proxyaudit-collector reads this node's kube-proxy rules (iptables, nftables,
-IPVS) and streams them to the proxyaudit aggregator, which compares them with
-the cluster's Services and EndpointSlices.
+IPVS), or Cilium's service maps where Cilium replaces kube-proxy, and streams
+them to the proxyaudit aggregator, which compares them with the cluster's
+Services and EndpointSlices.
 
 It reads only when the rules may have changed: nf_tables (iptables-nft and
 nftables mode) announces every commit and numbers the ruleset's generations;
 the legacy iptables backend is watched through its nat table's size. A quiet
 node sends a ~100-byte heartbeat every --interval and reads nothing; a change
 is read about 0.1 s after it is committed; --full-read-interval bounds what a
-signal can miss. IPVS has no change signal and is read every interval.
+signal can miss. IPVS and Cilium's maps have no change signal and are read
+every interval (Cilium's read-only, from the BPF filesystem: --bpf-root).
 
 Usage:
   proxyaudit-collector --node-name NODE --aggregator HOST:PORT [flags]

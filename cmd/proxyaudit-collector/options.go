@@ -20,6 +20,7 @@ type options struct {
 	readBudget             float64
 	kubeProxyMetrics       string
 	nftReader, iptReader   string
+	bpfRoot                string
 	notifyMiB              int
 
 	tokenFile, caFile, serverName string
@@ -40,6 +41,7 @@ func defaultOptions() options {
 		interval: 10 * time.Second, fullRead: collector.DefaultFullReadInterval, readBudget: collector.DefaultReadBudget,
 		kubeProxyMetrics: envOr("PROXYAUDIT_KUBE_PROXY_METRICS", collector.DefaultKubeProxyMetrics),
 		nftReader:        envOr("PROXYAUDIT_NFT_READER", "netlink"), iptReader: envOr("PROXYAUDIT_IPTABLES_READER", "kernel"),
+		bpfRoot:   envOr("PROXYAUDIT_BPF_ROOT", collector.DefaultBPFFS),
 		notifyMiB: collector.DefaultNotifyBuffer >> 20,
 		tokenFile: os.Getenv("PROXYAUDIT_TOKEN_FILE"), caFile: os.Getenv("PROXYAUDIT_CA_FILE"), serverName: os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"),
 		maxMessageBytes: 16 << 20,
@@ -65,7 +67,8 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest message accepted from the aggregator")
 
 	// What is read, and how often.
-	fs.StringVar(&o.mode, "mode", o.mode, "rules to read: auto (what kube-proxy programs), iptables, iptables-legacy, nftables or ipvs [PROXYAUDIT_MODE]")
+	fs.StringVar(&o.mode, "mode", o.mode, "rules to read: auto (what kube-proxy programs, or Cilium's service maps where no kube-proxy rules are found), iptables, iptables-legacy, nftables, ipvs or cilium [PROXYAUDIT_MODE]")
+	fs.StringVar(&o.bpfRoot, "bpf-root", o.bpfRoot, "the BPF filesystem Cilium pins its maps to (cilium-agent --bpf-root), read in cilium mode [PROXYAUDIT_BPF_ROOT]")
 	fs.DurationVar(&o.interval, "interval", o.interval, "how often to report; the rules are read only when their change signal moved (IPVS: every time). Missing for 3 intervals is CollectorMissing")
 	fs.DurationVar(&o.fullRead, "full-read-interval", o.fullRead, "longest time between two reads of rules that have a change signal: the backstop for what a signal can miss")
 	fs.Float64Var(&o.readBudget, "read-budget", o.readBudget, "share of a core reads may average while the rules keep changing")
@@ -143,5 +146,6 @@ func (o *options) host() *collector.Host {
 	h.NotifyBuffer = o.notifyMiB << 20
 	h.NFTJSON = o.nftReader == "nft-json"
 	h.IPTablesSave = o.iptReader == "iptables-save"
+	h.BPFFS = o.bpfRoot
 	return h
 }

@@ -114,9 +114,10 @@ func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rule
 }
 
 // incrementable says whether a node's rules can be assessed from a
-// baseline: IPVS has per-address virtual servers no service's keys name.
+// baseline: IPVS and Cilium have per-address node port frontends no
+// service's keys name.
 func incrementable(rules *stream.State) bool {
-	return rules.Mode != string(audit.ModeIPVS) && !rules.NoRules
+	return rules.Mode != string(audit.ModeIPVS) && rules.Mode != string(audit.ModeCilium) && !rules.NoRules
 }
 
 // famKey packs IP families into a comparable value's string.

@@ -18,7 +18,7 @@ import (
 // off) is left out; no services map at all is an error saying where it
 // looked.
 func ReadCiliumMaps(bpffs string) ([]audit.CiliumMapDump, error) {
-	dir := filepath.Join(bpffs, "tc", "globals")
+	dir := filepath.Join(bpffs, ciliumGlobals)
 	var out []audit.CiliumMapDump
 	services := false
 	for _, name := range audit.CiliumMapNames {

@@ -1,7 +1,9 @@
 package collector
 
 import (
+	"context"
 	"encoding/hex"
+	"errors"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -86,5 +88,35 @@ func TestReadCiliumMapsFromABPFFilesystem(t *testing.T) {
 	wj, _ := json.Marshal(w)
 	if string(gj) != string(wj) {
 		t.Errorf("read back:\n%s\npinned:\n%s", gj, wj)
+	}
+
+	// A node without kube-proxy's rules and with these maps is detected
+	// as Cilium's, and read into the model the audit judges: in sync with
+	// the API the agent programmed them from.
+	h := &Host{HasInterface: func(string) bool { return false }, BPFFS: root, ReadCilium: ReadCiliumMaps}
+	src, err := h.Detect(context.Background())
+	if err != nil || src.Mode != audit.ModeCilium {
+		t.Fatalf("detected %v, %v; want cilium", src, err)
+	}
+	obs, err := h.Reader(src).Read(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster, err := os.ReadFile("../../audit/testdata/cilium/scenario/cluster.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := audit.ParseClusterList(cluster)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fs := audit.Diff(audit.ExpectedFor(st, "cilx"), obs); len(fs) > 0 || obs.Mode != audit.ModeCilium || len(obs.Frontends) < 10 {
+		t.Errorf("read %d frontends in mode %s; findings %+v", len(obs.Frontends), obs.Mode, fs)
+	}
+	// The same host without the maps finds nothing, and says where
+	// Cilium's would be looked for.
+	h.BPFFS = t.TempDir()
+	if _, err := h.Detect(context.Background()); !errors.Is(err, ErrNoKubeProxy) || !strings.Contains(err.Error(), "collector.cilium.enabled") {
+		t.Errorf("no maps: %v", err)
 	}
 }

@@ -69,6 +69,8 @@ func (h *Host) Reader(src Source) RuleReader {
 	switch {
 	case src.Mode == audit.ModeIPVS:
 		return &ipvsReader{open: h.OpenIPVS}
+	case src.Mode == audit.ModeCilium:
+		return &ciliumReader{bpffs: h.BPFFS, read: h.ReadCilium}
 	case src.Mode == audit.ModeNFTables && !h.NFTJSON:
 		return newNFTNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
@@ -112,6 +114,7 @@ var (
 	_ RuleReader = (*toolReader)(nil)
 	_ RuleReader = (*familyReader)(nil)
 	_ RuleReader = (*ipvsReader)(nil)
+	_ RuleReader = (*ciliumReader)(nil)
 )
 
 // familyReader reads each family's rules with its own tool run and merges
@@ -278,4 +281,34 @@ func nftFamily(fam int) string {
 		return "ip6"
 	}
 	return "ip"
+}
+
+// ciliumGlobals is where Cilium pins its global maps under the BPF
+// filesystem.
+const ciliumGlobals = "tc/globals"
+
+// ciliumReader reads Cilium's LB maps (its kube-proxy replacement):
+// every read is whole (the maps have no generation to watch), and opens
+// the pinned maps read-only afresh, so that an agent restart that
+// re-creates them is followed.
+type ciliumReader struct {
+	bpffs string
+	read  func(bpffs string) ([]audit.CiliumMapDump, error)
+}
+
+func (r *ciliumReader) String() string { return string(audit.ModeCilium) }
+
+// Source is where the reader reads from.
+func (r *ciliumReader) Source() Source { return Source{Mode: audit.ModeCilium} }
+
+func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
+	dumps, err := r.read(r.bpffs)
+	if err != nil {
+		return nil, err
+	}
+	lb, err := audit.DecodeCilium(dumps)
+	if err != nil {
+		return nil, err
+	}
+	return lb.Observed(), nil
 }

@@ -316,10 +316,11 @@ func (s *legacySignal) closeFDs() {
 
 // openSignal opens the change signal of src: nf_tables for iptables-nft
 // and nftables mode, IPT_SO_GET_INFO for the legacy backend, none for
-// IPVS (which has neither a generation nor notifications).
+// IPVS and Cilium's maps (which have neither a generation nor
+// notifications).
 func openSignal(src Source, buffer int) (ChangeSignal, error) {
 	switch {
-	case src.Mode == audit.ModeIPVS:
+	case src.Mode == audit.ModeIPVS, src.Mode == audit.ModeCilium:
 		return nil, nil
 	case src.Legacy:
 		return openLegacySignal()

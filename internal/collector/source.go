@@ -14,6 +14,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 
 	utilexec "k8s.io/utils/exec"
@@ -51,8 +53,10 @@ func ParseMode(mode string) (Source, bool, error) {
 		return Source{Mode: audit.ModeNFTables}, true, nil
 	case "ipvs":
 		return Source{Mode: audit.ModeIPVS}, true, nil
+	case "cilium":
+		return Source{Mode: audit.ModeCilium}, true, nil
 	}
-	return Source{}, false, fmt.Errorf("--mode %q: want auto, iptables, iptables-legacy, nftables or ipvs", mode)
+	return Source{}, false, fmt.Errorf("--mode %q: want auto, iptables, iptables-legacy, nftables, ipvs or cilium", mode)
 }
 
 // IPTables checks iptables chains through one backend's binary
@@ -131,7 +135,16 @@ type Host struct {
 	// NFTChain asks nf_tables whether a chain exists, for detection on a
 	// host without the nft binary; nil: not asked.
 	NFTChain func(fam int, table, chain string) (bool, error)
+	// BPFFS is the BPF filesystem Cilium pins its maps to (cilium-agent
+	// --bpf-root; /sys/fs/bpf).
+	BPFFS string
+	// ReadCilium reads Cilium's LB maps pinned under BPFFS (ReadCiliumMaps
+	// in production); nil: Cilium is never looked for.
+	ReadCilium func(bpffs string) ([]audit.CiliumMapDump, error)
 }
+
+// DefaultBPFFS is where Cilium's agent pins its maps by default.
+const DefaultBPFFS = "/sys/fs/bpf"
 
 // NewHost returns the real host: tools from PATH, go-iptables, moby/ipvs,
 // the kernel's interfaces.
@@ -143,6 +156,8 @@ func NewHost() *Host {
 		IP6Tables:    func(legacy bool) (IPTables, error) { return openIPTables(legacy, true) },
 		OpenIPVS:     openIPVS,
 		NFTChain:     nftChainExists,
+		BPFFS:        DefaultBPFFS,
+		ReadCilium:   ReadCiliumMaps,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
 			return err == nil
@@ -159,8 +174,9 @@ func NewHost() *Host {
 const DefaultNotifyBuffer = 16 << 20
 
 // ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
-// programmed this node (yet), or runs in a mode proxyaudit cannot read.
-var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip or ip6 kube-proxy, no KUBE-SERVICES chain in either iptables backend of either family")
+// programmed this node (yet), runs in a mode proxyaudit cannot read, or
+// Cilium replaces it and its maps are not where the collector looks.
+var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip or ip6 kube-proxy, no KUBE-SERVICES chain in either iptables backend of either family, and no Cilium service map pinned under the BPF filesystem (where Cilium replaces kube-proxy, mount the node's BPF filesystem into the collector: the chart's collector.cilium.enabled)")
 
 // Detect finds the mode kube-proxy programs on this node, in this order:
 // IPVS (a kube-ipvs0 interface; in IPVS mode kube-proxy also keeps an
@@ -168,7 +184,10 @@ var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interf
 // KUBE-SERVICES in the nf_tables iptables backend and in the legacy one;
 // IPv4 first, then the same in IPv6 (kube-proxy keeps both families'
 // chains wherever the kernel has IPv6, even on an IPv6-only node, so the
-// IPv6 checks matter only where it programs IPv6 alone). Each check is a
+// IPv6 checks matter only where it programs IPv6 alone); then, where no
+// kube-proxy rules are found, Cilium's service maps pinned under BPFFS
+// (its kube-proxy replacement: the maps also exist where Cilium runs
+// beside kube-proxy, which then does the services). Each check is a
 // small query, never a listing of the whole ruleset, and none takes the
 // xtables lock.
 func (h *Host) Detect(ctx context.Context) (Source, error) {
@@ -213,6 +232,14 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 			} else if ok {
 				return Source{Mode: audit.ModeIPTables, Legacy: legacy}, nil
 			}
+		}
+	}
+	if h.ReadCilium != nil {
+		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliumGlobals, audit.CiliumServices4)); err == nil {
+			return Source{Mode: audit.ModeCilium}, nil
+		}
+		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliumGlobals, audit.CiliumServices6)); err == nil {
+			return Source{Mode: audit.ModeCilium}, nil
 		}
 	}
 	if len(errs) > 0 {

@@ -401,7 +401,9 @@ type Frontend struct {
 	Chain     string   `json:"c,omitempty"`
 	Name      string   `json:"n,omitempty"`
 	Endpoints []string `json:"e,omitempty"`
-	// Weights are IPVS weights, parallel to Endpoints; absent elsewhere.
+	// Weights are IPVS weights, parallel to Endpoints (in Cilium mode 0
+	// marks a terminating backend after the active slots); absent
+	// elsewhere.
 	Weights []int `json:"w,omitempty"`
 }
 
@@ -410,7 +412,7 @@ type Frontend struct {
 // once cost the aggregator a second per report).
 func (r *Report) CheckFacts() error {
 	switch audit.Mode(r.Mode) {
-	case "", audit.ModeIPTables, audit.ModeNFTables, audit.ModeIPVS:
+	case "", audit.ModeIPTables, audit.ModeNFTables, audit.ModeIPVS, audit.ModeCilium:
 	default:
 		return fmt.Errorf("unknown proxy mode %q", clip(r.Mode))
 	}
