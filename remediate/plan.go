@@ -124,8 +124,12 @@ type Node struct {
 	// Exempt says why the node must not be touched (label), Leaving why
 	// it is going away (deletion, autoscaler): both page, never act.
 	Exempt, Leaving string
-	// StaticProxy: kube-proxy runs as a static (mirror) pod, which the
-	// API cannot restart; NoProxyPod: none was found on the node.
+	// Dataplane is what programs the node's services: kube-proxy, or
+	// Cilium's agent (its kube-proxy replacement), restarted instead.
+	Dataplane Dataplane
+	// StaticProxy: kube-proxy (or the agent) runs as a static (mirror)
+	// pod, which the API cannot restart; NoProxyPod: none was found on
+	// the node.
 	StaticProxy, NoProxyPod bool
 	// Unschedulable: the node is already cordoned.
 	Unschedulable bool
@@ -137,13 +141,30 @@ type Node struct {
 	Incident Incident
 }
 
+// Dataplane is what programs a node's services.
+type Dataplane string
+
+// Dataplanes.
+const (
+	DataplaneKubeProxy Dataplane = ""
+	DataplaneCilium    Dataplane = "cilium"
+)
+
+// Agent names the process a restart restarts, for people.
+func (d Dataplane) Agent() string {
+	if d == DataplaneCilium {
+		return "the Cilium agent"
+	}
+	return "kube-proxy"
+}
+
 // ActionKind is what the executor is asked to do.
 type ActionKind string
 
 // Actions.
 const (
-	// RestartProxy deletes the node's kube-proxy pod; its DaemonSet makes
-	// a new one.
+	// RestartProxy deletes the node's kube-proxy pod (or Cilium agent
+	// pod, Action.Dataplane); its DaemonSet makes a new one.
 	RestartProxy ActionKind = "RestartProxy"
 	Cordon       ActionKind = "Cordon"
 	// Uncordon undoes proxyaudit's own cordon only.
@@ -173,11 +194,13 @@ const SelfNode = "(proxyaudit)"
 // Action is one decision for one node. Incident is the node's state once
 // the action is done; the executor records it.
 type Action struct {
-	Kind     ActionKind
-	Node     string
-	Reason   string
-	DryRun   bool
-	Incident Incident
+	Kind ActionKind
+	Node string
+	// Dataplane is the node's: which pod a RestartProxy deletes.
+	Dataplane Dataplane
+	Reason    string
+	DryRun    bool
+	Incident  Incident
 	// Held names, for a page instead of a repair, what held the repair
 	// (one of the Held* reasons), for the held-decisions metric.
 	Held string
@@ -275,7 +298,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 		inc := n.Incident
 		inc.Restarts = recent(inc.Restarts, now, p.BudgetWindow)
 		act := func(kind ActionKind, reason string, next Incident) {
-			out = append(out, Action{Kind: kind, Node: n.Name, Reason: reason, DryRun: dry && kind != Page && kind != Resolve, Incident: next})
+			out = append(out, Action{Kind: kind, Node: n.Name, Dataplane: n.Dataplane, Reason: reason, DryRun: dry && kind != Page && kind != Resolve, Incident: next})
 		}
 		check := func() (string, string) {
 			if held, why := blocked(n, p, inc, now, restarting, limit, hold, holdWhy); why != "" {
@@ -309,7 +332,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			inc.Restarts = append(inc.Restarts, now)
 			restarting++
 			restarted += fresh(n)
-			act(RestartProxy, n.Summary+"; restarting kube-proxy on the node", inc)
+			act(RestartProxy, n.Summary+"; restarting "+n.Dataplane.Agent()+" on the node", inc)
 		case inc.Stage == StageRestarted && now.Sub(last(inc.Restarts)) < p.Recheck:
 			// Give the new kube-proxy time to sync before re-auditing.
 		case inc.Stage == StageRestarted || inc.Stage == StageOpen:
@@ -324,7 +347,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 				inc.Restarts = append(inc.Restarts, now)
 				restarting++
 				restarted += fresh(n)
-				act(RestartProxy, n.Summary+fmt.Sprintf("; still drifted, restarting kube-proxy again (%d of %d in %s)", len(inc.Restarts), p.RestartBudget, p.BudgetWindow), inc)
+				act(RestartProxy, n.Summary+fmt.Sprintf("; still drifted, restarting %s again (%d of %d in %s)", n.Dataplane.Agent(), len(inc.Restarts), p.RestartBudget, p.BudgetWindow), inc)
 				continue
 			} else if inc.Stage == StageOpen {
 				continue // already paged with the reason
@@ -344,7 +367,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			if cordonable && why == "" {
 				inc.Cordoned = now
 				cordoned++
-				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: cordoning the node so no new pods land on it", p.Recheck), inc)
+				act(Cordon, n.Summary+fmt.Sprintf("; still drifted %s after restarting %s: cordoning the node so no new pods land on it", p.Recheck, n.Dataplane.Agent()), inc)
 				continue
 			}
 			tail := ""
@@ -353,7 +376,7 @@ func Plan(now time.Time, p Policy, f Fleet) []Action {
 			} else {
 				held = ""
 			}
-			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting kube-proxy: needs a human", p.Recheck)+tail, inc)
+			act(Page, n.Summary+fmt.Sprintf("; still drifted %s after restarting %s: needs a human", p.Recheck, n.Dataplane.Agent())+tail, inc)
 			out[len(out)-1].Held = held
 		}
 	}
@@ -377,6 +400,8 @@ func blocked(n Node, p Policy, inc Incident, now time.Time, busy, limit int, hol
 		return HeldLeaving, "node is going away (" + n.Leaving + ")"
 	case n.StaticProxy:
 		return HeldUnrestartable, StaticProxyAdvice
+	case n.NoProxyPod && n.Dataplane == DataplaneCilium:
+		return HeldUnrestartable, "no Cilium agent pod found on the node (check the Cilium agent selector)"
 	case n.NoProxyPod:
 		return HeldUnrestartable, "no kube-proxy pod found on the node (check the kube-proxy selector)"
 	case hold != "":

@@ -283,6 +283,7 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	}
 	s.view = aggregator.NewView(vcfg)
 	executor := &effect.Executor{Client: client, Policy: o.remediation, ProxyNamespace: o.proxyNamespace, ProxySelector: o.proxySelector,
+		AgentNamespace: o.agentNamespace, AgentSelector: o.agentSelector,
 		Incidents: &effect.Incidents{Client: client, Namespace: o.leNamespace, Name: o.incidents, MaxAge: 30 * time.Second},
 		Log:       log.Named("remediate"), Component: "proxyaudit-aggregator", Clock: clk,
 		Observe: func(k remediate.ActionKind, out effect.Outcome) {

@@ -53,6 +53,7 @@ type options struct {
 	exemptLabel, incidents        string
 	pause, windows                string
 	proxyNamespace, proxySelector string
+	agentNamespace, agentSelector string
 	slackTokenFile, slackChannel  string
 	slackWebhookFile, slackAPI    string
 	clusterName                   string
@@ -74,6 +75,7 @@ func defaultOptions() options {
 		readerAudience: api.DefaultReaderAudience, reviewQPS: 400, reviewBurst: 400, readerReviewQPS: 10,
 		remediationMode: string(remediate.DefaultPolicy().Mode), remediation: remediate.DefaultPolicy(),
 		exemptLabel: "proxyaudit.io/exempt", incidents: "proxyaudit-incidents", pause: "proxyaudit-pause", proxyNamespace: "kube-system", proxySelector: "k8s-app=kube-proxy",
+		agentNamespace: "kube-system", agentSelector: "k8s-app=cilium",
 		slackTokenFile: os.Getenv("PROXYAUDIT_SLACK_TOKEN_FILE"), slackChannel: os.Getenv("PROXYAUDIT_SLACK_CHANNEL"),
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
@@ -150,6 +152,8 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.windows, "remediation-windows", envOr("PROXYAUDIT_REMEDIATION_WINDOWS", ""), "maintenance windows repairs may happen in, \"DAYS HH:MM-HH:MM [ZONE]\" separated by \";\" (e.g. \"Mon-Fri 09:00-17:00 Europe/Berlin\"); outside them pages only, saying when the next opens. Empty: any time [PROXYAUDIT_REMEDIATION_WINDOWS]")
 	fs.StringVar(&o.proxyNamespace, "kube-proxy-namespace", o.proxyNamespace, "namespace of the kube-proxy pods")
 	fs.StringVar(&o.proxySelector, "kube-proxy-selector", o.proxySelector, "label selector of the kube-proxy pods")
+	fs.StringVar(&o.agentNamespace, "cilium-namespace", o.agentNamespace, "namespace of the Cilium agent pods, restarted instead of kube-proxy on nodes where Cilium replaces it (collectors in cilium mode)")
+	fs.StringVar(&o.agentSelector, "cilium-selector", o.agentSelector, "label selector of the Cilium agent pods")
 	fs.StringVar(&o.slackTokenFile, "slack-token-file", o.slackTokenFile, "file holding a Slack bot token (chat:write): one thread per incident [PROXYAUDIT_SLACK_TOKEN_FILE]; the token may also come from SLACK_BOT_TOKEN (a Secret as env)")
 	fs.StringVar(&o.slackChannel, "slack-channel", o.slackChannel, "Slack channel ID incidents open in, with a bot token [PROXYAUDIT_SLACK_CHANNEL]")
 	fs.StringVar(&o.slackWebhookFile, "slack-webhook-file", o.slackWebhookFile, "file holding a Slack incoming-webhook URL, for teams without a bot (no threads) [PROXYAUDIT_SLACK_WEBHOOK_FILE]")

@@ -78,6 +78,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			Drifted:       st.State == audit.NodeStuck || st.State == audit.NodeDivergent || st.State == audit.NodeNoRules,
 			Healthy:       st.State == audit.NodeInSync,
 			Summary:       summary(st, fs),
+			Dataplane:     dataplaneOf(st.Mode),
 			Unschedulable: node.Spec.Unschedulable,
 			Incident:      r.Executor.Incident(st.Node),
 		}
@@ -93,7 +94,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			n.Leaving = string(q)
 		}
 		if n.Drifted && !storm {
-			n.StaticProxy, n.NoProxyPod = r.Executor.Inspect(ctx, st.Node)
+			n.StaticProxy, n.NoProxyPod = r.Executor.Inspect(ctx, st.Node, n.Dataplane)
 		} else {
 			n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
 		}
@@ -298,4 +299,13 @@ func (a *Aggregator) RemediationHold() string {
 	a.remedy.mu.Lock()
 	defer a.remedy.mu.Unlock()
 	return a.remedy.hold
+}
+
+// dataplaneOf is what programs the services of a node whose collector
+// reads mode m: Cilium's agent for Cilium's maps, else kube-proxy.
+func dataplaneOf(m audit.Mode) remediate.Dataplane {
+	if m == audit.ModeCilium {
+		return remediate.DataplaneCilium
+	}
+	return remediate.DataplaneKubeProxy
 }

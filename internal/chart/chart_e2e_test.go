@@ -519,9 +519,14 @@ func TestE2EChartRBAC(t *testing.T) {
 		}},
 	})
 
-	apply("remediation.mode=restart-and-cordon")
+	// With Cilium's agent restarted on Cilium nodes, from a namespace of
+	// its own: its Role there, and the policy's second selector.
+	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "pa-cilium"}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	apply("remediation.mode=restart-and-cordon", "cilium.enabled=true", "cilium.namespace=pa-cilium")
 	verify(ctx, t, "aggregator (restart-and-cordon)", append(reads, remediation...), never)
-	t.Run("admission policy holds remediation to kube-proxy pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg, ns) })
+	t.Run("admission policy holds remediation to kube-proxy and Cilium agent pods and the cordon", func(t *testing.T) { admissionLimits(ctx, t, c, agg, ns) })
 	t.Run("a pause names its writer as the API server knows them", func(t *testing.T) { pauseNamesItsWriter(ctx, t, c, ns) })
 }
 
@@ -584,11 +589,25 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
-	for name, labels := range map[string]map[string]string{"kube-proxy-pa": {"k8s-app": "kube-proxy"}, "coredns-pa": {"k8s-app": "kube-dns"}, "unlabelled-pa": nil} {
-		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "kube-system", Labels: labels},
+	if _, err := c.Client.CoreV1().ServiceAccounts("pa-cilium").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}},
+		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	for name, labels := range map[string]map[string]string{"kube-proxy-pa": {"k8s-app": "kube-proxy"}, "coredns-pa": {"k8s-app": "kube-dns"}, "unlabelled-pa": nil,
+		"pa-cilium/cilium-pa": {"k8s-app": "cilium"}, "pa-cilium/cilium-operator-pa": {"io.cilium/app": "operator"}} {
+		podNS, podName, found := strings.Cut(name, "/")
+		if !found {
+			podNS, podName = "kube-system", name
+		}
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: podName, Namespace: podNS, Labels: labels},
 			Spec: corev1.PodSpec{NodeName: "pa-admission", Containers: []corev1.Container{{Name: "c", Image: "none"}}}}
-		if _, err := c.Client.CoreV1().Pods("kube-system").Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		if _, err := c.Client.CoreV1().Pods(podNS).Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			t.Fatal(err)
+		}
+	}
+	delIn := func(podNS, pod string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			return agg.CoreV1().Pods(podNS).Delete(ctx, pod, metav1.DeleteOptions{DryRun: dryRun})
 		}
 	}
 	patchNode := func(node, sub, body string) func(context.Context) error {
@@ -622,6 +641,7 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 	denied := []check{
 		{"delete a CoreDNS pod", del("coredns-pa")},
 		{"delete an unlabelled pod", del("unlabelled-pa")},
+		{"delete a Cilium operator pod", delIn("pa-cilium", "cilium-operator-pa")},
 		{"label a node", patch("", `{"metadata":{"labels":{"zone":"b"}}}`)},
 		{"taint a node", patch("", `{"spec":{"taints":[{"key":"x","effect":"NoSchedule"}]}}`)},
 		{"write another annotation", patch("", `{"metadata":{"annotations":{"team":"other"}}}`)},
@@ -650,6 +670,7 @@ func admissionLimits(ctx context.Context, t *testing.T, c *localcluster.Cluster,
 	}
 	allowed := []check{
 		{"delete a kube-proxy pod", del("kube-proxy-pa")},
+		{"delete a Cilium agent pod", delIn("pa-cilium", "cilium-pa")},
 		{"cordon with its marker", patch("", `{"metadata":{"annotations":{"proxyaudit.io/cordoned-at":"2026-11-23T10:00:00Z"}},"spec":{"unschedulable":true}}`)},
 		{"remove an older version's incident annotations", patch("", `{"metadata":{"annotations":{"proxyaudit.io/incident-stage":null,"proxyaudit.io/kube-proxy-restarts":null}}}`)},
 		{"set KubeProxyRulesStale", patch("status", `{"status":{"conditions":[{"type":"KubeProxyRulesStale","status":"True","reason":"Drifted"}]}}`)},

@@ -266,11 +266,15 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"alertmanager.urls[0]=alertmanager:9093":         "/alertmanager/urls/0",
 		"alertmanager.urls[0]=http://am.monitoring:9093": "",
 		"aggregator.streamPort=0":                        "/aggregator/streamPort",
-		"collector.mode=ipvs":                            "/collector/mode",
-		"networkPolicy.enable=true":                      "'enable' not allowed",
-		"tls.existingSecret=":                            "", // empty is fine
-		"remediation.restartBudget=":                     "/remediation/restartBudget",
-		"kubeProxy.selector=k8s-app in (kube-proxy)":     "", // fine in dry-run: no admission policy
+		"collector.mode=ebpf":                            "/collector/mode",
+		"collector.mode=ipvs":                            "",
+		"collector.mode=cilium":                          "",
+		"cilium.bpfRoot=sys/fs/bpf":                      "/cilium/bpfRoot",
+		"remediation.mode=restart,cilium.enabled=true,cilium.selector=k8s-app!=cilium": "cilium.selector",
+		"networkPolicy.enable=true":                                           "'enable' not allowed",
+		"tls.existingSecret=":                                                 "", // empty is fine
+		"remediation.restartBudget=":                                          "/remediation/restartBudget",
+		"kubeProxy.selector=k8s-app in (kube-proxy)":                          "", // fine in dry-run: no admission policy
 		"remediation.mode=restart,kubeProxy.selector=k8s-app in (kube-proxy)": "only key=value terms",
 		"remediation.conntrack.tcpServices[0]=api":                            "/remediation/conntrack/tcpServices/0",
 		"remediation.conntrack.enable=true":                                   "'enable' not allowed",
@@ -472,6 +476,47 @@ func TestShardsOnlyBeyondTwoReplicas(t *testing.T) {
 		r := render(t, nil, strings.Split(sets, ",")...)
 		if !slices.Contains(argsOf(r), want) || !listsLeases(r) {
 			t.Errorf("%s: want %s and the shards' Lease verbs; args %v", sets, want, argsOf(r))
+		}
+	}
+}
+
+// Reading Cilium's maps takes the node's BPF filesystem (read-only) and
+// CAP_BPF: only with cilium.enabled, never by default.
+func TestCiliumValues(t *testing.T) {
+	skipShort(t)
+	spec := func(r *chart.Release) (agg, col *corev1.PodSpec) {
+		a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a, c
+	}
+	bpf := func(col *corev1.PodSpec) (mounted, readOnly, capBPF bool) {
+		for _, m := range col.Containers[0].VolumeMounts {
+			if m.MountPath == "/sys/fs/bpf" {
+				mounted, readOnly = true, m.ReadOnly
+			}
+		}
+		return mounted, readOnly, slices.Contains(col.Containers[0].SecurityContext.Capabilities.Add, "BPF")
+	}
+	agg, col := spec(render(t, nil))
+	if m, _, c := bpf(col); m || c || slices.Contains(col.Containers[0].Args, "--bpf-root=/sys/fs/bpf") {
+		t.Errorf("default install: BPF filesystem mounted %v, CAP_BPF %v", m, c)
+	}
+	if !slices.Contains(agg.Containers[0].Args, "--cilium-selector=k8s-app=cilium") {
+		t.Errorf("aggregator args %v", agg.Containers[0].Args)
+	}
+	_, col = spec(render(t, nil, "cilium.enabled=true", "cilium.bpfRoot=/run/cilium/bpffs"))
+	if m, ro, c := bpf(col); !m || !ro || !c || !slices.Contains(col.Containers[0].Args, "--bpf-root=/sys/fs/bpf") {
+		t.Errorf("cilium.enabled: BPF filesystem mounted %v read-only %v, CAP_BPF %v, args %v", m, ro, c, col.Containers[0].Args)
+	}
+	for _, v := range col.Volumes {
+		if v.Name == "bpffs" && (v.HostPath == nil || v.HostPath.Path != "/run/cilium/bpffs") {
+			t.Errorf("bpffs volume %+v", v)
 		}
 	}
 }

@@ -52,8 +52,11 @@ type Executor struct {
 	// every record write carries the term. Nil: always leading, term 0
 	// (a single replica without election).
 	Lead func() (term int64, ok bool)
-	// ProxyNamespace and ProxySelector find kube-proxy's pods.
+	// ProxyNamespace and ProxySelector find kube-proxy's pods;
+	// AgentNamespace and AgentSelector Cilium's agent pods, restarted on
+	// nodes where Cilium replaces kube-proxy.
 	ProxyNamespace, ProxySelector string
+	AgentNamespace, AgentSelector string
 	Notifier                      remediate.Notifier
 	Log                           *zap.Logger
 	// Observe counts an action's outcome (metrics); may be nil.
@@ -259,7 +262,7 @@ func (e *Executor) Remembered() int {
 // second, and fifty drifting nodes were fifty pod lists a second on the
 // client the watch barrier and the incident record share. A restart
 // looks the pod up again before it deletes anything.
-func (e *Executor) Inspect(ctx context.Context, node string) (static, noPod bool) {
+func (e *Executor) Inspect(ctx context.Context, node string, d remediate.Dataplane) (static, noPod bool) {
 	e.mu.Lock()
 	e.init()
 	at, ok := e.inspected[node]
@@ -269,11 +272,11 @@ func (e *Executor) Inspect(ctx context.Context, node string) (static, noPod bool
 		return static, noPod
 	}
 	e.mu.Unlock()
-	pod, mirror, err := e.proxyPod(ctx, node)
+	pod, mirror, err := e.proxyPod(ctx, node, d)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err != nil {
-		e.Log.Warn("cannot look up the kube-proxy pod", zap.String("node", node), zap.Error(err))
+		e.Log.Warn("cannot look up the pod to restart", zap.String("node", node), zap.Error(err))
 	} else {
 		e.static[node], e.noPod[node], e.inspected[node] = mirror, pod == nil, e.now()
 	}
@@ -402,7 +405,7 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 	e.mu.Unlock()
 	switch a.Kind {
 	case remediate.RestartProxy:
-		pod, static, err := e.proxyPod(ctx, a.Node)
+		pod, static, err := e.proxyPod(ctx, a.Node, a.Dataplane)
 		if err != nil {
 			return Failed, err
 		}
@@ -414,7 +417,8 @@ func (e *Executor) apply(ctx context.Context, term int64, n *remediate.Notice, n
 			if static {
 				a.Reason += "; not restarted (mirror pod " + pod.Name + "): " + remediate.StaticProxyAdvice
 			} else {
-				a.Reason += fmt.Sprintf("; not restarted: no pod matching %s in %s on this node", e.ProxySelector, e.ProxyNamespace)
+				ns, sel := e.podsOf(a.Dataplane)
+				a.Reason += fmt.Sprintf("; not restarted: no pod matching %s in %s on this node", sel, ns)
 			}
 			a.Incident.Stage = remediate.StageOpen
 			a.Incident.Restarts = a.Incident.Restarts[:len(a.Incident.Restarts)-1]
@@ -610,17 +614,30 @@ func refused(base, planned remediate.Incident) remediate.Incident {
 	return inc
 }
 
-// proxyPod finds the node's kube-proxy pod and whether it is a mirror pod.
-func (e *Executor) proxyPod(ctx context.Context, node string) (*corev1.Pod, bool, error) {
-	pods, err := e.Client.CoreV1().Pods(e.ProxyNamespace).List(ctx, metav1.ListOptions{
-		LabelSelector: e.ProxySelector, FieldSelector: "spec.nodeName=" + node})
+// podsOf is the namespace and selector of the pods programming d.
+func (e *Executor) podsOf(d remediate.Dataplane) (string, string) {
+	if d == remediate.DataplaneCilium {
+		return e.AgentNamespace, e.AgentSelector
+	}
+	return e.ProxyNamespace, e.ProxySelector
+}
+
+// proxyPod finds the node's kube-proxy pod (Cilium's agent pod, for d
+// Cilium) and whether it is a mirror pod.
+func (e *Executor) proxyPod(ctx context.Context, node string, d remediate.Dataplane) (*corev1.Pod, bool, error) {
+	ns, sel := e.podsOf(d)
+	if sel == "" {
+		return nil, false, fmt.Errorf("find %s pod: no selector configured for it", d.Agent())
+	}
+	pods, err := e.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{
+		LabelSelector: sel, FieldSelector: "spec.nodeName=" + node})
 	if err != nil {
-		return nil, false, fmt.Errorf("find kube-proxy pod: %w", err)
+		return nil, false, fmt.Errorf("find %s pod: %w", d.Agent(), err)
 	}
 	for i := range pods.Items {
 		p := &pods.Items[i]
-		if p.DeletionTimestamp != nil {
-			continue
+		if p.DeletionTimestamp != nil || p.Spec.NodeName != node {
+			continue // going, or (whatever the API answered) another node's
 		}
 		_, mirror := p.Annotations[MirrorPodAnnotation]
 		return p, mirror, nil

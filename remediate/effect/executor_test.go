@@ -390,16 +390,16 @@ func TestInspectFindsStaticBeforePlanning(t *testing.T) {
 	objs[1].(*corev1.Pod).Annotations = map[string]string{MirrorPodAnnotation: "x"}
 	client := fake.NewClientset(objs...)
 	ex := executor(t, client, noon(), remediate.DefaultPolicy(), &pages{})
-	if static, noPod := ex.Inspect(context.Background(), "node-a"); !static || noPod {
+	if static, noPod := ex.Inspect(context.Background(), "node-a", remediate.DataplaneKubeProxy); !static || noPod {
 		t.Fatalf("mirror pod: static %v, no pod %v", static, noPod)
 	}
 	client.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New("apiserver away")
 	})
-	if static, _ := ex.Inspect(context.Background(), "node-a"); !static {
+	if static, _ := ex.Inspect(context.Background(), "node-a", remediate.DataplaneKubeProxy); !static {
 		t.Error("a failed lookup forgot the static kube-proxy")
 	}
-	if static, noPod := ex.Inspect(context.Background(), "node-b"); static || noPod {
+	if static, noPod := ex.Inspect(context.Background(), "node-b", remediate.DataplaneKubeProxy); static || noPod {
 		t.Errorf("never looked up: static %v, no pod %v", static, noPod)
 	}
 }
@@ -419,7 +419,7 @@ func TestInspectLooksAgainOnlyWhenStale(t *testing.T) {
 	clk := noon()
 	ex := executor(t, client, clk, remediate.DefaultPolicy(), nil)
 	for range 5 {
-		if static, noPod := ex.Inspect(ctx, "node-a"); static || noPod {
+		if static, noPod := ex.Inspect(ctx, "node-a", remediate.DataplaneKubeProxy); static || noPod {
 			t.Fatalf("static %v, no pod %v: want the DaemonSet pod found", static, noPod)
 		}
 		clk.Step(time.Second)
@@ -431,7 +431,57 @@ func TestInspectLooksAgainOnlyWhenStale(t *testing.T) {
 		t.Fatal(err)
 	}
 	clk.Step(inspectFresh)
-	if _, noPod := ex.Inspect(ctx, "node-a"); !noPod || lists != 2 {
+	if _, noPod := ex.Inspect(ctx, "node-a", remediate.DataplaneKubeProxy); !noPod || lists != 2 {
 		t.Fatalf("after %s: no pod %v after %d lists, want the pod's absence seen on a second list", inspectFresh, noPod, lists)
+	}
+}
+
+// On a node where Cilium replaces kube-proxy, the restart deletes the
+// node's Cilium agent pod, never a kube-proxy pod that happens to run
+// there too (a half-migrated node), and the action says which; without
+// an agent pod it is refused naming the agent's selector.
+func TestCiliumNodeRestartsTheAgentPod(t *testing.T) {
+	objs := append(proxyNode(),
+		&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "cilium-a", UID: "u2", Labels: map[string]string{"k8s-app": "cilium"}},
+			Spec: corev1.PodSpec{NodeName: "node-a"}},
+		&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "cilium-b", UID: "u3", Labels: map[string]string{"k8s-app": "cilium"}},
+			Spec: corev1.PodSpec{NodeName: "node-b"}},
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-c"}})
+	client := fake.NewClientset(objs...)
+	clk := noon()
+	p := remediate.DefaultPolicy()
+	p.Mode, p.MaxUnhealthy = remediate.Restart, remediate.MustBudget("100%")
+	ex := executor(t, client, clk, p, &pages{})
+	ex.AgentNamespace, ex.AgentSelector = "kube-system", "k8s-app=cilium"
+	outcomes := map[Outcome]int{}
+	ex.Observe = func(_ remediate.ActionKind, o Outcome) { outcomes[o]++ }
+	ctx := context.Background()
+	_, noPodC := ex.Inspect(ctx, "node-c", remediate.DataplaneCilium)
+	if static, noPod := ex.Inspect(ctx, "node-a", remediate.DataplaneCilium); static || noPod || !noPodC {
+		t.Errorf("agent pods: node-a static %v, no pod %v; node-c no pod %v", static, noPod, noPodC)
+	}
+	p.MaxConcurrent = 5
+	fleet := remediate.Fleet{Nodes: []remediate.Node{
+		{Name: "node-a", Drifted: true, Summary: "StaleEndpoint: test", Dataplane: remediate.DataplaneCilium},
+		{Name: "node-c", Drifted: true, Summary: "StaleEndpoint: test", Dataplane: remediate.DataplaneCilium, NoProxyPod: noPodC},
+	}}
+	actions := remediate.Plan(clk.Now(), p, fleet)
+	if len(actions) != 2 || actions[0].Kind != remediate.RestartProxy || actions[0].Reason != "StaleEndpoint: test; restarting the Cilium agent on the node" ||
+		actions[1].Kind != remediate.Page || !strings.Contains(actions[1].Reason, "no Cilium agent pod found on the node") {
+		t.Errorf("actions %+v", actions)
+	}
+	if err := ex.Execute(ctx, actions, nil); err != nil {
+		t.Fatal(err)
+	}
+	pods, _ := client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{})
+	var left []string
+	for _, p := range pods.Items {
+		left = append(left, p.Name)
+	}
+	if strings.Join(left, ",") != "cilium-b,kube-proxy-a" {
+		t.Errorf("pods left %v; want node-a's agent pod deleted, its kube-proxy pod and node-b's agent kept", left)
+	}
+	if outcomes[Done] != 2 {
+		t.Errorf("outcomes %v", outcomes)
 	}
 }
