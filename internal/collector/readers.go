@@ -283,10 +283,6 @@ func nftFamily(fam int) string {
 	return "ip"
 }
 
-// ciliumGlobals is where Cilium pins its global maps under the BPF
-// filesystem.
-const ciliumGlobals = "tc/globals"
-
 // ciliumReader reads Cilium's LB maps (its kube-proxy replacement):
 // every read is whole (the maps have no generation to watch), and opens
 // the pinned maps read-only afresh, so that an agent restart that

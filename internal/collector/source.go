@@ -21,6 +21,7 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
 )
 
 // Source names where one node's kube-proxy rules are read from.
@@ -138,7 +139,7 @@ type Host struct {
 	// BPFFS is the BPF filesystem Cilium pins its maps to (cilium-agent
 	// --bpf-root; /sys/fs/bpf).
 	BPFFS string
-	// ReadCilium reads Cilium's LB maps pinned under BPFFS (ReadCiliumMaps
+	// ReadCilium reads Cilium's LB maps pinned under BPFFS (ciliummaps.Read
 	// in production); nil: Cilium is never looked for.
 	ReadCilium func(bpffs string) ([]audit.CiliumMapDump, error)
 }
@@ -157,7 +158,7 @@ func NewHost() *Host {
 		OpenIPVS:     openIPVS,
 		NFTChain:     nftChainExists,
 		BPFFS:        DefaultBPFFS,
-		ReadCilium:   ReadCiliumMaps,
+		ReadCilium:   ciliummaps.Read,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
 			return err == nil
@@ -235,10 +236,10 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 		}
 	}
 	if h.ReadCilium != nil {
-		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliumGlobals, audit.CiliumServices4)); err == nil {
+		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, audit.CiliumServices4)); err == nil {
 			return Source{Mode: audit.ModeCilium}, nil
 		}
-		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliumGlobals, audit.CiliumServices6)); err == nil {
+		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, audit.CiliumServices6)); err == nil {
 			return Source{Mode: audit.ModeCilium}, nil
 		}
 	}

@@ -10,13 +10,13 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/proxyaudit/proxyaudit/internal/collector"
+	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
 )
 
 func main() {
 	bpffs := flag.String("bpffs", "/sys/fs/bpf", "the BPF filesystem the agent pins its maps to (cilium-agent --bpf-root)")
 	flag.Parse()
-	maps, err := collector.ReadCiliumMaps(*bpffs)
+	maps, err := ciliummaps.Read(*bpffs)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "dump:", err)
 		os.Exit(1)

@@ -1,0 +1,4 @@
+package ciliummaps
+
+// Globals is where Cilium pins its global maps under the BPF filesystem.
+const Globals = "tc/globals"

@@ -1,0 +1,72 @@
+package ciliummaps
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+)
+
+// The reader's mechanics on real kernel maps: the genuine agent's
+// captured entries (audit/testdata/cilium) loaded into BPF hash maps of
+// the same sizes, pinned in a BPF filesystem of the test's own as the
+// agent pins them, read back entry for entry. (That the entries mean
+// what proxyaudit says is proved against cilium-dbg in audit's tests.)
+func TestReadCiliumMapsFromABPFFilesystem(t *testing.T) {
+	root := t.TempDir()
+	if err := unix.Mount("bpf", root, "bpf", 0, ""); err != nil {
+		t.Skipf("cannot mount a BPF filesystem here (%v): the reader's test needs root", err)
+	}
+	t.Cleanup(func() { unix.Unmount(root, 0) })
+
+	if _, err := Read(root); err == nil || !strings.Contains(err.Error(), "--bpf-root") {
+		t.Errorf("no maps pinned: %v, want an error saying where it looked and what to check", err)
+	}
+
+	b, err := os.ReadFile("../../../audit/testdata/cilium/scenario/maps.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []audit.CiliumMapDump
+	if err := json.Unmarshal(b, &want); err != nil {
+		t.Fatal(err)
+	}
+	if err := Pin(root, want); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(root, Globals)
+	// Another of Cilium's maps beside them is not read.
+	other, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 2, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.Pin(filepath.Join(dir, "cilium_lb4_maglev"))
+	other.Close()
+
+	got, err := Read(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sorted := func(ds []audit.CiliumMapDump) []audit.CiliumMapDump {
+		out := slices.Clone(ds)
+		for i := range out {
+			out[i].Entries = slices.Clone(out[i].Entries)
+			slices.SortFunc(out[i].Entries, func(a, b audit.CiliumEntry) int { return strings.Compare(a.Key, b.Key) })
+		}
+		slices.SortFunc(out, func(a, b audit.CiliumMapDump) int { return strings.Compare(a.Name, b.Name) })
+		return out
+	}
+	g, w := sorted(got), sorted(want)
+	gj, _ := json.Marshal(g)
+	wj, _ := json.Marshal(w)
+	if string(gj) != string(wj) {
+		t.Errorf("read back:\n%s\npinned:\n%s", gj, wj)
+	}
+}
