@@ -272,3 +272,24 @@ func TestCiliumDamagedMaps(t *testing.T) {
 		t.Errorf("master gone: findings %+v", fs)
 	}
 }
+
+// `proxyaudit diff` and the other rule readers take a Cilium node's maps
+// dump like any dump: detected by content, judged the same; malformed
+// dumps are refused saying what was expected.
+func TestCiliumDumpParsesAsRules(t *testing.T) {
+	st := loadCluster(t, "testdata/cilium/frozen")
+	fs := auditFile(t, st, "cilx", "testdata/cilium/frozen/maps.json")
+	if len(fs) != 4 {
+		t.Errorf("frozen dump through ParseRules: %+v", fs)
+	}
+	for in, says := range map[string]string{
+		`[{"name": "cilium_lb4_services_v2", "keySize": 12, "valueSize": 12, "entries": [{"key": "zz", "value": ""}]}]`: "not a 12-byte key",
+		`[{"name": "cilium_lb4_backends_v3", "keySize": 4, "valueSize": 12}]`:                                               "no services map",
+		`[1, 2]`:                   "a JSON list of maps",
+		`[{"name": "cilium_lb4_se`: "a JSON list of maps",
+	} {
+		if _, err := ParseRules(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), says) {
+			t.Errorf("%s: %v, want %q", in, err, says)
+		}
+	}
+}

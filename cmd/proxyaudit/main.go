@@ -52,7 +52,8 @@ const maxInputBytes = 1 << 30
 // largest clusters' (100k endpoints at the anchors).
 const maxServiceEndpoints = 2_000_000
 
-const usage = `proxyaudit finds nodes whose kube-proxy rules have drifted from the cluster.
+const usage = `proxyaudit finds nodes whose kube-proxy rules (or Cilium's service maps, where
+Cilium replaces kube-proxy) have drifted from the cluster.
 
 Usage:
   proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
@@ -75,6 +76,9 @@ diff compares each node's rule dump with what kube-proxy should have programmed 
                       nft -j list table ip kube-proxy (nftables mode; "ip6" for IPv6,
                                                        or nft -j list ruleset for both)
                       ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode, both families)
+                      go run ./deploy/cilium/dump -bpffs /sys/fs/bpf
+                                                      (Cilium's LB maps where it replaces
+                                                       kube-proxy, both families)
                       proxyaudit-collector --once --snapshot FILE (any mode)
                    the format is detected from the content. Give a node once
                    per family (--rules n=v4.rules --rules n=v6.rules) or one
