@@ -5,14 +5,17 @@
 # chromium for the status page's browser tests; gcc for go test -race.)
 # Does nothing when they are present; needs root (apt-get) otherwise.
 # `install-deps.sh demo`: only what `make demo` runs (no VM, browser or gcc).
+# `install-deps.sh cilium`: clang-19 and llvm-19, with which the genuine
+# Cilium agent compiles its datapath (make e2e-cilium, deploy/cilium).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 demo="ip:iproute2 iptables:iptables iptables-legacy:iptables nft:nftables conntrack:conntrack ss:iproute2 containerd:containerd ctr:containerd runc:runc /usr/lib/cni/bridge:containernetworking-plugins"
 all="$demo ipvsadm:ipvsadm /usr/bin/time:time ipset:ipset qemu-system-x86_64:qemu-system-x86 busybox:busybox-static depmod:kmod cpio:cpio chromium:chromium gcc:gcc"
 case ${1:-} in
   demo) want=$demo ;;
+  cilium) want="clang-19:clang-19 llc-19:llvm-19" ;;
   "") want=$all ;;
-  *) echo "usage: $0 [demo]" >&2; exit 2 ;;
+  *) echo "usage: $0 [demo|cilium]" >&2; exit 2 ;;
 esac
 need=()
 for pair in $want; do

@@ -79,7 +79,10 @@ mount -t bpf bpf "$work/bpffs"
 if mount -t bpf | grep -v " $work/bpffs " | grep -q .; then
   echo "capture.sh: another BPF filesystem is mounted (cilium-dbg would read it): $(mount -t bpf | grep -v " $work/bpffs ")" >&2; exit 1
 fi
-# The agent attaches socket programs to a cgroup v2 hierarchy: the host's.
+# The agent wants the cgroup v2 hierarchy's mount point (given a cgroup
+# below it, it mounts cgroup2 there: the whole hierarchy again). Its socket
+# load balancing is off: on the root cgroup it would translate every
+# process's connections on this machine; the service maps are the same.
 cgroup=/sys/fs/cgroup
 [ "$(stat -fc %T $cgroup)" = cgroup2fs ] || cgroup=/sys/fs/cgroup/unified
 [ "$(stat -fc %T $cgroup 2>/dev/null)" = cgroup2fs ] || { echo "capture.sh: no cgroup v2 hierarchy mounted" >&2; exit 1; }
@@ -87,7 +90,7 @@ ln -s "$cil/lib/bpf" "$work/lib/bpf"
 ln -s "$(command -v clang-19)" "$work/path/clang"; ln -s "$(command -v llc-19)" "$work/path/llc"
 nsenter --net=/run/netns/$node env K8S_NODE_NAME=cilx PATH="$work/path:$PATH" "$cil/bin/cilium-agent" \
   --k8s-kubeconfig-path="$work/kubeconfig" --kube-proxy-replacement=true --routing-mode=native --ipv4-native-routing-cidr=198.18.128.0/17 \
-  --ipam=kubernetes --enable-ipv6=false --devices=eth0 --bpf-root="$work/bpffs" --cgroup-root="$cgroup" \
+  --ipam=kubernetes --enable-ipv6=false --devices=eth0 --bpf-root="$work/bpffs" --cgroup-root="$cgroup" --bpf-lb-sock=false \
   --state-dir="$work/state" --lib-dir="$work/lib" --socket-path="$work/state/cilium.sock" \
   --enable-health-checking=false --enable-endpoint-health-checking=false --identity-allocation-mode=crd \
   --enable-l7-proxy=false --enable-hubble=false --enable-ipv4-masquerade=false --cni-exclusive=false >"$work/agent.log" 2>&1 & agent=$!

@@ -146,6 +146,9 @@ func Run(ctx context.Context, cfg Config) error {
 
 type client struct {
 	cfg Config
+	// noKubeProxy: the node's services are Cilium's (no kube-proxy
+	// metrics to scrape).
+	noKubeProxy bool
 	// resolved keeps each aggregator name's last answer, from DNS or the
 	// aggregator's list of its replicas (learnPeers).
 	resolved map[string][]string

@@ -89,7 +89,7 @@ func (c *client) due(orElse stream.ReadReason) stream.ReadReason {
 // scrape reads kube-proxy's metrics (the second signal, and on the legacy
 // backend part of the change signal).
 func (c *client) scrape(ctx context.Context) {
-	if c.cfg.KubeProxyMetrics != "" {
+	if c.cfg.KubeProxyMetrics != "" && !c.noKubeProxy {
 		c.kp = ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
 	}
 }
@@ -97,7 +97,7 @@ func (c *client) scrape(ctx context.Context) {
 // scrapeAsync starts a scrape whose result arrives on c.scraped, unless
 // one is still running (a frozen kube-proxy: one scrape at a time).
 func (c *client) scrapeAsync(ctx context.Context) {
-	if c.cfg.KubeProxyMetrics == "" || c.scraping {
+	if c.cfg.KubeProxyMetrics == "" || c.noKubeProxy || c.scraping {
 		return
 	}
 	if c.scraped == nil {
@@ -297,6 +297,8 @@ func applyChanges(s *stream.State, ch *Changes) *stream.State {
 // openSignal opens the change signal of the detected (or configured)
 // source, once. Without one every heartbeat reads.
 func (c *client) openSignal(src Source) {
+	// Where Cilium replaces kube-proxy there is no kube-proxy to scrape.
+	c.noKubeProxy = src.Mode == audit.ModeCilium
 	if c.signalTried || c.cfg.Host.OpenSignal == nil {
 		return
 	}

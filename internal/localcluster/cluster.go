@@ -177,6 +177,7 @@ type Cluster struct {
 	cpOnce      sync.Mutex
 	controllers []*process
 	images      []string
+	ciliumCRDs  bool // Cilium's CRDs applied (the first Cilium node)
 	undo        []func() // host settings to restore at Stop
 }
 
@@ -200,6 +201,9 @@ type Node struct {
 	mu    sync.Mutex
 	proxy *process
 	real  *realNode // a kubelet node (AddKubeletNode); nil for a namespace-only one
+	// cilium: the node runs Cilium's agent instead of kube-proxy
+	// (ModeCilium); nil otherwise.
+	cilium *ciliumNode
 }
 
 func (c *Cluster) logf(format string, args ...any) {
@@ -485,8 +489,11 @@ func (c *Cluster) waitProcess(ctx context.Context, p *process, timeout time.Dura
 // object (zone label, InternalIP) and starts kube-proxy, returning once
 // kube-proxy has programmed default/kubernetes.
 func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
+	if spec.Mode == ModeCilium {
+		return c.addCiliumNode(ctx, spec)
+	}
 	if spec.Mode != ModeIPTables && spec.Mode != ModeNFTables {
-		return nil, fmt.Errorf("node %s: unsupported mode %q (want iptables or nftables)", spec.Name, spec.Mode)
+		return nil, fmt.Errorf("node %s: unsupported mode %q (want iptables, nftables or cilium)", spec.Name, spec.Mode)
 	}
 	n, err := c.newNodeNet(ctx, spec.Name, spec.Mode, spec.Zone)
 	if err != nil {

@@ -397,6 +397,19 @@ func cleanupRealNodes(dir string) error {
 		roots = append(roots, sys...)
 	}
 	for _, root := range roots {
+		// A cgroup hierarchy mounted over one of ours (Cilium's agent
+		// mounts cgroup2 at a --cgroup-root that is not a mount point)
+		// shows every process of the machine: unmounted, never walked.
+		for _, m := range mountsUnder(root) {
+			if m == root || strings.HasPrefix(m, root+"/") {
+				if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil {
+					errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
+				}
+			}
+		}
+		if len(mountsUnder(root)) > 0 {
+			continue
+		}
 		killCgroup(root)
 	}
 	if dir != "" {

@@ -30,6 +30,9 @@ func (n *Node) iptables(suffix string) string {
 // `ip6tables-save -t nat` in iptables mode, `nft -j list ruleset` (kube-
 // proxy's ip and ip6 tables) in nftables mode.
 func (n *Node) Rules(ctx context.Context) (string, error) {
+	if n.Mode == ModeCilium {
+		return n.ciliumRules()
+	}
 	if n.Mode == ModeNFTables {
 		return n.Exec(ctx, "nft", "-j", "list", "ruleset")
 	}
@@ -57,6 +60,9 @@ func (n *Node) StartProxy(ctx context.Context) error {
 	ready := n.proxyReady
 	if ready <= 0 {
 		ready = 60 * time.Second
+		if n.Mode == ModeCilium {
+			ready = ciliumReady
+		}
 	}
 	return n.c.waitProcess(ctx, p, ready, "kube-proxy rules on "+n.Name, func() bool {
 		rules, err := n.Rules(ctx)
@@ -70,6 +76,14 @@ func (n *Node) startProxy() (*process, error) {
 	if n.proxy != nil && !n.proxy.exited() {
 		n.mu.Unlock()
 		return nil, fmt.Errorf("kube-proxy already runs on %s", n.Name)
+	}
+	if n.Mode == ModeCilium {
+		p, err := n.startAgent()
+		if err == nil {
+			n.proxy = p
+		}
+		n.mu.Unlock()
+		return p, err
 	}
 	argv := []string{"ip", "netns", "exec", n.NetNS}
 	if n.Legacy {
@@ -107,6 +121,9 @@ func (n *Node) startProxy() (*process, error) {
 // DNATs from the service chain through a numgen map of [ip, port] pairs, or
 // from a per-endpoint chain when it needs one (session affinity).
 func (n *Node) RoutesTo(rules, ipPort string) bool {
+	if n.Mode == ModeCilium {
+		return ciliumRoutesTo(rules, ipPort)
+	}
 	if n.Mode == ModeNFTables {
 		ip, port, _ := net.SplitHostPort(ipPort)
 		return strings.Contains(rules, `{"concat": ["`+ip+`", `+port+`]}`) ||

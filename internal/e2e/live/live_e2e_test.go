@@ -170,7 +170,11 @@ func (l *live) startCollector(n *localcluster.Node) {
 	for _, ip := range l.replicas {
 		addrs = append(addrs, ip+":9443")
 	}
-	p, err := n.StartProcess("collector-"+n.Name, append(l.localArgv(loc), "--aggregator="+strings.Join(addrs, ","))...)
+	argv := append(l.localArgv(loc), "--aggregator="+strings.Join(addrs, ","))
+	if bpffs := n.BPFFS(); bpffs != "" {
+		argv = append(argv, "--bpf-root="+bpffs) // the node's own, not the host's /sys/fs/bpf
+	}
+	p, err := n.StartProcess("collector-"+n.Name, argv...)
 	if err != nil {
 		l.t.Fatal(err)
 	}
