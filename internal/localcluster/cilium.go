@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -195,6 +196,17 @@ func (n *Node) signalProxy(sig syscall.Signal) error {
 		return fmt.Errorf("no kube-proxy or agent runs on %s", n.Name)
 	}
 	return syscall.Kill(pid, sig)
+}
+
+// agentAnswers says whether the node's Cilium agent serves its API (its
+// socket accepts connections: a dead agent's socket file refuses them).
+func (n *Node) agentAnswers() bool {
+	conn, err := net.DialTimeout("unix", filepath.Join(n.cilium.work, "state", "cilium.sock"), time.Second)
+	if err != nil {
+		return false
+	}
+	conn.Close()
+	return true
 }
 
 // ciliumReady is how long a new agent may take to compile and attach its

@@ -64,7 +64,16 @@ func (n *Node) StartProxy(ctx context.Context) error {
 			ready = ciliumReady
 		}
 	}
-	return n.c.waitProcess(ctx, p, ready, "kube-proxy rules on "+n.Name, func() bool {
+	what := "kube-proxy rules on " + n.Name
+	if n.Mode == ModeCilium {
+		// The maps outlive the agent: a restarted one is ready when its
+		// API answers, not when the last one's entries are there.
+		what = "Cilium agent's maps on " + n.Name
+	}
+	return n.c.waitProcess(ctx, p, ready, what, func() bool {
+		if n.Mode == ModeCilium && !n.agentAnswers() {
+			return false
+		}
 		rules, err := n.Rules(ctx)
 		return err == nil && n.RoutesTo(rules, n.c.KubernetesEndpoint())
 	})
