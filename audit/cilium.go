@@ -29,12 +29,39 @@ import (
 // ports are in network byte order, the rest in the host's.
 
 // CiliumMapDump is one pinned map's raw entries, as the collector reads
-// them (and as fixtures captured from the genuine agent hold them).
+// them (Packed) and as dumps and fixtures captured from the genuine agent
+// hold them (Entries, in hex).
 type CiliumMapDump struct {
 	Name      string        `json:"name"`
 	KeySize   int           `json:"keySize"`
 	ValueSize int           `json:"valueSize"`
 	Entries   []CiliumEntry `json:"entries"`
+	// Packed, when not nil, holds the entries instead of Entries: each
+	// key and its value back to back, KeySize+ValueSize bytes an entry.
+	Packed []byte `json:"-"`
+}
+
+// WithEntries returns d with its packed entries (if any) as Entries, for
+// JSON.
+func (d CiliumMapDump) WithEntries() CiliumMapDump {
+	if d.Packed == nil {
+		return d
+	}
+	size := d.KeySize + d.ValueSize
+	d.Entries = make([]CiliumEntry, 0, len(d.Packed)/max(size, 1))
+	for i := 0; size > 0 && i+size <= len(d.Packed); i += size {
+		d.Entries = append(d.Entries, CiliumEntry{Key: hex.EncodeToString(d.Packed[i : i+d.KeySize]), Value: hex.EncodeToString(d.Packed[i+d.KeySize : i+size])})
+	}
+	d.Packed = nil
+	return d
+}
+
+// count is how many entries d holds.
+func (d *CiliumMapDump) count() int {
+	if d.Packed != nil {
+		return len(d.Packed) / (d.KeySize + d.ValueSize)
+	}
+	return len(d.Entries)
 }
 
 // CiliumEntry is one key and value, in hex.
@@ -203,11 +230,21 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 		case CiliumServices6:
 			fams[6] = true
 		}
-		for i, e := range d.Entries {
-			k, err1 := hex.DecodeString(e.Key)
-			v, err2 := hex.DecodeString(e.Value)
-			if err1 != nil || err2 != nil || len(k) != d.KeySize || len(v) != d.ValueSize {
-				return nil, fmt.Errorf("cilium map %s, entry %d: not a %d-byte key and %d-byte value in hex", d.Name, i, d.KeySize, d.ValueSize)
+		size := d.KeySize + d.ValueSize
+		if d.Packed != nil && len(d.Packed)%size != 0 {
+			return nil, fmt.Errorf("cilium map %s: %d bytes read, not whole %d-byte entries", d.Name, len(d.Packed), size)
+		}
+		for i := range d.count() {
+			var k, v []byte
+			if d.Packed != nil {
+				k, v = d.Packed[i*size:i*size+d.KeySize], d.Packed[i*size+d.KeySize:(i+1)*size]
+			} else {
+				var err1, err2 error
+				k, err1 = hex.DecodeString(d.Entries[i].Key)
+				v, err2 = hex.DecodeString(d.Entries[i].Value)
+				if err1 != nil || err2 != nil || len(k) != d.KeySize || len(v) != d.ValueSize {
+					return nil, fmt.Errorf("cilium map %s, entry %d: not a %d-byte key and %d-byte value in hex", d.Name, i, d.KeySize, d.ValueSize)
+				}
 			}
 			switch d.Name {
 			case CiliumServices4, CiliumServices6:
@@ -231,6 +268,9 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 				}
 				f.Slots[slot-1], f.SlotFlags2[slot-1] = id, v[9]
 			case CiliumBackends4, CiliumBackends6:
+				if i == 0 && len(lb.Backends) == 0 {
+					lb.Backends = make(map[uint32]CiliumBackend, d.count())
+				}
 				id := binary.NativeEndian.Uint32(k)
 				lb.Backends[id] = CiliumBackend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
 					Protocol: ciliumProto(v[alen+2]), State: CiliumBackendState(v[alen+3]), ClusterID: binary.NativeEndian.Uint16(v[alen+4:]), Zone: v[alen+6]}
@@ -239,6 +279,7 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 			}
 		}
 	}
+	lb.Frontends = make([]CiliumFrontend, 0, len(fronts))
 	for _, f := range fronts {
 		lb.Frontends = append(lb.Frontends, *f)
 	}
@@ -401,7 +442,8 @@ func (lb *CiliumLB) Observed() *Observed {
 		if key.Family() == 6 {
 			fam = "lb6"
 		}
-		of := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: fmt.Sprintf("cilium_%s service %d (%s)", fam, f.RevNat, f.FlagNames())}
+		of := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: fmt.Sprintf("cilium_%s service %d (%s)", fam, f.RevNat, f.FlagNames()),
+			Endpoints: make([]Endpoint, 0, len(f.Slots))}
 		for s, id := range f.Slots {
 			if id == 0 {
 				continue
@@ -415,7 +457,7 @@ func (lb *CiliumLB) Observed() *Observed {
 			if s >= f.Count && f.SlotFlags2[s]&CiliumFlag2Quarantined == 0 && be.State != CiliumQuarantined {
 				w = 0 // terminating: its connections only
 			}
-			of.Endpoints = append(of.Endpoints, Endpoint{Addr: be.Addr, Weight: w, Chain: fmt.Sprintf("backend %d slot %d (%s)", id, s+1, be.State)})
+			of.Endpoints = append(of.Endpoints, Endpoint{Addr: be.Addr, Weight: w, Chain: of.Chain})
 		}
 		if len(of.Endpoints) == 0 {
 			o.Rejects[key] = true

@@ -284,7 +284,7 @@ func TestCiliumDumpParsesAsRules(t *testing.T) {
 	}
 	for in, says := range map[string]string{
 		`[{"name": "cilium_lb4_services_v2", "keySize": 12, "valueSize": 12, "entries": [{"key": "zz", "value": ""}]}]`: "not a 12-byte key",
-		`[{"name": "cilium_lb4_backends_v3", "keySize": 4, "valueSize": 12}]`:                                               "no services map",
+		`[{"name": "cilium_lb4_backends_v3", "keySize": 4, "valueSize": 12}]`:                                           "no services map",
 		`[1, 2]`:                   "a JSON list of maps",
 		`[{"name": "cilium_lb4_se`: "a JSON list of maps",
 	} {

@@ -157,6 +157,9 @@ func (n *Node) ciliumRules() (string, error) {
 	if err != nil {
 		return "", err
 	}
+	for i := range dumps {
+		dumps[i] = dumps[i].WithEntries()
+	}
 	b, err := json.Marshal(dumps)
 	return string(b), err
 }

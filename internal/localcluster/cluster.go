@@ -177,7 +177,7 @@ type Cluster struct {
 	cpOnce      sync.Mutex
 	controllers []*process
 	images      []string
-	ciliumCRDs  bool // Cilium's CRDs applied (the first Cilium node)
+	ciliumCRDs  bool     // Cilium's CRDs applied (the first Cilium node)
 	undo        []func() // host settings to restore at Stop
 }
 

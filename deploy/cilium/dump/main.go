@@ -21,6 +21,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, "dump:", err)
 		os.Exit(1)
 	}
+	for i := range maps {
+		maps[i] = maps[i].WithEntries()
+	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", " ")
 	if err := enc.Encode(maps); err != nil {

@@ -8,15 +8,17 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Read reads Cilium's LB maps pinned under the BPF filesystem
 // root bpffs (tc/globals/…), read-only: the maps are opened with
-// BPF_F_RDONLY and only iterated. A family whose maps are absent (IPv6
+// BPF_F_RDONLY and only looked up, in batches. A family whose maps are absent (IPv6
 // off) is left out; no services map at all is an error saying where it
 // looked.
 func Read(bpffs string) ([]audit.CiliumMapDump, error) {
@@ -83,13 +85,72 @@ func Pin(bpffs string, dumps []audit.CiliumMapDump) error {
 
 func dumpMap(m *ebpf.Map, name string) (audit.CiliumMapDump, error) {
 	d := audit.CiliumMapDump{Name: name, KeySize: int(m.KeySize()), ValueSize: int(m.ValueSize())}
-	var k, v []byte
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		d.Entries = append(d.Entries, audit.CiliumEntry{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)})
+	var err error
+	switch [2]int{d.KeySize, d.ValueSize} {
+	// The layouts proxyaudit reads (audit's ciliumLayouts), in batches:
+	// two system calls per entry when iterated, one per thousands here.
+	case [2]int{12, 12}:
+		d.Packed, err = readBatch[[12]byte, [12]byte](m)
+	case [2]int{24, 12}:
+		d.Packed, err = readBatch[[24]byte, [12]byte](m)
+	case [2]int{4, 12}:
+		d.Packed, err = readBatch[[4]byte, [12]byte](m)
+	case [2]int{4, 24}:
+		d.Packed, err = readBatch[[4]byte, [24]byte](m)
+	case [2]int{2, 6}:
+		d.Packed, err = readBatch[[2]byte, [6]byte](m)
+	case [2]int{2, 18}:
+		d.Packed, err = readBatch[[2]byte, [18]byte](m)
+	default:
+		err = ebpf.ErrNotSupported // audit refuses the layout by name
 	}
-	if err := it.Err(); err != nil {
+	if errors.Is(err, ebpf.ErrNotSupported) || errors.Is(err, unix.EINVAL) {
+		// A kernel before batch lookups (5.6), or another layout: one
+		// entry at a time.
+		d.Packed, err = iterate(m)
+	}
+	if err != nil {
 		return d, fmt.Errorf("reading Cilium's map %s: %w", name, err)
 	}
 	return d, nil
+}
+
+// batchSize is how many entries one lookup asks for.
+const batchSize = 4096
+
+// readBatch reads every entry of a hash map of K-byte keys and V-byte
+// values (byte arrays) with BPF_MAP_LOOKUP_BATCH, packed as audit's
+// CiliumMapDump.Packed holds them. A map the agent writes meanwhile may
+// show an entry twice or miss one, as iteration may.
+func readBatch[K, V any](m *ebpf.Map) ([]byte, error) {
+	keys, vals := make([]K, batchSize), make([]V, batchSize)
+	ks, vs := int(unsafe.Sizeof(keys[0])), int(unsafe.Sizeof(vals[0]))
+	// Room for a full map (Cilium's default 65536 services entries are
+	// 1.5 MB), at most 64 MiB up front.
+	out := make([]byte, 0, min(int(m.MaxEntries())*(ks+vs), 64<<20))
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, vals, nil)
+		for i := range n {
+			out = append(out, unsafe.Slice((*byte)(unsafe.Pointer(&keys[i])), ks)...)
+			out = append(out, unsafe.Slice((*byte)(unsafe.Pointer(&vals[i])), vs)...)
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+}
+
+// iterate reads every entry one at a time (BPF_MAP_GET_NEXT_KEY and a
+// lookup each).
+func iterate(m *ebpf.Map) ([]byte, error) {
+	var out, k, v []byte
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		out = append(append(out, k...), v...)
+	}
+	return out, it.Err()
 }

@@ -54,6 +54,12 @@ func TestReadCiliumMapsFromABPFFilesystem(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	for i := range got {
+		if got[i].Packed == nil && len(got[i].Entries) == 0 && got[i].Name != "" {
+			t.Errorf("%s read as nothing", got[i].Name)
+		}
+		got[i] = got[i].WithEntries()
+	}
 	sorted := func(ds []audit.CiliumMapDump) []audit.CiliumMapDump {
 		out := slices.Clone(ds)
 		for i := range out {
