@@ -64,9 +64,9 @@ func TestE2ECiliumNode(t *testing.T) {
 	if _, err := c.Client.CoreV1().Pods("kube-system").Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
-	restarted := make(chan error, 1)
+	restarted, proceed := make(chan error, 1), make(chan struct{})
 	var once sync.Once
-	go daemonSetStandIn(ctx, t, c, n, pod, func(err error) { once.Do(func() { restarted <- err }) })
+	go daemonSetStandIn(ctx, t, c, n, pod, proceed, func(err error) { once.Do(func() { restarted <- err }) })
 
 	l := newLiveOn(ctx, t, c, append(append([]localcluster.NodeSpec(nil), liveNodes...), spec), replicaIPs,
 		"cilium.enabled=true", "remediation.mode=restart", "remediation.recheck=2m", "remediation.maxUnhealthy=100%")
@@ -116,6 +116,17 @@ func TestE2ECiliumNode(t *testing.T) {
 		}
 	}
 
+	// An SRE's trace of the frozen node, through the API server, before
+	// the restart goes ahead: each endpoint that left still in the maps,
+	// each new one missing, named by Cilium's service entry.
+	if out, code := l.cli(t, "explain", "node", n.Name, "--service", churnNS+"/churn-00"); code != 1 ||
+		strings.Count(out, "STALE") != 3 || strings.Count(out, "MISSING") != 3 || !strings.Contains(out, "cilium_lb4 service") {
+		t.Errorf("proxyaudit explain of the frozen Cilium node: exit %d\n%s", code, out)
+	} else {
+		t.Logf("proxyaudit explain node %s --service %s/churn-00:\n%s", n.Name, churnNS, out)
+	}
+	close(proceed)
+
 	// Remediation: the node's agent pod deleted (the restart), and healed.
 	select {
 	case err := <-restarted:
@@ -152,8 +163,9 @@ func TestE2ECiliumNode(t *testing.T) {
 // daemonSetStandIn plays the cilium DaemonSet and its kubelet for a
 // namespace-only node: when the agent's pod is deleted it restarts the
 // agent (which waits until it has programmed default/kubernetes again)
-// and makes the pod anew. It tells done once, after the first restart.
-func daemonSetStandIn(ctx context.Context, t *testing.T, c *localcluster.Cluster, n *localcluster.Node, pod *corev1.Pod, done func(error)) {
+// and makes the pod anew, once proceed is closed (the test looks at the
+// frozen node first). It tells done once, after the first restart.
+func daemonSetStandIn(ctx context.Context, t *testing.T, c *localcluster.Cluster, n *localcluster.Node, pod *corev1.Pod, proceed <-chan struct{}, done func(error)) {
 	for ctx.Err() == nil {
 		time.Sleep(200 * time.Millisecond)
 		p, err := c.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
@@ -169,6 +181,11 @@ func daemonSetStandIn(ctx context.Context, t *testing.T, c *localcluster.Cluster
 			}
 		}
 		t.Logf("the agent pod %s was deleted: restarting the agent", pod.Name)
+		select {
+		case <-proceed:
+		case <-ctx.Done():
+			return
+		}
 		err = n.RestartProxy(ctx)
 		if _, cerr := c.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); cerr != nil && err == nil {
 			err = cerr
