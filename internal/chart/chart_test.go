@@ -402,14 +402,7 @@ func TestAlertmanagerValues(t *testing.T) {
 func TestConntrackRemediationValues(t *testing.T) {
 	skipShort(t)
 	args := func(r *chart.Release) (agg, col []string) {
-		a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
-		if err != nil {
-			t.Fatal(err)
-		}
+		a, c := podSpecs(t, r)
 		return a.Containers[0].Args, c.Containers[0].Args
 	}
 	agg, col := args(render(t, nil))
@@ -484,17 +477,6 @@ func TestShardsOnlyBeyondTwoReplicas(t *testing.T) {
 // CAP_BPF: only with cilium.enabled, never by default.
 func TestCiliumValues(t *testing.T) {
 	skipShort(t)
-	spec := func(r *chart.Release) (agg, col *corev1.PodSpec) {
-		a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return a, c
-	}
 	bpf := func(col *corev1.PodSpec) (mounted, readOnly, capBPF bool) {
 		for _, m := range col.Containers[0].VolumeMounts {
 			if m.MountPath == "/sys/fs/bpf" {
@@ -503,14 +485,14 @@ func TestCiliumValues(t *testing.T) {
 		}
 		return mounted, readOnly, slices.Contains(col.Containers[0].SecurityContext.Capabilities.Add, "BPF")
 	}
-	agg, col := spec(render(t, nil))
+	agg, col := podSpecs(t, render(t, nil))
 	if m, _, c := bpf(col); m || c || slices.Contains(col.Containers[0].Args, "--bpf-root=/sys/fs/bpf") {
 		t.Errorf("default install: BPF filesystem mounted %v, CAP_BPF %v", m, c)
 	}
 	if !slices.Contains(agg.Containers[0].Args, "--cilium-selector=k8s-app=cilium") {
 		t.Errorf("aggregator args %v", agg.Containers[0].Args)
 	}
-	_, col = spec(render(t, nil, "cilium.enabled=true", "cilium.bpfRoot=/run/cilium/bpffs"))
+	_, col = podSpecs(t, render(t, nil, "cilium.enabled=true", "cilium.bpfRoot=/run/cilium/bpffs"))
 	if m, ro, c := bpf(col); !m || !ro || !c || !slices.Contains(col.Containers[0].Args, "--bpf-root=/sys/fs/bpf") {
 		t.Errorf("cilium.enabled: BPF filesystem mounted %v read-only %v, CAP_BPF %v, args %v", m, ro, c, col.Containers[0].Args)
 	}
@@ -519,4 +501,19 @@ func TestCiliumValues(t *testing.T) {
 			t.Errorf("bpffs volume %+v", v)
 		}
 	}
+}
+
+// podSpecs are the aggregator's and the collector's pod specs as r renders
+// them.
+func podSpecs(t *testing.T, r *chart.Release) (agg, col *corev1.PodSpec) {
+	t.Helper()
+	a, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := r.PodSpec("DaemonSet", "proxyaudit-collector")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a, c
 }
