@@ -290,7 +290,11 @@ func nftFamily(fam int) string {
 type ciliumReader struct {
 	bpffs string
 	read  func(bpffs string) ([]audit.CiliumMapDump, error)
+	bytes atomic.Int64
 }
+
+// BytesRead is the size of the entries the last read took from the maps.
+func (r *ciliumReader) BytesRead() int64 { return r.bytes.Load() }
 
 func (r *ciliumReader) String() string { return string(audit.ModeCilium) }
 
@@ -302,6 +306,11 @@ func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
 	if err != nil {
 		return nil, err
 	}
+	var n int64
+	for _, d := range dumps {
+		n += int64(len(d.Packed) + len(d.Entries)*(d.KeySize+d.ValueSize))
+	}
+	r.bytes.Store(n)
 	lb, err := audit.DecodeCilium(dumps)
 	if err != nil {
 		return nil, err
