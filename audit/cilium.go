@@ -369,7 +369,11 @@ func (lb *CiliumLB) Lines() []string {
 			front += "/i"
 		}
 		if f.Mastered {
-			out = append(out, fmt.Sprintf("%s (0) 0.0.0.0:0 (%d) (0) [%s]", front, f.RevNat, f.FlagNames()))
+			none := "0.0.0.0:0"
+			if f.Addr.Addr().Is6() {
+				none = "[::]:0"
+			}
+			out = append(out, fmt.Sprintf("%s (0) %s (%d) (0) [%s]", front, none, f.RevNat, f.FlagNames()))
 		}
 		for i, id := range f.Slots {
 			if id == 0 {

@@ -75,8 +75,12 @@ func TestCiliumCapturesReadAsCiliumDbgReadsThem(t *testing.T) {
 				}
 				seen++
 			}
-			if seen == 0 || len(lb.Families) != 1 || lb.Families[0] != 4 {
-				t.Errorf("%d backends in the service list, families %v", seen, lb.Families)
+			fams := []int{4}
+			if filepath.Base(dir) == "dualstack" {
+				fams = []int{4, 6}
+			}
+			if seen == 0 || !slices.Equal(lb.Families, fams) {
+				t.Errorf("%d backends in the service list, families %v, want %v", seen, lb.Families, fams)
 			}
 		})
 	}
@@ -209,6 +213,23 @@ func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
 	// maps drift.
 	if fs := Diff(ExpectedFor(st, "other"), obs); len(fs) == 0 {
 		t.Fatal("cilx's maps judged as node other's: no finding, but its Local scopes hold cilx's endpoints")
+	}
+
+	// Dual-stack: both families of one service, an IPv6-only one, a
+	// dual-stack node port with externalTrafficPolicy Local (the lb6
+	// maps, as the genuine agent writes them).
+	dual := ciliumObserved(t, "testdata/cilium/dualstack")
+	six := 0
+	for _, f := range dual.Frontends {
+		if f.Family() == 6 {
+			six++
+		}
+	}
+	if six < 4 || !slices.Equal(dual.Families, []int{4, 6}) {
+		t.Fatalf("dual-stack capture: %d IPv6 frontends, families %v", six, dual.Families)
+	}
+	if fs := Diff(ExpectedFor(loadCluster(t, "testdata/cilium/dualstack"), "cilx"), dual); len(fs) > 0 {
+		t.Fatalf("false findings on the genuine agent's dual-stack maps: %+v", fs)
 	}
 
 	frozen := loadCluster(t, "testdata/cilium/frozen")

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # capture.sh DIR — golden captures of the genuine Cilium agent's LB maps.
+# capture.sh --dual-stack DIR — the same in a dual-stack cluster
+# (deploy/cilium/dualstack.yaml) into DIR/dualstack, without the frozen
+# phase: Cilium's IPv6 maps.
 #
 # Brings up, on this machine alone: etcd and kube-apiserver (the project's
 # own builds) in network namespace pa-cilapi (198.18.90.1), and the genuine
@@ -19,7 +22,9 @@
 # a node whose maps drifted, by the genuine agent's hand. Tears
 # everything down on exit. Root; clang-19 and llc-19 (Debian).
 set -euo pipefail
-dir=${1:?usage: capture.sh DIR}
+dual=""
+if [ "${1:-}" = "--dual-stack" ]; then dual=1; shift; fi
+dir=${1:?usage: capture.sh [--dual-stack] DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 k8s=$("$repo/deploy/k8s-tools/build.sh")
@@ -44,6 +49,14 @@ ip -n $api link set pa-cil0 name eth0; ip -n $node link set pa-cil1 name eth0
 ip -n $api addr add 198.18.90.1/24 dev eth0; ip -n $node addr add 198.18.90.2/24 dev eth0
 for ns in $api $node; do ip -n $ns link set eth0 up; ip -n $ns link set lo up; done
 ip -n $node route add default via 198.18.90.1
+svcrange=198.19.0.0/16 podcidrs='"198.18.128.0/24"' addrs='{"type":"InternalIP","address":"198.18.90.2"}' v6flags=(--enable-ipv6=false)
+if [ -n "$dual" ]; then
+  ip -n $api addr add 2001:2:0:90::1/64 dev eth0 nodad; ip -n $node addr add 2001:2:0:90::2/64 dev eth0 nodad
+  ip -n $node -6 route add default via 2001:2:0:90::1
+  svcrange=198.19.0.0/16,2001:2:0:ffff::/112 podcidrs='"198.18.128.0/24","2001:2:0:8000::/64"'
+  addrs='{"type":"InternalIP","address":"198.18.90.2"},{"type":"InternalIP","address":"2001:2:0:90::2"}'
+  v6flags=(--enable-ipv6=true --ipv6-native-routing-cidr=2001:2:0:8000::/56)
+fi
 openssl genrsa -out "$work/sa.key" 2048 2>/dev/null; openssl rsa -in "$work/sa.key" -pubout -out "$work/sa.pub" 2>/dev/null
 echo 'admintoken,admin,admin,system:masters' > "$work/tokens.csv"
 nsenter --net=/run/netns/$api "$k8s/etcd" --data-dir="$work/etcd" --listen-client-urls=http://127.0.0.1:2379 \
@@ -51,7 +64,7 @@ nsenter --net=/run/netns/$api "$k8s/etcd" --data-dir="$work/etcd" --listen-clien
 nsenter --net=/run/netns/$api "$k8s/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 --bind-address=198.18.90.1 \
   --advertise-address=198.18.90.1 --secure-port=6443 --cert-dir="$work/certs" --service-account-issuer=https://kubernetes.default.svc \
   --service-account-key-file="$work/sa.pub" --service-account-signing-key-file="$work/sa.key" --token-auth-file="$work/tokens.csv" \
-  --authorization-mode=RBAC --service-cluster-ip-range=198.19.0.0/16 --service-node-port-range=30000-32767 >"$work/apiserver.log" 2>&1 & apiserver=$!
+  --authorization-mode=RBAC --service-cluster-ip-range=$svcrange --service-node-port-range=30000-32767 >"$work/apiserver.log" 2>&1 & apiserver=$!
 cat >"$work/kubeconfig" <<EOK
 apiVersion: v1
 kind: Config
@@ -67,9 +80,9 @@ kc apply -f - >/dev/null <<EOY
 apiVersion: v1
 kind: Node
 metadata: {name: cilx, labels: {kubernetes.io/hostname: cilx, topology.kubernetes.io/zone: a}}
-spec: {podCIDR: 198.18.128.0/24, podCIDRs: [198.18.128.0/24]}
+spec: {podCIDR: 198.18.128.0/24, podCIDRs: [$podcidrs]}
 EOY
-kc patch node cilx --subresource=status --type=merge -p '{"status":{"addresses":[{"type":"InternalIP","address":"198.18.90.2"}]}}' >/dev/null
+kc patch node cilx --subresource=status --type=merge -p '{"status":{"addresses":['"$addrs"']}}' >/dev/null
 kc apply -f "$cil/crds/v2" >/dev/null
 kc apply -f "$cil/crds/v2alpha1" >/dev/null
 mkdir -p "$work/bpffs" "$work/state" "$work/lib" "$work/path"
@@ -90,17 +103,22 @@ ln -s "$cil/lib/bpf" "$work/lib/bpf"
 ln -s "$(command -v clang-19)" "$work/path/clang"; ln -s "$(command -v llc-19)" "$work/path/llc"
 nsenter --net=/run/netns/$node env K8S_NODE_NAME=cilx PATH="$work/path:$PATH" "$cil/bin/cilium-agent" \
   --k8s-kubeconfig-path="$work/kubeconfig" --kube-proxy-replacement=true --routing-mode=native --ipv4-native-routing-cidr=198.18.128.0/17 \
-  --ipam=kubernetes --enable-ipv6=false --devices=eth0 --bpf-root="$work/bpffs" --cgroup-root="$cgroup" --bpf-lb-sock=false \
+  --ipam=kubernetes "${v6flags[@]}" --devices=eth0 --bpf-root="$work/bpffs" --cgroup-root="$cgroup" --bpf-lb-sock=false \
   --state-dir="$work/state" --lib-dir="$work/lib" --socket-path="$work/state/cilium.sock" \
   --enable-health-checking=false --enable-endpoint-health-checking=false --identity-allocation-mode=crd \
   --enable-l7-proxy=false --enable-hubble=false --enable-ipv4-masquerade=false --cni-exclusive=false >"$work/agent.log" 2>&1 & agent=$!
 dbg() { "$cil/bin/cilium-dbg" -H "unix://$work/state/cilium.sock" "$@"; }
 for i in $(seq 180); do dbg status --brief >/dev/null 2>&1 && break; sleep 1; done
 dbg status --brief || { tail -50 "$work/agent.log" >&2; exit 1; }
-kc apply -f "$here/scenario.yaml" >/dev/null
-kc patch service shop --subresource=status --type=merge -p '{"status":{"loadBalancer":{"ingress":[{"ip":"198.18.201.1"}]}}}' >/dev/null
+if [ -n "$dual" ]; then
+  kc apply -f "$here/dualstack.yaml" >/dev/null
+  want='2001:2:0:90::2\]:30443'
+else
+  kc apply -f "$here/scenario.yaml" >/dev/null
+  kc patch service shop --subresource=status --type=merge -p '{"status":{"loadBalancer":{"ingress":[{"ip":"198.18.201.1"}]}}}' >/dev/null
+  want='198.18.201.1:8443'
+fi
 # Programmed: every frontend of the scenario in the agent's service list.
-want='198.18.201.1:8443'
 for i in $(seq 60); do dbg service list 2>/dev/null | grep -q "$want" && break; sleep 1; done
 sleep 3 # the agent's reconciler writes the maps after its tables
 capture() { # capture OUT [service list too]
@@ -115,6 +133,11 @@ capture() { # capture OUT [service list too]
   grep -m1 "^CILIUM_VERSION=" "$repo/deploy/k8s-tools/cilium.sh" >"$out/version.txt"
   echo "captured $(grep -c '"key"' "$out/maps.json") map entries from cilium-agent into $out"
 }
+if [ -n "$dual" ]; then
+  capture "$dir/dualstack" services
+  cp "$here/dualstack.yaml" "$dir/dualstack/scenario.yaml"
+  exit 0
+fi
 capture "$dir/scenario" services
 cp "$here/scenario.yaml" "$dir/scenario/scenario.yaml"
 # The hung agent: its maps stay as they are while the cluster moves on.
