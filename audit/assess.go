@@ -67,7 +67,7 @@ func Assess(st *State, h *History, node string, obs *Observed) []ServiceAssessme
 	for i := range obs.Frontends {
 		of := &obs.Frontends[i]
 		byKey[of.FrontendKey] = of
-		if expected[of.FrontendKey] {
+		if expected[of.FrontendKey.external()] {
 			continue
 		}
 		if o, ok := ownerOf(h.owner, of, obs.Mode); ok {
@@ -133,7 +133,7 @@ func AssessService(st *State, h *History, node string, obs *Observed, svc string
 }
 
 func ownerOf(owner map[FrontendKey]string, of *ObservedFrontend, mode Mode) (string, bool) {
-	if o, ok := owner[of.FrontendKey]; ok {
+	if o, ok := owner[of.FrontendKey.external()]; ok {
 		return o, true
 	}
 	if mode.perAddressNodePorts() && !of.NodePort {
@@ -195,6 +195,11 @@ func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[F
 		if of, ok := byKey[k]; ok {
 			o.Frontends = append(o.Frontends, *of)
 		}
+		k.Internal = true // Cilium's internal scope of it
+		if of, ok := byKey[k]; ok {
+			o.Frontends = append(o.Frontends, *of)
+		}
+		k.Internal = false
 		if obs.Rejects[k] {
 			o.Rejects[k] = true
 		}

@@ -407,10 +407,11 @@ func (lb *CiliumLB) Lines() []string {
 //     holding a listed backend out (not drift: counted as present);
 //   - a frontend without backends is a drop entry (Rejects): a service
 //     without endpoints, or a Local scope without local ones;
-//   - of a frontend with two scopes (externalTrafficPolicy Local), the
-//     external scope (the node's own backends) is the frontend; the
+//   - a frontend with two scopes (externalTrafficPolicy Local) is two
+//     frontends: the external scope (the node's own backends) and the
 //     internal one ("/i": every backend, for traffic from the node's own
-//     pods) is not compared yet.
+//     pods), whose key is marked Internal and which is judged against
+//     the frontend's cluster scope.
 //
 // A slot whose backend is not in the backends map, or slots without a
 // master (a read racing the agent's write), become warnings; the
@@ -430,9 +431,6 @@ func (lb *CiliumLB) Observed() *Observed {
 			continue
 		}
 		o.NoRules = false
-		if f.Scope == CiliumScopeInternal {
-			continue
-		}
 		key := FrontendKey{IP: f.Addr.Addr(), Protocol: f.Protocol, Port: f.Addr.Port()}
 		if f.Flags&CiliumFlagNodePort != 0 && f.Addr.Addr().IsUnspecified() {
 			key = NodePortKey(family(f.Addr.Addr()), f.Protocol, f.Addr.Port())
@@ -441,6 +439,9 @@ func (lb *CiliumLB) Observed() *Observed {
 		scope := ScopeCluster
 		if clusterIP && f.Flags2&CiliumFlag2IntLocalScope != 0 || !clusterIP && f.Flags&CiliumFlagExtLocalScope != 0 {
 			scope = ScopeLocal
+		}
+		if f.Scope == CiliumScopeInternal {
+			key.Internal, scope = true, ScopeCluster
 		}
 		fam := "lb4"
 		if key.Family() == 6 {
@@ -463,7 +464,9 @@ func (lb *CiliumLB) Observed() *Observed {
 			}
 			of.Endpoints = append(of.Endpoints, Endpoint{Addr: be.Addr, Weight: w, Chain: of.Chain})
 		}
-		if len(of.Endpoints) == 0 {
+		if len(of.Endpoints) == 0 && !key.Internal {
+			// A drop entry. (An internal scope without backends is a
+			// frontend that routes nowhere: judged as one.)
 			o.Rejects[key] = true
 			continue
 		}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func readCiliumCapture(t testing.TB, dir string) []CiliumMapDump {
@@ -312,5 +313,54 @@ func TestCiliumDumpParsesAsRules(t *testing.T) {
 		if _, err := ParseRules(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), says) {
 			t.Errorf("%s: %v, want %q", in, err, says)
 		}
+	}
+}
+
+// The internal scope of an externalTrafficPolicy Local frontend (traffic
+// from the node's own pods, every endpoint) is judged against the
+// cluster's endpoints: a backend gone from it is found, named as the
+// internal scope; its key survives the wire.
+func TestCiliumInternalScopeJudged(t *testing.T) {
+	st := loadCluster(t, "testdata/cilium/scenario")
+	all := readCiliumCapture(t, "testdata/cilium/scenario")
+	internal := 0
+	for i := range all {
+		if all[i].Name == CiliumServices4 {
+			// 198.18.201.1:8443/TCP, slot 2, internal scope: 198.18.129.31.
+			all[i].Entries = slices.DeleteFunc(all[i].Entries, func(e CiliumEntry) bool { return e.Key == "c612c90120fb020006010000" })
+		}
+	}
+	lb, err := DecodeCilium(all)
+	if err != nil {
+		t.Fatal(err)
+	}
+	obs := lb.Observed()
+	for _, f := range obs.Frontends {
+		if f.Internal {
+			internal++
+			if k, err := ParseFrontendKey(f.Wire()); err != nil || k != f.FrontendKey {
+				t.Errorf("%s: wire %q parses to %v, %v", f.FrontendKey, f.Wire(), k, err)
+			}
+		}
+	}
+	// As the aggregator assesses a node (per service, against its
+	// versions): the internal scope's drift is the service's.
+	h := NewHistory(time.Minute)
+	h.Update(st, time.Unix(1_800_000_000, 0))
+	as := Assess(st, h, "cilx", obs)
+	if len(as) != 1 || as[0].Service != "default/shop" || as[0].State != Divergent || len(as[0].Findings) != 1 {
+		t.Errorf("assessed %+v", as)
+	}
+	for i := range st.Services {
+		if svc := &st.Services[i]; svc.Name == "shop" {
+			if a := AssessService(st, h, "cilx", obs, "default/shop", svc); a.State != Divergent || len(a.Findings) != 1 {
+				t.Errorf("shop assessed alone: %+v", a)
+			}
+		}
+	}
+	fs := Diff(ExpectedFor(st, "cilx"), obs)
+	if internal < 4 || len(fs) != 1 || fs[0].Kind != MissingEndpoint || fs[0].Endpoint != "198.18.129.31:8443" || fs[0].Scope != ScopeCluster ||
+		!strings.Contains(fs[0].Detail, "(internal scope)") {
+		t.Errorf("%d internal scopes; findings %+v", internal, fs)
 	}
 }

@@ -35,16 +35,23 @@ func expectedIndex(exp Expected, obs *Observed) frontendIndex {
 }
 
 // match finds the expected frontend an observed one implements: itself,
-// or in IPVS and Cilium modes the node port a per-address frontend serves.
+// or in IPVS and Cilium modes the node port a per-address frontend serves;
+// for Cilium's internal scope of a Local frontend, that frontend with the
+// cluster scope (its key marked Internal).
 func (idx frontendIndex) match(k FrontendKey, mode Mode) (expIndex, bool) {
-	if e, ok := idx[k]; ok {
-		return e, true
+	e, ok := idx[k.external()]
+	if !ok && mode.perAddressNodePorts() && !k.NodePort {
+		e, ok = idx[k.nodePortOf()]
 	}
-	if mode.perAddressNodePorts() && !k.NodePort {
-		e, ok := idx[k.nodePortOf()]
-		return e, ok
+	if ok && k.Internal {
+		// Cilium's internal scope of a Local frontend holds every
+		// endpoint; a frontend of one scope has none.
+		if e.fe.Scope != ScopeLocal {
+			return expIndex{}, false
+		}
+		e.fe.Scope, e.fe.FrontendKey.Internal = ScopeCluster, true
 	}
-	return expIndex{}, false
+	return e, ok
 }
 
 // Unaudited lists the IP families exp has service ports in that obs does

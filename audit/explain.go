@@ -123,7 +123,7 @@ func Explain(exp Expected, obs *Observed, service string) []PortTrace {
 	if service == "" {
 		var stale []FrontendTrace
 		for _, of := range obs.Frontends {
-			if expected[of.FrontendKey] || (obs.Mode.perAddressNodePorts() && !of.NodePort && expected[of.nodePortOf()]) {
+			if expected[of.FrontendKey.external()] || (obs.Mode.perAddressNodePorts() && !of.NodePort && expected[of.nodePortOf()]) {
 				continue
 			}
 			ft := FrontendTrace{Frontend: of.FrontendKey.String(), Scope: of.Scope, Status: TraceStale, Chain: of.Chain}

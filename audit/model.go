@@ -66,6 +66,19 @@ type FrontendKey struct {
 	IP       netip.Addr
 	Protocol string // TCP, UDP or SCTP
 	Port     uint16
+	// Internal marks the internal scope of a Cilium frontend whose
+	// traffic policies differ (externalTrafficPolicy Local: "/i", the
+	// entry traffic from the node's own pods takes, holding every
+	// endpoint). Never in the expected model: it is judged against its
+	// frontend's cluster scope.
+	Internal bool
+}
+
+// external is k without Internal: the frontend an internal scope
+// belongs to.
+func (k FrontendKey) external() FrontendKey {
+	k.Internal = false
+	return k
 }
 
 // NodePortKey is the key of node port port/proto in IP family fam (4, 6).
@@ -90,32 +103,41 @@ func (k FrontendKey) Family() int {
 func (k FrontendKey) nodePortOf() FrontendKey { return NodePortKey(k.Family(), k.Protocol, k.Port) }
 
 func (k FrontendKey) String() string {
+	s := fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.IP, k.Port), k.Protocol)
 	if k.NodePort {
+		s = fmt.Sprintf("node port %d/%s", k.Port, k.Protocol)
 		if k.Family() == 6 {
-			return fmt.Sprintf("IPv6 node port %d/%s", k.Port, k.Protocol)
+			s = "IPv6 " + s
 		}
-		return fmt.Sprintf("node port %d/%s", k.Port, k.Protocol)
 	}
-	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(k.IP, k.Port), k.Protocol)
+	if k.Internal {
+		s += " (internal scope)"
+	}
+	return s
 }
 
 // Wire is the key's stable text form, as the stream and findings carry
 // it: "198.19.0.10:53/UDP", "nodeport:30080/TCP" (IPv4) or
-// "nodeport6:30080/TCP".
+// "nodeport6:30080/TCP"; an internal scope ends in "/i".
 func (k FrontendKey) Wire() string {
+	suffix := ""
+	if k.Internal {
+		suffix = "/i"
+	}
 	if k.NodePort {
 		prefix := "nodeport:"
 		if k.Family() == 6 {
 			prefix = "nodeport6:"
 		}
-		return prefix + strconv.Itoa(int(k.Port)) + "/" + k.Protocol
+		return prefix + strconv.Itoa(int(k.Port)) + "/" + k.Protocol + suffix
 	}
-	return netip.AddrPortFrom(k.IP, k.Port).String() + "/" + k.Protocol
+	return netip.AddrPortFrom(k.IP, k.Port).String() + "/" + k.Protocol + suffix
 }
 
 // ParseFrontendKey reverses Wire.
 func ParseFrontendKey(s string) (FrontendKey, error) {
 	addr, proto, ok := strings.Cut(s, "/")
+	proto, internal := strings.CutSuffix(proto, "/i")
 	if !ok || (proto != "TCP" && proto != "UDP" && proto != "SCTP") {
 		return FrontendKey{}, fmt.Errorf("bad frontend key %q", clipKey(s))
 	}
@@ -125,14 +147,16 @@ func ParseFrontendKey(s string) (FrontendKey, error) {
 			if err != nil {
 				return FrontendKey{}, fmt.Errorf("bad node port in %q", clipKey(s))
 			}
-			return NodePortKey(fam, proto, uint16(n)), nil
+			k := NodePortKey(fam, proto, uint16(n))
+			k.Internal = internal
+			return k, nil
 		}
 	}
 	ap, err := netip.ParseAddrPort(addr)
 	if err != nil {
 		return FrontendKey{}, fmt.Errorf("bad frontend key %q", clipKey(s))
 	}
-	return FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port()}, nil
+	return FrontendKey{IP: ap.Addr(), Protocol: proto, Port: ap.Port(), Internal: internal}, nil
 }
 
 // clipKey keeps at most 80 bytes of a key that did not parse (%q shows
@@ -158,7 +182,16 @@ func (k FrontendKey) compare(o FrontendKey) int {
 	if c := strings.Compare(k.Protocol, o.Protocol); c != 0 {
 		return c
 	}
-	return int(k.Port) - int(o.Port)
+	if k.Port != o.Port {
+		return int(k.Port) - int(o.Port)
+	}
+	switch {
+	case k.Internal == o.Internal:
+		return 0
+	case k.Internal:
+		return 1
+	}
+	return -1
 }
 
 // Endpoint is one DNAT target (or IPVS real server) seen in a node's rules.
