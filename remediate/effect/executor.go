@@ -626,9 +626,6 @@ func (e *Executor) podsOf(d remediate.Dataplane) (string, string) {
 // Cilium) and whether it is a mirror pod.
 func (e *Executor) proxyPod(ctx context.Context, node string, d remediate.Dataplane) (*corev1.Pod, bool, error) {
 	ns, sel := e.podsOf(d)
-	if sel == "" {
-		return nil, false, fmt.Errorf("find %s pod: no selector configured for it", d.Agent())
-	}
 	pods, err := e.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{
 		LabelSelector: sel, FieldSelector: "spec.nodeName=" + node})
 	if err != nil {

@@ -29,9 +29,11 @@ const CiliumEnv = "PROXYAUDIT_CILIUM"
 // cilium.enabled and remediation on:
 //   - in sync after install, with every churn service;
 //   - frozen (SIGSTOP, the hung agent of cilium#48050), while the cluster
-//     moves one churn service's endpoints and adds a service: the Cilium
-//     node alone is found stale (its maps keep the endpoints that left)
-//     and missing the new service, and said to be Cilium's;
+//     moves one churn service's endpoints, drops one of a Local node
+//     port's and adds a service: the Cilium node alone is found stale (its
+//     maps keep the endpoints that left, the node port's in the internal
+//     scope its own pods use) and missing the new service, and said to be
+//     Cilium's;
 //   - remediation deletes that node's Cilium agent pod — a stand-in Pod
 //     object: a namespace-only node has no kubelet, so the test plays the
 //     DaemonSet and restarts the agent when its pod is deleted — and the
@@ -68,6 +70,29 @@ func TestE2ECiliumNode(t *testing.T) {
 	var once sync.Once
 	go daemonSetStandIn(ctx, t, c, n, pod, proceed, func(err error) { once.Do(func() { restarted <- err }) })
 
+	// A node port with externalTrafficPolicy Local whose endpoints are on
+	// other nodes: on the Cilium node its external scope drops, its
+	// internal scope (the node's own pods) holds every endpoint.
+	local, err := c.Client.CoreV1().Services(churnNS).Get(ctx, "cil-local", metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		local, err = c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: churnNS, Name: "cil-local"},
+			Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeNodePort, ExternalTrafficPolicy: corev1.ServiceExternalTrafficPolicyLocal,
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	localSlice := func(ips ...string) error {
+		sl := localcluster.Slice(local, "cil-local-1", "http", 8080, corev1.ProtocolTCP, ips...)
+		node := "agg-ipt"
+		for i := range sl.Endpoints {
+			sl.Endpoints[i].NodeName = &node
+		}
+		return c.ApplySlice(ctx, sl)
+	}
+	if err := localSlice("198.18.139.20", "198.18.139.21"); err != nil {
+		t.Fatal(err)
+	}
 	l := newLiveOn(ctx, t, c, append(append([]localcluster.NodeSpec(nil), liveNodes...), spec), replicaIPs,
 		"cilium.enabled=true", "remediation.mode=restart", "remediation.recheck=2m", "remediation.maxUnhealthy=100%")
 	if st := l.nodes()[n.Name]; st.Mode != audit.ModeCilium {
@@ -81,6 +106,9 @@ func TestE2ECiliumNode(t *testing.T) {
 	frozenAt := time.Now()
 	l.epoch++
 	if err := l.setEndpoints(ctx, 0, l.epoch); err != nil {
+		t.Fatal(err)
+	}
+	if err := localSlice("198.18.139.20"); err != nil {
 		t.Fatal(err)
 	}
 	late, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: churnNS, Name: "cil-late"},
@@ -98,12 +126,14 @@ func TestE2ECiliumNode(t *testing.T) {
 				t.Fatalf("a finding on another node: %s", describe([]audit.TimedFinding{f}))
 			}
 		}
-		stale, missing := false, false
+		stale, missing, internal := false, false, false
 		for _, f := range fs {
 			stale = stale || (f.Kind == audit.StaleEndpoint && f.Service == churnNS+"/churn-00")
 			missing = missing || (f.Kind == audit.MissingService && f.Service == churnNS+"/cil-late")
+			internal = internal || (f.Kind == audit.StaleEndpoint && f.Service == churnNS+"/cil-local" && f.Endpoint == "198.18.139.21:8080" &&
+				strings.Contains(f.Detail, "(internal scope)"))
 		}
-		if stale && missing {
+		if stale && missing && internal {
 			seen = fs
 			return true
 		}
