@@ -139,7 +139,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			if ep, ok := got[a]; !ok || ep.draining() {
 				f := base
 				f.Kind, f.Endpoint = MissingEndpoint, a.String()
-				f.Detail = fmt.Sprintf("%s %s should route to %s but the rules behind %s do not", e.fe.Kind, e.fe.FrontendKey, a, of.Chain)
+				f.Detail = fmt.Sprintf("%s should route to %s but the rules behind %s do not", e.fe, a, of.Chain)
 				if ok && obs.Mode == ModeCilium {
 					f.Detail += " (it is there as a terminating backend, after the active slots: no new connections)"
 				} else if ok {
@@ -160,7 +160,7 @@ func Diff(exp Expected, obs *Observed) []Finding {
 			}
 			f := base
 			f.Kind, f.Endpoint = StaleEndpoint, ep.Addr.String()
-			f.Detail = fmt.Sprintf("%s %s routes to %s via %s, which the cluster no longer lists for %s (%s scope)", e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name, scope)
+			f.Detail = fmt.Sprintf("%s routes to %s via %s, which the cluster no longer lists for %s (%s scope)", e.fe, ep.Addr, ep.Chain, e.port.Name, scope)
 			emit(f)
 		}
 	}
@@ -180,12 +180,12 @@ func Diff(exp Expected, obs *Observed) []Finding {
 				if obs.Mode == ModeCilium {
 					what = "service entry in Cilium's maps"
 				}
-				f.Detail = fmt.Sprintf("no %s for %s %s, which should route to %s", what, fe.Kind, fe.FrontendKey, joinAddrs(want, len(want)))
+				f.Detail = fmt.Sprintf("no %s for %s, which should route to %s", what, fe, joinAddrs(want, len(want)))
 				emit(f)
 			case fe.Kind == KindClusterIP && fe.Scope == ScopeCluster && obs.RejectsKnown && !obs.Rejects[fe.FrontendKey]:
-				f.Detail = fmt.Sprintf("no REJECT rule for %s %s, which has no endpoints", fe.Kind, fe.FrontendKey)
+				f.Detail = fmt.Sprintf("no REJECT rule for %s, which has no endpoints", fe)
 				if obs.Mode == ModeCilium {
-					f.Detail = fmt.Sprintf("no service entry for %s %s, which has no endpoints (Cilium drops its traffic with an entry of no backends; without one it is not a service to the datapath)", fe.Kind, fe.FrontendKey)
+					f.Detail = fmt.Sprintf("no service entry for %s, which has no endpoints (Cilium drops its traffic with an entry of no backends; without one it is not a service to the datapath)", fe)
 				}
 				emit(f)
 			}
@@ -227,8 +227,8 @@ func Draining(exp Expected, obs *Observed) []Finding {
 			}
 			out = append(out, Finding{Node: exp.Node, Service: e.port.Name.Service(), Port: e.port.Name.Port, Protocol: e.port.Protocol, Family: e.port.Family,
 				Scope: e.fe.Scope, Kind: StaleEndpoint, Endpoint: ep.Addr.String(),
-				Detail: fmt.Sprintf("%s %s keeps %s at IPVS weight 0 via %s, though the cluster no longer lists it for %s: kube-proxy's graceful termination never removed it",
-					e.fe.Kind, e.fe.FrontendKey, ep.Addr, ep.Chain, e.port.Name)})
+				Detail: fmt.Sprintf("%s keeps %s at IPVS weight 0 via %s, though the cluster no longer lists it for %s: kube-proxy's graceful termination never removed it",
+					e.fe, ep.Addr, ep.Chain, e.port.Name)})
 		}
 	}
 	SortFindings(out)

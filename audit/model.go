@@ -365,6 +365,15 @@ type ExpectedFrontend struct {
 	Scope Scope
 }
 
+// String names the frontend for people: "cluster IP 198.19.0.10:53/UDP",
+// "node port 30080/TCP" (whose key says what it is).
+func (f ExpectedFrontend) String() string {
+	if f.NodePort {
+		return f.FrontendKey.String()
+	}
+	return string(f.Kind) + " " + f.FrontendKey.String()
+}
+
 // ExpectedPort is what one service port (in one IP family) should look like
 // on one node.
 type ExpectedPort struct {
