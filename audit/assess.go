@@ -137,7 +137,8 @@ func ownerOf(owner map[FrontendKey]string, of *ObservedFrontend, mode Mode) (str
 		return o, true
 	}
 	if mode.perAddressNodePorts() && !of.NodePort {
-		// IPVS has a virtual server per node address for a node port.
+		// IPVS has a virtual server per node address for a node port,
+		// Cilium a service entry.
 		o, ok := owner[of.nodePortOf()]
 		return o, ok
 	}
