@@ -188,8 +188,9 @@ func assessService(st *State, h *History, node string, obs *Observed, byKey map[
 	return a
 }
 
-// restrict returns the part of obs whose frontends are in keys (and, in
-// IPVS mode, the per-address virtual servers of those node ports).
+// restrict returns the part of obs whose frontends are in keys (with
+// Cilium's internal scopes of them and, in IPVS and Cilium modes, the
+// per-address frontends of those node ports).
 func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[FrontendKey]bool) *Observed {
 	o := &Observed{Mode: obs.Mode, Families: obs.Families, RejectsKnown: obs.RejectsKnown, Rejects: map[FrontendKey]bool{}}
 	for k := range keys {
