@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e e2e-cilium e2e-long demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e e2e-cilium e2e-long fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -77,6 +77,14 @@ fixtures: deps cluster-binaries
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture
 	$(GO) test -count=1 ./audit -update
+
+## fixtures-cilium: recapture audit/testdata/cilium from the genuine Cilium agent (in sync, frozen, dual-stack;
+## review the diff). Builds the agent (~6 min cold) and installs clang-19.
+fixtures-cilium: deps cluster-binaries
+	@deploy/install-deps.sh cilium
+	deploy/cilium/capture.sh audit/testdata/cilium
+	deploy/cilium/capture.sh --dual-stack audit/testdata/cilium
+	$(GO) test -count=1 -run Cilium ./audit -update
 
 ## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md);
 ## the long cost measurements are bench-cost
