@@ -230,6 +230,9 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 		case CiliumServices6:
 			fams[6] = true
 		}
+		if (d.Name == CiliumBackends4 || d.Name == CiliumBackends6) && len(lb.Backends) == 0 {
+			lb.Backends = make(map[uint32]CiliumBackend, d.count()) // 100k at 10k services
+		}
 		size := d.KeySize + d.ValueSize
 		if d.Packed != nil && len(d.Packed)%size != 0 {
 			return nil, fmt.Errorf("cilium map %s: %d bytes read, not whole %d-byte entries", d.Name, len(d.Packed), size)
@@ -268,9 +271,6 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 				}
 				f.Slots[slot-1], f.SlotFlags2[slot-1] = id, v[9]
 			case CiliumBackends4, CiliumBackends6:
-				if i == 0 && len(lb.Backends) == 0 {
-					lb.Backends = make(map[uint32]CiliumBackend, d.count())
-				}
 				id := binary.NativeEndian.Uint32(k)
 				lb.Backends[id] = CiliumBackend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
 					Protocol: ciliumProto(v[alen+2]), State: CiliumBackendState(v[alen+3]), ClusterID: binary.NativeEndian.Uint16(v[alen+4:]), Zone: v[alen+6]}

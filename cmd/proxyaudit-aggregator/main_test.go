@@ -32,20 +32,22 @@ func TestFlagsAndHelp(t *testing.T) {
 		args []string
 		says string
 	}{
-		"short grace":              {[]string{"--grace", "10ms"}, "too short"},
-		"bad share":                {[]string{"--mass-divergence-share", "1.5"}, "share"},
-		"half TLS":                 {[]string{"--tls-cert-file", "c.pem"}, "go together"},
-		"TLS Secret without names": {[]string{"--tls-secret", "agg-tls"}, "--tls-server-names"},
-		"TLS Secret and files":     {[]string{"--tls-secret", "agg-tls", "--tls-server-names", "a", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"}, "not --tls-cert-file"},
-		"bad collector DaemonSet":  {[]string{"--leader-elect=false", "--collector-daemonset", "collector"}, "want namespace/name"},
-		"bad peers Service":        {[]string{"--leader-elect=false", "--peers-service", "proxyaudit-aggregator-headless"}, "--peers-service"},
-		"bad listen":               {[]string{"--stream-listen", "9443"}, "--stream-listen"},
-		"no advertise":             {[]string{}, "--advertise-address is required"},
-		"no cluster":               {[]string{"--advertise-address", "10.0.0.1"}, "outside a cluster, pass --kubeconfig"},
-		"missing kubeconfig":       {[]string{"--advertise-address", "10.0.0.1", "--kubeconfig", "/nonexistent"}, "API client"},
-		"negative memory limit":    {[]string{"--memory-limit-bytes", "-5"}, "want a byte count"},
-		"TCP services alone":       {[]string{"--remediation-conntrack-tcp-services", "shop/api"}, "takes --remediation-conntrack"},
-		"bad TCP service":          {[]string{"--remediation-conntrack", "--remediation-conntrack-tcp-services", "shop/api,<x>"}, `"<x>" is not namespace/name`},
+		"short grace":               {[]string{"--grace", "10ms"}, "too short"},
+		"bad share":                 {[]string{"--mass-divergence-share", "1.5"}, "share"},
+		"half TLS":                  {[]string{"--tls-cert-file", "c.pem"}, "go together"},
+		"TLS Secret without names":  {[]string{"--tls-secret", "agg-tls"}, "--tls-server-names"},
+		"TLS Secret and files":      {[]string{"--tls-secret", "agg-tls", "--tls-server-names", "a", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"}, "not --tls-cert-file"},
+		"bad collector DaemonSet":   {[]string{"--leader-elect=false", "--collector-daemonset", "collector"}, "want namespace/name"},
+		"bad peers Service":         {[]string{"--leader-elect=false", "--peers-service", "proxyaudit-aggregator-headless"}, "--peers-service"},
+		"bad listen":                {[]string{"--stream-listen", "9443"}, "--stream-listen"},
+		"no advertise":              {[]string{}, "--advertise-address is required"},
+		"no cluster":                {[]string{"--advertise-address", "10.0.0.1"}, "outside a cluster, pass --kubeconfig"},
+		"missing kubeconfig":        {[]string{"--advertise-address", "10.0.0.1", "--kubeconfig", "/nonexistent"}, "API client"},
+		"negative memory limit":     {[]string{"--memory-limit-bytes", "-5"}, "want a byte count"},
+		"TCP services alone":        {[]string{"--remediation-conntrack-tcp-services", "shop/api"}, "takes --remediation-conntrack"},
+		"bad TCP service":           {[]string{"--remediation-conntrack", "--remediation-conntrack-tcp-services", "shop/api,<x>"}, `"<x>" is not namespace/name`},
+		"empty Cilium selector":     {[]string{"--cilium-selector", ""}, "matches every pod"},
+		"empty kube-proxy selector": {[]string{"--kube-proxy-selector", " "}, "matches every pod"},
 	} {
 		var errb bytes.Buffer
 		if code := run(tc.args, &errb); code != 2 || !strings.Contains(errb.String(), tc.says) {

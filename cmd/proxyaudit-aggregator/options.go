@@ -178,6 +178,9 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 // ports and this replica's identity.
 func (o *options) validate() error {
 	p := o.policy
+	if strings.TrimSpace(o.proxySelector) == "" || strings.TrimSpace(o.agentSelector) == "" {
+		return errors.New("--kube-proxy-selector and --cilium-selector must not be empty: an empty selector matches every pod, and a restart deletes the first pod on the node it finds")
+	}
 	if o.shards < 0 || o.shards > 4096 {
 		return fmt.Errorf("--shards %d: want 0 (no sharding) to 4096", o.shards)
 	}

@@ -270,6 +270,8 @@ func TestBadValuesAreRefused(t *testing.T) {
 		"collector.mode=ipvs":                            "",
 		"collector.mode=cilium":                          "",
 		"cilium.bpfRoot=sys/fs/bpf":                      "/cilium/bpfRoot",
+		"cilium.selector=":                               "/cilium/selector",
+		"kubeProxy.selector=":                            "/kubeProxy/selector",
 		"remediation.mode=restart,cilium.enabled=true,cilium.selector=k8s-app!=cilium": "cilium.selector",
 		"networkPolicy.enable=true":                                           "'enable' not allowed",
 		"tls.existingSecret=":                                                 "", // empty is fine

@@ -58,7 +58,7 @@ func TestDetectAndReadCiliumMaps(t *testing.T) {
 		t.Errorf("read %d frontends in mode %s; findings %+v", len(obs.Frontends), obs.Mode, fs)
 	}
 	h.BPFFS = t.TempDir()
-	if _, err := h.Detect(context.Background()); !errors.Is(err, ErrNoKubeProxy) || !strings.Contains(err.Error(), "collector.cilium.enabled") {
+	if _, err := h.Detect(context.Background()); !errors.Is(err, ErrNoKubeProxy) || !strings.Contains(err.Error(), "cilium.enabled") {
 		t.Errorf("no maps: %v", err)
 	}
 }

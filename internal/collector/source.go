@@ -177,7 +177,7 @@ const DefaultNotifyBuffer = 16 << 20
 // ErrNoKubeProxy means no mode's rules were found: kube-proxy has not
 // programmed this node (yet), runs in a mode proxyaudit cannot read, or
 // Cilium replaces it and its maps are not where the collector looks.
-var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip or ip6 kube-proxy, no KUBE-SERVICES chain in either iptables backend of either family, and no Cilium service map pinned under the BPF filesystem (where Cilium replaces kube-proxy, mount the node's BPF filesystem into the collector: the chart's collector.cilium.enabled)")
+var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interface, no nftables table ip or ip6 kube-proxy, no KUBE-SERVICES chain in either iptables backend of either family, and no Cilium service map pinned under the BPF filesystem (where Cilium replaces kube-proxy, mount the node's BPF filesystem into the collector: the chart's cilium.enabled)")
 
 // Detect finds the mode kube-proxy programs on this node, in this order:
 // IPVS (a kube-ipvs0 interface; in IPVS mode kube-proxy also keeps an

@@ -400,15 +400,21 @@ func cleanupRealNodes(dir string) error {
 		// A cgroup hierarchy mounted over one of ours (Cilium's agent
 		// mounts cgroup2 at a --cgroup-root that is not a mount point)
 		// shows every process of the machine: unmounted, never walked.
-		for _, m := range mountsUnder(root) {
-			if m == root || strings.HasPrefix(m, root+"/") {
-				if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil {
-					errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
+		over := func() (ms []string) {
+			for _, m := range mountsUnder(root) {
+				if m == root || strings.HasPrefix(m, root+"/") {
+					ms = append(ms, m)
 				}
 			}
+			return ms
 		}
-		if len(mountsUnder(root)) > 0 {
-			continue
+		for _, m := range over() {
+			if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil {
+				errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
+			}
+		}
+		if len(over()) > 0 {
+			continue // still mounted: never walked
 		}
 		killCgroup(root)
 	}

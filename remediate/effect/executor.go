@@ -626,6 +626,10 @@ func (e *Executor) podsOf(d remediate.Dataplane) (string, string) {
 // Cilium) and whether it is a mirror pod.
 func (e *Executor) proxyPod(ctx context.Context, node string, d remediate.Dataplane) (*corev1.Pod, bool, error) {
 	ns, sel := e.podsOf(d)
+	if d == remediate.DataplaneCilium && sel == "" {
+		// An empty selector would match every pod on the node.
+		return nil, false, fmt.Errorf("find the Cilium agent pod: no agent selector configured (--cilium-selector)")
+	}
 	pods, err := e.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{
 		LabelSelector: sel, FieldSelector: "spec.nodeName=" + node})
 	if err != nil {

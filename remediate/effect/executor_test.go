@@ -484,4 +484,10 @@ func TestCiliumNodeRestartsTheAgentPod(t *testing.T) {
 	if outcomes[Done] != 2 {
 		t.Errorf("outcomes %v", outcomes)
 	}
+	// Without an agent selector nothing is deleted: an empty one would
+	// match every pod on the node.
+	ex.AgentSelector = ""
+	if pod, _, err := ex.proxyPod(ctx, "node-b", remediate.DataplaneCilium); err == nil || pod != nil || !strings.Contains(err.Error(), "--cilium-selector") {
+		t.Errorf("no agent selector: pod %v, %v", pod, err)
+	}
 }
