@@ -492,7 +492,12 @@ func (s *server) serve(log *zap.Logger) int {
 			}
 		}()
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// signalled ends at SIGINT or SIGTERM; ctx, which everything runs
+	// on, a moment later: the streams stay open while the collectors are
+	// told the other replicas (Farewell).
+	signalled, stopSignals := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stopSignals()
+	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
 	done := make(chan struct{})
 	go func() { s.view.Run(ctx); close(done) }()
@@ -536,14 +541,21 @@ func (s *server) serve(log *zap.Logger) int {
 	}
 	code := 0
 	select {
+	case <-signalled.Done():
+		// A rolling update's SIGTERM: the successor may have an address
+		// the informer has not shown yet, and collectors whose DNS is down
+		// know only what this replica tells them.
+		fctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		s.agg.Farewell(fctx, s.client)
+		cancel()
 	case <-ctx.Done():
 	case err := <-streamErr:
 		if err != nil {
 			log.Error("stream listener failed", zap.Error(err))
 			code = 1
 		}
-		stop()
 	}
+	stop()
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	srv.Shutdown(sctx)

@@ -127,6 +127,10 @@ type Aggregator struct {
 	// peersMsg: the replicas' addresses last sent to the collectors, for
 	// new streams and followers' answers.
 	peersMsg atomic.Pointer[stream.Message]
+	// leaving: Farewell named the other replicas; the second's tick no
+	// longer announces the informer's list (which may still hold this
+	// replica and miss its successor).
+	leaving atomic.Bool
 	// held are the shards this replica holds (a.mu; sharded only); own
 	// its last judgement of their nodes, for the leader itself; partials
 	// the same as the other replicas' leader reads it (in changes);

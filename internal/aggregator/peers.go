@@ -1,11 +1,17 @@
 package aggregator
 
 import (
+	"context"
+	"net"
 	"net/netip"
 	"slices"
+	"strings"
+	"sync"
 
 	"go.uber.org/zap"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -21,14 +27,26 @@ func (a *Aggregator) peerIPs() []string {
 	if err != nil {
 		return nil
 	}
-	var out []string
+	eps := make([]*discoveryv1.EndpointSlice, 0, len(objs))
 	for _, o := range objs {
-		for _, e := range o.(*discoveryv1.EndpointSlice).Endpoints {
+		eps = append(eps, o.(*discoveryv1.EndpointSlice))
+	}
+	return replicaIPs(eps, "")
+}
+
+// replicaIPs returns the addresses of the endpoints in eps that are not
+// terminating, but self's, sorted (at most stream.MaxPeers). Endpoints
+// not yet ready count: a replica is worth dialing as soon as it has an
+// address (it redirects to the leader, or leads once it holds the Lease).
+func replicaIPs(eps []*discoveryv1.EndpointSlice, self string) []string {
+	var out []string
+	for _, o := range eps {
+		for _, e := range o.Endpoints {
 			if e.Conditions.Terminating != nil && *e.Conditions.Terminating {
 				continue
 			}
 			for _, s := range e.Addresses {
-				if ip, err := netip.ParseAddr(s); err == nil {
+				if ip, err := netip.ParseAddr(s); err == nil && ip.String() != self {
 					out = append(out, ip.String())
 				}
 			}
@@ -39,12 +57,78 @@ func (a *Aggregator) peerIPs() []string {
 	return out[:min(len(out), stream.MaxPeers)]
 }
 
+// Farewell tells every collector streaming here the other replicas, read
+// now from the API (the informer's copy when the API does not answer),
+// and waits until each was told or ctx ends: the replica is going (the
+// SIGTERM of a rolling update) and its streams with it. A rollout can
+// replace a replica a moment after its successor got an address, before
+// the informer's copy and the second's tick would have named it; a
+// collector whose DNS is down (it goes through the node's kube-proxy)
+// would then know only replicas that are all gone. Call it before the
+// streams close.
+func (a *Aggregator) Farewell(ctx context.Context, client kubernetes.Interface) {
+	if a.cfg.Peers == "" {
+		return
+	}
+	self, _, _ := net.SplitHostPort(a.cfg.Self)
+	if ip, err := netip.ParseAddr(self); err == nil {
+		self = ip.String()
+	}
+	var eps []*discoveryv1.EndpointSlice
+	ns, name, _ := strings.Cut(a.cfg.Peers, "/")
+	list, err := client.DiscoveryV1().EndpointSlices(ns).List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + name})
+	if err == nil {
+		for i := range list.Items {
+			eps = append(eps, &list.Items[i])
+		}
+	} else if a.view != nil {
+		a.cfg.Log.Warn("cannot read the replicas from the API on the way out: telling the collectors those last seen", zap.Error(err))
+		objs, _ := a.view.sliceIdx.ByIndex(byService, a.cfg.Peers)
+		for _, o := range objs {
+			eps = append(eps, o.(*discoveryv1.EndpointSlice))
+		}
+	}
+	ips := replicaIPs(eps, self)
+	if len(ips) == 0 {
+		return
+	}
+	a.leaving.Store(true)
+	m := &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: ips}}
+	a.peersMsg.Store(m)
+	a.mu.Lock()
+	var conns []*conn
+	for _, n := range a.nodes {
+		if n.conn != nil {
+			conns = append(conns, n.conn)
+		}
+	}
+	a.mu.Unlock()
+	if len(conns) == 0 {
+		return
+	}
+	var wg sync.WaitGroup
+	for _, c := range conns {
+		wg.Go(func() { a.sendPeers(c) })
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		a.cfg.Log.Info("going away: told the collectors the other replicas", zap.Strings("addresses", ips), zap.Int("streams", len(conns)))
+	case <-ctx.Done():
+		a.cfg.Log.Warn("going away: not every collector could be told the other replicas in time", zap.Strings("addresses", ips), zap.Int("streams", len(conns)))
+	}
+}
+
 // announcePeers sends the replicas' addresses to every collector
 // streaming here when they changed (a rollout replacing the aggregators:
 // a collector learns each new replica while it is connected, so that when
 // the old ones are gone it finds the new ones without DNS), and keeps the
 // message for new streams. Run's goroutine.
 func (a *Aggregator) announcePeers() {
+	if a.leaving.Load() {
+		return // the farewell's list stands: this replica is not in it
+	}
 	ips := a.peerIPs()
 	if known := a.knownPeers(); len(ips) == 0 || (known != nil && slices.Equal(ips, known.IPs)) {
 		return

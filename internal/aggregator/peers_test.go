@@ -235,3 +235,45 @@ func eventually(t *testing.T, limit time.Duration, what string, cond func() bool
 	}
 	return time.Since(start)
 }
+
+// TestCollectorsFollowAQuickRollout: the rolling update terminates the
+// leader a moment after its successor got an address, before the
+// leader's copy of the Service (or its once-a-second announcement) shows
+// it, and the old follower goes next (seen on real nodes: every
+// collector kept dialing the two gone replicas). On its way out the
+// leader reads the replicas from the API and names them to its streams
+// (Farewell); the old follower, asked next with its copy behind, does
+// not make the collector forget the successor.
+func TestCollectorsFollowAQuickRollout(t *testing.T) {
+	lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
+	leader, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
+	eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+
+	// The API, ahead of every replica's informer: the leader terminating,
+	// the successor with an address, not ready yet.
+	yes, no := true, false
+	ahead := r.slice.DeepCopy()
+	ahead.Endpoints = []discoveryv1.Endpoint{
+		{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &no, Terminating: &yes}},
+		{Addresses: []string{"127.0.0.2"}, Conditions: discoveryv1.EndpointConditions{Ready: &yes}},
+		{Addresses: []string{"127.0.0.3"}, Conditions: discoveryv1.EndpointConditions{Ready: &no}},
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	leader.Farewell(ctx, fake.NewClientset(ahead))
+	eventually(t, 5*time.Second, "n1 told of the successor on the leader's way out", func() bool { return toldOf(logs, "127.0.0.3") })
+	if toldOf(logs, "127.0.0.1") && told(logs, 3) {
+		t.Error("the going leader named itself")
+	}
+	stopLeader()
+	// The old follower stays a moment, redirecting with its copy (.1, .2),
+	// then goes; the successor leads.
+	time.Sleep(2 * time.Second)
+	stopFollower()
+	next, _ := r.start(lns[2], "new")
+	next.StartedLeading()
+	took := eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
+	t.Logf("n1 reached the successor %s after it led", took.Round(time.Millisecond))
+}

@@ -65,10 +65,19 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 	return out, errors.Join(errs...)
 }
 
+// keptPeers bounds the addresses a collector keeps, besides those of the
+// latest list of replicas, from lists before it.
+const keptPeers = 4
+
 // learnPeers keeps the aggregator replicas' addresses the aggregator sent
 // as what each aggregator name resolves to, for when it cannot be
 // resolved: a rollout during a DNS outage replaces every replica, and the
-// collector has heard of the new ones while connected to the old.
+// collector has heard of the new ones while connected to the old. The
+// latest list goes first, and up to keptPeers addresses it lacks from
+// before stay after it: replicas' lists are not ordered, and one whose
+// copy of the Service is behind (an old follower answering a hello) must
+// not make the collector forget the successor a going replica named.
+// DNS, when it answers, replaces the whole list.
 func (c *client) learnPeers(p *stream.Peers) {
 	if p == nil {
 		return
@@ -85,10 +94,20 @@ func (c *client) learnPeers(p *stream.Peers) {
 		if c.resolved == nil {
 			c.resolved = map[string][]string{}
 		}
-		if !slices.Equal(slices.Sorted(slices.Values(c.resolved[host])), slices.Sorted(slices.Values(p.IPs))) { // DNS answers in any order
-			c.cfg.Log.Info("the aggregator named its replicas: dialed when the name cannot be resolved", zap.String("host", host), zap.Strings("addresses", p.IPs))
+		before := c.resolved[host]
+		ips := slices.Clone(p.IPs)
+		kept := 0
+		for _, ip := range before {
+			if kept < keptPeers && !slices.Contains(ips, ip) {
+				ips = append(ips, ip)
+				kept++
+			}
 		}
-		c.resolved[host] = slices.Clone(p.IPs)
+		if !slices.Equal(slices.Sorted(slices.Values(before)), slices.Sorted(slices.Values(ips))) { // DNS answers in any order
+			c.cfg.Log.Info("the aggregator named its replicas: dialed when the name cannot be resolved", zap.String("host", host),
+				zap.Strings("addresses", p.IPs), zap.Strings("also_kept", ips[len(p.IPs):]))
+		}
+		c.resolved[host] = ips
 	}
 }
 

@@ -3,6 +3,7 @@ package collector
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 
@@ -71,5 +72,48 @@ func TestPeersOutliveDNS(t *testing.T) {
 	c.learnPeers(nil)
 	if got, _ := c.addresses(context.Background(), ""); !slices.Equal(got, want) {
 		t.Errorf("after an empty message: %v", got)
+	}
+}
+
+// Replicas' lists arrive in no order: a going replica names its successor,
+// then an old follower whose copy of the Service is behind names only the
+// old replicas. The successor stays (after the latest list), older
+// addresses are kept only up to keptPeers, and DNS replaces them all.
+func TestPeersNewestFirstOlderKept(t *testing.T) {
+	dnsUp := false
+	c := &client{cfg: Config{Aggregator: "agg-headless.proxyaudit.svc:9443", Log: zap.NewNop(),
+		Lookup: func(_ context.Context, host string) ([]string, error) {
+			if dnsUp {
+				return []string{"198.18.150.2"}, nil
+			}
+			return nil, errors.New("lookup " + host + ": i/o timeout")
+		}}}
+	addrs := func() []string {
+		t.Helper()
+		got, err := c.addresses(context.Background(), "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	c.learnPeers(&stream.Peers{IPs: []string{"198.18.131.3", "198.18.132.3"}}) // the going leader: the follower and the successor
+	c.learnPeers(&stream.Peers{IPs: []string{"198.18.130.3", "198.18.131.3"}}) // the old follower, behind
+	if got, want := addrs(), []string{"198.18.130.3:9443", "198.18.131.3:9443", "198.18.132.3:9443"}; !slices.Equal(got, want) {
+		t.Fatalf("after a list that is behind: %v, want %v (the successor kept, last)", got, want)
+	}
+	// Rollout after rollout without DNS: what is kept from before is bounded.
+	for i := range 10 {
+		c.learnPeers(&stream.Peers{IPs: []string{fmt.Sprintf("198.18.140.%d", i+1)}})
+	}
+	if got, want := addrs(), []string{"198.18.140.10:9443", "198.18.140.9:9443", "198.18.140.8:9443", "198.18.140.7:9443", "198.18.140.6:9443"}; !slices.Equal(got, want) {
+		t.Fatalf("after ten lists: %v, want the latest and the %d before it, newest first: %v", got, keptPeers, want)
+	}
+	dnsUp = true
+	if got := addrs(); !slices.Equal(got, []string{"198.18.150.2:9443"}) {
+		t.Fatalf("with DNS back: %v", got)
+	}
+	dnsUp = false
+	if got := addrs(); !slices.Equal(got, []string{"198.18.150.2:9443"}) {
+		t.Fatalf("DNS's answer replaced the learned list, then outlived DNS: %v", got)
 	}
 }
