@@ -45,13 +45,14 @@ unit:
 e2e: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) -run 'E2E' ./...
 
-## e2e-cilium: the genuine Cilium agent (kube-proxy replacement) on a node of the live system: in sync, frozen
-## and found, restarted by remediation. Not in `make test`: the agent's cold build (~6 min) and Debian's clang-19
-## do not fit its CI budget.
+## e2e-cilium: the genuine Cilium agent (kube-proxy replacement) on a node of the live system, and as its
+## DaemonSet's pod on a real kubelet node: in sync, frozen and found, restarted by remediation. Not in `make test`:
+## the agent's cold build (~6 min), its image (clang and LLVM inside) and Debian's clang-19 do not fit its CI budget.
 e2e-cilium: deps modules cluster-binaries
 	@deploy/install-deps.sh cilium
 	@deploy/quiet.sh cilium-build "building the genuine Cilium agent (v1.20.2; ~6 min cold)" -- deploy/k8s-tools/cilium.sh
 	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 30m -run 'TestE2ECiliumNode' -v ./internal/e2e/live
+	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 40m -run 'TestE2ECiliumOnRealNodes' -v ./internal/e2e/realnodes
 
 ## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
 e2e-long: e2e-cilium

@@ -476,6 +476,8 @@ const (
 	PauseRef = "registry.k8s.io/pause:3.10"
 	// CoreDNSRef is the cluster DNS image (deploy/k8s-tools/coredns.sh's version).
 	CoreDNSRef = "registry.k8s.io/coredns/coredns:v1.14.7"
+	// CiliumRef is Cilium's agent image (deploy/k8s-tools/cilium.sh's version).
+	CiliumRef = "quay.io/cilium/cilium:v1.20.2"
 )
 
 // debianTools are the packages the collector's readers and an operator's
@@ -513,4 +515,31 @@ func Pause(pause string) Spec {
 func CoreDNS(coredns string) Spec {
 	return Spec{Ref: CoreDNSRef, Files: []File{{Path: "/coredns", Src: coredns, Mode: 0o755}},
 		Entrypoint: []string{"/coredns"}, User: "65532:65532"}
+}
+
+// Cilium is Cilium's agent image as its release image lays it out: the
+// agent and cilium-dbg in /usr/bin, the datapath's C sources in
+// /var/lib/cilium/bpf (the agent compiles them at start), and the tools it
+// runs: clang and llc (Debian's 19, as "clang" and "llc"), iproute2,
+// iptables and ipset. dir is deploy/k8s-tools/cilium.sh's build.
+func Cilium(dir string) (Spec, error) {
+	s := Spec{Ref: CiliumRef, Packages: []string{"clang-19", "llvm-19", "iproute2", "iptables", "ipset"},
+		Entrypoint: []string{"/usr/bin/cilium-agent"},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Files: []File{
+			{Path: "/usr/bin/cilium-agent", Src: filepath.Join(dir, "bin", "cilium-agent"), Mode: 0o755},
+			{Path: "/usr/bin/cilium-dbg", Src: filepath.Join(dir, "bin", "cilium-dbg"), Mode: 0o755},
+			{Path: "/usr/local/bin/clang", Link: "/usr/bin/clang-19"},
+			{Path: "/usr/local/bin/llc", Link: "/usr/bin/llc-19"},
+		}}
+	bpf := filepath.Join(dir, "lib", "bpf")
+	err := filepath.WalkDir(bpf, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(bpf, p)
+		s.Files = append(s.Files, File{Path: path.Join("/var/lib/cilium/bpf", filepath.ToSlash(rel)), Src: p, Mode: 0o644})
+		return nil
+	})
+	return s, err
 }

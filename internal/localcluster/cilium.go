@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -68,19 +69,9 @@ func (c *Cluster) addCiliumNode(ctx context.Context, spec NodeSpec) (*Node, erro
 	if err != nil {
 		return nil, err
 	}
-	c.cpOnce.Lock()
-	if !c.ciliumCRDs {
-		// Cilium's CRDs, as its operator would apply them (no operator
-		// runs: identities are CRDs the agents make).
-		for _, v := range []string{"v2", "v2alpha1"} {
-			if _, err := run(ctx, c.Kubectl(), "--kubeconfig", c.AdminKubeconfig, "apply", "--server-side", "-f", filepath.Join(dir, "crds", v)); err != nil {
-				c.cpOnce.Unlock()
-				return nil, fmt.Errorf("apply Cilium's CRDs: %w", err)
-			}
-		}
-		c.ciliumCRDs = true
+	if err := c.applyCiliumCRDs(ctx, dir); err != nil {
+		return nil, err
 	}
-	c.cpOnce.Unlock()
 	n, err := c.newNodeNet(ctx, spec.Name, spec.Mode, spec.Zone)
 	if err != nil {
 		return nil, err
@@ -117,19 +108,58 @@ func (c *Cluster) addCiliumNode(ctx context.Context, spec NodeSpec) (*Node, erro
 			return nil, err
 		}
 	}
-	hier := "/sys/fs/cgroup"
-	var st unix.Statfs_t
-	if unix.Statfs(hier, &st) != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
-		hier = "/sys/fs/cgroup/unified"
-		if unix.Statfs(hier, &st) != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
-			return nil, errors.New("no cgroup v2 hierarchy mounted: Cilium's agent wants one")
-		}
+	hier, err := cgroup2Hierarchy()
+	if err != nil {
+		return nil, err
 	}
 	n.cilium.cgroup = hier
 	if err := n.StartProxy(ctx); err != nil {
 		return nil, err
 	}
 	return n, nil
+}
+
+// applyCiliumCRDs applies Cilium's CRDs once per cluster, as its operator
+// would (no operator runs: identities are CRDs the agents make).
+func (c *Cluster) applyCiliumCRDs(ctx context.Context, dir string) error {
+	c.cpOnce.Lock()
+	defer c.cpOnce.Unlock()
+	if c.ciliumCRDs {
+		return nil
+	}
+	for _, v := range []string{"v2", "v2alpha1"} {
+		if _, err := run(ctx, c.Kubectl(), "--kubeconfig", c.AdminKubeconfig, "apply", "--server-side", "-f", filepath.Join(dir, "crds", v)); err != nil {
+			return fmt.Errorf("apply Cilium's CRDs: %w", err)
+		}
+	}
+	c.ciliumCRDs = true
+	return nil
+}
+
+// cgroup2Hierarchy is where the cgroup v2 hierarchy is mounted (the
+// whole of it, or the unified one beside v1's).
+func cgroup2Hierarchy() (string, error) {
+	for _, hier := range []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"} {
+		var st unix.Statfs_t
+		if unix.Statfs(hier, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+			return hier, nil
+		}
+	}
+	return "", errors.New("no cgroup v2 hierarchy mounted: Cilium's agent wants one")
+}
+
+// ciliumAgentFlags are the agent's flags on every node here: kube-proxy
+// replacement, native routing over the node's eth0, Kubernetes IPAM, the
+// BPF filesystem and cgroup root given, and what needs more than a node
+// (health checks, Hubble, the L7 proxy, masquerading, owning CNI) off.
+func ciliumAgentFlags(bpfRoot, cgroupRoot string, socketLB bool) []string {
+	return []string{
+		"--kube-proxy-replacement=true", "--routing-mode=native", "--ipv4-native-routing-cidr=" + PodCIDR,
+		"--ipam=kubernetes", "--enable-ipv6=false", "--devices=eth0",
+		"--bpf-root=" + bpfRoot, "--cgroup-root=" + cgroupRoot, "--bpf-lb-sock=" + strconv.FormatBool(socketLB),
+		"--enable-health-checking=false", "--enable-endpoint-health-checking=false", "--identity-allocation-mode=crd",
+		"--enable-l7-proxy=false", "--enable-hubble=false", "--enable-ipv4-masquerade=false", "--cni-exclusive=false",
+	}
 }
 
 // startAgent starts the node's Cilium agent without waiting for its maps.
@@ -140,13 +170,12 @@ func (n *Node) startAgent() (*process, error) {
 	argv := []string{"nsenter", "--net=/run/netns/" + n.NetNS, "env", "K8S_NODE_NAME=" + n.Name, "PATH=" + filepath.Join(w, "path") + ":" + os.Getenv("PATH"),
 		filepath.Join(cn.dir, "bin", "cilium-agent"),
 		"--k8s-kubeconfig-path=" + filepath.Join(w, "kubeconfig"),
-		"--kube-proxy-replacement=true", "--routing-mode=native", "--ipv4-native-routing-cidr=" + PodCIDR,
-		"--ipam=kubernetes", "--enable-ipv6=false", "--devices=eth0",
-		"--bpf-root=" + filepath.Join(w, "bpffs"), "--cgroup-root=" + cn.cgroup, "--bpf-lb-sock=false",
 		"--state-dir=" + filepath.Join(w, "state"), "--lib-dir=" + filepath.Join(w, "lib"), "--socket-path=" + filepath.Join(w, "state", "cilium.sock"),
-		"--enable-health-checking=false", "--enable-endpoint-health-checking=false", "--identity-allocation-mode=crd",
-		"--enable-l7-proxy=false", "--enable-hubble=false", "--enable-ipv4-masquerade=false", "--cni-exclusive=false",
 	}
+	// Socket load balancing off: this agent runs on the host's cgroup
+	// root, and its socket programs would translate the whole machine's
+	// connections.
+	argv = append(argv, ciliumAgentFlags(filepath.Join(w, "bpffs"), cn.cgroup, false)...)
 	return startProcess("cilium-agent["+n.Name+"]", n.ProxyLog(), argv)
 }
 

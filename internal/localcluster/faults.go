@@ -124,10 +124,14 @@ func (n *Node) Freeze(ctx context.Context) (Undo, error) {
 	}, nil
 }
 
-// podProxyPID is the pid of the kube-proxy running in a pod on a real
+// podProxyPID is the pid of the kube-proxy (or Cilium agent) running in a pod on a real
 // node: the kube-proxy process in the node's network namespace (its pod
 // has hostNetwork), or 0.
 func (n *Node) podProxyPID() int {
+	name := "kube-proxy"
+	if n.Mode == ModeCilium {
+		name = "cilium-agent"
+	}
 	want, err := os.Stat("/run/netns/" + n.NetNS)
 	if err != nil {
 		return 0
@@ -135,7 +139,7 @@ func (n *Node) podProxyPID() int {
 	procs, _ := filepath.Glob("/proc/[0-9]*/comm")
 	for _, comm := range procs {
 		b, err := os.ReadFile(comm)
-		if err != nil || strings.TrimSpace(string(b)) != "kube-proxy" {
+		if err != nil || strings.TrimSpace(string(b)) != name {
 			continue
 		}
 		dir := filepath.Dir(comm)

@@ -72,10 +72,7 @@ func BuildImages(ctx context.Context, dir string, all bool, built func(*image.Bu
 		specs = append(specs, image.KubeProxy(filepath.Join(bin, "kube-proxy")), image.Pause(filepath.Join(tmp, "pause")), image.CoreDNS(coredns))
 		files = append(files, "kube-proxy-image.tar", "pause-image.tar", "coredns-image.tar")
 	}
-	cache := os.Getenv("PROXYAUDIT_CACHE")
-	if cache == "" {
-		cache = filepath.Join(root, ".cache")
-	}
+	cache := cacheDir()
 	var paths []string
 	for i, s := range specs {
 		p := filepath.Join(dir, files[i])
@@ -89,4 +86,17 @@ func BuildImages(ctx context.Context, dir string, all bool, built func(*image.Bu
 		paths = append(paths, p)
 	}
 	return paths, nil
+}
+
+// cacheDir is where builds and downloads are kept between runs:
+// $PROXYAUDIT_CACHE, or the repository's .cache.
+func cacheDir() string {
+	if cache := os.Getenv("PROXYAUDIT_CACHE"); cache != "" {
+		return cache
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		return ".cache"
+	}
+	return filepath.Join(root, ".cache")
 }

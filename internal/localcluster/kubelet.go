@@ -98,6 +98,14 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 	if err := c.startContainerd(ctx, n); err != nil {
 		return nil, err
 	}
+	if spec.Mode == ModeCilium {
+		if spec.StaticProxy {
+			return nil, fmt.Errorf("node %s: Cilium runs as its DaemonSet (DeployCilium), not a static pod", n.Name)
+		}
+		if err := c.prepareCiliumKubelet(ctx, n); err != nil {
+			return nil, err
+		}
+	}
 	if spec.StaticProxy {
 		if err := c.StaticKubeProxy(n, spec.Mode); err != nil {
 			return nil, err
@@ -105,6 +113,11 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 	}
 	if err := c.startKubelet(ctx, n, spec); err != nil {
 		return nil, err
+	}
+	if spec.Mode == ModeCilium {
+		if err := c.ciliumNodeRegistered(ctx, n); err != nil {
+			return nil, err
+		}
 	}
 	return n, nil
 }
@@ -263,6 +276,9 @@ nodeStatusReportFrequency: 10s
 		"--v=1")
 	if len(labels) > 0 {
 		argv = append(argv, "--node-labels="+strings.Join(labels, ","))
+	}
+	if spec.Mode == ModeCilium {
+		argv = append(argv, "--register-with-taints="+CiliumTaint)
 	}
 	if r.kubelet, err = startProcess("kubelet["+n.Name+"]", filepath.Join(r.dir, "kubelet.log"), argv); err != nil {
 		return err
