@@ -65,6 +65,11 @@ func (c *Cluster) prepareCiliumKubelet(ctx context.Context, n *Node) error {
 	if err := unix.Mount("bpf", c.CiliumBPFRoot(), "bpf", 0, ""); err != nil {
 		return fmt.Errorf("node %s: mount a BPF filesystem: %w", n.Name, err)
 	}
+	// Shared, as /sys/fs/bpf is on a systemd host: the collector mounts it
+	// HostToContainer, which containerd refuses on a private mount.
+	if err := unix.Mount("", c.CiliumBPFRoot(), "", unix.MS_SHARED, ""); err != nil {
+		return fmt.Errorf("node %s: make the BPF filesystem shared: %w", n.Name, err)
+	}
 	hier, err := cgroup2Hierarchy()
 	if err != nil {
 		return err
@@ -143,9 +148,12 @@ func (c *Cluster) DeployCilium(ctx context.Context) error {
 				Spec: corev1.PodSpec{
 					ServiceAccountName: "cilium",
 					HostNetwork:        true,
-					PriorityClassName:  "system-node-critical",
-					NodeSelector:       map[string]string{"kubernetes.io/os": "linux", ProxyModeLabel: string(ModeCilium)},
-					Tolerations:        []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+					// Cilium's chart's: its maps outlive the agent, so a
+					// deleted pod's (a hung one's too) goes at once.
+					TerminationGracePeriodSeconds: ptrTo(int64(1)),
+					PriorityClassName:             "system-node-critical",
+					NodeSelector:                  map[string]string{"kubernetes.io/os": "linux", ProxyModeLabel: string(ModeCilium)},
+					Tolerations:                   []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
 					Containers: []corev1.Container{{
 						Name:            "cilium-agent",
 						Image:           CiliumImage,

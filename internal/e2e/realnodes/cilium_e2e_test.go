@@ -174,6 +174,12 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(evs.Items) == 0 || !strings.Contains(evs.Items[0].Message, "Cilium") {
-		t.Errorf("no RestartProxy event naming Cilium on %s: %v", n.Name, evs.Items)
+		t.Fatalf("no RestartProxy event naming Cilium on %s: %v", n.Name, evs.Items)
 	}
+	e := evs.Items[0]
+	at := e.FirstTimestamp.Time
+	if at.IsZero() {
+		at = e.EventTime.Time
+	}
+	t.Logf("remediation restarted the agent %s after the freeze: %s", at.Sub(frozen).Round(time.Second), e.Message)
 }
