@@ -542,6 +542,7 @@ func (s *server) serve(log *zap.Logger) int {
 	code := 0
 	select {
 	case <-signalled.Done():
+		stopSignals() // a second signal ends the process at once
 		// A rolling update's SIGTERM: the successor may have an address
 		// the informer has not shown yet, and collectors whose DNS is down
 		// know only what this replica tells them.
