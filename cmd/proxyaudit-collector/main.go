@@ -194,6 +194,9 @@ func readOnce(host *collector.Host, mode, snapshot string, stdout io.Writer, fai
 		if src, err = host.Detect(ctx); err != nil {
 			return fail("%v", err)
 		}
+		if src.Note != "" {
+			fmt.Fprintln(os.Stderr, "proxyaudit-collector: warning: "+src.Note)
+		}
 	}
 	reader := host.Reader(src)
 	start := time.Now()

@@ -67,7 +67,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest message accepted from the aggregator")
 
 	// What is read, and how often.
-	fs.StringVar(&o.mode, "mode", o.mode, "rules to read: auto (what kube-proxy programs, or Cilium's service maps where no kube-proxy rules are found), iptables, iptables-legacy, nftables, ipvs or cilium [PROXYAUDIT_MODE]")
+	fs.StringVar(&o.mode, "mode", o.mode, "rules to read: auto (kube-proxy's rules, or Cilium's maps where kube-proxy left none or does not run), iptables, iptables-legacy, nftables, ipvs or cilium [PROXYAUDIT_MODE]")
 	fs.StringVar(&o.bpfRoot, "bpf-root", o.bpfRoot, "the BPF filesystem Cilium pins its maps to (cilium-agent --bpf-root), read in cilium mode [PROXYAUDIT_BPF_ROOT]")
 	fs.DurationVar(&o.interval, "interval", o.interval, "how often to report; the rules are read only when their change signal moved (IPVS: every time). Missing for 3 intervals is CollectorMissing")
 	fs.DurationVar(&o.fullRead, "full-read-interval", o.fullRead, "longest time between two reads of rules that have a change signal: the backstop for what a signal can miss")
@@ -147,5 +147,8 @@ func (o *options) host() *collector.Host {
 	h.NFTJSON = o.nftReader == "nft-json"
 	h.IPTablesSave = o.iptReader == "iptables-save"
 	h.BPFFS = o.bpfRoot
+	if o.kubeProxyMetrics != "" {
+		h.KubeProxyAnswers = collector.Listening(o.kubeProxyMetrics)
+	}
 	return h
 }

@@ -3,11 +3,15 @@ package collector
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -103,4 +107,32 @@ func label(line, name string) string {
 		return v[:64]
 	}
 	return v
+}
+
+// Listening returns a check of whether kube-proxy runs, by its metrics
+// URL's address: false only when the connection is refused (nothing
+// listens there). A hung (stopped) kube-proxy still holds its socket and
+// the kernel accepts for it; a timeout or any other error cannot tell, and
+// counts as running (kube-proxy's rules stay audited).
+func Listening(metricsURL string) func(ctx context.Context) bool {
+	return func(ctx context.Context) bool {
+		u, err := url.Parse(metricsURL)
+		if err != nil || u.Hostname() == "" {
+			return true
+		}
+		port := u.Port()
+		if port == "" {
+			port = "80"
+			if u.Scheme == "https" {
+				port = "443"
+			}
+		}
+		d := net.Dialer{Timeout: 2 * time.Second}
+		conn, err := d.DialContext(ctx, "tcp", net.JoinHostPort(u.Hostname(), port))
+		if err != nil {
+			return !errors.Is(err, syscall.ECONNREFUSED)
+		}
+		conn.Close()
+		return true
+	}
 }

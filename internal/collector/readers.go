@@ -70,7 +70,7 @@ func (h *Host) Reader(src Source) RuleReader {
 	case src.Mode == audit.ModeIPVS:
 		return &ipvsReader{open: h.OpenIPVS}
 	case src.Mode == audit.ModeCilium:
-		return &ciliumReader{bpffs: h.BPFFS, read: h.ReadCilium}
+		return &ciliumReader{bpffs: h.BPFFS, read: h.ReadCilium, note: src.Note}
 	case src.Mode == audit.ModeNFTables && !h.NFTJSON:
 		return newNFTNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
@@ -291,6 +291,8 @@ type ciliumReader struct {
 	bpffs string
 	read  func(bpffs string) ([]audit.CiliumMapDump, error)
 	bytes atomic.Int64
+	// note is detection's (Source.Note), a warning with every read.
+	note string
 }
 
 // BytesRead is the size of the entries the last read took from the maps.
@@ -299,7 +301,7 @@ func (r *ciliumReader) BytesRead() int64 { return r.bytes.Load() }
 func (r *ciliumReader) String() string { return string(audit.ModeCilium) }
 
 // Source is where the reader reads from.
-func (r *ciliumReader) Source() Source { return Source{Mode: audit.ModeCilium} }
+func (r *ciliumReader) Source() Source { return Source{Mode: audit.ModeCilium, Note: r.note} }
 
 func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
 	dumps, err := r.read(r.bpffs)
@@ -315,5 +317,9 @@ func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
 	if err != nil {
 		return nil, err
 	}
-	return lb.Observed(), nil
+	obs := lb.Observed()
+	if r.note != "" {
+		obs.Warnings = append(obs.Warnings, r.note)
+	}
+	return obs, nil
 }

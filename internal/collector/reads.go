@@ -205,6 +205,9 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 			return err
 		}
 		c.cfg.Log.Info("detected kube-proxy mode", zap.Stringer("mode", src))
+		if src.Note != "" {
+			c.cfg.Log.Warn(src.Note)
+		}
 		c.reader = c.cfg.Host.Reader(src)
 		c.openSignal(src)
 	}

@@ -29,6 +29,9 @@ type Source struct {
 	Mode audit.Mode
 	// Legacy selects the iptables-legacy backend.
 	Legacy bool
+	// Note is how detection chose, when the node's state was ambiguous:
+	// reported with every read as a node warning.
+	Note string
 }
 
 func (s Source) String() string {
@@ -142,6 +145,10 @@ type Host struct {
 	// ReadCilium reads Cilium's LB maps pinned under BPFFS (ciliummaps.Read
 	// in production); nil: Cilium is never looked for.
 	ReadCilium func(bpffs string) ([]audit.CiliumMapDump, error)
+	// KubeProxyAnswers says whether kube-proxy runs on the node (its
+	// metrics answer), asked only when both kube-proxy's rules and
+	// Cilium's maps are found; nil: not asked (kube-proxy's rules win).
+	KubeProxyAnswers func(ctx context.Context) bool
 }
 
 // DefaultBPFFS is where Cilium's agent pins its maps by default.
@@ -188,10 +195,48 @@ var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interf
 // IPv6 checks matter only where it programs IPv6 alone); then, where no
 // kube-proxy rules are found, Cilium's service maps pinned under BPFFS
 // (its kube-proxy replacement: the maps also exist where Cilium runs
-// beside kube-proxy, which then does the services). Each check is a
+// beside kube-proxy, which then does the services). Where both are found
+// and kube-proxy does not answer (KubeProxyAnswers), the kube-proxy rules
+// are a migration's leftovers and Cilium's maps are audited, with a Note
+// saying so. Each check is a
 // small query, never a listing of the whole ruleset, and none takes the
 // xtables lock.
 func (h *Host) Detect(ctx context.Context) (Source, error) {
+	src, err := h.detectKubeProxy(ctx)
+	if err != nil && h.ciliumPinned() {
+		return Source{Mode: audit.ModeCilium}, nil
+	}
+	if err == nil && h.KubeProxyAnswers != nil && h.ciliumPinned() && !h.KubeProxyAnswers(ctx) {
+		// A node migrated to Cilium's kube-proxy replacement whose old
+		// kube-proxy rules were never flushed: nothing maintains them, and
+		// auditing them would report every change as drift.
+		flag := string(src.Mode)
+		if src.Legacy {
+			flag = "iptables-legacy"
+		}
+		return Source{Mode: audit.ModeCilium, Note: fmt.Sprintf("kube-proxy's %s rules remain on this node but kube-proxy does not answer: "+
+			"Cilium's service maps are audited; flush the leftover rules as Cilium's kube-proxy migration guide says, "+
+			"or run the collector with --mode %s if kube-proxy serves this node", src.Mode, flag)}, nil
+	}
+	return src, err
+}
+
+// ciliumPinned says whether Cilium's service maps are pinned under BPFFS.
+func (h *Host) ciliumPinned() bool {
+	if h.ReadCilium == nil {
+		return false
+	}
+	for _, m := range []string{audit.CiliumServices4, audit.CiliumServices6} {
+		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, m)); err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// detectKubeProxy finds kube-proxy's rules: IPVS, nftables, iptables (the
+// nf_tables backend, then legacy), in that order.
+func (h *Host) detectKubeProxy(ctx context.Context) (Source, error) {
 	if h.HasInterface("kube-ipvs0") {
 		return Source{Mode: audit.ModeIPVS}, nil
 	}
@@ -233,14 +278,6 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 			} else if ok {
 				return Source{Mode: audit.ModeIPTables, Legacy: legacy}, nil
 			}
-		}
-	}
-	if h.ReadCilium != nil {
-		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, audit.CiliumServices4)); err == nil {
-			return Source{Mode: audit.ModeCilium}, nil
-		}
-		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, audit.CiliumServices6)); err == nil {
-			return Source{Mode: audit.ModeCilium}, nil
 		}
 	}
 	if len(errs) > 0 {

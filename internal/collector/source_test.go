@@ -2,11 +2,15 @@ package collector_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -330,5 +334,112 @@ func TestDetectIPv6Alone(t *testing.T) {
 				t.Errorf("queries %q", ran)
 			}
 		})
+	}
+}
+
+// A node migrated to Cilium's kube-proxy replacement keeps kube-proxy's
+// chains until someone flushes them. Where Cilium's maps are pinned too,
+// kube-proxy's rules are audited only while kube-proxy runs; once nothing
+// listens at its metrics address they are leftovers (auditing them would
+// report every change as drift) and Cilium's maps are audited, with a
+// node warning saying why. Without maps, or without the check, nothing
+// changes.
+func TestDetectLeftoverKubeProxyRulesOnACiliumNode(t *testing.T) {
+	kube := map[string]bool{"nat/KUBE-SERVICES": true}
+	bpffs := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(bpffs, "tc/globals"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	pinned := func() {
+		if err := os.WriteFile(filepath.Join(bpffs, "tc/globals", audit.CiliumServices4), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		name    string
+		maps    bool
+		answers *bool // nil: no check
+		legacy  bool
+		want    audit.Mode
+		note    string
+	}{
+		{name: "kube-proxy runs beside Cilium", maps: true, answers: ptr(true), want: audit.ModeIPTables},
+		{name: "leftover rules", maps: true, answers: ptr(false), want: audit.ModeCilium, note: "--mode iptables if"},
+		{name: "leftover legacy rules", maps: true, answers: ptr(false), legacy: true, want: audit.ModeCilium, note: "--mode iptables-legacy if"},
+		{name: "no check", maps: true, want: audit.ModeIPTables},
+		{name: "no Cilium maps", answers: ptr(false), want: audit.ModeIPTables},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			os.Remove(filepath.Join(bpffs, "tc/globals", audit.CiliumServices4))
+			if tc.maps {
+				pinned()
+			}
+			ipt, legacy := kube, map[string]bool{}
+			if tc.legacy {
+				ipt, legacy = map[string]bool{}, kube
+			}
+			h, _ := fakeHost(false, "", ipt, legacy)
+			h.BPFFS = bpffs
+			// The genuine agent's maps (audit/testdata/cilium/scenario).
+			h.ReadCilium = func(string) ([]audit.CiliumMapDump, error) {
+				b, err := os.ReadFile("../../audit/testdata/cilium/scenario/maps.json")
+				if err != nil {
+					return nil, err
+				}
+				var dumps []audit.CiliumMapDump
+				return dumps, json.Unmarshal(b, &dumps)
+			}
+			asked := 0
+			if tc.answers != nil {
+				h.KubeProxyAnswers = func(context.Context) bool { asked++; return *tc.answers }
+			}
+			got, err := h.Detect(context.Background())
+			if err != nil || got.Mode != tc.want {
+				t.Fatalf("got %v, %v; want %s", got, err, tc.want)
+			}
+			if tc.note == "" && got.Note != "" || tc.note != "" && !strings.Contains(got.Note, tc.note) {
+				t.Errorf("note %q, want one saying %q", got.Note, tc.note)
+			}
+			if !tc.maps && asked > 0 {
+				t.Errorf("kube-proxy asked %d times on a node without Cilium's maps", asked)
+			}
+			if got.Note != "" {
+				obs, err := h.Reader(got).Read(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(obs.Frontends) == 0 {
+					t.Error("the agent's maps read as no frontends")
+				}
+				if !slices.Contains(obs.Warnings, got.Note) {
+					t.Errorf("a read of Cilium's maps does not warn %q: %q", got.Note, obs.Warnings)
+				}
+			}
+		})
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// Listening: refused means kube-proxy does not run; a listener that never
+// answers (a hung kube-proxy: the kernel still accepts) or an address
+// that cannot be asked counts as running.
+func TestListening(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	if !collector.Listening("http://" + ln.Addr().String() + "/metrics")(context.Background()) {
+		t.Error("a listener that never accepts counted as not running")
+	}
+	closed, _ := net.Listen("tcp", "127.0.0.1:0")
+	addr := closed.Addr().String()
+	closed.Close()
+	if collector.Listening("http://" + addr + "/metrics")(context.Background()) {
+		t.Error("a refused connection counted as running")
+	}
+	if !collector.Listening("::not a url")(context.Background()) {
+		t.Error("an unusable URL counted as not running")
 	}
 }
