@@ -212,9 +212,9 @@ func (n *Node) CheckCiliumCgroup() error {
 			continue
 		}
 		if want := "/" + namePrefix + n.Name; f[3] != want {
-			return fmt.Errorf("Cilium's agent on %s has cgroup %q of its hierarchy at its cgroup root, not the node's own %q", n.Name, f[3], want)
+			return fmt.Errorf("node %s: Cilium's agent has cgroup %q of its hierarchy at its cgroup root, not the node's own %q", n.Name, f[3], want)
 		}
 		return nil
 	}
-	return fmt.Errorf("Cilium's agent on %s has nothing mounted at /run/cilium/cgroupv2", n.Name)
+	return fmt.Errorf("node %s: Cilium's agent has nothing mounted at /run/cilium/cgroupv2", n.Name)
 }
