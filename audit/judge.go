@@ -198,6 +198,9 @@ type CollectorCost struct {
 	Reader         string `json:"reader,omitempty"`
 	Fallbacks      uint64 `json:"fallbacks,omitempty"`
 	FallbackReason string `json:"fallbackReason,omitempty"`
+	// Warnings are what the collector's last whole read noticed that is
+	// not a finding; the node's status shows them among its warnings.
+	Warnings []string `json:"warnings,omitempty"`
 }
 
 // KubeProxySignal is kube-proxy's own account of its syncs, from its
@@ -486,6 +489,9 @@ func (j *Judge) judgeNode(name string, r *nodeRecord, now time.Time) (NodeStatus
 		interval = p.DefaultInterval
 	}
 	st := NodeStatus{Node: name, Mode: r.mode, LastReport: r.reported, Services: r.services, ReadError: r.readError, Lag: lagStats(r.lags), KubeProxy: r.kubeProxy, Collector: r.cost}
+	if r.cost != nil && len(r.cost.Warnings) > 0 {
+		st.Warnings = slices.Clone(r.cost.Warnings)
+	}
 	switch {
 	case r.lastHeard().IsZero() && now.Sub(r.expectedSince) <= allowance:
 		st.State = NodePending

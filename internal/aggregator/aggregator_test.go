@@ -494,3 +494,35 @@ func TestUnauditedFamilyWarned(t *testing.T) {
 		}
 	}
 }
+
+// What a collector's read noticed beside findings (kube-proxy's leftover
+// rules on a Cilium node, a slot naming a missing backend) reaches the
+// node's status as a warning, cleaned of what a terminal would act on,
+// and leaves when a read no longer notices it.
+func TestReadWarningsReachTheNodeStatus(t *testing.T) {
+	h := start(t, 2*time.Second, InsecureNoAuth{})
+	var mu sync.Mutex
+	warned := rules(t)
+	warned.Warnings = []string{"kube-proxy's iptables rules remain on this node\x1b[2J but kube-proxy does not answer"}
+	current := warned
+	h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
+	status := func() audit.NodeStatus {
+		for _, n := range h.verdict().Nodes {
+			if n.Node == "n1" {
+				return n
+			}
+		}
+		return audit.NodeStatus{}
+	}
+	h.until(10*time.Second, "n1's warning in its status", func() bool {
+		st := status()
+		return st.State == audit.NodeInSync && len(st.Warnings) == 1 && strings.Contains(st.Warnings[0], "kube-proxy's iptables rules remain")
+	})
+	if w := status().Warnings[0]; strings.Contains(w, "\x1b") {
+		t.Errorf("a warning kept an escape sequence: %q", w)
+	}
+	mu.Lock()
+	current = rules(t)
+	mu.Unlock()
+	h.until(10*time.Second, "n1's warning gone", func() bool { return len(status().Warnings) == 0 })
+}

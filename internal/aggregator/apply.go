@@ -139,6 +139,9 @@ func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.Collect
 	cost := &audit.CollectorCost{Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
 		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
 		Reader: safetext.Clean(rs.Reader, maxReadError), Fallbacks: rs.Fallbacks, FallbackReason: safetext.Clean(rs.FallbackReason, maxReadError)}
+	for _, w := range rs.Warnings {
+		cost.Warnings = append(cost.Warnings, safetext.Clean(w, maxReadError))
+	}
 	if prev := n.fallbacks; rs.Fallbacks > prev {
 		a.cfg.Metrics.CollectorFallbacks.Add(float64(rs.Fallbacks - prev))
 	}

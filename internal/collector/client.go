@@ -206,6 +206,8 @@ type client struct {
 		Reads                       map[stream.ReadReason]uint64
 		LastSeconds, LastCPUSeconds float64
 		LastBytes                   int64
+		// Warnings: the last whole read's (Observed.Warnings).
+		Warnings []string
 	}
 	statsChanged bool
 }

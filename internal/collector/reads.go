@@ -268,6 +268,10 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 		c.cached = applyChanges(c.cached, changes)
 	} else {
 		c.cached = stream.FromModel(obs)
+		c.cost.Warnings = c.cost.Warnings[:0]
+		for _, w := range obs.Warnings[:min(len(obs.Warnings), stream.MaxReadWarnings)] {
+			c.cost.Warnings = append(c.cost.Warnings, clipText(w))
+		}
 	}
 	c.token, c.kpSyncAtRead = tok, kpSync
 	if changes != nil && c.fed {
@@ -342,6 +346,7 @@ func (c *client) stats() *stream.ReadStats {
 	for k, v := range c.cost.Reads {
 		rs.Reads[k] = v
 	}
+	rs.Warnings = slices.Clone(c.cost.Warnings)
 	return rs
 }
 

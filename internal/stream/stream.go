@@ -331,11 +331,18 @@ type ReadStats struct {
 	// reader could not decode a rule; FallbackReason says why, last.
 	Fallbacks      uint64 `json:"fallbacks,omitempty"`
 	FallbackReason string `json:"fallbackReason,omitempty"`
+	// Warnings are what the last whole read noticed that is not a
+	// finding (kube-proxy's leftover rules on a Cilium node, a Cilium
+	// slot naming a missing backend), at most MaxReadWarnings.
+	Warnings []string `json:"warnings,omitempty"`
 }
 
-// maxReaderText bounds the reader's name and fallback reason a report
-// carries.
+// maxReaderText bounds the reader's name, fallback reason and each
+// warning a report carries.
 const maxReaderText = 512
+
+// MaxReadWarnings bounds the warnings of one ReadStats.
+const MaxReadWarnings = 4
 
 // ReadReason is why a collector read the rules.
 type ReadReason string
@@ -375,6 +382,14 @@ func (r *ReadStats) Validate() error {
 	}
 	if len(r.Reader) > maxReaderText || len(r.FallbackReason) > maxReaderText {
 		return fmt.Errorf("read stats: a reader name or fallback reason of %d bytes (at most %d)", max(len(r.Reader), len(r.FallbackReason)), maxReaderText)
+	}
+	if len(r.Warnings) > MaxReadWarnings {
+		return fmt.Errorf("read stats: %d warnings (at most %d)", len(r.Warnings), MaxReadWarnings)
+	}
+	for _, w := range r.Warnings {
+		if len(w) > maxReaderText {
+			return fmt.Errorf("read stats: a warning of %d bytes (at most %d)", len(w), maxReaderText)
+		}
 	}
 	return nil
 }

@@ -527,3 +527,20 @@ func TestSteeredKeysAreRefused(t *testing.T) {
 		t.Errorf("the largest bucket of ordinary keys holds %d", largest)
 	}
 }
+
+// A collector's read stats carry at most MaxReadWarnings warnings of
+// bounded size: more is refused, not clipped by the aggregator.
+func TestReadStatsWarningsBounded(t *testing.T) {
+	ok := &ReadStats{Warnings: []string{"a", strings.Repeat("b", maxReaderText)}}
+	if err := ok.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []*ReadStats{
+		{Warnings: make([]string, MaxReadWarnings+1)},
+		{Warnings: []string{strings.Repeat("b", maxReaderText+1)}},
+	} {
+		if err := bad.Validate(); err == nil {
+			t.Errorf("accepted %d warnings of up to %d bytes", len(bad.Warnings), len(bad.Warnings[len(bad.Warnings)-1]))
+		}
+	}
+}

@@ -113,6 +113,9 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 		if s.Node == n.Name && s.Mode != audit.ModeCilium {
 			t.Fatalf("%s audited in mode %q, want %q", n.Name, s.Mode, audit.ModeCilium)
 		}
+		if s.Node == n.Name && !slices.ContainsFunc(s.Warnings, func(w string) bool { return strings.Contains(w, "kube-proxy's iptables rules remain") }) {
+			t.Errorf("%s keeps kube-proxy's leftover chain and its status does not warn of it: %q", n.Name, s.Warnings)
+		}
 	}
 	if log := collectorLog(ctx, c, n.Name, 1000); !strings.Contains(log, "kube-proxy's iptables rules remain on this node but kube-proxy does not answer") {
 		t.Errorf("%s keeps kube-proxy's leftover chain and its collector does not warn of it:\n%s", n.Name, log)
