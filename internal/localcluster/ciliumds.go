@@ -12,7 +12,6 @@ import (
 	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -122,16 +121,7 @@ func (c *Cluster) DeployCilium(ctx context.Context) error {
 		return fmt.Errorf("no real node runs in mode cilium (AddKubeletNode with Mode: ModeCilium)")
 	}
 	ns := "kube-system"
-	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "cilium", Namespace: ns}}
-	if _, err := c.Client.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		return err
-	}
-	crb := &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit-test:cilium"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "cluster-admin"},
-		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "cilium", Namespace: ns}},
-	}
-	if _, err := c.Client.RbacV1().ClusterRoleBindings().Create(ctx, crb, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if err := c.serviceAccountBound(ctx, ns, "cilium", "proxyaudit-test:cilium", "cluster-admin"); err != nil {
 		return err
 	}
 	hostPath := func(name, p string, t corev1.HostPathType) corev1.Volume {
