@@ -196,7 +196,7 @@ var ErrNoKubeProxy = errors.New("no kube-proxy rules found: no kube-ipvs0 interf
 // kube-proxy rules are found, Cilium's service maps pinned under BPFFS
 // (its kube-proxy replacement: the maps also exist where Cilium runs
 // beside kube-proxy, which then does the services). Where both are found
-// and kube-proxy does not answer (KubeProxyAnswers), the kube-proxy rules
+// and kube-proxy is not running (KubeProxyAnswers), the kube-proxy rules
 // are a migration's leftovers and Cilium's maps are audited, with a Note
 // saying so. Each check is a
 // small query, never a listing of the whole ruleset, and none takes the
@@ -214,7 +214,7 @@ func (h *Host) Detect(ctx context.Context) (Source, error) {
 		if src.Legacy {
 			flag = "iptables-legacy"
 		}
-		return Source{Mode: audit.ModeCilium, Note: fmt.Sprintf("kube-proxy's %s rules remain on this node but kube-proxy does not answer: "+
+		return Source{Mode: audit.ModeCilium, Note: fmt.Sprintf("kube-proxy's %s rules remain on this node but kube-proxy is not running (nothing listens at its metrics address): "+
 			"Cilium's service maps are audited; flush the leftover rules as Cilium's kube-proxy migration guide says, "+
 			"or run the collector with --mode %s if kube-proxy serves this node", src.Mode, flag)}, nil
 	}

@@ -16,8 +16,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
@@ -81,11 +79,8 @@ func (c *Cluster) addCiliumNode(ctx context.Context, spec NodeSpec) (*Node, erro
 	if err := c.registerNode(ctx, n); err != nil {
 		return nil, err
 	}
-	// Kubernetes IPAM: the agent takes its pod range from the Node.
-	cidr := fmt.Sprintf("198.18.%d.0/24", 128+n.Index)
-	patch := fmt.Sprintf(`{"spec":{"podCIDR":%q,"podCIDRs":[%q]}}`, cidr, cidr)
-	if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-		return nil, fmt.Errorf("node %s pod CIDR: %w", n.Name, err)
+	if err := c.ciliumPodCIDR(ctx, n, fmt.Sprintf("198.18.%d.0/24", 128+n.Index)); err != nil {
+		return nil, err
 	}
 	w := n.cilium.work
 	for _, d := range []string{"bpffs", "state", "lib", "path"} {

@@ -92,11 +92,11 @@ func (c *Cluster) prepareCiliumKubelet(ctx context.Context, n *Node) error {
 	return nil
 }
 
-// ciliumNodeRegistered gives a real Cilium node's Node its pod range:
-// the agent's Kubernetes IPAM reads it there (the controller manager's
-// node IPAM is off here).
-func (c *Cluster) ciliumNodeRegistered(ctx context.Context, n *Node) error {
-	patch := fmt.Sprintf(`{"spec":{"podCIDR":%q,"podCIDRs":[%q]}}`, n.real.podCIDR, n.real.podCIDR)
+// ciliumPodCIDR gives a Cilium node's Node its pod range: the agent's
+// Kubernetes IPAM reads it there (the controller manager's node IPAM is
+// off here).
+func (c *Cluster) ciliumPodCIDR(ctx context.Context, n *Node, cidr string) error {
+	patch := fmt.Sprintf(`{"spec":{"podCIDR":%q,"podCIDRs":[%q]}}`, cidr, cidr)
 	if _, err := c.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		return fmt.Errorf("node %s pod CIDR: %w", n.Name, err)
 	}

@@ -115,7 +115,7 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 		return nil, err
 	}
 	if spec.Mode == ModeCilium {
-		if err := c.ciliumNodeRegistered(ctx, n); err != nil {
+		if err := c.ciliumPodCIDR(ctx, n, n.real.podCIDR); err != nil {
 			return nil, err
 		}
 	}

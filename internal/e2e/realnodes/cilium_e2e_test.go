@@ -64,18 +64,7 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 	if err := n.CheckCiliumCgroup(); err != nil {
 		t.Fatal(err)
 	}
-	agentPod := func() *corev1.Pod {
-		pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=cilium", FieldSelector: "spec.nodeName=" + n.Name})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i := range pods.Items {
-			if pods.Items[i].DeletionTimestamp == nil {
-				return &pods.Items[i]
-			}
-		}
-		return nil
-	}
+	agentPod := func() *corev1.Pod { return systemPod(ctx, t, c, "k8s-app=cilium", n.Name) }
 
 	// The drill: a service with two endpoints (no pods needed: the maps
 	// are what is audited).
@@ -117,7 +106,7 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 			t.Errorf("%s keeps kube-proxy's leftover chain and its status does not warn of it: %q", n.Name, s.Warnings)
 		}
 	}
-	if log := collectorLog(ctx, c, n.Name, 1000); !strings.Contains(log, "kube-proxy's iptables rules remain on this node but kube-proxy does not answer") {
+	if log := collectorLog(ctx, c, n.Name, 1000); !strings.Contains(log, "kube-proxy's iptables rules remain on this node but kube-proxy is not running") {
 		t.Errorf("%s keeps kube-proxy's leftover chain and its collector does not warn of it:\n%s", n.Name, log)
 	}
 	proxies := map[string]string{}

@@ -638,7 +638,14 @@ func listAll(ctx context.Context, t *testing.T, c *localcluster.Cluster, namespa
 // deleted), or nil.
 func kubeProxyPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, node string) *corev1.Pod {
 	t.Helper()
-	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy",
+	return systemPod(ctx, t, c, "k8s-app=kube-proxy", node)
+}
+
+// systemPod is the pod in kube-system matching selector on node that is
+// not being deleted, or nil.
+func systemPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, selector, node string) *corev1.Pod {
+	t.Helper()
+	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: selector,
 		FieldSelector: "spec.nodeName=" + node})
 	if err != nil {
 		t.Fatal(err)
