@@ -264,9 +264,19 @@ func (j *Judge) Observe(node string, at, shown time.Time, services int, noRules 
 	r := j.record(node, at)
 	first := r.assessed.IsZero()
 	r.assessed, r.services, r.assessments = at, services, as
+	// A node that had no rules lost every service then: a service still
+	// wrong when rules come back (a flush that kube-proxy's next sync
+	// half repaired) has been wrong since the rules went.
+	var wrongSince time.Time
+	if r.noRules && !noRules {
+		wrongSince = r.noRulesSince
+	}
 	if noRules {
 		if !r.noRules {
-			r.noRulesSince = at
+			// Whatever the cluster holds, a node without rules has been
+			// broken since it first showed none (a report judged later,
+			// as of when the view covered it, must not date it later).
+			r.noRulesSince = shown
 		}
 	} else {
 		r.noRulesSince = time.Time{}
@@ -281,6 +291,9 @@ func (j *Judge) Observe(node string, at, shown time.Time, services int, noRules 
 			since, ok := r.divergentSince[a.Service]
 			if !ok {
 				since = at
+				if !wrongSince.IsZero() {
+					since = wrongSince
+				}
 			}
 			divergent[a.Service] = since // continuous divergence keeps its start
 		case Lagging:

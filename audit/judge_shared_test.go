@@ -66,3 +66,28 @@ func TestLagSamplesEndWhenTheRulesWereShown(t *testing.T) {
 		t.Fatalf("latency samples %v, want [2s]: the rules showed the change 2 s after it", got)
 	}
 }
+
+// A node that shows no rules has been broken since it first showed none,
+// whenever the report is judged: an aggregator whose view covered the
+// report only a second later must not date the flush a second late.
+func TestNoRulesDatedWhenFirstShown(t *testing.T) {
+	p := DefaultPolicy()
+	j := NewJudge(p)
+	h := NewHistory(time.Minute)
+	t0 := time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	h.Update(&State{Services: []Service{{Namespace: "ns", Name: "a", Ports: []corev1.ServicePort{{Name: "http", Port: 80}}}}}, t0)
+	j.Heard("n1", Heartbeat{At: t0, Interval: time.Second})
+	j.Observe("n1", t0, t0, 1, false, nil, h)
+	flushed := t0.Add(10 * time.Second)
+	for at := flushed.Add(900 * time.Millisecond); !at.After(flushed.Add(p.Grace + 2*time.Second)); at = at.Add(time.Second) {
+		j.Heard("n1", Heartbeat{At: at, Interval: time.Second})
+		j.Observe("n1", at, flushed, 1, true, nil, h)
+	}
+	v := Conclude(p, j.JudgeNodes(flushed.Add(p.Grace+2*time.Second), []string{"n1"}))
+	for _, f := range v.Findings {
+		if f.Kind == NoRules && f.Since.Equal(flushed) {
+			return
+		}
+	}
+	t.Fatalf("want NoRules since the rules were first shown gone (%s): %+v", flushed, v.Findings)
+}

@@ -71,7 +71,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.bpfRoot, "bpf-root", o.bpfRoot, "the BPF filesystem Cilium pins its maps to (cilium-agent --bpf-root), read in cilium mode [PROXYAUDIT_BPF_ROOT]")
 	fs.DurationVar(&o.interval, "interval", o.interval, "how often to report; the rules are read only when their change signal moved (IPVS: every time). Missing for 3 intervals is CollectorMissing")
 	fs.DurationVar(&o.fullRead, "full-read-interval", o.fullRead, "longest time between two reads of rules that have a change signal: the backstop for what a signal can miss")
-	fs.Float64Var(&o.readBudget, "read-budget", o.readBudget, "share of a core reads may average while the rules keep changing")
+	fs.Float64Var(&o.readBudget, "read-budget", o.readBudget, "share of a core reads may average while the rules keep changing; a flush (the table emptied) is read at once whatever it holds")
 	fs.StringVar(&o.iptReader, "iptables-reader", o.iptReader, "how to read iptables mode: kernel (netlink and getsockopt, only what changed) or iptables-save (every read whole; slower) [PROXYAUDIT_IPTABLES_READER]")
 	fs.StringVar(&o.nftReader, "nft-reader", o.nftReader, "how to read nftables mode: netlink (only what changed) or nft-json (`nft -j list table`; slower) [PROXYAUDIT_NFT_READER]")
 	fs.IntVar(&o.notifyMiB, "notification-buffer-mib", o.notifyMiB, "receive buffer of the nf_tables change notifications in MiB (0: the kernel's default)")

@@ -3,6 +3,7 @@ package aggregator
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -95,10 +96,16 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
 		// The rules the last report showed, if no judgement reached it
 		// yet: judged in its stead while this report is newer than the
-		// view (judgeAt).
-		n.before = nil
-		if wasComplete && n.fresh && n.heard.After(n.judged) {
-			n.before = &shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules}
+		// view (judgeAt). The earliest such rules are kept while none of
+		// them is judged: a drift must be dated when the node first showed
+		// it (a flush reported at once, then kube-proxy's next sync
+		// rewriting part of the table: three reports within the view's
+		// second of delay, and the flush dated by the third).
+		if b := n.before; b == nil || !b.at.After(n.judged) {
+			n.before = nil
+			if wasComplete && n.fresh && n.heard.After(n.judged) {
+				n.before = &shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules}
+			}
 		}
 		n.version++
 		n.shownSince = now
@@ -155,7 +162,11 @@ func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.Collect
 		}
 		if count > prev {
 			grew = true
-			a.cfg.Metrics.CollectorReads.WithLabelValues(string(reason)).Add(float64(count - prev))
+			label := string(reason)
+			if !slices.Contains(stream.ReadReasons, reason) {
+				label = "other" // a newer collector's reason: the label set stays bounded
+			}
+			a.cfg.Metrics.CollectorReads.WithLabelValues(label).Add(float64(count - prev))
 		}
 	}
 	if grew {

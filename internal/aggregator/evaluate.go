@@ -157,11 +157,15 @@ func (a *Aggregator) dueLocked(covered time.Time, gen uint64) []job {
 		}
 		rules, version, noRules, shownSince := n.state, n.version, n.noRules, n.shownSince
 		at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
-		if b := n.before; !ok && b != nil {
-			// The latest report's rules are newer than the view: the
-			// report before, if the view covers it.
-			rules, version, noRules, shownSince = &b.state, b.version, b.noRules, b.since
-			at, ok = judgeAt(b.at, b.since, n.judged, covered)
+		if b := n.before; b != nil {
+			// Rules an earlier report showed and no judgement reached:
+			// judged first, as of their own time when the view covers it
+			// (the latest report's turn is the next cycle), so that a
+			// drift is dated when the node first showed it, and when the
+			// latest report is newer than the view.
+			if bat, bok := judgeAt(b.at, b.since, n.judged, covered); bok {
+				rules, version, noRules, shownSince, at, ok = &b.state, b.version, b.noRules, b.since, bat, true
+			}
 		}
 		if !ok {
 			continue

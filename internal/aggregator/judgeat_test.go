@@ -242,3 +242,59 @@ func inSync(h *harness, node string) bool {
 	}
 	return false
 }
+
+// A flush is reported at once and kube-proxy's next sync rewrites part of
+// the table a moment later: the node shows no rules, then services without
+// endpoints, then another change, all before the aggregator next judges.
+// The drift is dated by the first of them, not by the report the
+// judgement happens to meet (before, the third: a flush seen 0.03 s after
+// the command was dated a second late).
+func TestDriftDatedByTheFirstReportShowingIt(t *testing.T) {
+	const grace = 2 * time.Second
+	h := startWith(t, grace, InsecureNoAuth{}, fakeCluster(), nil)
+	c := h.dial("n1")
+	expect(t, c, stream.TypeWelcome, "")
+	st, seq := stream.NewState(), uint64(0)
+	send := func(o *audit.Observed) time.Time {
+		t.Helper()
+		seq++
+		next := stream.FromModel(o)
+		if err := stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, next, seq, seq == 1, false)}); err != nil {
+			t.Fatal(err)
+		}
+		*st = *next
+		h.eventually(5*time.Second, "the report applied", func() bool {
+			h.agg.mu.Lock()
+			defer h.agg.mu.Unlock()
+			n := h.agg.nodes["n1"]
+			return n != nil && n.lastSeq == seq
+		})
+		return h.clk.Now()
+	}
+	send(rules(t))
+	h.until(10*time.Second, "n1 in sync", func() bool { return inSync(h, "n1") })
+
+	h.clk.Step(step)
+	flushed := send(&audit.Observed{Mode: audit.ModeIPTables, NoRules: true, Families: []int{4}})
+	h.clk.Step(step)
+	send(rules(t, 0, 1))
+	h.clk.Step(step)
+	send(rules(t, 0))
+	last := rules(t, 0)
+	for i := 1; !strings.Contains(kindsOf(h.verdict()), "n1:MissingEndpoint"); i++ {
+		if h.clk.Since(flushed) > 4*grace {
+			t.Fatalf("n1's drift not found within %s: %s", 4*grace, kindsOf(h.verdict()))
+		}
+		h.clk.Step(step)
+		time.Sleep(yield)
+		if i%10 == 0 {
+			send(last) // the node keeps reporting
+		}
+		h.agg.Evaluate()
+	}
+	for _, f := range h.verdict().Findings {
+		if f.Node == "n1" && !f.Since.Equal(flushed) {
+			t.Errorf("%s %s dated %s after the flush was first reported", f.Kind, f.Service, f.Since.Sub(flushed))
+		}
+	}
+}

@@ -13,7 +13,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -84,11 +83,17 @@ func runChurn(tb testing.TB, cs churnSpec) churnRun {
 	// the last sync is the writer's (a drift by hand is no sync). On the
 	// legacy backend they are half the change signal; without them every
 	// heartbeat would read.
-	w := &churnWriter{}
-	w.lastSync.Store(time.Now().UnixMilli())
-	metrics := startMetricsStub(tb, ns, &w.lastSync)
-	w.start(tb, ctx, ns, cs, tool)
-	defer w.stop()
+	w := &localcluster.Churn{}
+	if cs.period > 0 { // else a quiet node
+		w = localcluster.StartChurn(ctx, ns.NetNS, localcluster.ChurnConfig{Spec: cs.spec, Mode: mode, Period: cs.period, Dispatch: cs.dispatch})
+		defer func() {
+			if err := w.Stop(); err != nil {
+				tb.Error(err)
+			}
+		}()
+	}
+	w.LastSync.Store(time.Now().UnixMilli())
+	metrics := startMetricsStub(tb, ns, &w.LastSync)
 
 	run := churnRun{services: fmt.Sprint(cs.spec.Services), period: cs.period.String()}
 	run.saveTook, run.saveFinished = saveUnderChurn(tb, ctx, ns, cs, tool)
@@ -142,16 +147,9 @@ func loadChurn(tb testing.TB, ctx context.Context, cs churnSpec) (ns *localclust
 	}
 	load := time.Now()
 	if cs.nftables {
-		order, err := synth.NFTLoadOrder(dump.Bytes())
-		if err != nil {
+		if err := localcluster.LoadNFT(ctx, ns.NetNS, dump.Bytes()); err != nil {
 			ns.Close()
 			tb.Fatal(err)
-		}
-		cmd := ns.Command(ctx, "nft", "-j", "-f", "-")
-		cmd.Stdin = bytes.NewReader(order)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			ns.Close()
-			tb.Fatalf("nft load: %v: %s", err, out)
 		}
 	} else if err := ns.RestoreIPTables(ctx, dump.Bytes(), cs.legacy); err != nil {
 		ns.Close()
@@ -170,77 +168,6 @@ func loadChurn(tb testing.TB, ctx context.Context, cs churnSpec) (ns *localclust
 		tb.Fatalf("%v: %s", err, out)
 	}
 	return ns, tool, mode
-}
-
-// churnWriter is kube-proxy as the churn plays it: every period a partial
-// sync of ten services' chains. The services it rewrites rotate over the
-// first half of the cluster; the drifts are made in the second half.
-type churnWriter struct {
-	lastSync atomic.Int64 // the last sync's end, Unix milliseconds
-	mu       sync.Mutex
-	cpu      time.Duration
-	syncs    int
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup
-}
-
-func (w *churnWriter) start(tb testing.TB, ctx context.Context, ns *localcluster.Scratch, cs churnSpec, tool string) {
-	wctx, cancel := context.WithCancel(ctx)
-	w.cancel = cancel
-	w.wg.Go(func() {
-		if cs.period == 0 {
-			return // a quiet node
-		}
-		tick := time.NewTicker(cs.period)
-		defer tick.Stop()
-		for k := 0; ; k++ {
-			var in bytes.Buffer
-			var svcs []int
-			for j := range 10 {
-				svcs = append(svcs, (k*10+j)%(cs.spec.Services/2))
-			}
-			var err error
-			argv := []string{tool + "-restore", "--noflush"}
-			if cs.nftables {
-				err, argv = cs.spec.WriteNFTPartialSync(&in, svcs, netip.AddrPort{}), []string{"nft", "-f", "-"}
-			} else {
-				err = cs.spec.WritePartialSync(&in, svcs, cs.dispatch)
-			}
-			if err != nil {
-				tb.Error(err)
-				return
-			}
-			cmd := ns.Command(wctx, argv...)
-			cmd.Stdin = &in
-			out, err := cmd.CombinedOutput()
-			if wctx.Err() != nil {
-				return
-			}
-			if err != nil {
-				tb.Errorf("writer: %v: %s", err, out)
-				return
-			}
-			w.lastSync.Store(time.Now().UnixMilli())
-			w.mu.Lock()
-			w.cpu += cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
-			w.syncs++
-			w.mu.Unlock()
-			select {
-			case <-wctx.Done():
-				return
-			case <-tick.C:
-			}
-		}
-	})
-}
-
-func (w *churnWriter) stop() { w.cancel(); w.wg.Wait() }
-
-// done says how much CPU the writer spent and how many syncs it made.
-func (w *churnWriter) done() (time.Duration, int) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.cpu, w.syncs
 }
 
 // saveUnderChurn runs the text tool once under the churn: does it finish
@@ -289,19 +216,19 @@ func startChurnCollector(tb testing.TB, ctx context.Context, ns *localcluster.Sc
 
 // measureChurn measures the collector's CPU and its reports over the
 // window, from its first report at first.
-func measureChurn(tb testing.TB, run *churnRun, cs churnSpec, col *exec.Cmd, s *stub, w *churnWriter, first time.Time) {
+func measureChurn(tb testing.TB, run *churnRun, cs churnSpec, col *exec.Cmd, s *stub, w *localcluster.Churn, first time.Time) {
 	base, err := localcluster.ReadProcStat(col.Process.Pid)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	w0, s0 := w.done()
+	w0, s0 := w.Done()
 	from := s.count()
 	time.Sleep(cs.window)
 	end, err := localcluster.ReadProcStat(col.Process.Pid)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	w1, s1 := w.done()
+	w1, s1 := w.Done()
 	run.writerCPU, run.syncs = w1-w0, s1-s0
 	run.window = cs.window
 	run.collectorCPU = (end.CPU + end.ChildCPU) - (base.CPU + base.ChildCPU)

@@ -89,8 +89,8 @@ func (c *client) serves(frontend string, dest netip.AddrPort) string {
 	fe, ok := c.cached.Get(frontend)
 	if !ok {
 		if k, err := stream.ParseKey(frontend); err == nil {
-			if _, gone := c.ctGone[k]; gone {
-				return "" // left the rules: they send it nowhere
+			if _, gone := c.ctGone[k]; gone || c.ctKeys[k] {
+				return "" // left the rules (since the last conntrack read, or before): they send it nowhere
 			}
 		}
 		return "not a frontend of this node's rules, now or in the last " + ctRemember.String()

@@ -237,3 +237,106 @@ func flushingCollector(t *testing.T, rules *audit.Observed, table *ctTable, dele
 	nextReport(t, conn, 5*time.Second)
 	return conn
 }
+
+// datedTable is a conntrack table whose pairs' last packets are dated.
+type datedTable struct {
+	ctTable
+	flows []audit.ConntrackFlows
+}
+
+func (d *datedTable) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
+	return &audit.Conntrack{Families: []int{4}, Flows: d.flows, Entries: len(d.flows)}, nil
+}
+
+// The last packet of a pair goes to the aggregator only for destinations
+// the node's rules no longer send the frontend to: to one they still
+// send it to, new flows keep coming (and a stuck kube-proxy's stale
+// destination is judged as before, by its flows alone).
+func TestConntrackLastPacketOnlyOffTheRules(t *testing.T) {
+	rules := synthRules(t, 4)
+	served := rules.Frontends[0]
+	at := time.Unix(1_800_000_000, 0)
+	table := &datedTable{flows: []audit.ConntrackFlows{
+		{Frontend: served.FrontendKey, Dest: served.Endpoints[0].Addr, UDP: 1, Active: at},
+		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), UDP: 1, Active: at},
+	}}
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
+		Conntrack: table, ConntrackInterval: time.Hour})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	m, _, err := stream.Read(conn, 1<<20)
+	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil {
+		t.Fatalf("want a report with conntrack counts: %+v %v", m, err)
+	}
+	for _, p := range m.Report.Conntrack.Pairs {
+		off := p.Dest == "198.18.250.250:9"
+		if got := p.Active != 0; got != off {
+			t.Errorf("pair to %s: last packet sent %v, want %v", p.Dest, got, off)
+		}
+	}
+}
+
+// kube-proxy takes a pod out of the rules between two conntrack reads (a
+// rollout): the next report carries the pair's last packet, read before,
+// with the rules that show it left. Sent undated until the next conntrack
+// read, each lookup answered by the old pod was judged StaleConntrack on
+// every node of a CoreDNS rollout.
+func TestConntrackLastPacketFollowsTheRules(t *testing.T) {
+	before := synthRules(t, 4)
+	served := before.Frontends[0]
+	after := synthRules(t, 4)
+	after.Frontends[0].Endpoints = after.Frontends[0].Endpoints[1:]
+	scaledDown := before.Frontends[1] // a service scaled to zero leaves the NAT rules whole
+	for i, f := range after.Frontends {
+		if f.FrontendKey == scaledDown.FrontendKey {
+			after.Frontends = append(after.Frontends[:i], after.Frontends[i+1:]...)
+			break
+		}
+	}
+	var rules atomic.Pointer[audit.Observed]
+	rules.Store(before)
+	at := time.Unix(1_800_000_000, 0)
+	table := &datedTable{flows: []audit.ConntrackFlows{{Frontend: served.FrontendKey, Dest: served.Endpoints[0].Addr, UDP: 60, Active: at},
+		{Frontend: scaledDown.FrontendKey, Dest: scaledDown.Endpoints[0].Addr, UDP: 1, Active: at}}}
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules.Load(), nil }},
+		Conntrack: table, ConntrackInterval: time.Hour})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	m, _, err := stream.Read(conn, 1<<20)
+	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil || len(m.Report.Conntrack.Pairs) != 2 {
+		t.Fatalf("want a report with two pairs' counts: %+v %v", m, err)
+	}
+	for _, p := range m.Report.Conntrack.Pairs {
+		if p.Active != 0 {
+			t.Fatalf("the rules still send %s to %s, yet its last packet was sent (%d)", p.Frontend, p.Dest, p.Active)
+		}
+	}
+	rules.Store(after)
+	stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for {
+		m, _, err := stream.Read(conn, 1<<20)
+		if err != nil {
+			t.Fatalf("no report with the pair's last packet after the endpoint left the rules: %v", err)
+		}
+		if m.Type != stream.TypeReport || m.Report.Conntrack == nil {
+			continue
+		}
+		if p := m.Report.Conntrack.Pairs; len(p) != 2 || p[0].Active != at.Unix() || p[1].Active != at.Unix() {
+			t.Fatalf("after an endpoint and a whole service left the rules: %+v, want both pairs' last packet %d", p, at.Unix())
+		}
+		return
+	}
+}

@@ -53,6 +53,9 @@ type legacyFamily struct {
 	nat  *audit.IPTablesNAT
 	sums map[uint64]chainSum
 	gen  uint32
+	// entries is the table's entry count and dispatch the rules of its
+	// KUBE-SERVICES at the last read (see Flushed).
+	entries, dispatch int
 }
 
 type chainSum struct {
@@ -223,12 +226,9 @@ func (r *legacyReader) readFamily(ctx context.Context, fam int, f *legacyFamily,
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		var info iptGetinfo
-		copy(info.Name[:], "nat")
-		size := uint32(unsafe.Sizeof(info))
-		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(r.fds[i]), uintptr(level), iptSoGetInfo,
-			uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0)
+		info, errno := natInfo(r.fds[i], level)
 		if errno == syscall.ENOENT {
+			f.entries = 0
 			return r.apply(f, nil, layouts[fam], fam)
 		}
 		if errno != 0 {
@@ -258,11 +258,43 @@ func (r *legacyReader) readFamily(ctx context.Context, fam int, f *legacyFamily,
 			return fmt.Errorf("%s IPT_SO_GET_ENTRIES nat: %w", legacyTool(fam), errno)
 		}
 		*n += int64(info.Size)
+		f.entries = int(info.NumEntries)
 		blob = buf
 		err = r.apply(f, buf[getEntriesHead:getEntriesHead+int(info.Size)], layouts[fam], fam)
 		unix.Munmap(blob)
 		return err
 	}
+}
+
+// natInfo asks for the nat table's info (IPT_SO_GET_INFO; IP6T_SO_GET_INFO
+// has its number and struct) on a raw socket of level's family.
+func natInfo(fd, level int) (iptGetinfo, syscall.Errno) {
+	var info iptGetinfo
+	copy(info.Name[:], "nat")
+	size := uint32(unsafe.Sizeof(info))
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), iptSoGetInfo,
+		uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0)
+	return info, errno
+}
+
+// Flushed: a family that had KUBE-SERVICES rules at the last read lost
+// its nat table, or at least half as many entries as KUBE-SERVICES held
+// (a flush of the table, or of KUBE-SERVICES). kube-proxy replaces the
+// whole table at each sync, keeping its size but for what changed.
+func (r *legacyReader) Flushed(context.Context) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, level := range []int{unix.SOL_IP, unix.SOL_IPV6} {
+		f := r.fams[i]
+		if f == nil || f.dispatch == 0 || r.fds[i] < 0 {
+			continue
+		}
+		info, errno := natInfo(r.fds[i], level)
+		if errno == syscall.ENOENT || (errno == 0 && 2*(f.entries-int(info.NumEntries)) >= f.dispatch) {
+			return true
+		}
+	}
+	return false
 }
 
 func legacyTool(fam int) string {
@@ -278,7 +310,11 @@ func legacyTool(fam int) string {
 func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam int) error {
 	f.gen++
 	seen, fresh := 0, 0
-	known := func(chain string, sum uint64) bool {
+	f.dispatch = 0
+	known := func(chain string, sum uint64, rules int) bool {
+		if chain == "KUBE-SERVICES" {
+			f.dispatch = rules
+		}
 		k := nameHash(chain)
 		old, ok := f.sums[k]
 		f.sums[k] = chainSum{sum: sum, gen: f.gen}
@@ -341,12 +377,13 @@ func nameHash(s string) uint64 {
 // naming it, its rules, and a RETURN that ends it (not printed); jumps
 // are offsets of the chain's first entry. Built-in chains are not read.
 //
-// A chain is decoded only when known says its entries' digest is new:
+// A chain is decoded only when known, told its rule count, says its
+// entries' digest is new:
 // the digest is of the entries' bytes without their packet counters,
 // with each jump's offset replaced by its target's name (a chain that
 // grew shifts every offset after it). kube-proxy replaces the whole
 // table at every sync; most chains come back byte for byte. Pure; fuzzed.
-func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, known func(chain string, sum uint64) bool,
+func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, known func(chain string, sum uint64, rules int) bool,
 	emit func(chain string, rules []audit.IPTRule) error) error {
 	// The user chains: where each starts (its first entry after the head)
 	// and its name, in table order.
@@ -403,7 +440,7 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, kno
 		if len(offs) == 0 {
 			return fmt.Errorf("chain %s has no end", clip(name))
 		}
-		if known(name, chainDigest(table, offs[:len(offs)-1], lay, seed, chainAt)) {
+		if known(name, chainDigest(table, offs[:len(offs)-1], lay, seed, chainAt), len(offs)-1) {
 			continue
 		}
 		for _, off := range offs[:len(offs)-1] {

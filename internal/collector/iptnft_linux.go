@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -60,10 +62,15 @@ type iptNFTReader struct {
 	// omitChains: the models built leave out endpoint chain names (set
 	// by ReadChanges, whose results are streamed).
 	omitChains bool
+	// peeks spaces the dumps of the dispatch Flushed makes when
+	// notifications were lost.
+	peeks peekRate
 }
 
 func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
-	return &iptNFTReader{fd: -1, text: text, maxDumpParts: maxDumpParts}
+	// Sequence numbers start where no other process can guess: an answer
+	// must name the request's.
+	return &iptNFTReader{fd: -1, text: text, maxDumpParts: maxDumpParts, seq: rand.Uint32()}
 }
 
 var (
@@ -177,8 +184,10 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 			r.fams = [2]*audit.IPTablesNAT{}
 			return nil, err
 		}
+		r.rebase()
 		return &Changes{Whole: obs}, nil
 	}
+	r.rebase()
 	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
 	slices.SortFunc(removed, audit.FrontendKey.Compare)
 	total := 0
@@ -188,11 +197,85 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 	return &Changes{Through: touched.through, Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
 }
 
+// rebase tells the notes how many rules each family's KUBE-SERVICES
+// holds as read (see flushWatch).
+func (r *iptNFTReader) rebase() {
+	for i := range r.mirrors {
+		n := 0
+		if m := r.mirrors[i]["KUBE-SERVICES"]; m != nil {
+			n = len(m.nodes)
+		}
+		r.notes.rebase(i, n)
+	}
+}
+
+// dispatchEmpty says whether family fam's dispatch chains hold no rule
+// (or are gone). The chains are dumped on the reader's socket, uncounted
+// and undecoded (KUBE-SERVICES at 10k services: ~65 ms, nothing once
+// flushed): a dump left unread would need its socket closed, and closing
+// an nf_tables socket waits for the kernel to free what the commits
+// before it deleted (a minute and more was seen after a flush at 2,500
+// services under churn).
+func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
+	if r.fd < 0 {
+		fd, err := openNetfilter()
+		if err != nil {
+			return false
+		}
+		r.fd = fd
+	}
+	for _, chain := range []string{"KUBE-SERVICES", "KUBE-NODEPORTS"} {
+		rules := 0
+		var n int64
+		_, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
+			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), &n, 0,
+			func([]byte) error { rules++; return nil })
+		if err != nil && !errors.Is(err, unix.ENOENT) {
+			r.closeOnError(err)
+			return false
+		}
+		if rules > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Flushed: a commit since the last read emptied KUBE-SERVICES (or cut it
+// to half) in a family that had services, or deleted its nat table; or,
+// when notifications were lost since, KUBE-SERVICES holds no rule now.
+func (r *iptNFTReader) Flushed(ctx context.Context) bool {
+	tripped, incomplete := r.notes.flushed()
+	if tripped || !incomplete {
+		return tripped
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, fam := range []int{4, 6} {
+		if r.fams[i] != nil && r.fams[i].Len() > 0 && r.peeks.allow(time.Now()) && r.dispatchEmpty(ctx, fam) {
+			return true
+		}
+	}
+	return false
+}
+
 // readWhole dumps family fam's table (the i-th) whole, mirroring its
 // chains afresh; a rule the decoder cannot read falls back to the text
 // tool (and leaves no base: the next read is whole again).
+//
+// A table that had frontends and whose dispatch chains (KUBE-SERVICES,
+// KUBE-NODEPORTS: every frontend is one of their rules) now hold no rule
+// has no frontend, whatever its other chains hold: it is not read (a
+// flush is reported at once even where a whole read of the rest would
+// take seconds), and leaves no base, so the next read is whole.
 func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*audit.Observed, error) {
+	had := r.fams[i] != nil && r.fams[i].Len() > 0
 	r.mirrors[i] = map[string]*ruleMirror{}
+	if had && r.dispatchEmpty(ctx, fam) {
+		r.fams[i] = nil
+		r.whole.Add(1)
+		return &audit.Observed{Mode: audit.ModeIPTables, Families: []int{fam}, NoRules: true}, nil
+	}
 	nat, err := r.readTable(ctx, fam, r.mirrors[i], n)
 	var obs *audit.Observed
 	switch {

@@ -1,6 +1,7 @@
 package collector
 
 import (
+	"context"
 	"encoding/binary"
 	"fmt"
 	"net/netip"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/mdlayher/genetlink"
 	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -81,7 +83,7 @@ type ipvsService struct {
 	ok        bool
 }
 
-func (g *genlIPVS) VirtualServers() ([]audit.VirtualServer, error) {
+func (g *genlIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, error) {
 	msgs, err := g.c.Execute(genetlink.Message{Header: genetlink.Header{Command: ipvsCmdGetService, Version: g.fam.Version}},
 		g.fam.ID, netlink.Request|netlink.Dump)
 	if err != nil {
@@ -89,6 +91,9 @@ func (g *genlIPVS) VirtualServers() ([]audit.VirtualServer, error) {
 	}
 	vs := make([]audit.VirtualServer, 0, len(msgs))
 	for _, m := range msgs {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 		s, err := decodeIPVSService(m.Data)
 		if err != nil {
 			return nil, fmt.Errorf("IPVS services: %w", err)
@@ -102,6 +107,11 @@ func (g *genlIPVS) VirtualServers() ([]audit.VirtualServer, error) {
 		vs = append(vs, s.vs)
 	}
 	return vs, nil
+}
+
+// AnyVirtualServer peeks at the first part of a services dump.
+func (g *genlIPVS) AnyVirtualServer() (bool, error) {
+	return peekDump(unix.NETLINK_GENERIC, g.fam.ID, []byte{ipvsCmdGetService, g.fam.Version, 0, 0})
 }
 
 // destinations dumps one virtual server's real servers.

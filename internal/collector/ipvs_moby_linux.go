@@ -1,6 +1,7 @@
 package collector
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -36,13 +37,16 @@ func openMobyIPVS() (IPVS, error) {
 
 func (m mobyIPVS) Close() { m.h.Close() }
 
-func (m mobyIPVS) VirtualServers() ([]audit.VirtualServer, error) {
+func (m mobyIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, error) {
 	svcs, err := m.h.GetServices()
 	if err != nil {
 		return nil, fmt.Errorf("IPVS services: %w", err)
 	}
 	vs := make([]audit.VirtualServer, 0, len(svcs))
 	for _, s := range svcs {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 		if s.FWMark != 0 {
 			continue // kube-proxy programs no firewall-mark services
 		}

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
@@ -53,8 +54,12 @@ type nftNetlinkReader struct {
 	// omitChains: the models built leave out endpoint chain names (set
 	// by ReadChanges, whose results are streamed).
 	omitChains bool
-	// whole and chains count whole reads and chains read one by one.
-	whole, chains atomic.Int64
+	// whole and chains count whole reads and chains read one by one;
+	// interrupted counts dumps a commit interrupted (asked again), and
+	// byChain whole reads made chain by chain after that.
+	whole, chains, interrupted, byChain atomic.Int64
+	// peeks spaces the dumps Flushed makes when notifications were lost.
+	peeks peekRate
 }
 
 // nftFam is what the reader keeps of one family's table: the model, the
@@ -63,6 +68,8 @@ type nftFam struct {
 	kube       *audit.NFTablesKube
 	sets       map[string]setInfo
 	dispatches bool
+	// services is how many rules the services chain (the dispatch) holds.
+	services   int
 	serviceIPs []audit.NFTMapEntry
 	nodePorts  []audit.NFTMapEntry
 	noEndpoint []audit.FrontendKey
@@ -200,12 +207,53 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
 			r.fams = [2]*nftFam{}
 			return nil, err
 		}
+		r.rebase()
 		return &Changes{Whole: obs}, nil
 	}
+	r.rebase()
 	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
 	slices.SortFunc(removed, audit.FrontendKey.Compare)
 	return &Changes{Through: through, Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
 		NoRules: r.fams[0].kube.Len()+r.fams[1].kube.Len() == 0}, nil
+}
+
+// rebase tells the notes how many rules each family's services chain
+// holds as read (see flushWatch).
+func (r *nftNetlinkReader) rebase() {
+	for i, f := range r.fams {
+		r.touched.rebase(i, f.services)
+	}
+}
+
+// Flushed: a commit since the last read emptied the services chain (or
+// cut it to half) in a family that had services, or deleted kube-proxy's
+// table; or, when notifications were lost since, the services chain
+// holds no rule now.
+func (r *nftNetlinkReader) Flushed(ctx context.Context) bool {
+	tripped, incomplete := r.touched.flushed()
+	if tripped || !incomplete {
+		return tripped
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.conn == nil || !r.peeks.allow(time.Now()) {
+		return false
+	}
+	for i, fam := range []int{4, 6} {
+		if r.fams[i] == nil || r.fams[i].kube.Len() == 0 {
+			continue
+		}
+		// Dumped whole on the reader's socket (a few rules; see
+		// iptNFTReader.dispatchEmpty for why not a peek).
+		rules := 0
+		var n int64
+		err := r.dump(ctx, unix.NFT_MSG_GETRULE, nfproto(fam), []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
+			{Type: unix.NFTA_RULE_CHAIN, Data: cstring("services")}}, &n, func([]byte) error { rules++; return nil })
+		if (err == nil || errors.Is(err, unix.ENOENT)) && rules == 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // wholeFamily reads a family's table whole into what the reader keeps of
@@ -221,7 +269,7 @@ func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (
 	if err != nil {
 		return nil, err
 	}
-	f := &nftFam{kube: audit.NewNFTablesKube(fam), sets: sets, dispatches: t.Dispatches,
+	f := &nftFam{kube: audit.NewNFTablesKube(fam), sets: sets, dispatches: t.Dispatches, services: len(t.Chains["services"]),
 		serviceIPs: t.ServiceIPs, nodePorts: t.NodePorts, noEndpoint: t.NoEndpoints}
 	f.kube.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
 	for chain, rules := range t.Chains {
@@ -257,23 +305,12 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		if !frontendChain(chain) && chain != "services" {
 			continue
 		}
-		r.chains.Add(1)
-		var rules []nftRule
-		err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
-			{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)}}, n, func(data []byte) error {
-			rule, err := decodeRule(data)
-			if err == nil && rule.chain == chain {
-				rules = append(rules, rule)
-			}
-			return err
-		})
-		if errors.Is(err, unix.ENOENT) {
-			err, rules = nil, nil // the chain is gone
-		}
+		rules, err := r.chainRules(ctx, fam, chain, n)
 		if err != nil {
-			return fmt.Errorf("chain %s: %w", clip(chain), err)
+			return err
 		}
 		if chain == "services" {
+			f.services = len(rules)
 			if d := dispatchesOf(rules); d != f.dispatches {
 				f.dispatches, mapsChanged = d, true
 			}
@@ -309,6 +346,65 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 	return nil
 }
 
+// chainRules dumps one chain's rules (none: the chain is gone).
+func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain string, n *int64) ([]nftRule, error) {
+	r.chains.Add(1)
+	var rules []nftRule
+	err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
+		{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)}}, n, func(data []byte) error {
+		rule, err := decodeRule(data)
+		if err == nil && rule.chain == chain {
+			rules = append(rules, rule)
+		}
+		return err
+	})
+	if errors.Is(err, unix.ENOENT) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("chain %s: %w", clip(chain), err)
+	}
+	return rules, nil
+}
+
+// rulesByChain reads the table's rules chain by chain, for a whole read
+// whose one dump commits kept interrupting: the chains the audit reads
+// (frontends' and the services dispatch), named by the chain list. A
+// chain list can be interrupted too (a chain made or deleted between its
+// parts); the names of every try are taken, so a chain one try skipped
+// is named by another, and one made since is named by the notifications
+// for the next read.
+func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64) (map[string][]nftRule, error) {
+	r.byChain.Add(1)
+	names := map[string]struct{}{}
+	list := func(data []byte) error {
+		if table, chain := chainOf(data); table == kubeProxyTable && (chain == "services" || frontendChain(chain)) {
+			names[chain] = struct{}{}
+		}
+		return nil
+	}
+	for try := 0; ; try++ {
+		err := r.dumpTries(ctx, 1, true, unix.NFT_MSG_GETCHAIN, fam, []netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: cstring(kubeProxyTable)}}, n, list)
+		if err == nil || try+1 == interruptedTries && errors.Is(err, errDumpInterrupted) {
+			break
+		}
+		if !errors.Is(err, errDumpInterrupted) {
+			return nil, err
+		}
+	}
+	rules := make(map[string][]nftRule, len(names))
+	for chain := range names {
+		rs, err := r.chainRules(ctx, fam, chain, n)
+		if err != nil {
+			return nil, err
+		}
+		if rs != nil {
+			rules[chain] = rs
+		}
+	}
+	return rules, nil
+}
+
 // dispatchesOf says whether the services chain looks up service-ips.
 func dispatchesOf(rules []nftRule) bool {
 	for _, rule := range rules {
@@ -335,7 +431,10 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 		return nil, nil, err
 	}
 	rules := map[string][]nftRule{}
-	err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)}}, n,
+	// Under churn a large table's dump outlasts the gap between two
+	// commits: tried twice, then read chain by chain (each chain's dump
+	// is one or two parts, rarely interrupted).
+	err = r.dumpTries(ctx, 2, false, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)}}, n,
 		func(data []byte) error {
 			rule, err := decodeRule(data)
 			if err != nil {
@@ -344,6 +443,9 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 			rules[rule.chain] = append(rules[rule.chain], rule)
 			return nil
 		})
+	if errors.Is(err, errDumpInterrupted) {
+		rules, err = r.rulesByChain(ctx, fam, n)
+	}
 	if err != nil {
 		return nil, nil, err
 	}
@@ -556,11 +658,22 @@ func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n
 	return out, err
 }
 
-// dump sends one nf_tables dump request and hands each reply's body to fn.
+// dump sends one nf_tables dump request and hands each reply's body to
+// fn. A dump the kernel flags interrupted by a commit (NLM_F_DUMP_INTR:
+// it resumes a dump by position, so a commit between two parts can skip
+// or repeat rules of chains it never touched) is asked again, up to
+// interruptedTries times, and then fails with errDumpInterrupted; fn
+// sees only an answer that was not interrupted.
 func (r *nftNetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
+	return r.dumpTries(ctx, interruptedTries, false, msg, fam, attrs, n, fn)
+}
+
+// errDumpInterrupted: every try of a dump was interrupted by a commit.
+var errDumpInterrupted = errors.New("every try of the dump was interrupted by a commit")
+
+// dumpTries is dump with its number of tries; with keep, fn is handed the
+// interrupted answers too (before the error).
+func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
 	body, err := netlink.MarshalAttributes(attrs)
 	if err != nil {
 		return err
@@ -569,26 +682,44 @@ func (r *nftNetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs
 		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | msg), Flags: netlink.Request | netlink.Dump},
 		Data:   append([]byte{fam, unix.NFNETLINK_V0, 0, 0}, body...),
 	}
-	sent, err := r.conn.Send(req)
-	if err != nil {
-		return err
-	}
-	// Receive gathers every part of the dump (up to the kernel's done
-	// message, which it drops) and returns the kernel's errors.
-	msgs, err := r.conn.Receive()
-	if err != nil {
-		return err
-	}
-	for _, m := range msgs {
-		if m.Header.Sequence != sent.Header.Sequence || m.Header.Type == netlink.Done || m.Header.Type == netlink.Error {
-			continue
-		}
-		*n += int64(len(m.Data)) + 16
-		if err := fn(m.Data); err != nil {
+	for try := 0; try < tries; try++ {
+		if err := ctx.Err(); err != nil {
 			return err
 		}
+		sent, err := r.conn.Send(req)
+		if err != nil {
+			return err
+		}
+		// Receive gathers every part of the dump (up to the kernel's done
+		// message, which it drops) and returns the kernel's errors.
+		msgs, err := r.conn.Receive()
+		if err != nil {
+			return err
+		}
+		intr := false
+		for _, m := range msgs {
+			*n += int64(len(m.Data)) + 16
+			intr = intr || (m.Header.Sequence == sent.Header.Sequence && m.Header.Flags&netlink.DumpInterrupted != 0)
+		}
+		if intr {
+			r.interrupted.Add(1)
+			if !keep {
+				continue
+			}
+		}
+		for _, m := range msgs {
+			if m.Header.Sequence != sent.Header.Sequence || m.Header.Type == netlink.Done || m.Header.Type == netlink.Error {
+				continue
+			}
+			if err := fn(m.Data); err != nil {
+				return err
+			}
+		}
+		if !intr {
+			return nil
+		}
 	}
-	return nil
+	return errDumpInterrupted
 }
 
 func cstring(s string) []byte { return append([]byte(s), 0) }

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	utilexec "k8s.io/utils/exec"
@@ -238,6 +239,27 @@ type ipvsReader struct {
 	open func() (IPVS, error)
 	mu   sync.Mutex
 	h    IPVS
+	// had: the last read found virtual servers (see Flushed).
+	had bool
+}
+
+// ipvsPeeker is an IPVS table that can say cheaply whether it holds any
+// virtual server (genlIPVS: the first part of a dump).
+type ipvsPeeker interface {
+	AnyVirtualServer() (bool, error)
+}
+
+// Flushed: the last read found virtual servers and the table now holds
+// none (`ipvsadm -C`).
+func (r *ipvsReader) Flushed(context.Context) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p, ok := r.h.(ipvsPeeker)
+	if !r.had || !ok {
+		return false
+	}
+	any, err := p.AnyVirtualServer()
+	return err == nil && !any
 }
 
 func (r *ipvsReader) String() string { return string(audit.ModeIPVS) }
@@ -245,7 +267,7 @@ func (r *ipvsReader) String() string { return string(audit.ModeIPVS) }
 // Source is where the reader reads from.
 func (r *ipvsReader) Source() Source { return Source{Mode: audit.ModeIPVS} }
 
-func (r *ipvsReader) Read(context.Context) (*audit.Observed, error) {
+func (r *ipvsReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.h == nil {
@@ -255,12 +277,43 @@ func (r *ipvsReader) Read(context.Context) (*audit.Observed, error) {
 		}
 		r.h = h
 	}
-	vs, err := r.h.VirtualServers()
+	// A read walks the virtual servers one by one (a request each: seconds
+	// at 10k); a table cleared meanwhile stops it, and reads as the empty
+	// table it now is.
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var cleared atomic.Bool
+	if p, ok := r.h.(ipvsPeeker); ok && r.had {
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			t := time.NewTicker(flushPoll)
+			defer t.Stop()
+			for {
+				select {
+				case <-done:
+					return
+				case <-t.C:
+				}
+				if any, err := p.AnyVirtualServer(); err == nil && !any {
+					cleared.Store(true)
+					cancel()
+					return
+				}
+			}
+		}()
+	}
+	vs, err := r.h.VirtualServers(rctx)
+	if cleared.Load() {
+		r.had = false
+		return audit.FromIPVS(nil), nil
+	}
 	if err != nil {
 		r.h.Close()
 		r.h = nil
 		return nil, err
 	}
+	r.had = len(vs) > 0
 	return audit.FromIPVS(vs), nil
 }
 

@@ -2,6 +2,7 @@ package collector
 
 import (
 	"context"
+	"net/netip"
 	"slices"
 	"syscall"
 	"time"
@@ -35,6 +36,24 @@ const minReadGap = time.Second
 func readWait(sinceLast, budgetWait, interval time.Duration) time.Duration {
 	left := max(minReadGap-sinceLast, budgetWait)
 	return min(left, max(interval, minReadGap)-sinceLast)
+}
+
+// flushPoll is how often a reader without a change signal (IPVS) is
+// asked whether the rules were flushed: a peek at the first part of a
+// dump, tens of microseconds.
+const flushPoll = 250 * time.Millisecond
+
+// probe is the reader's FlushProbe, or nil.
+func (c *client) probe() FlushProbe {
+	p, _ := c.reader.(FlushProbe)
+	return p
+}
+
+// flushed says whether the rules were flushed since the last read (see
+// FlushProbe): a read then does not wait for the read budget.
+func (c *client) flushed(ctx context.Context) bool {
+	p := c.probe()
+	return p != nil && c.cached != nil && p.Flushed(ctx)
 }
 
 // settleDelay lets a burst of announced commits (kube-proxy's sync of
@@ -154,9 +173,45 @@ func (c *client) conntrack(ctx context.Context, r *stream.Report) {
 			c.ct = stream.FromConntrack(ct)
 		}
 	}
-	if d := c.ct.Digest(); d != c.ctSent {
-		r.Conntrack, c.ctSent = c.ct, d
+	ct := c.offTheRules(c.ct)
+	if d := ct.Digest(); d != c.ctSent {
+		r.Conntrack, c.ctSent = ct, d
 	}
+}
+
+// offTheRules is ct with the last packets kept only for destinations the
+// node's rules, as last read, no longer send the frontend to: there a flow
+// that only counts down is no blackhole, and the time moves only while
+// one is. Elsewhere new flows keep coming (the rules still send them
+// there), and the time of the last would only make every busy node report
+// every read. It is worked out at every report, not once a conntrack
+// read: when kube-proxy takes a pod out of the rules between two reads,
+// the flows' last packets must reach the aggregator with the rules that
+// show it (a CoreDNS rollout made StaleConntrack on every node for the
+// rest of the conntrack interval, each lookup's entry undated).
+func (c *client) offTheRules(ct *stream.Conntrack) *stream.Conntrack {
+	if len(ct.Pairs) == 0 {
+		return ct
+	}
+	var out *stream.Conntrack
+	for i, p := range ct.Pairs {
+		if p.Active == 0 {
+			continue
+		}
+		if dest, err := netip.ParseAddrPort(p.Dest); err == nil && c.serves(p.Frontend, dest) == "" {
+			continue
+		}
+		if out == nil {
+			cp := *ct
+			cp.Pairs = slices.Clone(ct.Pairs)
+			out = &cp
+		}
+		out.Pairs[i].Active = 0
+	}
+	if out == nil {
+		return ct
+	}
+	return out
 }
 
 // ctRemember is how long the flows of a frontend that left the node's

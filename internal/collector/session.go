@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"golang.org/x/time/rate"
 
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -41,6 +42,13 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 	}
 	tick := c.cfg.Clock.NewTicker(c.cfg.Interval)
 	defer tick.Stop()
+	var poll <-chan time.Time
+	if c.signal == nil && c.probe() != nil {
+		// No signal announces a flush (IPVS): the probe is asked.
+		t := c.cfg.Clock.NewTicker(flushPoll)
+		defer t.Stop()
+		poll = t.C()
+	}
 	for {
 		var out []*stream.Message
 		select {
@@ -61,6 +69,8 @@ func (c *client) connect(ctx context.Context, preferred string) (string, error) 
 			out = s.readOrWait(ctx, s.pending)
 		case kp := <-c.scraped:
 			out = s.scraped(ctx, kp)
+		case <-poll:
+			out = s.polled(ctx)
 		case <-tick.C():
 			out = s.heartbeat(ctx)
 		}
@@ -111,6 +121,40 @@ type session struct {
 	// pending is a read waiting out minReadGap, due when soon fires.
 	pending stream.ReadReason
 	soon    <-chan time.Time
+	// pace keeps the reports within what the aggregator takes on a
+	// stream (see newPace); nil: unpaced (the session scripts).
+	pace *rate.Limiter
+}
+
+// The aggregator ends a stream whose reports come faster than four per
+// interval, with a burst of eight. The collector paces itself a little
+// inside that: under kube-proxy's syncs once a second its reads of
+// changes, a second apart, would otherwise end its stream every fifteen
+// seconds at a 10 s interval. Routine reads leave paceReserve reports of
+// the burst for what cannot wait (a flush) and for the heartbeat.
+const (
+	paceBurst   = 7
+	paceReserve = 2
+)
+
+// newPace is a stream's report pace: four an interval, less a tenth.
+func newPace(interval time.Duration, now time.Time) *rate.Limiter {
+	l := rate.NewLimiter(rate.Every(interval*11/40), paceBurst)
+	l.SetBurstAt(now, paceBurst)
+	return l
+}
+
+// paceWait is how long until a report may be sent leaving reserve
+// reports of the burst (0: now).
+func (s *session) paceWait(now time.Time, reserve int) time.Duration {
+	if s.pace == nil {
+		return 0
+	}
+	need := float64(1 + reserve)
+	if tok := s.pace.TokensAt(now); tok < need {
+		return time.Duration((need - tok) / float64(s.pace.Limit()) * float64(time.Second))
+	}
+	return 0
 }
 
 // report wraps r for sending.
@@ -131,6 +175,9 @@ func (s *session) start(ctx context.Context) []*stream.Message {
 
 // next builds the next report, of a new read when why is set.
 func (s *session) next(ctx context.Context, why stream.ReadReason) *stream.Report {
+	if s.pace != nil {
+		s.pace.AllowN(s.c.cfg.Clock.Now(), 1)
+	}
 	before := *s.sent
 	r := s.c.report(ctx, s.sent, s.full, why, s.refs)
 	if r.ReadError != "" {
@@ -157,8 +204,20 @@ func (s *session) next(ctx context.Context, why stream.ReadReason) *stream.Repor
 func (s *session) readOrWait(ctx context.Context, why stream.ReadReason) []*stream.Message {
 	c := s.c
 	now := c.cfg.Clock.Now()
-	if left := readWait(now.Sub(c.readAt), c.credit.wait(now), c.cfg.Interval); left > 0 && !c.readAt.IsZero() {
-		if s.pending == "" {
+	left := readWait(now.Sub(c.readAt), c.credit.wait(now), c.cfg.Interval)
+	if c.readAt.IsZero() {
+		left = 0
+	}
+	left = max(left, s.paceWait(now, paceReserve))
+	if left > 0 && c.flushed(ctx) {
+		// A flush does not wait for the budget or the gap: it breaks
+		// every service through the node, and reading an empty table
+		// costs nothing. Only the stream's pace holds it, and routine
+		// reads leave it room.
+		why, left = stream.ReadFlushed, s.paceWait(now, 0)
+	}
+	if left > 0 {
+		if s.pending == "" || why == stream.ReadFlushed {
 			s.pending, s.soon = why, c.cfg.Clock.After(left)
 		}
 		return nil
@@ -216,6 +275,20 @@ func (s *session) settled(ctx context.Context) []*stream.Message {
 		return s.readOrWait(ctx, why)
 	}
 	return nil
+}
+
+// polled asks a reader without a change signal whether the rules were
+// flushed, and reads them at once if so.
+func (s *session) polled(ctx context.Context) []*stream.Message {
+	if !s.c.flushed(ctx) {
+		return nil
+	}
+	if left := s.paceWait(s.c.cfg.Clock.Now(), 0); left > 0 {
+		s.pending, s.soon = stream.ReadFlushed, s.c.cfg.Clock.After(left)
+		return nil
+	}
+	s.pending, s.soon = "", nil
+	return report(s.next(ctx, stream.ReadFlushed))
 }
 
 // scraped takes a heartbeat's scrape of kube-proxy's metrics.

@@ -35,6 +35,9 @@ import (
 //	token T                        the kubelet rotates the token file
 //	recv                           the aggregator's message, JSON in the input
 //	resync | read-now | want-last K   shorthand messages (want-last: the level K of the last report)
+//	debt D                         the read budget spends D of CPU
+//	flush                          the node's rules are flushed: none, and the reader's probe says so
+//	poll                           the flush probe's tick (a reader without a change signal)
 func TestSessionScripts(t *testing.T) {
 	datadriven.Walk(t, "testdata/session", func(t *testing.T, path string) {
 		s := newSessionScript(t)
@@ -49,8 +52,10 @@ type sessionScript struct {
 	s     *session
 	rules *audit.Observed
 	sig   *scriptSignal
-	token string
-	last  *stream.Report // the last report sent
+	// flushed is what the reader's FlushProbe says.
+	flushed bool
+	token   string
+	last    *stream.Report // the last report sent
 }
 
 // scriptSignal is a change signal whose token the script moves.
@@ -65,11 +70,16 @@ func (g *scriptSignal) Lost() uint64            { return 0 }
 func (g *scriptSignal) Exact() bool             { return true }
 func (g *scriptSignal) Close()                  {}
 
-// funcReader reads the rules the script set.
-type funcReader func() *audit.Observed
+// scriptReader reads the rules the script set; its flush probe says
+// what the script says.
+type scriptReader struct{ ss *sessionScript }
 
-func (f funcReader) Read(context.Context) (*audit.Observed, error) { return f(), nil }
-func (f funcReader) String() string                                { return "script" }
+func (r scriptReader) Read(context.Context) (*audit.Observed, error) {
+	r.ss.flushed = false // the read shows the flush
+	return r.ss.rules, nil
+}
+func (r scriptReader) String() string               { return "script" }
+func (r scriptReader) Flushed(context.Context) bool { return r.ss.flushed }
 
 var sessionSpec = synth.Spec{Services: 8, EndpointsPerService: 3}
 
@@ -96,7 +106,7 @@ func newSessionScript(t *testing.T) *sessionScript {
 		t.Fatal(err)
 	}
 	cfg := Config{Node: "n1", Interval: 10 * time.Second, FullReadInterval: time.Hour, Clock: clk, Log: zaptest.NewLogger(t), TokenFile: tokenFile}
-	ss.c = &client{cfg: cfg, reader: funcReader(func() *audit.Observed { return ss.rules }), signal: ss.sig,
+	ss.c = &client{cfg: cfg, reader: scriptReader{ss}, signal: ss.sig,
 		credit: newReadCredit(DefaultReadBudget, time.Duration(DefaultReadBudget*float64(DefaultReadBurstWindow)), cfg.Interval)}
 	ss.c.cost.Reads = map[stream.ReadReason]uint64{}
 	return ss
@@ -138,6 +148,18 @@ func (ss *sessionScript) run(t *testing.T, d *datadriven.TestData) string {
 		out = ss.s.settled(ctx)
 	case "tick":
 		out = ss.s.heartbeat(ctx)
+	case "debt":
+		dur, err := time.ParseDuration(d.CmdArgs[0].Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ss.c.credit.spend(ss.clk.Now(), dur)
+		return fmt.Sprintf("wait %s", ss.c.credit.wait(ss.clk.Now()))
+	case "flush":
+		ss.rules, ss.flushed = &audit.Observed{Mode: audit.ModeIPTables, NoRules: true, Families: []int{4, 6}}, true
+		return "ok"
+	case "poll":
+		out = ss.s.polled(ctx)
 	case "clock":
 		dur, err := time.ParseDuration(d.CmdArgs[0].Key)
 		if err != nil {

@@ -72,7 +72,9 @@ type IPTables interface {
 // IPVS reads the kernel's IPVS table (moby/ipvs over generic netlink in
 // production). It is not safe for concurrent use.
 type IPVS interface {
-	VirtualServers() ([]audit.VirtualServer, error)
+	// VirtualServers reads the table; a context that ends stops the read
+	// between two virtual servers.
+	VirtualServers(ctx context.Context) ([]audit.VirtualServer, error)
 	Close()
 }
 

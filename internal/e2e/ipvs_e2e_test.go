@@ -48,7 +48,7 @@ func TestE2EIPVS(t *testing.T) {
 	defer cancel()
 	bin := localcluster.BuildForTest(t)
 	start := time.Now()
-	vm, err := c.AddVMNode(ctx, vmName, "zone-a")
+	vm, err := c.AddVMNode(ctx, localcluster.NodeSpec{Name: vmName, Zone: "zone-a"})
 	if err != nil {
 		t.Fatal(err)
 	}

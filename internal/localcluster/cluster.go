@@ -90,6 +90,10 @@ type NodeSpec struct {
 	// LegacyIPTables makes kube-proxy (iptables mode) use the legacy
 	// x_tables backend instead of nf_tables.
 	LegacyIPTables bool
+	// NoProxy registers the node and its network namespace without a
+	// kube-proxy: the test writes the node's rules itself (synthetic
+	// rules at scale, flushes and churn of its own).
+	NoProxy bool
 	// ProxyReady bounds how long kube-proxy may take to program
 	// default/kubernetes (60 s): its first sync programs every service, and
 	// at the anchors (10k services) that and reading the rules back to check
@@ -502,6 +506,9 @@ func (c *Cluster) AddNode(ctx context.Context, spec NodeSpec) (*Node, error) {
 	n.Legacy, n.proxyReady = spec.LegacyIPTables, spec.ProxyReady
 	if err := c.registerNode(ctx, n); err != nil {
 		return nil, err
+	}
+	if spec.NoProxy {
+		return n, nil
 	}
 	if err := n.StartProxy(ctx); err != nil {
 		return nil, err

@@ -42,7 +42,7 @@ func NewScratch(ctx context.Context, name string) (*Scratch, error) {
 
 // Command returns argv to run inside the namespace.
 func (s *Scratch) Command(ctx context.Context, argv ...string) *exec.Cmd {
-	return exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", s.NetNS}, argv...)...)
+	return netnsCommand(ctx, s.NetNS, argv...)
 }
 
 // Exec runs argv inside the namespace and returns its combined output.
@@ -97,29 +97,10 @@ func InNetNS(name string, f func() error) error {
 	return ferr
 }
 
-// RestoreIPTables loads an iptables-save dump (one family or both, one
-// after the other) into the namespace with iptables-restore and
-// ip6tables-restore (their -legacy tools with legacy). The nfacct
-// counters its rules name are made first, as kube-proxy makes them.
+// RestoreIPTables loads an iptables-save dump into the namespace (see
+// RestoreIPTablesIn).
 func (s *Scratch) RestoreIPTables(ctx context.Context, dump []byte, legacy bool) error {
-	if err := InNetNS(s.NetNS, func() error { return ensureNFAcct(nfacctNames(dump)) }); err != nil {
-		return fmt.Errorf("nfacct counters: %w", err)
-	}
-	for _, part := range splitDumpFamilies(dump) {
-		tool := "iptables-restore"
-		if part.v6 {
-			tool = "ip6tables-restore"
-		}
-		if legacy {
-			tool = strings.Replace(tool, "-restore", "-legacy-restore", 1)
-		}
-		cmd := s.Command(ctx, tool)
-		cmd.Stdin = bytes.NewReader(part.text)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("%s: %v: %s", tool, err, out)
-		}
-	}
-	return nil
+	return RestoreIPTablesIn(ctx, s.NetNS, dump, legacy)
 }
 
 type dumpPart struct {

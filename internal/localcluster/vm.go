@@ -77,11 +77,13 @@ func CanRunVM() error {
 	return nil
 }
 
-// AddVMNode boots a VM, registers it as a Node (InternalIP VMGuestIP, the
-// given zone) and starts kube-proxy in IPVS mode in it, returning once
-// kube-proxy has programmed default/kubernetes. Only one VM runs at a
-// time (its address is fixed); Stop (or the cluster's Stop) ends it.
-func (c *Cluster) AddVMNode(ctx context.Context, name, zone string) (*VMNode, error) {
+// AddVMNode boots a VM, registers it as a Node (InternalIP VMGuestIP,
+// spec's name and zone) and, unless spec.NoProxy, starts kube-proxy in
+// IPVS mode in it, returning once kube-proxy has programmed
+// default/kubernetes. Only one VM runs at a time (its address is fixed);
+// Stop (or the cluster's Stop) ends it.
+func (c *Cluster) AddVMNode(ctx context.Context, spec NodeSpec) (*VMNode, error) {
+	name, zone := spec.Name, spec.Zone
 	if c.cfg.Instance != 0 {
 		return nil, fmt.Errorf("node %s: VM nodes run only in the first local cluster instance", name)
 	}
@@ -104,6 +106,9 @@ func (c *Cluster) AddVMNode(ctx context.Context, name, zone string) (*VMNode, er
 	if err := c.registerNode(ctx, n); err != nil {
 		v.Stop()
 		return nil, err
+	}
+	if spec.NoProxy {
+		return v, nil
 	}
 	if err := v.StartProxy(ctx); err != nil {
 		v.Stop()

@@ -25,7 +25,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"slices"
 	"unicode/utf8"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -363,17 +362,33 @@ const (
 	// ReadHeartbeat: the interval, for a source without a change signal
 	// (IPVS), or one whose signal could not be read.
 	ReadHeartbeat ReadReason = "heartbeat"
+	// ReadFlushed: the node's rules were flushed (the dispatch every
+	// service is reached through emptied, its table deleted, IPVS
+	// cleared): read at once, whatever the read budget holds.
+	ReadFlushed ReadReason = "flushed"
 )
 
-// ReadReasons lists every ReadReason.
-var ReadReasons = []ReadReason{ReadChange, ReadBackstop, ReadAsked, ReadResync, ReadHeartbeat}
+// ReadReasons lists every ReadReason this version makes.
+var ReadReasons = []ReadReason{ReadChange, ReadBackstop, ReadAsked, ReadResync, ReadHeartbeat, ReadFlushed}
 
-// Validate checks what a collector claims about its reads: known reasons
-// only, and figures that are not negative or absurd.
+// maxReadReasons and maxReasonText bound the reasons one ReadStats may
+// name: a newer collector may name reasons this version does not know
+// (they are shown as they are), but not without end.
+const (
+	maxReadReasons = 16
+	maxReasonText  = 32
+)
+
+// Validate checks what a collector claims about its reads: a bounded
+// set of short reasons (unknown ones are kept: a newer collector reads
+// for reasons of its own), and figures that are not negative or absurd.
 func (r *ReadStats) Validate() error {
+	if len(r.Reads) > maxReadReasons {
+		return fmt.Errorf("read stats: %d reasons (at most %d)", len(r.Reads), maxReadReasons)
+	}
 	for k := range r.Reads {
-		if !slices.Contains(ReadReasons, k) {
-			return fmt.Errorf("read stats: unknown reason %q", clip(string(k)))
+		if len(k) == 0 || len(k) > maxReasonText || !printableASCII(string(k)) {
+			return fmt.Errorf("read stats: a reason of %d bytes (want 1 to %d printable characters): %q", len(k), maxReasonText, clip(string(k)))
 		}
 	}
 	if r.LastSeconds < 0 || r.LastSeconds > 3600 || r.LastCPUSeconds < 0 || r.LastCPUSeconds > 3600 || r.LastBytes < 0 ||
@@ -464,4 +479,15 @@ func cutName(s string) string {
 		s = s[:len(s)-1]
 	}
 	return s
+}
+
+// printableASCII reports whether s holds only printable ASCII (a name
+// shown to people as it is).
+func printableASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }

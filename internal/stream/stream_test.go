@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"reflect"
 	"runtime"
@@ -541,6 +542,25 @@ func TestReadStatsWarningsBounded(t *testing.T) {
 	} {
 		if err := bad.Validate(); err == nil {
 			t.Errorf("accepted %d warnings of up to %d bytes", len(bad.Warnings), len(bad.Warnings[len(bad.Warnings)-1]))
+		}
+	}
+}
+
+// A newer collector may read for reasons this version does not know:
+// they are kept (a collector of version N talks to an aggregator of N-1),
+// but only a few, short and printable.
+func TestReadStatsReasonsBounded(t *testing.T) {
+	known := &ReadStats{Reads: map[ReadReason]uint64{ReadFlushed: 1, ReadChange: 3, "a-reason-of-tomorrow": 2}}
+	if err := known.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	many := map[ReadReason]uint64{}
+	for i := range maxReadReasons + 1 {
+		many[ReadReason(fmt.Sprintf("r%d", i))] = 1
+	}
+	for _, bad := range []map[ReadReason]uint64{many, {"": 1}, {ReadReason(strings.Repeat("r", maxReasonText+1)): 1}, {"with space": 1}, {"bell\a": 1}} {
+		if err := (&ReadStats{Reads: bad}).Validate(); err == nil {
+			t.Errorf("accepted reasons %q", slices.Collect(maps.Keys(bad)))
 		}
 	}
 }

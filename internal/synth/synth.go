@@ -400,3 +400,35 @@ func RulesFor(st *audit.State, node string) *audit.Observed {
 	}
 	return o
 }
+
+// WriteIPVSRestore writes `ipvsadm -R` input for an IPVS-mode kube-proxy
+// holding the cluster: a virtual server per service's cluster IP and a
+// real server per endpoint (masqueraded, weight 1), of the given services
+// (nil: all). With edit, each real server is edited to what it already is
+// (`-e`: kube-proxy's IPVS sync rewriting a service's real servers).
+func (s Spec) WriteIPVSRestore(w io.Writer, services []int, edit bool) error {
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	if services == nil {
+		services = make([]int, s.Services)
+		for i := range services {
+			services[i] = i
+		}
+	}
+	bw := bufio.NewWriterSize(w, 256<<10)
+	for _, i := range services {
+		vip := netip.AddrPortFrom(VIP(i), 80)
+		if !edit {
+			fmt.Fprintf(bw, "-A -t %s -s rr\n", vip)
+		}
+		op := "-a"
+		if edit {
+			op = "-e"
+		}
+		for j := range s.EndpointsPerService {
+			fmt.Fprintf(bw, "%s -t %s -r %s -m -w 1\n", op, vip, netip.AddrPortFrom(s.EndpointAddr(i, j), 8080))
+		}
+	}
+	return bw.Flush()
+}

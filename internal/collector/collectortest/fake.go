@@ -37,7 +37,7 @@ type IPVS struct {
 }
 
 // VirtualServers implements collector.IPVS.
-func (f *IPVS) VirtualServers() ([]audit.VirtualServer, error) {
+func (f *IPVS) VirtualServers(context.Context) ([]audit.VirtualServer, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.Servers, f.Err

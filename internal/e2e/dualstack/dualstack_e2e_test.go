@@ -484,7 +484,7 @@ func TestE2EDualStackIPVS(t *testing.T) {
 	c := cluster(t, localcluster.Config{DualStack: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	v, err := c.AddVMNode(ctx, "ds-ipvs", "zone-a")
+	v, err := c.AddVMNode(ctx, localcluster.NodeSpec{Name: "ds-ipvs", Zone: "zone-a"})
 	if err != nil {
 		t.Fatal(err)
 	}
