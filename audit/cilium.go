@@ -162,6 +162,14 @@ type CiliumFrontend struct {
 	// Mastered: the master entry was present (a frontend read while the
 	// agent writes it may have slots without one).
 	Mastered bool
+	// slots as read, sparse, until every entry is (see denseSlots).
+	read []slotEntry
+}
+
+type slotEntry struct {
+	slot   int
+	id     uint32
+	flags2 uint8
 }
 
 // CiliumBackend is one entry of the backends map.
@@ -176,6 +184,8 @@ type CiliumBackend struct {
 
 // CiliumLB is a node's LB maps decoded.
 type CiliumLB struct {
+	// Warnings are what decoding skipped (a slot no frontend can have).
+	Warnings  []string
 	Frontends []CiliumFrontend // sorted by address, port, protocol, scope
 	Backends  map[uint32]CiliumBackend
 	RevNat    map[uint16]netip.AddrPort
@@ -266,10 +276,10 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 					f.Flags, f.Flags2, f.QCount = v[8], v[9], int(binary.NativeEndian.Uint16(v[10:]))
 					continue
 				}
-				for len(f.Slots) < slot {
-					f.Slots, f.SlotFlags2 = append(f.Slots, 0), append(f.SlotFlags2, 0)
-				}
-				f.Slots[slot-1], f.SlotFlags2[slot-1] = id, v[9]
+				// Sparse until every entry is read: a slot number sized the
+				// frontend, so 16 KB of entries took 700 MB (trust review 4,
+				// item 6).
+				f.read = append(f.read, slotEntry{slot, id, v[9]})
 			case CiliumBackends4, CiliumBackends6:
 				id := binary.NativeEndian.Uint32(k)
 				lb.Backends[id] = CiliumBackend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
@@ -281,6 +291,7 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 	}
 	lb.Frontends = make([]CiliumFrontend, 0, len(fronts))
 	for _, f := range fronts {
+		lb.Warnings = append(lb.Warnings, f.denseSlots()...)
 		lb.Frontends = append(lb.Frontends, *f)
 	}
 	slices.SortFunc(lb.Frontends, func(a, b CiliumFrontend) int {
@@ -294,6 +305,37 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 	})
 	lb.Families = familyList(fams)
 	return lb, nil
+}
+
+// denseSlots lays the slots read out as Slots: the genuine agent numbers
+// a frontend's slots 1..n without gaps (its active backends, then the
+// terminating and quarantined ones), so no slot may lie beyond both the
+// master's counts and the number of slots read; one that does (a hostile
+// or torn map) is skipped and said.
+func (f *CiliumFrontend) denseSlots() []string {
+	if len(f.read) == 0 {
+		return nil
+	}
+	limit := max(len(f.read), f.Count+f.QCount)
+	highest := 0
+	var warnings []string
+	for _, e := range f.read {
+		if e.slot > limit {
+			if len(warnings) == 0 {
+				warnings = append(warnings, fmt.Sprintf("cilium: %s/%s has a slot %d beyond its %d slots read and its master's counts: skipped", f.Addr, f.Protocol, e.slot, len(f.read)))
+			}
+			continue
+		}
+		highest = max(highest, e.slot)
+	}
+	f.Slots, f.SlotFlags2 = make([]uint32, highest), make([]uint8, highest)
+	for _, e := range f.read {
+		if e.slot <= limit {
+			f.Slots[e.slot-1], f.SlotFlags2[e.slot-1] = e.id, e.flags2
+		}
+	}
+	f.read = nil
+	return warnings
 }
 
 func addrOf(b []byte) netip.Addr {
@@ -417,7 +459,7 @@ func (lb *CiliumLB) Lines() []string {
 // master (a read racing the agent's write), become warnings; the
 // frontend keeps what could be resolved.
 func (lb *CiliumLB) Observed() *Observed {
-	o := &Observed{Mode: ModeCilium, Families: lb.Families, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
+	o := &Observed{Mode: ModeCilium, Families: lb.Families, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}, Warnings: slices.Clone(lb.Warnings)}
 	for i := range lb.Frontends {
 		f := &lb.Frontends[i]
 		if f.Protocol != "TCP" && f.Protocol != "UDP" && f.Protocol != "SCTP" {

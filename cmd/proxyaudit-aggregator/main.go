@@ -23,6 +23,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -187,6 +188,8 @@ type server struct {
 	notifier *effect.Slack
 	streams  net.Listener
 	http     net.Listener
+	// internal serves the replicas' internal API (--shards); nil: off.
+	internal net.Listener
 	// tlsSecret keeps the stream listener's pair in a Secret (--tls-secret).
 	tlsSecret *tlssecret.SecretPair
 	// reports writes the OpenReports (--openreports); nil: off.
@@ -241,6 +244,14 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	}
 	if pair != nil {
 		ln = tls.NewListener(ln, &tls.Config{GetCertificate: pair.GetCertificate, MinVersion: tls.VersionTLS12})
+	}
+	if o.shards > 1 {
+		if s.internal, err = net.Listen("tcp", o.internalListen); err != nil {
+			return nil, fmt.Errorf("--internal-listen: %v", err)
+		}
+		if pair != nil {
+			s.internal = tls.NewListener(s.internal, &tls.Config{GetCertificate: pair.GetCertificate, MinVersion: tls.VersionTLS12})
+		}
 	}
 	s.streams = ln
 	if s.http, err = net.Listen("tcp", o.httpListen); err != nil {
@@ -332,7 +343,7 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 		acfg.Reports = s.reports
 	}
 	if o.shards > 1 {
-		if acfg.Shards, err = o.shardPeers(cs, reviews, clk); err != nil {
+		if acfg.Shards, err = o.shardPeers(cs, reviews, clk, s.tlsSecret, pair); err != nil {
 			return nil, err
 		}
 		// The coordinator runs the aggregator's HoldShard for each shard
@@ -344,6 +355,11 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 			return nil, fmt.Errorf("--shards: %v", err)
 		}
 		acfg.Shards.Holders = s.shards.Holders
+		if pa := acfg.Shards.Auth; pa != nil {
+			// The replicas' own addresses: reviews of their tokens never
+			// wait behind a flood from elsewhere.
+			pa.Replicas = func() []string { return append(s.shards.Holders(), s.agg.PeerAddresses()...) }
+		}
 	}
 	s.agg = aggregator.New(acfg, s.view)
 	executor.Lead = s.agg.Term
@@ -352,28 +368,96 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	return s, nil
 }
 
-// shardPeers is what a sharded replica needs to reach the others: its own
-// credentials for its requests, and who they must come as to be admitted
-// (this replica's own user, asked of the API server: every replica runs as
-// the same ServiceAccount).
-func (o *options) shardPeers(cs clients, reviews kubernetes.Interface, clk clock.PassiveClock) (*aggregator.Shards, error) {
-	sh := &aggregator.Shards{Count: o.shards, HTTPPort: o.httpPort}
-	rt, err := rest.HTTPWrappersForConfig(cs.rest, http.DefaultTransport)
-	if err != nil {
-		return nil, fmt.Errorf("--shards: the replica's credentials: %v", err)
-	}
-	sh.Client = &http.Client{Transport: rt, Timeout: time.Minute}
+// shardPeers is what a sharded replica needs to reach the others: a
+// client over TLS verified against the serving pair's CA and the peers
+// Service's name, with its token for the peers' audience; and who the
+// others must come as to be admitted (this replica's own user, asked of
+// the API server: every replica runs as the same ServiceAccount).
+func (o *options) shardPeers(cs clients, reviews kubernetes.Interface, clk clock.PassiveClock, secret *tlssecret.SecretPair, pair servingPair) (*aggregator.Shards, error) {
+	sh := &aggregator.Shards{Count: o.shards, Port: o.internalPort}
 	if o.insecure {
 		return sh, nil
 	}
+	ns, name, _ := strings.Cut(o.peersService, "/") // validated
+	roots := func() *x509.CertPool { return secret.CAPool() }
+	if secret == nil {
+		ca := &caFile{path: o.tlsCAFile}
+		if _, err := ca.pool(); err != nil {
+			return nil, fmt.Errorf("--tls-ca-file: %v", err)
+		}
+		roots = func() *x509.CertPool { p, _ := ca.pool(); return p }
+	}
+	serverName := name + "." + ns + ".svc"
+	if err := peerCertificateFits(pair, roots(), serverName); err != nil {
+		return nil, fmt.Errorf("--shards: %v", err)
+	}
+	sh.TLS = true
+	sh.Client = aggregator.NewPeerClient(aggregator.PeerClientConfig{Roots: roots, ServerName: serverName, TokenFile: o.peerTokenFile, Timeout: time.Minute})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	me, err := cs.client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authnv1.SelfSubjectReview{}, metav1.CreateOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("--shards: asking the API server who this replica is (SelfSubjectReview), to admit only the other replicas to the internal API: %v", err)
 	}
-	sh.Auth = &aggregator.PeerAuth{Client: reviews, Username: me.Status.UserInfo.Username, Clock: clk}
+	sh.Auth = &aggregator.PeerAuth{Client: reviews, Username: me.Status.UserInfo.Username, Audience: o.peerAudience, Clock: clk}
 	return sh, nil
+}
+
+// peerCertificateFits: the replicas verify one another's internal API by
+// the serving certificate, so it must name the peers Service and chain to
+// the CA they trust. A pair from cert-manager made for the collectors'
+// name only would fail every partial read later, one log line each; it is
+// refused at start instead.
+func peerCertificateFits(pair servingPair, roots *x509.CertPool, serverName string) error {
+	if pair == nil {
+		return errors.New("the replicas' internal API needs the serving pair (--tls-secret or --tls-cert-file)")
+	}
+	cert, err := pair.GetCertificate(nil)
+	if err != nil || cert == nil || cert.Leaf == nil {
+		return fmt.Errorf("no serving certificate to check: %v", err)
+	}
+	if roots == nil {
+		return errors.New("no CA to verify the replicas by: the TLS Secret needs ca.crt (or --tls-ca-file)")
+	}
+	inter := x509.NewCertPool()
+	for _, der := range cert.Certificate[1:] {
+		if c, err := x509.ParseCertificate(der); err == nil {
+			inter.AddCert(c)
+		}
+	}
+	if _, err := cert.Leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, DNSName: serverName,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
+		return fmt.Errorf("the serving certificate does not verify as %s against the CA (%v): the replicas check one another by that name; add it to the certificate's DNS names (cert-manager: dnsNames)", serverName, err)
+	}
+	return nil
+}
+
+// caFile is a CA bundle read again when the file changes (cert-manager
+// renewing the mounted Secret).
+type caFile struct {
+	path  string
+	mu    sync.Mutex
+	stamp string
+	last  *x509.CertPool
+}
+
+func (c *caFile) pool() (*x509.CertPool, error) {
+	fi, err := os.Stat(c.path)
+	if err != nil {
+		return c.last, err
+	}
+	stamp := fmt.Sprint(fi.ModTime().UnixNano(), fi.Size())
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.last != nil && stamp == c.stamp {
+		return c.last, nil
+	}
+	p, err := tlsfile.LoadCA(c.path)
+	if err != nil {
+		return c.last, err
+	}
+	c.last, c.stamp = p, stamp
+	return p, nil
 }
 
 // openReports is the OpenReports writer the flags ask for, or nil.
@@ -513,6 +597,11 @@ func (s *server) serve(log *zap.Logger) int {
 	}
 	srv := apiServer(s.agg.Handler(o.httpPort))
 	go srv.Serve(s.http)
+	if s.internal != nil {
+		isrv := apiServer(s.agg.InternalHandler())
+		go isrv.Serve(s.internal)
+		defer isrv.Close()
+	}
 	streamErr := make(chan error, 1)
 	go func() { streamErr <- s.agg.Serve(ctx, s.streams) }()
 	log.Info("aggregator started", zap.String("stream", s.streams.Addr().String()), zap.String("http", s.http.Addr().String()),

@@ -61,7 +61,10 @@ type options struct {
 	reportWrites                  float64
 	reportUpdate                  time.Duration
 	amURLs, amTokenFile, amCAFile string
+	internalListen, peerTokenFile string
+	peerAudience, tlsCAFile       string
 	self, streamPort, httpPort    string // derived by validate
+	internalPort                  string // derived by validate
 }
 
 func defaultOptions() options {
@@ -80,6 +83,7 @@ func defaultOptions() options {
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
 		reportsMode: "auto", reportWrites: 20, reportUpdate: time.Minute,
+		internalListen: ":8444", peerTokenFile: "/var/run/secrets/proxyaudit/peers/token", peerAudience: aggregator.DefaultPeerAudience,
 	}
 }
 
@@ -128,6 +132,10 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.keyFile, "tls-key-file", o.keyFile, "private key for --tls-cert-file")
 	fs.StringVar(&o.tlsSecret, "tls-secret", o.tlsSecret, "Secret in --leader-elect-namespace holding the stream listener's pair (tls.crt, tls.key) and the CA collectors trust (ca.crt); made by the aggregator when absent (ECDSA P-256, for --tls-server-names, valid --tls-validity) and read again every 30 s, so deleting it rotates the pair. Instead of --tls-cert-file")
 	fs.StringVar(&o.tlsServerNames, "tls-server-names", o.tlsServerNames, "comma-separated DNS names of a certificate --tls-secret makes (the Service names collectors dial)")
+	fs.StringVar(&o.tlsCAFile, "tls-ca-file", o.tlsCAFile, "with --tls-cert-file: the CA bundle the replicas' internal API certificates are verified with (with --tls-secret, the Secret's ca.crt)")
+	fs.StringVar(&o.internalListen, "internal-listen", o.internalListen, "with --shards: address of the replicas' internal API (partials, explain and flush forwarded to a node's holder), over TLS with the stream's pair; peers verify it against the CA and the --peers-service name, and send a token for --peer-audience (never their API-server credential)")
+	fs.StringVar(&o.peerTokenFile, "peer-token-file", o.peerTokenFile, "with --shards: this replica's token for --peer-audience, shown to the other replicas (the chart projects it; re-read when the kubelet rotates it)")
+	fs.StringVar(&o.peerAudience, "peer-audience", o.peerAudience, "with --shards: the audience the replicas' tokens for one another carry; the internal API admits no other")
 	fs.DurationVar(&o.tlsValidity, "tls-validity", 3650*24*time.Hour, "validity of a CA and certificate --tls-secret makes")
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest stream message accepted; larger ones end the stream")
 	fs.Int64Var(&o.memoryLimit, "memory-limit-bytes", o.memoryLimit, "the container's memory limit (the chart passes it from the pod spec): the Go heap is held to 90 % of it so that garbage does not carry a leader holding thousands of nodes over its limit (GOMEMLIMIT, which wins when set); a heap that needs more grows past it; 0 turns it off [PROXYAUDIT_MEMORY_LIMIT]")
@@ -252,6 +260,15 @@ func (o *options) validate() error {
 	}
 	if _, o.httpPort, err = net.SplitHostPort(o.httpListen); err != nil {
 		return fmt.Errorf("--http-listen %q: %v", o.httpListen, err)
+	}
+	if _, o.internalPort, err = net.SplitHostPort(o.internalListen); o.shards > 1 && err != nil {
+		return fmt.Errorf("--internal-listen %q: %v", o.internalListen, err)
+	}
+	if o.shards > 1 && !o.insecure && ((o.certFile == "" && o.tlsSecret == "") || o.peersService == "" || o.peerTokenFile == "" || o.peerAudience == "") {
+		return errors.New("--shards needs TLS (--tls-secret, or --tls-cert-file with --tls-ca-file), --peers-service (the name the replicas' certificate carries for them) and --peer-token-file: the replicas' internal API carries what decides repairs")
+	}
+	if o.shards > 1 && !o.insecure && o.certFile != "" && o.tlsCAFile == "" {
+		return errors.New("--shards with --tls-cert-file needs --tls-ca-file: the CA the replicas verify one another with")
 	}
 	if o.leaderElect && o.advertise == "" {
 		return errors.New("--advertise-address is required with leader election (in a pod, set POD_IP from status.podIP): followers redirect collectors to it")

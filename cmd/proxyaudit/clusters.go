@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -211,36 +212,49 @@ func servicePort(f audit.TimedFinding) string {
 }
 
 // clustersUI serves several clusters' status: the page of them all at
-// /clusters/, and each cluster's own pages under /clusters/SLUG/ui/,
-// through that cluster's API server as `proxyaudit ui` reaches one.
+// /clusters/, and each cluster's own pages at /ui/ of an origin of its own,
+// SLUG.localhost on the same port (browsers resolve every .localhost name
+// to this machine), through that cluster's API server as `proxyaudit ui`
+// reaches one. One origin for every cluster let a page served for one run
+// script that fetched another's pages, with that cluster's reader token
+// and the user's credentials (trust review 4, item 5); across origins the
+// browser says where a request comes from, and hostGuard refuses it.
 func (a *access) clustersUI(contexts []string, stderr io.Writer) http.Handler {
-	mux := http.NewServeMux()
+	overview := http.NewServeMux()
 	slugs := clusterSlugs(contexts)
+	byHost := map[string]http.Handler{}
 	for i, name := range contexts {
 		one := *a
 		one.context = &name
-		prefix := "/clusters/" + slugs[i]
 		h, err := one.uiProxy(stderr)
 		if err != nil {
 			msg := fmt.Sprintf("proxyaudit ui: cluster %s: %v", name, err)
 			h = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { http.Error(w, msg, http.StatusBadGateway) })
 		}
-		mux.Handle("GET "+prefix+"/ui/", http.StripPrefix(prefix, h))
+		byHost[slugs[i]+".localhost"] = h
 	}
-	mux.Handle("GET /clusters/static/", ui.StaticAt("/clusters/"))
-	mux.HandleFunc("GET /clusters/{$}", func(w http.ResponseWriter, _ *http.Request) {
-		ui.Serve(w, "clusters", clustersPage(fetchClusters(a, contexts), slugs))
+	overview.Handle("GET /clusters/static/", ui.StaticAt("/clusters/"))
+	overview.HandleFunc("GET /clusters/{$}", func(w http.ResponseWriter, r *http.Request) {
+		_, port, _ := net.SplitHostPort(r.Host)
+		link := func(slug string) string { return "http://" + net.JoinHostPort(slug+".localhost", port) + "/ui/" }
+		ui.Serve(w, "clusters", clustersPage(fetchClusters(a, contexts), slugs, link))
 	})
-	mux.Handle("GET /{$}", http.RedirectHandler("/clusters/", http.StatusFound))
-	return mux
+	overview.Handle("GET /{$}", http.RedirectHandler("/clusters/", http.StatusFound))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if h := byHost[strings.ToLower(hostOnly(r.Host))]; h != nil {
+			h.ServeHTTP(w, r)
+			return
+		}
+		overview.ServeHTTP(w, r)
+	})
 }
 
-// clustersPage is the page of a report across clusters; slugs name each
-// cluster's pages.
-func clustersPage(rep *ClustersReport, slugs []string) ui.ClustersPage {
+// clustersPage is the page of a report across clusters; link names each
+// cluster's pages by its slug.
+func clustersPage(rep *ClustersReport, slugs []string, link func(slug string) string) ui.ClustersPage {
 	p := ui.ClustersPage{Base: ui.Base{Title: "clusters", Root: "./", At: rep.At, Now: time.Now()}}
 	for i, c := range rep.Clusters {
-		link := slugs[i] + "/ui/"
+		link := link(slugs[i])
 		if c.Report == nil {
 			p.Clusters = append(p.Clusters, ui.ClusterRow{Name: c.Context, Link: link, Error: c.Error})
 			p.Unreadable++

@@ -3,8 +3,10 @@ package main
 import (
 	"flag"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -63,20 +65,33 @@ func TestUIAcrossClusters(t *testing.T) {
 	}
 	browser.Picture(t, ctx, "clusters")
 
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(srv.URL, "http://"))
 	step("clicking node-b of prod-eu", chromedp.Click(`tr[data-cluster="prod-eu"] a[href$="nodes/node-b"]`))
 	step("node-b's page", chromedp.WaitVisible("#node"))
-	if got := eval(`location.pathname + ' ' + document.querySelector('#node').innerText`); got != "/clusters/prod-eu/ui/nodes/node-b node-b Stuck" {
+	if got := eval(`location.host + location.pathname + ' ' + document.querySelector('#node').innerText`); got != "prod-eu.localhost:"+port+"/ui/nodes/node-b node-b Stuck" {
 		t.Errorf("the node page: %q", got)
 	}
 	step("its fleet link", chromedp.Click(`header nav a`))
 	step("prod-eu's fleet page", chromedp.WaitVisible("#states"))
-	if got := eval(`location.pathname`); got != "/clusters/prod-eu/ui/" {
+	if got := eval(`location.pathname`); got != "/ui/" {
 		t.Errorf("the node page's fleet link went to %s", got)
 	}
-	step("the EKS cluster's page", chromedp.Navigate(srv.URL+"/clusters/arn-aws-eks-eu-west-1-123456789012-cluster-b/ui/"))
+	eks := "http://arn-aws-eks-eu-west-1-123456789012-cluster-b.localhost:" + port
+	step("the EKS cluster's page", chromedp.Navigate(eks+"/ui/"))
 	step("its states", chromedp.WaitVisible("#states"))
 	if got := eval(`document.querySelector('#states').innerText.replace(/\s+/g, ' ')`); got != "1 InSync" {
 		t.Errorf("the EKS cluster's fleet page shows %q", got)
+	}
+	// Script on one cluster's page cannot read another's (each cluster has
+	// an origin of its own: trust review 4, item 5): the request is
+	// refused before that cluster's credentials are attached, and the
+	// browser hands the page nothing.
+	prod := "http://prod-eu.localhost:" + port + "/ui/nodes/node-b"
+	if got := eval(`fetch(` + strconv.Quote(prod) + `).then(r => r.text()).then(t => 'read: ' + t.length, e => 'refused: ' + e)`); !strings.HasPrefix(got, "refused") {
+		t.Errorf("the EKS cluster's page read prod-eu's: %s", got)
+	}
+	if got := eval(`fetch('/clusters/').then(r => String(r.status), e => 'refused')`); got != "404" {
+		t.Errorf("a cluster's origin serves the clusters page: %s", got)
 	}
 }
 

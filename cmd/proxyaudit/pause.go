@@ -30,7 +30,8 @@ While paused, proxyaudit restarts and cordons nothing; detection, findings
 and pages go on, and every page, the report and the API say who paused, when
 and why. A pause with --for ends by itself. It is kept in the ConfigMap
 --pause-configmap (the chart's, in the aggregator's namespace); the chart's
-<release>-pause Role lets a group write it (remediation.pausers).
+Role of the same name (<release>-aggregator-pause) lets a group write it
+(remediation.pausers).
 
 Exit status: 0 done, 2 usage error or the API refused.
 `

@@ -210,7 +210,7 @@ func kubeClient(kubeconfig, context string) (kubernetes.Interface, string, error
 	if err != nil {
 		return nil, "", fmt.Errorf("kubeconfig: %v", err)
 	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := noRedirectClient(cfg)
 	return client, cfg.Username, err
 }
 
@@ -275,6 +275,9 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 // words a 401 passed through from the aggregator as if the kubeconfig's
 // credentials were wrong, while the body is the aggregator's own reason.
 func proxyError(err error, body []byte, namespace, service, port, noToken string) error {
+	if errors.Is(err, errRedirect) {
+		return fmt.Errorf("through the API server's proxy to service %s/%s port %s: %w", namespace, service, port, err)
+	}
 	var agg struct {
 		Error string `json:"error"`
 	}
@@ -301,7 +304,7 @@ func httpGet(ctx context.Context, url, token string) ([]byte, error) {
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := directClient.Do(req)
 	if err != nil {
 		return nil, err
 	}

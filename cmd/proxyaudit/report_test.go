@@ -310,7 +310,10 @@ func TestDiffShowsHostileDumpInert(t *testing.T) {
 	dir := t.TempDir()
 	cluster := filepath.Join(dir, "cluster.json")
 	rules := filepath.Join(dir, "n.rules")
-	os.WriteFile(cluster, []byte(`{"kind":"List","items":[{"kind":"Node","metadata":{"name":"n"}}]}`), 0o644)
+	os.WriteFile(cluster, []byte(`{"kind":"List","items":[{"kind":"Node","metadata":{"name":"n"}},`+
+		`{"kind":"Service","metadata":{"name":"kubernetes","namespace":"default"},"spec":{"clusterIP":"198.19.0.2","ports":[{"name":"https","port":443,"protocol":"TCP"}]}},`+
+		`{"kind":"EndpointSlice","metadata":{"name":"kubernetes","namespace":"default","labels":{"kubernetes.io/service-name":"kubernetes"}},"addressType":"IPv4",`+
+		`"ports":[{"name":"https","port":6443,"protocol":"TCP"}],"endpoints":[{"addresses":["198.18.0.9"]}]}]}`), 0o644)
 	os.WriteFile(rules, []byte("*nat\n-A KUBE-SERVICES -d 198.19.0.1/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-\x1b]0;pwned\x07\n"+
 		"-A KUBE-SVC-\x1b]0;pwned\x07 -j KUBE-SEP-AAAAAAAAAAAAAAAA\n-A KUBE-SEP-AAAAAAAAAAAAAAAA -p tcp -m tcp -j DNAT --to-destination 198.18.0.1:80\nCOMMIT\n"), 0o644)
 	for _, format := range []string{"table", "markdown"} {

@@ -195,7 +195,7 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 		}
 		target = host.JoinPath("api/v1/namespaces", *a.namespace, "services", "http:"+*a.service+":"+*a.port, "proxy")
 		target.Path = "/" + strings.TrimPrefix(target.Path, "/") // JoinPath on a bare host leaves it relative
-		client, err := kubernetes.NewForConfig(cfg)
+		client, err := noRedirectClient(cfg)
 		if err != nil {
 			return nil, err
 		}
@@ -214,6 +214,22 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 			}
 		},
 		Transport: transport,
+		// A redirect is passed to no one: the browser would follow it to
+		// wherever whatever answers behind the Service chose.
+		ModifyResponse: func(resp *http.Response) error {
+			if resp.StatusCode >= 300 && resp.StatusCode < 400 {
+				return fmt.Errorf("%w (%s to %q)", errRedirect, resp.Status, resp.Header.Get("Location"))
+			}
+			// Whatever the aggregator sent: its pages are framed by no one,
+			// and read by no other origin.
+			h := resp.Header
+			h.Set("X-Frame-Options", "DENY")
+			h.Set("Cross-Origin-Resource-Policy", "same-origin")
+			h.Set("X-Content-Type-Options", "nosniff")
+			h.Set("Referrer-Policy", "no-referrer")
+			h.Add("Content-Security-Policy", "frame-ancestors 'none'")
+			return nil
+		},
 		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
 			http.Error(w, "proxyaudit ui: reaching the aggregator at "+target.Redacted()+": "+err.Error(), http.StatusBadGateway)
 		},

@@ -277,6 +277,17 @@ func (h *harness) collectorEvery(ctx context.Context, node string, interval time
 	}()
 }
 
+// holdShard holds shard k until the harness ends, as the coordinator
+// would; the harness waits for it (its goroutine logs to the test, which
+// must not have ended).
+func (h *harness) holdShard(k int) {
+	h.wg.Add(1)
+	go func() {
+		defer h.wg.Done()
+		h.agg.HoldShard(h.ctx, k)
+	}()
+}
+
 func (h *harness) verdict() audit.Verdict {
 	if v := h.agg.Verdict(); v != nil {
 		return *v

@@ -13,23 +13,42 @@ import (
 // woken one at a time (a condition variable woke all 5,000 streams of a
 // fleet at every release: a fifth of the leader's CPU while it was
 // behind).
+//
+// Frames of largeFrame bytes or more (full snapshots) share at most half
+// of it: eight collectors each trickling one large frame held the whole
+// budget, and every other node's reports waited behind them for as long
+// as they kept at it (trust review 4, item 9). Smaller frames (deltas,
+// the common case) always have the other half.
 type decodeBudget struct {
-	sem  *semaphore.Weighted
-	size int
+	all, large *semaphore.Weighted
+	size       int
 }
+
+// largeFrame is the size from which a frame counts against the large
+// frames' half.
+const largeFrame = 1 << 20
 
 // newDecodeBudget returns a budget of n bytes.
 func newDecodeBudget(n int) *decodeBudget {
-	return &decodeBudget{sem: semaphore.NewWeighted(int64(n)), size: n}
+	return &decodeBudget{all: semaphore.NewWeighted(int64(n)), large: semaphore.NewWeighted(int64(max(1, n/2))), size: n}
 }
 
-// Take waits for n bytes of the budget (at most all of it) and returns
-// what it took.
+// Take waits for n bytes of the budget (at most all of it, and at most
+// half for a large frame of that size) and returns what it took.
 func (b *decodeBudget) Take(n int) int {
 	n = min(n, b.size)
-	_ = b.sem.Acquire(context.Background(), int64(n)) // no context: never fails
+	if n >= largeFrame {
+		n = min(n, max(1, b.size/2))
+		_ = b.large.Acquire(context.Background(), int64(n)) // no context: never fails
+	}
+	_ = b.all.Acquire(context.Background(), int64(n))
 	return n
 }
 
 // Give returns what Take took.
-func (b *decodeBudget) Give(n int) { b.sem.Release(int64(n)) }
+func (b *decodeBudget) Give(n int) {
+	b.all.Release(int64(n))
+	if n >= largeFrame {
+		b.large.Release(int64(n))
+	}
+}

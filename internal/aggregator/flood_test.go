@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -220,7 +221,10 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 		body = []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", size) + `"]}}`)
 		return binary.BigEndian.AppendUint32(nil, uint32(len(body))), body
 	}
-	held := a.budget.Take(1 << 20) // everything: the leader is behind
+	// Everything: the leader is behind.
+	held := 1 << 20
+	_ = a.budget.all.Acquire(context.Background(), int64(held))
+	defer func() { a.budget.all.Release(int64(held)) }()
 	server, client := net.Pipe()
 	defer client.Close()
 	done := make(chan error, 1)
@@ -247,7 +251,8 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	if w := testutil.ToFloat64(a.cfg.Metrics.ReportsWaiting); w != 1 {
 		t.Errorf("proxyaudit_stream_reports_waiting = %v, want 1", w)
 	}
-	a.budget.Give(held)
+	a.budget.all.Release(int64(held))
+	held = 0
 	client.SetWriteDeadline(time.Time{})
 	go client.Write(body[n:]) // what the first write left
 	select {
@@ -260,8 +265,8 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 	}
 
 	// A hello is read whatever the budget.
-	held = a.budget.Take(1 << 20)
-	defer a.budget.Give(held)
+	held = 1 << 20
+	_ = a.budget.all.Acquire(context.Background(), int64(held))
 	server2, client2 := net.Pipe()
 	defer client2.Close()
 	go func() {
@@ -373,5 +378,69 @@ func TestPreHelloGateKeepsRoomForNodes(t *testing.T) {
 	}
 	if g.n != 1024 || g.others != 1024 {
 		t.Errorf("after the collectors left: %d pending, %d foreign", g.n, g.others)
+	}
+}
+
+// Eight collectors with valid tokens each claim a large frame and trickle
+// it, and do it again when cut: they took the whole decode budget (an
+// eighth each) and every other node's reports waited the whole time
+// (trust review 4, item 9). Large frames share half the budget at most:
+// the other nodes' deltas keep arriving throughout.
+func TestTricklersLeaveDeltasTheirShare(t *testing.T) {
+	const budget = 64 << 20
+	a := New(Config{DecodeBudget: budget}, &View{})
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	defer func() { close(stop); wg.Wait() }()
+	for range 8 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				server, client := net.Pipe()
+				go func() {
+					_, _, release, _ := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
+					release()
+				}()
+				client.Write(binary.BigEndian.AppendUint32(nil, 16<<20))
+				for i := 0; i < 50; i++ { // a byte every 100 ms, for 5 s
+					select {
+					case <-stop:
+						client.Close()
+						return
+					case <-time.After(100 * time.Millisecond):
+					}
+					if _, err := client.Write([]byte("{")); err != nil {
+						break
+					}
+				}
+				client.Close()
+			}
+		})
+	}
+	time.Sleep(300 * time.Millisecond) // the tricklers hold their shares
+	body := []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", 64<<10) + `"]}}`)
+	for i := range 20 {
+		server, client := net.Pipe()
+		done := make(chan error, 1)
+		go func() {
+			_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, nil, nil)
+			release()
+			done <- err
+		}()
+		go client.Write(append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...))
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("delta %d: %v", i, err)
+			}
+		case <-time.After(2 * time.Second):
+			t.Fatalf("delta %d of another node waited behind eight tricklers", i)
+		}
+		client.Close()
+		time.Sleep(100 * time.Millisecond)
 	}
 }

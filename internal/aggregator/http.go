@@ -100,9 +100,6 @@ func (a *Aggregator) Handler(httpPort string) http.Handler {
 	mux.Handle("/api/", a.readers(a.onLeader(v1, httpPort)))
 	mux.Handle("/ui/", a.readers(a.onLeader(a.uiHandler(), httpPort)))
 	mux.Handle("GET /ui", http.RedirectHandler("ui/", http.StatusFound))
-	if a.sharded() {
-		mux.Handle("/internal/", a.internalHandler())
-	}
 	return mux
 }
 

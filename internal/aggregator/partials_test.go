@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -197,7 +198,7 @@ func TestPartialChangesThatDoNotFollow(t *testing.T) {
 	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Shards: &Shards{Count: 2}}, NewView(ViewConfig{Client: fake.NewClientset()}))
 	agg.publishPartial(audit.Partial{Nodes: []audit.NodeStatus{{Node: "a"}}}, []int{0})
 	w := httptest.NewRecorder()
-	agg.internalHandler().ServeHTTP(w, httptest.NewRequest("GET", "/internal/v1/partial?since=-1", nil))
+	agg.InternalHandler().ServeHTTP(w, httptest.NewRequest("GET", "/internal/v1/partial?since=-1", nil))
 	if w.Code != http.StatusBadRequest || !strings.Contains(w.Body.String(), "whole number") {
 		t.Errorf("since=-1: %d %s, want 400 saying what since is", w.Code, w.Body)
 	}
@@ -215,11 +216,11 @@ func TestLeaderReadsChangesFromAReplica(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
 	holders := []string{"127.0.0.1:9443", b.identity}
 	leader := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
-		Shards: &Shards{Count: shards, HTTPPort: port, Holders: func() []string { return holders }}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, viewExpecting(nodesIn(1, shards, 500)))
 	var queries atomic.Value
 	replica := func() *Aggregator {
-		r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, HTTPPort: port}}, NewView(ViewConfig{Client: fake.NewClientset()}))
-		h := r.internalHandler()
+		r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, Port: port}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		h := r.InternalHandler()
 		b.handle(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			queries.Store(req.URL.RawQuery)
 			h.ServeHTTP(w, req)
@@ -398,4 +399,64 @@ func BenchmarkPartialRead(b *testing.B) {
 			b.ReportMetric(float64(size)/6250, "bytes/node")
 		})
 	}
+}
+
+// A holder's answer decodes to bounded memory whatever it holds: "{}"
+// node entries (each ~77 times its bytes once decoded) past the nodes its
+// shards have are refused before they are kept, and a large answer of
+// states for whole statuses in the same answer applies in linear time
+// (the states were each checked by a scan of the nodes: 4-6 s for 700 KB;
+// trust review 4, item 4).
+func TestHostilePartialAnswersAreBounded(t *testing.T) {
+	empty := []byte(`{"replica":"r","partial":{"nodes":[` + strings.Repeat(`{},`, 700_000) + `{}]}}`)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := decodePartial(empty, 5000)
+	runtime.ReadMemStats(&after)
+	if err == nil || !strings.Contains(err.Error(), "more than 5000 node entries") {
+		t.Fatalf("700,000 empty node entries for at most 5,000 nodes: %v", err)
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 8*uint64(len(empty)) {
+		t.Errorf("refusing a %d KB answer allocated %d KB", len(empty)>>10, alloc>>10)
+	}
+
+	const n = 20_000
+	var b strings.Builder
+	b.WriteString(`{"replica":"r","epoch":"e","version":2,"since":1,"partial":{"nodes":[`)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `{"node":"n%d","state":"InSync"}`, i)
+	}
+	b.WriteString(`]},"states":[`)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `{"node":"n%d","state":"Lagging"}`, i)
+	}
+	b.WriteString(`]}`)
+	r, err := decodePartial([]byte(b.String()), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &partialMirror{epoch: "e", version: 1, nodes: map[string]audit.NodeStatus{}}
+	start := time.Now()
+	if err := m.apply(r); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d KB answer of %d whole statuses and %d states applied in %s", b.Len()>>10, n, n, time.Since(start).Round(time.Millisecond))
+	if len(m.nodes) != n || m.nodes["n7"].State != audit.NodeLagging {
+		t.Errorf("applied %d nodes, n7 %s", len(m.nodes), m.nodes["n7"].State)
+	}
+}
+
+// viewExpecting is a view (not run) whose cluster lists nodes: the nodes
+// a holder's partial may carry are bounded by them.
+func viewExpecting(nodes []string) *View {
+	v := NewView(ViewConfig{Client: fake.NewClientset()})
+	v.expected = nodes
+	return v
 }

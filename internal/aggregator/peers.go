@@ -34,6 +34,11 @@ func (a *Aggregator) peerIPs() []string {
 	return replicaIPs(eps, "")
 }
 
+// PeerAddresses are the replicas' addresses as the peers Service's
+// endpoints list them (Config.Peers): the sources the internal API's
+// reviews favour (PeerAuth.Replicas).
+func (a *Aggregator) PeerAddresses() []string { return a.peerIPs() }
+
 // replicaIPs returns the addresses of the endpoints in eps that are not
 // terminating, but self's, sorted (at most stream.MaxPeers). Endpoints
 // not yet ready count: a replica is worth dialing as soon as it has an

@@ -3,9 +3,7 @@ package aggregator
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -13,16 +11,10 @@ import (
 	"net/url"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"go.uber.org/zap"
-	"golang.org/x/time/rate"
-	authnv1 "k8s.io/api/authentication/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/api"
@@ -43,11 +35,14 @@ type Shards struct {
 	// Holders says who holds each shard as last read, "" for a free one
 	// (the coordinator's Holders).
 	Holders func() []string
-	// HTTPPort is the port every replica serves its HTTP API on: the
-	// leader reads the partials there.
-	HTTPPort string
+	// Port is the port every replica serves its internal API on
+	// (InternalHandler): the leader reads the partials there. TLS: over
+	// TLS (Client verifies the replicas' certificate), else plain HTTP
+	// (--insecure-no-auth, tests).
+	Port string
+	TLS  bool
 	// Client makes this replica's requests to the others, carrying its
-	// credentials; nil: http.DefaultClient.
+	// peers token (NewPeerClient); nil: http.DefaultClient.
 	Client *http.Client
 	// Auth, when set, admits the internal API's callers: the other
 	// replicas. Nil: anyone who reaches the port (--insecure-no-auth).
@@ -384,7 +379,11 @@ func (a *Aggregator) peerURL(replica, path string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("replica identity %q is not host:port", replica)
 	}
-	return (&url.URL{Scheme: "http", Host: net.JoinHostPort(host, a.cfg.Shards.HTTPPort), Path: path}).String(), nil
+	scheme := "http"
+	if a.cfg.Shards.TLS {
+		scheme = "https"
+	}
+	return (&url.URL{Scheme: scheme, Host: net.JoinHostPort(host, a.cfg.Shards.Port), Path: path}).String(), nil
 }
 
 func (a *Aggregator) peerClient() *http.Client {
@@ -392,6 +391,28 @@ func (a *Aggregator) peerClient() *http.Client {
 		return c
 	}
 	return http.DefaultClient
+}
+
+// maxPartialNodes bounds the node entries a holder's answer may carry:
+// the nodes the cluster lists in the shards the Leases say it holds, and
+// room for those whose collectors report before their Node is seen or
+// after it left.
+func (a *Aggregator) maxPartialNodes(replica string) int {
+	held := map[int]bool{}
+	for k, h := range a.cfg.Shards.Holders() {
+		if h == replica {
+			held[k] = true
+		}
+	}
+	n := 0
+	if a.view != nil {
+		for _, name := range a.view.ExpectedNodes() {
+			if held[a.shardOf(name)] {
+				n++
+			}
+		}
+	}
+	return n + n/10 + 64
 }
 
 // fetchPartial reads one replica's partial (query: the changes after
@@ -420,20 +441,21 @@ func (a *Aggregator) fetchPartial(ctx context.Context, replica, query string) (_
 	if len(body) > maxPartialBytes {
 		return nil, 0, fmt.Errorf("%s: partial larger than %d MiB", u, maxPartialBytes>>20)
 	}
-	var out PartialResponse
-	if err := json.Unmarshal(body, &out); err != nil {
+	out, err := decodePartial(body, a.maxPartialNodes(replica))
+	if err != nil {
 		return nil, 0, fmt.Errorf("%s: not a partial verdict: %v", u, err)
 	}
 	if out.Replica != replica {
 		return nil, 0, fmt.Errorf("%s answered as %q, not %q", u, clip(out.Replica), replica)
 	}
-	return &out, len(body), nil
+	return out, len(body), nil
 }
 
-// internalHandler serves the replicas' own API: a replica's partial, and
-// what the leader asks of the holder of a node's stream (its explain, a
-// conntrack flush).
-func (a *Aggregator) internalHandler() http.Handler {
+// InternalHandler serves the replicas' own API on its own listener
+// (Shards.Port, TLS in the chart): a replica's partial, and what the
+// leader asks of the holder of a node's stream (its explain, a conntrack
+// flush).
+func (a *Aggregator) InternalHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /internal/v1/partial", func(w http.ResponseWriter, r *http.Request) {
 		var since uint64
@@ -553,85 +575,4 @@ func (a *Aggregator) flushOnHolder(ctx context.Context, node string, pairs []rem
 		return nil, fmt.Errorf("replica %s answered the flush with no results: %v", holder, err)
 	}
 	return out, nil
-}
-
-// PeerAuth admits the other replicas to the internal API: a bearer token
-// the API server authenticates (for its own audience, as a pod's
-// ServiceAccount token is) as Username, the ServiceAccount every replica
-// runs as. Decisions are cached for 30 s; reviews of new tokens are
-// limited to five a second, so a flood of tokens at the port costs the
-// API server little.
-type PeerAuth struct {
-	Client   kubernetes.Interface
-	Username string
-	Clock    clock.PassiveClock
-
-	once  sync.Once
-	limit *rate.Limiter
-	mu    sync.Mutex
-	cache map[[32]byte]peerDecision
-}
-
-type peerDecision struct {
-	err     error
-	expires time.Time
-}
-
-// Wrap returns next behind the check.
-func (pa *PeerAuth) Wrap(next http.Handler) http.Handler {
-	pa.once.Do(func() { pa.limit = rate.NewLimiter(5, 10) })
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if !ok || token == "" {
-			writeError(w, http.StatusUnauthorized, "the internal API is for the aggregator's replicas: send the replica's ServiceAccount token as Authorization: Bearer")
-			return
-		}
-		if code, err := pa.decide(r.Context(), token); err != nil {
-			if code == http.StatusTooManyRequests {
-				w.Header().Set("Retry-After", "1")
-			}
-			writeError(w, code, err.Error())
-			return
-		}
-		next.ServeHTTP(w, r)
-	})
-}
-
-func (pa *PeerAuth) decide(ctx context.Context, token string) (int, error) {
-	key := sha256.Sum256([]byte(token))
-	now := pa.Clock.Now()
-	pa.mu.Lock()
-	d, ok := pa.cache[key]
-	pa.mu.Unlock()
-	if ok && now.Before(d.expires) {
-		if d.err != nil {
-			return http.StatusForbidden, d.err
-		}
-		return http.StatusOK, nil
-	}
-	if !pa.limit.Allow() {
-		return http.StatusTooManyRequests, errors.New("too many tokens to review at once; retry in a second")
-	}
-	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	tr, err := pa.Client.AuthenticationV1().TokenReviews().Create(rctx, &authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: token}}, metav1.CreateOptions{})
-	if err != nil {
-		return http.StatusServiceUnavailable, fmt.Errorf("cannot review the token with the API server (retry): %v", err)
-	}
-	switch {
-	case !tr.Status.Authenticated:
-		err = fmt.Errorf("token not valid: %s", clip(tr.Status.Error))
-	case tr.Status.User.Username != pa.Username:
-		err = fmt.Errorf("%s is not an aggregator replica (%s): the internal API is theirs alone", clip(tr.Status.User.Username), pa.Username)
-	}
-	pa.mu.Lock()
-	if pa.cache == nil || len(pa.cache) >= 1024 {
-		pa.cache = map[[32]byte]peerDecision{}
-	}
-	pa.cache[key] = peerDecision{err: err, expires: now.Add(readerCacheFor)}
-	pa.mu.Unlock()
-	if err != nil {
-		return http.StatusForbidden, err
-	}
-	return http.StatusOK, nil
 }

@@ -59,12 +59,13 @@ func Do(t testing.TB, ctx context.Context, what string, step chromedp.Action[chr
 	}
 }
 
-// Text evaluates a JavaScript expression of string value in the page.
+// Text evaluates a JavaScript expression of string value in the page (a
+// Promise of one is awaited).
 func Text(t testing.TB, ctx context.Context, js string) string {
 	t.Helper()
 	c, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	v, err := chromedp.Run(c, chromedp.Evaluate[string](js))
+	v, err := chromedp.Run(c, chromedp.Evaluate[string](js, chromedp.EvalAwaitPromise))
 	if err != nil {
 		t.Fatalf("%s: %v", js, err)
 	}

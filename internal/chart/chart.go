@@ -334,6 +334,9 @@ func (r *Release) volumeFiles(v corev1.Volume, pod Pod) (map[string][]byte, erro
 			if src.ServiceAccountToken == nil {
 				return nil, errors.New("projected source other than a ServiceAccount token")
 			}
+			if pod.Token == nil {
+				return nil, fmt.Errorf("volume %s projects a ServiceAccount token for %q: give the Pod a Token", v.Name, src.ServiceAccountToken.Audience)
+			}
 			tok, err := pod.Token(src.ServiceAccountToken.Audience)
 			if err != nil {
 				return nil, err

@@ -472,6 +472,32 @@ func TestShardsOnlyBeyondTwoReplicas(t *testing.T) {
 		if !slices.Contains(argsOf(r), want) || !listsLeases(r) {
 			t.Errorf("%s: want %s and the shards' Lease verbs; args %v", sets, want, argsOf(r))
 		}
+		// The replicas' internal API: its own port, and a token for the
+		// peers' audience projected into the pod (trust review 4, item 2).
+		spec, err := r.PodSpec("Deployment", "proxyaudit-aggregator")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var projected bool
+		for _, v := range spec.Volumes {
+			if v.Projected != nil && len(v.Projected.Sources) == 1 && v.Projected.Sources[0].ServiceAccountToken != nil &&
+				v.Projected.Sources[0].ServiceAccountToken.Audience == "proxyaudit-peers" {
+				projected = true
+			}
+		}
+		if !projected || !slices.Contains(argsOf(r), "--internal-listen=:8444") || !slices.Contains(argsOf(r), "--peer-token-file=/var/run/secrets/proxyaudit/peers/token") {
+			t.Errorf("%s: the internal API's port or the peers token is missing: args %v", sets, argsOf(r))
+		}
+	}
+	if projected := render(t, nil); slices.ContainsFunc(argsOf(projected), func(a string) bool { return strings.HasPrefix(a, "--internal-listen") }) {
+		t.Error("two replicas listen for an internal API")
+	}
+	if _, err := chart.Render(root(t), "proxyaudit", "proxyaudit", nil, "aggregator.replicas=3", "tls.enabled=false"); err == nil || !strings.Contains(err.Error(), "tls.enabled") {
+		t.Errorf("sharded replicas without TLS were rendered: %v", err)
+	}
+	withFiles := render(t, nil, "aggregator.replicas=3", "tls.existingSecret=mine")
+	if !slices.Contains(argsOf(withFiles), "--tls-ca-file=/etc/proxyaudit/tls/ca.crt") {
+		t.Errorf("with a TLS Secret of the user's, the replicas are not told its CA: %v", argsOf(withFiles))
 	}
 }
 

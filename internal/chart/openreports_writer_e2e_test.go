@@ -2,6 +2,7 @@ package chart_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"slices"
@@ -11,8 +12,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
 
 	"github.com/proxyaudit/proxyaudit/audit"
@@ -166,5 +169,120 @@ func TestE2EOpenReportsWriter(t *testing.T) {
 	waitHeld("map[proxyaudit-node-node-c:198.18.0.12:53]")
 	if n := total(w2, "create"); n != 2 {
 		t.Errorf("the new leader created %d reports, want 2 (node-c, and again after it was deleted)", n)
+	}
+}
+
+// Node names of up to 253 characters (FQDNs are common) each get their
+// report on the real API server: the name cut with a hash where it would
+// be too long, the label a hash where it is over 63, the node whole in an
+// annotation and the scope. One report the API server refuses (here an
+// admission policy's no) is skipped and counted, never the pass: one
+// 71-character node name sorting first stopped every write (trust review
+// 4, item 8: 0 reports after 3 passes).
+func TestE2EOpenReportsLongNodeNames(t *testing.T) {
+	c := localcluster.Shared(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	installOpenReportsCRD(ctx, t, c)
+	dc, err := dynamic.NewForConfig(c.RESTConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reports := dc.Resource(openreports.Resource)
+	defer reports.DeleteCollection(context.Background(), metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: openreports.LabelManagedBy + "=" + openreports.Source})
+	// The API server refuses node-refused's report.
+	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{ObjectMeta: metav1.ObjectMeta{Name: "refuse-one-report"},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionregistrationv1.RuleWithOperations{Operations: []admissionregistrationv1.OperationType{"CREATE", "UPDATE"},
+					Rule: admissionregistrationv1.Rule{APIGroups: []string{"openreports.io"}, APIVersions: []string{"*"}, Resources: []string{"clusterreports"}}}}}},
+			Validations: []admissionregistrationv1.Validation{{Expression: `object.metadata.name != "proxyaudit-node-node-refused"`, Message: "refused by the test"}}}}
+	if _, err := c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(context.Background(), policy.Name, metav1.DeleteOptions{})
+	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{ObjectMeta: metav1.ObjectMeta{Name: "refuse-one-report"},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: policy.Name, ValidationActions: []admissionregistrationv1.ValidationAction{"Deny"}}}
+	if _, err := c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Client.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(context.Background(), binding.Name, metav1.DeleteOptions{})
+	// The API server takes a new policy in after a moment: until a dry run
+	// of node-refused's report is refused, the test would prove nothing
+	// (in make test the writer once got there first).
+	refusedReport := func() *unstructured.Unstructured {
+		for _, r := range openreports.Build(&audit.Verdict{Nodes: []audit.NodeStatus{{Node: "node-refused", State: audit.NodeNoRules}},
+			Findings: []audit.TimedFinding{{Since: time.Now(), Finding: audit.Finding{Node: "node-refused", Kind: audit.NoRules, Detail: "no rules"}}}}) {
+			if r.Metadata.Name == openreports.Name("node-refused") {
+				raw, err := json.Marshal(r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				u := &unstructured.Unstructured{}
+				if err := u.UnmarshalJSON(raw); err != nil {
+					t.Fatal(err)
+				}
+				return u
+			}
+		}
+		t.Fatal("no report for node-refused")
+		return nil
+	}()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_, err := reports.Create(ctx, refusedReport, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil && strings.Contains(err.Error(), "refused by the test") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the admission policy was not in force after 30 s (a dry run: %v)", err)
+		}
+	}
+
+	long71 := "a" + strings.Repeat("0123456789", 7)
+	fqdn := strings.Repeat("ip-198-18-0-1.", 17) + "eu-west-1.compute.internal"
+	fqdn = fqdn[len(fqdn)-253:]
+	names := []string{long71, fqdn, "node-refused", "node-b", "node-c", "node-d", "node-e"}
+	v := &audit.Verdict{}
+	for _, n := range names {
+		v.Nodes = append(v.Nodes, audit.NodeStatus{Node: n, State: audit.NodeNoRules})
+		v.Findings = append(v.Findings, audit.TimedFinding{Since: time.Now().Add(-time.Minute), Finding: audit.Finding{Node: n, Kind: audit.NoRules, Detail: "no rules"}})
+	}
+	w := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "writes"}, []string{"verb", "outcome"})
+	writer := openreports.NewWriter(openreports.WriterConfig{Client: dc, WritesPerSecond: 50, UpdateEvery: time.Second, Relist: time.Minute, Writes: w})
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go writer.Run(runCtx)
+	writer.Offer(ctx, v)
+	want := map[string]string{} // report name → node annotation
+	for _, n := range names {
+		if n != "node-refused" {
+			want[openreports.Name(n)] = n
+		}
+	}
+	var got map[string]string
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		l, err := reports.List(ctx, metav1.ListOptions{LabelSelector: openreports.LabelManagedBy + "=" + openreports.Source})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = map[string]string{}
+		for _, it := range l.Items {
+			got[it.GetName()] = it.GetAnnotations()[openreports.AnnotationNode]
+			if lv := it.GetLabels()[openreports.LabelNode]; len(lv) > 63 {
+				t.Fatalf("%s: label of %d characters", it.GetName(), len(lv))
+			}
+		}
+		if fmt.Sprint(got) == fmt.Sprint(want) {
+			break
+		}
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("the API server holds %v, want %v", got, want)
+	}
+	if refused := testutil.ToFloat64(w.WithLabelValues("create", "error")); refused < 1 {
+		t.Errorf("the refused report was not counted (%v)", refused)
+	}
+	for _, n := range []string{long71, fqdn} {
+		t.Logf("node of %d characters: report %s, label %s", len(n), openreports.Name(n), openreports.NodeLabel(n))
 	}
 }

@@ -185,7 +185,7 @@ func (c *client) greet(conn net.Conn) (*session, string, error) {
 		return nil, leader, err
 	}
 	c.welcomed = true
-	s := &session{c: c, token: token, sent: stream.NewState(), full: true}
+	s := &session{c: c, token: token, sent: stream.NewState(), full: true, pace: newPace(c.cfg.Interval, c.cfg.Clock.Now())}
 	// refs: changed frontends go as their hashes; the aggregator asks for
 	// the content of those no node sent it yet. An aggregator that does
 	// not say so gets content.

@@ -33,6 +33,12 @@ func mirrorOf(rules []audit.IPTRule, handles []uint64) *ruleMirror {
 // handle pos (hasPos), else at the end (appended) or the start. It fails
 // when pos is not in the mirror.
 func (m *ruleMirror) add(handle, pos uint64, hasPos, appended bool, r audit.IPTRule) bool {
+	if handle == 0 || hasPos && (pos == 0 || pos == handle) {
+		// The kernel numbers rules from 1, and a rule goes after another
+		// one: a change that says otherwise is not the kernel's. The
+		// chain is dumped instead.
+		return false
+	}
 	if _, ok := m.nodes[handle]; ok {
 		return true // shown already
 	}
@@ -97,8 +103,13 @@ func (m *ruleMirror) del(handle uint64) {
 // rules lists the chain's rules in order.
 func (m *ruleMirror) rules() []audit.IPTRule {
 	out := make([]audit.IPTRule, 0, len(m.nodes))
-	for h := m.head; h != 0; h = m.nodes[h].next {
-		out = append(out, m.nodes[h].rule)
+	for h := m.head; h != 0 && len(out) < len(m.nodes); {
+		n := m.nodes[h]
+		if n == nil {
+			break // (add keeps the list whole; never walk off it)
+		}
+		out = append(out, n.rule)
+		h = n.next
 	}
 	return out
 }

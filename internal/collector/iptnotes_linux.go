@@ -37,6 +37,8 @@ type notesBase struct {
 	// commits up to gen, and perhaps some of the next.
 	gen      uint32
 	genKnown bool
+	// flush follows the dispatch chain (see flushWatch).
+	flush flushWatch
 }
 
 // family reads what a notification is: its message type and its family
@@ -48,11 +50,12 @@ func (b *notesBase) family(typ uint16, data []byte) (msg uint16, i int, ok bool)
 		return 0, 0, false
 	}
 	if typ&0xff == unix.NFT_MSG_NEWGEN {
+		b.mu.Lock()
 		if g, ok := genID(data); ok {
-			b.mu.Lock()
 			b.gen, b.genKnown = g, true
-			b.mu.Unlock()
 		}
+		b.flush.commit()
+		b.mu.Unlock()
 		return 0, 0, false
 	}
 	switch data[0] {
@@ -92,6 +95,7 @@ func (b *notesBase) Subscribed(on bool) {
 func (b *notesBase) taken() (lost bool, through uint64) {
 	lost = b.lost || !b.subscribed
 	b.lost = false
+	b.flush.take()
 	if b.genKnown {
 		through = uint64(b.gen)
 	}
@@ -136,6 +140,22 @@ func mirrored(chain string) bool { return chain == "KUBE-SERVICES" || chain == "
 // adds every KUBE-SERVICES rule). Past it, the chain is dumped instead.
 const maxMirrorOps = 64 << 10
 
+// flushed says whether a commit since the last read flushed a dispatch
+// (tripped), and whether the notes since then are incomplete (a
+// notification lost, or none flowing), so that only the kernel can say.
+func (b *notesBase) flushed() (tripped, incomplete bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.flush.tripped, b.lost || !b.subscribed
+}
+
+// rebase records the rules family i's dispatch held at the last read.
+func (b *notesBase) rebase(i, n int) {
+	b.mu.Lock()
+	b.flush.rebase(i, n)
+	b.mu.Unlock()
+}
+
 // touched is what notes held when a read took them.
 type touched struct {
 	lost    bool
@@ -166,6 +186,9 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 		if tableName(data) == "nat" {
 			n.mu.Lock()
 			n.fams[i].reset, n.fams[i].chains, n.fams[i].ops = true, nil, nil
+			if msg != unix.NFT_MSG_NEWTABLE {
+				n.flush.tableGone(i)
+			}
 			n.mu.Unlock()
 		}
 		return
@@ -174,6 +197,9 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 	}
 	if string(table) != "nat" || !reads(chain) {
 		return
+	}
+	if string(chain) == "KUBE-SERVICES" {
+		n.countDispatch(i, msg)
 	}
 	if string(chain) == "KUBE-SERVICES" || string(chain) == "KUBE-NODEPORTS" {
 		op := ruleOp{chain: mirroredName(string(chain))}
@@ -218,6 +244,23 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.touchLocked(i, string(chain))
+}
+
+// countDispatch counts a rule added to or deleted from family i's
+// dispatch chain (see flushWatch).
+func (b *notesBase) countDispatch(i int, msg uint16) {
+	delta := 0
+	switch msg {
+	case unix.NFT_MSG_NEWRULE:
+		delta = 1
+	case unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
+		delta = -1
+	default:
+		return
+	}
+	b.mu.Lock()
+	b.flush.rule(i, delta)
+	b.mu.Unlock()
 }
 
 // reads is audit.Reads of a name in bytes.

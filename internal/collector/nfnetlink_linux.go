@@ -112,11 +112,14 @@ func (r *iptNFTReader) recv() ([][]byte, error) {
 	}
 	var iov [2]unix.Iovec
 	var msgs [2]unix.Mmsghdr
+	var names [2]unix.RawSockaddrNetlink
 	for i := range iov {
 		iov[i].Base = &r.bufs[i][0]
 		iov[i].SetLen(len(r.bufs[i]))
 		msgs[i].Hdr.Iov = &iov[i]
 		msgs[i].Hdr.SetIovlen(1)
+		msgs[i].Hdr.Name = (*byte)(unsafe.Pointer(&names[i]))
+		msgs[i].Hdr.Namelen = uint32(unsafe.Sizeof(names[i]))
 	}
 	got, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(r.fd), uintptr(unsafe.Pointer(&msgs[0])), 2, unix.MSG_WAITFORONE, 0, 0)
 	if errno != 0 {
@@ -124,6 +127,9 @@ func (r *iptNFTReader) recv() ([][]byte, error) {
 	}
 	out := r.got[:0]
 	for i := range int(got) {
+		if names[i].Pid != 0 {
+			continue // not the kernel's answer: a process sent it to this socket
+		}
 		if msgs[i].Hdr.Flags&unix.MSG_TRUNC != 0 {
 			return nil, errors.New("a netlink datagram larger than the receive buffer")
 		}

@@ -19,11 +19,14 @@ import (
 // call. The socket is non-blocking under Go's poller, so Close wakes a
 // waiting read.
 type nfnlSub struct {
-	f    *os.File
-	rc   syscall.RawConn
-	bufs [][]byte
-	iov  []unix.Iovec
-	msgs []unix.Mmsghdr
+	f     *os.File
+	rc    syscall.RawConn
+	bufs  [][]byte
+	iov   []unix.Iovec
+	msgs  []unix.Mmsghdr
+	names []unix.RawSockaddrNetlink
+	// forged counts datagrams dropped for not coming from the kernel.
+	forged int
 }
 
 const (
@@ -56,7 +59,8 @@ func openNFNLSub(buffer int) (*nfnlSub, error) {
 		f.Close()
 		return nil, err
 	}
-	s := &nfnlSub{f: f, rc: rc, bufs: make([][]byte, subBatch), iov: make([]unix.Iovec, subBatch), msgs: make([]unix.Mmsghdr, subBatch)}
+	s := &nfnlSub{f: f, rc: rc, bufs: make([][]byte, subBatch), iov: make([]unix.Iovec, subBatch), msgs: make([]unix.Mmsghdr, subBatch),
+		names: make([]unix.RawSockaddrNetlink, subBatch)}
 	for i := range s.bufs {
 		s.bufs[i] = make([]byte, subBuffer)
 	}
@@ -80,6 +84,9 @@ func (s *nfnlSub) receive(fn func(typ, flags uint16, body []byte)) error {
 			s.msgs[i] = unix.Mmsghdr{}
 			s.msgs[i].Hdr.Iov = &s.iov[i]
 			s.msgs[i].Hdr.SetIovlen(1)
+			s.names[i] = unix.RawSockaddrNetlink{}
+			s.msgs[i].Hdr.Name = (*byte)(unsafe.Pointer(&s.names[i]))
+			s.msgs[i].Hdr.Namelen = uint32(unsafe.Sizeof(s.names[i]))
 		}
 		n, _, e := unix.Syscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&s.msgs[0])), uintptr(len(s.msgs)), unix.MSG_DONTWAIT, 0, 0)
 		if e == unix.EAGAIN || e == unix.EINTR {
@@ -95,6 +102,12 @@ func (s *nfnlSub) receive(fn func(typ, flags uint16, body []byte)) error {
 		return errno
 	}
 	for i := range got {
+		if s.names[i].Family != unix.AF_NETLINK || s.names[i].Pid != 0 {
+			// Not the kernel's: any process that may send to the group
+			// (CAP_NET_ADMIN in the namespace) could forge commits.
+			s.forged++
+			continue
+		}
 		if s.msgs[i].Hdr.Flags&unix.MSG_TRUNC != 0 {
 			return errTruncated
 		}

@@ -3,6 +3,7 @@ package fleetsim
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -27,6 +28,9 @@ type Fleet struct {
 	truth    *Truth
 	addrs    []string // every replica's stream address
 	interval time.Duration
+	// TLS, when set, is the streams' TLS (the chart's default): the
+	// aggregators' CA and the name their certificate carries.
+	TLS *tls.Config
 
 	nodes []*simNode
 
@@ -265,6 +269,17 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 	}
 	if c == nil {
 		return "", false, err
+	}
+	if f.TLS != nil {
+		tc := tls.Client(c, f.TLS)
+		hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := tc.HandshakeContext(hctx)
+		cancel()
+		if err != nil {
+			c.Close()
+			return "", false, fmt.Errorf("TLS: %w", err)
+		}
+		c = tc
 	}
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })

@@ -92,6 +92,9 @@ type Result struct {
 
 	Auth     bool
 	Replicas int
+	// TLS: streams and the replicas' internal API over TLS (sharded runs
+	// with authentication, as the chart runs them).
+	TLS bool `json:",omitempty"`
 	// With shards: every replica's RSS at the end and CPU in the churn
 	// window (the leader's also in AggregatorRSSMB and
 	// AggregatorCPUCores), by address; the nodes of the killed replica's
@@ -207,7 +210,17 @@ func TestE2EFleetSimulation(t *testing.T) {
 		}
 		t.Logf("%d collector pods and tokens in %s", N, time.Since(start).Round(time.Second))
 	}
-	args := []string{"--kubeconfig=" + c.AdminKubeconfig, "--grace=" + grace.String(), "--leader-elect-namespace=" + fleetNS}
+	args := []string{"--grace=" + grace.String(), "--leader-elect-namespace=" + fleetNS}
+	// Sharded replicas run as the chart runs them: as one ServiceAccount,
+	// streams and their internal API over TLS (they refuse to share the
+	// fleet without it).
+	sharedTLS := *fleetShards > 0 && *fleetAuth
+	if sharedTLS {
+		args = append(args, setupTLSReplicas(ctx, t, c)...)
+	} else {
+		args = append(args, "--kubeconfig="+c.AdminKubeconfig)
+	}
+	res.TLS = sharedTLS
 	if *fleetAuth {
 		args = append(args, "--collector-service-accounts="+fleetNS+"/"+collectorName, "--collector-daemonset="+fleetNS+"/"+collectorName, "--token-audience="+audience)
 	} else {
@@ -227,6 +240,9 @@ func TestE2EFleetSimulation(t *testing.T) {
 	aggAPI := reps.api(leader)
 
 	fleet := fleetsim.NewFleet(truth, reps.streams(), N, nodeName, *fleetInterval, 300*time.Millisecond, 2*time.Second)
+	if sharedTLS {
+		fleet.TLS = streamTLS(ctx, t, c)
+	}
 	for i, tok := range toks {
 		fleet.SetToken(i, tok)
 	}

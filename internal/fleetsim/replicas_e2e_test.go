@@ -4,12 +4,15 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,12 +20,15 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
@@ -103,7 +109,9 @@ type replicas struct {
 	bin                  string
 	args                 []string
 	streamPort, httpPort string
-	procs                map[string]*localcluster.Process // by IP
+	// internalPort is the replicas' internal API's, when sharded over TLS.
+	internalPort string
+	procs        map[string]*localcluster.Process // by IP
 }
 
 var replicaIPs = []string{"127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4", "127.0.1.5", "127.0.1.6", "127.0.1.7", "127.0.1.8"}
@@ -111,6 +119,9 @@ var replicaIPs = []string{"127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4", "1
 func startReplicas(t *testing.T, c *localcluster.Cluster, bin string, n int, args ...string) *replicas {
 	r := &replicas{t: t, c: c, bin: bin, args: args, procs: map[string]*localcluster.Process{}}
 	r.streamPort, r.httpPort = freePort(t, replicaIPs[:n]), freePort(t, replicaIPs[:n])
+	if slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--peer-token-file=") }) {
+		r.internalPort = freePort(t, replicaIPs[:n])
+	}
 	for _, ip := range replicaIPs[:n] {
 		r.start(ip)
 	}
@@ -120,12 +131,87 @@ func startReplicas(t *testing.T, c *localcluster.Cluster, bin string, n int, arg
 func (r *replicas) start(ip string) {
 	p, err := r.c.StartProcess("fleet-aggregator-"+ip, append([]string{r.bin,
 		"--stream-listen=" + net.JoinHostPort(ip, r.streamPort), "--http-listen=" + net.JoinHostPort(ip, r.httpPort),
-		"--advertise-address=" + ip, "--debug-pprof-listen=" + net.JoinHostPort(ip, "6061")}, r.args...)...)
+		"--advertise-address=" + ip, "--debug-pprof-listen=" + net.JoinHostPort(ip, "6061")}, r.ownArgs(ip)...)...)
 	if err != nil {
 		r.t.Fatal(err)
 	}
 	r.procs[ip] = p
 }
+
+// ownArgs are the replica's arguments: its internal API on its own
+// address when sharded over TLS.
+func (r *replicas) ownArgs(ip string) []string {
+	if r.internalPort == "" {
+		return r.args
+	}
+	return append(slices.Clone(r.args), "--internal-listen="+net.JoinHostPort(ip, r.internalPort))
+}
+
+// aggregatorName is the replicas' ServiceAccount when sharded over TLS, and
+// the name of their Service (as the chart's).
+const aggregatorName = "proxyaudit-aggregator"
+
+// setupTLSReplicas makes the replicas as the chart runs them when they
+// share the fleet: as one ServiceAccount (a kubeconfig impersonating it,
+// bound to cluster-admin: the chart's RBAC is not what is measured), their
+// stream and internal API over TLS with the pair the first replica makes
+// in a Secret, and a token for the peers' audience. It returns their
+// arguments; the fleet's TLS needs the Secret, and streamTLS reads it once
+// a replica made it.
+func setupTLSReplicas(ctx context.Context, t *testing.T, c *localcluster.Cluster) []string {
+	t.Helper()
+	_, err := c.Client.CoreV1().ServiceAccounts(fleetNS).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: aggregatorName}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	_, err = c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "fleetsim-" + aggregatorName},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "cluster-admin"},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: aggregatorName, Namespace: fleetNS}}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	kc := filepath.Join(dir, "kubeconfig")
+	if err := c.ImpersonatingKubeconfig("system:serviceaccount:"+fleetNS+":"+aggregatorName, kc); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := c.Client.CoreV1().ServiceAccounts(fleetNS).CreateToken(ctx, aggregatorName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences: []string{aggregator.DefaultPeerAudience}, ExpirationSeconds: ptr(int64(3 * 3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokenFile := filepath.Join(dir, "peers-token")
+	if err := os.WriteFile(tokenFile, []byte(tr.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// A Secret of an earlier run holds a pair for the same names; it is
+	// kept (as a chart upgrade keeps it).
+	svc := aggregatorName + "." + fleetNS + ".svc"
+	peers := aggregatorName + "-headless." + fleetNS + ".svc"
+	return []string{"--kubeconfig=" + kc, "--tls-secret=" + aggregatorName + "-tls", "--tls-server-names=" + svc + "," + peers,
+		"--peers-service=" + fleetNS + "/" + aggregatorName + "-headless", "--peer-token-file=" + tokenFile}
+}
+
+// streamTLS is the fleet's TLS for the replicas' streams: the CA of the
+// Secret the first replica made.
+func streamTLS(ctx context.Context, t *testing.T, c *localcluster.Cluster) *tls.Config {
+	t.Helper()
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		sec, err := c.Client.CoreV1().Secrets(fleetNS).Get(ctx, aggregatorName+"-tls", metav1.GetOptions{})
+		if err == nil {
+			pool := x509.NewCertPool()
+			if !pool.AppendCertsFromPEM(sec.Data["ca.crt"]) {
+				t.Fatal("the replicas' TLS Secret holds no CA")
+			}
+			return &tls.Config{RootCAs: pool, ServerName: aggregatorName + "." + fleetNS + ".svc", MinVersion: tls.VersionTLS12}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the replicas made no TLS Secret in 2 minutes: %v", err)
+		}
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
 
 // streams are the replicas' stream addresses.
 func (r *replicas) streams() []string {

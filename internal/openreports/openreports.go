@@ -21,6 +21,8 @@ package openreports
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"maps"
 	"reflect"
@@ -38,8 +40,12 @@ const (
 	Source     = "proxyaudit"
 	// LabelManagedBy marks the objects proxyaudit writes (and may delete).
 	LabelManagedBy = "app.kubernetes.io/managed-by"
-	// LabelNode names the node a report is about.
+	// LabelNode names the node a report is about (a label value: a node
+	// name longer than 63 characters is given as the hash NodeLabel
+	// makes, and AnnotationNode names it whole).
 	LabelNode = "proxyaudit.io/node"
+	// AnnotationNode names the node a report is about, whatever its length.
+	AnnotationNode = "proxyaudit.io/node-name"
 	// FleetName is the report of findings about no one node.
 	FleetName = "proxyaudit-fleet"
 	// MaxResults bounds the results one report lists; the rest are
@@ -65,6 +71,7 @@ type ClusterReport struct {
 type ObjectMeta struct {
 	Name            string            `json:"name"`
 	Labels          map[string]string `json:"labels,omitempty"`
+	Annotations     map[string]string `json:"annotations,omitempty"`
 	ResourceVersion string            `json:"resourceVersion,omitempty"`
 	OwnerReferences []OwnerReference  `json:"ownerReferences,omitempty"`
 }
@@ -126,12 +133,44 @@ func outcome(k audit.Kind) (result, severity string) {
 	return "warn", "medium" // CollectorMissing, MassDivergence, and kinds to come
 }
 
-// Name is the report of node's findings.
+// Name is the report of node's findings: proxyaudit-node-NODE, or where
+// that would be longer than an object name may be (253; FQDN node names
+// are common) the node name cut and a hash of the whole, so that two long
+// names never share a report.
 func Name(node string) string {
 	if node == "" {
 		return FleetName
 	}
-	return "proxyaudit-node-" + node
+	const prefix, limit = "proxyaudit-node-", 253
+	if len(prefix)+len(node) <= limit {
+		return prefix + node
+	}
+	h := nodeHash(node)
+	return strings.TrimRight(prefix+node[:limit-len(prefix)-len(h)-1], ".-") + "-" + h
+}
+
+// NodeLabel is the value of LabelNode for node: the name itself where it
+// is a label value (63 characters at most), else a hash of it.
+func NodeLabel(node string) string {
+	if len(node) <= 63 {
+		return node
+	}
+	return "sha256-" + nodeHash(node)
+}
+
+// nodeHash is 16 hex digits of node's SHA-256.
+func nodeHash(node string) string {
+	sum := sha256.Sum256([]byte(node))
+	return hex.EncodeToString(sum[:8])
+}
+
+// NodeOf is the node a report written by this version or an earlier one
+// is about ("" for the fleet's).
+func NodeOf(r ClusterReport) string {
+	if n := r.Metadata.Annotations[AnnotationNode]; n != "" {
+		return n
+	}
+	return r.Metadata.Labels[LabelNode]
 }
 
 // Build returns the reports of a verdict: one per node with findings,
@@ -154,7 +193,8 @@ func build(node string, fs []audit.TimedFinding) ClusterReport {
 		Metadata: ObjectMeta{Name: Name(node), Labels: map[string]string{LabelManagedBy: Source}}}
 	var subjects []ObjectReference
 	if node != "" {
-		r.Metadata.Labels[LabelNode] = node
+		r.Metadata.Labels[LabelNode] = NodeLabel(node)
+		r.Metadata.Annotations = map[string]string{AnnotationNode: node}
 		r.Scope = &ObjectReference{APIVersion: "v1", Kind: "Node", Name: node}
 		subjects = []ObjectReference{*r.Scope}
 	}
@@ -263,7 +303,7 @@ func Want(v *audit.Verdict, have []ClusterReport) []ClusterReport {
 		if named[h.Metadata.Name] {
 			continue
 		}
-		node := h.Metadata.Labels[LabelNode]
+		node := NodeOf(h)
 		if pending[node] || (!judged && h.Metadata.Name == FleetName) {
 			want = append(want, h)
 		}

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/validation"
+
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
@@ -146,5 +148,29 @@ func TestWantKeepsWhatIsNotJudgedYet(t *testing.T) {
 	v.Nodes[0].State = audit.NodeInSync
 	if c, u, d := Plan(have, Want(v, have)); len(c)+len(u) != 0 || fmt.Sprint(d) != "[proxyaudit-fleet proxyaudit-node-node-a proxyaudit-node-node-c]" {
 		t.Errorf("node-a judged: create %s, update %s, delete %v", names(c), names(u), d)
+	}
+}
+
+// A report's name and node label are what the API server takes, whatever
+// the node's name (up to 253 characters), and two long names never share
+// a report.
+func TestNamesOfLongNodes(t *testing.T) {
+	long := strings.Repeat("ip-198-18-0-1.", 19)[:253]
+	other := long[:252] + "x"
+	for _, n := range []string{"node-b", "a" + strings.Repeat("0123456789", 7), long, other} {
+		name, label := Name(n), NodeLabel(n)
+		if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 {
+			t.Errorf("node of %d characters: name %q: %v", len(n), name, errs)
+		}
+		if errs := validation.IsValidLabelValue(label); len(errs) > 0 {
+			t.Errorf("node of %d characters: label %q: %v", len(n), label, errs)
+		}
+		r := build(n, []audit.TimedFinding{{Finding: audit.Finding{Node: n, Kind: audit.NoRules}}})
+		if NodeOf(r) != n {
+			t.Errorf("the report of %q names node %q", n, NodeOf(r))
+		}
+	}
+	if Name(long) == Name(other) || NodeLabel(long) == NodeLabel(other) {
+		t.Error("two long node names share a report")
 	}
 }

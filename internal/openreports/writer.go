@@ -213,6 +213,10 @@ func (w *Writer) sync(lead context.Context, v *audit.Verdict) error {
 		err := res.Delete(lead, name, metav1.DeleteOptions{})
 		w.count("delete", err)
 		if err != nil && !apierrors.IsNotFound(err) {
+			if w.refused(lead, err) {
+				w.cfg.Log.Warn("cannot delete a ClusterReport; the others are written", zap.String("report", name), zap.Error(err))
+				continue
+			}
 			return fmt.Errorf("delete ClusterReport %s: %w", name, err)
 		}
 		delete(w.have, name)
@@ -223,6 +227,12 @@ func (w *Writer) sync(lead context.Context, v *audit.Verdict) error {
 			return nil
 		}
 		if err := w.put(lead, res, r, false); err != nil {
+			if w.refused(lead, err) {
+				// One report the API server will not take (a name or label
+				// it refuses) must not hold every other node's back.
+				w.cfg.Log.Warn("the API server refused a ClusterReport; the others are written", zap.String("report", r.Metadata.Name), zap.Error(err))
+				continue
+			}
 			return err
 		}
 	}
@@ -235,10 +245,24 @@ func (w *Writer) sync(lead context.Context, v *audit.Verdict) error {
 			return nil
 		}
 		if err := w.put(lead, res, r, true); err != nil {
+			if w.refused(lead, err) {
+				w.cfg.Log.Warn("the API server refused a ClusterReport's update; the others are written", zap.String("report", r.Metadata.Name), zap.Error(err))
+				continue
+			}
 			return err
 		}
 	}
 	return nil
+}
+
+// refused says whether err refuses one report only (an invalid object,
+// a webhook's no), so that the pass goes on with the rest; a missing CRD,
+// an unreachable API server or the leadership ending stop it.
+func (w *Writer) refused(lead context.Context, err error) bool {
+	if errors.Is(err, ErrNoCRD) || lead.Err() != nil {
+		return false
+	}
+	return apierrors.IsInvalid(err) || apierrors.IsBadRequest(err) || apierrors.IsRequestEntityTooLargeError(err)
 }
 
 // put creates or updates one report and records what the API holds.

@@ -48,7 +48,8 @@ type SecretPair struct {
 
 	mu   sync.Mutex
 	cert *tls.Certificate
-	sum  [32]byte // of the Secret's pair in use
+	ca   *x509.CertPool // the Secret's ca.crt; nil without one
+	sum  [32]byte       // of the Secret's pair in use
 }
 
 // Ensure reads the Secret, making it first when it does not exist.
@@ -73,7 +74,7 @@ func (s *SecretPair) Ensure(ctx context.Context) error {
 
 // use serves the Secret's pair if it changed and loads.
 func (s *SecretPair) use(sec *corev1.Secret) error {
-	sum := sha256.Sum256(append(append([]byte{}, sec.Data[corev1.TLSCertKey]...), sec.Data[corev1.TLSPrivateKeyKey]...))
+	sum := sha256.Sum256(append(append(append([]byte{}, sec.Data[corev1.TLSCertKey]...), sec.Data[corev1.TLSPrivateKeyKey]...), sec.Data["ca.crt"]...))
 	s.mu.Lock()
 	same := s.cert != nil && sum == s.sum
 	s.mu.Unlock()
@@ -88,8 +89,14 @@ func (s *SecretPair) use(sec *corev1.Secret) error {
 		// The pair in use stays; Run reports the failure.
 		return fmt.Errorf("TLS Secret %s/%s holds no usable tls.crt and tls.key: %w", s.Namespace, s.Name, err)
 	}
+	var ca *x509.CertPool
+	if b := sec.Data["ca.crt"]; len(b) > 0 {
+		if ca = x509.NewCertPool(); !ca.AppendCertsFromPEM(b) {
+			ca = nil
+		}
+	}
 	s.mu.Lock()
-	s.cert, s.sum = &cert, sum
+	s.cert, s.ca, s.sum = &cert, ca, sum
 	s.mu.Unlock()
 	if s.Reloaded != nil {
 		s.Reloaded(cert.Leaf.NotAfter, nil)
@@ -126,6 +133,14 @@ func (s *SecretPair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, err
 		return nil, errors.New("no TLS certificate yet")
 	}
 	return s.cert, nil
+}
+
+// CAPool is the Secret's ca.crt as of the last read (nil without one): the
+// replicas verify one another's internal API with it.
+func (s *SecretPair) CAPool() *x509.CertPool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ca
 }
 
 // NotAfter is when the certificate in use expires (zero before the first).

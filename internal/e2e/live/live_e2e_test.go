@@ -144,12 +144,25 @@ func (l *live) localArgv(loc *chart.Local) []string {
 
 func (l *live) startAggregator(ip string) {
 	l.t.Helper()
+	// The projected tokens the chart mounts (the peers' audience, when
+	// the replicas share the fleet) are the aggregator ServiceAccount's,
+	// as the kubelet would mint them.
+	token := func(aud string) (string, error) {
+		tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(context.Background(), "proxyaudit-aggregator", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+			Audiences: []string{aud}}}, metav1.CreateOptions{})
+		if err != nil {
+			return "", err
+		}
+		return tr.Status.Token, nil
+	}
 	loc, err := l.rel.Localize(l.aggSpec, "aggregator", filepath.Join(l.dir, "aggregator-"+ip),
-		chart.Pod{Fields: map[string]string{"status.podIP": ip, "metadata.namespace": ns}})
+		chart.Pod{Fields: map[string]string{"status.podIP": ip, "metadata.namespace": ns}, Token: token})
 	if err != nil {
 		l.t.Fatal(err)
 	}
-	argv := append(l.localArgv(loc), "--kubeconfig="+l.kubeconfig, "--stream-listen="+ip+":9443", "--http-listen="+ip+":8080")
+	// Each replica is a process on an address of its own (a pod's IP): its
+	// listeners on that address only.
+	argv := append(l.localArgv(loc), "--kubeconfig="+l.kubeconfig, "--stream-listen="+ip+":9443", "--http-listen="+ip+":8080", "--internal-listen="+ip+":8444")
 	p, err := l.c.StartProcess("aggregator-"+ip, argv...)
 	if err != nil {
 		l.t.Fatal(err)

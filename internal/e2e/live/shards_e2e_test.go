@@ -49,7 +49,7 @@ const (
 func TestE2EShardedReplicas(t *testing.T) {
 	ctx := context.Background()
 	l := newLiveOn(ctx, t, localcluster.Shared(t), liveNodes, shardedReplicas, "aggregator.replicas=3", fmt.Sprintf("aggregator.shards=%d", shardCount))
-	peerToken := l.peerToken(ctx)
+	peerToken := l.peerToken(ctx, "proxyaudit-aggregator")
 
 	holders := l.waitShardsHeld(t, len(shardedReplicas))
 	leader := l.fleetLeader(ctx, t)
@@ -60,7 +60,8 @@ func TestE2EShardedReplicas(t *testing.T) {
 	for _, c := range []struct {
 		who, token string
 		want       int
-	}{{"no token", "", http.StatusUnauthorized}, {"a reader's token", l.reader, http.StatusForbidden}, {"garbage", "x.y.z", http.StatusForbidden}} {
+	}{{"no token", "", http.StatusUnauthorized}, {"a reader's token (another audience)", l.reader, http.StatusUnauthorized}, {"garbage", "x.y.z", http.StatusUnauthorized},
+		{"the collectors' account's token for the peers' audience", l.peerToken(ctx, sa), http.StatusForbidden}} {
 		if code, body := l.internalGet(shardedReplicas[0], "/internal/v1/partial", c.token); code != c.want {
 			t.Errorf("internal API with %s: %d, want %d: %s", c.who, code, c.want, body)
 		}
@@ -224,7 +225,7 @@ func TestE2EShardedReplicas(t *testing.T) {
 					reconnected, before[s.Name], after[s.Name])
 			}
 		}
-		l.checkPartials(t, l.peerToken(ctx), holders)
+		l.checkPartials(t, l.peerToken(ctx, "proxyaudit-aggregator"), holders)
 	})
 
 	// The leader reads the others' partials as changes since its last
@@ -254,22 +255,32 @@ func nodeHolders(h map[string]string) string {
 
 // peerToken is a token of the aggregator's ServiceAccount for the API
 // server's own audience, as a replica's pod has.
-func (l *live) peerToken(ctx context.Context) string {
+// peerToken is a token of account for the peers' audience, as the chart
+// projects the aggregator's into each replica.
+func (l *live) peerToken(ctx context.Context, account string) string {
 	l.t.Helper()
 	exp := int64(3600)
-	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "proxyaudit-aggregator", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, account, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		ExpirationSeconds: &exp, Audiences: []string{aggregator.DefaultPeerAudience}}}, metav1.CreateOptions{})
 	if err != nil {
 		l.t.Fatal(err)
 	}
 	return tr.Status.Token
 }
 
+// internalGet asks a replica's internal API as another replica does: over
+// TLS on its own port, verified against the chart's CA and the peers
+// Service's name.
 func (l *live) internalGet(ip, path, token string) (int, []byte) {
-	req, _ := http.NewRequest(http.MethodGet, "http://"+ip+":8080"+path, nil)
+	cfg := l.tlsConfig(l.t)
+	cfg.ServerName = "proxyaudit-aggregator-headless." + ns + ".svc"
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: cfg}}
+	defer hc.CloseIdleConnections()
+	req, _ := http.NewRequest(http.MethodGet, "https://"+ip+":8444"+path, nil)
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
 	}
-	resp, err := l.http.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		return 0, []byte(err.Error())
 	}
