@@ -46,8 +46,20 @@ type ConntrackFlows struct {
 	Unreplied int
 	// Oldest is the start of the oldest flow (see Conntrack.Timestamps).
 	Oldest time.Time `json:",omitzero"`
+	// Active is when the last packet of a judged flow (UDP, a TCP
+	// connection attempt) went through, dated by the collector from the
+	// entries' remaining timeouts; zero when unknown (an older collector,
+	// a dump without timeouts, or a destination the node's own rules
+	// still send the frontend to, whose new flows keep coming).
+	Active time.Time `json:",omitzero"`
 	// Samples are a few clients (original sources), for people.
 	Samples []netip.AddrPort `json:",omitempty"`
+}
+
+// conntrackJudged: the flows JudgeConntrack judges, UDP and TCP
+// connection attempts never answered (see there).
+func conntrackJudged(proto, tcpState string) bool {
+	return proto == "UDP" || proto == "TCP" && (tcpState == "SYN_SENT" || tcpState == "SYN_SENT2")
 }
 
 // Total is every flow counted.
@@ -85,6 +97,10 @@ const StaleConntrack Kind = "StaleConntrack"
 // its Keep: one gone before that counts from the oldest version kept).
 // A frontend no kept version owns — the service deleted long ago — is
 // stale from the oldest time the history can vouch for.
+//
+// Where the collector dated the flows' last packets (Active), only flows
+// that carried a packet later than grace after the destination left are
+// stale: one that only counts down to its timeout is not a blackhole.
 func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.Time, grace time.Duration) []TimedFinding {
 	if ct == nil {
 		return nil
@@ -109,6 +125,14 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 		vs := h.Versions(owner)
 		left, portName, live := leftAt(vs, &f)
 		if live || now.Sub(left) < grace {
+			continue
+		}
+		// A flow is a blackhole only while packets keep going through
+		// it. One whose last packet came within grace of the
+		// destination's leaving (a request that reached a pod in its
+		// last moment, a client that gave up, a lookup answered) only
+		// counts down to its timeout: nothing is sent into it any more.
+		if !f.Active.IsZero() && f.Active.Before(left.Add(grace)) {
 			continue
 		}
 		out = append(out, TimedFinding{Finding: Finding{Node: node, Service: owner, Port: portName, Protocol: f.Frontend.Protocol,
@@ -223,6 +247,9 @@ func conntrackDetail(f *ConntrackFlows, left, now time.Time, stamped bool) strin
 	}
 	if f.Unreplied > 0 {
 		d += fmt.Sprintf("; %d never answered", f.Unreplied)
+	}
+	if !f.Active.IsZero() && now.After(left) {
+		d += fmt.Sprintf("; still carrying packets %s after it left", f.Active.Sub(left).Round(time.Second))
 	}
 	if !f.Oldest.IsZero() {
 		if stamped {

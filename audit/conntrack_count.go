@@ -8,7 +8,9 @@ import (
 // ConntrackEntry is what the audit needs of one conntrack entry: its
 // original tuple (client to frontend), the reply's source (the DNAT
 // destination), whether it was DNATed and answered, its TCP state, its
-// start (zero without kernel timestamps).
+// start (zero without kernel timestamps), and when its last packet went
+// through (zero: unknown), which the collector dates from the entry's
+// remaining timeout.
 type ConntrackEntry struct {
 	Proto             uint8 // IP protocol number
 	OrigSrc, OrigDst  netip.AddrPort
@@ -16,6 +18,7 @@ type ConntrackEntry struct {
 	DstNAT, SeenReply bool
 	TCPState          string
 	Start             time.Time
+	LastPacket        time.Time
 }
 
 // ConntrackCounter counts DNATed entries per frontend of a node and
@@ -28,6 +31,7 @@ type ConntrackCounter struct {
 	max                  int
 
 	byKey            map[conntrackKey]*ConntrackFlows
+	undated          map[conntrackKey]bool // a judged entry's last packet unknown
 	entries, dropped int
 	timestamps       bool
 }
@@ -46,7 +50,7 @@ const ConntrackSamples = 3
 // distinct pairs are kept; entries beyond are counted as dropped.
 func NewConntrackCounter(frontends []FrontendKey, local func(netip.Addr) bool, max int) *ConntrackCounter {
 	c := &ConntrackCounter{frontends: map[FrontendKey]bool{}, nodePorts: map[FrontendKey]bool{}, local: local, max: max,
-		byKey: map[conntrackKey]*ConntrackFlows{}}
+		byKey: map[conntrackKey]*ConntrackFlows{}, undated: map[conntrackKey]bool{}}
 	for _, k := range frontends {
 		if k.NodePort {
 			c.nodePorts[k] = true
@@ -118,6 +122,14 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 	if !e.SeenReply {
 		f.Unreplied++
 	}
+	if conntrackJudged(proto, e.TCPState) {
+		switch {
+		case e.LastPacket.IsZero():
+			c.undated[k] = true
+		case e.LastPacket.After(f.Active):
+			f.Active = e.LastPacket
+		}
+	}
 	if !e.Start.IsZero() {
 		c.timestamps = true
 		if f.Oldest.IsZero() || e.Start.Before(f.Oldest) {
@@ -133,7 +145,10 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 func (c *ConntrackCounter) Result(families []int) *Conntrack {
 	out := &Conntrack{Families: families, Entries: c.entries, Dropped: c.dropped, Timestamps: c.timestamps,
 		Flows: make([]ConntrackFlows, 0, len(c.byKey))}
-	for _, f := range c.byKey {
+	for k, f := range c.byKey {
+		if c.undated[k] {
+			f.Active = time.Time{}
+		}
 		out.Flows = append(out.Flows, *f)
 	}
 	SortConntrack(out.Flows)

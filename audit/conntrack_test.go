@@ -112,3 +112,90 @@ func TestJudgeConntrackLoneEndpointNotReady(t *testing.T) {
 		t.Fatalf("another endpoint serves, the not-ready one's flows are kube-proxy's to clear: %+v", fs)
 	}
 }
+
+// Flows whose last packet the collector dated: only those still carrying
+// packets later than grace after the destination left are stale. A SYN
+// that reached a pod in its last moment (the kernel dates an attempt by
+// its first SYN), a lookup answered just before, a UDP client that
+// stopped: they only count down to their timeout (the rollouts of issue
+// #58, 82 % of reports on healthy nodes). A client still sending, and a
+// connection attempt begun past grace (rules that still sent there), are
+// blackholes.
+func TestJudgeConntrackByLastPacket(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	ip := netip.MustParseAddr
+	svc := func(eps ...string) *State {
+		var es []SliceEndpoint
+		for _, a := range eps {
+			es = append(es, SliceEndpoint{Addr: ip(a), Ready: true, Serving: true})
+		}
+		return &State{Services: []Service{{Namespace: "web", Name: "api", ClusterIPs: []netip.Addr{ip("198.19.0.20")},
+			Ports:  []corev1.ServicePort{{Name: "u", Protocol: corev1.ProtocolUDP, Port: 53}, {Name: "t", Protocol: corev1.ProtocolTCP, Port: 80}},
+			Slices: []Slice{{Family: 4, Ports: []SlicePort{{Name: "u", Protocol: "UDP", Port: 5353}, {Name: "t", Protocol: "TCP", Port: 8080}}, Endpoints: es}}}}}
+	}
+	h := NewHistory(10 * time.Minute)
+	h.Update(svc("198.18.77.2", "198.18.77.3"), t0)
+	left := t0.Add(time.Minute) // .3 leaves
+	h.Update(svc("198.18.77.2"), left)
+	fe := func(proto string, port uint16) FrontendKey {
+		return FrontendKey{IP: ip("198.19.0.20"), Protocol: proto, Port: port}
+	}
+	for _, grace := range []time.Duration{10 * time.Second, 30 * time.Second} {
+		for _, c := range []struct {
+			name   string
+			flows  ConntrackFlows
+			active time.Duration // after left; <0: unknown
+			stale  bool
+		}{
+			{"UDP client still sending", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 1, Unreplied: 1}, grace + 5*time.Second, true},
+			{"UDP client that stopped", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 1, Unreplied: 1}, 2 * time.Second, false},
+			{"lookup answered before it left", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 3}, -time.Second, false},
+			{"attempt begun past grace", ConntrackFlows{Frontend: fe("TCP", 80), TCP: map[string]int{"SYN_SENT": 1}, Unreplied: 1}, grace + time.Second, true},
+			{"SYN abandoned by its client", ConntrackFlows{Frontend: fe("TCP", 80), TCP: map[string]int{"SYN_SENT": 1, "TIME_WAIT": 1}, Unreplied: 1}, 3 * time.Second, false},
+			{"undated (an older collector)", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 1}, -1, true},
+		} {
+			f := c.flows
+			f.Dest = netip.MustParseAddrPort("198.18.77.3:5353")
+			if f.Frontend.Protocol == "TCP" {
+				f.Dest = netip.MustParseAddrPort("198.18.77.3:8080")
+			}
+			if c.active != -1 {
+				f.Active = left.Add(c.active)
+			}
+			now := left.Add(grace + 40*time.Second)
+			fs := JudgeConntrack("n1", &Conntrack{Flows: []ConntrackFlows{f}}, h, ModeIPTables, now, grace)
+			if got := len(fs) == 1; got != c.stale {
+				t.Errorf("grace %s, %s: stale %v, want %v (%+v)", grace, c.name, got, c.stale, fs)
+			}
+			if c.stale && c.active > 0 && !strings.Contains(fs[0].Detail, "still carrying packets") {
+				t.Errorf("grace %s, %s: the detail does not say so: %s", grace, c.name, fs[0].Detail)
+			}
+		}
+	}
+}
+
+// The counter dates a pair by its judged entries' last packets, and
+// leaves it undated when one of them is.
+func TestConntrackCounterDatesJudgedFlows(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	fe := FrontendKey{IP: netip.MustParseAddr("198.19.0.20"), Protocol: "UDP", Port: 53}
+	tfe := FrontendKey{IP: netip.MustParseAddr("198.19.0.20"), Protocol: "TCP", Port: 80}
+	c := NewConntrackCounter([]FrontendKey{fe, tfe}, nil, 10)
+	add := func(proto uint8, port uint16, dest, state string, last time.Time) {
+		c.Add(&ConntrackEntry{Proto: proto, OrigSrc: netip.MustParseAddrPort("198.18.5.5:40000"), OrigDst: netip.AddrPortFrom(fe.IP, port),
+			ReplySrc: netip.MustParseAddrPort(dest), DstNAT: true, TCPState: state, LastPacket: last})
+	}
+	add(17, 53, "198.18.77.3:5353", "", t0)
+	add(17, 53, "198.18.77.3:5353", "", t0.Add(5*time.Second))
+	add(6, 80, "198.18.77.3:8080", "SYN_SENT", t0.Add(time.Second))
+	add(6, 80, "198.18.77.3:8080", "ESTABLISHED", t0.Add(time.Hour)) // not judged: does not date the pair
+	add(17, 53, "198.18.77.4:5353", "", t0)
+	add(17, 53, "198.18.77.4:5353", "", time.Time{})
+	got := map[string]time.Time{}
+	for _, f := range c.Result([]int{4}).Flows {
+		got[f.Dest.String()] = f.Active
+	}
+	if !got["198.18.77.3:5353"].Equal(t0.Add(5*time.Second)) || !got["198.18.77.3:8080"].Equal(t0.Add(time.Second)) || !got["198.18.77.4:5353"].IsZero() {
+		t.Errorf("pairs dated %v", got)
+	}
+}

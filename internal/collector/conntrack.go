@@ -17,6 +17,7 @@ const (
 	ctaTupleReply = 2
 	ctaStatus     = 3
 	ctaProtoInfo  = 4
+	ctaTimeout    = 7
 	ctaID         = 12
 	ctaTimestamp  = 20
 	ctaStatusMask = 26
@@ -39,6 +40,7 @@ const (
 	ctaTimestampStart = 1
 
 	ipsSeenReply = 1 << 1
+	ipsAssured   = 1 << 2
 	ipsDstNAT    = 1 << 5
 
 	nlaTypeMask = 0x3fff // without NLA_F_NESTED and NLA_F_NET_BYTEORDER
@@ -58,6 +60,8 @@ type ctEntry struct {
 	tcpState          uint8
 	hasTCPState       bool
 	start             uint64 // ns since the epoch; 0 without timestamps
+	timeout           uint32 // seconds left before the entry expires (CTA_TIMEOUT)
+	hasTimeout        bool
 	id                uint32 // CTA_ID: a delete names it, so that a new flow on the same tuple is not deleted
 	family            uint8
 	hasOrig, hasReply bool
@@ -145,6 +149,11 @@ func decodeCT(body []byte, e *ctEntry) error {
 				return errCTShort
 			}
 			e.id = binary.BigEndian.Uint32(val)
+		case ctaTimeout:
+			if len(val) < 4 {
+				return errCTShort
+			}
+			e.timeout, e.hasTimeout = binary.BigEndian.Uint32(val), true
 		case ctaProtoInfo:
 			if err := decodeProtoInfo(val, e); err != nil {
 				return err
@@ -251,14 +260,19 @@ func decodeProtoInfo(b []byte, e *ctEntry) error {
 }
 
 // countInto decodes each entry body a dump hands it and counts it in c:
-// the reader's path, which the tests and the fuzz target take too.
-func countInto(c *audit.ConntrackCounter) func(body []byte) error {
+// the reader's path, which the tests and the fuzz target take too. With
+// timeouts, each entry's last packet is dated from its remaining timeout
+// as of now.
+func countInto(c *audit.ConntrackCounter, now time.Time, timeouts *ctTimeouts) func(body []byte) error {
 	return func(body []byte) error {
 		var e ctEntry
 		if err := decodeCT(body, &e); err != nil {
 			return err
 		}
 		ce := e.entry()
+		if timeouts != nil {
+			ce.LastPacket = e.lastPacket(now, timeouts)
+		}
 		c.Add(&ce)
 		return nil
 	}
@@ -278,6 +292,83 @@ func (e *ctEntry) entry() audit.ConntrackEntry {
 		out.Start = time.Unix(0, int64(e.start))
 	}
 	return out
+}
+
+// ctTimeouts are the node's conntrack timeouts (the
+// net.netfilter.nf_conntrack_*timeout* sysctls), in seconds: what the
+// kernel sets an entry's timeout to at each packet.
+type ctTimeouts struct {
+	udp, udpStream          uint32
+	tcp                     [len(tcpStates)]uint32
+	tcpMaxRetrans, tcpUnack uint32
+}
+
+// defaultCTTimeouts are the kernel's defaults (Linux 6.x), used for a
+// sysctl that cannot be read.
+var defaultCTTimeouts = ctTimeouts{udp: 30, udpStream: 120,
+	// NONE, SYN_SENT, SYN_RECV, ESTABLISHED, FIN_WAIT, CLOSE_WAIT,
+	// LAST_ACK, TIME_WAIT, CLOSE, SYN_SENT2
+	tcp:           [len(tcpStates)]uint32{0, 120, 60, 432000, 120, 60, 30, 120, 10, 120},
+	tcpMaxRetrans: 300, tcpUnack: 300}
+
+// lastPacket dates the entry's last packet: the kernel sets its timeout
+// to the state's at each packet and counts it down, so the last packet
+// was (state's timeout − remaining) ago. Where more than one timeout can
+// apply (an ESTABLISHED connection with data unacknowledged or
+// retransmitted gets 300 s instead of days), the shortest one not below
+// what remains is taken: the latest
+// the last packet can have been, so that doubt makes an entry look
+// live, never dying; so does the second the kernel's count rounds away.
+// Zero: unknown (no timeout in the dump, or a state without a known
+// timeout). The kernel does not refresh a SYN_SENT entry when the SYN is
+// sent again (Linux 6.18 here): a connection attempt is dated by its first
+// SYN.
+func (e *ctEntry) lastPacket(now time.Time, to *ctTimeouts) time.Time {
+	if !e.hasTimeout {
+		return time.Time{}
+	}
+	var cands []uint32
+	switch e.proto {
+	case 17:
+		// Assured (replied, and still going two seconds on): every
+		// packet sets the stream timeout; before, the short one.
+		cands = []uint32{to.udp}
+		if e.status&ipsAssured != 0 {
+			cands = []uint32{to.udpStream}
+		}
+	case 6:
+		if !e.hasTCPState || int(e.tcpState) >= len(to.tcp) || to.tcp[e.tcpState] == 0 {
+			return time.Time{}
+		}
+		st := to.tcp[e.tcpState]
+		cands = []uint32{st}
+		if st > to.tcpMaxRetrans {
+			cands = append(cands, to.tcpMaxRetrans)
+		}
+		if st > to.tcpUnack {
+			cands = append(cands, to.tcpUnack)
+		}
+	default:
+		return time.Time{}
+	}
+	best := uint32(0)
+	for _, t := range cands {
+		if t >= e.timeout && (best == 0 || t < best) {
+			best = t
+		}
+	}
+	if best == 0 {
+		// More left than any timeout the sysctls say (changed since the
+		// packet): the packet is now.
+		return now
+	}
+	// The kernel rounds what remains down to the second: the packet may
+	// be up to a second later than the count says.
+	elapsed := best - e.timeout
+	if elapsed > 0 {
+		elapsed--
+	}
+	return now.Add(-time.Duration(elapsed) * time.Second)
 }
 
 // protoName names an IP protocol number kube-proxy serves.

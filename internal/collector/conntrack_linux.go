@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strings"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -57,10 +59,40 @@ func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKe
 		max = ctMaxPairs
 	}
 	agg := audit.NewConntrackCounter(frontends, func(a netip.Addr) bool { return local[a] }, max)
-	if err := r.dump(ctx, countInto(agg)); err != nil {
+	to := readCTTimeouts("/proc/sys/net/netfilter")
+	if err := r.dump(ctx, countInto(agg, time.Now(), &to)); err != nil {
 		return nil, err
 	}
 	return agg.Result([]int{4, 6}), nil
+}
+
+// readCTTimeouts reads the node's conntrack timeouts from dir (the
+// sysctls of the collector's network namespace, the node's); one that
+// cannot be read keeps the kernel's default.
+func readCTTimeouts(dir string) ctTimeouts {
+	to := defaultCTTimeouts
+	read := func(name string, v *uint32) {
+		b, err := os.ReadFile(dir + "/" + name)
+		if err != nil {
+			return
+		}
+		var n uint32
+		if _, err := fmt.Sscan(string(b), &n); err == nil && n > 0 {
+			*v = n
+		}
+	}
+	read("nf_conntrack_udp_timeout", &to.udp)
+	read("nf_conntrack_udp_timeout_stream", &to.udpStream)
+	for i, st := range tcpStates {
+		if st == "NONE" || st == "SYN_SENT2" {
+			continue
+		}
+		read("nf_conntrack_tcp_timeout_"+strings.ToLower(st), &to.tcp[i])
+	}
+	to.tcp[9] = to.tcp[1] // SYN_SENT2 shares SYN_SENT's
+	read("nf_conntrack_tcp_timeout_max_retrans", &to.tcpMaxRetrans)
+	read("nf_conntrack_tcp_timeout_unacknowledged", &to.tcpUnack)
+	return to
 }
 
 func localAddrs() (map[netip.Addr]bool, error) {

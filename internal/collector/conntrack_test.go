@@ -3,6 +3,9 @@ package collector
 import (
 	"encoding/binary"
 	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -107,7 +110,7 @@ func TestConntrackAggregation(t *testing.T) {
 		ctBody(17, ctClient, ctSvc, ctSvc, ipsSeenReply, -1, time.Time{}),                                                  // not DNATed
 		ctBody(1, ctClient, ctSvc, ctPod, ipsDstNAT, -1, time.Time{}),                                                      // ICMP
 	)
-	done, err := ctMessages(ctDatagram(7, true, bodies...), 7, countInto(agg))
+	done, err := ctMessages(ctDatagram(7, true, bodies...), 7, countInto(agg, time.Time{}, nil))
 	if err != nil || !done {
 		t.Fatal(done, err)
 	}
@@ -163,11 +166,15 @@ func FuzzConntrackDump(f *testing.F) {
 	o := ctFrontends()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		agg := audit.NewConntrackCounter(ctKeys(o), func(netip.Addr) bool { return true }, 8)
-		_, _ = ctMessages(data, 1, countInto(agg))
+		now := time.Unix(1_800_000_000, 0)
+		_, _ = ctMessages(data, 1, countInto(agg, now, &defaultCTTimeouts))
 		got := agg.Result([]int{4, 6})
 		n := got.Dropped
 		for _, fl := range got.Flows {
 			n += fl.Total()
+			if fl.Active.After(now) {
+				t.Fatalf("a last packet after the read: %+v", fl)
+			}
 			if len(fl.Samples) > audit.ConntrackSamples || fl.Unreplied > fl.Total() {
 				t.Fatalf("%+v", fl)
 			}
@@ -176,4 +183,67 @@ func FuzzConntrackDump(f *testing.F) {
 			t.Fatalf("entries %d, counted %d, pairs %d", got.Entries, n, len(got.Flows))
 		}
 	})
+}
+
+// An entry's last packet is dated from its remaining timeout and the
+// timeout its state gets at each packet; where two may apply, the latest
+// date (doubt makes a flow look live, never dying).
+func TestConntrackLastPacket(t *testing.T) {
+	now := time.Unix(1_800_000_000, 0)
+	to := defaultCTTimeouts
+	to.udpStream = 180 // as on an older kernel's sysctl
+	for _, c := range []struct {
+		name string
+		e    ctEntry
+		ago  time.Duration // -1: unknown
+	}{
+		// The kernel's count is rounded down: a second is taken off.
+		{"UDP, not assured", ctEntry{proto: 17, timeout: 25, hasTimeout: true}, 4 * time.Second},
+		{"UDP, assured (stream)", ctEntry{proto: 17, status: ipsAssured, timeout: 100, hasTimeout: true}, 79 * time.Second},
+		{"TCP SYN_SENT just sent", ctEntry{proto: 6, tcpState: 1, hasTCPState: true, timeout: 120, hasTimeout: true}, 0},
+		{"TCP SYN_SENT first sent 100 s ago", ctEntry{proto: 6, tcpState: 1, hasTCPState: true, timeout: 20, hasTimeout: true}, 99 * time.Second},
+		{"ESTABLISHED, days left", ctEntry{proto: 6, tcpState: 3, hasTCPState: true, timeout: 431990, hasTimeout: true}, 9 * time.Second},
+		{"ESTABLISHED under 300 s left: unacknowledged data", ctEntry{proto: 6, tcpState: 3, hasTCPState: true, timeout: 290, hasTimeout: true}, 9 * time.Second},
+		{"more left than the sysctl says", ctEntry{proto: 17, timeout: 500, hasTimeout: true}, 0},
+		{"no timeout in the dump", ctEntry{proto: 17}, -1},
+		{"TCP without a state", ctEntry{proto: 6, timeout: 10, hasTimeout: true}, -1},
+		{"SCTP", ctEntry{proto: 132, timeout: 10, hasTimeout: true}, -1},
+	} {
+		got := c.e.lastPacket(now, &to)
+		want := now.Add(-c.ago)
+		if c.ago == -1 {
+			want = time.Time{}
+		}
+		if !got.Equal(want) {
+			t.Errorf("%s: last packet %v, want %v", c.name, got, want)
+		}
+	}
+}
+
+// The node's sysctls set the timeouts; one that cannot be read keeps the
+// kernel's default.
+func TestReadCTTimeouts(t *testing.T) {
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "nf_conntrack_udp_timeout_stream"), []byte("180\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "nf_conntrack_tcp_timeout_syn_sent"), []byte("60\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "nf_conntrack_udp_timeout"), []byte("garbage\n"), 0o644)
+	to := readCTTimeouts(dir)
+	if to.udpStream != 180 || to.tcp[1] != 60 || to.tcp[9] != 60 || to.udp != 30 || to.tcp[3] != 432000 {
+		t.Errorf("timeouts %+v", to)
+	}
+}
+
+// CTA_TIMEOUT is decoded (big-endian seconds) and a short one refused.
+func TestDecodeCTTimeout(t *testing.T) {
+	ap := netip.MustParseAddrPort
+	body := ctBody(17, ap("198.18.5.5:40000"), ap("198.19.0.10:53"), ap("198.18.77.3:5353"), ipsDstNAT, -1, time.Time{})
+	var e ctEntry
+	with := append(slices.Clone(body), ctAttr(ctaTimeout, binary.BigEndian.AppendUint32(nil, 27))...)
+	if err := decodeCT(with, &e); err != nil || !e.hasTimeout || e.timeout != 27 {
+		t.Errorf("timeout %d (%v), err %v", e.timeout, e.hasTimeout, err)
+	}
+	short := append(slices.Clone(body), ctAttr(ctaTimeout, []byte{1, 2})...)
+	if err := decodeCT(short, &e); err == nil {
+		t.Error("a two-byte timeout was taken")
+	}
 }

@@ -26,10 +26,15 @@ type Session func(ctx context.Context, preferred string) (leader string, welcome
 // the leader just tried (it was unreachable, and another replica still
 // names it: the Lease has not moved yet) waits like a failure, backing
 // off to at most 4 s, instead of bouncing between the replicas as fast as
-// it can dial until the Lease moves.
+// it can dial until the Lease moves. Until its first welcome, for
+// firstContact after it starts, a collector backs off to at most 4 s too:
+// at install (or while a node joins) the aggregator is still coming up, a
+// refused dial costs it nothing, and a 30 s backoff left one node's
+// collector unheard 30–100 s after the rest of the fleet was in sync.
 func Reconnect(ctx context.Context, clk clock.Clock, session Session, ended func(err error, wait time.Duration)) {
 	backoff := time.Second
 	preferred := ""
+	started, everWelcomed := clk.Now(), false
 	for ctx.Err() == nil {
 		leader, welcomed, err := session(ctx, preferred)
 		if ctx.Err() != nil {
@@ -42,7 +47,7 @@ func Reconnect(ctx context.Context, clk clock.Clock, session Session, ended func
 		if welcomed {
 			// A stream that was up ended (the leader went away): come
 			// back quickly, whatever it took to get that stream.
-			backoff = time.Second
+			backoff, everWelcomed = time.Second, true
 		}
 		if leader != "" {
 			err = fmt.Errorf("redirected again to the leader %s, which did not answer: waiting for the Lease to move", leader)
@@ -59,7 +64,7 @@ func Reconnect(ctx context.Context, clk clock.Clock, session Session, ended func
 			// Waiting for the Lease to move takes seconds, not minutes:
 			// keep asking every few (a redirect costs no review).
 			ceiling := 30 * time.Second
-			if leader != "" {
+			if leader != "" || (!everWelcomed && clk.Since(started) < firstContact) {
 				ceiling = 4 * time.Second
 			}
 			backoff = min(2*backoff, ceiling)
@@ -74,6 +79,11 @@ func Reconnect(ctx context.Context, clk clock.Clock, session Session, ended func
 		}
 	}
 }
+
+// firstContact is how long after it starts a collector never welcomed
+// keeps retrying every few seconds (a chart install's aggregator pods are
+// Ready well within it).
+const firstContact = 2 * time.Minute
 
 // HelloOutcome reads the aggregator's answer to a hello: nil for a welcome, the
 // leader's address for a redirect, or why it refused (a busy refusal

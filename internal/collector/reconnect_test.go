@@ -76,3 +76,55 @@ func TestBusyRefusalKeepsTheSlot(t *testing.T) {
 		t.Errorf("busy refusal waits %s, want its 4 s slot plus at most 10 %% jitter", w)
 	}
 }
+
+// retries runs Reconnect over a session that fails as failed says, stepping
+// the fake clock through each wait, and returns the waits until the clock
+// has moved by d.
+func retries(t *testing.T, d time.Duration, failed func(n int) (welcomed bool)) []time.Duration {
+	t.Helper()
+	clk := clocktesting.NewFakeClock(time.Now())
+	start := clk.Now()
+	waits := make(chan time.Duration)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	n := 0
+	go Reconnect(ctx, clk, func(context.Context, string) (string, bool, error) {
+		n++
+		return "", failed(n), errors.New("dial tcp 10.96.0.10:9443: connect: connection refused")
+	}, func(_ error, wait time.Duration) { waits <- wait })
+	var got []time.Duration
+	for clk.Since(start) < d {
+		w := <-waits
+		got = append(got, w)
+		for !clk.HasWaiters() {
+			time.Sleep(time.Millisecond)
+		}
+		clk.Step(w)
+	}
+	return got
+}
+
+// At install the collectors start before the aggregator: a collector that
+// has never been welcomed retries every few seconds for its first two
+// minutes (one node was unheard 30–100 s after the others were in sync
+// while its backoff grew to 30 s), then backs off as before; one that was
+// welcomed once backs off to 30 s as before.
+func TestFirstContactRetriesOften(t *testing.T) {
+	var elapsed time.Duration
+	for i, w := range retries(t, 4*time.Minute, func(int) bool { return false }) {
+		if elapsed < 2*time.Minute && w > 4*time.Second {
+			t.Errorf("retry %d, %s after start, never welcomed: waits %s, want at most 4 s", i, elapsed, w)
+		}
+		elapsed += w
+		if elapsed > 3*time.Minute && w <= 4*time.Second {
+			t.Errorf("retry %d, %s after start: still waits only %s; want the backoff to grow past first contact", i, elapsed, w)
+		}
+	}
+	var longest time.Duration
+	for _, w := range retries(t, time.Minute, func(n int) bool { return n == 1 }) {
+		longest = max(longest, w)
+	}
+	if longest <= 8*time.Second {
+		t.Errorf("a collector welcomed once waits at most %s within a minute of failures; want its backoff to grow toward 30 s", longest)
+	}
+}

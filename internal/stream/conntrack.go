@@ -45,7 +45,11 @@ type ConntrackPair struct {
 	TCP       map[string]int `json:"t,omitempty"`
 	Unreplied int            `json:"r,omitempty"`
 	// Oldest is the oldest flow's start, Unix seconds (0: unknown).
-	Oldest  int64    `json:"o,omitempty"`
+	Oldest int64 `json:"o,omitempty"`
+	// Active is the last packet of a judged flow (UDP, a TCP connection
+	// attempt), Unix seconds (0: unknown). The collector sends it only
+	// for destinations its rules no longer send the frontend to.
+	Active  int64    `json:"a,omitempty"`
 	Samples []string `json:"c,omitempty"`
 }
 
@@ -57,6 +61,9 @@ func FromConntrack(ct *audit.Conntrack) *Conntrack {
 		p := ConntrackPair{Frontend: KeyString(f.Frontend), Dest: f.Dest.String(), UDP: f.UDP, SCTP: f.SCTP, TCP: f.TCP, Unreplied: f.Unreplied}
 		if !f.Oldest.IsZero() {
 			p.Oldest = f.Oldest.Unix()
+		}
+		if !f.Active.IsZero() {
+			p.Active = f.Active.Unix()
 		}
 		for _, s := range f.Samples {
 			p.Samples = append(p.Samples, s.String())
@@ -83,6 +90,10 @@ func (c *Conntrack) Digest() uint64 {
 		w(mag(p.SCTP))
 		w(mag(p.Unreplied))
 		w(strconv.FormatInt(p.Oldest/60, 10))
+		// To ten seconds: a flow still carrying packets to a destination
+		// that left is sent again as the time moves (only such pairs
+		// carry Active, see ConntrackPair).
+		w(strconv.FormatInt(p.Active/10, 10))
 		states := make([]string, 0, len(p.TCP))
 		for s := range p.TCP {
 			states = append(states, s)
@@ -116,7 +127,7 @@ func (c *Conntrack) Model() (*audit.Conntrack, error) {
 		if err != nil {
 			return nil, fmt.Errorf("conntrack: destination %q: not an address and port", clip(p.Dest))
 		}
-		if p.UDP < 0 || p.SCTP < 0 || p.Unreplied < 0 || len(p.TCP) > maxTCPStates || len(p.Samples) > maxSamples || p.Oldest < 0 {
+		if p.UDP < 0 || p.SCTP < 0 || p.Unreplied < 0 || len(p.TCP) > maxTCPStates || len(p.Samples) > maxSamples || p.Oldest < 0 || p.Active < 0 {
 			return nil, fmt.Errorf("conntrack: pair %s -> %s out of range", p.Frontend, clip(p.Dest))
 		}
 		f := audit.ConntrackFlows{Frontend: fe, Dest: dest, UDP: p.UDP, SCTP: p.SCTP, Unreplied: p.Unreplied}
@@ -134,6 +145,9 @@ func (c *Conntrack) Model() (*audit.Conntrack, error) {
 		}
 		if p.Oldest > 0 {
 			f.Oldest = time.Unix(p.Oldest, 0)
+		}
+		if p.Active > 0 {
+			f.Active = time.Unix(p.Active, 0)
 		}
 		for _, s := range p.Samples {
 			a, err := netip.ParseAddrPort(s)
