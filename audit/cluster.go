@@ -10,6 +10,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	"sigs.k8s.io/yaml"
 )
 
 // LabelServiceProxyName marks services that another proxy implements;
@@ -92,24 +93,74 @@ func (st *State) ServiceEndpoints() int {
 }
 
 // ErrNotAList is returned for cluster input that is not a v1 List.
-var ErrNotAList = errors.New(`cluster input is not a v1 List (expected the output of "kubectl get services,endpointslices,nodes -A -o json")`)
+var ErrNotAList = errors.New(`cluster input is not a v1 List (expected the output of "kubectl get services,endpointslices,nodes -A -o json" or "-o yaml")`)
+
+// CaptureCommand saves a cluster dump that can be judged.
+const CaptureCommand = "kubectl get services,endpointslices,nodes -A -o json > cluster.json"
+
+// ClusterInput counts what a cluster dump held, so that a caller can
+// refuse one that cannot be judged.
+type ClusterInput struct {
+	Services int
+	// Proxied are the Services kube-proxy writes rules for (not headless,
+	// not ExternalName): their endpoints come from EndpointSlices, and
+	// every cluster holds at least default/kubernetes's.
+	Proxied int
+	Slices  int
+	Nodes   int
+}
+
+// Complete says why a dump cannot be judged: a dump without Services
+// makes every rule on a node stale, one without the EndpointSlices of
+// Services that select pods makes every endpoint stale, one without Nodes
+// cannot say which node a rule dump is of. Nil: it can.
+func (in ClusterInput) Complete() error {
+	var why string
+	switch {
+	case in.Nodes == 0:
+		why = "it holds no Nodes (a node's rules cannot be matched to it, nor endpoints to their nodes)"
+	case in.Services == 0:
+		why = "it holds no Services (every rule on the node would be reported as a stale service)"
+	case in.Proxied > 0 && in.Slices == 0:
+		why = fmt.Sprintf("it holds %d Services and no EndpointSlices (every endpoint on the node would be reported stale)", in.Proxied)
+	default:
+		return nil
+	}
+	return fmt.Errorf("%s: capture a complete one with %s", why, CaptureCommand)
+}
 
 // ParseClusterList reads `kubectl get services,endpointslices,nodes -A -o
-// json` output (a v1 List). Items of other kinds are ignored.
+// json` (or `-o yaml`) output (a v1 List). Items of other kinds are
+// ignored.
 func ParseClusterList(data []byte) (*State, error) {
+	st, _, err := ParseCluster(data)
+	return st, err
+}
+
+// ParseCluster is ParseClusterList, and what the dump held.
+func ParseCluster(data []byte) (*State, ClusterInput, error) {
+	var in ClusterInput
 	data = bytes.TrimSpace(data)
 	if len(data) == 0 {
-		return nil, fmt.Errorf("cluster input is empty: %w", ErrNotAList)
+		return nil, in, fmt.Errorf("cluster input is empty: %w", ErrNotAList)
+	}
+	if data[0] != '{' {
+		// kubectl's -o yaml: the same List in YAML.
+		j, err := yaml.YAMLToJSON(data)
+		if err != nil {
+			return nil, in, fmt.Errorf("cluster input is neither JSON nor YAML (%v): %w", err, ErrNotAList)
+		}
+		data = j
 	}
 	var list struct {
 		Kind  string            `json:"kind"`
 		Items []json.RawMessage `json:"items"`
 	}
 	if err := json.Unmarshal(data, &list); err != nil {
-		return nil, fmt.Errorf("cluster input: %v: %w", err, ErrNotAList)
+		return nil, in, fmt.Errorf("cluster input: %v: %w", err, ErrNotAList)
 	}
 	if list.Kind != "List" && list.Kind != "ServiceList" && list.Kind != "EndpointSliceList" && list.Kind != "NodeList" {
-		return nil, fmt.Errorf("cluster input has kind %q: %w", list.Kind, ErrNotAList)
+		return nil, in, fmt.Errorf("cluster input has kind %q: %w", list.Kind, ErrNotAList)
 	}
 	var (
 		svcs   []corev1.Service
@@ -119,7 +170,7 @@ func ParseClusterList(data []byte) (*State, error) {
 	for i, raw := range list.Items {
 		var meta struct{ Kind string }
 		if err := json.Unmarshal(raw, &meta); err != nil {
-			return nil, fmt.Errorf("cluster input item %d: %w", i, err)
+			return nil, in, fmt.Errorf("cluster input item %d: %w", i, err)
 		}
 		var err error
 		switch meta.Kind {
@@ -137,10 +188,16 @@ func ParseClusterList(data []byte) (*State, error) {
 			nodes = append(nodes, n)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("cluster input item %d (%s): %w", i, meta.Kind, err)
+			return nil, in, fmt.Errorf("cluster input item %d (%s): %w", i, meta.Kind, err)
 		}
 	}
-	return FromAPI(svcs, slices, nodes), nil
+	in = ClusterInput{Services: len(svcs), Slices: len(slices), Nodes: len(nodes)}
+	for i := range svcs {
+		if svcs[i].Spec.Type != corev1.ServiceTypeExternalName && svcs[i].Spec.ClusterIP != corev1.ClusterIPNone {
+			in.Proxied++
+		}
+	}
+	return FromAPI(svcs, slices, nodes), in, nil
 }
 
 // FromAPI reduces API objects to the audit's State.

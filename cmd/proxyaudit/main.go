@@ -197,9 +197,14 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail("--cluster: %v", err)
 	}
-	st, err := audit.ParseClusterList(data)
+	st, in, err := audit.ParseCluster(data)
 	if err != nil {
 		return fail("--cluster %s: %v", *cluster, err)
+	}
+	// A dump that lacks a kind would turn into findings that are not
+	// there (every endpoint, or every rule, stale): refused.
+	if err := in.Complete(); err != nil {
+		return fail("--cluster %s cannot be judged: %v", *cluster, err)
 	}
 	if n := st.ServiceEndpoints(); n > maxServiceEndpoints {
 		return fail("--cluster %s: its services ask kube-proxy for %d endpoint rules (each EndpointSlice's ports × endpoints), more than the %d this command audits in one run (the collector's cap for one node); audit a part of the cluster: kubectl get services,endpointslices,nodes -n NAMESPACE -o json", *cluster, n, maxServiceEndpoints)
@@ -213,7 +218,7 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		if !ok || node == "" || path == "" {
 			return fail("--rules %q: want NODE=FILE", r)
 		}
-		if _, known := st.Nodes[node]; !known && len(st.Nodes) > 0 {
+		if _, known := st.Nodes[node]; !known {
 			return fail("--rules %s: no Node %q in the cluster input (known: %s)", r, node, knownNodes(st))
 		}
 		if dumps[node] == nil {

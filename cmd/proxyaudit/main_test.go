@@ -5,8 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"sigs.k8s.io/yaml"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -177,5 +180,67 @@ func TestDiffConntrack(t *testing.T) {
 		if code := run(a, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), says) {
 			t.Errorf("%s: exit %d, %s", args, code, errb.String())
 		}
+	}
+}
+
+// A cluster dump that lacks a kind would turn into findings that are not
+// there (issue #57: without EndpointSlices 32 false findings and exit 1;
+// an empty List with an unknown node 19 StaleService): refused, with the
+// command that captures a complete one. A dump in YAML (kubectl's -o yaml)
+// is judged as its JSON is.
+func TestDiffRefusesIncompleteClusters(t *testing.T) {
+	dir := t.TempDir()
+	full, err := os.ReadFile(drift + "cluster.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Kind       string           `json:"kind"`
+		APIVersion string           `json:"apiVersion"`
+		Items      []map[string]any `json:"items"`
+	}
+	if err := json.Unmarshal(full, &list); err != nil {
+		t.Fatal(err)
+	}
+	without := func(kind string) string {
+		out := list
+		out.Items = nil
+		for _, it := range list.Items {
+			if it["kind"] != kind {
+				out.Items = append(out.Items, it)
+			}
+		}
+		b, _ := json.Marshal(out)
+		p := filepath.Join(dir, "without-"+kind+".json")
+		os.WriteFile(p, b, 0o644)
+		return p
+	}
+	for name, c := range map[string]struct{ cluster, why string }{
+		"no EndpointSlices": {without("EndpointSlice"), "no EndpointSlices"},
+		"no Services":       {without("Service"), "no Services"},
+		"no Nodes":          {without("Node"), "no Nodes"},
+		"an empty List":     {filepath.Join(dir, "empty.json"), "no Nodes"},
+	} {
+		if name == "an empty List" {
+			os.WriteFile(c.cluster, []byte(`{"kind":"List","apiVersion":"v1","items":[]}`), 0o644)
+		}
+		var out, errb bytes.Buffer
+		code := run([]string{"diff", "--cluster", c.cluster, "--rules", "ipt-a=" + drift + "ipt-a.rules"}, &out, &errb)
+		if code != exitUsage || !strings.Contains(errb.String(), c.why) || !strings.Contains(errb.String(), "kubectl get services,endpointslices,nodes -A -o json") || out.Len() != 0 {
+			t.Errorf("%s: exit %d, stdout %q, stderr %q", name, code, out.String(), errb.String())
+		}
+	}
+	// YAML: the same findings as the JSON.
+	y, err := yaml.JSONToYAML(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	yp := filepath.Join(dir, "cluster.yaml")
+	os.WriteFile(yp, y, 0o644)
+	var fromJSON, fromYAML, errb bytes.Buffer
+	cj := run([]string{"diff", "--cluster", drift + "cluster.json", "--rules", "ipt-a=" + drift + "ipt-a.rules", "-o", "json"}, &fromJSON, &errb)
+	cy := run([]string{"diff", "--cluster", yp, "--rules", "ipt-a=" + drift + "ipt-a.rules", "-o", "json"}, &fromYAML, &errb)
+	if cj != cy || fromJSON.String() != fromYAML.String() || fromJSON.Len() == 0 {
+		t.Errorf("YAML judged otherwise: exit %d vs %d, %s", cy, cj, errb.String())
 	}
 }

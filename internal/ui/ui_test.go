@@ -121,9 +121,21 @@ func TestNodeAndIncidentPages(t *testing.T) {
 	}
 	page := b.String()
 	for _, want := range []string{`<span class="state s-Stuck" id="state">Stuck</span>`, "<details class=\"port\" open>", "198.18.1.5:8080 <b>stale</b>",
-		"198.18.1.6:8080 <b>missing</b>", "v1.36.3", "4 endpoint, 0 service", `<span class="dry">dry-run</span>`, "kube-proxy restarted (1×", "dry-run: nothing was changed"} {
+		"198.18.1.6:8080 <b>missing</b>", "v1.36.3", "4 endpoint, 0 service", `<span class="dry">dry-run</span>`, "would restart kube-proxy (1×", "dry-run: nothing was changed"} {
 		if !strings.Contains(page, want) {
 			t.Errorf("node page lacks %q", want)
 		}
+	}
+	// In dry-run the ladder never says what was not done (issue #57).
+	if strings.Contains(page, "kube-proxy restarted") {
+		t.Error("a dry-run incident reads as if kube-proxy was restarted")
+	}
+	inc.DryRun = false
+	b.Reset()
+	if err := Render(&b, "node", NodePage{Base: base(), Status: st, Ports: ports, Explained: true, Incident: inc}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "kube-proxy restarted (1×") {
+		t.Error("a real restart is not said")
 	}
 }
