@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e e2e-cilium e2e-long fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e e2e-cilium e2e-long soak fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-flush bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
 
 all: build
 
@@ -25,11 +25,24 @@ build: modules
 image: deps
 	$(GO) run ./deploy/image -out $(BIN) $(IMAGE_ARGS)
 
-## test: unit + end-to-end tests, then every fuzz target briefly (the README's test command; .ci/run calls it)
-test: deps modules cluster-binaries
-	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) ./...
-	$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
-	$(MAKE) --no-print-directory race
+## test: the README's test command (.ci/run calls it), in stages that answer fast:
+##   1/4 unit tests of every package (-short: no cluster binaries, no cluster): a failing unit test is
+##       reported minutes after the start, before anything slow is built;
+##   2/4 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
+##       local cluster;
+##   3/4 every fuzz target briefly;  4/4 the race detector (make race)
+# The packages whose tests start a local cluster or need root: they import internal/localcluster.
+E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}}' ./... | awk '/internal\/localcluster/ {print $$1}')
+test: deps modules
+	@echo "== make test 1/4: unit tests, no cluster (go test -short ./...)"
+	$(GO) test -short -count=1 ./...
+	@$(MAKE) --no-print-directory cluster-binaries
+	@echo "== make test 2/4: end-to-end tests on the real local cluster"
+	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) $(E2E_PKGS)
+	@echo "== make test 3/4: every fuzz target for $(TEST_FUZZTIME)"
+	@$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
+	@echo "== make test 4/4: the race detector"
+	@$(MAKE) --no-print-directory race
 
 ## race: the packages whose goroutines share state (stream pool, collector, aggregator, executor,
 ## status page, CLI) under the race detector, one package at a time (~5 min)
@@ -54,8 +67,18 @@ e2e-cilium: deps modules cluster-binaries
 	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 30m -run 'TestE2ECiliumNode' -v ./internal/e2e/live
 	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 40m -run 'TestE2ECiliumOnRealNodes' -v ./internal/e2e/realnodes
 
+## soak: an hour of a real cluster's life on the real kubelet nodes at the chart's defaults (a Deployment
+## scaled every 20 s and rolled out every 60 s, clients calling it by name from every node, CoreDNS rolled
+## out halfway): not one finding may appear; then one frozen kube-proxy is found on its node alone.
+## make test runs the same for 3 minutes at a 10 s grace; SOAK and SOAK_GRACE change it
+SOAK ?= 60m
+SOAK_GRACE ?= 30s
+soak: deps modules cluster-binaries
+	PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 120m -v -run '^TestE2ESoakOnRealNodes$$' ./internal/e2e/realnodes \
+		-soak $(SOAK) -soak-grace $(SOAK_GRACE)
+
 ## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
-e2e-long: e2e-cilium
+e2e-long: e2e-cilium soak
 
 ## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
@@ -90,7 +113,7 @@ fixtures-cilium: deps cluster-binaries
 ## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md);
 ## the long cost measurements are bench-cost
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m $$($(GO) list ./... | grep -v /internal/e2e/cost)
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 60m $$($(GO) list ./... | grep -v -e /internal/e2e/cost -e /internal/e2e/flush)
 
 ## bench-cost: what the collector costs a node at the anchors (10k services, 100k endpoints), beside
 ## genuine kube-proxies: a quiet node over 10 minutes, and kube-proxy's sync and programming
@@ -98,6 +121,11 @@ bench:
 COST_BENCH ?= QuietNodeCollector|KubeProxyPerturbation
 bench-cost: deps cluster-binaries
 	$(GO) test -run '^$$' -bench '$(COST_BENCH)' -benchtime 1x -timeout 120m -v ./internal/e2e/cost
+
+## bench-flush: how soon the real aggregator dates a flush and an endpoint's rule deleted by hand, at 10k
+## services on every backend (IPVS in the VM), right after a whole rewrite and under partial syncs (~1 h)
+bench-flush: deps cluster-binaries
+	$(GO) test -run '^$$' -bench 'BenchmarkFlushToReport' -benchtime 1x -timeout 150m -v ./internal/e2e/flush
 
 ## bench-ipvs: the IPVS read (netlink vs ipvsadm -Sn, 10k services x 10 real servers) in the IPVS VM
 IPVS_BENCH ?= -test.count 3 -test.benchtime 5x
