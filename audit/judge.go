@@ -185,6 +185,9 @@ type Heartbeat struct {
 // dump tool's) and bytes. A quiet node's collector reads only when the
 // rules changed, or at its backstop interval.
 type CollectorCost struct {
+	// Version is the collector's own version (its hello): a rolling
+	// upgrade is watched node by node.
+	Version                 string            `json:"version,omitempty"`
 	Reads                   map[string]uint64 `json:"reads"`
 	LastReadSeconds         float64           `json:"lastReadSeconds"`
 	LastReadCPUSeconds      float64           `json:"lastReadCPUSeconds"`

@@ -40,6 +40,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
@@ -80,11 +81,16 @@ func run(args []string, stderr io.Writer) int {
 		fs.PrintDefaults()
 	}
 	o.addFlags(fs)
+	showVersion := fs.Bool("version", false, "print the version, commit and build date, and exit")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
 		return 2
+	}
+	if *showVersion {
+		fmt.Println("proxyaudit-aggregator " + buildinfo.Get().String())
+		return 0
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "proxyaudit-aggregator: "+format+"\n", a...)
@@ -667,9 +673,4 @@ func (s *server) serve(log *zap.Logger) int {
 	return code
 }
 
-func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
-	}
-	return "devel"
-}
+func version() string { return buildinfo.Version() }

@@ -24,6 +24,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/tlsfile"
@@ -63,11 +64,16 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	o := defaultOptions()
 	o.addFlags(fs)
+	showVersion := fs.Bool("version", false, "print the version, commit and build date, and exit")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
 		return 2
+	}
+	if *showVersion {
+		fmt.Fprintln(stdout, "proxyaudit-collector "+buildinfo.Get().String())
+		return 0
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "proxyaudit-collector: "+format+"\n", a...)
@@ -157,12 +163,7 @@ func dnsHost(aggregators string) string {
 	return ""
 }
 
-func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
-	}
-	return "devel"
-}
+func version() string { return buildinfo.Version() }
 
 // Footprint is what --once prints.
 type Footprint struct {

@@ -148,3 +148,11 @@ func TestOptionsValidate(t *testing.T) {
 		t.Errorf("--once --snapshot: %v", err)
 	}
 }
+
+// --version prints the build and exits, whatever else is missing.
+func TestVersionFlag(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run([]string{"--version"}, &out, &errb); code != 0 || !strings.HasPrefix(out.String(), "proxyaudit-collector (devel) (") {
+		t.Errorf("exit %d, printed %q %q", code, out.String(), errb.String())
+	}
+}

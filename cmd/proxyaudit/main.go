@@ -19,7 +19,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime/debug"
 	"slices"
 	"sort"
 	"strings"
@@ -27,6 +26,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -119,7 +119,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runPause(args[1:], false, stdout, stderr)
 	case "resume":
 		return runPause(args[1:], true, stdout, stderr)
-	case "version":
+	case "version", "--version":
 		fmt.Fprintln(stdout, versionString())
 		return exitClean
 	case "-h", "--help", "help":
@@ -130,20 +130,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	return exitUsage
 }
 
-func versionString() string {
-	v := "(devel)"
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		if bi.Main.Version != "" {
-			v = bi.Main.Version
-		}
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" {
-				v += " " + s.Value
-			}
-		}
-	}
-	return "proxyaudit " + v
-}
+func versionString() string { return "proxyaudit " + buildinfo.Get().String() }
 
 type rulesFlag []string
 

@@ -206,7 +206,7 @@ func (a *Aggregator) register(s *session) bool {
 		s.log.Info("a new stream replaces the node's previous one")
 		n.conn.Close()
 	}
-	n.conn, n.state, n.complete, n.lastSeq, n.before = c, stream.NewPooledState(a.pool), false, 0, nil
+	n.conn, n.state, n.complete, n.lastSeq, n.before, n.collectorVersion = c, stream.NewPooledState(a.pool), false, 0, nil, clip(s.hello.Version)
 	s.n = n
 	a.mu.Unlock()
 	if hook := a.testHookRegistered.Load(); hook != nil {

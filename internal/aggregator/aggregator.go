@@ -160,15 +160,16 @@ type Aggregator struct {
 // node is one node's stream: the copy of its rules and what was last
 // assessed of them.
 type node struct {
-	name     string
-	conn     *conn
-	state    *stream.State
-	complete bool // a full snapshot arrived on this stream
-	lastSeq  uint64
-	heard    time.Time
-	fresh    bool   // a report since the last assessment
-	version  uint64 // bumps when state changes
-	noRules  bool
+	name             string
+	collectorVersion string // from its hello
+	conn             *conn
+	state            *stream.State
+	complete         bool // a full snapshot arrived on this stream
+	lastSeq          uint64
+	heard            time.Time
+	fresh            bool   // a report since the last assessment
+	version          uint64 // bumps when state changes
+	noRules          bool
 	// shownSince: the first report on this stream showing the rules as
 	// they are now (their version); judged: the time the last judgement
 	// was made as of; before: the rules the report before showed, while

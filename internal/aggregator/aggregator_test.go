@@ -272,8 +272,9 @@ func (h *harness) collectorEvery(ctx context.Context, node string, interval time
 	go func() {
 		defer h.wg.Done()
 		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, TokenFile: "", Clock: h.clk,
-			Log:    zaptest.NewLogger(h.t).Named(node),
-			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return read(), nil }}})
+			Version: "v0.1.0-test\x1b[2J",
+			Log:     zaptest.NewLogger(h.t).Named(node),
+			Reader:  &collectortest.Reader{Rules: func() (*audit.Observed, error) { return read(), nil }}})
 	}()
 }
 
@@ -531,6 +532,11 @@ func TestReadWarningsReachTheNodeStatus(t *testing.T) {
 	})
 	if w := status().Warnings[0]; strings.Contains(w, "\x1b") {
 		t.Errorf("a warning kept an escape sequence: %q", w)
+	}
+	// The collector's version (its hello) is shown, cleaned, so that a
+	// rolling upgrade can be watched node by node.
+	if c := status().Collector; c == nil || !strings.HasPrefix(c.Version, "v0.1.0-test") || strings.Contains(c.Version, "\x1b") {
+		t.Errorf("the node's collector: %+v, want version v0.1.0-test, cleaned", c)
 	}
 	mu.Lock()
 	current = rules(t)

@@ -143,7 +143,7 @@ func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.Collect
 	if rs == nil {
 		return nil
 	}
-	cost := &audit.CollectorCost{Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
+	cost := &audit.CollectorCost{Version: n.collectorVersion, Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
 		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
 		Reader: safetext.Clean(rs.Reader, maxReadError), Fallbacks: rs.Fallbacks, FallbackReason: safetext.Clean(rs.FallbackReason, maxReadError)}
 	for _, w := range rs.Warnings {

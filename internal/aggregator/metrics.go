@@ -3,6 +3,7 @@ package aggregator
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
@@ -182,6 +183,7 @@ func NewMetrics() *Metrics {
 		Alertmanager: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "proxyaudit_alertmanager_requests_total", Help: "Calls to Alertmanager's v2 API by op (post: alerts sent; alerts, silences: asked) and outcome (ok, failed)."}, []string{"op", "outcome"}),
 	}
+	m.Registry.MustRegister(buildinfo.Collector())
 	m.Registry.MustRegister(m.ViewStale, m.Findings, m.Nodes, m.ProgrammingLag, m.FindingDelay, m.NoRulesSeen, m.StreamMessages, m.StreamBytes,
 		m.StreamRejected, m.Streams, m.ReportsWaiting, m.ReportBytes, m.Resyncs, m.Refs, m.Named, m.ReadNow, m.CollectorReads, m.CollectorFallbacks, m.CollectorReadSeconds, m.CollectorReadBytes, m.HTTPDenied, m.Reconcile, m.Assessments, m.ServiceAssessments, m.Leader, m.ShardsHeld, m.ShardsUnheard, m.PartialReads, m.PartialReadBytes, m.Actions, m.ReportWrites, m.Slack, m.Held, m.HeldDecisions, m.Alertmanager,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
