@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e e2e-cilium e2e-long soak fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-flush bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests clean
+.PHONY: all build image test unit race e2e e2e-cilium e2e-long soak fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-flush bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests release clean
 
 all: build
 
@@ -18,6 +18,15 @@ GOBUILD := env CGO_ENABLED=0 $(GO) build -trimpath -buildvcs=false
 build: modules
 	@deploy/quiet.sh build "building proxyaudit into $(BIN)/ (~1 min cold)" -- $(GOBUILD) -o $(BIN)/ ./cmd/...
 	@cp $(BIN)/proxyaudit $(BIN)/kubectl-proxyaudit  # kubectl plugin: kubectl proxyaudit report
+
+## release: a version's artifacts in dist/, the same bytes on every run of one commit: the CLI's archives
+## (linux, darwin x amd64, arm64; the CLI is also the kubectl plugin), the collector's and aggregator's
+## binaries (linux amd64, arm64), the chart package (version and appVersion X.Y.Z), the krew manifest and
+## checksums.txt. VERSION=vX.Y.Z must have its section in CHANGELOG.md
+release: modules
+	@test -n "$(VERSION)" || { echo "make release: say VERSION=vX.Y.Z" >&2; exit 2; }
+	rm -rf dist
+	$(GO) run ./deploy/release -version $(VERSION) -out dist
 
 ## image: the project's container image without a container engine (Debian packages by version, the
 ## binaries built here), as bin/proxyaudit-image.tar for `ctr images import` (path printed last);
@@ -31,8 +40,9 @@ image: deps
 ##   2/4 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
 ##       local cluster;
 ##   3/4 every fuzz target briefly;  4/4 the race detector (make race)
-# The packages whose tests start a local cluster or need root: they import internal/localcluster.
-E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}}' ./... | awk '/internal\/localcluster/ {print $$1}')
+# The packages with end-to-end tests: their tests import internal/localcluster (a cluster, root) or
+# they have *_e2e_test.go files (slow builds: the release).
+E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ {print $$1}')
 test: deps modules
 	@echo "== make test 1/4: unit tests, no cluster (go test -short ./...)"
 	$(GO) test -short -count=1 ./...
