@@ -79,8 +79,8 @@ func (i Info) String() string {
 func Collector() prometheus.Collector {
 	i := Get()
 	g := prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "proxyaudit_build_info",
-		Help: "A metric with a constant '1' value labelled by the version, revision and Go version proxyaudit was built from.",
+		Name:        "proxyaudit_build_info",
+		Help:        "A metric with a constant '1' value labelled by the version, revision and Go version proxyaudit was built from.",
 		ConstLabels: prometheus.Labels{"version": i.Version, "revision": i.Commit, "goversion": i.Go},
 	})
 	g.Set(1)
