@@ -120,6 +120,7 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
 	for _, want := range []string{"kubectl proxyaudit report -n proxyaudit", "Remediation: dry-run", "Nobody is paged",
+		"kubectl label namespace proxyaudit pod-security.kubernetes.io/enforce=privileged --overwrite",
 		"kubectl proxyaudit pause -n proxyaudit --pause-configmap proxyaudit-aggregator-pause", "set remediation.pausers"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("NOTES lack %q:\n%s", want, out)
@@ -202,6 +203,12 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 			t.Errorf("Deployment args lack %s: %v", want, d.Spec.Template.Spec.Containers[0].Args)
 		}
 	}
+	// A namespace whose PodSecurity level refuses the collectors is named
+	// in the NOTES (the chart looks its label up).
+	if _, err := c.Client.CoreV1().Namespaces().Patch(ctx, "proxyaudit", types.MergePatchType,
+		[]byte(`{"metadata":{"labels":{"pod-security.kubernetes.io/enforce":"baseline"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	out, err = helmCmd(ctx, t, c, "upgrade", "proxyaudit", dir, "--namespace", "proxyaudit", "--reuse-values",
 		"--set", "aggregator.replicas=1", "--set", "remediation.maxUnhealthy=50%")
 	if err != nil {
@@ -210,7 +217,7 @@ func TestE2EHelmInstallUpgrade(t *testing.T) {
 	if !bytes.Equal(before, ca()) {
 		t.Error("helm upgrade replaced the CA the collectors trust")
 	}
-	for _, want := range []string{"WARNING: one aggregator replica", "WARNING: remediation may act on up to 1 node(s) at once (maxUnhealthy 50%)",
+	for _, want := range []string{`WARNING: namespace proxyaudit enforces PodSecurity "baseline"`, "WARNING: one aggregator replica", "WARNING: remediation may act on up to 1 node(s) at once (maxUnhealthy 50%)",
 		"a fleet under 2 nodes gets pages, not repairs"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("NOTES lack %q:\n%s", want, out)

@@ -294,6 +294,28 @@ func TestBadValuesAreRefused(t *testing.T) {
 	}
 }
 
+// The chart installs on the Kubernetes minors it supports and refuses the
+// ones before, by kubeVersion, instead of rendering APIs they do not serve
+// (ValidatingAdmissionPolicy v1 is served from 1.30).
+func TestKubeVersions(t *testing.T) {
+	skipShort(t)
+	helm, err := chart.Helm(root(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for v, refused := range map[string]bool{"1.29.0": true, "1.32.9": true, "1.33.0": false, "1.37.2": false} {
+		out, err := exec.Command(helm, "template", "proxyaudit", filepath.Join(root(t), chart.Dir), "--kube-version", v).CombinedOutput()
+		switch {
+		case refused && (err == nil || !strings.Contains(string(out), "incompatible with Kubernetes v"+v)):
+			t.Errorf("Kubernetes %s: %v, want the chart's kubeVersion to refuse it:\n%.300s", v, err, out)
+		case !refused && err != nil:
+			t.Errorf("Kubernetes %s: %v\n%s", v, err, out)
+		case !refused && !strings.Contains(string(out), "kind: ValidatingAdmissionPolicy\n"):
+			t.Errorf("Kubernetes %s: no ValidatingAdmissionPolicy rendered", v)
+		}
+	}
+}
+
 // deploy/manifests/proxyaudit.yaml is the chart rendered with
 // deploy/manifests/values.yaml; `make manifests` (or -update) rewrites it.
 func TestManifestsInSync(t *testing.T) {
