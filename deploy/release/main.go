@@ -20,6 +20,7 @@ func main() {
 	flag.StringVar(&cfg.Version, "version", "", "the release's version, vMAJOR.MINOR.PATCH; CHANGELOG.md must have its section")
 	flag.StringVar(&cfg.Out, "out", "dist", "directory to write (must not exist or be empty)")
 	flag.StringVar(&cfg.URLBase, "url-base", "", "where the archives will be downloaded from, for the krew manifest (default: the version's GitHub release)")
+	flag.BoolVar(&cfg.Image, "image", true, "also build the image for the server platforms as an OCI index in OUT/image (root: Debian's packages by architecture) and pin its digest in the chart")
 	cli := flag.String("cli-platforms", "", "the CLI's platforms, OS/ARCH comma-separated (default: linux and darwin, amd64 and arm64)")
 	servers := flag.String("server-platforms", "", "the servers' platforms (default: linux/amd64,linux/arm64)")
 	flag.Parse()

@@ -29,6 +29,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 )
 
 // Epoch is the time every file and the image's creation carry.
@@ -66,6 +67,22 @@ type Spec struct {
 	Cmd        []string
 	User       string
 	Env        []string
+	// OCI makes the image's manifest, config and layer OCI media types
+	// (for an OCI index); else Docker's, as `ctr images import` of a
+	// docker-archive tarball expects.
+	OCI bool
+	// Arch is the image's architecture (Debian's and Go's name: amd64,
+	// arm64); empty means amd64. Another architecture than the
+	// machine's takes its packages as dpkg's foreign architecture.
+	Arch string
+}
+
+// arch is the spec's architecture.
+func (s Spec) arch() string {
+	if s.Arch == "" {
+		return "amd64"
+	}
+	return s.Arch
 }
 
 // Built is what Build made.
@@ -90,67 +107,8 @@ func Build(ctx context.Context, spec Spec, debCache, out string) (*Built, error)
 	if err != nil {
 		return nil, fmt.Errorf("image name %q: %w", spec.Ref, err)
 	}
-	root, err := os.MkdirTemp("", "proxyaudit-image-")
+	img, pkgs, err := Image(ctx, spec, debCache)
 	if err != nil {
-		return nil, err
-	}
-	defer os.RemoveAll(root)
-	var pkgs []Package
-	if len(spec.Packages)+len(spec.NoDeps) > 0 {
-		names, err := closure(ctx, spec.Packages)
-		if err != nil {
-			// No package lists yet (a fresh or cleaned machine): fetch
-			// them once and ask again.
-			if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
-				return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
-			}
-			if names, err = closure(ctx, spec.Packages); err != nil {
-				return nil, err
-			}
-		}
-		names = append(names, spec.NoDeps...)
-		slices.Sort(names)
-		names = slices.Compact(names)
-		if pkgs, err = unpack(ctx, names, debCache, root); err != nil {
-			return nil, err
-		}
-	}
-	files, err := maintainerFiles(root, pkgs)
-	if err != nil {
-		return nil, err
-	}
-	layer, err := layerOf(root, append(files, spec.Files...))
-	if err != nil {
-		return nil, err
-	}
-	img, err := mutate.AppendLayers(empty.Image, layer)
-	if err != nil {
-		return nil, err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return nil, err
-	}
-	cf = cf.DeepCopy()
-	cf.Architecture, cf.OS = "amd64", "linux"
-	cf.Created = v1.Time{Time: Epoch}
-	cf.Config.Entrypoint = spec.Entrypoint
-	cf.Config.Cmd = spec.Cmd
-	cf.Config.User = spec.User
-	cf.Config.Env = append([]string{"PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"}, spec.Env...)
-	labels := map[string]string{}
-	if len(pkgs) > 0 {
-		var s []string
-		for _, p := range pkgs {
-			s = append(s, p.String())
-		}
-		labels["io.proxyaudit.debian-packages"] = strings.Join(s, " ")
-	}
-	cf.Config.Labels = labels
-	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return nil, err
-	}
-	if img, err = mutate.CreatedAt(img, v1.Time{Time: Epoch}); err != nil {
 		return nil, err
 	}
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
@@ -174,53 +132,192 @@ func Build(ctx context.Context, spec Spec, debCache, out string) (*Built, error)
 	return &Built{Ref: ref.String(), Digest: d.String(), Packages: pkgs, Size: st.Size()}, nil
 }
 
+// Image builds the spec's image (its Ref is not used) and says which
+// Debian packages it holds.
+func Image(ctx context.Context, spec Spec, debCache string) (v1.Image, []Package, error) {
+	root, err := os.MkdirTemp("", "proxyaudit-image-")
+	if err != nil {
+		return nil, nil, err
+	}
+	defer os.RemoveAll(root)
+	arch := spec.arch()
+	var pkgs []Package
+	if len(spec.Packages)+len(spec.NoDeps) > 0 {
+		apt, err := aptFor(arch, debCache)
+		if err != nil {
+			return nil, nil, err
+		}
+		names, err := apt.closure(ctx, spec.Packages)
+		if err != nil {
+			// No package lists yet (a fresh or cleaned machine, a foreign
+			// architecture's first use): fetch them once and ask again.
+			if uerr := apt.update(ctx); uerr != nil {
+				return nil, nil, fmt.Errorf("%w; %v", err, uerr)
+			}
+			if names, err = apt.closure(ctx, spec.Packages); err != nil {
+				return nil, nil, err
+			}
+		}
+		names = append(names, spec.NoDeps...)
+		slices.Sort(names)
+		names = slices.Compact(names)
+		if pkgs, err = apt.unpack(ctx, names, debCache, root); err != nil {
+			return nil, nil, err
+		}
+	}
+	files, err := maintainerFiles(root, pkgs)
+	if err != nil {
+		return nil, nil, err
+	}
+	layerType := types.DockerLayer
+	if spec.OCI {
+		layerType = types.OCILayer
+	}
+	layer, err := layerOf(root, append(files, spec.Files...), layerType)
+	if err != nil {
+		return nil, nil, err
+	}
+	base := empty.Image
+	if spec.OCI {
+		base = mutate.ConfigMediaType(mutate.MediaType(base, types.OCIManifestSchema1), types.OCIConfigJSON)
+	}
+	img, err := mutate.AppendLayers(base, layer)
+	if err != nil {
+		return nil, nil, err
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		return nil, nil, err
+	}
+	cf = cf.DeepCopy()
+	cf.Architecture, cf.OS = arch, "linux"
+	cf.Created = v1.Time{Time: Epoch}
+	cf.Config.Entrypoint = spec.Entrypoint
+	cf.Config.Cmd = spec.Cmd
+	cf.Config.User = spec.User
+	cf.Config.Env = append([]string{"PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"}, spec.Env...)
+	labels := map[string]string{}
+	if len(pkgs) > 0 {
+		var s []string
+		for _, p := range pkgs {
+			s = append(s, p.String())
+		}
+		labels["io.proxyaudit.debian-packages"] = strings.Join(s, " ")
+	}
+	cf.Config.Labels = labels
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		return nil, nil, err
+	}
+	if img, err = mutate.CreatedAt(img, v1.Time{Time: Epoch}); err != nil {
+		return nil, nil, err
+	}
+	return img, pkgs, nil
+}
+
+// nativeArch is the machine's own Debian architecture: the machine's apt
+// serves it.
+const nativeArch = "amd64"
+
+// aptConfig runs apt for one architecture: the machine's own apt for its
+// architecture; for another, apt with that architecture alone and
+// package lists, cache and an empty dpkg status of its own under the deb
+// cache, so that neither the machine's dpkg (no foreign architecture is
+// added) nor its package lists change, and the machine's sources serve
+// both.
+type aptConfig struct {
+	arch string
+	opts []string
+}
+
+func aptFor(arch, debCache string) (*aptConfig, error) {
+	a := &aptConfig{arch: arch}
+	if arch == nativeArch {
+		return a, nil
+	}
+	dir, err := filepath.Abs(filepath.Join(debCache, "apt-"+arch))
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range []string{"lists/partial", "cache/archives/partial"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			return nil, err
+		}
+	}
+	status := filepath.Join(dir, "status")
+	if _, err := os.Stat(status); err != nil {
+		if err := os.WriteFile(status, nil, 0o644); err != nil {
+			return nil, err
+		}
+	}
+	a.opts = []string{"-o", "APT::Architecture=" + arch, "-o", "APT::Architectures=" + arch,
+		"-o", "Dir::State::Lists=" + filepath.Join(dir, "lists"), "-o", "Dir::State::status=" + status,
+		"-o", "Dir::Cache=" + filepath.Join(dir, "cache")}
+	return a, nil
+}
+
+func (a *aptConfig) command(ctx context.Context, tool string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, tool, append(slices.Clone(a.opts), args...)...)
+}
+
+// update fetches the package lists (the machine's as root may, or the
+// architecture's own).
+func (a *aptConfig) update(ctx context.Context) error {
+	if out, err := a.command(ctx, "apt-get", "update", "-qq").CombinedOutput(); err != nil {
+		return fmt.Errorf("apt-get update (%s): %v\n%s", a.arch, err, out)
+	}
+	return nil
+}
+
 // closure lists pkgs and what they depend on, recursively, as apt
 // resolves it on this machine, less skipDeps.
-func closure(ctx context.Context, pkgs []string) ([]string, error) {
+func (a *aptConfig) closure(ctx context.Context, pkgs []string) ([]string, error) {
 	if len(pkgs) == 0 {
 		return nil, nil
 	}
 	args := append([]string{"depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
 		"--no-breaks", "--no-replaces", "--no-enhances"}, pkgs...)
-	out, err := exec.CommandContext(ctx, "apt-cache", args...).Output()
+	out, err := a.command(ctx, "apt-cache", args...).Output()
 	if err != nil {
 		return nil, fmt.Errorf("apt-cache depends %s: %w (run apt-get update)", strings.Join(pkgs, " "), exitText(err))
 	}
 	var names []string
 	for _, line := range strings.Split(string(out), "\n") {
-		if line == "" || line[0] == ' ' || line[0] == '<' || skipDeps[line] {
+		// A machine with foreign architectures names their variants too
+		// (libc6:i386): only the image's own architecture is taken.
+		if line == "" || line[0] == ' ' || line[0] == '<' || skipDeps[line] || strings.Contains(line, ":") {
 			continue
 		}
 		names = append(names, line)
 	}
-	return names, nil
+	slices.Sort(names)
+	return slices.Compact(names), nil
 }
 
-var debName = regexp.MustCompile(`^([a-z0-9][a-z0-9+.-]*)_([^_]+)_(amd64|all)\.deb$`)
+var debName = regexp.MustCompile(`^([a-z0-9][a-z0-9+.-]*)_([^_]+)_([a-z0-9]+)\.deb$`)
 
 // unpack downloads each package (the version apt would install today,
 // kept in debCache by file name) and extracts it into root. apt is asked
 // once for all the versions and once for all the downloads: each apt-cache
 // or apt-get run loads the package lists (half a second here), and one run
 // per package was half of a cold `make demo`'s node images.
-func unpack(ctx context.Context, names []string, debCache, root string) ([]Package, error) {
+func (a *aptConfig) unpack(ctx context.Context, names []string, debCache, root string) ([]Package, error) {
 	if err := os.MkdirAll(debCache, 0o755); err != nil {
 		return nil, err
 	}
-	vers, err := candidates(ctx, names)
+	vers, err := a.candidates(ctx, names)
 	if err != nil {
 		// A machine whose package lists were never fetched (or were
 		// cleaned) knows no candidate: fetch them once, as root may.
-		if out, uerr := exec.CommandContext(ctx, "apt-get", "update", "-qq").CombinedOutput(); uerr != nil {
-			return nil, fmt.Errorf("%w; apt-get update: %v\n%s", err, uerr, out)
+		if uerr := a.update(ctx); uerr != nil {
+			return nil, fmt.Errorf("%w; %v", err, uerr)
 		}
-		if vers, err = candidates(ctx, names); err != nil {
+		if vers, err = a.candidates(ctx, names); err != nil {
 			return nil, err
 		}
 	}
 	var fetch []string
 	for _, n := range names {
-		deb, err := findDeb(debCache, n, vers[n])
+		deb, err := findDeb(debCache, n, vers[n], a.arch)
 		if err != nil {
 			return nil, err
 		}
@@ -229,7 +326,7 @@ func unpack(ctx context.Context, names []string, debCache, root string) ([]Packa
 		}
 	}
 	if len(fetch) > 0 {
-		cmd := exec.CommandContext(ctx, "apt-get", append([]string{"download"}, fetch...)...)
+		cmd := a.command(ctx, "apt-get", append([]string{"download"}, fetch...)...)
 		cmd.Dir = debCache
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return nil, fmt.Errorf("apt-get download %s: %w\n%s", strings.Join(fetch, " "), err, out)
@@ -237,12 +334,12 @@ func unpack(ctx context.Context, names []string, debCache, root string) ([]Packa
 	}
 	var pkgs []Package
 	for _, n := range names {
-		deb, err := findDeb(debCache, n, vers[n])
+		deb, err := findDeb(debCache, n, vers[n], a.arch)
 		if err != nil {
 			return nil, err
 		}
 		if deb == "" {
-			return nil, fmt.Errorf("apt-get download %s=%s left no .deb in %s", n, vers[n], debCache)
+			return nil, fmt.Errorf("apt-get download %s=%s (%s) left no .deb in %s", n, vers[n], a.arch, debCache)
 		}
 		if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", deb, root).CombinedOutput(); err != nil {
 			return nil, fmt.Errorf("dpkg-deb -x %s: %w\n%s", deb, err, out)
@@ -254,19 +351,19 @@ func unpack(ctx context.Context, names []string, debCache, root string) ([]Packa
 
 // candidates is the version apt would install of each package, from one
 // `apt-cache policy`; a package it does not know is an error.
-func candidates(ctx context.Context, pkgs []string) (map[string]string, error) {
+func (a *aptConfig) candidates(ctx context.Context, pkgs []string) (map[string]string, error) {
 	vers := map[string]string{}
 	if len(pkgs) == 0 {
 		return vers, nil
 	}
-	out, err := exec.CommandContext(ctx, "apt-cache", append([]string{"policy"}, pkgs...)...).Output()
+	out, err := a.command(ctx, "apt-cache", append([]string{"policy"}, pkgs...)...).Output()
 	if err != nil {
 		return nil, fmt.Errorf("apt-cache policy %s: %w", strings.Join(pkgs, " "), exitText(err))
 	}
 	pkg := ""
 	for _, line := range strings.Split(string(out), "\n") {
 		if name, ok := strings.CutSuffix(line, ":"); ok && line != "" && line[0] != ' ' {
-			pkg = strings.TrimSuffix(name, ":amd64")
+			pkg = strings.TrimSuffix(name, ":"+a.arch)
 			continue
 		}
 		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Candidate: "); ok && pkg != "" && v != "(none)" {
@@ -275,7 +372,7 @@ func candidates(ctx context.Context, pkgs []string) (map[string]string, error) {
 	}
 	for _, n := range pkgs {
 		if vers[n] == "" {
-			return nil, fmt.Errorf("no installable version of Debian package %s (run apt-get update)", n)
+			return nil, fmt.Errorf("no installable version of Debian package %s for %s (run apt-get update)", n, a.arch)
 		}
 	}
 	return vers, nil
@@ -283,7 +380,7 @@ func candidates(ctx context.Context, pkgs []string) (map[string]string, error) {
 
 // findDeb finds pkg's .deb of version ver in dir (apt-get writes an epoch's
 // colon as %3a).
-func findDeb(dir, pkg, ver string) (string, error) {
+func findDeb(dir, pkg, ver, arch string) (string, error) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return "", err
@@ -291,7 +388,7 @@ func findDeb(dir, pkg, ver string) (string, error) {
 	want := strings.ReplaceAll(ver, ":", "%3a")
 	for _, e := range ents {
 		m := debName.FindStringSubmatch(e.Name())
-		if m != nil && m[1] == pkg && m[2] == want {
+		if m != nil && m[1] == pkg && m[2] == want && (m[3] == arch || m[3] == "all" || arch == "all") {
 			return filepath.Join(dir, e.Name()), nil
 		}
 	}
@@ -315,7 +412,7 @@ type entry struct {
 
 // layerOf packs root plus files (which win over root's) into one layer
 // with sorted entries, owners root:root and times at Epoch.
-func layerOf(root string, files []File) (v1.Layer, error) {
+func layerOf(root string, files []File, mediaType types.MediaType) (v1.Layer, error) {
 	ents := map[string]*entry{}
 	addDirs := func(p string) {
 		for d := path.Dir(p); d != "." && d != "/"; d = path.Dir(d) {
@@ -412,7 +509,7 @@ func layerOf(root string, files []File) (v1.Layer, error) {
 		return nil, err
 	}
 	b := buf.Bytes()
-	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil }, tarball.WithMediaType(mediaType))
 }
 
 // maintainerFiles makes what the packages' maintainer scripts would have

@@ -2,6 +2,7 @@ package image
 
 import (
 	"archive/tar"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 	"io"
 	"os"
 	"path/filepath"
@@ -37,7 +38,7 @@ func TestLayerIsContentOnly(t *testing.T) {
 	var digests []string
 	var names []string
 	for _, stamp := range []time.Time{time.Unix(1, 0), time.Now()} {
-		l, err := layerOf(mk(stamp), files)
+		l, err := layerOf(mk(stamp), files, types.DockerLayer)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -79,17 +80,29 @@ func TestLayerIsContentOnly(t *testing.T) {
 // apt-get writes an epoch's colon as %3a in the file name.
 func TestFindDebByVersion(t *testing.T) {
 	dir := t.TempDir()
-	for _, n := range []string{"ipvsadm_1%3a1.31-1+b1_amd64.deb", "iptables_1.8.9-2_amd64.deb", "libip4tc2_1.8.9-2_amd64.deb"} {
+	for _, n := range []string{"ipvsadm_1%3a1.31-1+b1_amd64.deb", "iptables_1.8.9-2_amd64.deb", "libip4tc2_1.8.9-2_amd64.deb", "libip4tc2_1.8.9-2_arm64.deb", "netbase_6.4_all.deb"} {
 		if err := os.WriteFile(filepath.Join(dir, n), nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for pkg, ver := range map[string]string{"ipvsadm": "1:1.31-1+b1", "iptables": "1.8.9-2"} {
-		if got, err := findDeb(dir, pkg, ver); err != nil || filepath.Dir(got) != dir {
+		if got, err := findDeb(dir, pkg, ver, "amd64"); err != nil || filepath.Dir(got) != dir {
 			t.Errorf("%s=%s: %q, %v", pkg, ver, got, err)
 		}
 	}
-	if got, _ := findDeb(dir, "iptables", "1.8.10-1"); got != "" {
+	if got, _ := findDeb(dir, "iptables", "1.8.10-1", "amd64"); got != "" {
 		t.Errorf("another version found: %s", got)
+	}
+	// Each architecture its own .deb; an Architecture: all one for both.
+	for arch, want := range map[string]string{"amd64": "libip4tc2_1.8.9-2_amd64.deb", "arm64": "libip4tc2_1.8.9-2_arm64.deb"} {
+		if got, _ := findDeb(dir, "libip4tc2", "1.8.9-2", arch); filepath.Base(got) != want {
+			t.Errorf("libip4tc2 for %s: %q, want %s", arch, got, want)
+		}
+		if got, _ := findDeb(dir, "netbase", "6.4", arch); filepath.Base(got) != "netbase_6.4_all.deb" {
+			t.Errorf("netbase for %s: %q", arch, got)
+		}
+	}
+	if got, _ := findDeb(dir, "iptables", "1.8.9-2", "arm64"); got != "" {
+		t.Errorf("amd64's .deb taken for arm64: %s", got)
 	}
 }

@@ -69,6 +69,12 @@ type Config struct {
 	// URLBase is where the archives will be downloaded from (the krew
 	// manifest's uris): the version's release page by default.
 	URLBase string
+	// Image also builds the project's image for every server platform,
+	// written as an OCI index to Out/image (an OCI layout); the packaged
+	// chart then pins the index's digest. DebCache keeps the Debian
+	// packages it takes (default: $PROXYAUDIT_CACHE/debs or Root/.cache/debs).
+	Image    bool
+	DebCache string
 	// Changelog is the changelog that must have the version's section
 	// (default: Root's CHANGELOG.md).
 	Changelog string
@@ -182,8 +188,17 @@ func Run(ctx context.Context, cfg Config) ([]Artifact, error) {
 			}
 		}
 	}
+	digest := ""
+	if cfg.Image {
+		idx, err := releaseImage(ctx, cfg, v, work, build)
+		if err != nil {
+			return nil, err
+		}
+		digest = idx.Digest
+		logf("  image %s@%s", idx.Ref, idx.Digest)
+	}
 	logf("  chart %s", v)
-	chart, err := packageChart(filepath.Join(cfg.Root, "charts", "proxyaudit"), v, date)
+	chart, err := packageChart(filepath.Join(cfg.Root, "charts", "proxyaudit"), v, digest, date)
 	if err != nil {
 		return nil, err
 	}
@@ -297,12 +312,13 @@ func tarGz(mod time.Time, files []file) ([]byte, error) {
 var (
 	chartVersionLine    = regexp.MustCompile(`(?m)^version: .*$`)
 	chartAppVersionLine = regexp.MustCompile(`(?m)^appVersion: .*$`)
+	imageDigestLine     = regexp.MustCompile(`(?m)^  digest: ""$`)
 )
 
 // packageChart writes the chart as `helm package` would (every file under
 // proxyaudit/ but what .helmignore names), its version and appVersion the
 // release's: the image tag defaults to the appVersion.
-func packageChart(dir, v string, mod time.Time) ([]byte, error) {
+func packageChart(dir, v, digest string, mod time.Time) ([]byte, error) {
 	ignore, err := helmIgnore(filepath.Join(dir, ".helmignore"))
 	if err != nil {
 		return nil, err
@@ -339,6 +355,12 @@ func packageChart(dir, v string, mod time.Time) ([]byte, error) {
 			}
 			data = chartVersionLine.ReplaceAll(data, []byte("version: "+v))
 			data = chartAppVersionLine.ReplaceAll(data, []byte(`appVersion: "`+v+`"`))
+		}
+		if rel == "values.yaml" && digest != "" {
+			if !imageDigestLine.Match(data) {
+				return fmt.Errorf("%s: no image digest line to pin", p)
+			}
+			data = imageDigestLine.ReplaceAll(data, []byte(`  digest: "`+digest+`"`))
 		}
 		files = append(files, file{path.Join("proxyaudit", rel), 0o644, data})
 		return nil
@@ -476,4 +498,61 @@ func checksums(out string) ([]Artifact, error) {
 	arts = append(arts, Artifact{Name: "checksums.txt", SHA256: sum(data), Size: int64(len(data))})
 	slices.SortFunc(arts, func(a, b Artifact) int { return strings.Compare(a.Name, b.Name) })
 	return arts, nil
+}
+
+// releaseImage builds the image index from the servers' binaries in
+// cfg.Out and the CLI built for each server platform, and says what it
+// holds in Out/image.txt.
+func releaseImage(ctx context.Context, cfg Config, v, work string, build func(Platform, string, string) error) (*Index, error) {
+	repo, err := chartRepository(cfg.Root)
+	if err != nil {
+		return nil, err
+	}
+	debCache := cfg.DebCache
+	if debCache == "" {
+		cache := os.Getenv("PROXYAUDIT_CACHE")
+		if cache == "" {
+			cache = filepath.Join(cfg.Root, ".cache")
+		}
+		debCache = filepath.Join(cache, "debs")
+	}
+	bins := map[Platform]string{}
+	for _, p := range cfg.Servers {
+		dir := filepath.Join(work, "image-"+p.OS+"-"+p.Arch)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, err
+		}
+		if err := build(p, "./cmd/proxyaudit", filepath.Join(dir, "proxyaudit")); err != nil {
+			return nil, err
+		}
+		for _, cmd := range []string{"proxyaudit-collector", "proxyaudit-aggregator"} {
+			b, err := os.ReadFile(filepath.Join(cfg.Out, fmt.Sprintf("%s_%s_%s_%s", cmd, v, p.OS, p.Arch)))
+			if err != nil {
+				return nil, err
+			}
+			if err := os.WriteFile(filepath.Join(dir, cmd), b, 0o755); err != nil {
+				return nil, err
+			}
+		}
+		bins[p] = dir
+	}
+	idx, err := buildIndex(ctx, repo+":"+v, filepath.Join(cfg.Out, "image"), debCache, bins, cfg.Servers)
+	if err != nil {
+		return nil, err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s@%s\n", idx.Ref, idx.Digest)
+	for _, im := range idx.Images {
+		fmt.Fprintf(&b, "%s %s %d bytes\n", im.Platform, im.Digest, im.Size)
+	}
+	for _, im := range idx.Images {
+		fmt.Fprintf(&b, "Debian packages (%s):\n", im.Platform)
+		for _, p := range im.Packages {
+			fmt.Fprintf(&b, "  %s\n", p)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(cfg.Out, "image.txt"), []byte(b.String()), 0o644); err != nil {
+		return nil, err
+	}
+	return idx, nil
 }

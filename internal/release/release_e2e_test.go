@@ -1,6 +1,7 @@
 package release
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"os"
@@ -9,6 +10,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 )
@@ -35,7 +39,7 @@ func TestReleaseEndToEnd(t *testing.T) {
 	make := func() string {
 		out := filepath.Join(t.TempDir(), "dist")
 		start := time.Now()
-		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms,
+		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: os.Geteuid() == 0,
 			URLBase: "https://example.invalid/v0.1.0"})
 		if err != nil {
 			t.Fatal(err)
@@ -44,7 +48,7 @@ func TestReleaseEndToEnd(t *testing.T) {
 		return out
 	}
 	a, b := make(), make()
-	want := []string{"checksums.txt", "krew/proxyaudit.yaml", "proxyaudit-0.1.0.tgz", "proxyaudit-aggregator_0.1.0_linux_amd64",
+	want := []string{"checksums.txt", "krew/proxyaudit.yaml", "image/index.json", "proxyaudit-0.1.0.tgz", "proxyaudit-aggregator_0.1.0_linux_amd64",
 		"proxyaudit-collector_0.1.0_linux_amd64", "proxyaudit_0.1.0_linux_amd64.tar.gz"}
 	for _, name := range want {
 		x, err := os.ReadFile(filepath.Join(a, name))
@@ -69,7 +73,8 @@ func TestReleaseEndToEnd(t *testing.T) {
 		}
 		return string(out)
 	}
-	if out := run(a, nil, "sha256sum", "-c", "checksums.txt"); strings.Count(out, ": OK") != len(want)-1 {
+	sums := strings.Count(string(mustRead(t, filepath.Join(a, "checksums.txt"))), "\n")
+	if out := run(a, nil, "sha256sum", "-c", "checksums.txt"); strings.Count(out, ": OK") != sums || sums < len(want)-1 {
 		t.Errorf("sha256sum -c:\n%s", out)
 	}
 	commit := strings.TrimSpace(run(root, nil, "git", "rev-parse", "HEAD"))
@@ -98,8 +103,15 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Errorf("helm show chart:\n%s", out)
 	}
 	run("", nil, helm, "lint", pkg)
-	if out := run("", nil, helm, "template", "proxyaudit", pkg, "--namespace", "proxyaudit"); !strings.Contains(out, "image: ghcr.io/proxyaudit/proxyaudit:0.1.0") {
-		t.Errorf("the packaged chart does not run the version's image")
+	image := "image: ghcr.io/proxyaudit/proxyaudit:0.1.0"
+	if os.Geteuid() == 0 {
+		// The chart pins the index the release built.
+		first, _, _ := strings.Cut(string(mustRead(t, filepath.Join(a, "image.txt"))), "\n")
+		_, digest, _ := strings.Cut(first, "@")
+		image += "@" + digest
+	}
+	if out := run("", nil, helm, "template", "proxyaudit", pkg, "--namespace", "proxyaudit"); !strings.Contains(out, image+"\n") {
+		t.Errorf("the packaged chart does not run the version's image (%s)", image)
 	}
 
 	krew := strings.TrimSpace(run(root, nil, filepath.Join(root, "deploy/k8s-tools/krew.sh")))
@@ -126,4 +138,118 @@ func mustRead(t testing.TB, p string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// TestImageIndex builds the image index for linux/amd64 and linux/arm64
+// (Debian's packages by architecture, stand-in binaries: cross-compiling
+// the servers is `make release`'s) twice: the same digest both times, an
+// OCI layout whose index names both platforms, each image's config in its
+// architecture, and the same package versions in both.
+func TestImageIndex(t *testing.T) {
+	if testing.Short() {
+		t.Skip("takes Debian's packages: make test's end-to-end stage runs it")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (apt-get update for a foreign architecture)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	root, _ := filepath.Abs("../..")
+	platforms := []Platform{{"linux", "amd64"}, {"linux", "arm64"}}
+	bins := map[Platform]string{}
+	for _, p := range platforms {
+		dir := t.TempDir()
+		for _, b := range []string{"proxyaudit", "proxyaudit-aggregator", "proxyaudit-collector"} {
+			os.WriteFile(filepath.Join(dir, b), []byte("#!/bin/sh\necho "+b+" "+p.Arch+"\n"), 0o755)
+		}
+		bins[p] = dir
+	}
+	cache := os.Getenv("PROXYAUDIT_CACHE")
+	if cache == "" {
+		cache = filepath.Join(root, ".cache")
+	}
+	var digests []string
+	var dir string
+	for range 2 {
+		dir = filepath.Join(t.TempDir(), "image")
+		start := time.Now()
+		idx, err := buildIndex(ctx, "ghcr.io/proxyaudit/proxyaudit:0.1.0", dir, filepath.Join(cache, "debs"), bins, platforms)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("index %s in %s", idx.Digest, time.Since(start).Round(time.Millisecond))
+		for _, im := range idx.Images {
+			t.Logf("  %s %s, %d bytes, %d Debian packages", im.Platform, im.Digest, im.Size, len(im.Packages))
+		}
+		digests = append(digests, idx.Digest)
+		if len(idx.Images) != 2 || len(idx.Images[0].Packages) == 0 {
+			t.Fatalf("index: %+v", idx)
+		}
+	}
+	if digests[0] != digests[1] {
+		t.Errorf("two builds, two digests: %v", digests)
+	}
+	lp, err := layout.FromPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	top, err := lp.ImageIndex()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tm, err := top.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tm.Manifests) != 1 || tm.Manifests[0].Digest.String() != digests[0] || tm.Manifests[0].Annotations["org.opencontainers.image.ref.name"] != "0.1.0" {
+		t.Fatalf("the layout's index.json: %+v", tm.Manifests)
+	}
+	idx, err := top.ImageIndex(tm.Manifests[0].Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	im, err := idx.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if im.MediaType != types.OCIImageIndex || len(im.Manifests) != 2 {
+		t.Fatalf("index %s with %d manifests", im.MediaType, len(im.Manifests))
+	}
+	for i, d := range im.Manifests {
+		img, err := idx.Image(d.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cf, err := img.ConfigFile()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, _ := img.Manifest()
+		if d.Platform == nil || d.Platform.Architecture != platforms[i].Arch || cf.Architecture != platforms[i].Arch || cf.OS != "linux" ||
+			m.MediaType != types.OCIManifestSchema1 || m.Layers[0].MediaType != types.OCILayer {
+			t.Errorf("manifest %d: platform %+v, config %s/%s, %s, layer %s", i, d.Platform, cf.OS, cf.Architecture, m.MediaType, m.Layers[0].MediaType)
+		}
+		// The image's own files: arm64's libc in the arm64 image.
+		ls, _ := img.Layers()
+		rc, err := ls[0].Uncompressed()
+		if err != nil {
+			t.Fatal(err)
+		}
+		tr := tar.NewReader(rc)
+		want := map[string]string{"amd64": "lib/x86_64-linux-gnu/libc.so.6", "arm64": "lib/aarch64-linux-gnu/libc.so.6"}[platforms[i].Arch]
+		found := false
+		for {
+			h, err := tr.Next()
+			if err != nil {
+				break
+			}
+			if strings.TrimPrefix(h.Name, "./") == want || strings.TrimPrefix(h.Name, "/") == want || strings.HasSuffix(h.Name, want) {
+				found = true
+			}
+		}
+		rc.Close()
+		if !found {
+			t.Errorf("the %s image has no %s", platforms[i].Arch, want)
+		}
+	}
 }

@@ -72,7 +72,7 @@ webhook
 {{- end -}}
 
 {{- define "proxyaudit.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{ with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end -}}
 
 {{- define "proxyaudit.remediating" -}}
