@@ -75,6 +75,18 @@ type Config struct {
 	// packages it takes (default: $PROXYAUDIT_CACHE/debs or Root/.cache/debs).
 	Image    bool
 	DebCache string
+	// Registry is where the image and chart live, e.g. ghcr.io/proxyaudit
+	// (the default: the chart's image repository's): the image is
+	// REGISTRY/proxyaudit, the packaged chart's default, and the chart
+	// REGISTRY/charts/proxyaudit. Push sends both there.
+	Registry string
+	Push     bool
+	// CAFile, when set, is the CA bundle that verifies the registry; Helm
+	// is the helm binary pushing the chart, HelmEnv its environment
+	// beside ours.
+	CAFile  string
+	Helm    string
+	HelmEnv []string
 	// Changelog is the changelog that must have the version's section
 	// (default: Root's CHANGELOG.md).
 	Changelog string
@@ -188,6 +200,17 @@ func Run(ctx context.Context, cfg Config) ([]Artifact, error) {
 			}
 		}
 	}
+	if cfg.Push && !cfg.Image {
+		return nil, fmt.Errorf("pushing a release needs its image (Config.Image)")
+	}
+	repo, err := chartRepository(cfg.Root)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Registry == "" {
+		cfg.Registry = path.Dir(repo)
+	}
+	cfg.Registry = strings.TrimSuffix(strings.TrimPrefix(cfg.Registry, "oci://"), "/")
 	digest := ""
 	if cfg.Image {
 		idx, err := releaseImage(ctx, cfg, v, work, build)
@@ -198,7 +221,7 @@ func Run(ctx context.Context, cfg Config) ([]Artifact, error) {
 		logf("  image %s@%s", idx.Ref, idx.Digest)
 	}
 	logf("  chart %s", v)
-	chart, err := packageChart(filepath.Join(cfg.Root, "charts", "proxyaudit"), v, digest, date)
+	chart, err := packageChart(filepath.Join(cfg.Root, "charts", "proxyaudit"), v, cfg.Registry+"/proxyaudit", digest, date)
 	if err != nil {
 		return nil, err
 	}
@@ -216,6 +239,13 @@ func Run(ctx context.Context, cfg Config) ([]Artifact, error) {
 		return nil, err
 	}
 	logf("  %d files and checksums.txt in %s", len(arts)-1, cfg.Out)
+	if cfg.Push {
+		p, err := push(ctx, cfg, v, digest)
+		if err != nil {
+			return nil, err
+		}
+		logf("  pushed %s and %s:%s (%s)", p.Image, p.Chart, v, p.ChartDigest)
+	}
 	return arts, nil
 }
 
@@ -318,7 +348,7 @@ var (
 // packageChart writes the chart as `helm package` would (every file under
 // proxyaudit/ but what .helmignore names), its version and appVersion the
 // release's: the image tag defaults to the appVersion.
-func packageChart(dir, v, digest string, mod time.Time) ([]byte, error) {
+func packageChart(dir, v, repository, digest string, mod time.Time) ([]byte, error) {
 	ignore, err := helmIgnore(filepath.Join(dir, ".helmignore"))
 	if err != nil {
 		return nil, err
@@ -355,6 +385,9 @@ func packageChart(dir, v, digest string, mod time.Time) ([]byte, error) {
 			}
 			data = chartVersionLine.ReplaceAll(data, []byte("version: "+v))
 			data = chartAppVersionLine.ReplaceAll(data, []byte(`appVersion: "`+v+`"`))
+		}
+		if rel == "values.yaml" {
+			data = repositoryLine.ReplaceAll(data, []byte("  repository: "+repository))
 		}
 		if rel == "values.yaml" && digest != "" {
 			if !imageDigestLine.Match(data) {
@@ -504,10 +537,7 @@ func checksums(out string) ([]Artifact, error) {
 // cfg.Out and the CLI built for each server platform, and says what it
 // holds in Out/image.txt.
 func releaseImage(ctx context.Context, cfg Config, v, work string, build func(Platform, string, string) error) (*Index, error) {
-	repo, err := chartRepository(cfg.Root)
-	if err != nil {
-		return nil, err
-	}
+	repo := cfg.Registry + "/proxyaudit"
 	debCache := cfg.DebCache
 	if debCache == "" {
 		cache := os.Getenv("PROXYAUDIT_CACHE")
@@ -522,7 +552,12 @@ func releaseImage(ctx context.Context, cfg Config, v, work string, build func(Pl
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return nil, err
 		}
-		if err := build(p, "./cmd/proxyaudit", filepath.Join(dir, "proxyaudit")); err != nil {
+		// The CLI's archive for this platform holds the same build.
+		if b, err := os.ReadFile(filepath.Join(work, "cli-"+p.OS+"-"+p.Arch)); err == nil {
+			if err := os.WriteFile(filepath.Join(dir, "proxyaudit"), b, 0o755); err != nil {
+				return nil, err
+			}
+		} else if err := build(p, "./cmd/proxyaudit", filepath.Join(dir, "proxyaudit")); err != nil {
 			return nil, err
 		}
 		for _, cmd := range []string{"proxyaudit-collector", "proxyaudit-aggregator"} {

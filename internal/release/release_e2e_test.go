@@ -4,6 +4,17 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,7 +22,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
@@ -252,4 +265,192 @@ func TestImageIndex(t *testing.T) {
 			t.Errorf("the %s image has no %s", platforms[i].Arch, want)
 		}
 	}
+}
+
+// TestReleasePushedToARegistry pushes a release to a genuine OCI registry
+// (distribution, built from its module) serving TLS with a CA of the
+// test's own, then reads it back as a user would: the image index by its
+// tag has the release's digest and each platform's manifest; `helm pull`
+// of the OCI chart gives the package's bytes, whose default image is the
+// registry's, pinned by that digest.
+func TestReleasePushedToARegistry(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the release and a registry: make test's end-to-end stage runs it")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (the image's Debian packages)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	root, _ := filepath.Abs("../..")
+	reg := startRegistry(ctx, t, root)
+	cl := filepath.Join(t.TempDir(), "CHANGELOG.md")
+	os.WriteFile(cl, []byte("## [0.1.0] - 2026-12-02\n"), 0o644)
+	helm, err := chart.Helm(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	helmEnv := []string{"HELM_CACHE_HOME=" + t.TempDir(), "HELM_CONFIG_HOME=" + t.TempDir(), "HELM_DATA_HOME=" + t.TempDir()}
+	out := filepath.Join(t.TempDir(), "dist")
+	platforms := []Platform{{"linux", "amd64"}}
+	registry := reg.addr + "/proxyaudit"
+	if _, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: true,
+		Registry: registry, Push: true, CAFile: reg.ca, Helm: helm, HelmEnv: helmEnv, Log: testWriter{t}}); err != nil {
+		t.Fatal(err)
+	}
+	first, _, _ := strings.Cut(string(mustRead(t, filepath.Join(out, "image.txt"))), "\n")
+	_, digest, _ := strings.Cut(first, "@")
+
+	ref, err := name.ParseReference(registry + "/proxyaudit:0.1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := remote.Get(ref, remote.WithContext(ctx), remote.WithTransport(reg.transport))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if desc.Digest.String() != digest || desc.MediaType != types.OCIImageIndex {
+		t.Fatalf("the registry serves %s %s for the tag, want the release's index %s", desc.MediaType, desc.Digest, digest)
+	}
+	idx, err := desc.ImageIndex()
+	if err != nil {
+		t.Fatal(err)
+	}
+	im, err := idx.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range im.Manifests {
+		img, err := idx.Image(m.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := img.Layers(); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s/%s %s", m.Platform.OS, m.Platform.Architecture, m.Digest)
+	}
+
+	pulled := t.TempDir()
+	cmd := exec.CommandContext(ctx, helm, "pull", "oci://"+registry+"/charts/proxyaudit", "--version", "0.1.0", "--ca-file", reg.ca, "--destination", pulled)
+	cmd.Env = append(os.Environ(), helmEnv...)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("helm pull: %v\n%s", err, b)
+	}
+	if !bytes.Equal(mustRead(t, filepath.Join(pulled, "proxyaudit-0.1.0.tgz")), mustRead(t, filepath.Join(out, "proxyaudit-0.1.0.tgz"))) {
+		t.Error("the chart pulled from the registry is not the release's package")
+	}
+	cmd = exec.CommandContext(ctx, helm, "template", "proxyaudit", filepath.Join(pulled, "proxyaudit-0.1.0.tgz"))
+	cmd.Env = append(os.Environ(), helmEnv...)
+	b, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("helm template: %v\n%s", err, b)
+	}
+	if want := "image: " + registry + "/proxyaudit:0.1.0@" + digest + "\n"; !strings.Contains(string(b), want) {
+		t.Errorf("the pulled chart does not run %q", want)
+	}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+type registry struct {
+	addr, ca  string
+	transport http.RoundTripper
+}
+
+// startRegistry runs distribution's registry on loopback with TLS from a
+// CA of the test's own, storage in a temporary directory; it stops with
+// the test.
+func startRegistry(ctx context.Context, t *testing.T, root string) *registry {
+	t.Helper()
+	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/registry.sh")).Output()
+	if err != nil {
+		t.Fatalf("build the registry: %v", err)
+	}
+	bin := strings.TrimSpace(string(out))
+	dir := t.TempDir()
+	caPEM, certPEM, keyPEM := testPKI(t, "127.0.0.1")
+	ca, cert, key := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	os.WriteFile(ca, caPEM, 0o644)
+	os.WriteFile(cert, certPEM, 0o644)
+	os.WriteFile(key, keyPEM, 0o600)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	cfg := filepath.Join(dir, "config.yml")
+	os.WriteFile(cfg, []byte(fmt.Sprintf(`version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: %s
+http:
+  addr: %s
+  tls:
+    certificate: %s
+    key: %s
+`, filepath.Join(dir, "data"), addr, cert, key)), 0o644)
+	rctx, stop := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(rctx, bin, "serve", cfg)
+	cmd.Env = append(os.Environ(), "OTEL_TRACES_EXPORTER=none")
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		stop()
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("registry log:\n%s", logs.String())
+		}
+	})
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(caPEM)
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		resp, err := (&http.Client{Transport: tr, Timeout: time.Second}).Get("https://" + addr + "/v2/")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the registry at %s did not answer: %v\n%s", addr, err, logs.String())
+		}
+	}
+	return &registry{addr: addr, ca: ca, transport: tr}
+}
+
+// testPKI makes a CA and a server certificate for host (an IP address).
+func testPKI(t *testing.T, host string) (caPEM, certPEM, keyPEM []byte) {
+	t.Helper()
+	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	now := time.Now()
+	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "release test CA"}, NotBefore: now.Add(-time.Hour),
+		NotAfter: now.Add(time.Hour), IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caCert, _ := x509.ParseCertificate(caDER)
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: host}, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP(host)}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, KeyUsage: x509.KeyUsageDigitalSignature}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, _ := x509.MarshalECPrivateKey(key)
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb})
 }
