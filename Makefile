@@ -21,14 +21,15 @@ build: modules
 
 ## release: a version's artifacts in dist/, the same bytes on every run of one commit: the CLI's archives
 ## (linux, darwin x amd64, arm64; the CLI is also the kubectl plugin), the collector's and aggregator's
-## binaries (linux amd64, arm64), the chart package (version and appVersion X.Y.Z), the krew manifest and
+## binaries (linux amd64, arm64), CycloneDX SBOMs (each binary's Go modules; the image's Debian packages
+## and Go modules), the image for linux/amd64 and arm64 as an OCI index in dist/image, the chart package (version and appVersion X.Y.Z), the krew manifest and
 ## checksums.txt. VERSION=vX.Y.Z must have its section in CHANGELOG.md. PUSH=REGISTRY (e.g. ghcr.io/proxyaudit)
 ## also pushes the image index to REGISTRY/proxyaudit:X.Y.Z and the chart to oci://REGISTRY/charts, the
 ## packaged chart naming REGISTRY/proxyaudit; PUSH_CA verifies a registry of your own
 release: modules
 	@test -n "$(VERSION)" || { echo "make release: say VERSION=vX.Y.Z" >&2; exit 2; }
 	rm -rf dist
-	$(GO) run ./deploy/release -version $(VERSION) -out dist \
+	$(GO) run ./deploy/release -version $(VERSION) -out dist -sbom-tool $$(deploy/k8s-tools/cyclonedx-gomod.sh) \
 		$(if $(PUSH),-push -registry $(PUSH) -helm $$(deploy/k8s-tools/helm.sh) $(if $(PUSH_CA),-ca-file $(PUSH_CA)))
 
 ## image: the project's container image without a container engine (Debian packages by version, the

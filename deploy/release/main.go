@@ -25,6 +25,7 @@ func main() {
 	flag.BoolVar(&cfg.Push, "push", false, "push the image index to REGISTRY/proxyaudit:X.Y.Z and the chart to oci://REGISTRY/charts (docker's and helm's registry logins)")
 	flag.StringVar(&cfg.CAFile, "ca-file", "", "CA bundle that verifies the registry")
 	flag.StringVar(&cfg.Helm, "helm", "helm", "the helm binary that pushes the chart")
+	flag.StringVar(&cfg.SBOMTool, "sbom-tool", "", "cyclonedx-gomod, to write each binary's CycloneDX SBOM beside it (make release builds it)")
 	cli := flag.String("cli-platforms", "", "the CLI's platforms, OS/ARCH comma-separated (default: linux and darwin, amd64 and arm64)")
 	servers := flag.String("server-platforms", "", "the servers' platforms (default: linux/amd64,linux/arm64)")
 	flag.Parse()

@@ -2,10 +2,14 @@ package release
 
 import (
 	"context"
+	"debug/buildinfo"
+	"encoding/json"
 	"fmt"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -133,4 +137,53 @@ func imageSize(img v1.Image) (int64, error) {
 		n += l.Size
 	}
 	return n, nil
+}
+
+// imageSBOM is the image's CycloneDX SBOM for one platform: its Debian
+// packages by version and the Go modules its binaries (in dir) were built
+// from, as their build information says.
+func imageSBOM(ref string, im PlatformImage, dir string) ([]byte, error) {
+	type component struct {
+		Type    string `json:"type"`
+		BOMRef  string `json:"bom-ref"`
+		Name    string `json:"name"`
+		Version string `json:"version"`
+		PURL    string `json:"purl"`
+	}
+	var comps []component
+	for _, p := range im.Packages {
+		purl := fmt.Sprintf("pkg:deb/debian/%s@%s?arch=%s&distro=debian-12", p.Name, url.PathEscape(p.Version), im.Platform.Arch)
+		comps = append(comps, component{"library", purl, p.Name, p.Version, purl})
+	}
+	mods := map[string]string{}
+	for _, b := range []string{"proxyaudit", "proxyaudit-aggregator", "proxyaudit-collector"} {
+		bi, err := buildinfo.ReadFile(filepath.Join(dir, b))
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", b, err)
+		}
+		mods["stdlib"] = bi.GoVersion
+		for _, d := range bi.Deps {
+			if d.Replace != nil {
+				d = d.Replace
+			}
+			mods[d.Path] = d.Version
+		}
+	}
+	var paths []string
+	for p := range mods {
+		paths = append(paths, p)
+	}
+	slices.Sort(paths)
+	for _, p := range paths {
+		purl := "pkg:golang/" + p + "@" + mods[p]
+		comps = append(comps, component{"library", purl, p, mods[p], purl})
+	}
+	repo, tag, _ := strings.Cut(ref[strings.LastIndex(ref, "/")+1:], ":")
+	bom := map[string]any{
+		"bomFormat": "CycloneDX", "specVersion": "1.6", "version": 1,
+		"metadata": map[string]any{"component": map[string]any{"type": "container", "bom-ref": ref + "@" + im.Digest, "name": repo, "version": tag,
+			"properties": []map[string]string{{"name": "platform", "value": im.Platform.String()}, {"name": "digest", "value": im.Digest}}}},
+		"components": comps,
+	}
+	return json.MarshalIndent(bom, "", "  ")
 }

@@ -87,6 +87,9 @@ type Config struct {
 	CAFile  string
 	Helm    string
 	HelmEnv []string
+	// SBOMTool is cyclonedx-gomod: each binary's SBOM is written beside
+	// it (name.cdx.json); empty writes none.
+	SBOMTool string
 	// Changelog is the changelog that must have the version's section
 	// (default: Root's CHANGELOG.md).
 	Changelog string
@@ -191,11 +194,17 @@ func Run(ctx context.Context, cfg Config) ([]Artifact, error) {
 			return nil, err
 		}
 		krew = append(krew, krewPlatform{p, cfg.URLBase + "/" + name, sum(data)})
+		if err := binarySBOM(ctx, cfg, bin, cfg.Version, filepath.Join(cfg.Out, strings.TrimSuffix(name, ".tar.gz")+".cdx.json")); err != nil {
+			return nil, err
+		}
 	}
 	for _, p := range cfg.Servers {
 		for _, cmd := range []string{"proxyaudit-collector", "proxyaudit-aggregator"} {
 			out := filepath.Join(cfg.Out, fmt.Sprintf("%s_%s_%s_%s", cmd, v, p.OS, p.Arch))
 			if err := build(p, "./cmd/"+cmd, out); err != nil {
+				return nil, err
+			}
+			if err := binarySBOM(ctx, cfg, out, cfg.Version, out+".cdx.json"); err != nil {
 				return nil, err
 			}
 		}
@@ -589,5 +598,29 @@ func releaseImage(ctx context.Context, cfg Config, v, work string, build func(Pl
 	if err := os.WriteFile(filepath.Join(cfg.Out, "image.txt"), []byte(b.String()), 0o644); err != nil {
 		return nil, err
 	}
+	for _, im := range idx.Images {
+		sbom, err := imageSBOM(idx.Ref, im, bins[im.Platform])
+		if err != nil {
+			return nil, err
+		}
+		name := fmt.Sprintf("proxyaudit-image_%s_%s_%s.cdx.json", v, im.Platform.OS, im.Platform.Arch)
+		if err := os.WriteFile(filepath.Join(cfg.Out, name), append(sbom, '\n'), 0o644); err != nil {
+			return nil, err
+		}
+	}
 	return idx, nil
+}
+
+// binarySBOM writes bin's CycloneDX SBOM (its Go modules, from the build
+// information the binary carries, and the standard library) to out,
+// without a timestamp or serial number so that two releases agree.
+func binarySBOM(ctx context.Context, cfg Config, bin, version, out string) error {
+	if cfg.SBOMTool == "" {
+		return nil
+	}
+	cmd := exec.CommandContext(ctx, cfg.SBOMTool, "bin", "-json", "-std", "-noserial", "-notimestamp", "-version", version, "-output", out, bin)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("SBOM of %s: %v\n%s", filepath.Base(bin), err, b)
+	}
+	return nil
 }

@@ -49,10 +49,14 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	platforms := []Platform{{"linux", "amd64"}}
+	sbomTool, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/cyclonedx-gomod.sh")).Output()
+	if err != nil {
+		t.Fatalf("build cyclonedx-gomod: %v", err)
+	}
 	make := func() string {
 		out := filepath.Join(t.TempDir(), "dist")
 		start := time.Now()
-		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: os.Geteuid() == 0,
+		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: os.Geteuid() == 0, SBOMTool: strings.TrimSpace(string(sbomTool)),
 			URLBase: "https://example.invalid/v0.1.0"})
 		if err != nil {
 			t.Fatal(err)
@@ -62,7 +66,11 @@ func TestReleaseEndToEnd(t *testing.T) {
 	}
 	a, b := make(), make()
 	want := []string{"checksums.txt", "krew/proxyaudit.yaml", "image/index.json", "proxyaudit-0.1.0.tgz", "proxyaudit-aggregator_0.1.0_linux_amd64",
-		"proxyaudit-collector_0.1.0_linux_amd64", "proxyaudit_0.1.0_linux_amd64.tar.gz"}
+		"proxyaudit-collector_0.1.0_linux_amd64", "proxyaudit_0.1.0_linux_amd64.tar.gz",
+		"proxyaudit_0.1.0_linux_amd64.cdx.json", "proxyaudit-collector_0.1.0_linux_amd64.cdx.json", "proxyaudit-aggregator_0.1.0_linux_amd64.cdx.json"}
+	if os.Geteuid() == 0 {
+		want = append(want, "image.txt", "proxyaudit-image_0.1.0_linux_amd64.cdx.json")
+	}
 	for _, name := range want {
 		x, err := os.ReadFile(filepath.Join(a, name))
 		if err != nil {
@@ -91,6 +99,21 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Errorf("sha256sum -c:\n%s", out)
 	}
 	commit := strings.TrimSpace(run(root, nil, "git", "rev-parse", "HEAD"))
+	// The SBOMs name what the binaries were built from: client-go at
+	// go.mod's version in the CLI's, Debian's iptables in the image's.
+	gomod := string(mustRead(t, filepath.Join(root, "go.mod")))
+	_, rest, _ := strings.Cut(gomod, "\tk8s.io/client-go ")
+	clientGo, _, _ := strings.Cut(rest, "\n")
+	sboms := map[string]string{"proxyaudit_0.1.0_linux_amd64.cdx.json": `"purl": "pkg:golang/k8s.io/client-go@` + clientGo}
+	if os.Geteuid() == 0 {
+		sboms["proxyaudit-image_0.1.0_linux_amd64.cdx.json"] = `"purl": "pkg:deb/debian/iptables@`
+		sboms["proxyaudit-image_0.1.0_linux_amd64.cdx.json "] = `"purl": "pkg:golang/k8s.io/client-go@` + clientGo
+	}
+	for f, want := range sboms {
+		if b := mustRead(t, filepath.Join(a, strings.TrimSpace(f))); !strings.Contains(string(b), want) || !strings.Contains(string(b), `"bomFormat": "CycloneDX"`) {
+			t.Errorf("%s does not name %s", f, want)
+		}
+	}
 	for _, e := range untar(t, mustRead(t, filepath.Join(a, "proxyaudit_0.1.0_linux_amd64.tar.gz"))) {
 		if e.Name == "proxyaudit" {
 			p := filepath.Join(t.TempDir(), "proxyaudit")
