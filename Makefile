@@ -25,12 +25,14 @@ build: modules
 ## and Go modules), the image for linux/amd64 and arm64 as an OCI index in dist/image, the chart package (version and appVersion X.Y.Z), the krew manifest and
 ## checksums.txt. VERSION=vX.Y.Z must have its section in CHANGELOG.md. PUSH=REGISTRY (e.g. ghcr.io/proxyaudit)
 ## also pushes the image index to REGISTRY/proxyaudit:X.Y.Z and the chart to oci://REGISTRY/charts, the
-## packaged chart naming REGISTRY/proxyaudit; PUSH_CA verifies a registry of your own
+## packaged chart naming REGISTRY/proxyaudit; PUSH_CA verifies a registry of your own. SIGN_KEY=cosign.key
+## (COSIGN_PASSWORD) or SIGN=keyless signs the pushed index and chart and attests each image's SBOM
 release: modules
 	@test -n "$(VERSION)" || { echo "make release: say VERSION=vX.Y.Z" >&2; exit 2; }
 	rm -rf dist
 	$(GO) run ./deploy/release -version $(VERSION) -out dist -sbom-tool $$(deploy/k8s-tools/cyclonedx-gomod.sh) \
-		$(if $(PUSH),-push -registry $(PUSH) -helm $$(deploy/k8s-tools/helm.sh) $(if $(PUSH_CA),-ca-file $(PUSH_CA)))
+		$(if $(PUSH),-push -registry $(PUSH) -helm $$(deploy/k8s-tools/helm.sh) $(if $(PUSH_CA),-ca-file $(PUSH_CA)) \
+		$(if $(or $(SIGN_KEY),$(filter keyless,$(SIGN))),-cosign $$(deploy/k8s-tools/cosign.sh) $(if $(SIGN_KEY),-sign-key $(SIGN_KEY))))
 
 ## image: the project's container image without a container engine (Debian packages by version, the
 ## binaries built here), as bin/proxyaudit-image.tar for `ctr images import` (path printed last);
@@ -182,13 +184,16 @@ chart-lint:
 helm:
 	@deploy/k8s-tools/helm.sh
 
-## lint: gofmt, go vet, staticcheck (pinned, built from its module) and the chart's strict lint
+## lint: gofmt, go vet, staticcheck and actionlint (the workflows in .github; both pinned, built from their
+## modules) and the chart's strict lint
 GOVULNCHECK ?= golang.org/x/vuln/cmd/govulncheck@v1.9.0
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
+ACTIONLINT  ?= github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
+	$(GO) run $(ACTIONLINT) -shellcheck= -pyflakes=
 	$(MAKE) --no-print-directory chart-lint
 
 ## vulncheck: govulncheck (pinned, built from its module) against vuln.go.dev; not in `make lint`
