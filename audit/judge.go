@@ -187,12 +187,17 @@ type Heartbeat struct {
 type CollectorCost struct {
 	// Version is the collector's own version (its hello): a rolling
 	// upgrade is watched node by node.
-	Version                 string            `json:"version,omitempty"`
-	Reads                   map[string]uint64 `json:"reads"`
-	LastReadSeconds         float64           `json:"lastReadSeconds"`
-	LastReadCPUSeconds      float64           `json:"lastReadCPUSeconds"`
-	LastReadBytes           int64             `json:"lastReadBytes"`
-	FullReadIntervalSeconds float64           `json:"fullReadIntervalSeconds,omitempty"`
+	Version            string            `json:"version,omitempty"`
+	Reads              map[string]uint64 `json:"reads"`
+	LastReadSeconds    float64           `json:"lastReadSeconds"`
+	LastReadCPUSeconds float64           `json:"lastReadCPUSeconds"`
+	LastReadBytes      int64             `json:"lastReadBytes"`
+	// LastWholeRead* are the last whole read's: the last read may have
+	// read only what changed (nothing, where kube-proxy stopped writing).
+	LastWholeReadSeconds    float64 `json:"lastWholeReadSeconds,omitempty"`
+	LastWholeReadCPUSeconds float64 `json:"lastWholeReadCPUSeconds,omitempty"`
+	LastWholeReadBytes      int64   `json:"lastWholeReadBytes,omitempty"`
+	FullReadIntervalSeconds float64 `json:"fullReadIntervalSeconds,omitempty"`
 	// SignalLost counts change announcements the node's kernel dropped.
 	SignalLost uint64 `json:"signalLost,omitempty"`
 	// Reader is what reads the node's rules; Fallbacks counts reads that

@@ -144,7 +144,8 @@ func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.Collect
 		return nil
 	}
 	cost := &audit.CollectorCost{Version: n.collectorVersion, Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
-		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
+		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes,
+		LastWholeReadSeconds: rs.WholeSeconds, LastWholeReadCPUSeconds: rs.WholeCPUSeconds, LastWholeReadBytes: rs.WholeBytes, FullReadIntervalSeconds: rs.FullReadIntervalSeconds, SignalLost: rs.SignalLost,
 		Reader: safetext.Clean(rs.Reader, maxReadError), Fallbacks: rs.Fallbacks, FallbackReason: safetext.Clean(rs.FallbackReason, maxReadError)}
 	for _, w := range rs.Warnings {
 		cost.Warnings = append(cost.Warnings, safetext.Clean(w, maxReadError))

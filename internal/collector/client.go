@@ -206,6 +206,10 @@ type client struct {
 		Reads                       map[stream.ReadReason]uint64
 		LastSeconds, LastCPUSeconds float64
 		LastBytes                   int64
+		// Whole*: the last whole read's (the last read may have read
+		// only what changed).
+		WholeSeconds, WholeCPUSeconds float64
+		WholeBytes                    int64
 		// Warnings: the last whole read's (Observed.Warnings).
 		Warnings []string
 	}

@@ -323,6 +323,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 		c.cached = applyChanges(c.cached, changes)
 	} else {
 		c.cached = stream.FromModel(obs)
+		c.cost.WholeSeconds, c.cost.WholeCPUSeconds, c.cost.WholeBytes = c.cost.LastSeconds, c.cost.LastCPUSeconds, c.cost.LastBytes
 		c.cost.Warnings = c.cost.Warnings[:0]
 		for _, w := range obs.Warnings[:min(len(obs.Warnings), stream.MaxReadWarnings)] {
 			c.cost.Warnings = append(c.cost.Warnings, clipText(w))
@@ -387,7 +388,8 @@ func (c *client) openSignal(src Source) {
 // stats is the read cost as sent to the aggregator.
 func (c *client) stats() *stream.ReadStats {
 	rs := &stream.ReadStats{Reads: map[stream.ReadReason]uint64{}, LastSeconds: c.cost.LastSeconds, LastBytes: c.cost.LastBytes,
-		LastCPUSeconds: c.cost.LastCPUSeconds, FullReadIntervalSeconds: c.cfg.FullReadInterval.Seconds()}
+		LastCPUSeconds: c.cost.LastCPUSeconds, FullReadIntervalSeconds: c.cfg.FullReadInterval.Seconds(),
+		WholeSeconds: c.cost.WholeSeconds, WholeCPUSeconds: c.cost.WholeCPUSeconds, WholeBytes: c.cost.WholeBytes}
 	if c.signal != nil {
 		rs.SignalLost = c.signal.Lost()
 	}

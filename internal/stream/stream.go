@@ -317,6 +317,13 @@ type ReadStats struct {
 	LastSeconds    float64               `json:"lastSeconds"`
 	LastCPUSeconds float64               `json:"lastCPUSeconds"`
 	LastBytes      int64                 `json:"lastBytes"`
+	// WholeSeconds, WholeCPUSeconds and WholeBytes are the last whole
+	// read's (the last read may have read only what changed: nothing, on
+	// a node whose kube-proxy stopped writing). Absent from collectors
+	// before 0.2.
+	WholeSeconds    float64 `json:"wholeSeconds,omitempty"`
+	WholeCPUSeconds float64 `json:"wholeCPUSeconds,omitempty"`
+	WholeBytes      int64   `json:"wholeBytes,omitempty"`
 	// FullReadIntervalSeconds is the collector's backstop: the longest
 	// time between two reads of a source with a change signal.
 	FullReadIntervalSeconds float64 `json:"fullReadIntervalSeconds,omitempty"`
@@ -394,6 +401,9 @@ func (r *ReadStats) Validate() error {
 	if r.LastSeconds < 0 || r.LastSeconds > 3600 || r.LastCPUSeconds < 0 || r.LastCPUSeconds > 3600 || r.LastBytes < 0 ||
 		r.FullReadIntervalSeconds < 0 {
 		return fmt.Errorf("read stats out of range: %gs, %gs CPU, %d bytes", r.LastSeconds, r.LastCPUSeconds, r.LastBytes)
+	}
+	if r.WholeSeconds < 0 || r.WholeSeconds > 3600 || r.WholeCPUSeconds < 0 || r.WholeCPUSeconds > 3600 || r.WholeBytes < 0 {
+		return fmt.Errorf("read stats out of range: last whole read %gs, %gs CPU, %d bytes", r.WholeSeconds, r.WholeCPUSeconds, r.WholeBytes)
 	}
 	if len(r.Reader) > maxReaderText || len(r.FallbackReason) > maxReaderText {
 		return fmt.Errorf("read stats: a reader name or fallback reason of %d bytes (at most %d)", max(len(r.Reader), len(r.FallbackReason)), maxReaderText)

@@ -110,7 +110,11 @@ func TestHostileNamesRenderAsText(t *testing.T) {
 // the incident's ladder with a dry-run action marked.
 func TestNodeAndIncidentPages(t *testing.T) {
 	st := audit.NodeStatus{Node: "n1", State: audit.NodeStuck, Mode: audit.ModeNFTables, Services: 3, InSync: 2, Divergent: 1,
-		KubeProxy: &audit.KubeProxySignal{Version: "v1.36.3", LastSync: now.Add(-5 * time.Minute), EndpointChangesPending: 4}}
+		KubeProxy: &audit.KubeProxySignal{Version: "v1.36.3", LastSync: now.Add(-5 * time.Minute), EndpointChangesPending: 4},
+		// A stuck node's last read was incremental and found nothing; its
+		// last whole read is what reading the node costs (issue #57).
+		Collector: &audit.CollectorCost{Version: "v0.1.0", Reads: map[string]uint64{"change": 3}, LastReadSeconds: 0.0004,
+			LastWholeReadSeconds: 0.21, LastWholeReadCPUSeconds: 0.18, LastWholeReadBytes: 4 << 20}}
 	ports := []audit.PortTrace{{Service: "default/web", Port: "http", Protocol: "TCP", Frontends: []audit.FrontendTrace{{Frontend: "198.19.0.20:80/TCP", Status: audit.TraceOK,
 		Endpoints: []audit.EndpointTrace{{Endpoint: "198.18.1.5:8080", Status: audit.TraceStale}, {Endpoint: "198.18.1.6:8080", Status: audit.TraceMissing}}}}}}
 	inc := &Incident{DryRun: true, Node: "n1", Stage: "restarted", Opened: now.Add(-time.Minute), Restarts: []time.Time{now.Add(-30 * time.Second)},
@@ -121,7 +125,9 @@ func TestNodeAndIncidentPages(t *testing.T) {
 	}
 	page := b.String()
 	for _, want := range []string{`<span class="state s-Stuck" id="state">Stuck</span>`, "<details class=\"port\" open>", "198.18.1.5:8080 <b>stale</b>",
-		"198.18.1.6:8080 <b>missing</b>", "v1.36.3", "4 endpoint, 0 service", `<span class="dry">dry-run</span>`, "would restart kube-proxy (1×", "dry-run: nothing was changed"} {
+		"198.18.1.6:8080 <b>missing</b>", "v1.36.3", "4 endpoint, 0 service", `<span class="dry">dry-run</span>`, "would restart kube-proxy (1×", "dry-run: nothing was changed",
+		"0 bytes (only what changed: nothing)", "<th>Last whole read</th><td>0.21s wall, 0.18s CPU, 4194304 bytes", "no change programmed in the window",
+		"<th>Version</th><td>v0.1.0</td>"} {
 		if !strings.Contains(page, want) {
 			t.Errorf("node page lacks %q", want)
 		}
