@@ -26,6 +26,8 @@ func main() {
 	flag.StringVar(&cfg.CAFile, "ca-file", "", "CA bundle that verifies the registry")
 	flag.StringVar(&cfg.Helm, "helm", "helm", "the helm binary that pushes the chart")
 	flag.StringVar(&cfg.SBOMTool, "sbom-tool", "", "cyclonedx-gomod, to write each binary's CycloneDX SBOM beside it (make release builds it)")
+	flag.StringVar(&cfg.Cosign, "cosign", "", "with -push: cosign, to sign the index and the chart and attest each image's SBOM")
+	flag.StringVar(&cfg.SignKey, "sign-key", "", "with -cosign: the cosign key (password in COSIGN_PASSWORD); empty signs keyless (sigstore's OIDC flow, no key kept)")
 	cli := flag.String("cli-platforms", "", "the CLI's platforms, OS/ARCH comma-separated (default: linux and darwin, amd64 and arm64)")
 	servers := flag.String("server-platforms", "", "the servers' platforms (default: linux/amd64,linux/arm64)")
 	flag.Parse()

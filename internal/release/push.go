@@ -84,5 +84,44 @@ func push(ctx context.Context, cfg Config, v, digest string) (*Pushed, error) {
 			p.ChartDigest = strings.TrimSpace(d)
 		}
 	}
+	if cfg.Cosign == "" {
+		return p, nil
+	}
+	if p.ChartDigest == "" {
+		return nil, fmt.Errorf("helm push named no digest to sign:\n%s", out)
+	}
+	// The index and the chart by digest, never by tag.
+	chartRef := strings.TrimPrefix(p.Chart, "oci://") + "@" + p.ChartDigest
+	for _, r := range []string{p.Image, chartRef} {
+		if err := cosign(ctx, cfg, "sign", r); err != nil {
+			return nil, err
+		}
+	}
+	im, err := idx.IndexManifest()
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range im.Manifests {
+		sbom := filepath.Join(cfg.Out, fmt.Sprintf("proxyaudit-image_%s_%s_%s.cdx.json", v, m.Platform.OS, m.Platform.Architecture))
+		if err := cosign(ctx, cfg, "attest", ref.Context().String()+"@"+m.Digest.String(), "--type", "cyclonedx", "--predicate", sbom); err != nil {
+			return nil, err
+		}
+	}
 	return p, nil
+}
+
+// cosign signs (or attests) ref with the release's key, or keyless.
+func cosign(ctx context.Context, cfg Config, verb, ref string, args ...string) error {
+	a := []string{verb, "--yes"}
+	if cfg.SignKey != "" {
+		// A key of the release's own: no transparency log (offline).
+		a = append(a, "--key", cfg.SignKey, "--tlog-upload=false")
+	}
+	a = append(append(a, args...), ref)
+	cmd := exec.CommandContext(ctx, cfg.Cosign, a...)
+	cmd.Env = append(os.Environ(), cfg.CosignEnv...)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("cosign %s %s: %v\n%s", verb, ref, err, out)
+	}
+	return nil
 }

@@ -87,6 +87,14 @@ type Config struct {
 	CAFile  string
 	Helm    string
 	HelmEnv []string
+	// Cosign, with Push, signs the pushed image index and chart and
+	// attests each platform's image with its SBOM: with the key at
+	// SignKey (its password in COSIGN_PASSWORD), or keyless (sigstore's
+	// OIDC flow, as in the release workflow) when SignKey is empty.
+	// CosignEnv is its environment beside ours.
+	Cosign    string
+	SignKey   string
+	CosignEnv []string
 	// SBOMTool is cyclonedx-gomod: each binary's SBOM is written beside
 	// it (name.cdx.json); empty writes none.
 	SBOMTool string

@@ -317,8 +317,25 @@ func TestReleasePushedToARegistry(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "dist")
 	platforms := []Platform{{"linux", "amd64"}}
 	registry := reg.addr + "/proxyaudit"
+	// A signing key of the test's own (offline: no transparency log).
+	cosignBin, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/cosign.sh")).Output()
+	if err != nil {
+		t.Fatalf("build cosign: %v", err)
+	}
+	keys := t.TempDir()
+	cosignEnv := []string{"COSIGN_PASSWORD=release-test", "SSL_CERT_FILE=" + reg.ca, "HOME=" + t.TempDir(), "TUF_ROOT=" + t.TempDir()}
+	cosign := func(dir string, args ...string) (string, error) {
+		cmd := exec.CommandContext(ctx, strings.TrimSpace(string(cosignBin)), args...)
+		cmd.Dir, cmd.Env = dir, append(os.Environ(), cosignEnv...)
+		b, err := cmd.CombinedOutput()
+		return string(b), err
+	}
+	if b, err := cosign(keys, "generate-key-pair"); err != nil {
+		t.Fatalf("cosign generate-key-pair: %v\n%s", err, b)
+	}
 	if _, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: true,
-		Registry: registry, Push: true, CAFile: reg.ca, Helm: helm, HelmEnv: helmEnv, Log: testWriter{t}}); err != nil {
+		Registry: registry, Push: true, CAFile: reg.ca, Helm: helm, HelmEnv: helmEnv, Log: testWriter{t},
+		Cosign: strings.TrimSpace(string(cosignBin)), SignKey: filepath.Join(keys, "cosign.key"), CosignEnv: cosignEnv}); err != nil {
 		t.Fatal(err)
 	}
 	first, _, _ := strings.Cut(string(mustRead(t, filepath.Join(out, "image.txt"))), "\n")
@@ -352,6 +369,37 @@ func TestReleasePushedToARegistry(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Logf("%s/%s %s", m.Platform.OS, m.Platform.Architecture, m.Digest)
+	}
+
+	// Verified as a user would before installing: the index and the chart
+	// by the release's key, each platform's SBOM attestation; another key
+	// verifies nothing.
+	chartDigest := ""
+	{
+		d, err := remote.Head(mustRef(t, registry+"/charts/proxyaudit:0.1.0"), remote.WithContext(ctx), remote.WithTransport(reg.transport))
+		if err != nil {
+			t.Fatal(err)
+		}
+		chartDigest = d.Digest.String()
+	}
+	pub := filepath.Join(keys, "cosign.pub")
+	for _, r := range []string{registry + "/proxyaudit@" + digest, registry + "/charts/proxyaudit@" + chartDigest} {
+		if b, err := cosign("", "verify", "--key", pub, "--insecure-ignore-tlog=true", r); err != nil {
+			t.Errorf("cosign verify %s: %v\n%s", r, err, b)
+		}
+	}
+	for _, m := range im.Manifests {
+		r := registry + "/proxyaudit@" + m.Digest.String()
+		if b, err := cosign("", "verify-attestation", "--key", pub, "--insecure-ignore-tlog=true", "--type", "cyclonedx", r); err != nil {
+			t.Errorf("cosign verify-attestation %s: %v\n%s", r, err, b)
+		}
+	}
+	other := t.TempDir()
+	if b, err := cosign(other, "generate-key-pair"); err != nil {
+		t.Fatalf("cosign generate-key-pair: %v\n%s", err, b)
+	}
+	if b, err := cosign("", "verify", "--key", filepath.Join(other, "cosign.pub"), "--insecure-ignore-tlog=true", registry+"/proxyaudit@"+digest); err == nil {
+		t.Errorf("another key verified the release's index:\n%s", b)
 	}
 
 	pulled := t.TempDir()
@@ -476,4 +524,13 @@ func testPKI(t *testing.T, host string) (caPEM, certPEM, keyPEM []byte) {
 	kb, _ := x509.MarshalECPrivateKey(key)
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
 		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb})
+}
+
+func mustRef(t testing.TB, s string) name.Reference {
+	t.Helper()
+	r, err := name.ParseReference(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }
