@@ -222,11 +222,17 @@ demo-binaries:
 	@deploy/k8s-tools/coredns.sh >/dev/null
 	@deploy/k8s-tools/helm.sh >/dev/null
 
-## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool and an OpenTelemetry Collector
+## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool, an OpenTelemetry Collector, and
+## the release's tools (an OCI registry, krew, cyclonedx-gomod, cosign), built here so that no test builds
+## one beside a timing-sensitive suite
 cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null
 	@deploy/k8s-tools/otelcol.sh >/dev/null
+	@deploy/k8s-tools/registry.sh >/dev/null
+	@deploy/k8s-tools/krew.sh >/dev/null
+	@deploy/k8s-tools/cyclonedx-gomod.sh >/dev/null
+	@deploy/k8s-tools/cosign.sh >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

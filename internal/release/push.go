@@ -115,7 +115,7 @@ func cosign(ctx context.Context, cfg Config, verb, ref string, args ...string) e
 	a := []string{verb, "--yes"}
 	if cfg.SignKey != "" {
 		// A key of the release's own: no transparency log (offline).
-		a = append(a, "--key", cfg.SignKey, "--tlog-upload=false")
+		a = append(a, "--key", cfg.SignKey, "--use-signing-config=false", "--tlog-upload=false")
 	}
 	a = append(append(a, args...), ref)
 	cmd := exec.CommandContext(ctx, cfg.Cosign, a...)
