@@ -30,9 +30,9 @@ build: modules
 release: modules
 	@test -n "$(VERSION)" || { echo "make release: say VERSION=vX.Y.Z" >&2; exit 2; }
 	rm -rf dist
-	$(GO) run ./deploy/release -version $(VERSION) -out dist -sbom-tool $$(deploy/k8s-tools/cyclonedx-gomod.sh) \
+	$(GO) run ./deploy/release -version $(VERSION) -out dist -sbom-tool $$(deploy/k8s-tools/release-tool.sh cyclonedx-gomod) \
 		$(if $(PUSH),-push -registry $(PUSH) -helm $$(deploy/k8s-tools/helm.sh) $(if $(PUSH_CA),-ca-file $(PUSH_CA)) \
-		$(if $(or $(SIGN_KEY),$(filter keyless,$(SIGN))),-cosign $$(deploy/k8s-tools/cosign.sh) $(if $(SIGN_KEY),-sign-key $(SIGN_KEY))))
+		$(if $(or $(SIGN_KEY),$(filter keyless,$(SIGN))),-cosign $$(deploy/k8s-tools/release-tool.sh cosign) $(if $(SIGN_KEY),-sign-key $(SIGN_KEY))))
 
 ## image: the project's container image without a container engine (Debian packages by version, the
 ## binaries built here), as bin/proxyaudit-image.tar for `ctr images import` (path printed last);
@@ -96,7 +96,7 @@ soak: deps modules cluster-binaries
 ## release-sign: the release pushed to a genuine registry, signed with a key of the test's own and verified
 ## (index, chart, each image's SBOM attestation); make test pushes unsigned: cosign's cold build is minutes
 release-sign: deps modules cluster-binaries
-	@deploy/k8s-tools/cosign.sh >/dev/null
+	@deploy/k8s-tools/release-tool.sh cosign >/dev/null
 	PROXYAUDIT_RELEASE_SIGN=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 20m -run '^TestReleasePushedToARegistry$$' -v ./internal/release
 
 ## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
@@ -235,9 +235,9 @@ cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null
 	@deploy/k8s-tools/otelcol.sh >/dev/null
-	@deploy/k8s-tools/registry.sh >/dev/null
-	@deploy/k8s-tools/krew.sh >/dev/null
-	@deploy/k8s-tools/cyclonedx-gomod.sh >/dev/null
+	@deploy/k8s-tools/release-tool.sh registry >/dev/null
+	@deploy/k8s-tools/release-tool.sh krew >/dev/null
+	@deploy/k8s-tools/release-tool.sh cyclonedx-gomod >/dev/null
 
 clean:
 	rm -rf $(BIN) demo-out

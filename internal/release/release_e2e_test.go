@@ -11,6 +11,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"math/big"
 	"net"
@@ -49,14 +50,11 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	platforms := []Platform{{"linux", "amd64"}}
-	sbomTool, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/cyclonedx-gomod.sh")).Output()
-	if err != nil {
-		t.Fatalf("build cyclonedx-gomod: %v", err)
-	}
+	sbomTool := releaseTool(ctx, t, root, "cyclonedx-gomod")
 	make := func() string {
 		out := filepath.Join(t.TempDir(), "dist")
 		start := time.Now()
-		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: os.Geteuid() == 0, SBOMTool: strings.TrimSpace(string(sbomTool)),
+		arts, err := Run(ctx, Config{Root: root, Version: "v0.1.0", Out: out, Changelog: cl, CLI: platforms, Servers: platforms, Image: os.Geteuid() == 0, SBOMTool: sbomTool,
 			URLBase: "https://example.invalid/v0.1.0"})
 		if err != nil {
 			t.Fatal(err)
@@ -150,7 +148,7 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Errorf("the packaged chart does not run the version's image (%s)", image)
 	}
 
-	krew := strings.TrimSpace(run(root, nil, filepath.Join(root, "deploy/k8s-tools/krew.sh")))
+	krew := releaseTool(ctx, t, root, "krew")
 	krewRoot := t.TempDir()
 	env := []string{"KREW_ROOT=" + krewRoot, "KREW_NO_UPGRADE_CHECK=1", "HOME=" + t.TempDir()}
 	run("", env, krew, "install", "--manifest", filepath.Join(a, "krew/proxyaudit.yaml"), "--archive", filepath.Join(a, "proxyaudit_0.1.0_linux_amd64.tar.gz"))
@@ -321,18 +319,16 @@ func TestReleasePushedToARegistry(t *testing.T) {
 	// cosign's cold build takes minutes of both cores: make test pushes
 	// unsigned, make e2e-long (PROXYAUDIT_RELEASE_SIGN=1) signs and verifies.
 	sign := os.Getenv("PROXYAUDIT_RELEASE_SIGN") == "1"
-	cosignBin := []byte("cosign")
+	cosignBin := "cosign"
 	if sign {
-		if cosignBin, err = exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/cosign.sh")).Output(); err != nil {
-			t.Fatalf("build cosign: %v", err)
-		}
+		cosignBin = releaseTool(ctx, t, root, "cosign")
 	} else {
 		t.Log("not signing: make e2e-long signs (PROXYAUDIT_RELEASE_SIGN=1)")
 	}
 	keys := t.TempDir()
 	cosignEnv := []string{"COSIGN_PASSWORD=release-test", "SSL_CERT_FILE=" + reg.ca, "HOME=" + t.TempDir(), "TUF_ROOT=" + t.TempDir()}
 	cosign := func(dir string, args ...string) (string, error) {
-		cmd := exec.CommandContext(ctx, strings.TrimSpace(string(cosignBin)), args...)
+		cmd := exec.CommandContext(ctx, cosignBin, args...)
 		cmd.Dir, cmd.Env = dir, append(os.Environ(), cosignEnv...)
 		b, err := cmd.CombinedOutput()
 		return string(b), err
@@ -346,7 +342,7 @@ func TestReleasePushedToARegistry(t *testing.T) {
 		Registry: registry, Push: true, CAFile: reg.ca, Helm: helm, HelmEnv: helmEnv, Log: testWriter{t},
 	}
 	if sign {
-		cfg.Cosign, cfg.SignKey, cfg.CosignEnv = strings.TrimSpace(string(cosignBin)), filepath.Join(keys, "cosign.key"), cosignEnv
+		cfg.Cosign, cfg.SignKey, cfg.CosignEnv = cosignBin, filepath.Join(keys, "cosign.key"), cosignEnv
 	}
 	if _, err := Run(ctx, cfg); err != nil {
 		t.Fatal(err)
@@ -452,11 +448,7 @@ type registry struct {
 // the test.
 func startRegistry(ctx context.Context, t *testing.T, root string) *registry {
 	t.Helper()
-	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/registry.sh")).Output()
-	if err != nil {
-		t.Fatalf("build the registry: %v", err)
-	}
-	bin := strings.TrimSpace(string(out))
+	bin := releaseTool(ctx, t, root, "registry")
 	dir := t.TempDir()
 	caPEM, certPEM, keyPEM := testPKI(t, "127.0.0.1")
 	ca, cert, key := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
@@ -546,4 +538,18 @@ func mustRef(t testing.TB, s string) name.Reference {
 		t.Fatal(err)
 	}
 	return r
+}
+
+// releaseTool builds (or finds) one of the release's pinned tools.
+func releaseTool(ctx context.Context, t testing.TB, root, tool string) string {
+	t.Helper()
+	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/release-tool.sh"), tool).Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			t.Fatalf("build %s: %v\n%s", tool, err, ee.Stderr)
+		}
+		t.Fatalf("build %s: %v", tool, err)
+	}
+	return strings.TrimSpace(string(out))
 }
