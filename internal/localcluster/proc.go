@@ -14,10 +14,55 @@ import (
 	"time"
 )
 
-// markerEnv is set in the environment of every process the harness starts.
-// Scanning /proc for it finds our processes even after the harness itself was
-// killed, so a later run can clean up and tests can prove nothing is left.
+// markerEnv is set in the environment of every process the harness starts,
+// to its owner: the starting process's PID and start time (marker). Scanning
+// /proc for it finds our processes even after the harness itself was killed,
+// so a later run can clean up and tests can prove nothing is left; the owner
+// keeps the scan off what another live test process started (an
+// Alertmanager of the aggregator's unit tests, which take no cluster lock,
+// was SIGKILLed by a cluster starting in another package).
 const markerEnv = "PROXYAUDIT_LOCALCLUSTER"
+
+// marker is this process's owner value, "PID:START" (START in clock ticks
+// since boot, /proc/PID/stat's 22nd field: a reused PID has another).
+var marker = fmt.Sprintf("%d:%d", os.Getpid(), startTicks(os.Getpid()))
+
+// startTicks is when pid started, in clock ticks since boot; 0 when it
+// does not exist.
+func startTicks(pid int) uint64 {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 {
+		return 0
+	}
+	// Fields after the command: state is the 3rd field, starttime the 22nd.
+	f := strings.Fields(string(stat[i+1:]))
+	if len(f) < 20 {
+		return 0
+	}
+	t, _ := strconv.ParseUint(f[19], 10, 64)
+	return t
+}
+
+// ours says whether a marked process with this owner value is this
+// process's to clean: started by this process, or by one that is gone (a
+// crashed run; an unreadable or older value counts as gone). A live other
+// process's are its own: it stops them, and the kernel kills them with it.
+func ours(owner string) bool {
+	if owner == marker {
+		return true
+	}
+	pidText, ticksText, ok := strings.Cut(owner, ":")
+	pid, err1 := strconv.Atoi(pidText)
+	ticks, err2 := strconv.ParseUint(ticksText, 10, 64)
+	if !ok || err1 != nil || err2 != nil || pid <= 0 {
+		return true
+	}
+	return startTicks(pid) != ticks
+}
 
 // process is one long-running child (etcd, kube-apiserver, kube-proxy).
 type process struct {
@@ -37,7 +82,7 @@ func startProcess(name, logPath string, argv []string) (*process, error) {
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.Env = append(os.Environ(), markerEnv+"=1")
+	cmd.Env = append(os.Environ(), markerEnv+"="+marker)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
@@ -90,7 +135,8 @@ func run(ctx context.Context, argv ...string) (string, error) {
 	return out.String(), nil
 }
 
-// markedPIDs lists processes that carry the harness marker variable.
+// markedPIDs lists the processes that carry the harness marker variable
+// and are this process's to clean (see ours).
 func markedPIDs() []int {
 	entries, _ := os.ReadDir("/proc")
 	var pids []int
@@ -105,8 +151,10 @@ func markedPIDs() []int {
 			continue
 		}
 		for _, kv := range bytes.Split(env, []byte{0}) {
-			if bytes.HasPrefix(kv, []byte(markerEnv+"=")) {
-				pids = append(pids, pid)
+			if owner, ok := bytes.CutPrefix(kv, []byte(markerEnv+"=")); ok {
+				if ours(string(owner)) {
+					pids = append(pids, pid)
+				}
 				break
 			}
 		}

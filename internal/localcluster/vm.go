@@ -174,7 +174,7 @@ func bootVM(ctx context.Context, name, dir, img string) (*VMNode, error) {
 		return nil, err
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), markerEnv+"=1")
+	cmd.Env = append(os.Environ(), markerEnv+"="+marker)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	cmd.Stderr = logFile
 	if v.console, err = cmd.StdinPipe(); err != nil {
