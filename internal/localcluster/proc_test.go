@@ -34,8 +34,8 @@ func TestLeftoverScanSparesOtherLiveOwners(t *testing.T) {
 	}
 	mine := start(marker)
 	theirs := start(otherOwner)
-	crashed := start("999999999:1") // an owner that is gone
-	legacy := start("1")            // an older harness's marker
+	crashed := start("999999999:1")                                                           // an owner that is gone
+	legacy := start("1")                                                                      // an older harness's marker
 	reused := start(fmt.Sprintf("%d:%d", other.Process.Pid, startTicks(other.Process.Pid)+1)) // the PID reused since
 
 	pids := markedPIDs()
