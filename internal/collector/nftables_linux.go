@@ -1,6 +1,7 @@
 package collector
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -28,6 +29,7 @@ import (
 type nftNetlinkReader struct {
 	mu    sync.Mutex
 	conn  *netlink.Conn
+	buf   []byte // a dump's datagram (receiveDump)
 	bytes atomic.Int64
 	// anon caches the elements of anonymous maps by name and handle. An
 	// anonymous set bound to a rule never changes (kube-proxy replaces the
@@ -690,16 +692,9 @@ func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, 
 		if err != nil {
 			return err
 		}
-		// Receive gathers every part of the dump (up to the kernel's done
-		// message, which it drops) and returns the kernel's errors.
-		msgs, err := r.conn.Receive()
+		bodies, intr, err := r.receiveDump(sent.Header.Sequence, n)
 		if err != nil {
 			return err
-		}
-		intr := false
-		for _, m := range msgs {
-			*n += int64(len(m.Data)) + 16
-			intr = intr || (m.Header.Sequence == sent.Header.Sequence && m.Header.Flags&netlink.DumpInterrupted != 0)
 		}
 		if intr {
 			r.interrupted.Add(1)
@@ -707,11 +702,8 @@ func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, 
 				continue
 			}
 		}
-		for _, m := range msgs {
-			if m.Header.Sequence != sent.Header.Sequence || m.Header.Type == netlink.Done || m.Header.Type == netlink.Error {
-				continue
-			}
-			if err := fn(m.Data); err != nil {
+		for _, b := range bodies {
+			if err := fn(b); err != nil {
 				return err
 			}
 		}
@@ -720,6 +712,49 @@ func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, 
 		}
 	}
 	return errDumpInterrupted
+}
+
+// dumpBuffer holds one datagram of a dump (the kernel's dump parts are at
+// most a few pages).
+const dumpBuffer = 256 << 10
+
+// receiveDump reads the parts of dump seq up to the kernel's done message
+// and returns the messages' bodies, and whether any part — the done
+// message included — was flagged interrupted by a commit. The done
+// message can be the only one flagged (a commit just before the dump's
+// last, empty round, which resumed by position past the rules a commit
+// moved: the table's last rules never came); the library's Receive drops
+// it, flag and all, so the datagrams are read here (nlMessages).
+func (r *nftNetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, intr bool, err error) {
+	rc, err := r.conn.SyscallConn()
+	if err != nil {
+		return nil, false, err
+	}
+	if r.buf == nil {
+		r.buf = make([]byte, dumpBuffer)
+	}
+	for {
+		var size int
+		var rerr error
+		if err := rc.Read(func(fd uintptr) bool {
+			size, _, rerr = unix.Recvfrom(int(fd), r.buf, 0)
+			return rerr != unix.EAGAIN && rerr != unix.EWOULDBLOCK
+		}); err != nil {
+			return nil, intr, err
+		}
+		if rerr != nil {
+			return nil, intr, fmt.Errorf("receive: %w", rerr)
+		}
+		*n += int64(size)
+		done, in, err := nlMessages(r.buf[:size], seq, func(b []byte) error {
+			bodies = append(bodies, bytes.Clone(b))
+			return nil
+		})
+		intr = intr || in
+		if err != nil || done {
+			return bodies, intr, err
+		}
+	}
 }
 
 func cstring(s string) []byte { return append([]byte(s), 0) }
