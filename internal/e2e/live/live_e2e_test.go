@@ -764,16 +764,25 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 	if out, code := l.cli(t, "explain", "node", "agg-nft", "--service", churnNS+"/churn-00"); code != 0 || strings.Contains(out, "STALE") {
 		t.Errorf("proxyaudit explain of a healthy node: exit %d\n%s", code, out)
 	}
+	// The three services changed one API call after another: each is
+	// stale once its own change outlives grace, so the last may follow
+	// the first (and StuckProxy) by the calls' spacing and a judging
+	// cycle (seen once: only churn-00's when StuckProxy came).
+	staleOf := func(fs []audit.TimedFinding) int {
+		n := 0
+		for _, f := range fs {
+			if f.Kind == audit.StaleEndpoint && strings.HasPrefix(f.Service, churnNS+"/churn-0") {
+				n++
+			}
+		}
+		return n
+	}
+	l.waitFor("the 3 stale endpoints of each of 3 services", 2*interval+10*time.Second, func(fs []audit.TimedFinding) bool { return staleOf(fs) == 9 })
+	fs, _ = l.findings()
 	if len(only(fs, "agg-ipt")) != len(fs) {
 		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))
 	}
-	stale := 0
-	for _, f := range fs {
-		if f.Kind == audit.StaleEndpoint && strings.HasPrefix(f.Service, churnNS+"/churn-0") {
-			stale++
-		}
-	}
-	if stale != 9 {
+	if stale := staleOf(fs); stale != 9 {
 		t.Errorf("want the 3 stale endpoints of each of 3 services, got %d:\n  %s", stale, describe(fs))
 	}
 	if err := undo(ctx); err != nil {
