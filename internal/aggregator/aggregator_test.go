@@ -27,6 +27,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 var spec = synth.Spec{Services: 8, EndpointsPerService: 3}
@@ -101,13 +102,7 @@ func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fa
 // eventually waits in real time for something that needs no clock.
 func (h *harness) eventually(d time.Duration, what string, cond func() bool) {
 	h.t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			h.t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testkit.Eventually(h.t, d, what, cond)
 }
 
 // step is how far until and advance move the clock at a time, and yield

@@ -21,6 +21,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // sharedPort returns listeners at one port free on every address: replicas
@@ -153,7 +154,7 @@ func (r *replicas) leaderAndFollower(ln, follow net.Listener, port string) (lead
 	follower.NewLeader(leader.cfg.Self)
 	host, _, _ := net.SplitHostPort(ln.Addr().String())
 	logs, lookups = r.collector(port, host)
-	eventually(r.t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(leader) })
+	testkit.Eventually(r.t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(leader) })
 	return leader, stopLeader, follower, stopFollower, logs, lookups
 }
 
@@ -191,11 +192,11 @@ func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
 	// The rollout: a new replica comes up (the slice lists both), the old
 	// one goes, and the new one leads.
 	r.endpoints("127.0.0.1", "127.0.0.2")
-	eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool { return told(logs, 2) })
+	testkit.Eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool { return told(logs, 2) })
 	stopOld()
 	next.StartedLeading()
 	next.NewLeader(next.cfg.Self)
-	took := eventually(t, 30*time.Second, "n1 streaming to the new replica without DNS", func() bool { return streaming(next) })
+	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica without DNS", func() bool { return streaming(next) })
 	t.Logf("n1 reached the new replica %s after the old one stopped (%d lookups, all but the first failed)", took.Round(time.Millisecond), lookups.Load())
 }
 
@@ -211,29 +212,16 @@ func TestCollectorsLearnReplicasFromAFollower(t *testing.T) {
 	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
 	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
 	_, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
-	eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+	testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
 
 	stopLeader()
 	r.endpoints("127.0.0.2", "127.0.0.3") // the new replica, which the gone leader never saw
-	eventually(t, 20*time.Second, "n1 told of the new replica by the follower's redirect", func() bool { return toldOf(logs, "127.0.0.3") })
+	testkit.Eventually(t, 20*time.Second, "n1 told of the new replica by the follower's redirect", func() bool { return toldOf(logs, "127.0.0.3") })
 	stopFollower()
 	next, _ := r.start(lns[2], "new")
 	next.StartedLeading()
-	took := eventually(t, 30*time.Second, "n1 streaming to the new replica", func() bool { return streaming(next) })
+	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica", func() bool { return streaming(next) })
 	t.Logf("n1 reached the new replica %s after it led", took.Round(time.Millisecond))
-}
-
-// eventually waits in real time for cond and returns how long it took.
-func eventually(t *testing.T, limit time.Duration, what string, cond func() bool) time.Duration {
-	t.Helper()
-	start := time.Now()
-	for !cond() {
-		if time.Since(start) > limit {
-			t.Fatalf("after %s, still waiting for %s", limit, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return time.Since(start)
 }
 
 // TestCollectorsFollowAQuickRollout: the rolling update terminates the
@@ -249,7 +237,7 @@ func TestCollectorsFollowAQuickRollout(t *testing.T) {
 	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
 	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
 	leader, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
-	eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+	testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
 
 	// The API, ahead of every replica's informer: the leader terminating,
 	// the successor with an address, not ready yet.
@@ -263,7 +251,7 @@ func TestCollectorsFollowAQuickRollout(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	leader.Farewell(ctx, fake.NewClientset(ahead))
-	eventually(t, 5*time.Second, "n1 told of the successor on the leader's way out", func() bool { return toldOf(logs, "127.0.0.3") })
+	testkit.Eventually(t, 5*time.Second, "n1 told of the successor on the leader's way out", func() bool { return toldOf(logs, "127.0.0.3") })
 	if toldOf(logs, "127.0.0.1") && told(logs, 3) {
 		t.Error("the going leader named itself")
 	}
@@ -274,6 +262,6 @@ func TestCollectorsFollowAQuickRollout(t *testing.T) {
 	stopFollower()
 	next, _ := r.start(lns[2], "new")
 	next.StartedLeading()
-	took := eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
+	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
 	t.Logf("n1 reached the successor %s after it led", took.Round(time.Millisecond))
 }

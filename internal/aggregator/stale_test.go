@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -134,10 +135,10 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
 	go func() { view.Run(ctx); close(done) }()
-	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
+	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
 	// The initial list's events kick one more rebuild: let it pass, until
 	// the view waits for nothing on its clock.
-	waitFor(t, "the view clean", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the view clean", func() bool {
 		if clk.HasWaiters() {
 			clk.Step(debounce)
 			return false
@@ -159,7 +160,7 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	}
 	// Once the informer delivered the change, Covered stops following the
 	// clock: it is the read of the caches before the change.
-	waitFor(t, "the change pending", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the change pending", func() bool {
 		view.dirtyMu.Lock()
 		defer view.dirtyMu.Unlock()
 		return !view.dirtySince.IsZero()
@@ -169,19 +170,7 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 		t.Fatalf("with a change pending the view claims to cover %s (caches read at %s, change at %s)", c, listed, before)
 	}
 	clk.Step(debounce / 2)
-	waitFor(t, "the view to cover the change", func() bool { return view.Covered().After(before) })
-}
-
-// waitFor waits in real time for what the informers deliver.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 30*time.Second, "the view to cover the change", func() bool { return view.Covered().After(before) })
 }
 
 // The view reduces only the services that changed; after every kind of
@@ -271,7 +260,7 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
 	go func() { view.Run(ctx); close(done) }()
-	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
+	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
 	key := svcs[0].Namespace + "/" + svcs[0].Name
 	sl := slices[0].DeepCopy()
 	var wantBetween []string
@@ -285,7 +274,7 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 		if _, err := client.DiscoveryV1().EndpointSlices(sl.Namespace).Update(ctx, sl, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "the change delivered", func() bool {
+		testkit.Eventually(t, 30*time.Second, "the change delivered", func() bool {
 			view.dirtyMu.Lock()
 			defer view.dirtyMu.Unlock()
 			return len(view.interim[key]) == i+1
@@ -294,7 +283,7 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 	}
 	since := clk.Now()
 	clk.Step(500 * time.Millisecond)
-	waitFor(t, "the view to cover the changes", func() bool { return view.Covered().After(since) })
+	testkit.Eventually(t, 30*time.Second, "the view to cover the changes", func() bool { return view.Covered().After(since) })
 	var got [][]string
 	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
 		for _, v := range h.Versions(key) {
@@ -333,7 +322,7 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
 	go func() { view.Run(ctx); close(done) }()
-	waitFor(t, "the view synced", func() bool { return view.Synced() == nil })
+	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
 
 	// The State is held, so no rebuild can publish.
 	held, release := make(chan struct{}), make(chan struct{})
@@ -356,7 +345,7 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 		// (A rebuild may have taken the earlier changes and wait for the
 		// State: the latest interim version is this change's.)
 		want := len(sl.Endpoints)
-		waitFor(t, fmt.Sprintf("change %d delivered", i), func() bool {
+		testkit.Eventually(t, 30*time.Second, fmt.Sprintf("change %d delivered", i), func() bool {
 			view.dirtyMu.Lock()
 			defer view.dirtyMu.Unlock()
 			list := view.interim[key0]
@@ -373,7 +362,7 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 		clk.Step(10 * time.Second)
 		if i == 0 {
 			// A rebuild takes this change and waits for the State.
-			waitFor(t, "a rebuild under way", func() bool {
+			testkit.Eventually(t, 30*time.Second, "a rebuild under way", func() bool {
 				view.dirtyMu.Lock()
 				defer view.dirtyMu.Unlock()
 				return view.rebuilding
@@ -384,7 +373,7 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 	if err := client.CoreV1().Services(svcs[1].Namespace).Delete(ctx, svcs[1].Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the deletion delivered", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the deletion delivered", func() bool {
 		view.dirtyMu.Lock()
 		defer view.dirtyMu.Unlock()
 		list := view.interim[key1]
@@ -393,7 +382,7 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 	deleted := clk.Now()
 	clk.Step(10 * time.Second)
 	releaseOnce()
-	waitFor(t, "the held-back changes published", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the held-back changes published", func() bool {
 		clk.Step(100 * time.Millisecond) // the next rebuild's debounce
 		return view.Covered().After(deleted)
 	})

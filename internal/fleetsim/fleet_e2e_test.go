@@ -27,6 +27,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 func TestMain(m *testing.M) { localcluster.Main(m) }
@@ -266,7 +267,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 	defer func() { fstop(); <-fdone }()
 
 	connected := time.Now()
-	waitFor(t, 10*time.Minute+ramp, "every simulated node in sync", func() bool {
+	testkit.Eventually(t, 10*time.Minute+ramp, "every simulated node in sync", func() bool {
 		v, err := aggAPI.verdict()
 		return err == nil && len(v.Findings) == 0 && countState(v.Nodes, audit.NodeInSync) == N
 	})
@@ -481,7 +482,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 			fleet.Thaw(i)
 		}
 		// Thawed nodes catch up; their findings must clear.
-		waitFor(t, grace+4**fleetInterval+30*time.Second, "thawed nodes back in sync", func() bool {
+		testkit.Eventually(t, grace+4**fleetInterval+30*time.Second, "thawed nodes back in sync", func() bool {
 			v := check(false)
 			for _, f := range v.Findings {
 				if _, ok := frozen[f.Node]; ok {
@@ -519,7 +520,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		// share of the shards, whose nodes move to it, with no false
 		// finding.
 		killedAt := time.Now()
-		waitFor(t, 3*time.Minute, "the fleet judged again after the killed replica rejoined", func() bool {
+		testkit.Eventually(t, 3*time.Minute, "the fleet judged again after the killed replica rejoined", func() bool {
 			// Under churn a node is rarely in sync at any one moment: a
 			// report judged after the rejoin is the measure, as for a
 			// leader's kill; a false finding fails the run in check.
@@ -539,7 +540,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		killedAt := time.Now()
 		agg.Kill()
 		t.Logf("leader %s SIGKILLed", killed)
-		waitFor(t, 5*time.Minute, "every node heard by the new leader", func() bool {
+		testkit.Eventually(t, 5*time.Minute, "every node heard by the new leader", func() bool {
 			return len(fleet.Heard(killedAt)) == N
 		})
 		heard := fleet.Heard(killedAt)
@@ -565,7 +566,7 @@ func TestE2EFleetSimulation(t *testing.T) {
 		reps.start(killed) // as its Deployment would; it follows
 		// The new leader judging the whole fleet again: every node's
 		// last judged report made after the kill.
-		waitFor(t, 3*time.Minute, "the new leader judging every node again", func() bool {
+		testkit.Eventually(t, 3*time.Minute, "the new leader judging every node again", func() bool {
 			v, err := aggAPI.verdict()
 			return err == nil && allJudgedAfter(v.Nodes, N, killedAt)
 		})
@@ -682,17 +683,6 @@ func countState(ns []audit.NodeStatus, s audit.NodeState) int {
 		}
 	}
 	return n
-}
-
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(500 * time.Millisecond)
-	}
 }
 
 type apiClient struct{ base string }
@@ -874,7 +864,7 @@ func killShardHolder(ctx context.Context, t *testing.T, reps *replicas, fleet *f
 		}
 		return in, out
 	}
-	waitFor(t, 5*time.Minute, "the killed replica's nodes heard again", func() bool {
+	testkit.Eventually(t, 5*time.Minute, "the killed replica's nodes heard again", func() bool {
 		check(false)
 		in, _ := heardAgain()
 		return len(in) == len(moved)

@@ -32,6 +32,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // The collectors' identity, as the chart makes it: a ServiceAccount and a
@@ -380,7 +381,7 @@ func tokenReviews(ctx context.Context, client kubernetes.Interface) (float64, er
 func (r *replicas) waitLeader(ctx context.Context, d time.Duration) string {
 	r.t.Helper()
 	var ip string
-	waitFor(r.t, d, "an aggregator leading", func() bool {
+	testkit.Eventually(r.t, d, "an aggregator leading", func() bool {
 		ip = r.leader(ctx)
 		return ip != "" && r.api(ip).ready()
 	})
@@ -433,7 +434,7 @@ func replaceNodes(ctx context.Context, t *testing.T, c *localcluster.Cluster, cl
 		t.Logf("%d nodes replaced in %s", k, time.Since(start).Round(time.Second))
 		// Departed nodes are forgotten once silent past their allowance
 		// (three intervals); the new ones report.
-		waitFor(t, 2*time.Minute, "the leader listing exactly the fleet", func() bool {
+		testkit.Eventually(t, 2*time.Minute, "the leader listing exactly the fleet", func() bool {
 			v := check(true)
 			// Under churn a healthy node is in sync or a change behind.
 			ghosts, healthy := 0, 0

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
@@ -33,15 +34,6 @@ func realAlertmanager(t *testing.T) (*localcluster.Alertmanager, *remediatetest.
 		am.Stop()
 	})
 	return am, hook
-}
-
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); !cond(); time.Sleep(100 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("still waiting for %s", what)
-		}
-	}
 }
 
 // An incident is an alert in a genuine Alertmanager: it fires, its
@@ -68,7 +60,7 @@ func TestAlertmanagerIncidentsAndSilences(t *testing.T) {
 		t.Fatal(err)
 	}
 	labels := map[string]string{"alertname": remediate.AlertName, "node": "n1", "cluster": "e2e", "kind": "Stuck", "severity": "warning"}
-	eventually(t, "the receiver told the incident fires", func() bool { return hook.Seen("firing", labels) })
+	testkit.Eventually(t, 20*time.Second, "the receiver told the incident fires", func() bool { return hook.Seen("firing", labels) })
 	got, err := am.Alerts(ctx)
 	if err != nil || len(got) != 1 || got[0].Annotations["proxyaudit_action"] != "restarting kube-proxy on the node" ||
 		!strings.Contains(got[0].Annotations["description"], "StaleEndpoint default/dns") || !strings.Contains(got[0].Annotations["summary"], "n1 (e2e)") {
@@ -125,14 +117,14 @@ func TestAlertmanagerIncidentsAndSilences(t *testing.T) {
 	if err := a.Sync(ctx, []remediate.Alert{stuck, other}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the warning resolved and the critical firing", func() bool {
+	testkit.Eventually(t, 20*time.Second, "the warning resolved and the critical firing", func() bool {
 		return hook.Seen("resolved", labels) && hook.Seen("firing", map[string]string{"node": "n1", "severity": "critical"})
 	})
 	// n1 is back in sync: its alert ends now.
 	if err := a.Sync(ctx, []remediate.Alert{other}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the receiver told n1's incident resolved", func() bool {
+	testkit.Eventually(t, 20*time.Second, "the receiver told n1's incident resolved", func() bool {
 		return hook.Seen("resolved", map[string]string{"node": "n1", "severity": "critical"})
 	})
 	// The leader dies; a new one finds n2 over too: it ends the alert the
@@ -144,7 +136,7 @@ func TestAlertmanagerIncidentsAndSilences(t *testing.T) {
 	if err := b.Sync(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "n2's alert, left by the dead leader, resolved by the new one", func() bool {
+	testkit.Eventually(t, 20*time.Second, "n2's alert, left by the dead leader, resolved by the new one", func() bool {
 		return hook.Seen("resolved", map[string]string{"node": "n2"})
 	})
 	if got, _ := am.Alerts(ctx); len(got) != 0 {

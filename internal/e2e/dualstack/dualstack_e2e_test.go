@@ -26,6 +26,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 var capture = flag.Bool("capture", false, "rewrite audit/testdata/dualstack from the dual-stack cluster (make fixtures)")
@@ -150,7 +151,7 @@ func until(ctx context.Context, t *testing.T, c *localcluster.Cluster, limit tim
 			return got
 		}
 		if time.Since(start) > limit {
-			t.Fatalf("after %s, still waiting for %s; findings:\n%s", limit, what, describe(got))
+			t.Fatal(testkit.Waiting(limit, what, describe(got)))
 		}
 		time.Sleep(time.Second)
 	}

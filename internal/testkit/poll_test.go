@@ -1,0 +1,34 @@
+package testkit
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+type fakeT struct{ failed string }
+
+func (f *fakeT) Helper() {}
+func (f *fakeT) Fatalf(format string, args ...any) {
+	f.failed = fmt.Sprintf(format, args...)
+}
+
+func TestEventuallyReturnsOnceTheConditionHolds(t *testing.T) {
+	n := 0
+	took := Eventually(t, time.Second, "the third call", func() bool { n++; return n == 3 })
+	if n != 3 || took > 500*time.Millisecond {
+		t.Fatalf("calls %d, took %s", n, took)
+	}
+}
+
+func TestEventuallyFailsWithOneMessage(t *testing.T) {
+	f := &fakeT{}
+	Eventually(f, 30*time.Millisecond, "what never comes", func() bool { return false })
+	if f.failed != "after 30ms, still waiting for what never comes" {
+		t.Fatalf("message %q", f.failed)
+	}
+	if got := Waiting(time.Second, "x", "a\nb"); !strings.HasSuffix(got, "last seen:\na\nb") {
+		t.Fatalf("message %q", got)
+	}
+}
