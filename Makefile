@@ -41,30 +41,38 @@ image: deps
 	$(GO) run ./deploy/image -out $(BIN) $(IMAGE_ARGS)
 
 ## test: the README's test command (.ci/run calls it), in stages that answer fast:
-##   1/4 unit tests of every package (-short: no cluster binaries, no cluster): a failing unit test is
+##   1/3 unit tests of every package (-short: no cluster binaries, no cluster): a failing unit test is
 ##       reported minutes after the start, before anything slow is built;
-##   2/4 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
-##       local cluster;
-##   3/4 every fuzz target briefly;  4/4 the race detector (make race)
+##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
+##       local cluster; beside them, at the lowest CPU priority (nice 19: the suites wait on grace periods
+##       and leave most of the two cores idle), every fuzz target briefly and the race detector over the
+##       unit tests (make race -short; its log is printed at 3/3);
+##   3/3 the fuzz and race results
 # The packages with end-to-end tests: their tests import internal/localcluster (a cluster, root) or
 # they have *_e2e_test.go files (slow builds: the release).
 E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ {print $$1}')
+BESIDE_LOG = .cache/logs/make-test-fuzz-race.log
 test: deps modules
-	@echo "== make test 1/4: unit tests, no cluster (go test -short ./...)"
+	@echo "== make test 1/3: unit tests, no cluster (go test -short ./...)"
 	$(GO) test -short -count=1 ./...
 	@$(MAKE) --no-print-directory cluster-binaries
-	@echo "== make test 2/4: end-to-end tests on the real local cluster"
-	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) $(E2E_PKGS)
-	@echo "== make test 3/4: every fuzz target for $(TEST_FUZZTIME)"
-	@$(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME)
-	@echo "== make test 4/4: the race detector"
-	@$(MAKE) --no-print-directory race
+	@echo "== make test 2/3: end-to-end tests on the real local cluster; fuzz and race beside them at nice 19 (log: $(BESIDE_LOG))"
+	@mkdir -p $(dir $(BESIDE_LOG)); \
+	( start=$$(date +%s); nice -n 19 $(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME); f=$$?; \
+	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
+	  nice -n 19 $(MAKE) --no-print-directory race RACE_FLAGS=-short; r=$$?; \
+	  echo "race: exit $$r; fuzz and race $$(( $$(date +%s) - start )) s"; [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
+	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) $(E2E_PKGS); rc=$$?; \
+	echo "== make test 3/3: every fuzz target for $(TEST_FUZZTIME) and the race detector (ran beside stage 2)"; \
+	wait $$beside; brc=$$?; cat $(BESIDE_LOG); \
+	[ $$rc -eq 0 ] && [ $$brc -eq 0 ]
 
 ## race: the packages whose goroutines share state (stream pool, collector, aggregator, executor,
-## status page, CLI) under the race detector, one package at a time (~5 min)
+## status page, CLI) under the race detector, one package at a time, end-to-end tests included (~8 min);
+## RACE_FLAGS=-short (make test) leaves out the tests that need a cluster
 RACE_PKGS ?= ./internal/stream ./internal/collector ./internal/aggregator ./remediate/... ./internal/ui ./cmd/proxyaudit ./cmd/proxyaudit-aggregator
 race: deps
-	$(GO) test -race -p 1 -count=1 -timeout 30m $(RACE_PKGS)
+	$(GO) test -race -p 1 -count=1 -timeout 30m $(RACE_FLAGS) $(RACE_PKGS)
 
 ## unit: fast tests only, no local cluster
 unit:

@@ -13,22 +13,26 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io"
 	"math/big"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
+	"github.com/proxyaudit/proxyaudit/internal/image"
 )
 
 // TestReleaseEndToEnd makes one release twice from this checkout (the CLI
@@ -263,27 +267,49 @@ func TestImageIndex(t *testing.T) {
 			m.MediaType != types.OCIManifestSchema1 || m.Layers[0].MediaType != types.OCILayer {
 			t.Errorf("manifest %d: platform %+v, config %s/%s, %s, layer %s", i, d.Platform, cf.OS, cf.Architecture, m.MediaType, m.Layers[0].MediaType)
 		}
-		// The image's own files: arm64's libc in the arm64 image.
-		ls, _ := img.Layers()
-		rc, err := ls[0].Uncompressed()
-		if err != nil {
-			t.Fatal(err)
+		if cf.Config.User != "65532:65532" || !slices.Equal(cf.Config.Entrypoint, []string{"/usr/local/bin/proxyaudit"}) ||
+			!strings.Contains(cf.Config.Labels["io.proxyaudit.debian-packages"], "iptables=") {
+			t.Errorf("%s image config: user %q, entrypoint %v, labels %v", platforms[i].Arch, cf.Config.User, cf.Config.Entrypoint, cf.Config.Labels)
 		}
+		// The image's own files (arm64's libc in the arm64 image), the
+		// tools the Dockerfile names, each owned by root and dated Epoch.
+		libc := map[string]string{"amd64": "lib/x86_64-linux-gnu/libc.so.6", "arm64": "lib/aarch64-linux-gnu/libc.so.6"}[platforms[i].Arch]
+		want := map[string]func(*tar.Header) bool{
+			libc:                                  func(h *tar.Header) bool { return true },
+			"usr/local/bin/proxyaudit-collector":  func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
+			"usr/local/bin/proxyaudit-aggregator": func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
+			"usr/local/bin/proxyaudit":            func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
+			"usr/sbin/iptables-save":              func(h *tar.Header) bool { return h.Linkname == "iptables-nft-save" },
+			"usr/sbin/iptables-legacy-save":       func(h *tar.Header) bool { return h.Typeflag == tar.TypeSymlink },
+			"usr/sbin/nft":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+			"sbin/ipvsadm":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+			"usr/sbin/conntrack":                  func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
+			"etc/ssl/certs/ca-certificates.crt":   func(h *tar.Header) bool { return h.Size > 100<<10 },
+		}
+		rc := mutate.Extract(img)
 		tr := tar.NewReader(rc)
-		want := map[string]string{"amd64": "lib/x86_64-linux-gnu/libc.so.6", "arm64": "lib/aarch64-linux-gnu/libc.so.6"}[platforms[i].Arch]
-		found := false
 		for {
 			h, err := tr.Next()
-			if err != nil {
+			if err == io.EOF {
 				break
 			}
-			if strings.TrimPrefix(h.Name, "./") == want || strings.TrimPrefix(h.Name, "/") == want || strings.HasSuffix(h.Name, want) {
-				found = true
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(image.Epoch) {
+				t.Errorf("%s image: %s: owner %d:%d, time %s", platforms[i].Arch, h.Name, h.Uid, h.Gid, h.ModTime)
+			}
+			name := strings.TrimPrefix(strings.TrimPrefix(h.Name, "./"), "/")
+			if check, ok := want[name]; ok {
+				if !check(h) {
+					t.Errorf("%s image: %s: %+v", platforms[i].Arch, name, h)
+				}
+				delete(want, name)
 			}
 		}
 		rc.Close()
-		if !found {
-			t.Errorf("the %s image has no %s", platforms[i].Arch, want)
+		for name := range want {
+			t.Errorf("the %s image lacks %s", platforms[i].Arch, name)
 		}
 	}
 }

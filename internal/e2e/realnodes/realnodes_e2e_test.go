@@ -5,13 +5,10 @@
 package realnodes
 
 import (
-	"archive/tar"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -30,7 +27,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/proxyaudit/proxyaudit/audit"
 
@@ -723,85 +719,6 @@ func clip(s string) string {
 		return s[:600] + "…"
 	}
 	return s
-}
-
-// make image: the same inputs give the same bytes, and the image holds
-// what the Dockerfile describes.
-func TestE2EImageIsReproducible(t *testing.T) {
-	skipUnlessCluster(t) // apt-get download and go build, as root
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	var digests, sums []string
-	var path string
-	for range 2 {
-		dir := t.TempDir()
-		var built *image.Built
-		paths, err := localcluster.BuildImages(ctx, dir, false, func(b *image.Built, _ string) { built = b })
-		if err != nil {
-			t.Fatal(err)
-		}
-		path = paths[0]
-		b, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		digests = append(digests, built.Digest)
-		sums = append(sums, fmt.Sprintf("%x", sha256.Sum256(b)))
-		if len(built.Packages) < 5 {
-			t.Errorf("packages: %v", built.Packages)
-		}
-	}
-	if digests[0] != digests[1] || sums[0] != sums[1] {
-		t.Fatalf("two builds differ: digests %v, tarballs %v", digests, sums)
-	}
-	img, err := tarball.ImageFromPath(path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cf.Config.User != "65532:65532" || !slices.Equal(cf.Config.Entrypoint, []string{"/usr/local/bin/proxyaudit"}) ||
-		!strings.Contains(cf.Config.Labels["io.proxyaudit.debian-packages"], "iptables=") {
-		t.Errorf("image config: user %q, entrypoint %v, labels %v", cf.Config.User, cf.Config.Entrypoint, cf.Config.Labels)
-	}
-	want := map[string]func(*tar.Header) bool{
-		"usr/local/bin/proxyaudit-collector":  func(h *tar.Header) bool { return h.Mode&0o111 != 0 && h.Size > 1<<20 },
-		"usr/local/bin/proxyaudit-aggregator": func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
-		"usr/local/bin/proxyaudit":            func(h *tar.Header) bool { return h.Mode&0o111 != 0 },
-		"usr/sbin/iptables-save":              func(h *tar.Header) bool { return h.Linkname == "iptables-nft-save" },
-		"usr/sbin/iptables-legacy-save":       func(h *tar.Header) bool { return h.Typeflag == tar.TypeSymlink },
-		"usr/sbin/nft":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
-		"sbin/ipvsadm":                        func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
-		"usr/sbin/conntrack":                  func(h *tar.Header) bool { return h.Typeflag == tar.TypeReg },
-		"etc/ssl/certs/ca-certificates.crt":   func(h *tar.Header) bool { return h.Size > 100<<10 },
-	}
-	rc := mutate.Extract(img)
-	defer rc.Close()
-	tr := tar.NewReader(rc)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(image.Epoch) {
-			t.Errorf("%s: owner %d:%d, time %s", h.Name, h.Uid, h.Gid, h.ModTime)
-		}
-		if check, ok := want[h.Name]; ok {
-			if !check(h) {
-				t.Errorf("%s: %+v", h.Name, h)
-			}
-			delete(want, h.Name)
-		}
-	}
-	for name := range want {
-		t.Errorf("the image lacks %s", name)
-	}
-	t.Logf("two builds, one digest %s", digests[0])
 }
 
 // collectorLog returns the last n lines of the log of the collector pod
