@@ -175,7 +175,9 @@ type Cluster struct {
 
 	mu    sync.Mutex
 	nodes map[string]*Node
-	extra []*process // StartProcess: stopped first
+	// registries every real node's containerd trusts (TrustRegistry).
+	registries []trustedRegistry
+	extra      []*process // StartProcess: stopped first
 
 	// Real nodes (kubelet.go): built once, on the first.
 	cpOnce      sync.Mutex

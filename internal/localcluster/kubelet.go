@@ -158,10 +158,21 @@ state = %q
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = %q
+  # Registries as an operator trusts a private one (TrustRegistry).
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = %q
 `, filepath.Join(r.dir, "containerd/root"), filepath.Join(r.dir, "containerd/state"), r.socket, r.socket+".ttrpc",
-		filepath.Join(r.dir, "containerd/opt"), imagePause, filepath.Join(r.dir, "cni"))
+		filepath.Join(r.dir, "containerd/opt"), imagePause, filepath.Join(r.dir, "cni"), filepath.Join(r.dir, "certs.d"))
 	if err := os.WriteFile(filepath.Join(r.dir, "containerd.toml"), []byte(cfg), 0o644); err != nil {
 		return err
+	}
+	c.mu.Lock()
+	regs := slices.Clone(c.registries)
+	c.mu.Unlock()
+	for _, reg := range regs {
+		if err := writeHostsTOML(r.dir, reg); err != nil {
+			return err
+		}
 	}
 	cni := fmt.Sprintf(`{
   "cniVersion": "0.4.0",

@@ -74,15 +74,16 @@ type process struct {
 }
 
 // startProcess starts argv with its output in logPath. The child gets
-// SIGKILL if the harness dies (Pdeathsig) and carries the marker variable.
-func startProcess(name, logPath string, argv []string) (*process, error) {
+// SIGKILL if the harness dies (Pdeathsig) and carries the marker variable
+// (and env, VAR=value, beside the harness's own environment).
+func startProcess(name, logPath string, argv []string, env ...string) (*process, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.Env = append(os.Environ(), markerEnv+"="+marker)
+	cmd.Env = append(append(os.Environ(), env...), markerEnv+"="+marker)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		logf.Close()

@@ -4,18 +4,8 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
-	"fmt"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -33,6 +23,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/image"
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
 // TestReleaseEndToEnd makes one release twice from this checkout (the CLI
@@ -330,7 +321,7 @@ func TestReleasePushedToARegistry(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	root, _ := filepath.Abs("../..")
-	reg := startRegistry(ctx, t, root)
+	reg := startRegistry(ctx, t)
 	cl := filepath.Join(t.TempDir(), "CHANGELOG.md")
 	os.WriteFile(cl, []byte("## [0.1.0] - 2026-12-02\n"), 0o644)
 	helm, err := chart.Helm(root)
@@ -470,91 +461,20 @@ type registry struct {
 }
 
 // startRegistry runs distribution's registry on loopback with TLS from a
-// CA of the test's own, storage in a temporary directory; it stops with
-// the test.
-func startRegistry(ctx context.Context, t *testing.T, root string) *registry {
+// CA of its own (localcluster.StartRegistry); it stops with the test.
+func startRegistry(ctx context.Context, t *testing.T) *registry {
 	t.Helper()
-	bin := releaseTool(ctx, t, root, "registry")
-	dir := t.TempDir()
-	caPEM, certPEM, keyPEM := testPKI(t, "127.0.0.1")
-	ca, cert, key := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	os.WriteFile(ca, caPEM, 0o644)
-	os.WriteFile(cert, certPEM, 0o644)
-	os.WriteFile(key, keyPEM, 0o600)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	r, err := localcluster.StartRegistry(ctx, t.TempDir(), "127.0.0.1")
 	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	cfg := filepath.Join(dir, "config.yml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf(`version: 0.1
-log:
-  level: warn
-storage:
-  filesystem:
-    rootdirectory: %s
-http:
-  addr: %s
-  tls:
-    certificate: %s
-    key: %s
-`, filepath.Join(dir, "data"), addr, cert, key)), 0o644)
-	rctx, stop := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(rctx, bin, "serve", cfg)
-	cmd.Env = append(os.Environ(), "OTEL_TRACES_EXPORTER=none")
-	var logs bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &logs, &logs
-	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		stop()
-		cmd.Wait()
+		r.Stop()
 		if t.Failed() {
-			t.Logf("registry log:\n%s", logs.String())
+			t.Logf("registry log:\n%s", r.Log())
 		}
 	})
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(caPEM)
-	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		resp, err := (&http.Client{Transport: tr, Timeout: time.Second}).Get("https://" + addr + "/v2/")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				break
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the registry at %s did not answer: %v\n%s", addr, err, logs.String())
-		}
-	}
-	return &registry{addr: addr, ca: ca, transport: tr}
-}
-
-// testPKI makes a CA and a server certificate for host (an IP address).
-func testPKI(t *testing.T, host string) (caPEM, certPEM, keyPEM []byte) {
-	t.Helper()
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	now := time.Now()
-	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "release test CA"}, NotBefore: now.Add(-time.Hour),
-		NotAfter: now.Add(time.Hour), IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caCert, _ := x509.ParseCertificate(caDER)
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: host}, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour),
-		IPAddresses: []net.IP{net.ParseIP(host)}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, KeyUsage: x509.KeyUsageDigitalSignature}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, _ := x509.MarshalECPrivateKey(key)
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb})
+	return &registry{addr: r.Addr, ca: r.CAFile, transport: r.Transport}
 }
 
 func mustRef(t testing.TB, s string) name.Reference {
