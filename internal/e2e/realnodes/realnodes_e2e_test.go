@@ -27,13 +27,12 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/proxyaudit/proxyaudit/audit"
 
 	"github.com/proxyaudit/proxyaudit/internal/chart"
-	"github.com/proxyaudit/proxyaudit/internal/image"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
+	"github.com/proxyaudit/proxyaudit/internal/release"
 )
 
 // The fleet: kube-proxy in both modes the host kernel runs, two zones.
@@ -253,6 +252,82 @@ func waitInSync(ctx context.Context, t *testing.T, c *localcluster.Cluster, time
 	}
 }
 
+// releases are versions of this tree pushed to a registry the real
+// nodes trust.
+type releases struct {
+	reg    *localcluster.Registry
+	chart  string            // oci://REGISTRY/charts/proxyaudit
+	images map[string]string // by version: the chart's default image, pinned by digest
+}
+
+// pushReleases runs make release's code for each version (the server
+// binaries, the CLI and the image for linux/amd64; no SBOMs) and pushes
+// it to a registry on the API server's address, which every real node's
+// containerd is told to trust.
+func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, versions ...string) *releases {
+	t.Helper()
+	root, err := localcluster.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg, err := localcluster.StartRegistry(ctx, t.TempDir(), localcluster.APIServerIP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("registry log:\n%s", reg.Log())
+		}
+		reg.Stop()
+	})
+	if err := c.TrustRegistry(reg); err != nil {
+		t.Fatal(err)
+	}
+	helmBin, err := chart.Helm(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	home := t.TempDir()
+	changelog := filepath.Join(t.TempDir(), "CHANGELOG.md")
+	var cl strings.Builder
+	for _, v := range versions {
+		fmt.Fprintf(&cl, "## [%s] - 2026-12-02\n\n", strings.TrimPrefix(v, "v"))
+	}
+	if err := os.WriteFile(changelog, []byte(cl.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	rel := &releases{reg: reg, chart: "oci://" + reg.Addr + "/proxyaudit/charts/proxyaudit", images: map[string]string{}}
+	amd64 := []release.Platform{{OS: "linux", Arch: "amd64"}}
+	for _, v := range versions {
+		start := time.Now()
+		out := filepath.Join(t.TempDir(), "dist")
+		_, err := release.Run(ctx, release.Config{Root: root, Version: v, Out: out, Changelog: changelog, CLI: amd64, Servers: amd64, Image: true,
+			Registry: reg.Addr + "/proxyaudit", Push: true, CAFile: reg.CAFile, Helm: helmBin,
+			HelmEnv: []string{"HELM_CACHE_HOME=" + home + "/cache", "HELM_CONFIG_HOME=" + home + "/config", "HELM_DATA_HOME=" + home + "/data"}})
+		if err != nil {
+			t.Fatalf("release %s: %v", v, err)
+		}
+		b, err := os.ReadFile(filepath.Join(out, "image.txt"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, _, _ := strings.Cut(string(b), "\n")
+		rel.images[v] = strings.TrimSpace(first)
+		t.Logf("release %s pushed to %s in %s: %s", v, reg.Addr, time.Since(start).Round(time.Millisecond), rel.images[v])
+	}
+	return rel
+}
+
+// checkCollectorVersions: every node's collector says it is version v.
+func checkCollectorVersions(t *testing.T, r *fleetReport, v string) {
+	t.Helper()
+	for _, n := range r.Nodes {
+		if n.Collector == nil || !strings.HasPrefix(n.Collector.Version, v+" ") && n.Collector.Version != v {
+			t.Errorf("node %s: collector version %+v, want %s", n.Node, n.Collector, v)
+		}
+	}
+}
+
 // The README's quickstart on real nodes: helm install, every pod Ready,
 // the collectors in their pods read every node's rules, the report says
 // in sync; then the leading aggregator's pod is deleted.
@@ -261,15 +336,29 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	waitPods(ctx, t, c, "kube-system", "k8s-app=kube-dns", 1, 2*time.Minute)
+	// As a stranger installs it: releases v0.1.0 and v0.1.1 (make release)
+	// pushed to a genuine registry the nodes' containerd trusts; helm
+	// installs the chart from the registry, and the nodes pull the image
+	// it pins by digest (nothing imported).
+	rel := pushReleases(ctx, t, c, "v0.1.0", "v0.1.1")
 	start := time.Now()
 	// With the OpenReports CRD (the chart installs it, as Kyverno or
 	// Policy Reporter would): findings are ClusterReports too.
-	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace", "--set", "openReports.installCRD=true")
-	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=collector", len(fleet), 3*time.Minute)
-	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 3*time.Minute)
-	t.Logf("helm install: every pod Ready after %s", time.Since(start).Round(time.Millisecond))
+	helm(ctx, t, c, "install", "proxyaudit", rel.chart, "--version", "0.1.0", "--ca-file", rel.reg.CAFile,
+		"--namespace", "proxyaudit", "--create-namespace", "--set", "openReports.installCRD=true")
+	for _, sel := range []string{"collector", "aggregator"} {
+		pods := waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component="+sel, map[string]int{"collector": len(fleet), "aggregator": 2}[sel], 3*time.Minute)
+		for _, p := range pods {
+			if img := p.Spec.Containers[0].Image; img != rel.images["v0.1.0"] {
+				t.Errorf("pod %s runs %s, want the release's %s", p.Name, img, rel.images["v0.1.0"])
+			}
+		}
+	}
+	t.Logf("helm install oci://%s: every pod Ready after %s, each running %s pulled from the registry", strings.TrimPrefix(rel.chart, "oci://"),
+		time.Since(start).Round(time.Millisecond), rel.images["v0.1.0"])
 	r := waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 	t.Logf("report: %d nodes in sync %s after helm install", r.Summary.NodesInSync, time.Since(start).Round(time.Millisecond))
+	checkCollectorVersions(t, r, "v0.1.0")
 
 	// The leader's pod is deleted as a node drain or a rollout deletes it.
 	lease, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
@@ -309,8 +398,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		time.Since(killed).Round(time.Millisecond), r.Summary.NodesInSync)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 2*time.Minute)
 
-	// helm upgrade with changed values rolls every pod: no false finding
-	// on the way.
+	// helm upgrade to the next release with changed values rolls every
+	// pod, collectors and aggregators of both versions talking to each
+	// other on the way: no false finding.
 	before := map[string]bool{}
 	for _, sel := range []string{"collector", "aggregator"} {
 		for _, p := range waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component="+sel, map[string]int{"collector": len(fleet), "aggregator": 2}[sel], time.Minute) {
@@ -319,7 +409,10 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	}
 	watch := watchFindings(ctx, t, c)
 	upgraded := time.Now()
-	helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reuse-values",
+	// --reset-then-reuse-values, as the chart README says: --reuse-values
+	// keeps the old chart's defaults, its pinned image among them (seen
+	// here: every pod rolled for the new values and still ran 0.1.0).
+	helm(ctx, t, c, "upgrade", "proxyaudit", rel.chart, "--version", "0.1.1", "--ca-file", rel.reg.CAFile, "--namespace", "proxyaudit", "--reset-then-reuse-values",
 		"--set", "remediation.mode=restart", "--set", "remediation.maxUnhealthy=50%", "--set", "grace=10s",
 		"--set", "collector.interval=5s")
 	rolled := func(sel string, want int) {
@@ -330,6 +423,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 			for _, p := range pods {
 				if !before[string(p.UID)] {
 					fresh++
+					if img := p.Spec.Containers[0].Image; img != rel.images["v0.1.1"] {
+						t.Fatalf("helm upgrade to 0.1.1: pod %s runs %s, want %s", p.Name, img, rel.images["v0.1.1"])
+					}
 				}
 			}
 			if fresh == want {
@@ -343,11 +439,12 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	}
 	rolled("collector", len(fleet))
 	rolled("aggregator", 2)
-	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after helm upgrade")
+	r = waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after helm upgrade")
 	if fs := watch(); len(fs) > 0 {
 		t.Errorf("false findings while helm upgrade rolled every pod:\n  %s", strings.Join(fs, "\n  "))
 	}
-	t.Logf("helm upgrade: every pod rolled and in sync %s after it, no finding on the way", time.Since(upgraded).Round(time.Millisecond))
+	checkCollectorVersions(t, r, "v0.1.1")
+	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way", time.Since(upgraded).Round(time.Millisecond))
 
 	// A kube-proxy pod whose API connection died (the watch hangs, its
 	// health check stays green): found past grace, its pod deleted by
