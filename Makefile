@@ -45,25 +45,29 @@ image: deps
 ##       reported minutes after the start, before anything slow is built;
 ##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
 ##       local cluster; beside them, at the lowest CPU priority (nice 19: the suites wait on grace periods
-##       and leave most of the two cores idle), every fuzz target briefly and the race detector over the
-##       unit tests (make race -short; its log is printed at 3/3);
-##   3/3 the fuzz and race results
+##       and leave most of the two cores idle), the release's tests (BESIDE_PKGS), every fuzz target
+##       briefly and the race detector over the unit tests (make race -short); their log is printed at 3/3;
+##   3/3 the results of what ran beside
 # The packages with end-to-end tests: their tests import internal/localcluster (a cluster, root) or
 # they have *_e2e_test.go files (slow builds: the release).
-E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ {print $$1}')
-BESIDE_LOG = .cache/logs/make-test-fuzz-race.log
+# The release's tests need no cluster and are not timing-sensitive: they run beside (BESIDE_PKGS).
+BESIDE_PKGS = ./internal/release
+E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ && $$1 !~ /internal\/release$$/ {print $$1}')
+BESIDE_LOG = .cache/logs/make-test-beside.log
 test: deps modules
 	@echo "== make test 1/3: unit tests, no cluster (go test -short ./...)"
 	$(GO) test -short -count=1 ./...
 	@$(MAKE) --no-print-directory cluster-binaries
-	@echo "== make test 2/3: end-to-end tests on the real local cluster; fuzz and race beside them at nice 19 (log: $(BESIDE_LOG))"
+	@echo "== make test 2/3: end-to-end tests on the real local cluster; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
 	@mkdir -p $(dir $(BESIDE_LOG)); \
-	( start=$$(date +%s); nice -n 19 $(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME); f=$$?; \
+	( start=$$(date +%s); PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) nice -n 19 $(GO) test -count=1 -timeout $(TIMEOUT) $(BESIDE_PKGS); p=$$?; \
+	  echo "$(BESIDE_PKGS): exit $$p after $$(( $$(date +%s) - start )) s"; \
+	  nice -n 19 $(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME); f=$$?; \
 	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
 	  nice -n 19 $(MAKE) --no-print-directory race RACE_FLAGS=-short; r=$$?; \
-	  echo "race: exit $$r; fuzz and race $$(( $$(date +%s) - start )) s"; [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
+	  echo "race: exit $$r after $$(( $$(date +%s) - start )) s"; [ $$p -eq 0 ] && [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) $(E2E_PKGS); rc=$$?; \
-	echo "== make test 3/3: every fuzz target for $(TEST_FUZZTIME) and the race detector (ran beside stage 2)"; \
+	echo "== make test 3/3: what ran beside stage 2: $(BESIDE_PKGS), every fuzz target for $(TEST_FUZZTIME), the race detector"; \
 	wait $$beside; brc=$$?; cat $(BESIDE_LOG); \
 	[ $$rc -eq 0 ] && [ $$brc -eq 0 ]
 
