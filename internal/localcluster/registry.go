@@ -36,18 +36,10 @@ type Registry struct {
 // loopback, or APIServerIP where real nodes pull from it), its storage,
 // certificates and log under dir.
 func StartRegistry(ctx context.Context, dir, host string) (*Registry, error) {
-	root, err := RepoRoot()
+	bin, err := ReleaseTool(ctx, "registry")
 	if err != nil {
 		return nil, err
 	}
-	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/release-tool.sh"), "registry").Output()
-	if err != nil {
-		if ee, ok := err.(*exec.ExitError); ok {
-			return nil, fmt.Errorf("build the registry: %w\n%s", err, ee.Stderr)
-		}
-		return nil, fmt.Errorf("build the registry: %w", err)
-	}
-	bin := strings.TrimSpace(string(out))
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -98,6 +90,24 @@ http:
 			return nil, fmt.Errorf("the registry at %s did not answer (%v):\n%s", r.Addr, err, tailFile(r.log, 20))
 		}
 	}
+}
+
+// ReleaseTool builds (or finds cached) one of the release's tools —
+// registry, krew, cyclonedx-gomod, cosign — with
+// deploy/k8s-tools/release-tool.sh, and returns its path.
+func ReleaseTool(ctx context.Context, name string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/release-tool.sh"), name).Output()
+	if err != nil {
+		if ee, ok := err.(*exec.ExitError); ok {
+			return "", fmt.Errorf("build %s: %w\n%s", name, err, ee.Stderr)
+		}
+		return "", fmt.Errorf("build %s: %w", name, err)
+	}
+	return strings.TrimSpace(string(out)), nil
 }
 
 // Stop ends the registry.

@@ -4,7 +4,6 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
-	"errors"
 	"io"
 	"net/http"
 	"os"
@@ -45,7 +44,7 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	platforms := []Platform{{"linux", "amd64"}}
-	sbomTool := releaseTool(ctx, t, root, "cyclonedx-gomod")
+	sbomTool := releaseTool(ctx, t, "cyclonedx-gomod")
 	make := func() string {
 		out := filepath.Join(t.TempDir(), "dist")
 		start := time.Now()
@@ -143,7 +142,7 @@ func TestReleaseEndToEnd(t *testing.T) {
 		t.Errorf("the packaged chart does not run the version's image (%s)", image)
 	}
 
-	krew := releaseTool(ctx, t, root, "krew")
+	krew := releaseTool(ctx, t, "krew")
 	krewRoot := t.TempDir()
 	env := []string{"KREW_ROOT=" + krewRoot, "KREW_NO_UPGRADE_CHECK=1", "HOME=" + t.TempDir()}
 	run("", env, krew, "install", "--manifest", filepath.Join(a, "krew/proxyaudit.yaml"), "--archive", filepath.Join(a, "proxyaudit_0.1.0_linux_amd64.tar.gz"))
@@ -338,7 +337,7 @@ func TestReleasePushedToARegistry(t *testing.T) {
 	sign := os.Getenv("PROXYAUDIT_RELEASE_SIGN") == "1"
 	cosignBin := "cosign"
 	if sign {
-		cosignBin = releaseTool(ctx, t, root, "cosign")
+		cosignBin = releaseTool(ctx, t, "cosign")
 	} else {
 		t.Log("not signing: make e2e-long signs (PROXYAUDIT_RELEASE_SIGN=1)")
 	}
@@ -487,15 +486,11 @@ func mustRef(t testing.TB, s string) name.Reference {
 }
 
 // releaseTool builds (or finds) one of the release's pinned tools.
-func releaseTool(ctx context.Context, t testing.TB, root, tool string) string {
+func releaseTool(ctx context.Context, t testing.TB, tool string) string {
 	t.Helper()
-	out, err := exec.CommandContext(ctx, filepath.Join(root, "deploy/k8s-tools/release-tool.sh"), tool).Output()
+	bin, err := localcluster.ReleaseTool(ctx, tool)
 	if err != nil {
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			t.Fatalf("build %s: %v\n%s", tool, err, ee.Stderr)
-		}
-		t.Fatalf("build %s: %v", tool, err)
+		t.Fatal(err)
 	}
-	return strings.TrimSpace(string(out))
+	return bin
 }

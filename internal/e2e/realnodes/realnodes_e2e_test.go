@@ -258,6 +258,7 @@ type releases struct {
 	reg    *localcluster.Registry
 	chart  string            // oci://REGISTRY/charts/proxyaudit
 	images map[string]string // by version: the chart's default image, pinned by digest
+	dist   map[string]string // by version: make release's output directory
 }
 
 // pushReleases runs make release's code for each version (the server
@@ -296,7 +297,7 @@ func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, ve
 	if err := os.WriteFile(changelog, []byte(cl.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	rel := &releases{reg: reg, chart: "oci://" + reg.Addr + "/proxyaudit/charts/proxyaudit", images: map[string]string{}}
+	rel := &releases{reg: reg, chart: "oci://" + reg.Addr + "/proxyaudit/charts/proxyaudit", images: map[string]string{}, dist: map[string]string{}}
 	amd64 := []release.Platform{{OS: "linux", Arch: "amd64"}}
 	for _, v := range versions {
 		start := time.Now()
@@ -313,9 +314,49 @@ func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, ve
 		}
 		first, _, _ := strings.Cut(string(b), "\n")
 		rel.images[v] = strings.TrimSpace(first)
+		rel.dist[v] = out
 		t.Logf("release %s pushed to %s in %s: %s", v, reg.Addr, time.Since(start).Round(time.Millisecond), rel.images[v])
 	}
 	return rel
+}
+
+// krewReport installs the release's kubectl plugin with krew (its
+// manifest and archive from dist, into a krew root of the test's own) and
+// runs `kubectl proxyaudit report` from krew's bin against the cluster,
+// as a user who ran `kubectl krew install proxyaudit` would.
+func krewReport(ctx context.Context, t *testing.T, c *localcluster.Cluster, dist, version string) {
+	t.Helper()
+	krew, err := localcluster.ReleaseTool(ctx, "krew")
+	if err != nil {
+		t.Fatal(err)
+	}
+	krewRoot := t.TempDir()
+	env := append(os.Environ(), "KREW_ROOT="+krewRoot, "KREW_NO_UPGRADE_CHECK=1", "HOME="+t.TempDir(), "KUBECONFIG="+c.AdminKubeconfig,
+		"PATH="+filepath.Join(krewRoot, "bin")+":"+os.Getenv("PATH"))
+	cmd := exec.CommandContext(ctx, krew, "install", "--manifest", filepath.Join(dist, "krew", "proxyaudit.yaml"),
+		"--archive", filepath.Join(dist, "proxyaudit_"+version+"_linux_amd64.tar.gz"))
+	cmd.Env = env
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("kubectl krew install: %v\n%s", err, out)
+	}
+	plugin := func(args ...string) ([]byte, error) {
+		cmd := exec.CommandContext(ctx, c.Kubectl(), append([]string{"proxyaudit"}, args...)...)
+		cmd.Env = env
+		return cmd.Output()
+	}
+	out, err := plugin("version")
+	if err != nil || !strings.HasPrefix(string(out), "proxyaudit v"+version+" ") {
+		t.Fatalf("kubectl proxyaudit version from krew's bin: %q (%v)", out, err)
+	}
+	out, err = plugin("report", "-n", "proxyaudit", "-o", "json")
+	var r fleetReport
+	if jerr := json.Unmarshal(out, &r); jerr != nil || err != nil {
+		t.Fatalf("kubectl proxyaudit report from krew's bin: %v (%v)\n%s", err, jerr, out)
+	}
+	if inSync(&r) != len(fleet) || len(r.Findings) != 0 {
+		t.Fatalf("kubectl proxyaudit report from krew's bin: %d of %d nodes in sync, %d findings", inSync(&r), len(fleet), len(r.Findings))
+	}
+	t.Logf("krew installed the release's plugin; kubectl proxyaudit report from krew's bin: %d nodes in sync", inSync(&r))
 }
 
 // checkCollectorVersions: every node's collector says it is version v.
@@ -359,6 +400,7 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	r := waitInSync(ctx, t, c, 3*time.Minute, time.Time{}, "after helm install")
 	t.Logf("report: %d nodes in sync %s after helm install", r.Summary.NodesInSync, time.Since(start).Round(time.Millisecond))
 	checkCollectorVersions(t, r, "v0.1.0")
+	krewReport(ctx, t, c, rel.dist["v0.1.0"], "0.1.0")
 
 	// The leader's pod is deleted as a node drain or a rollout deletes it.
 	lease, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
