@@ -7,7 +7,7 @@ TIMEOUT  ?= 45m
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
-.PHONY: all build image test unit race e2e e2e-cilium e2e-long soak release-sign fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-flush bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests release clean
+.PHONY: all build image test unit race e2e e2e-cilium e2e-long soak fixtures-cilium demo demo-deps demo-binaries modules screenshots fixtures bench bench-cost bench-flush bench-ipvs fleet-sim fuzz lint vulncheck fmt deps cluster-binaries helm chart-lint manifests release clean
 
 all: build
 
@@ -45,8 +45,9 @@ image: deps
 ##       reported minutes after the start, before anything slow is built;
 ##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
 ##       local cluster; beside them, at the lowest CPU priority (nice 19: the suites wait on grace periods
-##       and leave most of the two cores idle), the release's tests (BESIDE_PKGS), every fuzz target
-##       briefly and the race detector over the unit tests (make race -short); their log is printed at 3/3;
+##       and leave most of the two cores idle): cosign's build (the real-node suite signs its releases;
+##       minutes of CPU cold), the release's tests (BESIDE_PKGS, signed), every fuzz target briefly and
+##       the race detector over the unit tests (make race -short); their log is printed at 3/3;
 ##   3/3 the results of what ran beside
 # The packages with end-to-end tests: their tests import internal/localcluster (a cluster, root) or
 # they have *_e2e_test.go files (slow builds: the release).
@@ -60,7 +61,9 @@ test: deps modules
 	@$(MAKE) --no-print-directory cluster-binaries
 	@echo "== make test 2/3: end-to-end tests on the real local cluster; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
 	@mkdir -p $(dir $(BESIDE_LOG)); \
-	( start=$$(date +%s); PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) nice -n 19 $(GO) test -count=1 -timeout $(TIMEOUT) $(BESIDE_PKGS); p=$$?; \
+	( start=$$(date +%s); nice -n 19 deploy/k8s-tools/release-tool.sh cosign >/dev/null; \
+	  echo "cosign built after $$(( $$(date +%s) - start )) s"; \
+	  PROXYAUDIT_RELEASE_SIGN=1 PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) nice -n 19 $(GO) test -count=1 -timeout $(TIMEOUT) $(BESIDE_PKGS); p=$$?; \
 	  echo "$(BESIDE_PKGS): exit $$p after $$(( $$(date +%s) - start )) s"; \
 	  nice -n 19 $(MAKE) --no-print-directory fuzz FUZZTIME=$(TEST_FUZZTIME); f=$$?; \
 	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
@@ -105,14 +108,8 @@ soak: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 120m -v -run '^TestE2ESoakOnRealNodes$$' ./internal/e2e/realnodes \
 		-soak $(SOAK) -soak-grace $(SOAK_GRACE)
 
-## release-sign: the release pushed to a genuine registry, signed with a key of the test's own and verified
-## (index, chart, each image's SBOM attestation); make test pushes unsigned: cosign's cold build is minutes
-release-sign: deps modules cluster-binaries
-	@deploy/k8s-tools/release-tool.sh cosign >/dev/null
-	PROXYAUDIT_RELEASE_SIGN=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 20m -run '^TestReleasePushedToARegistry$$' -v ./internal/release
-
 ## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
-e2e-long: e2e-cilium soak release-sign
+e2e-long: e2e-cilium soak
 
 ## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
@@ -242,7 +239,7 @@ demo-binaries:
 
 ## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool, an OpenTelemetry Collector, and
 ## the release's tools (an OCI registry, krew, cyclonedx-gomod), built here so that no test builds one beside
-## a timing-sensitive suite (cosign, minutes of both cores cold, only for make e2e-long's release-sign)
+## a timing-sensitive suite (cosign, minutes of both cores cold, is built by make test beside its suites)
 cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null

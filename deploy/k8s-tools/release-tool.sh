@@ -8,7 +8,8 @@
 #   krew             kubectl's plugin manager (installed as kubectl-krew): the
 #                    release test installs the krew manifest with it
 #   cyclonedx-gomod  CycloneDX SBOMs from the build information of Go binaries
-#   cosign           sigstore's signer (~5 min of two cores cold: make release-sign)
+#   cosign           sigstore's signer (~5 min of two cores cold: make test builds it
+#                    beside its end-to-end stage)
 set -euo pipefail
 tool=${1:?usage: release-tool.sh registry|krew|cyclonedx-gomod|cosign}
 case $tool in
@@ -27,10 +28,14 @@ dir="$cache/$tool-$key"
 if [ -x "$dir/$bin" ]; then
   echo "$dir/$bin"; exit 0
 fi
-rm -rf "$dir.tmp"; mkdir -p "$dir.tmp"
+# Two builds at once (make test's side job and a test) each write a directory
+# of their own; the first to finish is renamed into place, the other dropped.
+mkdir -p "$cache"
+tmp=$(mktemp -d "$dir.tmp.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
 "$repo/deploy/quiet.sh" "$tool" "building $tool (${pkg#*@}) from the Go module proxy" -- \
-  env CGO_ENABLED=0 GOBIN="$dir.tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w ${ldflags:-}" "$pkg" >&2
+  env CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w ${ldflags:-}" "$pkg" >&2
 built=$(basename "${pkg%@*}")
-[ "$built" = "$bin" ] || mv "$dir.tmp/$built" "$dir.tmp/$bin"
-rm -rf "$dir"; mv "$dir.tmp" "$dir"
+[ "$built" = "$bin" ] || mv "$tmp/$built" "$tmp/$bin"
+mv -T "$tmp" "$dir" 2>/dev/null || [ -x "$dir/$bin" ]
 echo "$dir/$bin"

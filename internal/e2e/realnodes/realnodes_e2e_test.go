@@ -27,8 +27,10 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
@@ -262,9 +264,10 @@ type releases struct {
 }
 
 // pushReleases runs make release's code for each version (the server
-// binaries, the CLI and the image for linux/amd64; no SBOMs) and pushes
-// it to a registry on the API server's address, which every real node's
-// containerd is told to trust.
+// binaries, the CLI and the image for linux/amd64; no SBOMs), signs the
+// image index and the chart with cosign and a key of its own, pushes
+// them to a registry on the API server's address, which every real node's
+// containerd is told to trust, and verifies both signatures there.
 func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, versions ...string) *releases {
 	t.Helper()
 	root, err := localcluster.RepoRoot()
@@ -297,6 +300,23 @@ func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, ve
 	if err := os.WriteFile(changelog, []byte(cl.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// Signed with a key of the test's own (offline: no transparency log),
+	// verified below as a user would before installing.
+	cosignBin, err := localcluster.ReleaseTool(ctx, "cosign")
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := t.TempDir()
+	cosignEnv := []string{"COSIGN_PASSWORD=realnodes", "SSL_CERT_FILE=" + reg.CAFile, "HOME=" + t.TempDir(), "TUF_ROOT=" + t.TempDir()}
+	cosign := func(dir string, args ...string) (string, error) {
+		cmd := exec.CommandContext(ctx, cosignBin, args...)
+		cmd.Dir, cmd.Env = dir, append(os.Environ(), cosignEnv...)
+		b, err := cmd.CombinedOutput()
+		return string(b), err
+	}
+	if out, err := cosign(keys, "generate-key-pair"); err != nil {
+		t.Fatalf("cosign generate-key-pair: %v\n%s", err, out)
+	}
 	rel := &releases{reg: reg, chart: "oci://" + reg.Addr + "/proxyaudit/charts/proxyaudit", images: map[string]string{}, dist: map[string]string{}}
 	amd64 := []release.Platform{{OS: "linux", Arch: "amd64"}}
 	for _, v := range versions {
@@ -304,7 +324,8 @@ func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, ve
 		out := filepath.Join(t.TempDir(), "dist")
 		_, err := release.Run(ctx, release.Config{Root: root, Version: v, Out: out, Changelog: changelog, CLI: amd64, Servers: amd64, Image: true,
 			Registry: reg.Addr + "/proxyaudit", Push: true, CAFile: reg.CAFile, Helm: helmBin,
-			HelmEnv: []string{"HELM_CACHE_HOME=" + home + "/cache", "HELM_CONFIG_HOME=" + home + "/config", "HELM_DATA_HOME=" + home + "/data"}})
+			HelmEnv: []string{"HELM_CACHE_HOME=" + home + "/cache", "HELM_CONFIG_HOME=" + home + "/config", "HELM_DATA_HOME=" + home + "/data"},
+			Cosign:  cosignBin, SignKey: filepath.Join(keys, "cosign.key"), CosignEnv: cosignEnv})
 		if err != nil {
 			t.Fatalf("release %s: %v", v, err)
 		}
@@ -315,7 +336,25 @@ func pushReleases(ctx context.Context, t *testing.T, c *localcluster.Cluster, ve
 		first, _, _ := strings.Cut(string(b), "\n")
 		rel.images[v] = strings.TrimSpace(first)
 		rel.dist[v] = out
-		t.Logf("release %s pushed to %s in %s: %s", v, reg.Addr, time.Since(start).Round(time.Millisecond), rel.images[v])
+		pushed := time.Since(start)
+		// The image index and the chart, each by its digest, verified with
+		// the release's key.
+		tagged, digest, _ := strings.Cut(rel.images[v], "@")
+		repo := tagged[:strings.LastIndex(tagged, ":")] // REGISTRY:PORT/proxyaudit/proxyaudit
+		chartRef, err := name.ParseReference(reg.Addr + "/proxyaudit/charts/proxyaudit:" + strings.TrimPrefix(v, "v"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		chartDesc, err := remote.Head(chartRef, remote.WithContext(ctx), remote.WithTransport(reg.Transport))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ref := range []string{repo + "@" + digest, reg.Addr + "/proxyaudit/charts/proxyaudit@" + chartDesc.Digest.String()} {
+			if out, err := cosign("", "verify", "--key", filepath.Join(keys, "cosign.pub"), "--insecure-ignore-tlog=true", ref); err != nil {
+				t.Fatalf("cosign verify %s: %v\n%s", ref, err, out)
+			}
+		}
+		t.Logf("release %s signed and pushed to %s in %s, index and chart verified: %s", v, reg.Addr, pushed.Round(time.Millisecond), rel.images[v])
 	}
 	return rel
 }
