@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -488,6 +489,29 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 			before[string(p.UID)] = true
 		}
 	}
+	// What the upgrade must leave alone: every node's kube-proxy pod (no
+	// repair while both versions run), the stream's CA and certificate and
+	// the incident record the aggregator made.
+	kept := func() map[string]string {
+		m := map[string]string{}
+		pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pods.Items {
+			if p.DeletionTimestamp == nil {
+				m["kube-proxy pod on "+p.Spec.NodeName] = string(p.UID)
+			}
+		}
+		if s, err := c.Client.CoreV1().Secrets("proxyaudit").Get(ctx, "proxyaudit-aggregator-tls", metav1.GetOptions{}); err == nil {
+			m["Secret proxyaudit-aggregator-tls"] = string(s.UID)
+		}
+		if cm, err := c.Client.CoreV1().ConfigMaps("proxyaudit").Get(ctx, "proxyaudit-aggregator-incidents", metav1.GetOptions{}); err == nil {
+			m["ConfigMap proxyaudit-aggregator-incidents"] = string(cm.UID)
+		}
+		return m
+	}
+	keptBefore := kept()
 	watch := watchFindings(ctx, t, c)
 	upgraded := time.Now()
 	// --reset-then-reuse-values, as the chart README says: --reuse-values
@@ -525,7 +549,14 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("false findings while helm upgrade rolled every pod:\n  %s", strings.Join(fs, "\n  "))
 	}
 	checkCollectorVersions(t, r, "v0.1.1")
-	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way", time.Since(upgraded).Round(time.Millisecond))
+	keptAfter := kept()
+	for what, uid := range keptBefore {
+		if keptAfter[what] != uid {
+			t.Errorf("helm upgrade to 0.1.1 replaced or removed %s", what)
+		}
+	}
+	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way; kept: %s", time.Since(upgraded).Round(time.Millisecond),
+		strings.Join(slices.Sorted(maps.Keys(keptBefore)), ", "))
 
 	// A kube-proxy pod whose API connection died (the watch hangs, its
 	// health check stays green): found past grace, its pod deleted by
