@@ -512,7 +512,21 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		return m
 	}
 	keptBefore := kept()
-	watch := watchFindings(ctx, t, c)
+	// During the roll: reports in which every node was in sync while the
+	// collectors ran both versions (audited by an aggregator of either).
+	mixed := 0
+	watch := watchFindings(ctx, t, c, func(r *fleetReport) {
+		versions := map[string]bool{}
+		for _, n := range r.Nodes {
+			if n.Collector != nil {
+				v, _, _ := strings.Cut(n.Collector.Version, " ")
+				versions[v] = true
+			}
+		}
+		if len(versions) > 1 && inSync(r) == len(fleet) && len(r.Findings) == 0 {
+			mixed++
+		}
+	})
 	upgraded := time.Now()
 	// --reset-then-reuse-values, as the chart README says: --reuse-values
 	// keeps the old chart's defaults, its pinned image among them (seen
@@ -549,14 +563,17 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		t.Errorf("false findings while helm upgrade rolled every pod:\n  %s", strings.Join(fs, "\n  "))
 	}
 	checkCollectorVersions(t, r, "v0.1.1")
+	if mixed == 0 {
+		t.Errorf("helm upgrade to 0.1.1: no report showed collectors of both versions with every node in sync")
+	}
 	keptAfter := kept()
 	for what, uid := range keptBefore {
 		if keptAfter[what] != uid {
 			t.Errorf("helm upgrade to 0.1.1 replaced or removed %s", what)
 		}
 	}
-	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way; kept: %s", time.Since(upgraded).Round(time.Millisecond),
-		strings.Join(slices.Sorted(maps.Keys(keptBefore)), ", "))
+	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way (%d reports with both collector versions, every node in sync); kept: %s",
+		time.Since(upgraded).Round(time.Millisecond), mixed, strings.Join(slices.Sorted(maps.Keys(keptBefore)), ", "))
 
 	// A kube-proxy pod whose API connection died (the watch hangs, its
 	// health check stays green): found past grace, its pod deleted by
@@ -866,7 +883,7 @@ func systemPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, selec
 // watchFindings polls the report every second until the returned function
 // is called, and returns every distinct finding seen ("Kind node
 // service").
-func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster) func() []string {
+func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster, also ...func(*fleetReport)) func() []string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(ctx)
 	var mu sync.Mutex
@@ -879,6 +896,9 @@ func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster) f
 				mu.Lock()
 				for _, f := range r.Findings {
 					seen[fmt.Sprintf("%s %s %s", f.Kind, f.Node, f.Service)] = true
+				}
+				for _, f := range also {
+					f(r)
 				}
 				mu.Unlock()
 			}
