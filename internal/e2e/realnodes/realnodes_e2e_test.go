@@ -506,10 +506,16 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		if s, err := c.Client.CoreV1().Secrets("proxyaudit").Get(ctx, "proxyaudit-aggregator-tls", metav1.GetOptions{}); err == nil {
 			m["Secret proxyaudit-aggregator-tls"] = string(s.UID)
 		}
-		if cm, err := c.Client.CoreV1().ConfigMaps("proxyaudit").Get(ctx, "proxyaudit-aggregator-incidents", metav1.GetOptions{}); err == nil {
-			m["ConfigMap proxyaudit-aggregator-incidents"] = string(cm.UID)
+		for _, name := range []string{"proxyaudit-aggregator-incidents", "proxyaudit-aggregator-pause"} {
+			if cm, err := c.Client.CoreV1().ConfigMaps("proxyaudit").Get(ctx, name, metav1.GetOptions{}); err == nil {
+				m["ConfigMap "+name] = string(cm.UID)
+			}
 		}
 		return m
+	}
+	// An operator pauses repairs for the upgrade: the pause must outlive it.
+	if out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "pause", "-n", "proxyaudit", "--reason", "upgrading to 0.1.1", "--for", "30m").CombinedOutput(); err != nil {
+		t.Fatalf("kubectl proxyaudit pause: %v\n%s", err, out)
 	}
 	keptBefore := kept()
 	// During the roll: reports in which every node was in sync while the
@@ -571,6 +577,13 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		if keptAfter[what] != uid {
 			t.Errorf("helm upgrade to 0.1.1 replaced or removed %s", what)
 		}
+	}
+	if out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "pause", "-n", "proxyaudit", "--status").CombinedOutput(); err != nil ||
+		!strings.HasPrefix(string(out), "paused ") || !strings.Contains(string(out), "upgrading to 0.1.1") {
+		t.Errorf("after helm upgrade to 0.1.1, the pause is not kept: %v\n%s", err, out)
+	}
+	if out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "resume", "-n", "proxyaudit").CombinedOutput(); err != nil {
+		t.Fatalf("kubectl proxyaudit resume: %v\n%s", err, out)
 	}
 	t.Logf("helm upgrade to 0.1.1: every pod rolled and in sync %s after it, no finding on the way (%d reports with both collector versions, every node in sync); kept: %s",
 		time.Since(upgraded).Round(time.Millisecond), mixed, strings.Join(slices.Sorted(maps.Keys(keptBefore)), ", "))
