@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -150,20 +151,37 @@ func clientReadBudget(t *testing.T, burst, least, most time.Duration) {
 		for start := collector.CPUTime(); collector.CPUTime()-start < 100*time.Millisecond; {
 		}
 	}
-	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) { burn(); return synthRules(t, 2), nil }}
+	// The rule is on when reads begin: a report's arrival also carries its
+	// read's wall time, which a loaded machine stretches (the CPU burned
+	// is the same, the wall time it takes is not).
+	var mu sync.Mutex
+	var began []time.Time
+	reads := &collectortest.Reader{Rules: func() (*audit.Observed, error) {
+		mu.Lock()
+		began = append(began, time.Now())
+		mu.Unlock()
+		burn()
+		return synthRules(t, 2), nil
+	}}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour, Reader: reads, ReadBudget: 0.05, ReadBurst: burst})
 	conn := welcome(t, ln)
 	defer conn.Close()
 	report := func() time.Time { return nextReport(t, conn, 10*time.Second) }
-	first := report()
+	report()
 	stream.Write(conn, &stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "test"}})
+	report()
 	// Spent: at least 2 s (100 ms / 5 %), well before the 1 h interval,
 	// however much more than 100 ms the read cost. With the burst: the
 	// floor.
-	if gap := report().Sub(first); gap < least || gap > most {
-		t.Errorf("a read costing 100 ms of CPU was followed by the next %s later; want %s to %s", gap, least, most)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(began) != 2 {
+		t.Fatalf("%d reads, want 2", len(began))
+	}
+	if gap := began[1].Sub(began[0]); gap < least || gap > most {
+		t.Errorf("a read costing 100 ms of CPU was followed by the next %s after it began; want %s to %s", gap, least, most)
 	}
 }
 
