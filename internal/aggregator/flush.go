@@ -78,12 +78,14 @@ func (a *Aggregator) flushVia(ctx context.Context, node string, pairs []remediat
 		delete(a.flush.waiting, req.ID)
 		a.flush.mu.Unlock()
 	}()
+	// The timer starts before the send: whoever hears the flush (a test
+	// stepping a fake clock) cannot step past a timer not yet made.
+	timer := a.cfg.Clock.NewTimer(flushWait)
+	defer timer.Stop()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeFlush).Inc()
 	if _, err := c.send(&stream.Message{Type: stream.TypeFlush, Flush: req}); err != nil {
 		return nil, fmt.Errorf("sending the flush to node %s: %w", node, err)
 	}
-	timer := a.cfg.Clock.NewTimer(flushWait)
-	defer timer.Stop()
 	var got *stream.Flushed
 	select {
 	case got = <-ch:

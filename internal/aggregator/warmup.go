@@ -45,11 +45,14 @@ func (w *warmup) wait(ctx context.Context, c *conn, clk clock.Clock) bool {
 	}
 	ready, onWait := w.ready, w.onWait
 	w.mu.Unlock()
+	// The timer exists before onWait says the stream waits: a test that
+	// steps a fake clock on hearing it must not step past a timer not yet
+	// made (seen under -race at nice 19: the stream then never woke).
+	t := clk.NewTimer(warmupWait)
+	defer t.Stop()
 	if onWait != nil {
 		onWait()
 	}
-	t := clk.NewTimer(warmupWait)
-	defer t.Stop()
 	select {
 	case <-ready:
 	case <-t.C():
