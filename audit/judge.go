@@ -187,7 +187,9 @@ type Heartbeat struct {
 type CollectorCost struct {
 	// Version is the collector's own version (its hello): a rolling
 	// upgrade is watched node by node.
-	Version            string            `json:"version,omitempty"`
+	Version string `json:"version,omitempty"`
+	// Reads nil in a Heartbeat: only the version is new, the counts
+	// stand.
 	Reads              map[string]uint64 `json:"reads"`
 	LastReadSeconds    float64           `json:"lastReadSeconds"`
 	LastReadCPUSeconds float64           `json:"lastReadCPUSeconds"`
@@ -244,7 +246,17 @@ func (j *Judge) Heard(node string, hb Heartbeat) {
 	if hb.KubeProxy != nil {
 		r.kubeProxy = hb.KubeProxy
 	}
-	if hb.Cost != nil {
+	switch {
+	case hb.Cost == nil:
+	case hb.Cost.Reads == nil && r.cost != nil: // the version alone: the counts kept
+		c := *r.cost
+		c.Version = hb.Cost.Version
+		r.cost = &c
+	case hb.Cost.Reads == nil:
+		c := *hb.Cost
+		c.Reads = map[string]uint64{}
+		r.cost = &c
+	default:
 		r.cost = hb.Cost
 	}
 	if hb.ReadError == "" {

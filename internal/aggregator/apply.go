@@ -141,7 +141,13 @@ func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {
 // word (a restarted collector starts from zero).
 func (a *Aggregator) collectorCost(n *node, rs *stream.ReadStats) *audit.CollectorCost {
 	if rs == nil {
-		return nil
+		// No new counts (nothing read since the last report): the version
+		// alone, which the hello said, so a roll is seen on every node,
+		// a quiet or stuck one too.
+		if n.collectorVersion == "" {
+			return nil
+		}
+		return &audit.CollectorCost{Version: n.collectorVersion}
 	}
 	cost := &audit.CollectorCost{Version: n.collectorVersion, Reads: make(map[string]uint64, len(rs.Reads)), LastReadSeconds: rs.LastSeconds,
 		LastReadCPUSeconds: rs.LastCPUSeconds, LastReadBytes: rs.LastBytes,

@@ -263,7 +263,17 @@ func (s *protocolScript) run(t *testing.T, d *datadriven.TestData) string {
 		l, leading := s.a.Leader()
 		return fmt.Sprintf("leader=%q leading=%v", l, leading)
 	case "node":
-		return s.node(d.CmdArgs[0].Key)
+		out := s.node(d.CmdArgs[0].Key)
+		if d.HasArg("collector") {
+			s.a.mu.Lock()
+			c := s.a.judge.Cost(d.CmdArgs[0].Key)
+			s.a.mu.Unlock()
+			if c == nil {
+				return out + " collector=none"
+			}
+			return fmt.Sprintf("%s collector=%s reads=%v", out, c.Version, c.Reads)
+		}
+		return out
 	case "counts":
 		return s.counts()
 	default:

@@ -142,7 +142,9 @@ func (c *client) report(ctx context.Context, sent *stream.State, full bool, why 
 	}
 	if r == nil {
 		r = stream.Delta(sent, c.cached, c.seq, full, refs)
-		if c.statsChanged {
+		// A new stream's first report carries them whatever changed: its
+		// aggregator (a new leader) has heard none of this collector's.
+		if c.statsChanged || full {
 			r.Reads, c.statsChanged = c.stats(), false
 		}
 	}
