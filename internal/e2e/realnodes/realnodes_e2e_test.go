@@ -26,6 +26,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -409,6 +410,56 @@ func checkCollectorVersions(t *testing.T, r *fleetReport, v string) {
 	}
 }
 
+// setImages sets the image of the aggregators' Deployment and of the
+// collectors' DaemonSet, as a roll leaves them halfway.
+func setImages(ctx context.Context, t *testing.T, c *localcluster.Cluster, aggregator, collector string) {
+	t.Helper()
+	apps := c.Client.AppsV1()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		d, err := apps.Deployments("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		d.Spec.Template.Spec.Containers[0].Image = aggregator
+		_, err = apps.Deployments("proxyaudit").Update(ctx, d, metav1.UpdateOptions{})
+		return err
+	})
+	if err == nil {
+		err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			ds, err := apps.DaemonSets("proxyaudit").Get(ctx, "proxyaudit-collector", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			ds.Spec.Template.Spec.Containers[0].Image = collector
+			_, err = apps.DaemonSets("proxyaudit").Update(ctx, ds, metav1.UpdateOptions{})
+			return err
+		})
+	}
+	if err != nil {
+		t.Fatalf("setting the images: %v", err)
+	}
+}
+
+// waitImages waits until want pods of component sel are Ready, every one
+// running image.
+func waitImages(ctx context.Context, t *testing.T, c *localcluster.Cluster, sel string, want int, image string) {
+	t.Helper()
+	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(time.Second) {
+		var other []string
+		for _, p := range waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component="+sel, want, 3*time.Minute) {
+			if p.Spec.Containers[0].Image != image {
+				other = append(other, p.Name+" "+p.Spec.Containers[0].Image)
+			}
+		}
+		if len(other) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s pods not all on %s within 3 minutes: %s", sel, image, strings.Join(other, ", "))
+		}
+	}
+}
+
 // The README's quickstart on real nodes: helm install, every pod Ready,
 // the collectors in their pods read every node's rules, the report says
 // in sync; then the leading aggregator's pod is deleted.
@@ -449,17 +500,17 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	}
 	old := *lease.Spec.HolderIdentity
 	aggs := waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, time.Minute)
-	var leaderPod string
+	var oldLeader string
 	for _, p := range aggs {
 		if strings.HasPrefix(old, p.Status.PodIP+":") {
-			leaderPod = p.Name
+			oldLeader = p.Name
 		}
 	}
-	if leaderPod == "" {
+	if oldLeader == "" {
 		t.Fatalf("no aggregator pod holds the Lease (holder %s)", old)
 	}
 	killed := time.Now()
-	if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, leaderPod, metav1.DeleteOptions{}); err != nil {
+	if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, oldLeader, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	var took time.Duration
@@ -467,11 +518,11 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 		l, err := c.Client.CoordinationV1().Leases("proxyaudit").Get(ctx, "proxyaudit-aggregator", metav1.GetOptions{})
 		if err == nil && l.Spec.HolderIdentity != nil && *l.Spec.HolderIdentity != "" && *l.Spec.HolderIdentity != old {
 			took = time.Since(killed)
-			t.Logf("leader pod %s deleted: %s holds the Lease after %s", leaderPod, *l.Spec.HolderIdentity, took.Round(time.Millisecond))
+			t.Logf("leader pod %s deleted: %s holds the Lease after %s", oldLeader, *l.Spec.HolderIdentity, took.Round(time.Millisecond))
 			break
 		}
 		if time.Since(killed) > time.Minute {
-			t.Fatalf("no new leader within a minute of deleting %s (holder %v)", leaderPod, err)
+			t.Fatalf("no new leader within a minute of deleting %s (holder %v)", oldLeader, err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -479,6 +530,80 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	t.Logf("every collector heard again %s after the leader's pod was deleted; %d in sync, no finding",
 		time.Since(killed).Round(time.Millisecond), r.Summary.NodesInSync)
 	waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=aggregator", 2, 2*time.Minute)
+
+	// Both pairings of a roll, held still and audited (the stream's rule
+	// is N-1 <-> N): aggregators of 0.1.1 judging collectors of 0.1.0, then
+	// aggregators of 0.1.0 judging collectors of 0.1.1, as a roll leaves
+	// them whichever controller goes first. A kube-proxy frozen behind a
+	// service's change is found on its node by both, the others in sync.
+	svc, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "probe", Namespace: "default"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ApplySlice(ctx, localcluster.Slice(svc, "probe-1", "http", 8080, corev1.ProtocolTCP, "198.18.250.1")); err != nil {
+		t.Fatal(err)
+	}
+	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after the probe service was made")
+	frozen := c.Node("real-ipt-a")
+	thaw, err := frozen.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer thaw(context.Background())
+	if err := c.ApplySlice(ctx, localcluster.Slice(svc, "probe-1", "http", 8080, corev1.ProtocolTCP, "198.18.250.3")); err != nil {
+		t.Fatal(err)
+	}
+	for _, pair := range []struct{ agg, col string }{{"v0.1.1", "v0.1.0"}, {"v0.1.0", "v0.1.1"}} {
+		began := time.Now()
+		setImages(ctx, t, c, rel.images[pair.agg], rel.images[pair.col])
+		waitImages(ctx, t, c, "aggregator", 2, rel.images[pair.agg])
+		waitImages(ctx, t, c, "collector", len(fleet), rel.images[pair.col])
+		rolled := time.Since(began)
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+			r, raw, err := report(ctx, t, c)
+			leader, leaderImage := leaderPod(ctx, c), ""
+			if p, perr := c.Client.CoreV1().Pods("proxyaudit").Get(ctx, leader, metav1.GetOptions{}); leader != "" && perr == nil {
+				leaderImage = p.Spec.Containers[0].Image
+			}
+			if err == nil && leaderImage == rel.images[pair.agg] && len(r.Nodes) == len(fleet) && heardSince(r, began) == len(fleet) {
+				var on []string
+				versions, other, probe := 0, 0, false
+				for _, n := range r.Nodes {
+					if n.Collector != nil && strings.HasPrefix(n.Collector.Version+" ", pair.col+" ") {
+						versions++
+					}
+				}
+				for _, f := range r.Findings {
+					if f.Node == frozen.Name {
+						on = append(on, strings.TrimSpace(string(f.Kind)+" "+f.Service))
+						probe = probe || f.Service == "default/probe"
+					} else {
+						other++
+					}
+				}
+				if versions == len(fleet) && probe && other == 0 && inSync(r) == len(fleet)-1 {
+					t.Logf("aggregator %s (leader %s) with collectors %s: rolled in %s; %s found on %s, %d nodes in sync, no other finding, %s after the images were set",
+						pair.agg, leader, pair.col, rolled.Round(time.Millisecond), strings.Join(on, ", "), frozen.Name, inSync(r), time.Since(began).Round(time.Millisecond))
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("aggregator %s with collectors %s: no report finding only the frozen kube-proxy on %s within 2 minutes; last: leader %q (%s): %v\n%s",
+					pair.agg, pair.col, frozen.Name, leader, leaderImage, err, raw)
+			}
+		}
+	}
+	// Healed as the page says: its kube-proxy pod deleted.
+	if err := thaw(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if p := kubeProxyPod(ctx, t, c, frozen.Name); p != nil {
+		if err := c.Client.CoreV1().Pods("kube-system").Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitInSync(ctx, t, c, 2*time.Minute, time.Now(), "after the frozen kube-proxy was restarted")
 
 	// helm upgrade to the next release with changed values rolls every
 	// pod, collectors and aggregators of both versions talking to each
@@ -601,11 +726,6 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 	watch = watchFindings(ctx, t, c)
 	reports := watchReports(ctx, t, c)
 	defer reports.stop()
-	svc, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "probe", Namespace: "default"},
-		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	if err := c.ApplySlice(ctx, localcluster.Slice(svc, "probe-1", "http", 8080, corev1.ProtocolTCP, "198.18.250.1")); err != nil {
 		t.Fatal(err)
 	}
