@@ -31,7 +31,7 @@ import (
 // test for a few minutes at a shorter grace (the harder case: entries of
 // finished flows outlive it).
 var (
-	soakFor   = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts before its fault (make soak: 60m)")
+	soakFor   = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
 	soakGrace = flag.Duration("soak-grace", 10*time.Second, "the chart's grace during the soak (make soak: the chart's default, 30s)")
 )
 
