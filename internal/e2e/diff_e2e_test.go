@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"os"
+	"os/exec"
 	"reflect"
 	"strings"
 	"testing"
@@ -30,9 +32,13 @@ func TestE2ELiveDiff(t *testing.T) {
 		t.Fatal(err)
 	}
 	auditAll := func() map[string][]audit.Finding {
-		data, err := c.DumpClusterJSON(ctx)
+		// The cluster as the docs capture it, with the genuine kubectl.
+		args := strings.Fields(strings.TrimSuffix(audit.CaptureCommand, " > cluster.json"))
+		cmd := exec.CommandContext(ctx, c.Kubectl(), args[1:]...)
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig)
+		data, err := cmd.Output()
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%s: %v", audit.CaptureCommand, err)
 		}
 		st, err := audit.ParseClusterList(data)
 		if err != nil {
