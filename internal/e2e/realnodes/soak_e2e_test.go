@@ -4,11 +4,15 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -48,7 +52,13 @@ const webCorefile = `.:5353 {
 // a Deployment behind a Service, called by its DNS name twice a second
 // from every node (a new connection each time, a 3 s timeout, as a
 // client with no keep-alive), scaled every 20 s and rolled out every
-// 60 s, CoreDNS itself rolled out halfway. Rollouts leave conntrack
+// 60 s, its pods killed, Services made and deleted, an aggregator pod
+// killed (at 3/4 of a short soak, every 15 minutes of a long one),
+// CoreDNS itself rolled out halfway; kube-proxy's DaemonSets rolled, the
+// API server restarted once, the chart upgraded, a node drained and
+// uncordoned (each first at a share of a short soak, then every 20
+// minutes; kube-proxy's roll never while a fault is out, as it would
+// heal it). Rollouts leave conntrack
 // entries DNATed to pods that are gone (a SYN that reached a pod in its
 // last moment, connections closed normally, finished DNS lookups), which
 // only count down to their timeouts: not one report may carry a finding
@@ -221,14 +231,19 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	}
 	findings := map[string]*seen{}
 	var falseRepairs, falsePages []string
+	var proxyRolled time.Time // kube-proxy's DaemonSets rolled: its pods replaced for three minutes are no repair
 	proxyPods := map[string]types.UID{}
 	pages := map[types.UID]int32{}
 	var reports, withFindings, failedReports int
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	watched := make(chan struct{})
+	procs := map[int]*podProcess{}
 	go func() {
 		defer close(watched)
-		for watchCtx.Err() == nil {
+		for poll := 0; watchCtx.Err() == nil; poll++ {
+			if poll%5 == 0 {
+				sampleProcesses(procs) // only this goroutine writes it until watched closes
+			}
 			r, _, err := report(watchCtx, t, c)
 			pods, perr := c.Client.CoreV1().Pods("kube-system").List(watchCtx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
 			evs, eerr := c.Client.CoreV1().Events("default").List(watchCtx, metav1.ListOptions{FieldSelector: "reason=ProxyauditPage"})
@@ -265,7 +280,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 								}
 								event("%s: kube-proxy pod replaced %s (%s)", f.node, by, p.Name)
 							}
-						} else {
+						} else if proxyRolled.IsZero() || now.Sub(proxyRolled) > 3*time.Minute {
 							falseRepairs = append(falseRepairs, fmt.Sprintf("+%s %s (%s)", now.Sub(began).Round(time.Second), p.Spec.NodeName, p.Name))
 						}
 					}
@@ -329,7 +344,77 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			t.Errorf("roll %s/%s out: %v", namespace, name, err)
 		}
 	}
-	scales, rollouts, dnsRollouts := 0, 0, 0
+	scales, rollouts, dnsRollouts, killed, services, aggregatorsKilled := 0, 0, 0, 0, 0, 0
+	last := ""
+	aggregatorKill := time.Now().Add(min(*soakFor*3/4, 15*time.Minute))
+	// Heavier churn, first at a share of a short soak, then every 20
+	// minutes: kube-proxy's DaemonSets rolled (every kube-proxy pod but
+	// the static one replaced), the API server restarted (once), the
+	// chart upgraded (every aggregator and collector pod rolled), a node
+	// drained and uncordoned.
+	at := func(share float64) time.Time {
+		return began.Add(min(time.Duration(share*float64(*soakFor)), 10*time.Minute))
+	}
+	upgrades := 0
+	heavy := []*struct {
+		name  string
+		next  time.Time
+		every time.Duration
+		do    func() error
+		done  int
+		quiet bool // only while no fault is out, and none starts for a minute after
+	}{
+		{name: "kube-proxy's DaemonSets rolled", next: at(0.3), every: 20 * time.Minute, quiet: true, do: func() error {
+			dss, err := c.Client.AppsV1().DaemonSets("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			proxyRolled = time.Now()
+			mu.Unlock()
+			patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"soak/restarted":%q}}}}}`, time.Now().Format(time.RFC3339Nano))
+			for _, ds := range dss.Items {
+				if _, err := c.Client.AppsV1().DaemonSets("kube-system").Patch(ctx, ds.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+					return err
+				}
+			}
+			return nil
+		}},
+		{name: "the API server restarted", next: at(0.5), every: 1000 * time.Hour, do: func() error {
+			start, err := c.StopAPIServer()
+			if err != nil {
+				return err
+			}
+			time.Sleep(5 * time.Second)
+			return start(ctx)
+		}},
+		{name: "the chart upgraded (every proxyaudit pod rolled)", next: at(0.65), every: 20 * time.Minute, do: func() error {
+			upgrades++
+			helm(ctx, t, c, "upgrade", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--reset-then-reuse-values",
+				"--set-string", fmt.Sprintf("collector.podAnnotations.soak/upgrade=%d", upgrades),
+				"--set-string", fmt.Sprintf("aggregator.podAnnotations.soak/upgrade=%d", upgrades))
+			return nil
+		}},
+		{name: "a node drained and uncordoned", next: at(0.85), every: 20 * time.Minute, do: func() error {
+			node := fleet[rand.IntN(len(fleet))].Name
+			cordon := func(on bool) error {
+				_, err := c.Client.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType, []byte(fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)), metav1.PatchOptions{})
+				return err
+			}
+			if err := cordon(true); err != nil {
+				return err
+			}
+			pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+			if err != nil {
+				return err
+			}
+			for _, p := range pods.Items {
+				_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{})
+			}
+			time.Sleep(15 * time.Second)
+			return cordon(false)
+		}},
+	}
 	sizes := []int32{3, 4, 3, 2}
 	// Faults at jittered times on random nodes whose kube-proxy a restart
 	// can repair (not the static one), one at a time (the default budget
@@ -368,6 +453,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		event("%s: FAULT %s", f.node, f.kind)
 		mu.Unlock()
 	}
+	var busyUntil time.Time // heavy churn: no fault starts before it ends
 	active := func() bool {
 		mu.Lock()
 		defer mu.Unlock()
@@ -423,8 +509,67 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			rollout("kube-system", "coredns")
 			dnsRollouts++
 		}
+		// Beside them: a web pod killed, a Service of its own (no
+		// selector, its slice written here) made and the last one deleted,
+		// and an aggregator replica killed now and then (the Lease moves or
+		// not; the streams reconnect).
+		switch tick % 3 {
+		case 1:
+			if pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"}); err == nil && len(pods.Items) > 0 {
+				p := pods.Items[rand.IntN(len(pods.Items))]
+				if err := c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{}); err == nil {
+					killed++
+				}
+			}
+		case 2:
+			name := fmt.Sprintf("churn-%d", tick)
+			svc, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+				Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+			if err == nil {
+				err = c.ApplySlice(ctx, localcluster.Slice(svc, name+"-1", "http", 8080, corev1.ProtocolTCP, fmt.Sprintf("198.18.251.%d", 1+tick%250)))
+			}
+			if err != nil {
+				t.Errorf("service %s: %v", name, err)
+			}
+			if last != "" {
+				_ = c.Client.DiscoveryV1().EndpointSlices(ns).Delete(ctx, last+"-1", metav1.DeleteOptions{})
+				if err := c.Client.CoreV1().Services(ns).Delete(ctx, last, metav1.DeleteOptions{}); err != nil {
+					t.Errorf("delete service %s: %v", last, err)
+				}
+			}
+			last = name
+			services++
+		}
+		for _, ch := range heavy {
+			if time.Now().Before(ch.next) || ch.quiet && active() {
+				continue // a kube-proxy roll would heal the fault out
+			}
+			mu.Lock()
+			event("%s", ch.name)
+			mu.Unlock()
+			if err := ch.do(); err != nil {
+				t.Errorf("%s: %v", ch.name, err)
+			}
+			ch.done++
+			if ch.next = time.Now().Add(ch.every); ch.quiet {
+				busyUntil = time.Now().Add(time.Minute)
+			}
+		}
+		if time.Now().After(aggregatorKill) {
+			if pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"}); err == nil && len(pods.Items) > 0 {
+				p := pods.Items[rand.IntN(len(pods.Items))]
+				leads := p.Name == leaderPod(ctx, c)
+				if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, p.Name, metav1.DeleteOptions{}); err == nil {
+					mu.Lock()
+					event("aggregator pod %s killed (leader: %v)", p.Name, leads)
+					mu.Unlock()
+					aggregatorsKilled++
+				}
+			}
+			aggregatorKill = time.Now().Add(15 * time.Minute)
+		}
 		operator()
-		if time.Now().After(nextFault) && !active() {
+		if time.Now().After(nextFault) && time.Now().After(busyUntil) && !active() {
 			inject()
 			nextFault = time.Now().Add(every + time.Duration(rand.Int64N(int64(every/4))))
 		}
@@ -489,11 +634,20 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		}
 		t.Log(line)
 	}
-	t.Logf("soak: %s (grace %s, remediation restart): %d scales, %d rollouts of web, %d of CoreDNS; %d faults (found after p50 %s, max %s; restarted by proxyaudit p50 %s; in sync p50 %s); %d requests answered, %d failed; %d reports, %d with a finding, %d reports not read",
-		time.Since(began).Round(time.Second), *soakGrace, scales, rollouts, dnsRollouts, len(faults), pct(toFind, 50), pct(toFind, 100), pct(toRepair, 50), pct(toHeal, 50),
+	var heavyDone []string
+	for _, ch := range heavy {
+		heavyDone = append(heavyDone, fmt.Sprintf("%s %d×", ch.name, ch.done))
+	}
+	t.Logf("soak: %s (grace %s, remediation restart): %d scales, %d rollouts of web, %d of CoreDNS, %d web pods killed, %d Services made and deleted, %d aggregator pods killed, %s; %d faults (found after p50 %s, max %s; restarted by proxyaudit p50 %s; in sync p50 %s); %d requests answered, %d failed; %d reports, %d with a finding, %d reports not read",
+		time.Since(began).Round(time.Second), *soakGrace, scales, rollouts, dnsRollouts, killed, services, aggregatorsKilled, strings.Join(heavyDone, ", "), len(faults), pct(toFind, 50), pct(toFind, 100), pct(toRepair, 50), pct(toHeal, 50),
 		ok.Load(), failed.Load(), reports, withFindings, failedReports)
 	if len(faults) == 0 {
 		t.Errorf("no fault was injected in %s", *soakFor)
+	}
+	res, grew := processSummary(procs)
+	t.Logf("resources, sampled every ~10 s in the pods' processes:\n  %s", strings.Join(res, "\n  "))
+	for _, g := range grew {
+		t.Errorf("resident set grew past the bound (a quarter of its first minute's and 16 MiB): %s", g)
 	}
 	var keys []string
 	for k := range findings {
@@ -541,4 +695,95 @@ func pct(ds []time.Duration, p int) time.Duration {
 	}
 	s := slices.Sorted(slices.Values(ds))
 	return s[min(len(s)-1, (len(s)-1)*p/100)].Round(time.Second)
+}
+
+// podProcess is a process of a pod on a real node, sampled by the soak:
+// its program, its node and what the kernel counted of it.
+type podProcess struct {
+	prog, node        string
+	first, warm, last localcluster.ProcStat
+	firstAt, lastAt   time.Time
+	warmAt            time.Time // the first sample a minute or more after the first
+	peakRSS           int64
+}
+
+// sampleProcesses reads every collector, aggregator and kube-proxy
+// process running in a pod on a real node (its cgroup under kubepods)
+// into seen, by pid.
+func sampleProcesses(seen map[int]*podProcess) {
+	entries, _ := os.ReadDir("/proc")
+	now := time.Now()
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil {
+			continue
+		}
+		argv0, _, _ := strings.Cut(string(cmdline), "\x00")
+		prog := filepath.Base(argv0)
+		if prog != "proxyaudit-collector" && prog != "proxyaudit-aggregator" && prog != "kube-proxy" {
+			continue
+		}
+		cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+		_, rest, ok := strings.Cut(string(cg), ":/pa-")
+		node, _, inPod := strings.Cut(rest, "/kubepods/")
+		if err != nil || !ok || !inPod {
+			continue
+		}
+		st, err := localcluster.ReadProcStat(pid)
+		if err != nil {
+			continue
+		}
+		p := seen[pid]
+		if p == nil {
+			p = &podProcess{prog: prog, node: node, first: st, firstAt: now}
+			seen[pid] = p
+		}
+		p.last, p.lastAt, p.peakRSS = st, now, max(p.peakRSS, st.RSS)
+		if p.warmAt.IsZero() && now.Sub(p.firstAt) >= time.Minute {
+			p.warm, p.warmAt = st, now
+		}
+	}
+}
+
+// processSummary says, per program, the CPU its processes used (a share
+// of one core, median and max over processes, children included: the
+// collector's iptables-save, kube-proxy's iptables-restore), their
+// largest resident set and its growth after the first minute; and
+// returns the processes that lived ten minutes or more and grew beyond
+// a quarter of their first minute's RSS and 16 MiB more.
+func processSummary(seen map[int]*podProcess) (lines, grew []string) {
+	byProg := map[string][]*podProcess{}
+	for _, p := range seen {
+		byProg[p.prog] = append(byProg[p.prog], p)
+	}
+	for _, prog := range slices.Sorted(maps.Keys(byProg)) {
+		var cpu []float64
+		var peak, growth int64
+		for _, p := range byProg[prog] {
+			if d := p.lastAt.Sub(p.firstAt); d > 0 {
+				used := p.last.CPU + p.last.ChildCPU - p.first.CPU - p.first.ChildCPU
+				cpu = append(cpu, 100*used.Seconds()/d.Seconds())
+			}
+			peak = max(peak, p.peakRSS)
+			if !p.warmAt.IsZero() {
+				g := p.last.RSS - p.warm.RSS
+				growth = max(growth, g)
+				if p.lastAt.Sub(p.firstAt) >= 10*time.Minute && g > p.warm.RSS/4+16<<20 {
+					grew = append(grew, fmt.Sprintf("%s on %s: %d MiB after its first minute, %d MiB at the end", prog, p.node, p.warm.RSS>>20, p.last.RSS>>20))
+				}
+			}
+		}
+		slices.Sort(cpu)
+		med, top := 0.0, 0.0
+		if len(cpu) > 0 {
+			med, top = cpu[len(cpu)/2], cpu[len(cpu)-1]
+		}
+		lines = append(lines, fmt.Sprintf("%s: %d process(es), CPU median %.2f %% of a core (max %.2f %%), peak RSS %d MiB, growth after the first minute at most %d MiB",
+			prog, len(byProg[prog]), med, top, peak>>20, growth>>20))
+	}
+	return lines, grew
 }
