@@ -52,6 +52,11 @@ type ConntrackFlows struct {
 	// a dump without timeouts, or a destination the node's own rules
 	// still send the frontend to, whose new flows keep coming).
 	Active time.Time `json:",omitzero"`
+	// Quiet: no packet of a judged flow went through since the reader's
+	// previous read (Active is older): the flows only count down to
+	// their timeouts. Packets sent through a gone destination during a
+	// fault stop when it is healed; their entries live on for minutes.
+	Quiet bool `json:",omitempty"`
 	// Samples are a few clients (original sources), for people.
 	Samples []netip.AddrPort `json:",omitempty"`
 }
@@ -99,8 +104,9 @@ const StaleConntrack Kind = "StaleConntrack"
 // stale from the oldest time the history can vouch for.
 //
 // Where the collector dated the flows' last packets (Active), only flows
-// that carried a packet later than grace after the destination left are
-// stale: one that only counts down to its timeout is not a blackhole.
+// that carried a packet later than grace after the destination left, and
+// still do (not Quiet), are stale: one that only counts down to its
+// timeout is not a blackhole.
 func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.Time, grace time.Duration) []TimedFinding {
 	if ct == nil {
 		return nil
@@ -132,7 +138,7 @@ func JudgeConntrack(node string, ct *Conntrack, h *History, mode Mode, now time.
 		// destination's leaving (a request that reached a pod in its
 		// last moment, a client that gave up, a lookup answered) only
 		// counts down to its timeout: nothing is sent into it any more.
-		if !f.Active.IsZero() && f.Active.Before(left.Add(grace)) {
+		if !f.Active.IsZero() && f.Active.Before(left.Add(grace)) || f.Quiet {
 			continue
 		}
 		out = append(out, TimedFinding{Finding: Finding{Node: node, Service: owner, Port: portName, Protocol: f.Frontend.Protocol,

@@ -153,6 +153,10 @@ func TestJudgeConntrackByLastPacket(t *testing.T) {
 			{"attempt begun past grace", ConntrackFlows{Frontend: fe("TCP", 80), TCP: map[string]int{"SYN_SENT": 1}, Unreplied: 1}, grace + time.Second, true},
 			{"SYN abandoned by its client", ConntrackFlows{Frontend: fe("TCP", 80), TCP: map[string]int{"SYN_SENT": 1, "TIME_WAIT": 1}, Unreplied: 1}, 3 * time.Second, false},
 			{"undated (an older collector)", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 1}, -1, true},
+			// Packets went through past grace (a fault), then stopped (the
+			// fault healed): the collector's next read calls it quiet.
+			{"sent past grace, quiet since", ConntrackFlows{Frontend: fe("UDP", 53), UDP: 1, Unreplied: 1, Quiet: true}, grace + 5*time.Second, false},
+			{"attempts past grace, quiet since", ConntrackFlows{Frontend: fe("TCP", 80), TCP: map[string]int{"SYN_SENT": 3, "TIME_WAIT": 12}, Unreplied: 3, Quiet: true}, grace + 8*time.Second, false},
 		} {
 			f := c.flows
 			f.Dest = netip.MustParseAddrPort("198.18.77.3:5353")

@@ -282,6 +282,55 @@ func TestConntrackLastPacketOnlyOffTheRules(t *testing.T) {
 	}
 }
 
+// A pair off the rules whose last packet came before the previous read
+// (and its rounding) is Quiet: its flows only count down (packets sent
+// through a gone pod during a fault stop when the fault is healed, their
+// TCP entries live on for two minutes). One still carrying packets is
+// not; one the rules still serve carries no date at all.
+func TestConntrackQuietWhenPacketsStop(t *testing.T) {
+	rules := synthRules(t, 4)
+	served := rules.Frontends[0]
+	now := time.Now()
+	table := &datedTable{flows: []audit.ConntrackFlows{
+		{Frontend: served.FrontendKey, Dest: served.Endpoints[0].Addr, UDP: 1, Active: now.Add(-time.Hour)},
+		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), UDP: 1, Active: now.Add(time.Minute)},
+		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.251:9"), TCP: map[string]int{"SYN_SENT": 2}, Active: now.Add(-time.Minute)},
+	}}
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
+		Conntrack: table, ConntrackInterval: 20 * time.Second})
+	conn := welcome(t, ln)
+	defer conn.Close()
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	m, _, err := stream.Read(conn, 1<<20)
+	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil {
+		t.Fatalf("want a report with conntrack counts: %+v %v", m, err)
+	}
+	want := map[string][2]bool{ // dated, quiet
+		served.Endpoints[0].Addr.String(): {false, false},
+		"198.18.250.250:9":                {true, false},
+		"198.18.250.251:9":                {true, true},
+	}
+	for _, p := range m.Report.Conntrack.Pairs {
+		if got := [2]bool{p.Active != 0, p.Quiet}; got != want[p.Dest] {
+			t.Errorf("pair to %s: dated, quiet %v, want %v", p.Dest, got, want[p.Dest])
+		}
+	}
+	ct, err := m.Report.Conntrack.Model()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range ct.Flows {
+		if f.Quiet != want[f.Dest.String()][1] {
+			t.Errorf("model of the pair to %s: quiet %v", f.Dest, f.Quiet)
+		}
+	}
+}
+
 // kube-proxy takes a pod out of the rules between two conntrack reads (a
 // rollout): the next report carries the pair's last packet, read before,
 // with the rules that show it left. Sent undated until the next conntrack

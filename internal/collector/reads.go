@@ -191,16 +191,26 @@ func (c *client) conntrack(ctx context.Context, r *stream.Report) {
 // the flows' last packets must reach the aggregator with the rules that
 // show it (a CoreDNS rollout made StaleConntrack on every node for the
 // rest of the conntrack interval, each lookup's entry undated).
+//
+// Of those it keeps, a pair whose last packet came before the previous
+// read (and ten seconds' rounding) is Quiet: packets stopped going
+// through it (a fault healed, a client that gave up), and its entries
+// only count down to their timeouts, minutes for a TCP attempt: no
+// blackhole (the soak met a node's healed fault reported for two minutes
+// after its heal).
 func (c *client) offTheRules(ct *stream.Conntrack) *stream.Conntrack {
 	if len(ct.Pairs) == 0 {
 		return ct
 	}
+	quietBefore := c.ctAt.Add(-c.cfg.ConntrackInterval - 10*time.Second).Unix()
 	var out *stream.Conntrack
 	for i, p := range ct.Pairs {
 		if p.Active == 0 {
 			continue
 		}
-		if dest, err := netip.ParseAddrPort(p.Dest); err == nil && c.serves(p.Frontend, dest) == "" {
+		dest, err := netip.ParseAddrPort(p.Dest)
+		served := err != nil || c.serves(p.Frontend, dest) != ""
+		if !served && p.Active >= quietBefore {
 			continue
 		}
 		if out == nil {
@@ -208,7 +218,11 @@ func (c *client) offTheRules(ct *stream.Conntrack) *stream.Conntrack {
 			cp.Pairs = slices.Clone(ct.Pairs)
 			out = &cp
 		}
-		out.Pairs[i].Active = 0
+		if served {
+			out.Pairs[i].Active = 0
+		} else {
+			out.Pairs[i].Quiet = true
+		}
 	}
 	if out == nil {
 		return ct

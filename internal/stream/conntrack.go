@@ -49,7 +49,11 @@ type ConntrackPair struct {
 	// Active is the last packet of a judged flow (UDP, a TCP connection
 	// attempt), Unix seconds (0: unknown). The collector sends it only
 	// for destinations its rules no longer send the frontend to.
-	Active  int64    `json:"a,omitempty"`
+	Active int64 `json:"a,omitempty"`
+	// Quiet: no packet since the collector's previous read (Active is
+	// older): the flows only count down (an older collector never says
+	// so; its flows are judged by Active alone).
+	Quiet   bool     `json:"q,omitempty"`
 	Samples []string `json:"c,omitempty"`
 }
 
@@ -94,6 +98,7 @@ func (c *Conntrack) Digest() uint64 {
 		// that left is sent again as the time moves (only such pairs
 		// carry Active, see ConntrackPair).
 		w(strconv.FormatInt(p.Active/10, 10))
+		w(strconv.FormatBool(p.Quiet))
 		states := make([]string, 0, len(p.TCP))
 		for s := range p.TCP {
 			states = append(states, s)
@@ -147,7 +152,7 @@ func (c *Conntrack) Model() (*audit.Conntrack, error) {
 			f.Oldest = time.Unix(p.Oldest, 0)
 		}
 		if p.Active > 0 {
-			f.Active = time.Unix(p.Active, 0)
+			f.Active, f.Quiet = time.Unix(p.Active, 0), p.Quiet
 		}
 		for _, s := range p.Samples {
 			a, err := netip.ParseAddrPort(s)
