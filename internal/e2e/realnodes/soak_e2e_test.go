@@ -567,9 +567,11 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 				t.Errorf("%s: %v", ch.name, err)
 			}
 			ch.done++
-			if ch.next = time.Now().Add(ch.every); ch.quiet {
-				busyUntil = time.Now().Add(40 * time.Second)
-			}
+			// No fault starts for 40 s after any of them: a fault on a node
+			// whose collector an upgrade is restarting blinds it (it finds
+			// the aggregator through the node's own service rules: a
+			// flushed table left it CollectorMissing, never paged).
+			ch.next, busyUntil = time.Now().Add(ch.every), time.Now().Add(40*time.Second)
 		}
 		if time.Now().After(aggregatorKill) {
 			if pods, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=aggregator"}); err == nil && len(pods.Items) > 0 {
@@ -594,6 +596,16 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	// grace.
 	for deadline := time.Now().Add(3 * time.Minute); active(); time.Sleep(time.Second) {
 		operator()
+		if time.Now().After(deadline) {
+			// Healed as the page would say, so that the suite's later
+			// tests find a healthy cluster.
+			mu.Lock()
+			last := faults[len(faults)-1]
+			mu.Unlock()
+			if p := kubeProxyPod(ctx, t, c, last.node); p != nil {
+				_ = c.Client.CoreV1().Pods("kube-system").Delete(ctx, p.Name, metav1.DeleteOptions{})
+			}
+		}
 		if time.Now().After(deadline) {
 			mu.Lock()
 			t.Errorf("the last fault did not heal within 3 minutes of the soak's end; timeline:\n  %s", strings.Join(timeline, "\n  "))
