@@ -93,7 +93,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return readOnce(host, o.mode, o.snapshot, stdout, fail)
 	}
 	cfg := collector.Config{Node: o.node, Aggregator: o.aggregator, Interval: o.interval, FullReadInterval: o.fullRead, ReadBudget: o.readBudget,
-		TokenFile: o.tokenFile, MaxMessageBytes: o.maxMessageBytes, Version: version(), KubeProxyMetrics: o.kubeProxyMetrics, Host: host}
+		TokenFile: o.tokenFile, MaxMessageBytes: o.maxMessageBytes, Version: version(), KubeProxyMetrics: o.kubeProxyMetrics, Host: host,
+		PeersFile: o.peersFile}
 	if src, fixed, _ := collector.ParseMode(o.mode); fixed {
 		cfg.Reader = host.Reader(src)
 	}

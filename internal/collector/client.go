@@ -71,6 +71,12 @@ type Config struct {
 	// Lookup resolves the aggregator's host name; nil is
 	// net.DefaultResolver's (tests replace it).
 	Lookup func(ctx context.Context, host string) ([]string, error)
+	// PeersFile keeps the aggregator addresses the collector last knew
+	// (from DNS, or the replicas the aggregator named) across restarts, on
+	// the node: a collector started while the node's DNS is down (it goes
+	// through the node's kube-proxy, which may be what drifted) dials
+	// them. Empty: kept in memory only.
+	PeersFile string
 }
 
 // ConntrackDeleter deletes the conntrack entries of flush targets
@@ -125,6 +131,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	c := &client{cfg: cfg, reader: cfg.Reader, credit: newReadCredit(cfg.ReadBudget, cfg.ReadBurst, cfg.Interval)}
 	c.cost.Reads = map[stream.ReadReason]uint64{}
+	c.loadPeers()
 	if src, ok := cfg.Reader.(interface{ Source() Source }); ok {
 		c.openSignal(src.Source())
 	}
@@ -152,6 +159,8 @@ type client struct {
 	// resolved keeps each aggregator name's last answer, from DNS or the
 	// aggregator's list of its replicas (learnPeers).
 	resolved map[string][]string
+	// savedPeers digests resolved as last written to the peers file.
+	savedPeers string
 	// welcomed: the aggregator welcomed the current session.
 	welcomed bool
 	reader   RuleReader

@@ -57,6 +57,7 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 				c.resolved = map[string][]string{}
 			}
 			c.resolved[host] = ips
+			c.savePeers()
 		}
 		for _, ip := range ips {
 			out = append(out, net.JoinHostPort(ip, port))
@@ -109,6 +110,7 @@ func (c *client) learnPeers(p *stream.Peers) {
 		}
 		c.resolved[host] = ips
 	}
+	c.savePeers()
 }
 
 // credentials reads the projected ServiceAccount token ("" without a file).

@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"go.uber.org/zap"
@@ -115,5 +118,64 @@ func TestPeersNewestFirstOlderKept(t *testing.T) {
 	dnsUp = false
 	if got := addrs(); !slices.Equal(got, []string{"198.18.150.2:9443"}) {
 		t.Fatalf("DNS's answer replaced the learned list, then outlived DNS: %v", got)
+	}
+}
+
+// A collector started while the node's DNS is down (its pod replaced
+// while the node's kube-proxy rules are flushed) dials the addresses a
+// collector before it kept on the node; a kept file that is not what the
+// collector writes is ignored, never trusted in part.
+func TestPeersFileOutlivesRestart(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "aggregators.json")
+	dnsUp := true
+	cfg := Config{Aggregator: "agg-headless.proxyaudit.svc:9443", Log: zap.NewNop(), PeersFile: file,
+		Lookup: func(_ context.Context, host string) ([]string, error) {
+			if !dnsUp {
+				return nil, errors.New("lookup " + host + ": i/o timeout")
+			}
+			return []string{"198.18.130.2"}, nil
+		}}
+	first := &client{cfg: cfg}
+	first.loadPeers()
+	if _, err := first.addresses(context.Background(), ""); err != nil {
+		t.Fatal(err)
+	}
+	first.learnPeers(&stream.Peers{IPs: []string{"198.18.131.2", "2001:2::7"}})
+	want := []string{"198.18.131.2:9443", "[2001:2::7]:9443", "198.18.130.2:9443"}
+
+	dnsUp = false
+	restarted := &client{cfg: cfg}
+	restarted.loadPeers()
+	if got, err := restarted.addresses(context.Background(), ""); err != nil || !slices.Equal(got, want) {
+		t.Fatalf("restarted without DNS: %v, %v; want the kept %v", got, err, want)
+	}
+
+	for name, content := range map[string]string{
+		"garbage":       "\x00\x01not json",
+		"oversized":     `{"agg-headless.proxyaudit.svc":["198.18.130.2"],"x":"` + strings.Repeat("a", maxPeersFile) + `"}`,
+		"a host name":   `{"agg-headless.proxyaudit.svc":["evil.example"]}`,
+		"with a port":   `{"agg-headless.proxyaudit.svc":["198.18.130.2:9443"]}`,
+		"unspecified":   `{"agg-headless.proxyaudit.svc":["0.0.0.0"]}`,
+		"too many":      fmt.Sprintf(`{"agg-headless.proxyaudit.svc":%q}`, slices.Repeat([]string{"198.18.130.2"}, stream.MaxPeers+1)),
+		"another name":  `{"other.svc":["198.18.130.2"]}`,
+		"not an object": `["198.18.130.2"]`,
+	} {
+		if err := os.WriteFile(file, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		c := &client{cfg: cfg}
+		c.loadPeers()
+		if got, err := c.addresses(context.Background(), ""); err == nil || len(got) != 0 {
+			t.Errorf("%s: %v, %v; want nothing dialed and the DNS error", name, got, err)
+		}
+	}
+
+	// A file that cannot be written costs a warning, not the stream.
+	cfg.PeersFile = filepath.Join(t.TempDir(), "missing-dir", "aggregators.json")
+	dnsUp = true
+	c := &client{cfg: cfg}
+	c.loadPeers()
+	if got, err := c.addresses(context.Background(), ""); err != nil || !slices.Equal(got, []string{"198.18.130.2:9443"}) {
+		t.Fatalf("unwritable file: %v, %v", got, err)
 	}
 }
