@@ -66,7 +66,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.tokenFile, "token-file", o.tokenFile, "projected ServiceAccount token sent to the aggregator, re-read on each connection [PROXYAUDIT_TOKEN_FILE]")
 	fs.StringVar(&o.caFile, "ca-file", o.caFile, "CA bundle that verifies the aggregator's certificate; empty means plain TCP, for local experiments only [PROXYAUDIT_CA_FILE]")
 	fs.StringVar(&o.serverName, "tls-server-name", o.serverName, "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name [PROXYAUDIT_TLS_SERVER_NAME]")
-	fs.StringVar(&o.peersFile, "peers-file", o.peersFile, "a file on the node that keeps the aggregator addresses last known, for a restart while the node's DNS is down (it goes through this node's kube-proxy, which may be what drifted); empty keeps them in memory only [PROXYAUDIT_PEERS_FILE]")
+	fs.StringVar(&o.peersFile, "peers-file", o.peersFile, "file on the node keeping the aggregator addresses last known, dialed after a restart while the node's DNS is down; empty keeps them in memory only [PROXYAUDIT_PEERS_FILE]")
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest message accepted from the aggregator")
 
 	// What is read, and how often.
