@@ -1000,7 +1000,13 @@ func kubeProxyPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, no
 // not being deleted, or nil.
 func systemPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, selector, node string) *corev1.Pod {
 	t.Helper()
-	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: selector,
+	return systemPodIn(ctx, t, c, "kube-system", selector, node)
+}
+
+// systemPodIn is systemPod in namespace ns.
+func systemPodIn(ctx context.Context, t *testing.T, c *localcluster.Cluster, ns, selector, node string) *corev1.Pod {
+	t.Helper()
+	pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector,
 		FieldSelector: "spec.nodeName=" + node})
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -326,6 +328,54 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	// SIGTERM, so its pod goes only when its 30 s grace ends, and the
 	// new one then starts and syncs (the chart's default is 2m).
 	a, b, nft := c.Node("real-ipt-a"), c.Node("real-ipt-b"), c.Node("real-nft-a")
+
+	// A collector pod replaced while its node's NAT rules are flushed (a
+	// chart upgrade, an eviction) must still report them: the node's DNS
+	// goes through those rules, so it dials the aggregator addresses the
+	// collector before it kept on the node (collector.stateDir).
+	t.Run("a collector restarted while its node's rules are flushed still reports them", func(t *testing.T) {
+		d.begin(t)
+		kept := "/var/lib/proxyaudit/proxyaudit.proxyaudit.aggregators.json" // the nodes share this host's files
+		if b, err := os.ReadFile(kept); err != nil || !strings.Contains(string(b), "proxyaudit-aggregator-headless") {
+			t.Fatalf("the collectors kept no aggregator addresses on the node: %q, %v", b, err)
+		}
+		undo := d.stuck(a, false) // kube-proxy frozen: it cannot put the rules back
+		defer undo(context.Background())
+		if err := a.FlushRules(ctx); err != nil {
+			t.Fatal(err)
+		}
+		old := systemPodIn(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=collector", a.Name)
+		if old == nil {
+			t.Fatal("no collector pod on " + a.Name)
+		}
+		replaced := time.Now()
+		if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, old.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		took := d.until(2*time.Minute, a.Name+"'s flushed rules reported by its new collector", func() bool {
+			r, _, err := report(ctx, t, c)
+			if err != nil {
+				return false
+			}
+			for _, n := range r.Nodes {
+				if n.Node == a.Name {
+					return n.State == audit.NodeNoRules && n.LastReport.After(replaced)
+				}
+			}
+			return false
+		})
+		t.Logf("%s: NoRules reported %s after its collector pod was deleted", a.Name, took.Round(time.Second))
+		if log := collectorLog(ctx, c, a.Name, 200); !strings.Contains(log, "aggregator addresses kept from before") {
+			t.Errorf("the new collector did not start from the kept addresses:\n%s", log)
+		} else if !strings.Contains(log, "cannot resolve the aggregator") {
+			t.Errorf("the new collector resolved the aggregator with its node's rules flushed: the scenario did not take the node's DNS away\n%s", log)
+		}
+		if err := undo(ctx); err != nil { // by hand: thawed and replaced
+			t.Fatal(err)
+		}
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), a.Name+"'s kube-proxy replaced by hand")
+		d.until(time.Minute, "the dry-run incident on "+a.Name+" resolved", func() bool { return len(d.events(a.Name, "ProxyauditResolve")) > 0 })
+	})
 
 	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
 		d.begin(t)
