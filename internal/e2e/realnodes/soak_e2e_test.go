@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"maps"
 	"math/rand/v2"
 	"net"
@@ -51,7 +52,10 @@ const webCorefile = `.:5353 {
 // A cluster's ordinary life, on real nodes with healthy kube-proxies:
 // a Deployment behind a Service, called by its DNS name twice a second
 // from every node (a new connection each time, a 3 s timeout, as a
-// client with no keep-alive), scaled every 20 s and rolled out every
+// client with no keep-alive), with a keep-alive client (one long-lived
+// TCP connection a node), a UDP client asking its DNS port from one
+// socket on every node, and a client outside the nodes calling its
+// NodePort on each node in turn; scaled every 20 s and rolled out every
 // 60 s, its pods killed, Services made and deleted, an aggregator pod
 // killed (at 3/4 of a short soak, every 15 minutes of a long one),
 // CoreDNS itself rolled out halfway; kube-proxy's DaemonSets rolled, the
@@ -92,9 +96,14 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		Data: map[string]string{"Corefile": webCorefile}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Client.CoreV1().Services(ns).Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "web"},
-		Spec: corev1.ServiceSpec{Selector: labels, Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP, TargetPort: intstr.FromInt32(8080)}}}},
-		metav1.CreateOptions{}); err != nil {
+	// web answers HTTP and, on UDP, DNS (CoreDNS's whoami); a NodePort
+	// for the client outside the nodes.
+	webSvc, err := c.Client.CoreV1().Services(ns).Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "web"},
+		Spec: corev1.ServiceSpec{Selector: labels, Type: corev1.ServiceTypeNodePort, Ports: []corev1.ServicePort{
+			{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP, TargetPort: intstr.FromInt32(8080)},
+			{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt32(5353)}}}},
+		metav1.CreateOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
 	dep := &appsv1.Deployment{
@@ -109,8 +118,9 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 					TerminationGracePeriodSeconds: ptr.To(int64(5)),
 					Containers: []corev1.Container{{
 						Name: "web", Image: image.CoreDNSRef, ImagePullPolicy: corev1.PullIfNotPresent,
-						Args:           []string{"-conf", "/etc/coredns/Corefile"},
-						Ports:          []corev1.ContainerPort{{Name: "http", ContainerPort: 8080, Protocol: corev1.ProtocolTCP}},
+						Args: []string{"-conf", "/etc/coredns/Corefile"},
+						Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080, Protocol: corev1.ProtocolTCP},
+							{Name: "dns", ContainerPort: 5353, Protocol: corev1.ProtocolUDP}},
 						ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromInt32(8181)}}, PeriodSeconds: 2},
 						VolumeMounts:   []corev1.VolumeMount{{Name: "config", MountPath: "/etc/coredns", ReadOnly: true}},
 					}},
@@ -204,6 +214,67 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			}
 		})
 	}
+
+	// Beside them, the traffic that outlives a pod: on every node a
+	// keep-alive HTTP client (one TCP connection reused until its pod
+	// goes) and a UDP client asking web's DNS port from one socket (one
+	// conntrack entry, re-pointed by kube-proxy when its pod leaves); and
+	// from this host, outside the nodes, a client calling web's NodePort
+	// on each node in turn.
+	var keptOK, keptFailed, keptConns, nodePortOK, nodePortFailed atomic.Int64
+	var udp []*resolver
+	for _, s := range fleet {
+		node := c.Node(s.Name)
+		udp = append(udp, startResolver(t, node, webSvc.Spec.ClusterIP))
+		hc := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 1, IdleConnTimeout: time.Hour,
+			DialContext: func(ctx context.Context, network, addr string) (conn net.Conn, err error) {
+				keptConns.Add(1)
+				err = localcluster.InNetNS(node.NetNS, func() error {
+					conn, err = (&net.Dialer{Timeout: 3 * time.Second}).DialContext(ctx, network, addr)
+					return err
+				})
+				return conn, err
+			}}}
+		clients.Go(func() {
+			defer hc.CloseIdleConnections()
+			for clientCtx.Err() == nil {
+				resp, err := hc.Get("http://" + net.JoinHostPort(webSvc.Spec.ClusterIP, "80") + "/health")
+				if err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				if err == nil && resp.StatusCode == http.StatusOK {
+					keptOK.Add(1)
+				} else {
+					keptFailed.Add(1)
+				}
+				select {
+				case <-clientCtx.Done():
+				case <-time.After(500 * time.Millisecond):
+				}
+			}
+		})
+	}
+	nodePort := webSvc.Spec.Ports[0].NodePort
+	outside := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	clients.Go(func() {
+		for i := 0; clientCtx.Err() == nil; i++ {
+			node := c.Node(fleet[i%len(fleet)].Name)
+			resp, err := outside.Get(fmt.Sprintf("http://%s/health", net.JoinHostPort(node.IP, strconv.Itoa(int(nodePort)))))
+			if err == nil {
+				resp.Body.Close()
+			}
+			if err == nil && resp.StatusCode == http.StatusOK {
+				nodePortOK.Add(1)
+			} else {
+				nodePortFailed.Add(1)
+			}
+			select {
+			case <-clientCtx.Done():
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+	})
 
 	// The watch: every report of the soak, every finding in it, and
 	// every kube-proxy pod replaced (a repair). A finding or a repair on
@@ -704,8 +775,25 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	if reports < int(*soakFor/(4*time.Second)) {
 		t.Errorf("only %d reports read in %s: the soak watched too little to prove silence", reports, *soakFor)
 	}
-	if ok.Load() == 0 || failed.Load() > ok.Load()/10 {
-		t.Errorf("the clients: %d answered, %d failed: the workload is not what a healthy cluster serves", ok.Load(), failed.Load())
+	var udpAnswers, udpRefused []int64
+	for _, r := range udp {
+		r.stop()
+		udpAnswers, udpRefused = append(udpAnswers, r.answers.Load()), append(udpRefused, r.refused.Load())
+	}
+	t.Logf("traffic: HTTP by name (a connection each) %d answered, %d failed; keep-alive HTTP %d answered, %d failed over %d connections; UDP from one socket a node, answers %v (refused %v); NodePort from outside the nodes %d answered, %d failed",
+		ok.Load(), failed.Load(), keptOK.Load(), keptFailed.Load(), keptConns.Load(), udpAnswers, udpRefused, nodePortOK.Load(), nodePortFailed.Load())
+	for _, c := range []struct {
+		what       string
+		ok, failed int64
+	}{{"HTTP by name", ok.Load(), failed.Load()}, {"keep-alive HTTP", keptOK.Load(), keptFailed.Load()}, {"NodePort", nodePortOK.Load(), nodePortFailed.Load()}} {
+		if c.ok == 0 || c.failed > c.ok/10 {
+			t.Errorf("the clients, %s: %d answered, %d failed: the workload is not what a healthy cluster serves", c.what, c.ok, c.failed)
+		}
+	}
+	for i, n := range udpAnswers {
+		if n == 0 {
+			t.Errorf("the UDP client on %s had no answer", fleet[i].Name)
+		}
 	}
 	waitInSync(ctx, t, c, 3*time.Minute, time.Now(), "after the soak")
 }
