@@ -69,7 +69,8 @@ const webCorefile = `.:5353 {
 // through it (issue #58: 82 % of reports did, before the conntrack
 // criterion). Remediation is on (restart, default budgets). Faults come
 // at jittered times on random nodes, one at a time: kube-proxy frozen,
-// its watch hung while its metrics answer, its NAT rules flushed; each
+// its watch hung while its metrics answer, its NAT rules flushed, one
+// endpoint's DNAT rewritten by hand; each
 // must be found on its node and repaired (kube-proxy restarted) or paged
 // (then healed by hand as the page says); a finding, a restart or a page
 // not explained by a fault fails the soak. The timeline (install, rollouts,
@@ -520,8 +521,18 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	// Faults at jittered times on random nodes whose kube-proxy a restart
 	// can repair (not the static one), one at a time (the default budget
 	// repairs one node at a time): a kube-proxy frozen, a watch hung with
-	// its metrics answering (the seed's case), the NAT rules flushed.
-	kinds := []string{"frozen", "watch hung", "flushed"}
+	// its metrics answering (the seed's case), the NAT rules flushed, one
+	// endpoint's rule rewritten by hand (of a Service nothing changes, so
+	// that kube-proxy does not rewrite it on its own).
+	still, err := c.CreateService(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "still", Namespace: ns},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}})
+	if err == nil {
+		err = c.ApplySlice(ctx, localcluster.Slice(still, "still-1", "http", 8080, corev1.ProtocolTCP, "198.18.252.1"))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := []string{"frozen", "watch hung", "flushed", "endpoint rewritten"}
 	rand.Shuffle(len(kinds), func(i, j int) { kinds[i], kinds[j] = kinds[j], kinds[i] })
 	every := max(time.Minute, *soakFor/12)
 	nextFault := began.Add(every/4 + time.Duration(rand.Int64N(int64(every/8))))
@@ -544,6 +555,8 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			f.undo, err = n.DropAPIConnection(ctx)
 		case "flushed":
 			err = n.FlushRules(ctx)
+		case "endpoint rewritten":
+			err = n.TamperEndpoint(ctx, "198.18.252.1:8080", "198.18.252.9:8080")
 		}
 		if err != nil {
 			t.Errorf("inject %s on %s: %v", f.kind, n.Name, err)
