@@ -30,8 +30,9 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
-	"github.com/proxyaudit/proxyaudit/internal/e2e"
+
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/scenario"
 )
 
 // The demo keeps the chart's grace period (shorter, the lingering conntrack
@@ -209,7 +210,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kube-proxy livez on %s: %w", hung.Name, err)
 	}
-	if err := e2e.Capture(ctx, c, d.Capture); err != nil {
+	if err := scenario.Capture(ctx, c, d.Capture); err != nil {
 		return nil, err
 	}
 	d.say("\n%s's kube-proxy (pod %s) answers /livez %d, yet its rules still send DNS to the CoreDNS pod that is gone (%s):", hung.Name, proxyPod, code, res.GoneDNS)

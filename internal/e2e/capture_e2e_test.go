@@ -9,16 +9,15 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/scenario"
 )
 
 var capture = flag.Bool("capture", false, "rewrite audit/testdata/capture from a live cluster")
 
-func TestMain(m *testing.M) { localcluster.Main(m, Nodes...) }
+func TestMain(m *testing.M) { localcluster.Main(m, scenario.Nodes...) }
 
 // TestE2ECaptureFixtures captures the fixtures under audit/testdata/capture
 // from genuine kube-proxies: clean (the whole matrix), drift (two nodes with
@@ -38,13 +37,13 @@ func TestE2ECaptureFixtures(t *testing.T) {
 	out := filepath.Join(root, "audit", "testdata", "capture")
 	os.RemoveAll(out)
 
-	if err := Apply(ctx, c, Matrix()); err != nil {
+	if err := scenario.Apply(ctx, c, scenario.Matrix()); err != nil {
 		t.Fatal(err)
 	}
-	if err := WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
 		t.Fatal(err)
 	}
-	if err := Capture(ctx, c, filepath.Join(out, "clean")); err != nil {
+	if err := scenario.Capture(ctx, c, filepath.Join(out, "clean")); err != nil {
 		t.Fatal(err)
 	}
 
@@ -60,10 +59,10 @@ func TestE2ECaptureFixtures(t *testing.T) {
 	if err := Drift(ctx, c); err != nil {
 		t.Fatal(err)
 	}
-	if err := WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
 		t.Fatal(err)
 	}
-	if err := Capture(ctx, c, filepath.Join(out, "drift")); err != nil {
+	if err := scenario.Capture(ctx, c, filepath.Join(out, "drift")); err != nil {
 		t.Fatal(err)
 	}
 	for _, u := range undo {
@@ -71,17 +70,17 @@ func TestE2ECaptureFixtures(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := WaitSynced(ctx, c, 3, c.Nodes()); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 3, c.Nodes()); err != nil {
 		t.Fatal(err)
 	}
 
-	if err := Apply(ctx, c, []Entry{Bulk(1001)}); err != nil {
+	if err := scenario.Apply(ctx, c, []scenario.Entry{scenario.Bulk(1001)}); err != nil {
 		t.Fatal(err)
 	}
-	if err := WaitSynced(ctx, c, 4, c.Nodes()); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 4, c.Nodes()); err != nil {
 		t.Fatal(err)
 	}
-	if err := Capture(ctx, c, filepath.Join(out, "large")); err != nil {
+	if err := scenario.Capture(ctx, c, filepath.Join(out, "large")); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -108,11 +107,11 @@ func driftFindings(staleAffinity string) string {
 // Drift changes the cluster in every way a stale node can miss: an endpoint
 // replaced, one removed, one added, a service deleted and one created.
 func Drift(ctx context.Context, c *localcluster.Cluster) error {
-	for _, e := range Matrix() {
+	for _, e := range scenario.Matrix() {
 		switch e.Service.Name {
 		case "multi": // .3 replaced by .4
 			s := e.Slices[0]
-			s.Endpoints[2] = ep("198.18.128.4", "ready", "", "")
+			s.Endpoints[2] = scenario.Endpoint("198.18.128.4", "ready", "", "")
 			if err := c.ApplySlice(ctx, s); err != nil {
 				return err
 			}
@@ -124,23 +123,18 @@ func Drift(ctx context.Context, c *localcluster.Cluster) error {
 			}
 		case "two-slices": // scaled up: .77 added
 			s := e.Slices[1]
-			s.Endpoints = append(s.Endpoints, ep("198.18.128.77", "ready", "", ""))
+			s.Endpoints = append(s.Endpoints, scenario.Endpoint("198.18.128.77", "ready", "", ""))
 			if err := c.ApplySlice(ctx, s); err != nil {
 				return err
 			}
 		case "affinity": // deleted
-			if err := c.Client.CoreV1().Services(Namespace).Delete(ctx, "affinity", metav1.DeleteOptions{}); err != nil {
+			if err := c.Client.CoreV1().Services(scenario.Namespace).Delete(ctx, "affinity", metav1.DeleteOptions{}); err != nil {
 				return err
 			}
-			if err := c.Client.DiscoveryV1().EndpointSlices(Namespace).Delete(ctx, "affinity-1", metav1.DeleteOptions{}); err != nil {
+			if err := c.Client.DiscoveryV1().EndpointSlices(scenario.Namespace).Delete(ctx, "affinity-1", metav1.DeleteOptions{}); err != nil {
 				return err
 			}
 		}
 	}
-	created := Entry{
-		Service: service("created", nil, svcPort("http", 80, corev1.ProtocolTCP)),
-		Slices: []*discoveryv1.EndpointSlice{slice("created", "created-1",
-			[]discoveryv1.EndpointPort{epPort("http", 8080, corev1.ProtocolTCP)}, ep("198.18.128.95", "ready", "", ""))},
-	}
-	return Apply(ctx, c, []Entry{created})
+	return scenario.Apply(ctx, c, []scenario.Entry{scenario.One("created", "198.18.128.95")})
 }

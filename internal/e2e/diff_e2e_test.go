@@ -12,6 +12,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/scenario"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -25,10 +26,10 @@ func TestE2ELiveDiff(t *testing.T) {
 	c := localcluster.Shared(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	if err := Apply(ctx, c, Matrix()); err != nil {
+	if err := scenario.Apply(ctx, c, scenario.Matrix()); err != nil {
 		t.Fatal(err)
 	}
-	if err := WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 1, c.Nodes()); err != nil {
 		t.Fatal(err)
 	}
 	auditAll := func() map[string][]audit.Finding {
@@ -46,7 +47,7 @@ func TestE2ELiveDiff(t *testing.T) {
 		}
 		out := map[string][]audit.Finding{}
 		for _, n := range c.Nodes() {
-			rules, err := NodeRules(ctx, n)
+			rules, err := scenario.NodeRules(ctx, n)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -87,7 +88,7 @@ func TestE2ELiveDiff(t *testing.T) {
 	if err := Drift(ctx, c); err != nil {
 		t.Fatal(err)
 	}
-	if err := WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 2, []*localcluster.Node{c.Node("ipt-a"), c.Node("nft-a")}); err != nil {
 		t.Fatal(err)
 	}
 	want := driftFindings("StaleService matrix/affinity:http ")

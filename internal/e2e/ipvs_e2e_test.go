@@ -19,6 +19,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/scenario"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -74,21 +75,21 @@ func TestE2EIPVS(t *testing.T) {
 	if err := Reset(ctx, c); err != nil {
 		t.Fatal(err)
 	}
-	if err := Apply(ctx, c, Matrix()); err != nil {
+	if err := scenario.Apply(ctx, c, scenario.Matrix()); err != nil {
 		t.Fatal(err)
 	}
 	vmSynced := func(round int) {
 		t.Helper()
-		if err := WaitSynced(ctx, c, round, c.Nodes()); err != nil {
+		if err := scenario.WaitSynced(ctx, c, round, c.Nodes()); err != nil {
 			t.Fatal(err)
 		}
 		// The sentinel's cluster IP, not just its endpoint: after Reset an
 		// earlier test's sentinel may still route to the same endpoint.
-		svc, err := c.Client.CoreV1().Services(Namespace).Get(ctx, Sentinel(round).Service.Name, metav1.GetOptions{})
+		svc, err := c.Client.CoreV1().Services(scenario.Namespace).Get(ctx, scenario.Sentinel(round).Service.Name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		rs := fmt.Sprintf("-a -t %s:80 -r %s ", svc.Spec.ClusterIP, SentinelEndpoint(round))
+		rs := fmt.Sprintf("-a -t %s:80 -r %s ", svc.Spec.ClusterIP, scenario.SentinelEndpoint(round))
 		waitVM(ctx, t, vm, fmt.Sprintf("sentinel %d", round), func(s string) bool { return strings.Contains(s, rs) })
 	}
 	vmSynced(1)
@@ -170,7 +171,7 @@ func TestE2EIPVS(t *testing.T) {
 		t.Fatal(err)
 	}
 	changed := time.Now()
-	if err := WaitSynced(ctx, c, 2, c.Nodes()); err != nil {
+	if err := scenario.WaitSynced(ctx, c, 2, c.Nodes()); err != nil {
 		t.Fatal(err)
 	}
 	t.Log("injected: the VM's traffic to the API server dropped; endpoints replaced, removed and added, a service deleted and one created")
@@ -215,8 +216,8 @@ func TestE2EIPVS(t *testing.T) {
 	if _, err := vm.Run(ctx, "kill -STOP $(cat "+filepath.Join(vm.Dir, "kube-proxy.pid")+")"); err != nil {
 		t.Fatal(err)
 	}
-	var two Entry
-	for _, e := range Matrix() {
+	var two scenario.Entry
+	for _, e := range scenario.Matrix() {
 		if e.Service.Name == "two-slices" {
 			two = e
 		}
@@ -267,16 +268,16 @@ func TestE2EIPVS(t *testing.T) {
 // Reset deletes every matrix object so that the matrix can be applied
 // afresh (earlier tests in the package drifted it).
 func Reset(ctx context.Context, c *localcluster.Cluster) error {
-	svcs, err := c.Client.CoreV1().Services(Namespace).List(ctx, metav1.ListOptions{})
+	svcs, err := c.Client.CoreV1().Services(scenario.Namespace).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return err
 	}
 	for _, s := range svcs.Items {
-		if err := c.Client.CoreV1().Services(Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+		if err := c.Client.CoreV1().Services(scenario.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
 			return err
 		}
 	}
-	return c.Client.DiscoveryV1().EndpointSlices(Namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
+	return c.Client.DiscoveryV1().EndpointSlices(scenario.Namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
 }
 
 func waitVM(ctx context.Context, t *testing.T, vm *localcluster.VMNode, what string, cond func(string) bool) {

@@ -1,4 +1,4 @@
-package e2e
+package scenario
 
 import (
 	"context"
@@ -17,12 +17,16 @@ import (
 // Sentinel returns a service applied after every other change: once a node's
 // kube-proxy routes to its endpoint, it has processed what came before.
 func Sentinel(round int) Entry {
-	name := fmt.Sprintf("zz-sentinel-%d", round)
-	ip := fmt.Sprintf("198.18.129.%d", round+1)
+	return One(fmt.Sprintf("zz-sentinel-%d", round), fmt.Sprintf("198.18.129.%d", round+1))
+}
+
+// One is a service named name with one ready endpoint, ip:8080 behind
+// port 80/TCP.
+func One(name, ip string) Entry {
 	return Entry{
 		Service: service(name, nil, svcPort("http", 80, corev1.ProtocolTCP)),
 		Slices: []*discoveryv1.EndpointSlice{slice(name, name+"-1",
-			[]discoveryv1.EndpointPort{epPort("http", 8080, corev1.ProtocolTCP)}, ep(ip, "ready", "", ""))},
+			[]discoveryv1.EndpointPort{epPort("http", 8080, corev1.ProtocolTCP)}, Endpoint(ip, "ready", "", ""))},
 	}
 }
 

@@ -1,7 +1,8 @@
-// Package e2e holds proxyaudit's end-to-end scenarios on the real local
-// cluster: the service matrix that exercises every kube-proxy rule shape, and
-// the captures that become the audit package's golden fixtures.
-package e2e
+// Package scenario holds the service matrix that exercises every rule
+// shape kube-proxy writes, how it is applied to a local cluster, and the
+// captures of each node's rules that become the audit package's golden
+// fixtures. The end-to-end suites (internal/e2e) and the demo drive it.
+package scenario
 
 import (
 	"context"
@@ -36,9 +37,9 @@ func epPort(name string, port int32, proto corev1.Protocol) discoveryv1.Endpoint
 	return discoveryv1.EndpointPort{Name: ptr(name), Port: ptr(port), Protocol: ptr(proto)}
 }
 
-// ep builds an endpoint; state is "ready", "notready" or "terminating"
+// Endpoint builds an endpoint; state is "ready", "notready" or "terminating"
 // (serving and terminating); node and zone may be empty.
-func ep(ip, state, node, zone string, hintZones ...string) discoveryv1.Endpoint {
+func Endpoint(ip, state, node, zone string, hintZones ...string) discoveryv1.Endpoint {
 	e := discoveryv1.Endpoint{Addresses: []string{ip}}
 	switch state {
 	case "ready":
@@ -97,69 +98,69 @@ func Matrix() []Entry {
 		{service("multi", nil, svcPort("http", 80, tcp), svcPort("metrics", 9090, tcp), svcPort("dns", 53, udp)),
 			[]*discoveryv1.EndpointSlice{slice("multi", "multi-1",
 				[]discoveryv1.EndpointPort{epPort("http", 8080, tcp), epPort("metrics", 9090, tcp), epPort("dns", 5353, udp)},
-				ep("198.18.128.1", "ready", "ipt-a", "zone-a"), ep("198.18.128.2", "ready", "nft-b", "zone-b"), ep("198.18.128.3", "ready", "", ""))}},
+				Endpoint("198.18.128.1", "ready", "ipt-a", "zone-a"), Endpoint("198.18.128.2", "ready", "nft-b", "zone-b"), Endpoint("198.18.128.3", "ready", "", ""))}},
 		// An unnamed port on SCTP.
 		{service("sctp", nil, svcPort("", 3868, sctp)),
 			[]*discoveryv1.EndpointSlice{slice("sctp", "sctp-1", []discoveryv1.EndpointPort{epPort("", 3868, sctp)},
-				ep("198.18.128.5", "ready", "", ""))}},
+				Endpoint("198.18.128.5", "ready", "", ""))}},
 		{service("nodeport", func(s *corev1.ServiceSpec) { s.Type = corev1.ServiceTypeNodePort }, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("nodeport", "nodeport-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.10", "ready", "ipt-a", "zone-a"), ep("198.18.128.11", "ready", "nft-a", "zone-a"))}},
+				Endpoint("198.18.128.10", "ready", "ipt-a", "zone-a"), Endpoint("198.18.128.11", "ready", "nft-a", "zone-a"))}},
 		// LoadBalancer with an ingress IP and source ranges (firewall chain).
 		{lb("lb", nil), []*discoveryv1.EndpointSlice{slice("lb", "lb-1", []discoveryv1.EndpointPort{epPort("https", 8443, tcp)},
-			ep("198.18.128.20", "ready", "ipt-b", "zone-b"), ep("198.18.128.21", "ready", "nft-b", "zone-b"))}},
+			Endpoint("198.18.128.20", "ready", "ipt-b", "zone-b"), Endpoint("198.18.128.21", "ready", "nft-b", "zone-b"))}},
 		// externalTrafficPolicy: Local on a LoadBalancer: the local chain holds only this node's endpoints.
 		{lb("etp-local", func(s *corev1.ServiceSpec) {
 			s.ExternalTrafficPolicy = corev1.ServiceExternalTrafficPolicyLocal
 			s.LoadBalancerSourceRanges = nil
 		}), []*discoveryv1.EndpointSlice{slice("etp-local", "etp-local-1", []discoveryv1.EndpointPort{epPort("https", 8443, tcp)},
-			ep("198.18.128.30", "ready", "ipt-a", "zone-a"), ep("198.18.128.31", "ready", "nft-a", "zone-a"), ep("198.18.128.32", "ready", "ipt-b", "zone-b"))}},
+			Endpoint("198.18.128.30", "ready", "ipt-a", "zone-a"), Endpoint("198.18.128.31", "ready", "nft-a", "zone-a"), Endpoint("198.18.128.32", "ready", "ipt-b", "zone-b"))}},
 		{service("itp-local", func(s *corev1.ServiceSpec) { s.InternalTrafficPolicy = ptr(corev1.ServiceInternalTrafficPolicyLocal) }, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("itp-local", "itp-local-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.40", "ready", "ipt-a", "zone-a"), ep("198.18.128.41", "ready", "nft-b", "zone-b"))}},
+				Endpoint("198.18.128.40", "ready", "ipt-a", "zone-a"), Endpoint("198.18.128.41", "ready", "nft-b", "zone-b"))}},
 		// Topology hints: every endpoint hinted, so nodes use only their zone's.
 		{service("topology", nil, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("topology", "topology-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.50", "ready", "ipt-a", "zone-a", "zone-a"), ep("198.18.128.51", "ready", "nft-a", "zone-a", "zone-a"),
-				ep("198.18.128.52", "ready", "ipt-b", "zone-b", "zone-b"))}},
+				Endpoint("198.18.128.50", "ready", "ipt-a", "zone-a", "zone-a"), Endpoint("198.18.128.51", "ready", "nft-a", "zone-a", "zone-a"),
+				Endpoint("198.18.128.52", "ready", "ipt-b", "zone-b", "zone-b"))}},
 		// One endpoint without hints: hints are ignored everywhere.
 		{service("topology-partial", nil, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("topology-partial", "topology-partial-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.55", "ready", "ipt-a", "zone-a", "zone-a"), ep("198.18.128.56", "ready", "ipt-b", "zone-b"))}},
+				Endpoint("198.18.128.55", "ready", "ipt-a", "zone-a", "zone-a"), Endpoint("198.18.128.56", "ready", "ipt-b", "zone-b"))}},
 		// Ready, not-ready and terminating endpoints: only the ready one is used.
 		{service("mixed-states", nil, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("mixed-states", "mixed-states-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.60", "ready", "", ""), ep("198.18.128.61", "notready", "", ""), ep("198.18.128.62", "terminating", "", ""))}},
+				Endpoint("198.18.128.60", "ready", "", ""), Endpoint("198.18.128.61", "notready", "", ""), Endpoint("198.18.128.62", "terminating", "", ""))}},
 		// Nothing ready: fall back to serving+terminating endpoints.
 		{service("terminating-only", nil, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("terminating-only", "terminating-only-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.65", "terminating", "", ""), ep("198.18.128.66", "notready", "", ""))}},
+				Endpoint("198.18.128.65", "terminating", "", ""), Endpoint("198.18.128.66", "notready", "", ""))}},
 		{service("affinity", func(s *corev1.ServiceSpec) {
 			s.SessionAffinity = corev1.ServiceAffinityClientIP
 			s.SessionAffinityConfig = &corev1.SessionAffinityConfig{ClientIP: &corev1.ClientIPConfig{TimeoutSeconds: ptr(int32(600))}}
 		}, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("affinity", "affinity-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.70", "ready", "", ""), ep("198.18.128.71", "ready", "", ""))}},
+				Endpoint("198.18.128.70", "ready", "", ""), Endpoint("198.18.128.71", "ready", "", ""))}},
 		// No endpoints at all: REJECT (iptables filter table) / no-endpoint map (nftables).
 		{service("no-endpoints", nil, svcPort("http", 80, tcp)), nil},
 		// Endpoints split across two slices.
 		{service("two-slices", nil, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{
-				slice("two-slices", "two-slices-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)}, ep("198.18.128.75", "ready", "", "")),
-				slice("two-slices", "two-slices-2", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)}, ep("198.18.128.76", "ready", "", ""))}},
+				slice("two-slices", "two-slices-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)}, Endpoint("198.18.128.75", "ready", "", "")),
+				slice("two-slices", "two-slices-2", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)}, Endpoint("198.18.128.76", "ready", "", ""))}},
 		{service("external-ip", func(s *corev1.ServiceSpec) { s.ExternalIPs = []string{"198.18.96.5"} }, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("external-ip", "external-ip-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.80", "ready", "", ""))}},
+				Endpoint("198.18.128.80", "ready", "", ""))}},
 		// Services kube-proxy must leave alone.
 		{service("headless", func(s *corev1.ServiceSpec) { s.ClusterIP = corev1.ClusterIPNone }, svcPort("http", 80, tcp)),
 			[]*discoveryv1.EndpointSlice{slice("headless", "headless-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-				ep("198.18.128.85", "ready", "", ""))}},
+				Endpoint("198.18.128.85", "ready", "", ""))}},
 		{service("external-name", func(s *corev1.ServiceSpec) {
 			s.Type = corev1.ServiceTypeExternalName
 			s.ExternalName = "example.invalid"
 		}), nil},
 		{proxyNamed(), []*discoveryv1.EndpointSlice{slice("other-proxy", "other-proxy-1", []discoveryv1.EndpointPort{epPort("http", 8080, tcp)},
-			ep("198.18.128.90", "ready", "", ""))}},
+			Endpoint("198.18.128.90", "ready", "", ""))}},
 	}
 }
 
@@ -208,7 +209,7 @@ func Bulk(n int) Entry {
 			cur = slice("bulk", fmt.Sprintf("bulk-%d", i/500), []discoveryv1.EndpointPort{epPort("http", 8080, corev1.ProtocolTCP)})
 			e.Slices = append(e.Slices, cur)
 		}
-		cur.Endpoints = append(cur.Endpoints, ep(fmt.Sprintf("198.18.%d.%d", 130+i/250, 1+i%250), "ready", "", ""))
+		cur.Endpoints = append(cur.Endpoints, Endpoint(fmt.Sprintf("198.18.%d.%d", 130+i/250, 1+i%250), "ready", "", ""))
 	}
 	return e
 }
