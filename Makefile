@@ -98,15 +98,19 @@ e2e-cilium: deps modules cluster-binaries
 	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 30m -run 'TestE2ECiliumNode' -v ./internal/e2e/live
 	PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 40m -run 'TestE2ECiliumOnRealNodes' -v ./internal/e2e/realnodes
 
-## soak: an hour of a real cluster's life on the real kubelet nodes at the chart's defaults (a Deployment
-## scaled every 20 s and rolled out every 60 s, clients calling it by name from every node, CoreDNS rolled
-## out halfway): not one finding may appear; then one frozen kube-proxy is found on its node alone.
-## make test runs the same for 3 minutes at a 10 s grace; SOAK and SOAK_GRACE change it
+## soak: an hour of a real cluster's life on the real kubelet nodes, the chart with remediation on (a
+## Deployment scaled every 20 s and rolled out every 60 s, called by name, over kept TCP connections, over
+## UDP and through a NodePort; pods killed, Services churned, CoreDNS and kube-proxy rolled, the API server
+## restarted, the chart upgraded, a node drained) with faults injected on random nodes: every fault must
+## be found and repaired or paged, and nothing else found, restarted or paged.
+## make test runs the same for 3 minutes at a 10 s grace; SOAK, SOAK_GRACE and SOAK_FAULTS (a comma-separated
+## list of: frozen, watch hung, flushed, endpoint rewritten, UDP blackhole) change it
 SOAK ?= 60m
 SOAK_GRACE ?= 30s
+SOAK_FAULTS ?=
 soak: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 120m -v -run '^TestE2ESoakOnRealNodes$$' ./internal/e2e/realnodes \
-		-soak $(SOAK) -soak-grace $(SOAK_GRACE)
+		-soak $(SOAK) -soak-grace $(SOAK_GRACE) -soak-faults '$(SOAK_FAULTS)'
 
 ## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
 e2e-long: e2e-cilium soak

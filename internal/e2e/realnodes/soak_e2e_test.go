@@ -36,8 +36,9 @@ import (
 // test for a few minutes at a shorter grace (the harder case: entries of
 // finished flows outlive it).
 var (
-	soakFor   = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
-	soakGrace = flag.Duration("soak-grace", 10*time.Second, "the chart's grace during the soak (make soak: the chart's default, 30s)")
+	soakFor    = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
+	soakGrace  = flag.Duration("soak-grace", 10*time.Second, "the chart's grace during the soak (make soak: the chart's default, 30s)")
+	soakFaults = flag.String("soak-faults", "", "the faults the soak injects, in turn, comma-separated (empty: every kind, shuffled): frozen, watch hung, flushed, endpoint rewritten, UDP blackhole")
 )
 
 // webCorefile makes CoreDNS a web service: its health plugin answers GET
@@ -70,7 +71,8 @@ const webCorefile = `.:5353 {
 // criterion). Remediation is on (restart, default budgets). Faults come
 // at jittered times on random nodes, one at a time: kube-proxy frozen,
 // its watch hung while its metrics answer, its NAT rules flushed, one
-// endpoint's DNAT rewritten by hand; each
+// endpoint's DNAT rewritten by hand, a UDP client sending to a service
+// whose pod went (a blackhole kube-proxy leaves); each
 // must be found on its node and repaired (kube-proxy restarted) or paged
 // (then healed by hand as the page says); a finding, a restart or a page
 // not explained by a fault fails the soak. The timeline (install, rollouts,
@@ -424,7 +426,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 						if ft.drifted.IsZero() {
 							ft.drifted = now
 						}
-					} else if n.State == audit.NodeInSync && n.LastReport.After(ft.at) && (!ft.found.IsZero() || !ft.repaired.IsZero() || !ft.drifted.IsZero()) && n.LastReport.After(ft.repaired) {
+					} else if n.State == audit.NodeInSync && !on[n.Node] && n.LastReport.After(ft.at) && (!ft.found.IsZero() || !ft.repaired.IsZero() || !ft.drifted.IsZero()) && n.LastReport.After(ft.repaired) {
 						ft.healed = now
 						event("%s: in sync again", ft.node)
 					}
@@ -532,8 +534,42 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kinds := []string{"frozen", "watch hung", "flushed", "endpoint rewritten"}
+	// And a real blackhole kube-proxy leaves: a UDP client on the node
+	// keeps sending to a service whose one pod went (scaled to zero:
+	// kube-proxy's conntrack cleanup skips a service with no endpoints),
+	// its entry still DNATed to the gone pod. No restart cures it (the
+	// rules are right); the chart's default pages nothing for it (its
+	// alert is Prometheus's ProxyAuditStaleConntrack), so the operator
+	// scales the service back once it is found.
+	lone := dep.DeepCopy()
+	lone.Name, lone.Spec.Replicas = "lone", ptr.To(int32(1))
+	lone.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"app": "lone"}}
+	lone.Spec.Template.Labels = map[string]string{"app": "lone"}
+	loneSvc, err := c.Client.CoreV1().Services(ns).Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "lone"},
+		Spec: corev1.ServiceSpec{Selector: lone.Spec.Template.Labels, Ports: []corev1.ServicePort{
+			{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt32(5353)}}}}, metav1.CreateOptions{})
+	if err == nil {
+		_, err = c.Client.AppsV1().Deployments(ns).Create(ctx, lone, metav1.CreateOptions{})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitPods(ctx, t, c, ns, "app=lone", 1, 3*time.Minute)
+	scaleLone := func(ctx context.Context, n int) error {
+		_, err := c.Client.AppsV1().Deployments(ns).Patch(ctx, "lone", types.StrategicMergePatchType, []byte(fmt.Sprintf(`{"spec":{"replicas":%d}}`, n)), metav1.PatchOptions{})
+		return err
+	}
+	kinds := []string{"frozen", "watch hung", "flushed", "endpoint rewritten", "UDP blackhole"}
 	rand.Shuffle(len(kinds), func(i, j int) { kinds[i], kinds[j] = kinds[j], kinds[i] })
+	if *soakFaults != "" {
+		known := slices.Clone(kinds)
+		kinds = strings.Split(*soakFaults, ",")
+		for _, k := range kinds {
+			if !slices.Contains(known, k) {
+				t.Fatalf("-soak-faults: no fault %q (%s)", k, strings.Join(known, ", "))
+			}
+		}
+	}
 	every := max(time.Minute, *soakFor/12)
 	nextFault := began.Add(every/4 + time.Duration(rand.Int64N(int64(every/8))))
 	inject := func() {
@@ -557,6 +593,22 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			err = n.FlushRules(ctx)
 		case "endpoint rewritten":
 			err = n.TamperEndpoint(ctx, "198.18.252.1:8080", "198.18.252.9:8080")
+		case "UDP blackhole":
+			r := startResolver(t, n, loneSvc.Spec.ClusterIP)
+			for deadline := time.Now().Add(20 * time.Second); r.answers.Load() == 0 && time.Now().Before(deadline); {
+				time.Sleep(100 * time.Millisecond)
+			}
+			if r.answers.Load() == 0 {
+				r.stop()
+				err = fmt.Errorf("lone does not answer %s's UDP client", n.Name)
+				break
+			}
+			var once sync.Once
+			f.undo = func(ctx context.Context) (err error) {
+				once.Do(func() { r.stop(); err = scaleLone(ctx, 1) })
+				return err
+			}
+			err = scaleLone(ctx, 0)
 		}
 		if err != nil {
 			t.Errorf("inject %s on %s: %v", f.kind, n.Name, err)
@@ -579,8 +631,15 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		mu.Lock()
 		var f *soakFault
 		if len(faults) > 0 {
-			if last := faults[len(faults)-1]; last.healed.IsZero() && last.repaired.IsZero() && last.byHand.IsZero() && !last.paged.IsZero() && time.Since(last.paged) > 5*time.Second {
+			last := faults[len(faults)-1]
+			switch {
+			case !last.healed.IsZero() || !last.repaired.IsZero() || !last.byHand.IsZero():
+			case !last.paged.IsZero() && time.Since(last.paged) > 5*time.Second:
 				f = last
+			case last.kind == "UDP blackhole" && !last.found.IsZero() && time.Since(last.found) > 5*time.Second:
+				f = last // alerted, not paged: scaled back by hand
+			}
+			if f != nil {
 				f.byHand = time.Now()
 			}
 		}
@@ -593,6 +652,9 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 				t.Errorf("undo %s on %s: %v", f.kind, f.node, err)
 			}
 			f.undo = nil
+		}
+		if f.kind == "UDP blackhole" {
+			return // the service has a pod again: kube-proxy clears the entry
 		}
 		if p := kubeProxyPod(ctx, t, c, f.node); p != nil {
 			if err := c.Client.CoreV1().Pods("kube-system").Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil {
