@@ -12,7 +12,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"k8s.io/client-go/tools/clientcmd"
+	"github.com/spf13/cobra"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/ui"
@@ -33,36 +33,29 @@ type ClusterReport struct {
 	Error   string       `json:"error,omitempty"`
 }
 
-// kubeContexts lists the kubeconfig's contexts, sorted.
-func kubeContexts(kubeconfig string) ([]string, error) {
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = kubeconfig
-	cfg, err := rules.Load()
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig: %v", err)
-	}
-	var out []string
-	for name := range cfg.Contexts {
-		out = append(out, name)
-	}
-	slices.Sort(out)
-	if len(out) == 0 {
-		return nil, errors.New("kubeconfig: no contexts")
-	}
-	return out, nil
-}
-
-// runClustersReport reports every cluster named (or, with all, every
+// clustersReport reports every cluster named (or, with all, every
 // context of the kubeconfig), each asked in parallel through its own API
 // server within the timeout.
-func runClustersReport(a *access, all bool, format string, stdout, stderr io.Writer) int {
+func (c *cli) clustersReport(cmd *cobra.Command, a *access, all bool, format string) int {
 	contexts, err := a.clusters(all)
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
+	}
+	if strings.HasPrefix(format, formatName) {
+		return c.fail(cmd, "-o name reads one cluster (node names repeat across clusters): use -o custom-columns=CLUSTER:.cluster,NODE:.node")
 	}
 	rep := fetchClusters(a, contexts)
-	render(stdout, format, rep, func(w io.Writer) { clustersTable(w, rep) }, func(w io.Writer) { clustersMarkdown(w, rep) })
+	var rows []any
+	eachFinding(rep, func(cluster, _ string, tf audit.TimedFinding) {
+		rows = append(rows, struct {
+			Cluster string `json:"cluster"`
+			audit.TimedFinding
+		}{cluster, tf})
+	})
+	if err := render(c.stdout, format, rep, func() []any { return rows }, nil,
+		func(w io.Writer) { clustersTable(w, rep) }, func(w io.Writer) { clustersMarkdown(w, rep) }); err != nil {
+		return c.fail(cmd, "%v", err)
+	}
 	code := exitClean
 	for _, c := range rep.Clusters {
 		switch {
@@ -81,13 +74,26 @@ func (a *access) clusters(all bool) ([]string, error) {
 	if *a.url != "" {
 		return nil, fmt.Errorf("--aggregator names one aggregator; several clusters are reached through their API servers (drop --aggregator)")
 	}
+	for _, c := range a.contexts {
+		if c == "" {
+			return nil, errors.New("--context: an empty context name")
+		}
+	}
 	if !all {
 		return slices.Clone(a.contexts), nil
 	}
 	if len(a.contexts) > 0 {
 		return nil, errors.New("--all-contexts or --context, not both")
 	}
-	return kubeContexts(*a.kubeconfig)
+	return a.allContexts()
+}
+
+// on is a copy of a that reads the cluster of context name.
+func (a *access) on(name string) *access {
+	one, k := *a, *a.kube
+	k.contexts = []string{name}
+	one.kube = &k
+	return &one
 }
 
 // fetchClusters reads each context's report in parallel; a cluster that
@@ -97,10 +103,8 @@ func fetchClusters(a *access, contexts []string) *ClustersReport {
 	var wg sync.WaitGroup
 	for i, name := range contexts {
 		wg.Go(func() {
-			one := *a
-			one.context = &name
 			out.Clusters[i].Context = name
-			get, cancel, err := one.getter()
+			get, cancel, err := a.on(name).getter()
 			if err != nil {
 				out.Clusters[i].Error = err.Error()
 				return
@@ -224,9 +228,7 @@ func (a *access) clustersUI(contexts []string, stderr io.Writer) http.Handler {
 	slugs := clusterSlugs(contexts)
 	byHost := map[string]http.Handler{}
 	for i, name := range contexts {
-		one := *a
-		one.context = &name
-		h, err := one.uiProxy(stderr)
+		h, err := a.on(name).uiProxy(stderr)
 		if err != nil {
 			msg := fmt.Sprintf("proxyaudit ui: cluster %s: %v", name, err)
 			h = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { http.Error(w, msg, http.StatusBadGateway) })

@@ -1,7 +1,7 @@
 package main
 
 import (
-	"flag"
+	"github.com/spf13/pflag"
 	"io"
 	"net"
 	"net/http"
@@ -30,8 +30,8 @@ func TestUIAcrossClusters(t *testing.T) {
 		"arn:aws:eks:eu-west-1:123456789012:cluster/b": apiServer(t, api.FindingsResponse{At: fr.At}, api.NodesResponse{At: nr.At, Nodes: nr.Nodes[:1]}),
 		"gone": down.URL,
 	})
-	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
-	a := accessFlags(fs)
+	fs := pflag.NewFlagSet("ui", pflag.ContinueOnError)
+	a := accessFlags(fs, true)
 	if err := fs.Parse([]string{"--kubeconfig", cfg, "--timeout", "5s"}); err != nil {
 		t.Fatal(err)
 	}

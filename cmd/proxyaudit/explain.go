@@ -1,9 +1,8 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/url"
@@ -12,79 +11,122 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/cobra"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-const explainUsage = `proxyaudit explain: one node's kube-proxy rules traced against the cluster.
-
-Usage:
-  proxyaudit explain node NAME [--service NAMESPACE/NAME] [access flags as for report] [-o table|json]
+const explainUsage = `One node's rules traced against the cluster, through the aggregator.
 
 For each service port: each frontend (cluster IP, node port, load-balancer IP)
 with its service chain, and each endpoint with its DNAT rule, marked ok, STALE
 (in the rules, gone from the cluster) or MISSING (in the cluster, not in the
 rules). A dual-stack service is traced once per IP family; a family whose
-rules the node's collector could not read is NOT AUDITED.
+rules the node's collector could not read is NOT AUDITED. The node is named
+as kubectl names it: node NAME, or node/NAME.
 
 Exit status: 0 everything ok, 1 stale or missing rules, 2 usage error or
-aggregator unreachable, 3 nothing stale or missing but a family not audited.
-`
+aggregator unreachable, 3 nothing stale or missing but a family not audited.`
+
+var explainFormats = []string{"table"}
+
+func (c *cli) explainCmd() *cobra.Command {
+	var acc *access
+	var service string
+	var format *string
+	cmd := &cobra.Command{
+		Use:     "explain node NAME",
+		Short:   "Trace one node's rules, endpoint by endpoint",
+		Long:    explainUsage,
+		Example: "  kubectl proxyaudit explain node worker-1\n  kubectl proxyaudit explain node/worker-1 --service kube-system/kube-dns -o json",
+		Args: func(_ *cobra.Command, args []string) error {
+			if _, err := explainNode(args); err != nil {
+				return usageError{err}
+			}
+			return nil
+		},
+		ValidArgsFunction: func(_ *cobra.Command, args []string, prefix string) ([]string, cobra.ShellCompDirective) {
+			switch len(args) {
+			case 0:
+				return prefixed([]string{"node"}, prefix), cobra.ShellCompDirectiveNoFileComp
+			case 1:
+				if args[0] == "node" {
+					return acc.names(prefix, nodeList), cobra.ShellCompDirectiveNoFileComp
+				}
+			}
+			return nil, cobra.ShellCompDirectiveNoFileComp
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := checkOutput(*format, explainFormats, formatJSON, formatYAML, formatJSONPath); err != nil {
+				return usageError{err}
+			}
+			node, _ := explainNode(args)
+			c.code = c.explain(cmd, acc, node, service, *format)
+			return nil
+		},
+	}
+	acc = accessFlags(cmd.Flags(), false)
+	cmd.Flags().StringVar(&service, "service", "", "only this service (namespace/name)")
+	format = addOutput(cmd.Flags(), explainFormats, formatJSON, formatYAML, formatJSONPath)
+	acc.complete(cmd)
+	return cmd
+}
+
+// explainNode is the node of explain's arguments: node NAME, or node/NAME.
+func explainNode(args []string) (string, error) {
+	switch {
+	case len(args) == 2 && args[0] == "node" && args[1] != "":
+		return args[1], nil
+	case len(args) == 1 && strings.HasPrefix(args[0], "node/") && len(args[0]) > len("node/"):
+		return strings.TrimPrefix(args[0], "node/"), nil
+	}
+	return "", fmt.Errorf("want `explain node NAME` (or node/NAME), got %q", strings.Join(args, " "))
+}
+
+// nodeList lists the cluster's nodes, for completion.
+func nodeList(ctx context.Context, c kubernetes.Interface) ([]string, error) {
+	l, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, n := range l.Items {
+		out = append(out, n.Name)
+	}
+	return out, nil
+}
 
 func runExplain(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("explain", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, explainUsage); fs.PrintDefaults() }
-	acc := accessFlags(fs)
-	service := fs.String("service", "", "only this service (namespace/name)")
-	format := fs.String("o", "table", "output format: table or json")
-	if len(args) < 2 || args[0] != "node" {
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fs.Usage()
-			return exitClean
-		}
-		fmt.Fprint(stderr, "proxyaudit explain: want `explain node NAME`\n\n"+explainUsage)
-		return exitUsage
-	}
-	node := args[1]
-	if err := fs.Parse(args[2:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitClean
-		}
-		return exitUsage
-	}
-	if *format != "table" && *format != "json" {
-		fmt.Fprintf(stderr, "proxyaudit explain: -o %q: choose table or json\n", *format)
-		return exitUsage
-	}
+	return run(append([]string{"explain"}, args...), stdout, stderr)
+}
+
+func (c *cli) explain(cmd *cobra.Command, acc *access, node, service, format string) int {
 	if err := acc.single("explain"); err != nil {
-		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
 	get, cancel, err := acc.getter()
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
 	defer cancel()
 	path := "/api/v1/nodes/" + url.PathEscape(node) + "/explain"
-	if *service != "" {
-		path += "?service=" + url.QueryEscape(*service)
+	if service != "" {
+		path += "?service=" + url.QueryEscape(service)
 	}
 	b, err := get(path)
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit explain: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
 	var resp api.ExplainResponse
 	if err := json.Unmarshal(b, &resp); err != nil {
-		fmt.Fprintf(stderr, "proxyaudit explain: not the aggregator's answer: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "not the aggregator's answer: %v", err)
 	}
-	if *service != "" && len(resp.Ports) == 0 {
-		fmt.Fprintf(stderr, "proxyaudit explain: node %s should program no port of %s (no such service, headless, or no rules by design)\n", node, *service)
-		return exitUsage
+	if service != "" && len(resp.Ports) == 0 {
+		return c.fail(cmd, "node %s should program no port of %s (no such service, headless, or no rules by design)", node, service)
 	}
 	bad, unaudited := 0, 0
 	for _, p := range resp.Ports {
@@ -104,12 +146,8 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		}
 		bad += len(p.StaleFlows)
 	}
-	if *format == "json" {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		enc.Encode(resp)
-	} else {
-		shown(stdout, func(w io.Writer) { explainTable(w, resp, bad, unaudited) })
+	if err := render(c.stdout, format, resp, nil, nil, func(w io.Writer) { explainTable(w, resp, bad, unaudited) }, nil); err != nil {
+		return c.fail(cmd, "%v", err)
 	}
 	if bad > 0 {
 		return exitFindings

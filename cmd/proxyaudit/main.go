@@ -1,13 +1,15 @@
 // Command proxyaudit finds Kubernetes nodes whose kube-proxy rules have
-// drifted from the cluster's Services and EndpointSlices.
+// drifted from the cluster's Services and EndpointSlices. It is also the
+// kubectl plugin kubectl-proxyaudit.
 //
-//	proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
-//	proxyaudit diff --cluster cluster.json --rules NODE=FILE [--rules NODE=FILE …] [-o table|json|markdown]
-//
-// A node may be given once per IP family (its iptables-save and
-// ip6tables-save output).
-//
+//	proxyaudit report [kubectl's connection flags] [-o table|wide|json|yaml|name|jsonpath=…|custom-columns=…|markdown]
+//	proxyaudit explain node NAME [--service NAMESPACE/NAME]
+//	proxyaudit ui | pause --reason TEXT | resume
+//	proxyaudit diff --cluster cluster.json --rules NODE=FILE [--rules NODE=FILE …]
+//	proxyaudit completion bash|zsh|fish|powershell
 //	proxyaudit version
+//
+// See docs/usage.md, and docs/cli-conventions.md for how it follows kubectl.
 package main
 
 import (
@@ -15,8 +17,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
+	"github.com/spf13/cobra"
 	"io"
 	"os"
 	"slices"
@@ -52,90 +54,77 @@ const maxInputBytes = 1 << 30
 // largest clusters' (100k endpoints at the anchors).
 const maxServiceEndpoints = 2_000_000
 
-const usage = `proxyaudit finds nodes whose kube-proxy rules (or Cilium's service maps, where
-Cilium replaces kube-proxy) have drifted from the cluster.
+const diffUsage = `Compares each node's rule dump with what kube-proxy should have programmed
+there, offline: nothing is installed, nothing connects to a cluster.
 
-Usage:
-  proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
-  proxyaudit explain node NAME [--service NAMESPACE/NAME] [-o table|json]
-  proxyaudit ui [--listen 127.0.0.1:8484]
-  proxyaudit diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...] [--conntrack NODE=FILE ...] [-o table|json|markdown]
-  proxyaudit pause --reason "..." [--for 2h] | proxyaudit resume | proxyaudit pause --status
-  proxyaudit version
+--cluster FILE is the output of
+  kubectl get services,endpointslices,nodes -A -o json   (or -o yaml)
+a dump without Nodes, Services or their EndpointSlices is refused (it would
+make findings that are not there).
 
-report shows the fleet from the running aggregator (proxyaudit report --help);
-explain traces one node's rules, endpoint by endpoint (proxyaudit explain --help).
-ui serves the aggregator's status page on this machine (proxyaudit ui --help).
-pause holds every repair fleet-wide, resume lets them go on (proxyaudit pause --help).
+--rules NODE=FILE is a node's rules, any of:
+  iptables-save -t nat              (iptables mode, either backend)
+  ip6tables-save -t nat             (its IPv6 half)
+  nft -j list table ip kube-proxy   (nftables mode; "ip6" for IPv6, or
+                                     nft -j list ruleset for both)
+  ipvsadm -Sn  or  ipvsadm -Ln      (IPVS mode, both families)
+  proxyaudit-collector --once --snapshot FILE   (any mode, Cilium's maps
+                                     included: the release's image has it)
+the format is detected from the content. Give a node once per family
+(--rules n=v4.rules --rules n=v6.rules) or one file holding both
+(iptables-save and ip6tables-save output one after the other); a family the
+cluster has that no dump covers is reported as not audited. IPVS real
+servers at weight 0 are listed apart as draining, not as findings.
 
-diff compares each node's rule dump with what kube-proxy should have programmed there.
-  --cluster FILE   output of: kubectl get services,endpointslices,nodes -A -o json
-  --rules NODE=FILE a node's rules, any of:
-                      iptables-save -t nat            (iptables mode, either backend)
-                      ip6tables-save -t nat           (its IPv6 half)
-                      nft -j list table ip kube-proxy (nftables mode; "ip6" for IPv6,
-                                                       or nft -j list ruleset for both)
-                      ipvsadm -Sn  or  ipvsadm -Ln    (IPVS mode, both families)
-                      go run ./deploy/cilium/dump -bpffs /sys/fs/bpf
-                                                      (Cilium's LB maps where it replaces
-                                                       kube-proxy, both families)
-                      proxyaudit-collector --once --snapshot FILE (any mode)
-                   the format is detected from the content. Give a node once
-                   per family (--rules n=v4.rules --rules n=v6.rules) or one
-                   file holding both (iptables-save and ip6tables-save output
-                   one after the other); a family the cluster has that no dump
-                   covers is reported as not audited. IPVS real servers at
-                   weight 0 are listed apart as draining, not as findings
-  --conntrack NODE=FILE the node's conntrack table, from conntrack -L (or -L -o
-                   extended), beside its --rules: flows of the node's service
-                   frontends still DNATed to an address that is not an
-                   endpoint of the service are StaleConntrack findings (UDP
-                   flows, TCP connect attempts)
-  -o FORMAT        table (default), json, or markdown
+--conntrack NODE=FILE is the node's conntrack table, from conntrack -L (or
+-L -o extended), beside its --rules: flows of the node's service frontends
+still DNATed to an address that is not an endpoint of the service are
+StaleConntrack findings (UDP flows, TCP connect attempts).
 
 Exit status: 0 no findings, 1 findings, 2 usage or input error, 3 no
-findings but some node's IPv4 or IPv6 half not audited (no dump covered it).
-`
+findings but some node's IPv4 or IPv6 half not audited (no dump covered it).`
+
+// diffFormats are diff's own formats (-o), the default first.
+var diffFormats = []string{"table", "markdown"}
+
+func (c *cli) diffCmd() *cobra.Command {
+	var cluster string
+	var rules, conntrack []string
+	var format *string
+	cmd := &cobra.Command{
+		Use:   "diff --cluster FILE --rules NODE=FILE [--rules NODE=FILE ...]",
+		Short: "Judge nodes' rule dumps against a cluster dump, offline",
+		Long:  diffUsage,
+		Example: `  kubectl get services,endpointslices,nodes -A -o json > cluster.json
+  iptables-save -t nat > node-1.rules          # on node-1
+  kubectl proxyaudit diff --cluster cluster.json --rules node-1=node-1.rules`,
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return usageError{fmt.Errorf("unexpected argument %q (node dumps go in --rules NODE=FILE)", args[0])}
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := checkOutput(*format, diffFormats, formatJSON, formatYAML, formatName, formatJSONPath, formatCustomColumns); err != nil {
+				c.code = c.fail(cmd, "%v", err)
+				return nil
+			}
+			c.code = c.diff(cmd, cluster, rules, conntrack, *format)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&cluster, "cluster", "", "cluster state: kubectl get services,endpointslices,nodes -A -o json (or -o yaml)")
+	cmd.Flags().StringArrayVar(&rules, "rules", nil, "NODE=FILE, a node's rule dump (repeatable)")
+	cmd.Flags().StringArrayVar(&conntrack, "conntrack", nil, "NODE=FILE, a node's conntrack -L output (repeatable)")
+	format = addOutput(cmd.Flags(), diffFormats, formatJSON, formatYAML, formatName, formatJSONPath, formatCustomColumns)
+	return cmd
+}
 
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-func run(args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
-		return exitUsage
-	}
-	switch args[0] {
-	case "diff":
-		return runDiff(args[1:], stdout, stderr)
-	case "report":
-		return runReport(args[1:], stdout, stderr)
-	case "explain":
-		return runExplain(args[1:], stdout, stderr)
-	case "ui":
-		return runUI(args[1:], stdout, stderr)
-	case "pause":
-		return runPause(args[1:], false, stdout, stderr)
-	case "resume":
-		return runPause(args[1:], true, stdout, stderr)
-	case "version", "--version":
-		fmt.Fprintln(stdout, versionString())
-		return exitClean
-	case "-h", "--help", "help":
-		fmt.Fprint(stdout, usage)
-		return exitClean
-	}
-	fmt.Fprintf(stderr, "proxyaudit: unknown command %q\n\n%s", args[0], usage)
-	return exitUsage
-}
-
 func versionString() string { return "proxyaudit " + buildinfo.Get().String() }
-
-type rulesFlag []string
-
-func (r *rulesFlag) String() string     { return strings.Join(*r, ",") }
-func (r *rulesFlag) Set(v string) error { *r = append(*r, v); return nil }
 
 // Report is the JSON output of diff; its field names are a public contract.
 type Report struct {
@@ -153,48 +142,33 @@ type Report struct {
 }
 
 func runDiff(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("diff", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, usage) }
-	cluster := fs.String("cluster", "", "cluster state: kubectl get services,endpointslices,nodes -A -o json")
-	var rules, conntrack rulesFlag
-	fs.Var(&rules, "rules", "NODE=FILE, a node's rule dump (repeatable)")
-	fs.Var(&conntrack, "conntrack", "NODE=FILE, a node's conntrack -L output (repeatable)")
-	format := fs.String("o", "table", "output format: table, json or markdown")
-	if err := fs.Parse(args); err != nil {
-		return exitUsage
-	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "proxyaudit diff: "+format+"\n", a...)
-		return exitUsage
-	}
-	if fs.NArg() > 0 {
-		return fail("unexpected argument %q (node dumps go in --rules NODE=FILE)", fs.Arg(0))
-	}
-	if *cluster == "" {
+	return run(append([]string{"diff"}, args...), stdout, stderr)
+}
+
+func (c *cli) diff(cmd *cobra.Command, cluster string, rules, conntrack []string, format string) int {
+	stdout := c.stdout
+	fail := func(format string, a ...any) int { return c.fail(cmd, format, a...) }
+	if cluster == "" {
 		return fail("--cluster is required: save it with kubectl get services,endpointslices,nodes -A -o json > cluster.json")
 	}
 	if len(rules) == 0 {
 		return fail("at least one --rules NODE=FILE is required (e.g. --rules node-1=node-1.rules from iptables-save -t nat)")
 	}
-	if *format != "table" && *format != "json" && *format != "markdown" {
-		return fail("-o %q: choose table, json or markdown", *format)
-	}
-	data, err := readBounded(*cluster)
+	data, err := readBounded(cluster)
 	if err != nil {
 		return fail("--cluster: %v", err)
 	}
 	st, in, err := audit.ParseCluster(data)
 	if err != nil {
-		return fail("--cluster %s: %v", *cluster, err)
+		return fail("--cluster %s: %v", cluster, err)
 	}
 	// A dump that lacks a kind would turn into findings that are not
 	// there (every endpoint, or every rule, stale): refused.
 	if err := in.Complete(); err != nil {
-		return fail("--cluster %s cannot be judged: %v", *cluster, err)
+		return fail("--cluster %s cannot be judged: %v", cluster, err)
 	}
 	if n := st.ServiceEndpoints(); n > maxServiceEndpoints {
-		return fail("--cluster %s: its services ask kube-proxy for %d endpoint rules (each EndpointSlice's ports × endpoints), more than the %d this command audits in one run (the collector's cap for one node); audit a part of the cluster: kubectl get services,endpointslices,nodes -n NAMESPACE -o json", *cluster, n, maxServiceEndpoints)
+		return fail("--cluster %s: its services ask kube-proxy for %d endpoint rules (each EndpointSlice's ports × endpoints), more than the %d this command audits in one run (the collector's cap for one node); audit a part of the cluster: kubectl get services,endpointslices,nodes -n NAMESPACE -o json", cluster, n, maxServiceEndpoints)
 	}
 	// A node's dumps: one per family (iptables-save and ip6tables-save),
 	// or one holding both.
@@ -275,18 +249,9 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 	if rep.Findings == nil {
 		rep.Findings = []audit.Finding{}
 	}
-	switch *format {
-	case "json":
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(rep); err != nil {
-			fmt.Fprintln(stderr, "proxyaudit diff:", err)
-			return exitUsage
-		}
-	case "markdown":
-		shown(stdout, func(w io.Writer) { writeMarkdown(w, rep, nodes) })
-	default:
-		shown(stdout, func(w io.Writer) { writeTable(w, rep, nodes) })
+	if err := render(stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return plainNodeNames(rep.Findings) },
+		func(w io.Writer) { writeTable(w, rep, nodes) }, func(w io.Writer) { writeMarkdown(w, rep, nodes) }); err != nil {
+		return fail("%v", err)
 	}
 	if len(findings) > 0 {
 		return exitFindings
@@ -295,6 +260,17 @@ func runDiff(args []string, stdout, stderr io.Writer) int {
 		return exitUnaudited
 	}
 	return exitClean
+}
+
+// plainNodeNames are the nodes with findings as -o name prints them.
+func plainNodeNames(fs []audit.Finding) []string {
+	var out []string
+	for _, f := range fs {
+		if n := "node/" + f.Node; f.Node != "" && !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out
 }
 
 // staleFlows judges a node's conntrack -L output against the one cluster

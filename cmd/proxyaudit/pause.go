@@ -3,13 +3,13 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 	"os/user"
 	"strings"
 	"time"
 
+	"github.com/spf13/cobra"
 	authnv1 "k8s.io/api/authentication/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -19,74 +19,87 @@ import (
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
-const pauseUsage = `proxyaudit pause: hold every repair, fleet-wide; proxyaudit resume: let them go on.
-
-Usage:
-  proxyaudit pause --reason "..." [--for 2h] [--kubeconfig FILE --context NAME -n NAMESPACE]
-  proxyaudit resume [--kubeconfig FILE --context NAME -n NAMESPACE]
-  proxyaudit pause --status
+const pauseUsage = `pause holds every repair, fleet-wide; resume lets them go on.
 
 While paused, proxyaudit restarts and cordons nothing; detection, findings
 and pages go on, and every page, the report and the API say who paused, when
 and why. A pause with --for ends by itself. It is kept in the ConfigMap
---pause-configmap (the chart's, in the aggregator's namespace); the chart's
-Role of the same name (<release>-aggregator-pause) lets a group write it
-(remediation.pausers).
+--pause-configmap (the chart's, in the aggregator's namespace: -n, else the
+context's, else proxyaudit); the chart's Role of the same name
+(<release>-aggregator-pause) lets a group write it (remediation.pausers).
 
-Exit status: 0 done, 2 usage error or the API refused.
-`
+Exit status: 0 done, 2 usage error or the API refused.`
+
+func (c *cli) pauseCmd(resume bool) *cobra.Command {
+	var k *kube
+	var cm, reason string
+	var forDur time.Duration
+	var status bool
+	cmd := &cobra.Command{
+		Use:     "pause --reason TEXT [--for DURATION]",
+		Short:   "Hold every repair, fleet-wide (detection and pages go on)",
+		Long:    pauseUsage,
+		Example: "  kubectl proxyaudit pause --reason \"node pool upgrade, CHG-1234\" --for 2h\n  kubectl proxyaudit pause --status\n  kubectl proxyaudit resume",
+		Args:    noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c.code = c.pause(cmd, k, resume, cm, reason, forDur, status)
+			return nil
+		},
+	}
+	if resume {
+		cmd.Use, cmd.Short = "resume", "Let repairs go on after a pause"
+	}
+	k = addKubeFlags(cmd.Flags(), false)
+	cmd.Flags().StringVar(&cm, "pause-configmap", "proxyaudit-aggregator-pause", "the pause ConfigMap (the chart's <release>-aggregator-pause)")
+	if !resume {
+		cmd.Flags().StringVar(&reason, "reason", "", "why (shown in every page while paused); required to pause")
+		cmd.Flags().DurationVar(&forDur, "for", 0, "end the pause by itself after this long (0: until resume)")
+		cmd.Flags().BoolVar(&status, "status", false, "say whether remediation is paused, and change nothing")
+	}
+	k.complete(cmd)
+	return cmd
+}
 
 func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
-	name := "pause"
+	verb := "pause"
 	if resume {
-		name = "resume"
+		verb = "resume"
 	}
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, pauseUsage); fs.PrintDefaults() }
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-	kctx := fs.String("context", "", "kubeconfig context (default: the current one)")
-	namespace := fs.String("namespace", "proxyaudit", "the aggregator's namespace")
-	fs.StringVar(namespace, "n", "proxyaudit", "short for --namespace")
-	cm := fs.String("pause-configmap", "proxyaudit-aggregator-pause", "the pause ConfigMap (the chart's <release>-aggregator-pause)")
-	reason := fs.String("reason", "", "why (shown in every page while paused); required to pause")
-	forDur := fs.Duration("for", 0, "end the pause by itself after this long (0: until proxyaudit resume)")
-	status := fs.Bool("status", false, "say whether remediation is paused, and change nothing")
-	if err := fs.Parse(args); err != nil {
-		return exitUsage
-	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "proxyaudit %s: "+format+"\n", append([]any{name}, a...)...)
-		return exitUsage
-	}
-	if fs.NArg() > 0 {
-		return fail("unexpected argument %q", fs.Arg(0))
-	}
-	if !resume && !*status && strings.TrimSpace(*reason) == "" {
+	return run(append([]string{verb}, args...), stdout, stderr)
+}
+
+func (c *cli) pause(cmd *cobra.Command, k *kube, resume bool, cm, reason string, forDur time.Duration, status bool) int {
+	stdout := c.stdout
+	fail := func(format string, a ...any) int { return c.fail(cmd, format, a...) }
+	if !resume && !status && strings.TrimSpace(reason) == "" {
 		return fail("--reason is required: say why, for the people paged while it lasts")
 	}
-	if *forDur < 0 {
-		return fail("--for %s: want a positive duration", *forDur)
+	if forDur < 0 {
+		return fail("--for %s: want a positive duration", forDur)
 	}
-	client, user, err := kubeClient(*kubeconfig, *kctx)
+	if err := k.single(cmd.Name()); err != nil {
+		return fail("%v", err)
+	}
+	client, cfg, namespace, err := k.client(k.context())
 	if err != nil {
 		return fail("%v", err)
 	}
+	user := cfg.Username
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	current, err := client.CoreV1().ConfigMaps(*namespace).Get(ctx, *cm, metav1.GetOptions{})
+	current, err := client.CoreV1().ConfigMaps(namespace).Get(ctx, cm, metav1.GetOptions{})
 	if err != nil {
 		if apierrors.IsNotFound(err) {
-			return fail("no ConfigMap %s/%s: is proxyaudit installed there (chart 0.1.0 or later)? Pass -n or --pause-configmap", *namespace, *cm)
+			return fail("no ConfigMap %s/%s: is proxyaudit installed there (chart 0.1.0 or later)? Pass -n or --pause-configmap", namespace, cm)
 		}
 		if apierrors.IsForbidden(err) {
-			return fail("%v: the chart's %s Role allows it; ask for it to be bound to you (remediation.pausers)", err, *cm)
+			return fail("%v: the chart's %s Role allows it; ask for it to be bound to you (remediation.pausers)", err, cm)
 		}
-		return fail("read %s/%s: %v", *namespace, *cm, err)
+		return fail("read %s/%s: %v", namespace, cm, err)
 	}
 	now := time.Now()
 	old, paused, derr := remediate.DecodePause(current.Data)
-	if *status {
+	if status {
 		switch {
 		case derr != nil:
 			fmt.Fprintf(stdout, "held: %v\n", derr)
@@ -107,23 +120,23 @@ func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
 	}
 	var req remediate.PauseRequest
 	if !resume {
-		req = remediate.PauseRequest{By: whoAmI(ctx, client, user), Reason: strings.TrimSpace(*reason), Since: now.UTC().Truncate(time.Second)}
-		if *forDur > 0 {
-			req.Until = req.Since.Add(*forDur)
+		req = remediate.PauseRequest{By: whoAmI(ctx, client, user), Reason: strings.TrimSpace(reason), Since: now.UTC().Truncate(time.Second)}
+		if forDur > 0 {
+			req.Until = req.Since.Add(forDur)
 		}
 		for k, v := range req.Data() {
 			data[k] = v
 		}
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"resourceVersion": current.ResourceVersion}, "data": data})
-	if _, err := client.CoreV1().ConfigMaps(*namespace).Patch(ctx, *cm, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+	if _, err := client.CoreV1().ConfigMaps(namespace).Patch(ctx, cm, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		if apierrors.IsConflict(err) {
-			return fail("%s/%s changed while this ran (someone else paused or resumed): run it again", *namespace, *cm)
+			return fail("%s/%s changed while this ran (someone else paused or resumed): run it again", namespace, cm)
 		}
 		if apierrors.IsForbidden(err) {
-			return fail("%v: the chart's %s Role allows it; ask for it to be bound to you (remediation.pausers)", err, *cm)
+			return fail("%v: the chart's %s Role allows it; ask for it to be bound to you (remediation.pausers)", err, cm)
 		}
-		return fail("write %s/%s: %v", *namespace, *cm, err)
+		return fail("write %s/%s: %v", namespace, cm, err)
 	}
 	if resume {
 		if paused {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -16,42 +15,43 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	authnv1 "k8s.io/api/authentication/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-const reportUsage = `proxyaudit report: the fleet at a glance, from the aggregator.
+const reportUsage = `The fleet at a glance, from the aggregator: each node's state and every finding.
 
-Usage:
-  proxyaudit report [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE] [-o table|json|markdown]
-  proxyaudit report --context A --context B ... | --all-contexts [-o table|json|markdown]
-
-Without --aggregator it goes the way kubectl does: the current kubeconfig and
-context, through the API server's proxy to the aggregator's Service
-(--aggregator-service, --aggregator-service-port) in the namespace (-n, default proxyaudit).
-The API server's proxy drops your credentials, so report first mints a
-10-minute token for the reader ServiceAccount (--reader-service-account) and
-shows it to the aggregator, which serves findings only to callers allowed to
-use that proxy (the chart's report-reader Role allows both). With --aggregator,
-pass such a token with --token-file.
+Without --aggregator it goes the way kubectl does: the kubeconfig's current
+context (or --context), with kubectl's connection flags, through the API
+server's proxy to the aggregator's Service (--aggregator-service,
+--aggregator-service-port) in the namespace: -n, else the context's, else
+proxyaudit. The API server's proxy drops your credentials, so report first
+mints a 10-minute token for the reader ServiceAccount (--reader-service-account)
+and shows it to the aggregator, which serves findings only to callers allowed
+to use that proxy (the chart's report-reader Role allows both). With
+--aggregator, pass such a token with --token-file.
 
 Several --context flags (or --all-contexts) report several clusters side by
 side: each is asked in parallel through its own API server, within --timeout
 each, and shown with a CLUSTER column; a cluster that cannot be reached or
 refuses is named with the reason and never hides the others.
 
+-o json and -o yaml print the report's document; -o jsonpath=TEMPLATE a part
+of it; -o custom-columns=HEADER:.path,... and -o name one line per finding
+(node/NAME per node with findings); -o wide adds each finding's detail.
+
 Exit status: 0 no findings, 1 findings, 2 usage error, aggregator unreachable,
 or the aggregator's view of the API stale (the findings shown are the last
 known, not current). Across clusters: 2 when any cluster could not be read or
-is stale, else 1 when any has findings.
-`
+is stale, else 1 when any has findings.`
 
 // FleetReport is report's JSON output.
 type FleetReport struct {
@@ -79,42 +79,61 @@ type FleetLag struct {
 	Nodes     int     `json:"nodesWithSamples"`
 }
 
+// reportFormats are report's own formats (-o), the default first.
+var reportFormats = []string{"table", "wide", "markdown"}
+
+func (c *cli) reportCmd() *cobra.Command {
+	var a *access
+	var format *string
+	var all bool
+	cmd := &cobra.Command{
+		Use:   "report",
+		Short: "The fleet at a glance, from the aggregator: each node's state and every finding",
+		Long:  reportUsage,
+		Example: `  kubectl proxyaudit report
+  kubectl proxyaudit report -o json
+  kubectl proxyaudit report -o custom-columns=NODE:.node,KIND:.kind,SERVICE:.service,ENDPOINT:.endpoint
+  kubectl proxyaudit report --context prod-eu --context prod-us`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := checkOutput(*format, reportFormats, formatJSON, formatYAML, formatName, formatJSONPath, formatCustomColumns); err != nil {
+				return usageError{err}
+			}
+			c.code = c.report(cmd, a, *format, all)
+			return nil
+		},
+	}
+	a = accessFlags(cmd.Flags(), true)
+	format = addOutput(cmd.Flags(), reportFormats, formatJSON, formatYAML, formatName, formatJSONPath, formatCustomColumns)
+	cmd.Flags().BoolVar(&all, "all-contexts", false, "every context of the kubeconfig, one cluster each, side by side (see --context)")
+	a.complete(cmd)
+	return cmd
+}
+
 func runReport(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("report", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, reportUsage); fs.PrintDefaults() }
-	access := accessFlags(fs)
-	format := fs.String("o", "table", "output format: table, json or markdown")
-	all := fs.Bool("all-contexts", false, "every context of the kubeconfig, one cluster each, side by side (see --context)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitClean
-		}
-		return exitUsage
+	return run(append([]string{"report"}, args...), stdout, stderr)
+}
+
+func (c *cli) report(cmd *cobra.Command, a *access, format string, all bool) int {
+	if all || len(a.contexts) > 1 {
+		return c.clustersReport(cmd, a, all, format)
 	}
-	if *format != "table" && *format != "json" && *format != "markdown" {
-		fmt.Fprintf(stderr, "proxyaudit report: -o %q: choose table, json or markdown\n", *format)
-		return exitUsage
+	if err := a.single("report"); err != nil {
+		return c.fail(cmd, "%v", err)
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "proxyaudit report: unexpected arguments %q\n", fs.Args())
-		return exitUsage
-	}
-	if *all || len(access.contexts) > 1 {
-		return runClustersReport(access, *all, *format, stdout, stderr)
-	}
-	get, cancel, err := access.getter()
+	get, cancel, err := a.getter()
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
 	defer cancel()
 	rep, err := fetchReport(get)
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit report: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
-	render(stdout, *format, rep, func(w io.Writer) { reportTable(w, rep) }, func(w io.Writer) { reportMarkdown(w, rep) })
+	if err := render(c.stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return nodeNames(rep.Findings) },
+		func(w io.Writer) { reportTable(w, rep, format == "wide") }, func(w io.Writer) { reportMarkdown(w, rep) }); err != nil {
+		return c.fail(cmd, "%v", err)
+	}
 	switch {
 	case rep.Stale != nil:
 		return exitUsage
@@ -124,19 +143,30 @@ func runReport(args []string, stdout, stderr io.Writer) int {
 	return exitClean
 }
 
-// render writes v as indented JSON, or through table or markdown (each
+// nodeNames are the nodes with findings as -o name prints them (node/NAME).
+func nodeNames(fs []audit.TimedFinding) []string {
+	var out []string
+	for _, f := range fs {
+		if n := "node/" + f.Node; f.Node != "" && !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// render writes v in format: a shared one (json, yaml, name, jsonpath,
+// custom-columns over rows), or the command's table or markdown (each
 // shown inert: see shown).
-func render(stdout io.Writer, format string, v any, table, markdown func(io.Writer)) {
-	switch format {
-	case "json":
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		enc.Encode(v)
-	case "markdown":
+func render(stdout io.Writer, format string, v any, rows func() []any, names func() []string, table, markdown func(io.Writer)) error {
+	if done, err := printShared(stdout, format, v, rows, names); done {
+		return err
+	}
+	if format == "markdown" {
 		shown(stdout, markdown)
-	default:
+	} else {
 		shown(stdout, table)
 	}
+	return nil
 }
 
 // banner warns that the report is not current: the aggregator's view is
@@ -158,60 +188,26 @@ func banner(rep *FleetReport) string {
 		rep.Stale.Since.UTC().Format(time.RFC3339), rep.Stale.Reason)
 }
 
-// access is how the CLI reaches the aggregator's API.
+// access is how the CLI reaches the aggregator's API: through the API
+// server (kube), or at --aggregator.
 type access struct {
-	url, kubeconfig, context, namespace, service, port *string
-	reader, audience, tokenFile                        *string
-	timeout                                            *time.Duration
-	// contexts are the --context flags in order; context is the last.
-	contexts []string
+	*kube
+	url, service, port          *string
+	reader, audience, tokenFile *string
+	timeout                     *time.Duration
 }
 
-// single refuses several --context flags where a command reads one
-// cluster.
-func (a *access) single(cmd string) error {
-	if len(a.contexts) > 1 {
-		return fmt.Errorf("%s reads one cluster: give --context once (report and ui take several)", cmd)
+func accessFlags(fs *pflag.FlagSet, multi bool) *access {
+	return &access{
+		kube:      addKubeFlags(fs, multi),
+		url:       fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server"),
+		service:   fs.String("aggregator-service", "proxyaudit-aggregator", "the aggregator's Service"),
+		port:      fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
+		timeout:   fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator"),
+		reader:    fs.String("reader-service-account", "proxyaudit-reader", "through the API server: mint a 10-minute token for this ServiceAccount to show the aggregator (the chart's report-reader Role allows it); empty: send none"),
+		audience:  fs.String("reader-audience", api.DefaultReaderAudience, "audience of that token (the aggregator's --http-reader-audience)"),
+		tokenFile: fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
 	}
-	return nil
-}
-
-func accessFlags(fs *flag.FlagSet) *access {
-	a := &access{
-		url:        fs.String("aggregator", "", "aggregator HTTP base URL (e.g. http://localhost:8080 after kubectl port-forward); empty goes through the API server"),
-		kubeconfig: fs.String("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"),
-		context:    new(string),
-		namespace:  fs.String("namespace", "proxyaudit", "namespace of the aggregator's Service"),
-		service:    fs.String("aggregator-service", "proxyaudit-aggregator", "the aggregator's Service"),
-		port:       fs.String("aggregator-service-port", "http", "the Service port (name or number) of the aggregator's HTTP API"),
-		timeout:    fs.Duration("timeout", 15*time.Second, "how long to wait for the aggregator"),
-		reader:     fs.String("reader-service-account", "proxyaudit-reader", "through the API server: mint a 10-minute token for this ServiceAccount (in --namespace) to show the aggregator; the chart's report-reader Role allows it. Empty: send none"),
-		audience:   fs.String("reader-audience", api.DefaultReaderAudience, "audience of that token (the aggregator's --http-reader-audience)"),
-		tokenFile:  fs.String("token-file", "", "with --aggregator: file holding a token to send as Authorization: Bearer (audience --reader-audience)"),
-	}
-	fs.StringVar(a.namespace, "n", "proxyaudit", "short for --namespace")
-	fs.Func("context", "kubeconfig context (default: the current one); report and ui take it more than once, one cluster each", func(v string) error {
-		if v == "" {
-			return errors.New("an empty context name")
-		}
-		a.contexts = append(a.contexts, v)
-		*a.context = v
-		return nil
-	})
-	return a
-}
-
-// kubeClient is a client for kubeconfig's context ("": the defaults), and
-// the configuration's user name.
-func kubeClient(kubeconfig, context string) (kubernetes.Interface, string, error) {
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = kubeconfig
-	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: context}).ClientConfig()
-	if err != nil {
-		return nil, "", fmt.Errorf("kubeconfig: %v", err)
-	}
-	client, err := noRedirectClient(cfg)
-	return client, cfg.Username, err
 }
 
 // getter returns a function that GETs an API path, and its cancel.
@@ -230,7 +226,7 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 		}
 		return func(path string) ([]byte, error) { return httpGet(ctx, base+path, token) }, cancel, nil
 	}
-	client, _, err := kubeClient(*a.kubeconfig, *a.context)
+	client, _, ns, err := a.client(a.context())
 	if err != nil {
 		cancel()
 		return nil, nil, fmt.Errorf("%v (or pass --aggregator URL)", err)
@@ -243,17 +239,17 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 	var token, noToken string
 	if *a.reader != "" {
 		exp := int64(600)
-		tr, err := client.CoreV1().ServiceAccounts(*a.namespace).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
+		tr, err := client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
 			Spec: authnv1.TokenRequestSpec{Audiences: []string{*a.audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
 		if err != nil {
-			noToken = fmt.Sprintf("; no reader token was sent: minting one for ServiceAccount %s/%s failed: %v", *a.namespace, *a.reader, err)
+			noToken = fmt.Sprintf("; no reader token was sent: minting one for ServiceAccount %s/%s failed: %v", ns, *a.reader, err)
 		} else {
 			token = tr.Status.Token
 		}
 	}
 	return func(path string) ([]byte, error) {
 		p, query, _ := strings.Cut(path, "?")
-		req := client.CoreV1().RESTClient().Get().Namespace(*a.namespace).Resource("services").
+		req := client.CoreV1().RESTClient().Get().Namespace(ns).Resource("services").
 			Name("http:" + *a.service + ":" + *a.port).SubResource("proxy").Suffix(p)
 		if v, err := neturl.ParseQuery(query); err == nil {
 			for k := range v {
@@ -265,7 +261,7 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 		}
 		b, err := req.DoRaw(ctx)
 		if err != nil {
-			return nil, proxyError(err, b, *a.namespace, *a.service, *a.port, noToken)
+			return nil, proxyError(err, b, ns, *a.service, *a.port, noToken)
 		}
 		return b, nil
 	}, cancel, nil
@@ -400,7 +396,7 @@ func byNode(rep *FleetReport) ([]string, map[string][]audit.TimedFinding) {
 	return nodes, m
 }
 
-func reportTable(w io.Writer, rep *FleetReport) {
+func reportTable(w io.Writer, rep *FleetReport, wide bool) {
 	fmt.Fprint(w, banner(rep))
 	fmt.Fprintf(w, "proxyaudit report at %s\n%s\n%s\n", rep.At.UTC().Format(time.RFC3339), countsLine(rep), lagLine(rep))
 	for _, l := range warnings(rep) {
@@ -423,7 +419,11 @@ func reportTable(w io.Writer, rep *FleetReport) {
 		}
 		fmt.Fprintf(w, "\n%s (%s): %d finding(s)\n", title, orDash(string(state[n])), len(fs))
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "  SERVICE\tKIND\tENDPOINT\tSINCE")
+		if wide {
+			fmt.Fprintln(tw, "  SERVICE\tKIND\tENDPOINT\tSINCE\tFOUND\tDETAIL")
+		} else {
+			fmt.Fprintln(tw, "  SERVICE\tKIND\tENDPOINT\tSINCE")
+		}
 		var details []string
 		prev := ""
 		for _, f := range fs {
@@ -436,6 +436,14 @@ func reportTable(w io.Writer, rep *FleetReport) {
 				shown = `  "`
 			}
 			prev = sp
+			if wide {
+				found := "-"
+				if !f.Found.IsZero() {
+					found = f.Found.UTC().Format(time.RFC3339)
+				}
+				fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\n", shown, f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339), found, orDash(f.Detail))
+				continue
+			}
 			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", shown, f.Kind, orDash(f.Endpoint), f.Since.UTC().Format(time.RFC3339))
 			if f.Service == "" || f.Kind == audit.StaleConntrack {
 				// Node-level findings, and stale flows (how many, which

@@ -85,12 +85,16 @@ func aggregatorAPI(fr api.FindingsResponse, nr api.NodesResponse) http.Handler {
 func TestReportGolden(t *testing.T) {
 	fr, nr := fleet()
 	url := serve(t, fr, nr)
-	for _, format := range []string{"table", "json", "markdown"} {
+	for file, format := range map[string]string{"table": "table", "json": "json", "markdown": "markdown",
+		// kubectl's formats (issue #57): the same document in YAML, a part
+		// of it, one line per finding, the nodes with findings.
+		"wide": "wide", "yaml": "yaml", "name": "name", "jsonpath": "jsonpath={.summary.findings} {.nodesByState}",
+		"custom-columns": "custom-columns=NODE:.node,KIND:.kind,SERVICE:.service,ENDPOINT:.endpoint"} {
 		var out, errb bytes.Buffer
 		if code := run([]string{"report", "--aggregator", url, "-o", format}, &out, &errb); code != exitFindings {
 			t.Fatalf("%s: exit %d: %s", format, code, errb.String())
 		}
-		golden := filepath.Join("testdata", "report", "fleet."+format)
+		golden := filepath.Join("testdata", "report", "fleet."+file)
 		if *update {
 			if err := os.WriteFile(golden, out.Bytes(), 0o644); err != nil {
 				t.Fatal(err)
@@ -118,7 +122,7 @@ func TestReportCleanAndErrors(t *testing.T) {
 	for name, args := range map[string][]string{
 		"unreachable":   {"report", "--aggregator", "http://127.0.0.1:1"},
 		"not the API":   {"report", "--aggregator", url + "/nope"},
-		"bad format":    {"report", "--aggregator", url, "-o", "yaml"},
+		"bad format":    {"report", "--aggregator", url, "-o", "xml"},
 		"no kubeconfig": {"report", "--kubeconfig", "/nonexistent"},
 	} {
 		var out, errb bytes.Buffer
@@ -333,7 +337,7 @@ func TestReportStaleConntrack(t *testing.T) {
 		Findings: []audit.TimedFinding{{Finding: audit.Finding{Node: "n1", Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP", Kind: audit.StaleConntrack,
 			Endpoint: "198.18.77.3:53", Flows: 2, Detail: "2 UDP flow(s) through 198.19.0.10:53/UDP still DNATed to 198.18.77.3:53; clients 198.18.5.5:40000"}}}}
 	var b strings.Builder
-	reportTable(&b, rep)
+	reportTable(&b, rep, false)
 	for _, want := range []string{"n1 (InSync): 1 finding(s)", "StaleConntrack", "198.18.77.3:53", "clients 198.18.5.5:40000"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, b.String())

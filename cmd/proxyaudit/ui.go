@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -19,71 +18,88 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/cobra"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/proxyaudit/proxyaudit/internal/api"
 )
 
-const uiUsage = `Usage: proxyaudit ui [--listen 127.0.0.1:8484] [--aggregator URL | --kubeconfig FILE --context NAME -n NAMESPACE]
-       proxyaudit ui --context A --context B ... | --all-contexts
-
-Serves the aggregator's read-only status page on this machine: the fleet's
+const uiUsage = `Serves the aggregator's read-only status page on this machine: the fleet's
 heatmap, each node's rules and kube-proxy's own account, the incidents. It
-reaches the aggregator as proxyaudit report does, through the API server's
-service proxy with your kubeconfig (and a short-lived reader token it mints
-and renews), or at --aggregator. Open the address it prints; Ctrl-C stops it.
+reaches the aggregator as report does, through the API server's service proxy
+with your kubeconfig and kubectl's connection flags (and a short-lived reader
+token it mints and renews), or at --aggregator. Open the address it prints;
+Ctrl-C stops it.
 
 With several contexts (or --all-contexts) it serves a page of the clusters
 side by side (each one's nodes by state and the nodes to look at, read
 through its own API server; one that cannot be read says why) linking into
-each cluster's own pages.
+each cluster's own pages.`
 
-`
+func (c *cli) uiCmd() *cobra.Command {
+	var a *access
+	var all bool
+	var listen string
+	var accept []string
+	cmd := &cobra.Command{
+		Use:   "ui",
+		Short: "Serve the aggregator's status page on this machine",
+		Long:  uiUsage,
+		Example: `  kubectl proxyaudit ui
+  kubectl proxyaudit ui --listen 127.0.0.1:9000 --context prod-eu --context prod-us`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c.code = c.ui(cmd, a, all, listen, accept)
+			return nil
+		},
+	}
+	a = accessFlags(cmd.Flags(), true)
+	cmd.Flags().BoolVar(&all, "all-contexts", false, "every context of the kubeconfig, side by side (see --context)")
+	cmd.Flags().StringVar(&listen, "listen", "127.0.0.1:8484", "address to serve the page on; keep it on loopback: whoever reaches it reads what your credentials may")
+	cmd.Flags().StringArrayVar(&accept, "accept-host", nil, "a host name the page may be asked for besides localhost and IP addresses (repeatable); others are refused, against DNS rebinding")
+	a.complete(cmd)
+	return cmd
+}
 
 func runUI(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, uiUsage); fs.PrintDefaults() }
-	access := accessFlags(fs)
-	all := fs.Bool("all-contexts", false, "every context of the kubeconfig, side by side (see --context)")
-	listen := fs.String("listen", "127.0.0.1:8484", "address to serve the page on; keep it on loopback: whoever reaches it reads what your credentials may")
-	var accept hostList
-	fs.Var(&accept, "accept-host", "a host name the page may be asked for besides localhost and IP addresses (repeatable); a request naming any other host is refused, so that a web page cannot reach it through DNS rebinding")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitClean
+	return run(append([]string{"ui"}, args...), stdout, stderr)
+}
+
+func (c *cli) ui(cmd *cobra.Command, access *access, all bool, listen string, accept []string) int {
+	for i, h := range accept {
+		if err := checkHost(h); err != nil {
+			return c.fail(cmd, "--accept-host: %v", err)
 		}
-		return exitUsage
+		accept[i] = strings.ToLower(h)
 	}
 	var h http.Handler
 	page := "/ui/"
-	if *all || len(access.contexts) > 1 {
-		contexts, err := access.clusters(*all)
+	if all || len(access.contexts) > 1 {
+		contexts, err := access.clusters(all)
 		if err != nil {
-			fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
-			return exitUsage
+			return c.fail(cmd, "%v", err)
 		}
-		h, page = access.clustersUI(contexts, stderr), "/clusters/"
+		h, page = access.clustersUI(contexts, c.stderr), "/clusters/"
 	} else {
+		if err := access.single("ui"); err != nil {
+			return c.fail(cmd, "%v", err)
+		}
 		var err error
-		if h, err = access.uiProxy(stderr); err != nil {
-			fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
-			return exitUsage
+		if h, err = access.uiProxy(c.stderr); err != nil {
+			return c.fail(cmd, "%v", err)
 		}
 	}
-	ln, err := net.Listen("tcp", *listen)
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
-		fmt.Fprintf(stderr, "proxyaudit ui: --listen: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "--listen: %v", err)
 	}
 	if host, _, _ := net.SplitHostPort(ln.Addr().String()); !net.ParseIP(host).IsLoopback() {
-		fmt.Fprintf(stderr, "proxyaudit ui: warning: serving on %s, not loopback: whoever reaches it reads the findings with your credentials\n", ln.Addr())
+		fmt.Fprintf(c.stderr, "%s: warning: serving on %s, not loopback: whoever reaches it reads the findings with your credentials\n", cmd.CommandPath(), ln.Addr())
 	}
-	fmt.Fprintf(stdout, "proxyaudit status page: http://%s%s (Ctrl-C to stop)\n", ln.Addr(), page)
+	fmt.Fprintf(c.stdout, "proxyaudit status page: http://%s%s (Ctrl-C to stop)\n", ln.Addr(), page)
 	srv := &http.Server{Handler: hostGuard(accept, h), ReadHeaderTimeout: 10 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -94,21 +110,16 @@ func runUI(args []string, stdout, stderr io.Writer) int {
 		srv.Shutdown(shut)
 	}()
 	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		fmt.Fprintf(stderr, "proxyaudit ui: %v\n", err)
-		return exitUsage
+		return c.fail(cmd, "%v", err)
 	}
 	return exitClean
 }
 
-// hostList is a repeatable flag of host names.
-type hostList []string
-
-func (l *hostList) String() string { return strings.Join(*l, ",") }
-func (l *hostList) Set(v string) error {
+// checkHost refuses an --accept-host that is not a bare host name.
+func checkHost(v string) error {
 	if v == "" || strings.ContainsAny(v, ":/ ") {
 		return fmt.Errorf("%q: want a host name without port or scheme", v)
 	}
-	*l = append(*l, strings.ToLower(v))
 	return nil
 }
 
@@ -180,11 +191,9 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 			token = func() string { return t }
 		}
 	} else {
-		rules := clientcmd.NewDefaultClientConfigLoadingRules()
-		rules.ExplicitPath = *a.kubeconfig
-		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *a.context}).ClientConfig()
+		cfg, ns, err := a.config(a.context())
 		if err != nil {
-			return nil, fmt.Errorf("kubeconfig: %v (or pass --aggregator URL)", err)
+			return nil, fmt.Errorf("%v (or pass --aggregator URL)", err)
 		}
 		if transport, err = rest.TransportFor(cfg); err != nil {
 			return nil, fmt.Errorf("kubeconfig: %v", err)
@@ -193,7 +202,7 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 		if err != nil {
 			return nil, fmt.Errorf("kubeconfig server %q: %v", cfg.Host, err)
 		}
-		target = host.JoinPath("api/v1/namespaces", *a.namespace, "services", "http:"+*a.service+":"+*a.port, "proxy")
+		target = host.JoinPath("api/v1/namespaces", ns, "services", "http:"+*a.service+":"+*a.port, "proxy")
 		target.Path = "/" + strings.TrimPrefix(target.Path, "/") // JoinPath on a bare host leaves it relative
 		client, err := noRedirectClient(cfg)
 		if err != nil {
@@ -201,7 +210,7 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 		}
 		if *a.reader != "" {
 			header = api.TokenHeader
-			token = a.readerTokens(client, stderr)
+			token = a.readerTokens(client, ns, stderr)
 		}
 	}
 	p := &httputil.ReverseProxy{
@@ -243,7 +252,7 @@ func (a *access) uiProxy(stderr io.Writer) (http.Handler, error) {
 // readerTokens returns the current reader token, minting one for ten
 // minutes when there is none or it has under five left (the last one, or
 // "", when minting fails: the aggregator then says who may read).
-func (a *access) readerTokens(client kubernetes.Interface, stderr io.Writer) func() string {
+func (a *access) readerTokens(client kubernetes.Interface, ns string, stderr io.Writer) func() string {
 	var mu sync.Mutex
 	var tok string
 	var renew time.Time
@@ -256,10 +265,10 @@ func (a *access) readerTokens(client kubernetes.Interface, stderr io.Writer) fun
 		ctx, cancel := context.WithTimeout(context.Background(), *a.timeout)
 		defer cancel()
 		exp := int64(600)
-		tr, err := client.CoreV1().ServiceAccounts(*a.namespace).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
+		tr, err := client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, *a.reader, &authnv1.TokenRequest{
 			Spec: authnv1.TokenRequestSpec{Audiences: []string{*a.audience}, ExpirationSeconds: &exp}}, metav1.CreateOptions{})
 		if err != nil {
-			fmt.Fprintf(stderr, "proxyaudit ui: minting a reader token for ServiceAccount %s/%s: %v (the chart's report-reader Role lets its bound subjects create it; --reader-service-account names another)\n", *a.namespace, *a.reader, err)
+			fmt.Fprintf(stderr, "proxyaudit ui: minting a reader token for ServiceAccount %s/%s: %v (the chart's report-reader Role lets its bound subjects create it; --reader-service-account names another)\n", ns, *a.reader, err)
 			return tok
 		}
 		tok, renew = tr.Status.Token, time.Now().Add(5*time.Minute)

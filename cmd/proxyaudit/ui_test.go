@@ -1,7 +1,7 @@
 package main
 
 import (
-	"flag"
+	"github.com/spf13/pflag"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -64,8 +64,8 @@ func ptr(s string) *string { return &s }
 // uiProxy is proxyaudit ui's handler for these flags.
 func uiProxy(t *testing.T, args ...string) http.Handler {
 	t.Helper()
-	fs := flag.NewFlagSet("ui", flag.ContinueOnError)
-	a := accessFlags(fs)
+	fs := pflag.NewFlagSet("ui", pflag.ContinueOnError)
+	a := accessFlags(fs, true)
 	if err := fs.Parse(args); err != nil {
 		t.Fatal(err)
 	}
@@ -168,10 +168,11 @@ func TestUIRefusesOtherHosts(t *testing.T) {
 			t.Errorf("Host %q: the refusal does not say why: %q", c.host, b)
 		}
 	}
-	var l hostList
 	for _, bad := range []string{"", "a:1", "http://a", "a b"} {
-		if l.Set(bad) == nil {
-			t.Errorf("--accept-host %q taken", bad)
+		var errb strings.Builder
+		if code := run([]string{"ui", "--aggregator", "http://127.0.0.1:1", "--listen", "127.0.0.1:0", "--accept-host", bad}, io.Discard, &errb); code != exitUsage ||
+			!strings.Contains(errb.String(), "--accept-host") {
+			t.Errorf("--accept-host %q taken: exit %d, %q", bad, code, errb.String())
 		}
 	}
 }
