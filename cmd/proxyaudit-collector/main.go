@@ -211,7 +211,7 @@ func readOnce(host *collector.Host, mode, snapshot string, stdout io.Writer, fai
 	msg := &stream.Message{Type: stream.TypeReport, Report: stream.Delta(stream.NewState(), st, 1, true, false)}
 	var size countWriter
 	stream.Write(&size, msg)
-	if snapshot != "" {
+	if snapshot != "" && snapshot != "-" {
 		data, err := json.MarshalIndent(msg, "", " ")
 		if err != nil {
 			return fail("--snapshot: %v", err)
@@ -231,9 +231,27 @@ func readOnce(host *collector.Host, mode, snapshot string, stdout io.Writer, fai
 		return time.Duration(r.Utime.Nano() + r.Stime.Nano()).Seconds()
 	}
 	f.SelfCPUSeconds, f.SelfMaxRSSBytes, f.ToolCPUSeconds = cpu(self), peakRSS(), cpu(child)
+	if snapshot == "-" {
+		// One line, the footprint and the snapshot together: what
+		// `proxyaudit check` reads back from the pod's log.
+		return encodeOr(fail, json.NewEncoder(stdout).Encode(OnceLine{Footprint: f, Snapshot: msg}))
+	}
 	enc := json.NewEncoder(stdout)
 	enc.SetIndent("", "  ")
 	enc.Encode(f)
+	return 0
+}
+
+// OnceLine is what --once --snapshot - prints: one line of JSON.
+type OnceLine struct {
+	Footprint Footprint       `json:"footprint"`
+	Snapshot  *stream.Message `json:"snapshot"`
+}
+
+func encodeOr(fail func(string, ...any) int, err error) int {
+	if err != nil {
+		return fail("write the snapshot: %v", err)
+	}
 	return 0
 }
 

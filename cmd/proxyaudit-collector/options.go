@@ -87,7 +87,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	// The process.
 	fs.Int64Var(&o.memLimitMiB, "memory-limit-mib", o.memLimitMiB, "soft limit of the Go heap in MiB (GOMEMLIMIT wins when set); 0 turns it off")
 	fs.BoolVar(&o.once, "once", o.once, "read the rules once, print what the collector sees and what the read cost as JSON, and exit; needs no aggregator")
-	fs.StringVar(&o.snapshot, "snapshot", o.snapshot, "with --once: also write the snapshot the collector would stream to this file (`proxyaudit diff --rules NODE=FILE` audits it)")
+	fs.StringVar(&o.snapshot, "snapshot", o.snapshot, "with --once: also write the snapshot the collector would stream to this file (`proxyaudit diff --rules NODE=FILE` audits it); -: one line of JSON on stdout with the footprint")
 	fs.StringVar(&o.cpuProfile, "cpu-profile", o.cpuProfile, "debugging: write a Go CPU profile of the whole run to this file")
 }
 

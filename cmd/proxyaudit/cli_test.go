@@ -208,3 +208,31 @@ func TestDiffOutputs(t *testing.T) {
 		t.Errorf("custom-columns: exit %d:\n%s", code, cc.String())
 	}
 }
+
+// A development build checks with the chart's image; the constant follows
+// the chart.
+func TestCheckImageIsTheChartsAppVersion(t *testing.T) {
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	b, err := os.ReadFile("../../charts/proxyaudit/Chart.yaml")
+	if err != nil || yaml.Unmarshal(b, &chart) != nil {
+		t.Fatal(err)
+	}
+	if chart.AppVersion != chartAppVersion || defaultCheckImage() != "ghcr.io/proxyaudit/proxyaudit:"+chart.AppVersion {
+		t.Errorf("chartAppVersion %s, the chart's appVersion %s, the default image %s", chartAppVersion, chart.AppVersion, defaultCheckImage())
+	}
+	for _, tc := range []struct {
+		args []string
+		says string
+	}{
+		{[]string{"check"}, "want `check node NAME`"},
+		{[]string{"check", "node/x", "--mode", "bogus", "--server", "http://127.0.0.1:1"}, `--mode "bogus"`},
+		{[]string{"check", "node/x", "-o", "wide"}, "choose table, markdown"},
+	} {
+		var out, errb bytes.Buffer
+		if code := run(tc.args, &out, &errb); code != exitUsage || !strings.Contains(errb.String(), tc.says) {
+			t.Errorf("%q: exit %d, %q", tc.args, code, errb.String())
+		}
+	}
+}

@@ -84,7 +84,7 @@ be read or judged, 3 nothing found but some part not audited.`,
 	root.SetOut(c.stdout)
 	root.SetErr(c.stderr)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(c.reportCmd(), c.explainCmd(), c.uiCmd(), c.diffCmd(), c.pauseCmd(false), c.pauseCmd(true), &cobra.Command{
+	root.AddCommand(c.reportCmd(), c.explainCmd(), c.checkCmd(), c.uiCmd(), c.diffCmd(), c.pauseCmd(false), c.pauseCmd(true), &cobra.Command{
 		Use:   "version",
 		Short: "Print the version, the commit and the build date",
 		Args:  noArgs,
