@@ -221,7 +221,7 @@ func (c *cli) check(cmd *cobra.Command, o *checkOpts, node string) int {
 			Endpoints: line.Footprint.Endpoints, ReadSeconds: line.Footprint.ReadSeconds, PodSeconds: took.Seconds(), Raced: raced},
 	}
 	nodes := []string{node}
-	if err := render(c.stdout, *o.format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return plainNodeNames(rep.Findings) },
+	if err := render(c.stdout, *o.format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return nodeNames(rep.Findings, func(f audit.Finding) string { return f.Node }) },
 		func(w io.Writer) { fmt.Fprintln(w, rep.Read.line()); writeTable(w, rep.Report, nodes) },
 		func(w io.Writer) { fmt.Fprintf(w, "%s\n\n", rep.Read.line()); writeMarkdown(w, rep.Report, nodes) }); err != nil {
 		return fail("%v", err)

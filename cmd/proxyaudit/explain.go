@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -93,11 +94,7 @@ func nodeList(ctx context.Context, c kubernetes.Interface) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	var out []string
-	for _, n := range l.Items {
-		out = append(out, n.Name)
-	}
-	return out, nil
+	return namesOf(l.Items, func(n corev1.Node) string { return n.Name }), nil
 }
 
 func runExplain(args []string, stdout, stderr io.Writer) int {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -145,11 +146,7 @@ func (k *kube) complete(cmd *cobra.Command) {
 			if err != nil {
 				return nil, err
 			}
-			var out []string
-			for _, n := range l.Items {
-				out = append(out, n.Name)
-			}
-			return out, nil
+			return namesOf(l.Items, func(n corev1.Namespace) string { return n.Name }), nil
 		}), cobra.ShellCompDirectiveNoFileComp
 	})
 }
@@ -169,6 +166,15 @@ func (k *kube) names(prefix string, list func(context.Context, kubernetes.Interf
 		return nil
 	}
 	return prefixed(names, prefix)
+}
+
+// namesOf maps items to their names.
+func namesOf[T any](items []T, name func(T) string) []string {
+	out := make([]string, 0, len(items))
+	for _, it := range items {
+		out = append(out, name(it))
+	}
+	return out
 }
 
 func prefixed(names []string, prefix string) []string {

@@ -249,7 +249,7 @@ func (c *cli) diff(cmd *cobra.Command, cluster string, rules, conntrack []string
 	if rep.Findings == nil {
 		rep.Findings = []audit.Finding{}
 	}
-	if err := render(stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return plainNodeNames(rep.Findings) },
+	if err := render(stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return nodeNames(rep.Findings, func(f audit.Finding) string { return f.Node }) },
 		func(w io.Writer) { writeTable(w, rep, nodes) }, func(w io.Writer) { writeMarkdown(w, rep, nodes) }); err != nil {
 		return fail("%v", err)
 	}
@@ -260,17 +260,6 @@ func (c *cli) diff(cmd *cobra.Command, cluster string, rules, conntrack []string
 		return exitUnaudited
 	}
 	return exitClean
-}
-
-// plainNodeNames are the nodes with findings as -o name prints them.
-func plainNodeNames(fs []audit.Finding) []string {
-	var out []string
-	for _, f := range fs {
-		if n := "node/" + f.Node; f.Node != "" && !slices.Contains(out, n) {
-			out = append(out, n)
-		}
-	}
-	return out
 }
 
 // staleFlows judges a node's conntrack -L output against the one cluster

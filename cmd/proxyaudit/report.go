@@ -130,7 +130,7 @@ func (c *cli) report(cmd *cobra.Command, a *access, format string, all bool) int
 	if err != nil {
 		return c.fail(cmd, "%v", err)
 	}
-	if err := render(c.stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return nodeNames(rep.Findings) },
+	if err := render(c.stdout, format, rep, func() []any { return rowsOf(rep.Findings) }, func() []string { return nodeNames(rep.Findings, func(f audit.TimedFinding) string { return f.Node }) },
 		func(w io.Writer) { reportTable(w, rep, format == "wide") }, func(w io.Writer) { reportMarkdown(w, rep) }); err != nil {
 		return c.fail(cmd, "%v", err)
 	}
@@ -143,11 +143,12 @@ func (c *cli) report(cmd *cobra.Command, a *access, format string, all bool) int
 	return exitClean
 }
 
-// nodeNames are the nodes with findings as -o name prints them (node/NAME).
-func nodeNames(fs []audit.TimedFinding) []string {
+// nodeNames are the nodes of findings as -o name prints them
+// (node/NAME), each once.
+func nodeNames[F any](fs []F, node func(F) string) []string {
 	var out []string
 	for _, f := range fs {
-		if n := "node/" + f.Node; f.Node != "" && !slices.Contains(out, n) {
+		if n := "node/" + node(f); node(f) != "" && !slices.Contains(out, n) {
 			out = append(out, n)
 		}
 	}
