@@ -131,10 +131,18 @@ screenshots: deps modules cluster-binaries
 		-run '^TestUIAcrossClusters$$' ./cmd/proxyaudit
 
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
-## kube-proxies (review the diff)
+## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) from
+## that release's kube-proxy (built from its own module: deploy/k8s-tools/kube-proxy-at.sh) into
+## audit/testdata/k8s/vX.Y/capture, which the audit's conformance test then judges too
 fixtures: deps cluster-binaries
+ifeq ($(K8S_VERSION),)
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture
+else
+	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/kube-proxy-at.sh $(K8S_VERSION)) \
+		$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures' ./internal/e2e -capture \
+		-capture-dir audit/testdata/k8s/$(basename $(K8S_VERSION))/capture
+endif
 	$(GO) test -count=1 ./audit -update
 
 ## fixtures-cilium: recapture audit/testdata/cilium from the genuine Cilium agent (in sync, frozen, dual-stack;

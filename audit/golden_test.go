@@ -13,9 +13,19 @@ import (
 var update = flag.Bool("update", false, "rewrite golden findings under testdata/")
 
 // captures lists every fixture directory captured from genuine kube-proxy
-// 1.36 (internal/e2e, make fixtures) and the nodes in it.
+// 1.36 (internal/e2e, make fixtures) and the nodes in it; capturedRoots
+// are where they are, the pinned release's and each other release's
+// (make fixtures K8S_VERSION=vX.Y.Z: testdata/k8s/vX.Y/capture).
 var captures = []string{"clean", "drift", "large"}
 var captureNodes = []string{"ipt-a", "ipt-b", "nft-a", "nft-b"}
+
+func capturedRoots(t testing.TB) []string {
+	others, err := filepath.Glob(filepath.Join("testdata", "k8s", "v1.*", "capture"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append([]string{filepath.Join("testdata", "capture")}, others...)
+}
 
 func loadState(t testing.TB, dir string) *State {
 	return loadCluster(t, filepath.Join("testdata", "capture", dir))
@@ -75,19 +85,21 @@ func checkGolden(t *testing.T, path string, fs []Finding) {
 // must yield no finding at all; the drifted nodes (ipt-b, nft-b in drift)
 // exactly the golden findings.
 func TestCapturedFixtures(t *testing.T) {
-	for _, dir := range captures {
-		st := loadState(t, dir)
-		for _, node := range captureNodes {
-			t.Run(dir+"/"+node, func(t *testing.T) {
-				fs := auditFile(t, st, node, filepath.Join("testdata", "capture", dir, node+".rules"))
-				drifted := dir == "drift" && (node == "ipt-b" || node == "nft-b")
-				if !drifted && len(fs) > 0 {
-					t.Fatalf("false findings on a healthy node: %+v", fs)
-				}
-				if drifted {
-					checkGolden(t, filepath.Join("testdata", "capture", dir, node+".findings.json"), fs)
-				}
-			})
+	for _, root := range capturedRoots(t) {
+		for _, dir := range captures {
+			st := loadCluster(t, filepath.Join(root, dir))
+			for _, node := range captureNodes {
+				t.Run(filepath.Join(root, dir, node), func(t *testing.T) {
+					fs := auditFile(t, st, node, filepath.Join(root, dir, node+".rules"))
+					drifted := dir == "drift" && (node == "ipt-b" || node == "nft-b")
+					if !drifted && len(fs) > 0 {
+						t.Fatalf("false findings on a healthy node: %+v", fs)
+					}
+					if drifted {
+						checkGolden(t, filepath.Join(root, dir, node+".findings.json"), fs)
+					}
+				})
+			}
 		}
 	}
 }

@@ -15,7 +15,10 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/scenario"
 )
 
-var capture = flag.Bool("capture", false, "rewrite audit/testdata/capture from a live cluster")
+var (
+	capture    = flag.Bool("capture", false, "rewrite audit/testdata/capture from a live cluster")
+	captureDir = flag.String("capture-dir", "audit/testdata/capture", "where -capture writes, below the repository (make fixtures K8S_VERSION=vX.Y.Z: audit/testdata/k8s/vX.Y/capture)")
+)
 
 func TestMain(m *testing.M) { localcluster.Main(m, scenario.Nodes...) }
 
@@ -34,7 +37,7 @@ func TestE2ECaptureFixtures(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := filepath.Join(root, "audit", "testdata", "capture")
+	out := filepath.Join(root, filepath.FromSlash(*captureDir))
 	os.RemoveAll(out)
 
 	if err := scenario.Apply(ctx, c, scenario.Matrix()); err != nil {

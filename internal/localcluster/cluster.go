@@ -110,6 +110,10 @@ type Config struct {
 	Logf func(format string, args ...any)
 	// KeepWorkDir leaves logs and configs on disk after Stop.
 	KeepWorkDir bool
+	// KubeProxy is the kube-proxy binary the namespace nodes run; empty is
+	// the pinned one in BinDir (PROXYAUDIT_KUBE_PROXY sets it for the
+	// suites' shared cluster: another release's, deploy/k8s-tools/kube-proxy-at.sh).
+	KubeProxy string
 	// DualStack gives the API server an IPv6 service range beside the
 	// IPv4 one, each namespace-only node an IPv6 address (2001:2:0:N::2)
 	// beside its IPv4 one, and kube-proxy both cluster CIDRs.

@@ -104,7 +104,7 @@ func (n *Node) startProxy() (*process, error) {
 		argv = append(argv, "env", "PATH="+dir+":"+os.Getenv("PATH"))
 	}
 	argv = append(argv,
-		filepath.Join(n.c.bin, "kube-proxy"),
+		n.c.kubeProxy(),
 		"--kubeconfig="+n.c.proxyKubeconfig,
 		"--proxy-mode="+string(n.Mode),
 		"--hostname-override="+n.Name,
@@ -228,4 +228,12 @@ func (c *Cluster) legacyBin() (string, error) {
 		}
 	}
 	return dir, nil
+}
+
+// kubeProxy is the kube-proxy binary namespace nodes run.
+func (c *Cluster) kubeProxy() string {
+	if c.cfg.KubeProxy != "" {
+		return c.cfg.KubeProxy
+	}
+	return filepath.Join(c.bin, "kube-proxy")
 }

@@ -25,6 +25,10 @@ var shared struct {
 	skip    string
 }
 
+// KubeProxyEnv names another kube-proxy binary for the shared cluster's
+// namespace nodes (make fixtures K8S_VERSION=…).
+const KubeProxyEnv = "PROXYAUDIT_KUBE_PROXY"
+
 // Main is a TestMain for packages with end-to-end tests. The shared cluster
 // with the given nodes starts on the first Shared call (so unit tests in the
 // same package do not wait for it) and is torn down after the tests, which
@@ -112,7 +116,7 @@ func Shared(t testing.TB) *Cluster {
 		// Start waits for the machine-wide lock while other packages'
 		// clusters run (go test's -timeout bounds that); the setup's own
 		// budget begins once this cluster is up.
-		c, err := Start(context.Background(), Config{Logf: logf})
+		c, err := Start(context.Background(), Config{Logf: logf, KubeProxy: os.Getenv(KubeProxyEnv)})
 		if err != nil {
 			shared.err = err
 			return
