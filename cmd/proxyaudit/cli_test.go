@@ -87,11 +87,10 @@ func TestKubectlConnectionFlags(t *testing.T) {
 	fr, nr := fleet()
 	srv := apiServer(t, fr, nr) // serves the aggregator in namespace proxyaudit
 	var out, errb bytes.Buffer
-	if code := run([]string{"report", "--kubeconfig", filepath.Join(t.TempDir(), "none"), "--server", srv, "--token", "t", "-o", "name"}, &out, &errb); code == exitUsage {
-		// An explicit kubeconfig that does not exist is an error, as kubectl's.
-		if !strings.Contains(errb.String(), "kubeconfig") {
-			t.Errorf("a missing --kubeconfig: %q", errb.String())
-		}
+	// An explicit kubeconfig that does not exist is an error, as kubectl's.
+	if code := run([]string{"report", "--kubeconfig", filepath.Join(t.TempDir(), "none"), "--server", srv, "--token", "t", "-o", "name"}, &out, &errb); code != exitUsage ||
+		!strings.Contains(errb.String(), "kubeconfig") {
+		t.Errorf("a missing --kubeconfig: exit %d, %q", code, errb.String())
 	}
 	empty := filepath.Join(t.TempDir(), "empty")
 	os.WriteFile(empty, []byte("apiVersion: v1\nkind: Config\n"), 0o600)
