@@ -325,7 +325,15 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		defer close(watched)
 		for poll := 0; watchCtx.Err() == nil; poll++ {
 			if poll%5 == 0 {
-				sampleProcesses(procs) // only this goroutine writes it until watched closes
+				// The leading aggregator holds the fleet's state a follower
+				// does not: its memory is measured from when it leads.
+				leader := ""
+				if name := leaderPod(watchCtx, c); name != "" {
+					if p, err := c.Client.CoreV1().Pods("proxyaudit").Get(watchCtx, name, metav1.GetOptions{}); err == nil {
+						leader = string(p.UID)
+					}
+				}
+				sampleProcesses(procs, leader) // only this goroutine writes it until watched closes
 			}
 			r, _, err := report(watchCtx, t, c)
 			pods, perr := c.Client.CoreV1().Pods("kube-system").List(watchCtx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
@@ -963,14 +971,16 @@ type podProcess struct {
 	prog, node        string
 	first, warm, last localcluster.ProcStat
 	firstAt, lastAt   time.Time
-	warmAt            time.Time // the first sample a minute or more after the first
-	peakRSS           int64
+	// warmAt is the first sample a minute or more after the first, or
+	// after ledAt, when an aggregator began to lead.
+	warmAt, ledAt time.Time
+	peakRSS       int64
 }
 
 // sampleProcesses reads every collector, aggregator and kube-proxy
 // process running in a pod on a real node (its cgroup under kubepods)
 // into seen, by pid.
-func sampleProcesses(seen map[int]*podProcess) {
+func sampleProcesses(seen map[int]*podProcess, leaderUID string) {
 	entries, _ := os.ReadDir("/proc")
 	now := time.Now()
 	for _, e := range entries {
@@ -1003,7 +1013,17 @@ func sampleProcesses(seen map[int]*podProcess) {
 			seen[pid] = p
 		}
 		p.last, p.lastAt, p.peakRSS = st, now, max(p.peakRSS, st.RSS)
-		if p.warmAt.IsZero() && now.Sub(p.firstAt) >= time.Minute {
+		if leads := leaderUID != "" && (strings.Contains(string(cg), leaderUID) || strings.Contains(string(cg), strings.ReplaceAll(leaderUID, "-", "_"))); leads && p.ledAt.IsZero() {
+			p.ledAt = now
+			if now.Sub(p.firstAt) >= 30*time.Second {
+				p.warmAt = time.Time{} // a follower that took over: measured anew
+			}
+		}
+		since := p.firstAt
+		if p.ledAt.After(since) {
+			since = p.ledAt
+		}
+		if p.warmAt.IsZero() && now.Sub(since) >= time.Minute {
 			p.warm, p.warmAt = st, now
 		}
 	}
@@ -1032,8 +1052,8 @@ func processSummary(seen map[int]*podProcess) (lines, grew []string) {
 			if !p.warmAt.IsZero() {
 				g := p.last.RSS - p.warm.RSS
 				growth = max(growth, g)
-				if p.lastAt.Sub(p.firstAt) >= 10*time.Minute && g > p.warm.RSS/4+16<<20 {
-					grew = append(grew, fmt.Sprintf("%s on %s: %d MiB after its first minute, %d MiB at the end", prog, p.node, p.warm.RSS>>20, p.last.RSS>>20))
+				if p.lastAt.Sub(p.warmAt) >= 10*time.Minute && g > p.warm.RSS/4+16<<20 {
+					grew = append(grew, fmt.Sprintf("%s on %s: %d MiB a minute after it began%s, %d MiB at the end", prog, p.node, p.warm.RSS>>20, map[bool]string{true: " to lead", false: ""}[!p.ledAt.IsZero()], p.last.RSS>>20))
 				}
 			}
 		}
