@@ -324,7 +324,10 @@ func checkPod(ns, node string, o *checkOpts) *corev1.Pod {
 				},
 				VolumeMounts: []corev1.VolumeMount{
 					{Name: "xtables-lock", MountPath: "/run/xtables.lock"},
-					{Name: "bpffs", MountPath: "/sys/fs/bpf", ReadOnly: true, MountPropagation: kptr.To(corev1.MountPropagationHostToContainer)},
+					// Cilium's pinned maps as they are when the pod starts (no
+					// propagation: it reads once, and HostToContainer fails
+					// where /sys/fs/bpf is not a shared mount).
+					{Name: "bpffs", MountPath: "/sys/fs/bpf", ReadOnly: true},
 				},
 			}},
 			Volumes: []corev1.Volume{
@@ -371,8 +374,13 @@ func runCheckPod(ctx context.Context, client kubernetes.Interface, ns, node stri
 			return nil, p.Name, fmt.Errorf("read the check pod %s/%s: %v", ns, p.Name, err)
 		}
 		for _, st := range cur.Status.ContainerStatuses {
-			if w := st.State.Waiting; w != nil && (w.Reason == "ErrImagePull" || w.Reason == "ImagePullBackOff" || w.Reason == "InvalidImageName") {
+			w := st.State.Waiting
+			switch {
+			case w == nil:
+			case w.Reason == "ErrImagePull" || w.Reason == "ImagePullBackOff" || w.Reason == "InvalidImageName":
 				return nil, p.Name, fmt.Errorf("node %s cannot pull %s: %s: %s (--image names another; a private registry needs --image-pull-secret)", node, o.image, w.Reason, w.Message)
+			case w.Reason == "CreateContainerError" || w.Reason == "CreateContainerConfigError" || w.Reason == "RunContainerError":
+				return nil, p.Name, fmt.Errorf("node %s cannot start the check pod: %s: %s", node, w.Reason, w.Message)
 			}
 		}
 		switch cur.Status.Phase {
