@@ -38,7 +38,16 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 		if lookup == nil {
 			lookup = net.DefaultResolver.LookupHost
 		}
-		ips, err := lookup(ctx, host)
+		lctx, cancel := ctx, context.CancelFunc(func() {})
+		if len(c.resolved[host]) > 0 {
+			// A node whose DNS is gone with its rules answers nothing
+			// until the resolver's timeouts and search domains run out
+			// (a collector restarted on a flushed node waited 55 s):
+			// with addresses to fall back on, DNS gets a few seconds.
+			lctx, cancel = context.WithTimeout(ctx, lookupWithFallback)
+		}
+		ips, err := lookup(lctx, host)
+		cancel()
 		if err != nil {
 			// The node's DNS goes to the cluster DNS Service through this
 			// node's own kube-proxy: when that kube-proxy is stale and the
@@ -65,6 +74,10 @@ func (c *client) addresses(ctx context.Context, preferred string) ([]string, err
 	}
 	return out, errors.Join(errs...)
 }
+
+// lookupWithFallback bounds a DNS lookup of a name the collector has
+// addresses for already.
+const lookupWithFallback = 3 * time.Second
 
 // keptPeers bounds the addresses a collector keeps, besides those of the
 // latest list of replicas, from lists before it.

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -168,6 +169,17 @@ func TestPeersFileOutlivesRestart(t *testing.T) {
 		if got, err := c.addresses(context.Background(), ""); err == nil || len(got) != 0 {
 			t.Errorf("%s: %v, %v; want nothing dialed and the DNS error", name, got, err)
 		}
+	}
+
+	// A DNS that hangs (the node's, gone with its rules) costs a few
+	// seconds when there are addresses to fall back on.
+	hang := &client{cfg: cfg}
+	hang.cfg.Lookup = func(ctx context.Context, host string) ([]string, error) { <-ctx.Done(); return nil, ctx.Err() }
+	os.WriteFile(file, []byte(`{"agg-headless.proxyaudit.svc":["198.18.130.2"]}`), 0o600)
+	hang.loadPeers()
+	start := time.Now()
+	if got, err := hang.addresses(context.Background(), ""); err != nil || !slices.Equal(got, []string{"198.18.130.2:9443"}) || time.Since(start) > 2*lookupWithFallback {
+		t.Fatalf("hung DNS: %v, %v after %s", got, err, time.Since(start))
 	}
 
 	// A file that cannot be written costs a warning, not the stream.

@@ -71,7 +71,7 @@ func TestE2ECheckNodeOnRealNodes(t *testing.T) {
 
 	for node, mode := range map[string]string{"real-ipt-a": "iptables", "real-nft-a": "nftables"} {
 		code, r, stderr := check("node/"+node, "-n", "check", "-o", "json")
-		if code != 0 || len(r.Findings) != 0 || !strings.HasPrefix(r.Read.Mode, mode) || r.Read.Frontends < 3 {
+		if code != 0 || len(r.Findings) != 0 || !strings.HasPrefix(r.Read.Mode, mode) || r.Read.Frontends < 1 {
 			t.Errorf("check node/%s in sync: exit %d, read %+v, findings %+v\n%s", node, code, r.Read, r.Findings, stderr)
 		}
 		t.Logf("check node/%s: %s, %d frontends, %d endpoints, the pod took %.1fs", node, r.Read.Mode, r.Read.Frontends, r.Read.Endpoints, r.Read.PodSeconds)
