@@ -70,9 +70,9 @@ const webCorefile = `.:5353 {
 // through it (issue #58: 82 % of reports did, before the conntrack
 // criterion). Remediation is on (restart, default budgets). Faults come
 // at jittered times on random nodes, one at a time: kube-proxy frozen,
-// its watch hung while its metrics answer, its NAT rules flushed, one
-// endpoint's DNAT rewritten by hand, a UDP client sending to a service
-// whose pod went (a blackhole kube-proxy leaves); each
+// its watch hung while its metrics answer, its NAT rules flushed (and,
+// with -soak-faults, one endpoint's DNAT rewritten by hand or a UDP client
+// sending to a service whose pod went, a blackhole kube-proxy leaves); each
 // must be found on its node and repaired (kube-proxy restarted) or paged
 // (then healed by hand as the page says); a finding, a restart or a page
 // not explained by a fault fails the soak. The timeline (install, rollouts,
