@@ -141,10 +141,6 @@ type Report struct {
 	dual     map[string]bool
 }
 
-func runDiff(args []string, stdout, stderr io.Writer) int {
-	return run(append([]string{"diff"}, args...), stdout, stderr)
-}
-
 func (c *cli) diff(cmd *cobra.Command, cluster string, rules, conntrack []string, format string) int {
 	stdout := c.stdout
 	fail := func(format string, a ...any) int { return c.fail(cmd, format, a...) }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os/user"
 	"strings"
 	"time"
@@ -58,14 +57,6 @@ func (c *cli) pauseCmd(resume bool) *cobra.Command {
 	}
 	k.complete(cmd)
 	return cmd
-}
-
-func runPause(args []string, resume bool, stdout, stderr io.Writer) int {
-	verb := "pause"
-	if resume {
-		verb = "resume"
-	}
-	return run(append([]string{verb}, args...), stdout, stderr)
 }
 
 func (c *cli) pause(cmd *cobra.Command, k *kube, resume bool, cm, reason string, forDur time.Duration, status bool) int {

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -52,7 +51,7 @@ func name() string {
 // usageError marks an error of the command line itself.
 type usageError struct{ error }
 
-// exactArgs is cobra.ExactArgs that says what the arguments are.
+// noArgs refuses arguments to a verb that takes flags only, saying which.
 func noArgs(cmd *cobra.Command, args []string) error {
 	if len(args) > 0 {
 		return usageError{fmt.Errorf("unexpected argument %q (flags only)", args[0])}
@@ -98,10 +97,4 @@ be read or judged, 3 nothing found but some part not audited.`,
 func (c *cli) fail(cmd *cobra.Command, format string, a ...any) int {
 	fmt.Fprintf(c.stderr, "%s: %s\n", cmd.CommandPath(), fmt.Sprintf(format, a...))
 	return exitUsage
-}
-
-// isUsage says whether err is the command line's own.
-func isUsage(err error) bool {
-	var u usageError
-	return errors.As(err, &u)
 }

@@ -64,10 +64,6 @@ func (c *cli) uiCmd() *cobra.Command {
 	return cmd
 }
 
-func runUI(args []string, stdout, stderr io.Writer) int {
-	return run(append([]string{"ui"}, args...), stdout, stderr)
-}
-
 func (c *cli) ui(cmd *cobra.Command, access *access, all bool, listen string, accept []string) int {
 	for i, h := range accept {
 		if err := checkHost(h); err != nil {
