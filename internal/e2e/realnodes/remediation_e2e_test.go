@@ -329,10 +329,45 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 	// new one then starts and syncs (the chart's default is 2m).
 	a, b, nft := c.Node("real-ipt-a"), c.Node("real-ipt-b"), c.Node("real-nft-a")
 
+	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
+		d.begin(t)
+		before := kubeProxyPod(ctx, t, c, a.Name)
+		// An earlier test may have left the condition (False: in sync);
+		// dry-run must not change it.
+		cond := condition(d.node(a.Name))
+		undo := d.stuck(a, false)
+		defer undo(context.Background())
+		d.until(2*time.Minute, "a dry-run Event on "+a.Name, func() bool { return len(d.events(a.Name, "ProxyauditDryRun")) > 0 })
+		if msg := d.events(a.Name, "ProxyauditDryRun")[0]; !strings.Contains(msg, "would RestartProxy") {
+			t.Errorf("dry-run Event: %s", msg)
+		}
+		time.Sleep(15 * time.Second) // three intervals
+		node := d.node(a.Name)
+		if now := kubeProxyPod(ctx, t, c, a.Name); now == nil || now.UID != before.UID || node.Spec.Unschedulable || !d.incident(a.Name).Empty() || condition(node) != cond {
+			var uid any
+			if now != nil {
+				uid = now.UID
+			}
+			t.Fatalf("dry-run changed the cluster: kube-proxy pod %v -> %v, unschedulable %v, incident %+v, condition %q -> %q",
+				before.UID, uid, node.Spec.Unschedulable, d.incident(a.Name), cond, condition(node))
+		}
+		if err := undo(ctx); err != nil { // by hand, as an SRE would
+			t.Fatal(err)
+		}
+		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), a.Name+"'s kube-proxy replaced by hand")
+		// The dry-run incident closes too, a round after the view is in
+		// sync: its Resolve must come before the next scenario starts
+		// counting Events (it once landed in the next scenario's count).
+		d.until(time.Minute, "the dry-run incident on "+a.Name+" resolved", func() bool { return len(d.events(a.Name, "ProxyauditResolve")) > 0 })
+	})
+
 	// A collector pod replaced while its node's NAT rules are flushed (a
 	// chart upgrade, an eviction) must still report them: the node's DNS
 	// goes through those rules, so it dials the aggregator addresses the
 	// collector before it kept on the node (collector.stateDir).
+	// After the dry-run scenario, whose would-be restart of the same node
+	// (a cooldown in the leader's memory) it must not precede: that one
+	// waits for a dry-run Event a cooldown turns into a page.
 	t.Run("a collector restarted while its node's rules are flushed still reports them", func(t *testing.T) {
 		d.begin(t)
 		kept := "/var/lib/proxyaudit/proxyaudit.proxyaudit.aggregators.json" // the nodes share this host's files
@@ -374,38 +409,6 @@ func TestE2ERemediationOnRealNodes(t *testing.T) {
 			t.Fatal(err)
 		}
 		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), a.Name+"'s kube-proxy replaced by hand")
-		d.until(time.Minute, "the dry-run incident on "+a.Name+" resolved", func() bool { return len(d.events(a.Name, "ProxyauditResolve")) > 0 })
-	})
-
-	t.Run("dry-run changes nothing and says what it would do", func(t *testing.T) {
-		d.begin(t)
-		before := kubeProxyPod(ctx, t, c, a.Name)
-		// An earlier test may have left the condition (False: in sync);
-		// dry-run must not change it.
-		cond := condition(d.node(a.Name))
-		undo := d.stuck(a, false)
-		defer undo(context.Background())
-		d.until(2*time.Minute, "a dry-run Event on "+a.Name, func() bool { return len(d.events(a.Name, "ProxyauditDryRun")) > 0 })
-		if msg := d.events(a.Name, "ProxyauditDryRun")[0]; !strings.Contains(msg, "would RestartProxy") {
-			t.Errorf("dry-run Event: %s", msg)
-		}
-		time.Sleep(15 * time.Second) // three intervals
-		node := d.node(a.Name)
-		if now := kubeProxyPod(ctx, t, c, a.Name); now == nil || now.UID != before.UID || node.Spec.Unschedulable || !d.incident(a.Name).Empty() || condition(node) != cond {
-			var uid any
-			if now != nil {
-				uid = now.UID
-			}
-			t.Fatalf("dry-run changed the cluster: kube-proxy pod %v -> %v, unschedulable %v, incident %+v, condition %q -> %q",
-				before.UID, uid, node.Spec.Unschedulable, d.incident(a.Name), cond, condition(node))
-		}
-		if err := undo(ctx); err != nil { // by hand, as an SRE would
-			t.Fatal(err)
-		}
-		waitInSync(ctx, t, c, 3*time.Minute, time.Now(), a.Name+"'s kube-proxy replaced by hand")
-		// The dry-run incident closes too, a round after the view is in
-		// sync: its Resolve must come before the next scenario starts
-		// counting Events (it once landed in the next scenario's count).
 		d.until(time.Minute, "the dry-run incident on "+a.Name+" resolved", func() bool { return len(d.events(a.Name, "ProxyauditResolve")) > 0 })
 	})
 
