@@ -253,12 +253,7 @@ func (r *Release) Localize(spec *corev1.PodSpec, container, dir string, pod Pod)
 		return s
 	}
 	l := &Local{}
-	for _, a := range append(append([]string{}, c.Command...), c.Args...) {
-		if strings.Contains(a, "$(") {
-			return nil, fmt.Errorf("argument %q uses $(VAR) expansion, which Localize does not do", a)
-		}
-		l.Args = append(l.Args, move(a))
-	}
+	env := map[string]string{}
 	for _, e := range c.Env {
 		val := e.Value
 		switch {
@@ -285,8 +280,48 @@ func (r *Release) Localize(spec *corev1.PodSpec, container, dir string, pod Pod)
 			return nil, fmt.Errorf("env %s: a source Localize does not know", e.Name)
 		}
 		l.Env = append(l.Env, e.Name+"="+move(val))
+		env[e.Name] = val
+	}
+	// Command and arguments after the environment: the kubelet expands
+	// $(VAR) in them from the container's variables.
+	for _, a := range append(append([]string{}, c.Command...), c.Args...) {
+		x, err := expand(a, env)
+		if err != nil {
+			return nil, err
+		}
+		l.Args = append(l.Args, move(x))
 	}
 	return l, nil
+}
+
+// expand replaces $(VAR) in a command or argument with the container's
+// variable, as the kubelet does; $$ is a literal $. A reference to a
+// variable the container does not define is refused (the kubelet would
+// leave it as written, which no test of the chart means).
+func expand(a string, env map[string]string) (string, error) {
+	var b strings.Builder
+	for i := 0; i < len(a); i++ {
+		switch {
+		case strings.HasPrefix(a[i:], "$$"):
+			b.WriteByte('$')
+			i++
+		case strings.HasPrefix(a[i:], "$("):
+			end := strings.IndexByte(a[i:], ')')
+			if end < 0 {
+				return "", fmt.Errorf("argument %q: an unclosed $(", a)
+			}
+			name := a[i+2 : i+end]
+			v, ok := env[name]
+			if !ok {
+				return "", fmt.Errorf("argument %q uses $(%s), which the container does not define", a, name)
+			}
+			b.WriteString(v)
+			i += end
+		default:
+			b.WriteByte(a[i])
+		}
+	}
+	return b.String(), nil
 }
 
 // resourceField is what the kubelet puts in an env var from the
