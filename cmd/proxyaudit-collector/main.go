@@ -94,7 +94,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	cfg := collector.Config{Node: o.node, Aggregator: o.aggregator, Interval: o.interval, FullReadInterval: o.fullRead, ReadBudget: o.readBudget,
 		TokenFile: o.tokenFile, MaxMessageBytes: o.maxMessageBytes, Version: version(), KubeProxyMetrics: o.kubeProxyMetrics, Host: host,
-		PeersFile: o.peersFile}
+		PeersFile: o.peersFile, ConntrackFile: o.conntrackFile}
 	if src, fixed, _ := collector.ParseMode(o.mode); fixed {
 		cfg.Reader = host.Reader(src)
 	}

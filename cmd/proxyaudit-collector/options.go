@@ -25,6 +25,7 @@ type options struct {
 
 	tokenFile, caFile, serverName string
 	peersFile                     string
+	conntrackFile                 string
 	maxMessageBytes               int
 
 	ctInterval time.Duration
@@ -46,6 +47,7 @@ func defaultOptions() options {
 		notifyMiB: collector.DefaultNotifyBuffer >> 20,
 		tokenFile: os.Getenv("PROXYAUDIT_TOKEN_FILE"), caFile: os.Getenv("PROXYAUDIT_CA_FILE"), serverName: os.Getenv("PROXYAUDIT_TLS_SERVER_NAME"),
 		peersFile:       os.Getenv("PROXYAUDIT_PEERS_FILE"),
+		conntrackFile:   os.Getenv("PROXYAUDIT_CONNTRACK_FILE"),
 		maxMessageBytes: 16 << 20,
 		ctInterval:      30 * time.Second,
 		memLimitMiB:     40,
@@ -67,6 +69,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.caFile, "ca-file", o.caFile, "CA bundle that verifies the aggregator's certificate; empty means plain TCP, for local experiments only [PROXYAUDIT_CA_FILE]")
 	fs.StringVar(&o.serverName, "tls-server-name", o.serverName, "name the aggregator's certificate must carry; empty means the --aggregator host when it is a DNS name [PROXYAUDIT_TLS_SERVER_NAME]")
 	fs.StringVar(&o.peersFile, "peers-file", o.peersFile, "file on the node keeping the aggregator addresses last known, dialed after a restart while the node's DNS is down; empty keeps them in memory only [PROXYAUDIT_PEERS_FILE]")
+	fs.StringVar(&o.conntrackFile, "conntrack-file", o.conntrackFile, "file on the node keeping the frontends whose conntrack flows are counted, those that left the rules included (a service scaled to zero), across restarts; empty keeps them in memory only [PROXYAUDIT_CONNTRACK_FILE]")
 	fs.IntVar(&o.maxMessageBytes, "max-message-bytes", o.maxMessageBytes, "largest message accepted from the aggregator")
 
 	// What is read, and how often.

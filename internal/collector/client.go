@@ -77,6 +77,12 @@ type Config struct {
 	// through the node's kube-proxy, which may be what drifted) dials
 	// them. Empty: kept in memory only.
 	PeersFile string
+	// ConntrackFile keeps the frontends whose conntrack flows are counted
+	// (the rules' at the last conntrack read, and those that left them in
+	// the last day) across restarts, on the node: a service scaled to zero
+	// is still watched for the flows kube-proxy leaves pinned to its gone
+	// pod after a chart upgrade. Empty: kept in memory only.
+	ConntrackFile string
 }
 
 // ConntrackDeleter deletes the conntrack entries of flush targets
@@ -132,6 +138,7 @@ func Run(ctx context.Context, cfg Config) error {
 	c := &client{cfg: cfg, reader: cfg.Reader, credit: newReadCredit(cfg.ReadBudget, cfg.ReadBurst, cfg.Interval)}
 	c.cost.Reads = map[stream.ReadReason]uint64{}
 	c.loadPeers()
+	c.loadConntrack(cfg.Clock.Now())
 	if src, ok := cfg.Reader.(interface{ Source() Source }); ok {
 		c.openSignal(src.Source())
 	}
@@ -178,7 +185,10 @@ type client struct {
 	// the filter table), and kube-proxy leaves its UDP entries alone.
 	ctKeys map[audit.FrontendKey]bool
 	ctGone map[audit.FrontendKey]time.Time
-	http   http.Client
+	// ctSaved: ConntrackFile was written since the start (then again
+	// only when the frontends change).
+	ctSaved bool
+	http    http.Client
 
 	// The last successful read, kept across streams: its state, the
 	// change signal's token it reflects, and when it began.

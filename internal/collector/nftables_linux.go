@@ -128,6 +128,20 @@ func (r *nftNetlinkReader) Source() Source { return Source{Mode: audit.ModeNFTab
 // BytesRead is what the last read received from the kernel.
 func (r *nftNetlinkReader) BytesRead() int64 { return r.bytes.Load() }
 
+// NoEndpoints implements NoEndpointReader: the no-endpoint-services
+// map's frontends, both families, as last read.
+func (r *nftNetlinkReader) NoEndpoints() []audit.FrontendKey {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []audit.FrontendKey
+	for _, f := range r.fams {
+		if f != nil {
+			out = append(out, f.noEndpoint...)
+		}
+	}
+	return out
+}
+
 // kubeProxyTable is the table kube-proxy's nftables mode programs.
 const kubeProxyTable = "kube-proxy"
 

@@ -36,6 +36,15 @@ type ChangeReader interface {
 	ReadChanges(ctx context.Context) (*Changes, error)
 }
 
+// NoEndpointReader is a RuleReader that also names the frontends its
+// last read found rejected or dropped for having no endpoints (nftables'
+// no-endpoint-services map): a service scaled to zero, whose UDP flows
+// kube-proxy leaves pinned to the gone pods. Their conntrack flows are
+// counted even by a collector that never saw the service with endpoints.
+type NoEndpointReader interface {
+	NoEndpoints() []audit.FrontendKey
+}
+
 // Changes is what a ChangeReader read.
 type Changes struct {
 	// Whole, when set, is a whole read: the rest is empty.

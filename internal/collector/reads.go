@@ -240,23 +240,34 @@ const (
 )
 
 // conntrackKeys are the frontends whose flows a conntrack read counts:
-// those of the rules as last read, and those that left them within
+// those of the rules as last read (and those the rules reject for having
+// no endpoints, where the reader says), and those that left them within
 // ctRemember.
 func (c *client) conntrackKeys(now time.Time) []audit.FrontendKey {
 	cur := map[audit.FrontendKey]bool{}
 	c.cached.ParsedKeys(func(_ string, k audit.FrontendKey) { cur[k] = true })
+	if ne, ok := c.reader.(NoEndpointReader); ok {
+		for _, k := range ne.NoEndpoints() {
+			cur[k] = true
+		}
+	}
 	if c.ctGone == nil {
 		c.ctGone = map[audit.FrontendKey]time.Time{}
 	}
+	changed := len(cur) != len(c.ctKeys)
 	for k := range c.ctKeys {
-		if !cur[k] && len(c.ctGone) < ctMaxGone {
-			c.ctGone[k] = now
+		if !cur[k] {
+			changed = true
+			if len(c.ctGone) < ctMaxGone {
+				c.ctGone[k] = now
+			}
 		}
 	}
 	keys := make([]audit.FrontendKey, 0, len(cur)+len(c.ctGone))
 	for k, at := range c.ctGone {
 		if cur[k] || now.Sub(at) > ctRemember {
 			delete(c.ctGone, k)
+			changed = true
 			continue
 		}
 		keys = append(keys, k)
@@ -265,6 +276,10 @@ func (c *client) conntrackKeys(now time.Time) []audit.FrontendKey {
 		keys = append(keys, k)
 	}
 	c.ctKeys = cur
+	if changed || !c.ctSaved {
+		c.saveConntrack()
+		c.ctSaved = true
+	}
 	return keys
 }
 

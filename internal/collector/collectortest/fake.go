@@ -15,6 +15,8 @@ var (
 	_ collector.IPTables   = (*IPTables)(nil)
 	_ collector.IPVS       = (*IPVS)(nil)
 	_ collector.RuleReader = (*Reader)(nil)
+
+	_ collector.NoEndpointReader = (*Reader)(nil)
 )
 
 // IPTables answers chain checks from a set of "table/chain" names.
@@ -54,7 +56,18 @@ func (f *IPVS) Close() {
 // reads.
 type Reader struct {
 	Rules func() (*audit.Observed, error)
-	reads atomic.Int64
+	// Rejected, when set, are the frontends the rules reject for having
+	// no endpoints (collector.NoEndpointReader).
+	Rejected func() []audit.FrontendKey
+	reads    atomic.Int64
+}
+
+// NoEndpoints implements collector.NoEndpointReader.
+func (r *Reader) NoEndpoints() []audit.FrontendKey {
+	if r.Rejected == nil {
+		return nil
+	}
+	return r.Rejected()
 }
 
 // Read implements collector.RuleReader.

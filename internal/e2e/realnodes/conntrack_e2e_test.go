@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // dnsQuery is a DNS query for name's A record.
@@ -237,20 +239,18 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 	}
 	until := func(limit time.Duration, what string, ok func() bool) {
 		t.Helper()
-		for deadline := time.Now().Add(limit); !ok(); time.Sleep(time.Second) {
-			if time.Now().After(deadline) {
-				var why []string
-				if r, _, err := report(ctx, t, c); err == nil {
-					for _, f := range r.Findings {
-						why = append(why, fmt.Sprintf("%s %s %s %s: %s", f.Kind, f.Node, f.Service, f.Endpoint, f.Detail))
-					}
+		if _, err := testkit.Poll(limit, ok); err != nil {
+			var why []string
+			if r, _, err := report(ctx, t, c); err == nil {
+				for _, f := range r.Findings {
+					why = append(why, fmt.Sprintf("%s %s %s %s: %s", f.Kind, f.Node, f.Service, f.Endpoint, f.Detail))
 				}
-				for _, n := range nodes {
-					out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", "53")
-					why = append(why, n.Name+" conntrack:\n"+out, n.Name+"'s collector:\n"+collectorLog(ctx, c, n.Name, 15))
-				}
-				t.Fatalf("after %s, still waiting for %s; findings and tables:\n%s\naggregators:\n%s", limit, what, strings.Join(why, "\n"), aggregatorLogs(ctx, c, what))
 			}
+			for _, n := range nodes {
+				out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", "53")
+				why = append(why, n.Name+" conntrack:\n"+out, n.Name+"'s collector:\n"+collectorLog(ctx, c, n.Name, 15))
+			}
+			t.Fatalf("%s", testkit.Waiting(limit, what, "findings and tables:\n"+strings.Join(why, "\n")+"\naggregators:\n"+aggregatorLogs(ctx, c, what)))
 		}
 	}
 	// pinned counts a node's UDP entries to kube-dns DNATed to ip
@@ -335,6 +335,67 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 			if !found {
 				t.Errorf("no StaleConntrack on %s to %s:\n%s", n.Name, dead, clip(raw))
 			}
+		}
+		// The collector restarted (a chart upgrade, an eviction) while the
+		// service has no endpoints, so no longer in the node's rules: it
+		// still counts the flows pinned to the gone pod, and the finding
+		// stays on the new collector's reports. On the iptables node by the
+		// frontends it kept on the node (--conntrack-file); on the nftables
+		// node, its file deleted first (as at a first install), by the
+		// rules' own no-endpoint-services map. (The real nodes share the
+		// host's filesystem: the chart's hostPath is /var/lib/proxyaudit.)
+		for _, rc := range []struct {
+			n      *localcluster.Node
+			noFile bool
+		}{{nodes[0], false}, {nodes[1], true}} {
+			n0 := rc.n
+			cps, err := c.Client.CoreV1().Pods("proxyaudit").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=collector",
+				FieldSelector: "spec.nodeName=" + n0.Name})
+			if err != nil || len(cps.Items) != 1 {
+				t.Fatalf("%s's collector pod: %v (%d pods)", n0.Name, err, len(cps.Items))
+			}
+			if rc.noFile {
+				// The old collector writes it only when its frontends
+				// change, and nothing changes while CoreDNS is at zero (the
+				// new one's log says whether it found one).
+				if err := os.Remove("/var/lib/proxyaudit/proxyaudit.proxyaudit." + n0.Name + ".conntrack.json"); err != nil {
+					t.Fatalf("%s's conntrack file: %v", n0.Name, err)
+				}
+			}
+			restarted := time.Now()
+			if err := c.Client.CoreV1().Pods("proxyaudit").Delete(ctx, cps.Items[0].Name, metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			// The old pod gone (a pod being deleted is not counted) and the
+			// new one Ready.
+			waitPods(ctx, t, c, "proxyaudit", "app.kubernetes.io/component=collector", len(fleet), 2*time.Minute)
+			ready := time.Now()
+			until(2*time.Minute, "StaleConntrack on "+n0.Name+" from the restarted collector's reports", func() bool {
+				r, _, err := report(ctx, t, c)
+				if err != nil {
+					return false
+				}
+				fresh := false
+				for _, n := range r.Nodes {
+					// Two conntrack reads (5 s apart) of the new collector.
+					fresh = fresh || (n.Node == n0.Name && n.LastReport.After(ready.Add(12*time.Second)) && n.State != audit.NodeMissing)
+				}
+				if !fresh {
+					return false
+				}
+				for _, f := range r.Findings {
+					if f.Kind == audit.StaleConntrack && f.Node == n0.Name && f.Endpoint == dead {
+						return true
+					}
+				}
+				t.Fatalf("%s's restarted collector no longer reports the flows pinned to %s:\n%s\n%s", n0.Name, dead, clip(fmt.Sprint(r.Findings)), collectorLog(ctx, c, n0.Name, 20))
+				return false
+			})
+			log := collectorLog(ctx, c, n0.Name, 200)
+			if kept := strings.Contains(log, "conntrack frontends kept from before"); kept == rc.noFile {
+				t.Errorf("%s's new collector started from kept frontends: %v, want %v:\n%s", n0.Name, kept, !rc.noFile, log)
+			}
+			t.Logf("%s's collector restarted (its file removed: %v): StaleConntrack to %s still reported %s later", n0.Name, rc.noFile, dead, time.Since(restarted).Round(time.Second))
 		}
 		r0 := rs[nodes[0].Name]
 		before := r0.answers.Load() + r0.refused.Load()

@@ -1,0 +1,53 @@
+package collector
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
+)
+
+// BenchmarkConntrackKeys is what a conntrack read's frontend bookkeeping
+// costs at 10k services (30k frontends), side by side: the rules
+// unchanged (no write), and one service gone since the last read, which
+// writes the conntrack file (--conntrack-file) on top.
+func BenchmarkConntrackKeys(b *testing.B) {
+	obs, err := synth.Spec{Services: 10_000, EndpointsPerService: 10}.Observed()
+	if err != nil {
+		b.Fatal(err)
+	}
+	all := stream.FromModel(obs)
+	obs.Frontends = obs.Frontends[1:]
+	less := stream.FromModel(obs)
+	for _, tc := range []struct {
+		name string
+		file bool
+		flip bool
+	}{{"unchanged", true, false}, {"changed/no-file", false, true}, {"changed/file", true, true}} {
+		b.Run(tc.name, func(b *testing.B) {
+			c := &client{cfg: Config{Log: zap.NewNop()}, cached: all}
+			if tc.file {
+				c.cfg.ConntrackFile = filepath.Join(b.TempDir(), "conntrack.json")
+			}
+			now := time.Now()
+			c.conntrackKeys(now)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; b.Loop(); i++ {
+				if tc.flip {
+					c.cached = map[bool]*stream.State{true: less, false: all}[i%2 == 0]
+				}
+				c.conntrackKeys(now)
+			}
+			if st, err := os.Stat(c.cfg.ConntrackFile); tc.file && err == nil {
+				b.ReportMetric(float64(st.Size()), "file-bytes")
+				b.ReportMetric(float64(len(c.ctKeys)), "frontends")
+			}
+		})
+	}
+}
