@@ -122,7 +122,8 @@ func TestKubectlConnectionFlags(t *testing.T) {
 // contexts for --context and the cluster's nodes for explain node, asked
 // of the CLI as the scripts ask it, and in a real bash.
 func TestCompletion(t *testing.T) {
-	for shell, says := range map[string]string{"bash": "__start_proxyaudit", "zsh": "#compdef proxyaudit", "fish": "complete -c proxyaudit"} {
+	for shell, says := range map[string]string{"bash": "__start_proxyaudit", "zsh": "#compdef proxyaudit", "fish": "complete -c proxyaudit",
+		"kubectl": "exec kubectl-proxyaudit __complete \"$@\""} {
 		var out, errb bytes.Buffer
 		if code := run([]string{"completion", shell}, &out, &errb); code != exitClean || !strings.Contains(out.String(), says) {
 			t.Errorf("completion %s: exit %d, %.200q", shell, code, out.String())

@@ -89,7 +89,42 @@ be read or judged, 3 nothing found but some part not audited.`,
 		Args:  noArgs,
 		Run:   func(*cobra.Command, []string) { fmt.Fprintln(c.stdout, versionString()) },
 	})
+	root.InitDefaultCompletionCmd()
+	for _, cmd := range root.Commands() {
+		if cmd.Name() == "completion" {
+			cmd.AddCommand(c.kubectlCompletionCmd())
+		}
+	}
 	return root
+}
+
+// kubectlCompletion is the script kubectl (1.26+) runs to complete
+// `kubectl proxyaudit …` when it is on PATH as kubectl_complete-proxyaudit:
+// kubectl hands it the words after the plugin's name and shows what it
+// prints, cobra's __complete answer.
+const kubectlCompletion = `#!/bin/sh
+# kubectl (1.26+) completes "kubectl proxyaudit ..." with this script when it
+# is on PATH as kubectl_complete-proxyaudit (written by: proxyaudit completion kubectl).
+exec kubectl-proxyaudit __complete "$@"
+`
+
+func (c *cli) kubectlCompletionCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "kubectl",
+		Short: "Generate the script that completes kubectl proxyaudit inside kubectl's own completion",
+		Long: `Generate the script kubectl (1.26 and later) runs to complete "kubectl proxyaudit ...":
+kubectl's own completion (kubectl completion bash|zsh|fish) then completes the
+plugin's verbs, flags, contexts and node names too. Install it on PATH, next to
+the plugin, as kubectl_complete-proxyaudit; for a krew install:
+
+	proxyaudit completion kubectl > "${KREW_ROOT:-$HOME/.krew}/bin/kubectl_complete-proxyaudit"
+	chmod +x "${KREW_ROOT:-$HOME/.krew}/bin/kubectl_complete-proxyaudit"
+
+(krew links only the plugin itself: kubernetes-sigs/krew#812.)`,
+		Args:              noArgs,
+		ValidArgsFunction: cobra.NoFileCompletions,
+		Run:               func(*cobra.Command, []string) { fmt.Fprint(c.stdout, kubectlCompletion) },
+	}
 }
 
 // fail prints a command's own error, "proxyaudit VERB: …", and returns

@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
@@ -219,6 +220,50 @@ func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*fleetR
 	return &r, string(out), nil
 }
 
+// reportFormats runs `kubectl proxyaudit report` in every output format
+// against the cluster while node has a finding for service (and only it):
+// each format shows it, and the command says findings (status 1).
+func reportFormats(ctx context.Context, t *testing.T, c *localcluster.Cluster, node, service string) {
+	t.Helper()
+	for _, tc := range []struct {
+		format string
+		shows  func(out string) bool
+	}{
+		{"table", func(out string) bool { return strings.Contains(out, node) && strings.Contains(out, service) }},
+		{"wide", func(out string) bool { return strings.Contains(out, node) && strings.Contains(out, service) }},
+		{"markdown", func(out string) bool { return strings.Contains(out, "| ") && strings.Contains(out, service) }},
+		{"yaml", func(out string) bool {
+			var r fleetReport
+			if yaml.Unmarshal([]byte(out), &r) != nil {
+				return false
+			}
+			for _, f := range r.Findings {
+				if f.Node == node && f.Service == service {
+					return true
+				}
+			}
+			return false
+		}},
+		{"name", func(out string) bool { return strings.TrimSpace(out) == "node/"+node }},
+		{"jsonpath={.findings[*].node}", func(out string) bool {
+			return len(strings.Fields(out)) > 0 && !slices.ContainsFunc(strings.Fields(out), func(n string) bool { return n != node })
+		}},
+		{"custom-columns=NODE:.node,SERVICE:.service", func(out string) bool {
+			lines := strings.Split(strings.TrimSpace(out), "\n")
+			return len(lines) > 1 && strings.Fields(lines[0])[0] == "NODE" && slices.ContainsFunc(lines[1:], func(l string) bool {
+				return slices.Equal(strings.Fields(l), []string{node, service})
+			})
+		}},
+	} {
+		out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "report", "-n", "proxyaudit", "-o", tc.format).Output()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !tc.shows(string(out)) {
+			t.Errorf("kubectl proxyaudit report -o %s with a finding on %s: %v (want status 1)\n%s", tc.format, node, err, out)
+		}
+	}
+	t.Logf("kubectl proxyaudit report -o table, wide, markdown, yaml, name, jsonpath, custom-columns: each shows %s's finding", node)
+}
+
 // kubectlProxyaudit is `kubectl proxyaudit args...` (the CLI as a kubectl
 // plugin) with kubeconfig.
 func kubectlProxyaudit(ctx context.Context, t *testing.T, c *localcluster.Cluster, kubeconfig string, args ...string) *exec.Cmd {
@@ -398,6 +443,30 @@ func krewReport(ctx context.Context, t *testing.T, c *localcluster.Cluster, dist
 		t.Fatalf("kubectl proxyaudit report from krew's bin: %d of %d nodes in sync, %d findings", inSync(&r), len(fleet), len(r.Findings))
 	}
 	t.Logf("krew installed the release's plugin; kubectl proxyaudit report from krew's bin: %d nodes in sync", inSync(&r))
+
+	// kubectl's own completion completes the plugin's words once the
+	// script the plugin writes is on PATH as kubectl_complete-proxyaudit
+	// (as its help says, in krew's bin): a verb, and the cluster's nodes.
+	script, err := plugin("completion", "kubectl")
+	if err != nil {
+		t.Fatalf("kubectl proxyaudit completion kubectl: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(krewRoot, "bin", "kubectl_complete-proxyaudit"), script, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ args, want []string }{
+		{[]string{"rep"}, []string{"report"}},
+		{[]string{"explain", "node", "real-"}, []string{"real-ipt-a", "real-nft-a", "real-static"}},
+	} {
+		cmd := exec.CommandContext(ctx, c.Kubectl(), append([]string{"__complete", "proxyaudit"}, tc.args...)...)
+		cmd.Env = env
+		out, err := cmd.Output()
+		for _, w := range tc.want {
+			if err != nil || !strings.Contains(string(out), w+"\n") && !strings.Contains(string(out), w+"\t") {
+				t.Errorf("kubectl __complete proxyaudit %s: %v\n%s; want %s", strings.Join(tc.args, " "), err, out, w)
+			}
+		}
+	}
 }
 
 // checkCollectorVersions: every node's collector says it is version v.
@@ -586,6 +655,9 @@ func TestE2EChartOnRealNodes(t *testing.T) {
 				if versions == len(fleet) && probe && other == 0 && inSync(r) == len(fleet)-1 {
 					t.Logf("aggregator %s (leader %s) with collectors %s: rolled in %s; %s found on %s, %d nodes in sync, no other finding, %s after the images were set",
 						pair.agg, leader, pair.col, rolled.Round(time.Millisecond), strings.Join(on, ", "), frozen.Name, inSync(r), time.Since(began).Round(time.Millisecond))
+					if pair.agg == "v0.1.0" {
+						reportFormats(ctx, t, c, frozen.Name, "default/probe")
+					}
 					break
 				}
 			}
