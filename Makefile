@@ -104,7 +104,7 @@ e2e-cilium: deps modules cluster-binaries
 ## restarted, the chart upgraded, a node drained) with faults injected on random nodes: every fault must
 ## be found and repaired or paged, and nothing else found, restarted or paged.
 ## make test runs the same for 3 minutes at a 10 s grace; SOAK, SOAK_GRACE and SOAK_FAULTS (a comma-separated
-## list of: frozen, watch hung, flushed [the default], endpoint rewritten, UDP blackhole) change it
+## list of: frozen, watch hung, flushed, endpoint rewritten, UDP blackhole; empty: all, in turn) change it
 SOAK ?= 60m
 SOAK_GRACE ?= 30s
 SOAK_FAULTS ?=
@@ -131,16 +131,17 @@ screenshots: deps modules cluster-binaries
 		-run '^TestUIAcrossClusters$$' ./cmd/proxyaudit
 
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
-## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) from
-## that release's kube-proxy (built from its own module: deploy/k8s-tools/kube-proxy-at.sh) into
-## audit/testdata/k8s/vX.Y/capture, which the audit's conformance test then judges too
+## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) and
+## the IPVS VM's tables (clean, drift, weight0) from that release's kube-proxy (built from its own module:
+## deploy/k8s-tools/kube-proxy-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs}, which the audit's
+## conformance tests then judge too (not yet 1.37, whose IPVS mode is behind its KubeProxyIPVS gate)
 fixtures: deps cluster-binaries
 ifeq ($(K8S_VERSION),)
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture
 else
 	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/kube-proxy-at.sh $(K8S_VERSION)) \
-		$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures' ./internal/e2e -capture \
+		$(GO) test -count=1 -timeout 40m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture \
 		-capture-dir audit/testdata/k8s/$(basename $(K8S_VERSION))/capture
 endif
 	$(GO) test -count=1 ./audit -update

@@ -150,14 +150,26 @@ func TestLargeClusterModeHasNoComments(t *testing.T) {
 }
 
 // TestIPVSFixtures audits the IPVS tables captured from genuine
-// kube-proxy 1.36 in --proxy-mode ipvs in the VM (internal/e2e
+// kube-proxy 1.36 (and other releases', audit/testdata/k8s/vX.Y/ipvs) in --proxy-mode ipvs in the VM (internal/e2e
 // TestE2EIPVS, make fixtures): ipvsadm -Sn and -Ln of each give the same
 // findings; the clean matrix has none, the hung informer's drift the
 // golden ones, and the table with a real server left at weight 0 none
 // from Diff but that one real server draining.
 func TestIPVSFixtures(t *testing.T) {
+	others, err := filepath.Glob(filepath.Join("testdata", "k8s", "v1.*", "ipvs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, root := range append([]string{filepath.Join("testdata", "ipvs")}, others...) {
+		t.Run(root, func(t *testing.T) { ipvsFixtures(t, root) })
+	}
+}
+
+// ipvsFixtures judges one capture of TestE2EIPVS (its clean, drift and
+// weight0 tables).
+func ipvsFixtures(t *testing.T, root string) {
 	for _, dir := range []string{"clean", "drift", "weight0"} {
-		data, err := os.ReadFile(filepath.Join("testdata", "ipvs", dir, "cluster.json"))
+		data, err := os.ReadFile(filepath.Join(root, dir, "cluster.json"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -167,7 +179,7 @@ func TestIPVSFixtures(t *testing.T) {
 		}
 		var obs [2]*Observed
 		for i, name := range []string{"ipvs-a.save", "ipvs-a.list"} {
-			f, err := os.Open(filepath.Join("testdata", "ipvs", dir, name))
+			f, err := os.Open(filepath.Join(root, dir, name))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -194,7 +206,7 @@ func TestIPVSFixtures(t *testing.T) {
 				t.Errorf("weight0: %+v, draining %+v", save, draining)
 			}
 		case "drift":
-			checkGolden(t, filepath.Join("testdata", "ipvs", dir, "ipvs-a.findings.json"), save)
+			checkGolden(t, filepath.Join(root, dir, "ipvs-a.findings.json"), save)
 		}
 	}
 }

@@ -41,7 +41,8 @@ const (
 // the stale and missing real servers and StuckProxy; a real server left at
 // weight 0 is reported only once past the weight-zero limit. The VM's
 // clock runs ten minutes ahead throughout: a clock-skewed node is judged
-// on time. With -capture the tables become audit/testdata/ipvs.
+// on time. With -capture the tables become audit/testdata/ipvs (with
+// -capture-dir, the ipvs directory beside it).
 func TestE2EIPVS(t *testing.T) {
 	localcluster.NeedRoot(t, true)
 	c := localcluster.Shared(t)
@@ -99,7 +100,9 @@ func TestE2EIPVS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		fixtures = filepath.Join(root, "audit", "testdata", "ipvs")
+		// Beside the matrix's capture: audit/testdata/ipvs for the pinned
+		// release, audit/testdata/k8s/vX.Y/ipvs for another's.
+		fixtures = filepath.Join(root, filepath.Dir(filepath.FromSlash(*captureDir)), "ipvs")
 		os.RemoveAll(fixtures)
 	}
 

@@ -230,7 +230,7 @@ func (c *Cluster) legacyBin() (string, error) {
 	return dir, nil
 }
 
-// kubeProxy is the kube-proxy binary namespace nodes run.
+// kubeProxy is the kube-proxy binary namespace nodes and VM nodes run.
 func (c *Cluster) kubeProxy() string {
 	if c.cfg.KubeProxy != "" {
 		return c.cfg.KubeProxy

@@ -305,7 +305,7 @@ func (v *VMNode) Log(name string, n int) string {
 // has programmed default/kubernetes (a virtual server with the API server
 // as its real server).
 func (v *VMNode) StartProxy(ctx context.Context) error {
-	if err := v.Start(ctx, "kube-proxy", filepath.Join(v.c.bin, "kube-proxy"),
+	if err := v.Start(ctx, "kube-proxy", v.c.kubeProxy(),
 		"--kubeconfig="+v.c.proxyKubeconfig,
 		"--proxy-mode=ipvs",
 		"--hostname-override="+v.Name,
