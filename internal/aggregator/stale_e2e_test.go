@@ -2,6 +2,7 @@ package aggregator
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
@@ -127,15 +129,12 @@ func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, wan
 
 	until := func(d time.Duration, what string, cond func() bool) time.Duration {
 		t.Helper()
-		start := time.Now()
-		for !cond() {
-			if time.Since(start) > d {
-				since, why := view.Stale()
-				t.Fatalf("after %s, still waiting for %s (stale since %v: %s; notices %v)", d, what, since, why, heard.kinds())
-			}
-			time.Sleep(100 * time.Millisecond)
+		took, err := testkit.Poll(d, cond)
+		if err != nil {
+			since, why := view.Stale()
+			t.Fatalf("%s", testkit.Waiting(d, what, fmt.Sprintf("stale since %v: %s; notices %v", since, why, heard.kinds())))
 		}
-		return time.Since(start)
+		return took
 	}
 	leading := func() bool { _, ok := agg.Leader(); return ok && agg.Verdict() != nil && !agg.Verdict().At.IsZero() }
 	until(30*time.Second, "leading with a fresh view", leading)
