@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"net"
 	"sync"
 	"time"
@@ -57,6 +58,16 @@ func (g *pendingGate) enter(source string) (func(), bool) {
 			delete(g.bySource, source)
 		}
 	}), true
+}
+
+// noLeaderRetry is when a collector refused for want of a leader (or of
+// its shard's holder) is told to come back: 2 to 5 s, spread by its node's
+// name so that a fleet refused at once does not come back at once, and
+// the same for a node each time (a protocol script can say it).
+func noLeaderRetry(node string) time.Duration {
+	h := fnv.New32a()
+	h.Write([]byte(node))
+	return 2*time.Second + time.Duration(h.Sum32()%3000)*time.Millisecond
 }
 
 // redirect tells a collector where the leader is, when another replica
@@ -133,8 +144,13 @@ func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *
 		if a.sharded() {
 			why = fmt.Sprintf("no aggregator replica holds this node's shard (%d) yet (a handover); retry shortly", a.shardOf(h.Node))
 		}
-		// The replicas it knows go with the refusal (see knownPeers).
-		a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: why}, a.knownPeers())
+		// The replicas it knows go with the refusal (see knownPeers), and
+		// when to come back: a leader is usually elected within seconds,
+		// and a collector left to its own backoff (to 30 s once it has
+		// been welcomed) came back after the new leader's allowance ran
+		// out, making every node CollectorMissing after an API server
+		// restart. The fleet's retries are spread by node over 2–5 s.
+		a.rejectWith(log, c, ReasonProtocol, &stream.Reject{Reason: why, RetryAfterSeconds: noLeaderRetry(h.Node).Seconds()}, a.knownPeers())
 		return nil
 	}
 	s := &session{a: a, c: c, log: log, hello: *h, interval: interval,

@@ -265,3 +265,34 @@ func TestCollectorsFollowAQuickRollout(t *testing.T) {
 	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
 	t.Logf("n1 reached the successor %s after it led", took.Round(time.Millisecond))
 }
+
+// TestCollectorComesBackSoonAfterALeaderlessSpell: the API server
+// restarts, the leader loses its Lease and no replica leads for a while.
+// The collector, welcomed before, is refused each time with when to come
+// back (2–5 s) and streams again within that of a leader being elected;
+// left to its own backoff it would wait up to 16 s by then (30 s later
+// on), past the new leader's allowance, and every node was
+// CollectorMissing after the soak restarted the API server.
+func TestCollectorComesBackSoonAfterALeaderlessSpell(t *testing.T) {
+	lns := sharedPort(t, "127.0.0.1")
+	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+	r := newReplicas(t, "127.0.0.1")
+	agg, _ := r.start(lns[0], "agg")
+	agg.StartedLeading()
+	logs, _ := r.collector(port, "127.0.0.1")
+	testkit.Eventually(t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(agg) })
+
+	agg.StoppedLeading()
+	agg.NewLeader("")
+	time.Sleep(12 * time.Second)
+	refusals := logs.FilterMessageSnippet("come back later").Len()
+	if refusals < 2 {
+		t.Errorf("%d refusals told when to come back in 12 s without a leader, want one every 2–5 s", refusals)
+	}
+	agg.StartedLeading()
+	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new leader", func() bool { return streaming(agg) })
+	if took > 6*time.Second {
+		t.Errorf("n1 streamed again %s after a leader was elected, want within the 2–5 s it was told", took)
+	}
+	t.Logf("12 s without a leader: %d refusals; n1 streaming %s after the leader came", refusals, took.Round(time.Millisecond))
+}

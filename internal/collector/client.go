@@ -150,7 +150,7 @@ func Run(ctx context.Context, cfg Config) error {
 	Reconnect(ctx, cfg.Clock, c.runStream, func(err error, wait time.Duration) {
 		switch {
 		case IsBusy(err):
-			cfg.Log.Info("aggregator busy admitting other collectors", zap.Duration("retry_in", wait))
+			cfg.Log.Info("aggregator asked this collector to come back later", zap.Error(err), zap.Duration("retry_in", wait))
 		case err != nil:
 			cfg.Log.Warn("stream to the aggregator ended", zap.Error(err), zap.Duration("retry_in", wait))
 		}

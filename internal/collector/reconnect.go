@@ -112,17 +112,19 @@ func HelloOutcome(reply *stream.Message) (leader string, err error) {
 }
 
 // comeBack is a refusal that says when to retry: the aggregator is busy
-// reviewing the tokens of a fleet reconnecting.
+// reviewing the tokens of a fleet reconnecting, or no replica leads (holds
+// the node's shard) yet.
 type comeBack struct {
 	after  time.Duration
 	reason string
 }
 
 func (e *comeBack) Error() string {
-	return fmt.Sprintf("aggregator busy: %s", e.reason)
+	return fmt.Sprintf("aggregator asked to come back in %s: %s", e.after, e.reason)
 }
 
-// IsBusy says whether err is an aggregator's busy refusal.
+// IsBusy says whether err is an aggregator's refusal that said when to
+// come back.
 func IsBusy(err error) bool {
 	var busy *comeBack
 	return errors.As(err, &busy)

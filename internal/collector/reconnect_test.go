@@ -9,6 +9,8 @@ import (
 	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
 // A follower that still names a dead leader (the Lease has not moved)
@@ -82,6 +84,13 @@ func TestBusyRefusalKeepsTheSlot(t *testing.T) {
 // has moved by d.
 func retries(t *testing.T, d time.Duration, failed func(n int) (welcomed bool)) []time.Duration {
 	t.Helper()
+	refused := errors.New("dial tcp 10.96.0.10:9443: connect: connection refused")
+	return retriesWith(t, d, func(n int) (bool, error) { return failed(n), refused })
+}
+
+// retriesWith is retries with the session's error of the caller's.
+func retriesWith(t *testing.T, d time.Duration, failed func(n int) (welcomed bool, err error)) []time.Duration {
+	t.Helper()
 	clk := clocktesting.NewFakeClock(time.Now())
 	start := clk.Now()
 	waits := make(chan time.Duration)
@@ -90,7 +99,8 @@ func retries(t *testing.T, d time.Duration, failed func(n int) (welcomed bool)) 
 	n := 0
 	go Reconnect(ctx, clk, func(context.Context, string) (string, bool, error) {
 		n++
-		return "", failed(n), errors.New("dial tcp 10.96.0.10:9443: connect: connection refused")
+		welcomed, err := failed(n)
+		return "", welcomed, err
 	}, func(_ error, wait time.Duration) { waits <- wait })
 	var got []time.Duration
 	for clk.Since(start) < d {
@@ -126,5 +136,29 @@ func TestFirstContactRetriesOften(t *testing.T) {
 	}
 	if longest <= 8*time.Second {
 		t.Errorf("a collector welcomed once waits at most %s within a minute of failures; want its backoff to grow toward 30 s", longest)
+	}
+}
+
+// After an API server restart no replica leads for a while: a collector
+// welcomed before is refused with when to come back (2–5 s) and comes
+// back then, however long it lasts, instead of backing off toward 30 s
+// and arriving after the new leader's allowance ran out (every node was
+// CollectorMissing ~22 s after the API server restarted during the soak).
+func TestNoLeaderRefusalComesBackWhenTold(t *testing.T) {
+	refusal, err := HelloOutcome(&stream.Message{Type: stream.TypeReject, Reject: &stream.Reject{
+		Reason: "this aggregator is not the leader and no leader is elected yet; retry shortly", RetryAfterSeconds: 3}})
+	if refusal != "" || !IsBusy(err) {
+		t.Fatalf("HelloOutcome of a refusal with a retry: %q, %v; want a come-back error", refusal, err)
+	}
+	var elapsed time.Duration
+	ws := retriesWith(t, 2*time.Minute, func(n int) (bool, error) { return n == 1, err })
+	for i, w := range ws {
+		if i > 0 && (w < 3*time.Second || w > 3*time.Second+400*time.Millisecond) {
+			t.Errorf("retry %d, %s after start: waits %s, want 3 s and a little jitter", i, elapsed, w)
+		}
+		elapsed += w
+	}
+	if len(ws) < 30 {
+		t.Errorf("%d retries in two minutes, want one every ~3 s", len(ws))
 	}
 }
