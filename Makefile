@@ -104,7 +104,7 @@ e2e-cilium: deps modules cluster-binaries
 ## restarted, the chart upgraded, a node drained) with faults injected on random nodes: every fault must
 ## be found and repaired or paged, and nothing else found, restarted or paged.
 ## make test runs the same for 3 minutes at a 10 s grace; SOAK, SOAK_GRACE and SOAK_FAULTS (a comma-separated
-## list of: frozen, watch hung, flushed, endpoint rewritten, UDP blackhole; empty: all, in turn) change it
+## list of: frozen, watch hung, watch hung for good, flushed, endpoint rewritten, UDP blackhole; empty: all, in turn) change it
 SOAK ?= 60m
 SOAK_GRACE ?= 30s
 SOAK_FAULTS ?=

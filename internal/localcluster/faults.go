@@ -29,6 +29,71 @@ func (n *Node) HangInformer(ctx context.Context) (Undo, error) {
 	return n.insertFilterRules(ctx, rules)
 }
 
+// HangProxyWatch hangs only kube-proxy's traffic with the API server, for
+// as long as the fault lasts, on a real kubelet node: packets of sockets
+// in kube-proxy's pod's cgroup (the kernel's cgroup match, on the unified
+// hierarchy) to and from the API server are dropped. kube-proxy keeps
+// running and serving its metrics, which show it in sync with what it
+// last heard; client-go's health check closes the dead connection after
+// ~45 s, and the new one never opens. HangInformer would cut the kubelet
+// too on a real node (it shares the node's network), and
+// DropAPIConnection heals itself once the connection is replaced.
+func (n *Node) HangProxyWatch(ctx context.Context) (Undo, error) {
+	if n.real == nil {
+		return nil, fmt.Errorf("%s is not a kubelet node: HangInformer hangs a namespace node's kube-proxy", n.Name)
+	}
+	pid := n.podProxyPID()
+	if pid == 0 {
+		return nil, fmt.Errorf("kube-proxy is not running on %s", n.Name)
+	}
+	path, err := unifiedCgroup(pid)
+	if err != nil {
+		return nil, fmt.Errorf("kube-proxy on %s: %w", n.Name, err)
+	}
+	ip, port := n.c.in.apiIP, strconv.Itoa(n.c.in.apiPort)
+	rules := [][]string{
+		{"OUTPUT", "-d", ip, "-p", "tcp", "--dport", port, "-m", "cgroup", "--path", path, "-j", "DROP"},
+		// For an established socket the input hook knows it (early demux).
+		{"INPUT", "-s", ip, "-p", "tcp", "--sport", port, "-m", "cgroup", "--path", path, "-j", "DROP"},
+	}
+	undo, err := n.insertFilterRules(ctx, rules)
+	if err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context) error {
+		err := undo(ctx)
+		root := "/sys/fs/cgroup/unified" // a hybrid host's; a v2-only host mounts it at /sys/fs/cgroup
+		if _, err := os.Stat(root); err != nil {
+			root = "/sys/fs/cgroup"
+		}
+		if _, gone := os.Stat(filepath.Join(root, path)); err != nil && os.IsNotExist(gone) {
+			// kube-proxy's container is gone (restarted): its rules match
+			// nothing any more, whether or not they could be removed.
+			return nil
+		}
+		return err
+	}, nil
+}
+
+// unifiedCgroup is pid's cgroup on the unified (v2) hierarchy, refused
+// when it is the root (it would match every process of the host, the
+// kubelet's too).
+func unifiedCgroup(pid int) (string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok {
+			if p == "/" || p == "" {
+				return "", fmt.Errorf("its cgroup on the unified hierarchy is the root, which every process shares")
+			}
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("no cgroup on the unified hierarchy:\n%s", b)
+}
+
 // DropAPIConnection drops only kube-proxy's established connection to the API
 // server (matched on its local port), in both directions. Unlike
 // HangInformer, a restarted kube-proxy opens a new connection and recovers:

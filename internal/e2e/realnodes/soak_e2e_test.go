@@ -38,7 +38,7 @@ import (
 var (
 	soakFor    = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
 	soakGrace  = flag.Duration("soak-grace", 10*time.Second, "the chart's grace during the soak (make soak: the chart's default, 30s)")
-	soakFaults = flag.String("soak-faults", "", "the faults the soak injects, in turn, comma-separated (empty: frozen, watch hung, flushed, endpoint rewritten and UDP blackhole, shuffled)")
+	soakFaults = flag.String("soak-faults", "", "the faults the soak injects, in turn, comma-separated (empty: frozen, watch hung, watch hung for good, flushed, endpoint rewritten and UDP blackhole, shuffled)")
 )
 
 // webCorefile makes CoreDNS a web service: its health plugin answers GET
@@ -70,9 +70,11 @@ const webCorefile = `.:5353 {
 // through it (issue #58: 82 % of reports did, before the conntrack
 // criterion). Remediation is on (restart, default budgets). Faults come
 // at jittered times on random nodes, one at a time: kube-proxy frozen,
-// its watch hung while its metrics answer, its NAT rules flushed (and,
-// with -soak-faults, one endpoint's DNAT rewritten by hand or a UDP client
-// sending to a service whose pod went, a blackhole kube-proxy leaves); each
+// its watch hung while its metrics answer (its connection dropped, which
+// client-go may replace by itself, or hung for good: the seed's case), its
+// NAT rules flushed, one endpoint's DNAT rewritten by hand, or a UDP
+// client sending to a service whose pod went (a blackhole kube-proxy
+// leaves); each
 // must be found on its node and repaired (kube-proxy restarted) or paged
 // (then healed by hand as the page says); a finding, a restart or a page
 // not explained by a fault fails the soak. The timeline (install, rollouts,
@@ -579,7 +581,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		return err
 	}
 	// Every kind in turn, shuffled (-soak-faults names some instead).
-	kinds := []string{"frozen", "watch hung", "flushed", "endpoint rewritten", "UDP blackhole"}
+	kinds := []string{"frozen", "watch hung", "watch hung for good", "flushed", "endpoint rewritten", "UDP blackhole"}
 	rand.Shuffle(len(kinds), func(i, j int) { kinds[i], kinds[j] = kinds[j], kinds[i] })
 	if *soakFaults != "" {
 		known := slices.Clone(kinds)
@@ -609,6 +611,11 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			f.undo, err = n.Freeze(ctx)
 		case "watch hung":
 			f.undo, err = n.DropAPIConnection(ctx)
+		case "watch hung for good":
+			// Until kube-proxy's pod is replaced (a restart, by
+			// proxyaudit or by hand): the new container's connections
+			// are not matched.
+			f.undo, err = n.HangProxyWatch(ctx)
 		case "flushed":
 			err = n.FlushRules(ctx)
 		case "endpoint rewritten":
