@@ -42,7 +42,7 @@ image: deps
 
 ## test: the README's test command (.ci/run calls it), in stages that answer fast:
 ##   1/3 unit tests of every package (-short: no cluster binaries, no cluster): a failing unit test is
-##       reported minutes after the start, before anything slow is built;
+##       reported minutes after the start, before anything slow is built; then make lint;
 ##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
 ##       local cluster; beside them, at the lowest CPU priority (nice 19: the suites wait on grace periods
 ##       and leave most of the two cores idle): cosign's build (the real-node suite signs its releases;
@@ -56,8 +56,9 @@ BESIDE_PKGS = ./internal/release
 E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ && $$1 !~ /internal\/release$$/ {print $$1}')
 BESIDE_LOG = .cache/logs/make-test-beside.log
 test: deps modules
-	@echo "== make test 1/3: unit tests, no cluster (go test -short ./...)"
+	@echo "== make test 1/3: unit tests, no cluster (go test -short ./...), then make lint"
 	$(GO) test -short -count=1 ./...
+	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory cluster-binaries
 	@echo "== make test 2/3: end-to-end tests on the real local cluster; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
 	@mkdir -p $(dir $(BESIDE_LOG)); \
