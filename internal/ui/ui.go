@@ -26,7 +26,7 @@ var files embed.FS
 var pages = template.Must(template.New("").Funcs(template.FuncMap{
 	"ago":     ago,
 	"stamp":   func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05Z") },
-	"seconds": func(s float64) string { return fmt.Sprintf("%.2fs", s) },
+	"seconds": seconds,
 	"lagClass": func(p99, grace float64) string {
 		switch {
 		case p99 <= 0:
@@ -297,4 +297,20 @@ func ago(t, now time.Time) string {
 		return fmt.Sprintf("%dh%02dm ago", int(d.Hours()), int(d.Minutes())%60)
 	}
 	return fmt.Sprintf("%dd ago", int(d.Hours()/24))
+}
+
+// seconds shows a duration given in seconds with the precision it has: a
+// read of a few hundred rules takes under a millisecond, which "%.2fs"
+// showed as 0.00s, as if nothing had been read.
+func seconds(s float64) string {
+	switch {
+	case s == 0:
+		return "0s"
+	case s < 0.001:
+		return fmt.Sprintf("%.0fµs", s*1e6)
+	case s < 1:
+		return fmt.Sprintf("%.3gms", s*1e3)
+	default:
+		return fmt.Sprintf("%.2fs", s)
+	}
 }

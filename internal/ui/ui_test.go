@@ -126,7 +126,7 @@ func TestNodeAndIncidentPages(t *testing.T) {
 	page := b.String()
 	for _, want := range []string{`<span class="state s-Stuck" id="state">Stuck</span>`, "<details class=\"port\" open>", "198.18.1.5:8080 <b>stale</b>",
 		"198.18.1.6:8080 <b>missing</b>", "v1.36.3", "4 endpoint, 0 service", `<span class="dry">dry-run</span>`, "would restart kube-proxy (1×", "dry-run: nothing was changed",
-		"0 bytes (only what changed: nothing)", "<th>Last whole read</th><td>0.21s wall, 0.18s CPU, 4194304 bytes", "no change programmed in the window",
+		"0 bytes (only what changed: nothing)", "<th>Last whole read</th><td>210ms wall, 180ms CPU, 4194304 bytes", "no change programmed in the window",
 		"<th>Version</th><td>v0.1.0</td>"} {
 		if !strings.Contains(page, want) {
 			t.Errorf("node page lacks %q", want)
@@ -143,5 +143,14 @@ func TestNodeAndIncidentPages(t *testing.T) {
 	}
 	if !strings.Contains(b.String(), "kube-proxy restarted (1×") {
 		t.Error("a real restart is not said")
+	}
+}
+
+// A duration is shown with the precision it has: a quick read is not 0.00s.
+func TestSecondsKeepTheirPrecision(t *testing.T) {
+	for in, want := range map[float64]string{0: "0s", 0.0004: "400µs", 0.0123: "12.3ms", 0.21: "210ms", 1.234: "1.23s", 42: "42.00s"} {
+		if got := seconds(in); got != want {
+			t.Errorf("seconds(%g) = %q, want %q", in, got, want)
+		}
 	}
 }
