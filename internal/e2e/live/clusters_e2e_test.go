@@ -27,6 +27,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // The second cluster's nodes repeat the first's names: in a fleet of
@@ -116,18 +117,25 @@ func TestE2ETwoClusters(t *testing.T) {
 	// Each API server holds the report of its own frozen node, and only it.
 	for l, node := range frozen {
 		waitReports(t, l.c, []string{openreports.Name(node)}, 30*time.Second)
-		r := getReport(t, l.c, openreports.Name(node))
+		// The report is written when the node's first finding shows and
+		// rewritten as the others pass the grace: wait for all nine.
+		var r openreports.ClusterReport
+		stale := 0
+		_, err := testkit.Poll(30*time.Second, func() bool {
+			r = getReport(t, l.c, openreports.Name(node))
+			stale = 0
+			for _, res := range r.Results {
+				if res.Policy == "proxyaudit/StaleEndpoint" {
+					stale++
+				}
+			}
+			return stale == 9
+		})
 		if r.Scope == nil || r.Scope.Kind != "Node" || r.Scope.Name != node || r.Summary.Fail == 0 {
 			t.Errorf("%s: the report of %s: scope %+v, summary %+v", l.c.APIServer(), node, r.Scope, r.Summary)
 		}
-		stale := 0
-		for _, res := range r.Results {
-			if res.Policy == "proxyaudit/StaleEndpoint" {
-				stale++
-			}
-		}
-		if stale != 9 {
-			t.Errorf("%s: want 9 StaleEndpoint results (3 endpoints of 3 services) in %s's report, got %d", l.c.APIServer(), node, stale)
+		if err != nil {
+			t.Errorf("%s: want 9 StaleEndpoint results (3 endpoints of 3 services) in %s's report, got %d %s", l.c.APIServer(), node, stale, err)
 		}
 	}
 
