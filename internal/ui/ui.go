@@ -27,6 +27,7 @@ var pages = template.Must(template.New("").Funcs(template.FuncMap{
 	"ago":     ago,
 	"stamp":   func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05Z") },
 	"seconds": seconds,
+	"count":   count,
 	"lagClass": func(p99, grace float64) string {
 		switch {
 		case p99 <= 0:
@@ -302,6 +303,14 @@ func ago(t, now time.Time) string {
 // seconds shows a duration given in seconds with the precision it has: a
 // read of a few hundred rules takes under a millisecond, which "%.2fs"
 // showed as 0.00s, as if nothing had been read.
+// count is "1 sample", "2 samples": a number and its noun, singular for one.
+func count(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
+}
+
 func seconds(s float64) string {
 	switch {
 	case s == 0:

@@ -154,3 +154,11 @@ func TestSecondsKeepTheirPrecision(t *testing.T) {
 		}
 	}
 }
+
+func TestCountSaysOneInTheSingular(t *testing.T) {
+	for n, want := range map[int]string{0: "0 samples", 1: "1 sample", 2: "2 samples", 40: "40 samples"} {
+		if got := count(n, "sample"); got != want {
+			t.Errorf("count(%d) = %q, want %q", n, got, want)
+		}
+	}
+}
