@@ -55,12 +55,18 @@ image: deps
 BESIDE_PKGS = ./internal/release
 E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ && $$1 !~ /internal\/release$$/ {print $$1}')
 BESIDE_LOG = .cache/logs/make-test-beside.log
+# gotestsum runs stage 2 (output as `go test` prints it, failures listed again at the end) and lists
+# its slowest tests from the JSON it keeps: where CI's time goes, on every run.
+GOTESTSUM ?= gotest.tools/gotestsum@v1.13.0
+E2E_JSON = .cache/logs/make-test-e2e.json
 test: deps modules
 	@echo "== make test 1/3: unit tests, no cluster (go test -short ./...), then make lint"
+	@mkdir -p .cache/logs && date +%s > .cache/make-test.start
 	$(GO) test -short -count=1 ./...
+	@echo "unit tests: $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory cluster-binaries
-	@echo "== make test 2/3: end-to-end tests on the real local cluster; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
+	@echo "== make test 2/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): end-to-end tests on the real local cluster; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
 	@mkdir -p $(dir $(BESIDE_LOG)); \
 	( start=$$(date +%s); nice -n 19 deploy/k8s-tools/release-tool.sh cosign >/dev/null; \
 	  echo "cosign built after $$(( $$(date +%s) - start )) s"; \
@@ -70,9 +76,13 @@ test: deps modules
 	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
 	  nice -n 19 $(MAKE) --no-print-directory race RACE_FLAGS=-short; r=$$?; \
 	  echo "race: exit $$r after $$(( $$(date +%s) - start )) s"; [ $$p -eq 0 ] && [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
-	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) $(E2E_PKGS); rc=$$?; \
-	echo "== make test 3/3: what ran beside stage 2: $(BESIDE_PKGS), every fuzz target for $(TEST_FUZZTIME), the race detector"; \
+	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) run $(GOTESTSUM) --format standard-quiet --jsonfile $(E2E_JSON) -- \
+		-count=1 -timeout $(TIMEOUT) $(E2E_PKGS); rc=$$?; \
+	echo "stage 2's slowest tests (30 s or more; the cluster suites wait for each other on a lock, so a package's time is not its own):"; \
+	$(GO) run $(GOTESTSUM) tool slowest --jsonfile $(E2E_JSON) --threshold 30s; \
+	echo "== make test 3/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): what ran beside stage 2: $(BESIDE_PKGS), every fuzz target for $(TEST_FUZZTIME), the race detector"; \
 	wait $$beside; brc=$$?; cat $(BESIDE_LOG); \
+	echo "make test: $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s"; \
 	[ $$rc -eq 0 ] && [ $$brc -eq 0 ]
 
 ## race: the packages whose goroutines share state (stream pool, collector, aggregator, executor,
