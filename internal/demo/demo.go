@@ -149,8 +149,10 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 		return nil, err
 	}
 	for _, n := range c.Nodes() {
-		if err := n.WaitRules(ctx, time.Minute, "demo services", func(r string) bool {
-			return n.RoutesTo(r, res.GoneDNS+":53") && n.RoutesTo(r, webPods[1]+":8443") && n.RoutesTo(r, "198.18.250.30:8080")
+		// kube-dns's two ports (dns over UDP, dns-tcp) both to the pod
+		// about to go: the drift shown later is both of them left behind.
+		if err := n.WaitRules(ctx, time.Minute, "demo services, and kube-dns's two ports to "+res.GoneDNS, func(r string) bool {
+			return n.RouteCount(r, res.GoneDNS+":53") >= 2 && n.RoutesTo(r, webPods[1]+":8443") && n.RoutesTo(r, "198.18.250.30:8080")
 		}); err != nil {
 			return nil, err
 		}
@@ -454,12 +456,19 @@ func (d *demo) report(ctx context.Context, format string) ([]byte, error) {
 func (d *demo) wait(ctx context.Context, limit time.Duration, what string, cond func(*Report) bool) (*Report, error) {
 	deadline := time.Now().Add(limit)
 	var last error
+	var seen []string // the last report's findings, for the error
 	for time.Now().Before(deadline) {
 		var out []byte
 		if out, last = d.report(ctx, "json"); last == nil {
 			var r Report
-			if last = json.Unmarshal(out, &r); last == nil && cond(&r) {
-				return &r, nil
+			if last = json.Unmarshal(out, &r); last == nil {
+				if cond(&r) {
+					return &r, nil
+				}
+				seen = seen[:0]
+				for _, f := range r.Findings {
+					seen = append(seen, fmt.Sprintf("%s %s %s %s %s", f.Node, f.Kind, f.Service, f.Port, f.Endpoint))
+				}
 			}
 		}
 		select {
@@ -467,6 +476,9 @@ func (d *demo) wait(ctx context.Context, limit time.Duration, what string, cond 
 			return nil, ctx.Err()
 		case <-time.After(time.Second):
 		}
+	}
+	if last == nil {
+		return nil, fmt.Errorf("after %s, still waiting for %s; the last report's findings:\n  %s", limit, what, strings.Join(seen, "\n  "))
 	}
 	return nil, fmt.Errorf("after %s, still waiting for %s (last error: %v)", limit, what, last)
 }

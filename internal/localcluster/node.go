@@ -141,6 +141,23 @@ func (n *Node) RoutesTo(rules, ipPort string) bool {
 	return strings.Contains(rules, "-j DNAT --to-destination "+ipPort)
 }
 
+// RouteCount is how many of the node's rules (as Rules returns them) DNAT
+// to ipPort: one per service port that reaches it (kube-dns's dns and
+// dns-tcp: two). A Cilium node's map has one entry per address: 1 or 0.
+func (n *Node) RouteCount(rules, ipPort string) int {
+	switch n.Mode {
+	case ModeCilium:
+		if ciliumRoutesTo(rules, ipPort) {
+			return 1
+		}
+		return 0
+	case ModeNFTables:
+		ip, port, _ := net.SplitHostPort(ipPort)
+		return strings.Count(rules, `{"concat": ["`+ip+`", `+port+`]}`) + strings.Count(rules, `"addr": "`+ip+`", "port": `+port)
+	}
+	return strings.Count(rules, "-j DNAT --to-destination "+ipPort)
+}
+
 // StopProxy stops the node's kube-proxy (SIGTERM, then SIGKILL). Its rules
 // stay in the kernel, as they do when a real kube-proxy pod is deleted.
 func (n *Node) StopProxy() {
