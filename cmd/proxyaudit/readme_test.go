@@ -172,3 +172,56 @@ func hasValue(values map[string]any, path []string) bool {
 	m, ok := v.(map[string]any)
 	return ok && hasValue(m, path[1:])
 }
+
+// The map at the top of docs/design.md ("to change X, go to Y") names
+// only paths that exist: a file moved or renamed must move in the map.
+// A bare file name is in the directory of the path named before it in
+// the same cell.
+func TestDesignMapNamesRealPaths(t *testing.T) {
+	root := "../.."
+	b, err := os.ReadFile(filepath.Join(root, "docs/design.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(b), "\n## To change X, go to Y\n")
+	if !ok {
+		t.Fatal("docs/design.md has no map (## To change X, go to Y)")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	tick := regexp.MustCompile("`([^`]+)`")
+	checked := 0
+	for _, row := range strings.Split(section, "\n") {
+		cells := strings.Split(row, "|")
+		if len(cells) < 4 || strings.HasPrefix(strings.TrimSpace(cells[1]), "---") || strings.TrimSpace(cells[1]) == "to change …" {
+			continue
+		}
+		base := ""
+		for _, m := range tick.FindAllStringSubmatch(cells[2], -1) {
+			tok := m[1]
+			if strings.ContainsAny(tok, " ()") || !(strings.Contains(tok, "/") || strings.HasSuffix(tok, ".go")) {
+				continue // a command, a function or a flag
+			}
+			p := strings.TrimSuffix(tok, "/")
+			bare := !strings.Contains(p, "/")
+			if bare { // beside the path named before it
+				p = filepath.Join(base, p)
+			}
+			found, _ := filepath.Glob(filepath.Join(root, p)) // conntrack*.go: one or more
+			if len(found) == 0 {
+				t.Errorf("docs/design.md's map names %s (%q), which does not exist", p, tok)
+				continue
+			}
+			checked++
+			if st, err := os.Stat(found[0]); err == nil && !bare {
+				if st.IsDir() {
+					base = p
+				} else {
+					base = filepath.Dir(p)
+				}
+			}
+		}
+	}
+	if checked < 40 {
+		t.Errorf("only %d paths checked in docs/design.md's map", checked)
+	}
+}
