@@ -25,6 +25,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
@@ -400,22 +401,12 @@ func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
 		for _, n := range v.Nodes {
 			states[n.Node] = n.State
 		}
-		return len(v.Findings) > 0 && len(only(v.Findings, "n3")) == len(v.Findings) && states["n1"] == audit.NodeInSync && states["n2"] == audit.NodeInSync
+		return len(v.Findings) > 0 && len(findings.Only(v.Findings, "n3")) == len(v.Findings) && states["n1"] == audit.NodeInSync && states["n2"] == audit.NodeInSync
 	})
 	own := h.agg.own.Load()
 	if own == nil || !slices.Equal(own.Shards, []int{0, 1}) || len(own.Partial.Nodes) != 3 || own.Partial.Reporting != 3 || len(own.Partial.Drifted) != 1 {
 		t.Errorf("the replica's partial: %+v", own)
 	}
-}
-
-func only(fs []audit.TimedFinding, node string) []audit.TimedFinding {
-	var out []audit.TimedFinding
-	for _, f := range fs {
-		if f.Node == node {
-			out = append(out, f)
-		}
-	}
-	return out
 }
 
 // One decider: a replica that judges a drifted node but does not lead
@@ -468,7 +459,7 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 	h.until(30*time.Second, "the leader remediating n1", func() bool {
 		l.clk.Step(step)
 		l.agg.Evaluate()
-		return len(only(l.verdict().Findings, "n1")) > 0 && lLookups.Load() > 0
+		return len(findings.Only(l.verdict().Findings, "n1")) > 0 && lLookups.Load() > 0
 	})
 	h.advance(5*time.Second, func() { l.clk.Step(step); l.agg.Evaluate() })
 	if n := hLookups.Load(); n != 0 || h.agg.Verdict() != nil {

@@ -21,6 +21,8 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/scenario"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
 
 const (
@@ -181,10 +183,10 @@ func TestE2EIPVS(t *testing.T) {
 	var fs []audit.TimedFinding
 	agg.waitFor("StuckProxy on the IPVS node", ipvsGrace+2*time.Minute, func(f []audit.TimedFinding, _ map[string]audit.NodeStatus) bool {
 		fs = f
-		return has(f, vmName, audit.StuckProxy) && has(f, vmName, audit.MissingService)
+		return findings.Has(f, vmName, audit.StuckProxy) && findings.Has(f, vmName, audit.MissingService)
 	})
 	took := time.Since(changed)
-	t.Logf("system: StuckProxy on %s %s after the change (grace %s, node clock %s ahead); findings:\n  %s", vmName, took.Round(time.Second), ipvsGrace, skew, describe(fs))
+	t.Logf("system: StuckProxy on %s %s after the change (grace %s, node clock %s ahead); findings:\n%s", vmName, took.Round(time.Second), ipvsGrace, skew, findings.Describe(fs))
 	if took > ipvsGrace+30*time.Second {
 		t.Errorf("StuckProxy %s after the change: detection must not depend on the node's clock (grace %s, interval %s)", took, ipvsGrace, ipvsEvery)
 	}
@@ -193,7 +195,7 @@ func TestE2EIPVS(t *testing.T) {
 		"StaleEndpoint matrix/nodeport 198.18.128.11:8080", "MissingEndpoint matrix/two-slices 198.18.128.77:8080",
 		"MissingService matrix/created ",
 	} {
-		if !strings.Contains(describe(fs), want) {
+		if !strings.Contains(findings.Describe(fs), want) {
 			t.Errorf("missing finding %q", want)
 		}
 	}
@@ -240,7 +242,7 @@ func TestE2EIPVS(t *testing.T) {
 		// (TestFrozenKubeProxyDoesNotDelayHeartbeats); before, this node
 		// looked CollectorMissing here.
 		if err == nil && len(fs) > 0 {
-			t.Fatalf("a draining real server was reported before the %s limit (%s):\n  %s", weightZero, time.Since(zeroed).Round(time.Second), describe(fs))
+			t.Fatalf("a draining real server was reported before the %s limit (%s):\n%s", weightZero, time.Since(zeroed).Round(time.Second), findings.Describe(fs))
 		}
 		time.Sleep(time.Second)
 	}
@@ -457,39 +459,15 @@ func (f *fleet) get() ([]audit.TimedFinding, map[string]audit.NodeStatus, error)
 
 func (f *fleet) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding, map[string]audit.NodeStatus) bool) time.Duration {
 	f.t.Helper()
-	start := time.Now()
-	var last []audit.TimedFinding
-	var lastNodes map[string]audit.NodeStatus
-	var lastErr error
-	for time.Since(start) < deadline {
+	return testkit.Await(f.t, deadline, what, func() (bool, string) {
 		fs, ns, err := f.get()
 		if err == nil && cond(fs, ns) {
-			return time.Since(start)
+			return true, ""
 		}
-		last, lastNodes, lastErr = fs, ns, err
-		time.Sleep(500 * time.Millisecond)
-	}
-	var states []string
-	for n, s := range lastNodes {
-		states = append(states, n+"="+string(s.State)+"/"+string(s.Mode)+" "+s.ReadError)
-	}
-	f.t.Fatalf("after %s, still waiting for %s; findings:\n  %s\nnodes: %s\n(error: %v)\naggregator log:\n%s", deadline, what, describe(last), strings.Join(states, ", "), lastErr, f.agg.Tail(20))
-	return 0
-}
-
-func describe(fs []audit.TimedFinding) string {
-	var out []string
-	for _, f := range fs {
-		out = append(out, fmt.Sprintf("%s %s %s %s (%s)", f.Node, f.Kind, f.Service, f.Endpoint, f.Detail))
-	}
-	return strings.Join(out, "\n  ")
-}
-
-func has(fs []audit.TimedFinding, node string, kind audit.Kind) bool {
-	for _, f := range fs {
-		if f.Node == node && f.Kind == kind {
-			return true
+		var states []string
+		for n, s := range ns {
+			states = append(states, n+"="+string(s.State)+"/"+string(s.Mode)+" "+s.ReadError)
 		}
-	}
-	return false
+		return false, fmt.Sprintf("findings:\n%s\nnodes: %s\n(error: %v)\naggregator log:\n%s", findings.Describe(fs), strings.Join(states, ", "), err, f.agg.Tail(20))
+	})
 }

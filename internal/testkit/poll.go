@@ -27,6 +27,23 @@ func Eventually(t TB, limit time.Duration, what string, cond func() bool) time.D
 	return took
 }
 
+// Await is Eventually for a cond that also says what it saw: when limit
+// passes first, t fails with Waiting's message, what cond saw last on the
+// lines below it (the findings, a node's state, an error).
+func Await(t TB, limit time.Duration, what string, cond func() (ok bool, seen string)) time.Duration {
+	t.Helper()
+	var seen string
+	took, err := Poll(limit, func() bool {
+		var ok bool
+		ok, seen = cond()
+		return ok
+	})
+	if err != nil {
+		t.Fatalf("%s", Waiting(limit, what, seen))
+	}
+	return took
+}
+
 // Poll is Eventually without a test: an error once limit passes.
 func Poll(limit time.Duration, cond func() bool) (time.Duration, error) {
 	start := time.Now()

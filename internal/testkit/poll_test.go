@@ -32,3 +32,16 @@ func TestEventuallyFailsWithOneMessage(t *testing.T) {
 		t.Fatalf("message %q", got)
 	}
 }
+
+func TestAwaitSaysWhatItSawLast(t *testing.T) {
+	f := &fakeT{}
+	n := 0
+	Await(f, 30*time.Millisecond, "the node in sync", func() (bool, string) { n++; return false, fmt.Sprintf("call %d", n) })
+	if want := fmt.Sprintf("after 30ms, still waiting for the node in sync; last seen:\ncall %d", n); f.failed != want {
+		t.Fatalf("message %q, want %q", f.failed, want)
+	}
+	f = &fakeT{}
+	if Await(f, time.Second, "x", func() (bool, string) { return true, "" }); f.failed != "" {
+		t.Fatalf("failed: %s", f.failed)
+	}
+}

@@ -144,17 +144,12 @@ func audited(ctx context.Context, t *testing.T, c *localcluster.Cluster) map[str
 // until polls the audit until ok accepts it.
 func until(ctx context.Context, t *testing.T, c *localcluster.Cluster, limit time.Duration, what string, ok func(map[string][]audit.Finding) bool) map[string][]audit.Finding {
 	t.Helper()
-	start := time.Now()
-	for {
-		got := audited(ctx, t, c)
-		if ok(got) {
-			return got
-		}
-		if time.Since(start) > limit {
-			t.Fatal(testkit.Waiting(limit, what, describe(got)))
-		}
-		time.Sleep(time.Second)
-	}
+	var got map[string][]audit.Finding
+	testkit.Await(t, limit, what, func() (bool, string) {
+		got = audited(ctx, t, c)
+		return ok(got), describe(got)
+	})
+	return got
 }
 
 func describe(m map[string][]audit.Finding) string {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
 
 // CiliumEnv runs TestE2ECiliumNode: it builds the genuine Cilium agent
@@ -123,7 +124,7 @@ func TestE2ECiliumNode(t *testing.T) {
 	took := l.waitFor("the frozen Cilium node stale and missing the new service, and no other node", 3*time.Minute, func(fs []audit.TimedFinding) bool {
 		for _, f := range fs {
 			if f.Node != n.Name {
-				t.Fatalf("a finding on another node: %s", describe([]audit.TimedFinding{f}))
+				t.Fatalf("a finding on another node: %s", findings.Describe([]audit.TimedFinding{f}))
 			}
 		}
 		stale, missing, internal := false, false, false
@@ -139,7 +140,7 @@ func TestE2ECiliumNode(t *testing.T) {
 		}
 		return false
 	})
-	t.Logf("frozen agent found %s after the changes (grace %s):\n  %s", took.Round(time.Second), grace, describe(seen))
+	t.Logf("frozen agent found %s after the changes (grace %s):\n%s", took.Round(time.Second), grace, findings.Describe(seen))
 	for _, f := range seen {
 		if f.Kind == audit.StuckProxy && (!strings.Contains(f.Detail, "Cilium") || strings.Contains(f.Detail, "kube-proxy")) {
 			t.Errorf("StuckProxy on a Cilium node does not say Cilium, or speaks of kube-proxy: %s", f.Detail)

@@ -28,6 +28,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
 
 // The second cluster's nodes repeat the first's names: in a fleet of
@@ -105,11 +106,11 @@ func TestE2ETwoClusters(t *testing.T) {
 	}
 	for l, node := range frozen {
 		took := l.waitFor("StaleEndpoint on "+node, grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-			return has(fs, node, audit.StaleEndpoint)
+			return findings.Has(fs, node, audit.StaleEndpoint)
 		})
 		fs, _ := l.findings()
-		if len(only(fs, node)) != len(fs) {
-			t.Errorf("%s: findings on nodes whose kube-proxy runs:\n  %s", l.c.APIServer(), describe(fs))
+		if len(findings.Only(fs, node)) != len(fs) {
+			t.Errorf("%s: findings on nodes whose kube-proxy runs:\n%s", l.c.APIServer(), findings.Describe(fs))
 		}
 		t.Logf("%s: StaleEndpoint on %s after %s", l.c.APIServer(), node, took.Round(100*time.Millisecond))
 	}
@@ -167,7 +168,7 @@ func TestE2ETwoClusters(t *testing.T) {
 	}
 	for _, c := range all.Clusters {
 		want := map[string]string{"alpha": "agg-ipt", "beta": "agg-nft"}[c.Context]
-		if c.Error != "" || c.Report == nil || len(c.Report.Findings) == 0 || len(only(c.Report.Findings, want)) != len(c.Report.Findings) {
+		if c.Error != "" || c.Report == nil || len(c.Report.Findings) == 0 || len(findings.Only(c.Report.Findings, want)) != len(c.Report.Findings) {
 			t.Errorf("--all-contexts: %s should show findings of %s only: %s", c.Context, want, out)
 		}
 	}

@@ -35,6 +35,8 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
 
 var liveNodes = []localcluster.NodeSpec{
@@ -222,30 +224,16 @@ func (l *live) findings() ([]audit.TimedFinding, error) {
 	return fr.Findings, err
 }
 
-func describe(fs []audit.TimedFinding) string {
-	var out []string
-	for _, f := range fs {
-		out = append(out, fmt.Sprintf("%s %s %s %s (%s)", f.Node, f.Kind, f.Service, f.Endpoint, f.Detail))
-	}
-	return strings.Join(out, "\n  ")
-}
-
 // waitFor polls the findings until cond holds; deadline is generous.
 func (l *live) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding) bool) time.Duration {
 	l.t.Helper()
-	start := time.Now()
-	var last []audit.TimedFinding
-	var lastErr error
-	for time.Since(start) < deadline {
+	return testkit.Await(l.t, deadline, what, func() (bool, string) {
 		fs, err := l.findings()
 		if err == nil && cond(fs) {
-			return time.Since(start)
+			return true, ""
 		}
-		last, lastErr = fs, err
-		time.Sleep(500 * time.Millisecond)
-	}
-	l.t.Fatalf("after %s, still waiting for %s; findings:\n  %s\n(error: %v)\nleader logs:\n%s", deadline, what, describe(last), lastErr, l.logs())
-	return 0
+		return false, fmt.Sprintf("findings:\n%s\n(error: %v)\nleader logs:\n%s", findings.Describe(fs), err, l.logs())
+	})
 }
 
 func (l *live) logs() string {
@@ -284,25 +272,6 @@ func (l *live) waitAllInSync(what string) {
 		}
 		return len(fs) == 0
 	})
-}
-
-func only(fs []audit.TimedFinding, node string) []audit.TimedFinding {
-	var out []audit.TimedFinding
-	for _, f := range fs {
-		if f.Node == node {
-			out = append(out, f)
-		}
-	}
-	return out
-}
-
-func has(fs []audit.TimedFinding, node string, kind audit.Kind) bool {
-	for _, f := range fs {
-		if f.Node == node && f.Kind == kind {
-			return true
-		}
-	}
-	return false
 }
 
 // setEndpoints gives churn service i the endpoints of an epoch: three
@@ -659,7 +628,7 @@ func (l *live) badStreams(ctx context.Context, t *testing.T) {
 	}
 	fs, err := l.findings()
 	if err != nil || len(fs) != 0 {
-		t.Errorf("findings after bad streams: %v\n  %s", err, describe(fs))
+		t.Errorf("findings after bad streams: %v\n  %s", err, findings.Describe(fs))
 	}
 }
 
@@ -711,7 +680,7 @@ func (l *live) churn(ctx context.Context, t *testing.T) {
 	t.Logf("churn: %d endpoint changes in %s (%.1f/s); %.0f bytes per report (%.0f reports)", changes, d, float64(changes)/d.Seconds(),
 		(churnIn2-churnIn)/(churnMsgs2-churnMsgs), churnMsgs2-churnMsgs)
 	if len(seen) > 0 {
-		t.Fatalf("findings during churn:\n  %s", describe(seen))
+		t.Fatalf("findings during churn:\n%s", findings.Describe(seen))
 	}
 	for name, n := range l.nodes() {
 		t.Logf("%s: programming lag p50 %.1fs p99 %.1fs max %.1fs over %d samples", name, n.Lag.P50, n.Lag.P99, n.Lag.Max, n.Lag.Samples)
@@ -731,7 +700,7 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 		}
 	}
 	took := l.waitFor("StuckProxy on agg-ipt", grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-		return has(fs, "agg-ipt", audit.StuckProxy)
+		return findings.Has(fs, "agg-ipt", audit.StuckProxy)
 	})
 	t.Logf("StuckProxy reported %s after the change (grace %s, interval %s)", took.Round(100*time.Millisecond), grace, interval)
 	fs, _ := l.findings()
@@ -779,11 +748,11 @@ func (l *live) hungInformer(ctx context.Context, t *testing.T) {
 	}
 	l.waitFor("the 3 stale endpoints of each of 3 services", 2*interval+10*time.Second, func(fs []audit.TimedFinding) bool { return staleOf(fs) == 9 })
 	fs, _ = l.findings()
-	if len(only(fs, "agg-ipt")) != len(fs) {
-		t.Errorf("findings on healthy nodes:\n  %s", describe(fs))
+	if len(findings.Only(fs, "agg-ipt")) != len(fs) {
+		t.Errorf("findings on healthy nodes:\n%s", findings.Describe(fs))
 	}
 	if stale := staleOf(fs); stale != 9 {
-		t.Errorf("want the 3 stale endpoints of each of 3 services, got %d:\n  %s", stale, describe(fs))
+		t.Errorf("want the 3 stale endpoints of each of 3 services, got %d:\n%s", stale, findings.Describe(fs))
 	}
 	if err := undo(ctx); err != nil {
 		t.Fatal(err)
@@ -827,7 +796,7 @@ func (l *live) collectorStopped(ctx context.Context, t *testing.T) {
 	n := l.c.Node("agg-nft")
 	l.cols[n.Name].Stop()
 	took := l.waitFor("CollectorMissing on agg-nft", 3*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-		return has(fs, "agg-nft", audit.CollectorMissing)
+		return findings.Has(fs, "agg-nft", audit.CollectorMissing)
 	})
 	t.Logf("CollectorMissing after %s", took.Round(100*time.Millisecond))
 	// Changes meanwhile are not blamed on the silent node.
@@ -838,7 +807,7 @@ func (l *live) collectorStopped(ctx context.Context, t *testing.T) {
 	time.Sleep(grace + 2*interval)
 	fs, _ := l.findings()
 	if len(fs) != 1 || fs[0].Kind != audit.CollectorMissing {
-		t.Fatalf("want only CollectorMissing, got:\n  %s", describe(fs))
+		t.Fatalf("want only CollectorMissing, got:\n%s", findings.Describe(fs))
 	}
 	l.startCollector(n)
 	l.waitAllInSync("agg-nft's collector back")
@@ -900,7 +869,7 @@ func (l *live) flushed(ctx context.Context, t *testing.T) {
 	deadline := time.Now().Add(grace + 3*interval)
 	for time.Now().Before(deadline) {
 		if fs, err := l.findings(); err == nil && len(fs) > 0 {
-			t.Fatalf("a flush repaired within grace was reported:\n  %s", describe(fs))
+			t.Fatalf("a flush repaired within grace was reported:\n%s", findings.Describe(fs))
 		}
 		time.Sleep(time.Second)
 	}
@@ -914,7 +883,7 @@ func (l *live) flushed(ctx context.Context, t *testing.T) {
 		t.Fatal(err)
 	}
 	took := l.waitFor("NoRules on agg-legacy", grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-		return len(fs) == 1 && has(fs, "agg-legacy", audit.NoRules)
+		return len(fs) == 1 && findings.Has(fs, "agg-legacy", audit.NoRules)
 	})
 	t.Logf("NoRules reported %s after the flush", took.Round(100*time.Millisecond))
 	if err := thaw(ctx); err != nil {
@@ -960,7 +929,7 @@ func TestE2EControlPlaneFaults(t *testing.T) {
 		t.Logf("back in sync %s after healing (a leader elected, informers relisted)", time.Since(healed).Round(100*time.Millisecond))
 		time.Sleep(grace + 2*interval)
 		if fs := seen(); len(fs) > 0 {
-			t.Errorf("findings reported around %s:\n  %s", what, describe(fs))
+			t.Errorf("findings reported around %s:\n%s", what, findings.Describe(fs))
 		}
 	}
 	t.Run("etcd paused for 60s", func(t *testing.T) { fault(t, "etcd SIGSTOPped", c.PauseEtcd, 60*time.Second) })
@@ -1017,7 +986,7 @@ func (l *live) flood(ctx context.Context, t *testing.T) {
 	t.Logf("every node in sync %s after the flood ended", (time.Since(start) - took).Round(100*time.Millisecond))
 	time.Sleep(grace + 2*interval)
 	if fs := seen(); len(fs) > 0 {
-		t.Errorf("findings during a flood of churn on healthy nodes:\n  %s", describe(fs))
+		t.Errorf("findings during a flood of churn on healthy nodes:\n%s", findings.Describe(fs))
 	}
 }
 
@@ -1042,7 +1011,7 @@ func (l *live) partitioned(ctx context.Context, t *testing.T) {
 		}
 	}
 	took := l.waitFor("agg-legacy CollectorMissing", 3*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-		return has(fs, "agg-legacy", audit.CollectorMissing)
+		return findings.Has(fs, "agg-legacy", audit.CollectorMissing)
 	})
 	t.Logf("CollectorMissing %s after the partition", took.Round(100*time.Millisecond))
 	time.Sleep(grace + 2*interval) // long enough for a stale finding, were the node judged

@@ -21,6 +21,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/api"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
 
 // shardedReplicas are the sharded test's replicas; the fourth joins later.
@@ -91,7 +92,7 @@ func TestE2EShardedReplicas(t *testing.T) {
 			}
 		}
 		took := l.waitFor("drift on "+victim+" only", grace+2*interval+30*time.Second, func(fs []audit.TimedFinding) bool {
-			return len(fs) > 0 && len(only(fs, victim)) == len(fs) && (has(fs, victim, audit.StuckProxy) || has(fs, victim, audit.StaleEndpoint))
+			return len(fs) > 0 && len(findings.Only(fs, victim)) == len(fs) && (findings.Has(fs, victim, audit.StuckProxy) || findings.Has(fs, victim, audit.StaleEndpoint))
 		})
 		t.Logf("%s (held by %s) found by the leader %s %s after the change", victim, holders[victim], leader, took.Round(100*time.Millisecond))
 		req, _ := http.NewRequest(http.MethodGet, "http://"+leader+":8080/api/v1/nodes/"+victim+"/explain", nil)
@@ -418,7 +419,7 @@ func (l *live) watchNodes(nodes []string) *nodeWatch {
 			fs, _ := l.findings()
 			w.mu.Lock()
 			if len(fs) > 0 {
-				w.bad = append(w.bad, "findings: "+describe(fs))
+				w.bad = append(w.bad, "findings: "+findings.Describe(fs))
 			}
 			for _, n := range nr.Nodes {
 				if !slices.Contains(nodes, n.Node) {

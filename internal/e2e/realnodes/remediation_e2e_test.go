@@ -20,6 +20,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/remediatetest"
 )
@@ -63,22 +64,20 @@ func (d *drill) change() {
 	}
 }
 
-// until polls cond every half second, failing after limit with what and
-// the aggregators' remediation log.
+// until polls cond, failing after limit with what and the report and the
+// aggregators' remediation log seen last.
 func (d *drill) until(limit time.Duration, what string, cond func() bool) time.Duration {
 	d.t.Helper()
-	start := time.Now()
-	for !cond() {
-		if time.Since(start) > limit {
-			r, raw, err := report(d.ctx, d.t, d.c)
-			if err == nil {
-				raw = fmt.Sprint(r.Findings)
-			}
-			d.t.Fatalf("after %s, still waiting for %s; report: %s\naggregators:\n%s", limit, what, clip(raw), aggregatorLogs(d.ctx, d.c, what))
+	return testkit.Await(d.t, limit, what, func() (bool, string) {
+		if cond() {
+			return true, ""
 		}
-		time.Sleep(500 * time.Millisecond)
-	}
-	return time.Since(start)
+		r, raw, err := report(d.ctx, d.t, d.c)
+		if err == nil {
+			raw = fmt.Sprint(r.Findings)
+		}
+		return false, fmt.Sprintf("report: %s\naggregators:\n%s", clip(raw), aggregatorLogs(d.ctx, d.c, what))
+	})
 }
 
 // events returns the messages of proxyaudit's Events with reason on node
