@@ -3,15 +3,10 @@ package aggregator
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"fmt"
 	"io"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -31,32 +26,9 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
-
-// servingPair makes a CA and a certificate it signs for names, as the
-// aggregator's TLS Secret holds them.
-func servingPair(t testing.TB, names ...string) (*x509.CertPool, tls.Certificate) {
-	t.Helper()
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	ca := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"}, NotBefore: time.Now().Add(-time.Hour),
-		NotAfter: time.Now().Add(time.Hour), IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caCert, _ := x509.ParseCertificate(caDER)
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	leaf := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: names[0]}, DNSNames: names, NotBefore: time.Now().Add(-time.Hour),
-		NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, caCert, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(caCert)
-	return pool, tls.Certificate{Certificate: [][]byte{leafDER}, PrivateKey: key}
-}
 
 // recorder is a listener at a replica's address that is not a replica:
 // it keeps every byte it is sent.
@@ -105,8 +77,8 @@ func (l recordingListener) Accept() (net.Conn, error) {
 func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 	const name = "proxyaudit-aggregator-headless.proxyaudit.svc"
 	const me = "system:serviceaccount:proxyaudit:proxyaudit-aggregator"
-	roots, cert := servingPair(t, name)
-	_, impostorCert := servingPair(t, name) // the right name, another CA
+	roots, cert := testkit.ServingPair(t, name)
+	_, impostorCert := testkit.ServingPair(t, name) // the right name, another CA
 	exp := time.Now().Add(time.Hour)
 	token := jwt(DefaultPeerAudience, "", exp)
 	tokenFile := filepath.Join(t.TempDir(), "token")
@@ -203,7 +175,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 func BenchmarkPartialReadOverTheWire(b *testing.B) {
 	const name = "proxyaudit-aggregator-headless.proxyaudit.svc"
 	const me = "system:serviceaccount:proxyaudit:proxyaudit-aggregator"
-	roots, cert := servingPair(b, name)
+	roots, cert := testkit.ServingPair(b, name)
 	token := jwt(DefaultPeerAudience, "", time.Now().Add(time.Hour))
 	tokenFile := filepath.Join(b.TempDir(), "token")
 	os.WriteFile(tokenFile, []byte(token+"\n"), 0o600)
