@@ -61,9 +61,9 @@ type ConntrackFlows struct {
 	Samples []netip.AddrPort `json:",omitempty"`
 }
 
-// conntrackJudged: the flows JudgeConntrack judges, UDP and TCP
+// ConntrackJudged: the flows JudgeConntrack judges, UDP and TCP
 // connection attempts never answered (see there).
-func conntrackJudged(proto, tcpState string) bool {
+func ConntrackJudged(proto, tcpState string) bool {
 	return proto == "UDP" || proto == "TCP" && (tcpState == "SYN_SENT" || tcpState == "SYN_SENT2")
 }
 
@@ -272,4 +272,18 @@ func conntrackDetail(f *ConntrackFlows, left, now time.Time, stamped bool) strin
 		d += "; clients " + strings.Join(cs, ", ")
 	}
 	return d + ": their packets go to a pod that is gone; delete the entries (conntrack -D) or restart the clients"
+}
+
+// ProtocolName names an IP protocol number kube-proxy serves (TCP, UDP,
+// SCTP).
+func ProtocolName(p uint8) (string, bool) {
+	switch p {
+	case 6:
+		return "TCP", true
+	case 17:
+		return "UDP", true
+	case 132:
+		return "SCTP", true
+	}
+	return "", false
 }

@@ -24,6 +24,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -99,7 +100,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		cfg.Reader = host.Reader(src)
 	}
 	if o.ctInterval > 0 {
-		cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = &collector.ConntrackReader{}, o.ctInterval, o.ctDelete
+		cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = &conntrack.Reader{}, o.ctInterval, o.ctDelete
 	}
 	var caMissing error
 	if o.caFile != "" {

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -273,8 +274,8 @@ func staleFlows(node, path string, obs *audit.Observed, h *audit.History, at tim
 	}
 	// Node ports on any address: the dump does not say which are the
 	// node's.
-	c := audit.NewConntrackCounter(keys, nil, 1<<20)
-	if _, err := audit.ParseConntrackList(io.LimitReader(f, maxInputBytes), c.Add); err != nil {
+	c := conntrack.NewCounter(keys, nil, 1<<20)
+	if _, err := conntrack.ParseList(io.LimitReader(f, maxInputBytes), c.Add); err != nil {
 		return nil, err
 	}
 	var out []audit.Finding

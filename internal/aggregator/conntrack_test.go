@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -25,7 +26,7 @@ type fakeConntrack struct {
 	mu    sync.Mutex
 	flows []audit.ConntrackFlows
 	err   error
-	asked []collector.FlushTarget
+	asked []conntrack.FlushTarget
 }
 
 func (f *fakeConntrack) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
@@ -143,7 +144,7 @@ func ConntrackFlowsOf(k audit.FrontendKey, dest netip.AddrPort, n int) audit.Con
 
 // Delete deletes the flows of each target, as the kernel would, and
 // remembers what it was asked.
-func (f *fakeConntrack) Delete(_ context.Context, ts []collector.FlushTarget) ([]int, error) {
+func (f *fakeConntrack) Delete(_ context.Context, ts []conntrack.FlushTarget) ([]int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.asked = append(f.asked, ts...)
@@ -227,7 +228,7 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 				}
 			}
 			ct.mu.Lock()
-			asked := append([]collector.FlushTarget(nil), ct.asked...)
+			asked := append([]conntrack.FlushTarget(nil), ct.asked...)
 			ct.mu.Unlock()
 			switch {
 			case tc.mode == remediate.DryRun:

@@ -11,6 +11,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -86,13 +87,13 @@ type Config struct {
 }
 
 // ConntrackDeleter deletes the conntrack entries of flush targets
-// (ConntrackReader).
+// (conntrack.Reader).
 type ConntrackDeleter interface {
-	Delete(ctx context.Context, targets []FlushTarget) ([]int, error)
+	Delete(ctx context.Context, targets []conntrack.FlushTarget) ([]int, error)
 }
 
 // ConntrackSource reads what the node's conntrack table holds for its
-// frontends (ConntrackReader).
+// frontends (conntrack.Reader).
 type ConntrackSource interface {
 	Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error)
 }

@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -17,7 +18,7 @@ import (
 // left them lately (ctGone), or when those rules still send it to the
 // destination (a live endpoint: an aggregator
 // that is wrong or compromised cannot cut flows the node serves). What is
-// left is deleted as FlushTarget says: UDP, and TCP only for connection
+// left is deleted as conntrack.FlushTarget says: UDP, and TCP only for connection
 // attempts never answered.
 func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 	if f == nil {
@@ -39,7 +40,7 @@ func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 		return out
 	}
 	out.Results = make([]stream.FlushResult, len(f.Pairs))
-	var targets []FlushTarget
+	var targets []conntrack.FlushTarget
 	var index []int
 	var explicit map[audit.FrontendKey]bool // the rules' frontends that are not node ports, for node ports' targets
 	for i, p := range f.Pairs {
@@ -49,7 +50,7 @@ func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 			out.Results[i].Refused = why
 			continue
 		}
-		t := FlushTarget{Frontend: fe, Dest: dest, TCP: p.TCP}
+		t := conntrack.FlushTarget{Frontend: fe, Dest: dest, TCP: p.TCP}
 		if fe.NodePort {
 			if explicit == nil {
 				explicit = map[audit.FrontendKey]bool{}

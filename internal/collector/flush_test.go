@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -21,7 +22,7 @@ import (
 // to delete (the real deletion is TestConntrackFlushOnRealFlows's).
 type ctTable struct {
 	mu    sync.Mutex
-	asked [][]collector.FlushTarget
+	asked [][]conntrack.FlushTarget
 	keys  []audit.FrontendKey // of the last read
 }
 
@@ -32,7 +33,7 @@ func (c *ctTable) Read(_ context.Context, keys []audit.FrontendKey) (*audit.Conn
 	return &audit.Conntrack{Families: []int{4}}, nil
 }
 
-func (c *ctTable) Delete(_ context.Context, ts []collector.FlushTarget) ([]int, error) {
+func (c *ctTable) Delete(_ context.Context, ts []conntrack.FlushTarget) ([]int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.asked = append(c.asked, ts)
@@ -77,7 +78,7 @@ func TestFlushRefusesWhatTheRulesServe(t *testing.T) {
 			table.mu.Lock()
 			asked := fmt.Sprint(table.asked)
 			table.mu.Unlock()
-			if want := fmt.Sprint([][]collector.FlushTarget{{{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), TCP: true}}}); asked != want {
+			if want := fmt.Sprint([][]conntrack.FlushTarget{{{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), TCP: true}}}); asked != want {
 				t.Fatalf("deleted %s, want %s", asked, want)
 			}
 			// Garbage and floods are refused whole, and the stream lives on.

@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"context"
@@ -150,7 +150,7 @@ func TestE2EConntrackLiveAndDyingFlows(t *testing.T) {
 	}
 	if err := localcluster.InNetNS(ns.NetNS, func() error {
 		var err error
-		ct, err = (&ConntrackReader{}).Read(ctx, keys)
+		ct, err = (&Reader{}).Read(ctx, keys)
 		return err
 	}); err != nil {
 		t.Fatal(err)

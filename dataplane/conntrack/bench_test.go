@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"context"
@@ -122,7 +122,7 @@ func BenchmarkConntrackMillion(b *testing.B) {
 		b.ReportAllocs()
 		var got *audit.Conntrack
 		var peak uint64
-		reader := &ConntrackReader{} // kept, as the collector keeps it
+		reader := &Reader{} // kept, as the collector keeps it
 		for b.Loop() {
 			err := localcluster.InNetNS(ns.NetNS, func() error {
 				var err error

@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"context"
@@ -30,13 +30,13 @@ const (
 	ctMaxPairs = 20000
 )
 
-// ConntrackReader reads the kernel's connection-tracking table over
+// Reader reads the kernel's connection-tracking table over
 // netlink (ctnetlink), streaming: one dump, asked of the kernel for
 // DNATed entries only (CTA_STATUS/CTA_STATUS_MASK, honoured since Linux
 // 6.0; earlier kernels send every entry and the reader skips the rest),
 // decoded in place from one 64 KiB buffer and counted per frontend and
 // destination. A table of a million entries costs the pairs it holds.
-type ConntrackReader struct {
+type Reader struct {
 	// MaxPairs bounds the distinct pairs (default 20,000).
 	MaxPairs int
 	bytes    atomic.Int64
@@ -45,11 +45,11 @@ type ConntrackReader struct {
 
 // BytesRead is how many bytes of dump the reader has taken from the
 // kernel, all reads together.
-func (r *ConntrackReader) BytesRead() int64 { return r.bytes.Load() }
+func (r *Reader) BytesRead() int64 { return r.bytes.Load() }
 
 // Read counts the flows DNATed to the node's frontends (from its rules as
 // last read), in both IP families.
-func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error) {
+func (r *Reader) Read(ctx context.Context, frontends []audit.FrontendKey) (*audit.Conntrack, error) {
 	local, err := localAddrs()
 	if err != nil {
 		return nil, fmt.Errorf("conntrack: the node's addresses (for node ports): %w", err)
@@ -58,7 +58,7 @@ func (r *ConntrackReader) Read(ctx context.Context, frontends []audit.FrontendKe
 	if max <= 0 {
 		max = ctMaxPairs
 	}
-	agg := audit.NewConntrackCounter(frontends, func(a netip.Addr) bool { return local[a] }, max)
+	agg := NewCounter(frontends, func(a netip.Addr) bool { return local[a] }, max)
 	to := readCTTimeouts("/proc/sys/net/netfilter")
 	if err := r.dump(ctx, countInto(agg, time.Now(), &to)); err != nil {
 		return nil, err
@@ -113,7 +113,7 @@ func localAddrs() (map[netip.Addr]bool, error) {
 
 // dump runs one ctnetlink dump of DNATed entries and hands each entry's
 // message body to fn as it arrives.
-func (r *ConntrackReader) dump(ctx context.Context, fn func(body []byte) error) error {
+func (r *Reader) dump(ctx context.Context, fn func(body []byte) error) error {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 	if err != nil {
 		return fmt.Errorf("conntrack: netlink socket: %w (the collector needs CAP_NET_ADMIN in the node's network namespace, as the chart gives it; --conntrack-interval=0 turns conntrack reading off)", err)
@@ -239,7 +239,7 @@ type victim struct {
 // original tuple and its ID, so that a flow that ended meanwhile and a new
 // one on the same tuple is left alone. An entry already gone is not
 // counted. At most 100,000 entries a call; the rest wait for the next.
-func (r *ConntrackReader) Delete(ctx context.Context, targets []FlushTarget) ([]int, error) {
+func (r *Reader) Delete(ctx context.Context, targets []FlushTarget) ([]int, error) {
 	local, err := localAddrs()
 	if err != nil {
 		return nil, fmt.Errorf("conntrack: the node's addresses (for node ports): %w", err)

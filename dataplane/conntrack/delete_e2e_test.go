@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"context"
@@ -84,7 +84,7 @@ func TestConntrackFlushOnRealFlows(t *testing.T) {
 		if err := asked(stale); !errors.Is(err, os.ErrDeadlineExceeded) {
 			return fmt.Errorf("after the rule moved, the stale flow: %v, want no answer (conntrack keeps it on the gone pod)", err)
 		}
-		r := &ConntrackReader{}
+		r := &Reader{}
 		// Another service's external IP is this node's address, on the node
 		// port's port: the flow to 198.18.77.1:30053 is that frontend's, and
 		// a flush naming the node port with its live endpoint (what a
@@ -151,7 +151,7 @@ func askOn(c net.Conn) error {
 }
 
 // flowsLeft reads the table: the flows of each frontend and destination.
-func flowsLeft(ctx context.Context, r *ConntrackReader, keys []audit.FrontendKey) (map[string]int, error) {
+func flowsLeft(ctx context.Context, r *Reader, keys []audit.FrontendKey) (map[string]int, error) {
 	after, err := r.Read(ctx, keys)
 	if err != nil {
 		return nil, err

@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"encoding/binary"
@@ -8,9 +8,9 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"github.com/proxyaudit/proxyaudit/audit"
 )
+
+func be32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
 
 func ctTuple(typ uint16, proto byte, src, dst netip.AddrPort) []byte {
 	s, d := uint16(ctaIPv4Src), uint16(ctaIPv4Dst)
@@ -94,7 +94,7 @@ func TestDecodeCT(t *testing.T) {
 func TestConntrackAggregation(t *testing.T) {
 	o := ctFrontends()
 	local := func(a netip.Addr) bool { return a == netip.MustParseAddr("198.18.77.1") }
-	agg := audit.NewConntrackCounter(ctKeys(o), local, 100)
+	agg := NewCounter(ctKeys(o), local, 100)
 	old := time.Unix(1_800_000_000, 0)
 	var bodies [][]byte
 	for i := range 5 {
@@ -127,7 +127,7 @@ func TestConntrackAggregation(t *testing.T) {
 				t.Errorf("node port: %+v", f)
 			}
 		case f.Dest == ctPod:
-			if f.UDP != 5 || f.Unreplied != 0 || !f.Oldest.Equal(old) || len(f.Samples) != audit.ConntrackSamples {
+			if f.UDP != 5 || f.Unreplied != 0 || !f.Oldest.Equal(old) || len(f.Samples) != Samples {
 				t.Errorf("cluster IP to the pod: %+v", f)
 			}
 		case f.Dest.Port() == 8080:
@@ -165,7 +165,7 @@ func FuzzConntrackDump(f *testing.F) {
 		ctBody(17, netip.MustParseAddrPort("[2001:2::5]:1"), netip.MustParseAddrPort("[2001:2::a]:53"), netip.MustParseAddrPort("[2001:2::b]:53"), ipsDstNAT, -1, time.Time{})))
 	o := ctFrontends()
 	f.Fuzz(func(t *testing.T, data []byte) {
-		agg := audit.NewConntrackCounter(ctKeys(o), func(netip.Addr) bool { return true }, 8)
+		agg := NewCounter(ctKeys(o), func(netip.Addr) bool { return true }, 8)
 		now := time.Unix(1_800_000_000, 0)
 		_, _ = ctMessages(data, 1, countInto(agg, now, &defaultCTTimeouts))
 		got := agg.Result([]int{4, 6})
@@ -175,7 +175,7 @@ func FuzzConntrackDump(f *testing.F) {
 			if fl.Active.After(now) {
 				t.Fatalf("a last packet after the read: %+v", fl)
 			}
-			if len(fl.Samples) > audit.ConntrackSamples || fl.Unreplied > fl.Total() {
+			if len(fl.Samples) > Samples || fl.Unreplied > fl.Total() {
 				t.Fatalf("%+v", fl)
 			}
 		}

@@ -1,9 +1,11 @@
-package audit
+package conntrack
 
 import (
 	"net/netip"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Lines as conntrack v1.4.7 prints them (-o extended), from the real-flow
@@ -19,9 +21,9 @@ icmp     1 29 src=198.18.5.5 dst=198.19.0.10 type=8 code=0 id=1 src=198.18.77.2 
 conntrack v1.4.7 (conntrack-tools): 8 flow entries have been shown.
 `
 
-func TestParseConntrackList(t *testing.T) {
-	var got []ConntrackEntry
-	n, err := ParseConntrackList(strings.NewReader(conntrackListed), func(e *ConntrackEntry) { got = append(got, *e) })
+func TestParseList(t *testing.T) {
+	var got []Entry
+	n, err := ParseList(strings.NewReader(conntrackListed), func(e *Entry) { got = append(got, *e) })
 	if err != nil || n != 7 || len(got) != 7 {
 		t.Fatalf("%d entries, %v: %+v", n, err, got)
 	}
@@ -38,9 +40,9 @@ func TestParseConntrackList(t *testing.T) {
 		t.Errorf("IPv6: %+v", e)
 	}
 	// Counted against a node's frontends, as the collector counts a dump.
-	c := NewConntrackCounter([]FrontendKey{{IP: netip.MustParseAddr("198.19.0.10"), Protocol: "UDP", Port: 53}, {IP: netip.MustParseAddr("198.19.0.10"), Protocol: "TCP", Port: 80},
-		NodePortKey(4, "UDP", 30053)}, nil, 100)
-	if _, err := ParseConntrackList(strings.NewReader(conntrackListed), c.Add); err != nil {
+	c := NewCounter([]audit.FrontendKey{{IP: netip.MustParseAddr("198.19.0.10"), Protocol: "UDP", Port: 53}, {IP: netip.MustParseAddr("198.19.0.10"), Protocol: "TCP", Port: 80},
+		audit.NodePortKey(4, "UDP", 30053)}, nil, 100)
+	if _, err := ParseList(strings.NewReader(conntrackListed), c.Add); err != nil {
 		t.Fatal(err)
 	}
 	if r := c.Result([]int{4}); r.Entries != 4 || len(r.Flows) != 4 {
@@ -54,17 +56,17 @@ func TestParseConntrackList(t *testing.T) {
 		"garbage":     "hello world again\n",
 		"iptables":    "*nat\n:PREROUTING ACCEPT [0:0]\n",
 	} {
-		if _, err := ParseConntrackList(strings.NewReader(in), func(*ConntrackEntry) {}); err == nil || !strings.Contains(err.Error(), "line 1") {
+		if _, err := ParseList(strings.NewReader(in), func(*Entry) {}); err == nil || !strings.Contains(err.Error(), "line 1") {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
 }
 
-func FuzzParseConntrackList(f *testing.F) {
+func FuzzParseList(f *testing.F) {
 	f.Add(conntrackListed)
 	f.Fuzz(func(t *testing.T, in string) {
-		c := NewConntrackCounter([]FrontendKey{{IP: netip.MustParseAddr("198.19.0.10"), Protocol: "UDP", Port: 53}}, nil, 4)
-		n, _ := ParseConntrackList(strings.NewReader(in), c.Add)
+		c := NewCounter([]audit.FrontendKey{{IP: netip.MustParseAddr("198.19.0.10"), Protocol: "UDP", Port: 53}}, nil, 4)
+		n, _ := ParseList(strings.NewReader(in), c.Add)
 		r := c.Result([]int{4, 6})
 		if r.Entries > n || len(r.Flows) > 4 {
 			t.Fatalf("%d entries parsed, %d counted, %d pairs", n, r.Entries, len(r.Flows))

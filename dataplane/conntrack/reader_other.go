@@ -1,6 +1,6 @@
 //go:build !linux
 
-package collector
+package conntrack
 
 import (
 	"context"
@@ -9,17 +9,17 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// ConntrackReader reads conntrack over netlink: Linux only.
-type ConntrackReader struct {
+// Reader reads conntrack over netlink: Linux only.
+type Reader struct {
 	MaxPairs int
 }
 
 // Read fails: conntrack is Linux's.
-func (r *ConntrackReader) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
+func (r *Reader) Read(context.Context, []audit.FrontendKey) (*audit.Conntrack, error) {
 	return nil, errors.New("conntrack: only on Linux")
 }
 
 // Delete fails: conntrack is Linux's.
-func (r *ConntrackReader) Delete(context.Context, []FlushTarget) ([]int, error) {
+func (r *Reader) Delete(context.Context, []FlushTarget) ([]int, error) {
 	return nil, errors.New("conntrack: only on Linux")
 }

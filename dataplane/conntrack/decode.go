@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"encoding/binary"
@@ -263,7 +263,7 @@ func decodeProtoInfo(b []byte, e *ctEntry) error {
 // the reader's path, which the tests and the fuzz target take too. With
 // timeouts, each entry's last packet is dated from its remaining timeout
 // as of now.
-func countInto(c *audit.ConntrackCounter, now time.Time, timeouts *ctTimeouts) func(body []byte) error {
+func countInto(c *Counter, now time.Time, timeouts *ctTimeouts) func(body []byte) error {
 	return func(body []byte) error {
 		var e ctEntry
 		if err := decodeCT(body, &e); err != nil {
@@ -279,8 +279,8 @@ func countInto(c *audit.ConntrackCounter, now time.Time, timeouts *ctTimeouts) f
 }
 
 // entry is the decoded entry as the audit counts it.
-func (e *ctEntry) entry() audit.ConntrackEntry {
-	out := audit.ConntrackEntry{Proto: e.proto, OrigSrc: e.origSrc, OrigDst: e.origDst, ReplySrc: e.replySrc,
+func (e *ctEntry) entry() Entry {
+	out := Entry{Proto: e.proto, OrigSrc: e.origSrc, OrigDst: e.origDst, ReplySrc: e.replySrc,
 		DstNAT: e.status&ipsDstNAT != 0, SeenReply: e.status&ipsSeenReply != 0}
 	if e.hasTCPState {
 		out.TCPState = "UNKNOWN"
@@ -371,9 +371,6 @@ func (e *ctEntry) lastPacket(now time.Time, to *ctTimeouts) time.Time {
 	return now.Add(-time.Duration(elapsed) * time.Second)
 }
 
-// protoName names an IP protocol number kube-proxy serves.
-func protoName(p byte) (string, bool) { return audit.ProtocolName(p) }
-
 // FlushTarget is one pair a flush deletes the entries of: flows whose
 // original destination is Frontend (a node port: on any of the node's
 // addresses) and whose DNAT destination is Dest. UDP entries always; TCP
@@ -397,7 +394,7 @@ func (t *FlushTarget) matches(e *ctEntry, local func(netip.Addr) bool) bool {
 	if e.status&ipsDstNAT == 0 || e.replySrc.Addr().Unmap() != t.Dest.Addr().Unmap() || e.replySrc.Port() != t.Dest.Port() {
 		return false
 	}
-	proto, ok := protoName(e.proto)
+	proto, ok := audit.ProtocolName(e.proto)
 	if !ok || proto != t.Frontend.Protocol {
 		return false
 	}

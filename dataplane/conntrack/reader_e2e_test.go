@@ -1,4 +1,4 @@
-package collector
+package conntrack
 
 import (
 	"context"
@@ -136,7 +136,7 @@ func askUDP(to string) error {
 // Real traffic through real DNAT rules in a real kernel's conntrack: the
 // reader counts each frontend's flows per destination, UDP and TCP by
 // state, the unanswered ones, and leaves out what is not kube-proxy's.
-func TestConntrackReaderOnRealFlows(t *testing.T) {
+func TestReaderOnRealFlows(t *testing.T) {
 	ns := ctScratch(t)
 	ctx := context.Background()
 	var got *audit.Conntrack
@@ -172,7 +172,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 			return err
 		}
 		defer conn.Close()
-		r := &ConntrackReader{}
+		r := &Reader{}
 		if got, err = r.Read(ctx, ctKeys(ctFrontends())); err != nil {
 			return err
 		}
@@ -231,7 +231,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 		}
 		c.Write([]byte("q"))
 		c.Close()
-		stamped, err = (&ConntrackReader{}).Read(ctx, ctKeys(ctFrontends()))
+		stamped, err = (&Reader{}).Read(ctx, ctKeys(ctFrontends()))
 		return err
 	})
 	if err != nil {
@@ -248,7 +248,7 @@ func TestConntrackReaderOnRealFlows(t *testing.T) {
 
 // The bound on distinct pairs holds: what falls beyond it is counted as
 // dropped, not kept.
-func TestConntrackReaderBound(t *testing.T) {
+func TestReaderBound(t *testing.T) {
 	ns := ctScratch(t)
 	ctx := context.Background()
 	err := localcluster.InNetNS(ns.NetNS, func() error {
@@ -266,7 +266,7 @@ func TestConntrackReaderBound(t *testing.T) {
 		}
 		c.Write([]byte("q"))
 		c.Close()
-		got, err := (&ConntrackReader{MaxPairs: 1}).Read(ctx, ctKeys(ctFrontends()))
+		got, err := (&Reader{MaxPairs: 1}).Read(ctx, ctKeys(ctFrontends()))
 		if err != nil {
 			return err
 		}

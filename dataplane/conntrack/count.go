@@ -1,17 +1,19 @@
-package audit
+package conntrack
 
 import (
 	"net/netip"
 	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// ConntrackEntry is what the audit needs of one conntrack entry: its
+// Entry is what the audit needs of one conntrack entry: its
 // original tuple (client to frontend), the reply's source (the DNAT
 // destination), whether it was DNATed and answered, its TCP state, its
 // start (zero without kernel timestamps), and when its last packet went
 // through (zero: unknown), which the collector dates from the entry's
 // remaining timeout.
-type ConntrackEntry struct {
+type Entry struct {
 	Proto             uint8 // IP protocol number
 	OrigSrc, OrigDst  netip.AddrPort
 	ReplySrc          netip.AddrPort
@@ -21,36 +23,36 @@ type ConntrackEntry struct {
 	LastPacket        time.Time
 }
 
-// ConntrackCounter counts DNATed entries per frontend of a node and
+// Counter counts DNATed entries per frontend of a node and
 // destination, within a bound on distinct pairs, so that counting a table
 // of a million entries costs the pairs, not the entries. The collector
 // feeds it from a netlink dump, `proxyaudit diff` from `conntrack -L`.
-type ConntrackCounter struct {
-	frontends, nodePorts map[FrontendKey]bool
+type Counter struct {
+	frontends, nodePorts map[audit.FrontendKey]bool
 	local                func(netip.Addr) bool
 	max                  int
 
-	byKey            map[conntrackKey]*ConntrackFlows
+	byKey            map[conntrackKey]*audit.ConntrackFlows
 	undated          map[conntrackKey]bool // a judged entry's last packet unknown
 	entries, dropped int
 	timestamps       bool
 }
 
 type conntrackKey struct {
-	fe   FrontendKey
+	fe   audit.FrontendKey
 	dest netip.AddrPort
 }
 
-// ConntrackSamples is how many clients a pair keeps for people.
-const ConntrackSamples = 3
+// Samples is how many clients a pair keeps for people.
+const Samples = 3
 
-// NewConntrackCounter counts the entries of frontends (the node's, from
+// NewCounter counts the entries of frontends (the node's, from
 // its rules): cluster, external and load-balancer IPs as they are, node
 // ports on any address local says is the node's (nil: any). At most max
 // distinct pairs are kept; entries beyond are counted as dropped.
-func NewConntrackCounter(frontends []FrontendKey, local func(netip.Addr) bool, max int) *ConntrackCounter {
-	c := &ConntrackCounter{frontends: map[FrontendKey]bool{}, nodePorts: map[FrontendKey]bool{}, local: local, max: max,
-		byKey: map[conntrackKey]*ConntrackFlows{}, undated: map[conntrackKey]bool{}}
+func NewCounter(frontends []audit.FrontendKey, local func(netip.Addr) bool, max int) *Counter {
+	c := &Counter{frontends: map[audit.FrontendKey]bool{}, nodePorts: map[audit.FrontendKey]bool{}, local: local, max: max,
+		byKey: map[conntrackKey]*audit.ConntrackFlows{}, undated: map[conntrackKey]bool{}}
 	for _, k := range frontends {
 		if k.NodePort {
 			c.nodePorts[k] = true
@@ -61,33 +63,19 @@ func NewConntrackCounter(frontends []FrontendKey, local func(netip.Addr) bool, m
 	return c
 }
 
-// ProtocolName names an IP protocol number kube-proxy serves (TCP, UDP,
-// SCTP).
-func ProtocolName(p uint8) (string, bool) {
-	switch p {
-	case 6:
-		return "TCP", true
-	case 17:
-		return "UDP", true
-	case 132:
-		return "SCTP", true
-	}
-	return "", false
-}
-
 // Add counts one entry, if it is a DNAT of one of the node's frontends.
-func (c *ConntrackCounter) Add(e *ConntrackEntry) {
+func (c *Counter) Add(e *Entry) {
 	if !e.DstNAT {
 		return
 	}
-	proto, ok := ProtocolName(e.Proto)
+	proto, ok := audit.ProtocolName(e.Proto)
 	if !ok {
 		return
 	}
 	dst := e.OrigDst.Addr().Unmap()
-	fe := FrontendKey{IP: dst, Protocol: proto, Port: e.OrigDst.Port()}
+	fe := audit.FrontendKey{IP: dst, Protocol: proto, Port: e.OrigDst.Port()}
 	if !c.frontends[fe] {
-		np := NodePortKey(family(dst), proto, e.OrigDst.Port())
+		np := audit.NodePortKey(family(dst), proto, e.OrigDst.Port())
 		if !c.nodePorts[np] || (c.local != nil && !c.local(dst)) {
 			return
 		}
@@ -101,7 +89,7 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 			c.dropped++
 			return
 		}
-		f = &ConntrackFlows{Frontend: fe, Dest: k.dest}
+		f = &audit.ConntrackFlows{Frontend: fe, Dest: k.dest}
 		c.byKey[k] = f
 	}
 	switch proto {
@@ -122,7 +110,7 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 	if !e.SeenReply {
 		f.Unreplied++
 	}
-	if conntrackJudged(proto, e.TCPState) {
+	if audit.ConntrackJudged(proto, e.TCPState) {
 		switch {
 		case e.LastPacket.IsZero():
 			c.undated[k] = true
@@ -136,21 +124,29 @@ func (c *ConntrackCounter) Add(e *ConntrackEntry) {
 			f.Oldest = e.Start
 		}
 	}
-	if len(f.Samples) < ConntrackSamples {
+	if len(f.Samples) < Samples {
 		f.Samples = append(f.Samples, netip.AddrPortFrom(e.OrigSrc.Addr().Unmap(), e.OrigSrc.Port()))
 	}
 }
 
 // Result is what was counted, sorted.
-func (c *ConntrackCounter) Result(families []int) *Conntrack {
-	out := &Conntrack{Families: families, Entries: c.entries, Dropped: c.dropped, Timestamps: c.timestamps,
-		Flows: make([]ConntrackFlows, 0, len(c.byKey))}
+func (c *Counter) Result(families []int) *audit.Conntrack {
+	out := &audit.Conntrack{Families: families, Entries: c.entries, Dropped: c.dropped, Timestamps: c.timestamps,
+		Flows: make([]audit.ConntrackFlows, 0, len(c.byKey))}
 	for k, f := range c.byKey {
 		if c.undated[k] {
 			f.Active = time.Time{}
 		}
 		out.Flows = append(out.Flows, *f)
 	}
-	SortConntrack(out.Flows)
+	audit.SortConntrack(out.Flows)
 	return out
+}
+
+// family is 4 or 6.
+func family(a netip.Addr) int {
+	if a.Is4() {
+		return 4
+	}
+	return 6
 }

@@ -1,4 +1,4 @@
-package audit
+package conntrack
 
 import (
 	"bufio"
@@ -12,12 +12,12 @@ import (
 // protoNumbers are the protocols conntrack -L names.
 var protoNumbers = map[string]uint8{"tcp": 6, "udp": 17, "sctp": 132}
 
-// ParseConntrackList reads the text `conntrack -L` prints (plain or
+// ParseList reads the text `conntrack -L` prints (plain or
 // `-o extended`), one entry a line, and hands each TCP, UDP or SCTP
 // entry to add; other protocols are skipped. It streams: a dump of a
 // million entries costs one line at a time. A line it cannot read is an
 // error naming the line.
-func ParseConntrackList(r io.Reader, add func(*ConntrackEntry)) (entries int, err error) {
+func ParseList(r io.Reader, add func(*Entry)) (entries int, err error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 64<<10)
 	line := 0
@@ -45,8 +45,8 @@ func ParseConntrackList(r io.Reader, add func(*ConntrackEntry)) (entries int, er
 	return entries, nil
 }
 
-func parseConntrackLine(text string) (ConntrackEntry, bool, error) {
-	var e ConntrackEntry
+func parseConntrackLine(text string) (Entry, bool, error) {
+	var e Entry
 	fs := strings.Fields(text)
 	if len(fs) > 0 && (fs[0] == "ipv4" || fs[0] == "ipv6") {
 		if len(fs) < 2 {
