@@ -459,15 +459,17 @@ func (f *fleet) get() ([]audit.TimedFinding, map[string]audit.NodeStatus, error)
 
 func (f *fleet) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding, map[string]audit.NodeStatus) bool) time.Duration {
 	f.t.Helper()
-	return testkit.Await(f.t, deadline, what, func() (bool, string) {
-		fs, ns, err := f.get()
-		if err == nil && cond(fs, ns) {
-			return true, ""
-		}
+	var fs []audit.TimedFinding
+	var ns map[string]audit.NodeStatus
+	var err error
+	return testkit.Await(f.t, deadline, what, func() bool {
+		fs, ns, err = f.get()
+		return err == nil && cond(fs, ns)
+	}, func() string {
 		var states []string
 		for n, s := range ns {
 			states = append(states, n+"="+string(s.State)+"/"+string(s.Mode)+" "+s.ReadError)
 		}
-		return false, fmt.Sprintf("findings:\n%s\nnodes: %s\n(error: %v)\naggregator log:\n%s", findings.Describe(fs), strings.Join(states, ", "), err, f.agg.Tail(20))
+		return fmt.Sprintf("findings:\n%s\nnodes: %s\n(error: %v)\naggregator log:\n%s", findings.Describe(fs), strings.Join(states, ", "), err, f.agg.Tail(20))
 	})
 }

@@ -27,19 +27,15 @@ func Eventually(t TB, limit time.Duration, what string, cond func() bool) time.D
 	return took
 }
 
-// Await is Eventually for a cond that also says what it saw: when limit
-// passes first, t fails with Waiting's message, what cond saw last on the
-// lines below it (the findings, a node's state, an error).
-func Await(t TB, limit time.Duration, what string, cond func() (ok bool, seen string)) time.Duration {
+// Await is Eventually that says what it saw: when limit passes first, t
+// fails with Waiting's message and seen's account below it (the last
+// findings, a node's state, the logs). seen is called only then, so it may
+// be costly.
+func Await(t TB, limit time.Duration, what string, cond func() bool, seen func() string) time.Duration {
 	t.Helper()
-	var seen string
-	took, err := Poll(limit, func() bool {
-		var ok bool
-		ok, seen = cond()
-		return ok
-	})
+	took, err := Poll(limit, cond)
 	if err != nil {
-		t.Fatalf("%s", Waiting(limit, what, seen))
+		t.Fatalf("%s", Waiting(limit, what, seen()))
 	}
 	return took
 }

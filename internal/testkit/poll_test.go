@@ -35,13 +35,17 @@ func TestEventuallyFailsWithOneMessage(t *testing.T) {
 
 func TestAwaitSaysWhatItSawLast(t *testing.T) {
 	f := &fakeT{}
-	n := 0
-	Await(f, 30*time.Millisecond, "the node in sync", func() (bool, string) { n++; return false, fmt.Sprintf("call %d", n) })
+	n, described := 0, 0
+	Await(f, 30*time.Millisecond, "the node in sync", func() bool { n++; return false },
+		func() string { described++; return fmt.Sprintf("call %d", n) })
 	if want := fmt.Sprintf("after 30ms, still waiting for the node in sync; last seen:\ncall %d", n); f.failed != want {
 		t.Fatalf("message %q, want %q", f.failed, want)
 	}
+	if described != 1 {
+		t.Fatalf("seen called %d times, want once (at the end)", described)
+	}
 	f = &fakeT{}
-	if Await(f, time.Second, "x", func() (bool, string) { return true, "" }); f.failed != "" {
+	if Await(f, time.Second, "x", func() bool { return true }, func() string { t.Fatal("seen called on success"); return "" }); f.failed != "" {
 		t.Fatalf("failed: %s", f.failed)
 	}
 }

@@ -145,10 +145,10 @@ func audited(ctx context.Context, t *testing.T, c *localcluster.Cluster) map[str
 func until(ctx context.Context, t *testing.T, c *localcluster.Cluster, limit time.Duration, what string, ok func(map[string][]audit.Finding) bool) map[string][]audit.Finding {
 	t.Helper()
 	var got map[string][]audit.Finding
-	testkit.Await(t, limit, what, func() (bool, string) {
+	testkit.Await(t, limit, what, func() bool {
 		got = audited(ctx, t, c)
-		return ok(got), describe(got)
-	})
+		return ok(got)
+	}, func() string { return describe(got) })
 	return got
 }
 

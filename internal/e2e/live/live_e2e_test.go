@@ -227,12 +227,13 @@ func (l *live) findings() ([]audit.TimedFinding, error) {
 // waitFor polls the findings until cond holds; deadline is generous.
 func (l *live) waitFor(what string, deadline time.Duration, cond func([]audit.TimedFinding) bool) time.Duration {
 	l.t.Helper()
-	return testkit.Await(l.t, deadline, what, func() (bool, string) {
-		fs, err := l.findings()
-		if err == nil && cond(fs) {
-			return true, ""
-		}
-		return false, fmt.Sprintf("findings:\n%s\n(error: %v)\nleader logs:\n%s", findings.Describe(fs), err, l.logs())
+	var fs []audit.TimedFinding
+	var err error
+	return testkit.Await(l.t, deadline, what, func() bool {
+		fs, err = l.findings()
+		return err == nil && cond(fs)
+	}, func() string {
+		return fmt.Sprintf("findings:\n%s\n(error: %v)\nleader logs:\n%s", findings.Describe(fs), err, l.logs())
 	})
 }
 

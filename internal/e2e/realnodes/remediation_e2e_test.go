@@ -68,15 +68,12 @@ func (d *drill) change() {
 // aggregators' remediation log seen last.
 func (d *drill) until(limit time.Duration, what string, cond func() bool) time.Duration {
 	d.t.Helper()
-	return testkit.Await(d.t, limit, what, func() (bool, string) {
-		if cond() {
-			return true, ""
-		}
+	return testkit.Await(d.t, limit, what, cond, func() string {
 		r, raw, err := report(d.ctx, d.t, d.c)
 		if err == nil {
 			raw = fmt.Sprint(r.Findings)
 		}
-		return false, fmt.Sprintf("report: %s\naggregators:\n%s", clip(raw), aggregatorLogs(d.ctx, d.c, what))
+		return fmt.Sprintf("report: %s\naggregators:\n%s", clip(raw), aggregatorLogs(d.ctx, d.c, what))
 	})
 }
 
