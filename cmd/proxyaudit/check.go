@@ -68,7 +68,7 @@ var checkModes = []string{"auto", "iptables", "iptables-legacy", "nftables", "ip
 type checkOpts struct {
 	k                 *kube
 	image, pullSecret string
-	mode              string
+	mode, bpfRoot     string
 	timeout           time.Duration
 	format            *string
 }
@@ -113,6 +113,7 @@ func (c *cli) checkCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.image, "image", defaultCheckImage(), "the image the check pod runs (the release's; it holds proxyaudit-collector)")
 	cmd.Flags().StringVar(&o.pullSecret, "image-pull-secret", "", "a Secret in the namespace to pull --image with")
 	cmd.Flags().StringVar(&o.mode, "mode", "auto", "rules to read: auto (as the node's kube-proxy programs them, or Cilium's maps), iptables, iptables-legacy, nftables, ipvs or cilium")
+	cmd.Flags().StringVar(&o.bpfRoot, "bpf-root", defaultBPFRoot, "where Cilium pins its maps on the node (cilium-agent --bpf-root; the chart's cilium.bpfRoot): the check pod reads them there")
 	cmd.Flags().DurationVar(&o.timeout, "timeout", 2*time.Minute, "how long the pod may take, image pull included")
 	o.format = addOutput(cmd.Flags(), checkFormats, formatJSON, formatYAML, formatName, formatJSONPath, formatCustomColumns)
 	o.k.complete(cmd)
@@ -302,10 +303,19 @@ type onceLine struct {
 	Snapshot json.RawMessage `json:"snapshot"`
 }
 
+// defaultBPFRoot is where Cilium pins its maps unless told otherwise.
+const defaultBPFRoot = "/sys/fs/bpf"
+
 // checkPod is the pod that reads node's rules once: the collector's
 // privileges, nothing more (no ServiceAccount token, no API access).
 func checkPod(ns, node string, o *checkOpts) *corev1.Pod {
 	deadline := int64(o.timeout / time.Second)
+	// The default BPF filesystem is made where it is missing (a node
+	// without Cilium reads none); a root named by hand must exist.
+	bpfType := corev1.HostPathDirectoryOrCreate
+	if o.bpfRoot != defaultBPFRoot {
+		bpfType = corev1.HostPathDirectory
+	}
 	p := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{GenerateName: "proxyaudit-check-", Namespace: ns,
 			Labels: map[string]string{"app.kubernetes.io/name": "proxyaudit", "app.kubernetes.io/component": "check"}},
@@ -332,7 +342,7 @@ func checkPod(ns, node string, o *checkOpts) *corev1.Pod {
 			}},
 			Volumes: []corev1.Volume{
 				{Name: "xtables-lock", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/run/xtables.lock", Type: kptr.To(corev1.HostPathFileOrCreate)}}},
-				{Name: "bpffs", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/sys/fs/bpf", Type: kptr.To(corev1.HostPathDirectoryOrCreate)}}},
+				{Name: "bpffs", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: o.bpfRoot, Type: kptr.To(bpfType)}}},
 			},
 		},
 	}

@@ -2,7 +2,10 @@ package realnodes
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -90,6 +93,8 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 	if out, err := n.Exec(ctx, "iptables", "-t", "nat", "-N", "KUBE-SERVICES"); err != nil && !strings.Contains(out, "exists") {
 		t.Fatalf("leftover chain: %v: %s", err, out)
 	}
+
+	checkCiliumNode(ctx, t, c, n, ns, service)
 
 	helm(ctx, t, c, "install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit", "--create-namespace",
 		"--set", "grace=10s", "--set", "collector.interval=5s",
@@ -182,4 +187,67 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 		at = e.EventTime.Time
 	}
 	t.Logf("remediation restarted the agent %s after the freeze: %s", at.Sub(frozen).Round(time.Second), e.Message)
+}
+
+// checkCiliumNode runs `kubectl proxyaudit check node/…` on the Cilium
+// node before the chart is installed (issue #57): in sync, the node's own
+// detection reads Cilium's maps (from where its agent pins them,
+// --bpf-root); with the agent frozen while a Service is made, the check
+// finds that Service missing, as the aggregator would.
+func checkCiliumNode(ctx context.Context, t *testing.T, c *localcluster.Cluster, n *localcluster.Node, ns string, service func(string, ...string) *corev1.Service) {
+	t.Helper()
+	type result struct {
+		Findings []audit.Finding `json:"findings"`
+		Read     struct {
+			Mode       string
+			Frontends  int
+			PodSeconds float64
+		} `json:"read"`
+	}
+	check := func() (int, result, string) {
+		cmd := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "check", "node/"+n.Name, "-n", ns, "-o", "json", "--bpf-root", c.CiliumBPFRoot())
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		code := 0
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		var r result
+		if code < 2 {
+			if err := json.Unmarshal(out, &r); err != nil {
+				t.Fatalf("check node/%s: %v\n%s\n%s", n.Name, err, out, stderr.String())
+			}
+		}
+		return code, r, stderr.String()
+	}
+	code, r, stderr := check()
+	if code != 0 || r.Read.Mode != string(audit.ModeCilium) || r.Read.Frontends < 1 || len(r.Findings) != 0 {
+		t.Fatalf("check node/%s (Cilium, in sync): exit %d, read %+v, findings %+v\n%s", n.Name, code, r.Read, r.Findings, stderr)
+	}
+	t.Logf("check node/%s: %s, %d frontends, the pod took %.1fs", n.Name, r.Read.Mode, r.Read.Frontends, r.Read.PodSeconds)
+
+	thaw, err := n.Freeze(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	service("checked", "198.18.200.9")
+	time.Sleep(2 * time.Second) // the API has it; the frozen agent does not
+	code, r, stderr = check()
+	if err := thaw(ctx); err != nil {
+		t.Fatal(err)
+	}
+	missing := slices.ContainsFunc(r.Findings, func(f audit.Finding) bool {
+		return f.Service == ns+"/checked" && (f.Kind == audit.MissingService || f.Kind == audit.MissingEndpoint)
+	})
+	if code != 1 || !missing {
+		t.Errorf("check node/%s with its agent frozen: exit %d, findings %+v\n%s", n.Name, code, r.Findings, stderr)
+	}
+	if err := n.WaitRules(ctx, 2*time.Minute, "the checked service, the agent thawed", func(rules string) bool { return n.RoutesTo(rules, "198.18.200.9:8080") }); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("check node/%s with its agent frozen: exit 1, %d finding(s), the checked Service among them", n.Name, len(r.Findings))
 }
