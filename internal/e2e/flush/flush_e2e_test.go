@@ -34,6 +34,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 func TestMain(m *testing.M) { localcluster.Main(m) }
@@ -498,17 +499,15 @@ func (r *rig) waitInSync(ctx context.Context, t testing.TB, node string, d time.
 // waitFor polls the aggregator for node until cond holds.
 func (r *rig) waitFor(ctx context.Context, t testing.TB, node string, d time.Duration, what string, cond func(api.NodeResponse) bool) api.NodeResponse {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for {
-		st, err := r.node(node)
-		if err == nil && cond(st) {
-			return st
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Fatalf("%s: not %s within %s (state %s, %d findings, reads %v, error %v)", node, what, d, st.State, len(st.Findings), st.Collector, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	var st api.NodeResponse
+	var err error
+	testkit.Await(t, d, node+" "+what, func() bool {
+		st, err = r.node(node)
+		return ctx.Err() == nil && err == nil && cond(st)
+	}, func() string {
+		return fmt.Sprintf("state %s, %d findings, reads %v, error %v, context %v", st.State, len(st.Findings), st.Collector, err, ctx.Err())
+	})
+	return st
 }
 
 func (r *rig) node(name string) (api.NodeResponse, error) {
