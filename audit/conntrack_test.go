@@ -177,4 +177,3 @@ func TestJudgeConntrackByLastPacket(t *testing.T) {
 		}
 	}
 }
-
