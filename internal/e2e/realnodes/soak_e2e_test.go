@@ -306,12 +306,20 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		timeline = append(timeline, fmt.Sprintf("+%s ", time.Since(began).Round(time.Second))+fmt.Sprintf(format, args...))
 	}
 	findings := map[string]*seen{}
-	var falseRepairs, falsePages []string
+	// falseRepair: a healthy node's kube-proxy pod replaced; who did it
+	// is looked up at the end (proxyaudit's Event may come after the pod).
+	type falseRepair struct{ what, node string }
+	var falseRepairs []falseRepair
+	var falsePages []string
 	var proxyRolled time.Time // kube-proxy's DaemonSets rolled: its pods replaced for three minutes are no repair
 	proxyPods := map[string]types.UID{}
 	// Pages the suite's earlier tests made on this cluster are not the
 	// soak's (an Event stays an hour).
 	pages := map[types.UID]int32{}
+	// actedOn: proxyaudit's last action on each node without a fault
+	// (its Event's reason and message), to say who replaced a healthy
+	// node's kube-proxy and why.
+	actedOn := map[string]string{}
 	if evs, err := c.Client.CoreV1().Events("default").List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.kind=Node"}); err != nil {
 		t.Fatal(err)
 	} else {
@@ -353,9 +361,14 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 					pages[e.UID] = e.Count
 					switch e.Reason {
 					case "ProxyauditRestartProxy", "ProxyauditCordon":
-						if f := faultOn(e.InvolvedObject.Name, now); f != nil && f.found.IsZero() {
+						f := faultOn(e.InvolvedObject.Name, now)
+						if f != nil && f.found.IsZero() {
 							f.found, f.first = now, audit.TimedFinding{Finding: audit.Finding{Kind: audit.Kind(e.Reason), Node: f.node, Detail: e.Message}}
 							event("%s: found (%s: %.100s)", f.node, e.Reason, e.Message)
+						}
+						if f == nil {
+							actedOn[e.InvolvedObject.Name] = fmt.Sprintf("%s at +%s: %.300s", e.Reason, e.LastTimestamp.Sub(began).Round(time.Second), e.Message)
+							event("%s: %s on a node without a fault: %.200s", e.InvolvedObject.Name, e.Reason, e.Message)
 						}
 						continue
 					case "ProxyauditPage":
@@ -388,7 +401,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 								event("%s: kube-proxy pod replaced %s (%s)", f.node, by, p.Name)
 							}
 						} else if proxyRolled.IsZero() || now.Sub(proxyRolled) > 3*time.Minute {
-							falseRepairs = append(falseRepairs, fmt.Sprintf("+%s %s (%s)", now.Sub(began).Round(time.Second), p.Spec.NodeName, p.Name))
+							falseRepairs = append(falseRepairs, falseRepair{fmt.Sprintf("+%s %s (%s)", now.Sub(began).Round(time.Second), p.Spec.NodeName, p.Name), p.Spec.NodeName})
 						}
 					}
 					proxyPods[p.Spec.NodeName] = p.UID
@@ -934,7 +947,13 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 			s.f.Kind, s.f.Node, s.f.Service, s.f.Endpoint, s.f.Detail)
 	}
 	for _, r := range falseRepairs {
-		t.Errorf("a healthy node's kube-proxy restarted: %s", r)
+		by := "no proxyaudit Event on the node: not proxyaudit's doing"
+		mu.Lock()
+		if a := actedOn[r.node]; a != "" {
+			by = "proxyaudit's " + a
+		}
+		mu.Unlock()
+		t.Errorf("a healthy node's kube-proxy restarted: %s; %s", r.what, by)
 	}
 	for _, p := range falsePages {
 		t.Errorf("a page not for a fault: %s", p)
