@@ -157,12 +157,12 @@ else
 endif
 	$(GO) test -count=1 ./audit -update
 
-## fixtures-cilium: recapture audit/testdata/cilium from the genuine Cilium agent (in sync, frozen, dual-stack;
+## fixtures-cilium: recapture dataplane/cilium/testdata from the genuine Cilium agent (in sync, frozen, dual-stack;
 ## review the diff). Builds the agent (~6 min cold) and installs clang-19.
 fixtures-cilium: deps cluster-binaries
 	@deploy/install-deps.sh cilium
-	deploy/cilium/capture.sh audit/testdata/cilium
-	deploy/cilium/capture.sh --dual-stack audit/testdata/cilium
+	deploy/cilium/capture.sh dataplane/cilium/testdata
+	deploy/cilium/capture.sh --dual-stack dataplane/cilium/testdata
 	$(GO) test -count=1 -run Cilium ./audit -update
 
 ## bench: parse benchmarks and, as root, the side-by-side reads from a real kernel (docs/benchmarks.md);

@@ -213,6 +213,6 @@ func restrict(obs *Observed, byKey map[FrontendKey]*ObservedFrontend, keys map[F
 			}
 		}
 	}
-	o.normalize()
+	o.Normalize()
 	return o
 }

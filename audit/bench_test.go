@@ -18,7 +18,7 @@ import (
 
 	"github.com/coreos/go-iptables/iptables"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -59,7 +59,7 @@ func BenchmarkParse(b *testing.B) {
 				b.SetBytes(int64(len(data)))
 				heap := peakHeapMB(b, data)
 				for b.Loop() {
-					if _, err := audit.ParseRules(bytes.NewReader(data)); err != nil {
+					if _, err := dataplane.ParseRules(bytes.NewReader(data)); err != nil {
 						b.Fatal(err)
 					}
 				}
@@ -76,7 +76,7 @@ func peakHeapMB(b *testing.B, data []byte) float64 {
 	runtime.GC()
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	obs, err := audit.ParseRules(bytes.NewReader(data))
+	obs, err := dataplane.ParseRules(bytes.NewReader(data))
 	runtime.ReadMemStats(&after)
 	if err != nil {
 		b.Fatal(err)
@@ -128,7 +128,7 @@ func BenchmarkIPTablesRead(b *testing.B) {
 						b.Fatal(err)
 					}
 					t1 := time.Now()
-					if _, err := audit.ParseRules(bytes.NewReader(out)); err != nil {
+					if _, err := dataplane.ParseRules(bytes.NewReader(out)); err != nil {
 						b.Fatal(err)
 					}
 					save, parse, n = save+t1.Sub(t0), parse+time.Since(t1), n+int64(len(out))
@@ -221,7 +221,7 @@ func BenchmarkNFTRead(b *testing.B) {
 			b.Fatal(err)
 		}
 		t1 := time.Now()
-		if _, err := audit.ParseRules(bytes.NewReader(out)); err != nil {
+		if _, err := dataplane.ParseRules(bytes.NewReader(out)); err != nil {
 			b.Fatal(err)
 		}
 		list, parse, n = list+t1.Sub(t0), parse+time.Since(t1), n+int64(len(out))

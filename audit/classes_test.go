@@ -1,6 +1,8 @@
 package audit
 
 import (
+	"os"
+	"path/filepath"
 	"reflect"
 	"testing"
 	"time"
@@ -95,4 +97,19 @@ func TestDependentsCoverKeptVersions(t *testing.T) {
 	if d.Key("ns/web", "a", "") != d.Key("ns/web", "b", "") || d.Class("a", "") != d.Class("b", "") {
 		t.Error("a and b still differ after the version naming a was pruned")
 	}
+}
+
+// loadState reads the clean or drift capture's cluster (the conformance
+// tests, golden_test.go, read them through testkit/golden).
+func loadState(t testing.TB, dir string) *State {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("testdata", "capture", dir, "cluster.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := ParseClusterList(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
 }

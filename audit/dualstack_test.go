@@ -3,7 +3,6 @@ package audit
 import (
 	"net/netip"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -59,7 +58,7 @@ func TestDualStackExpectedAndFound(t *testing.T) {
 				Endpoints: []Endpoint{{Addr: netip.MustParseAddrPort("198.18.140.1:8080"), Weight: -1}}})
 		}
 	}
-	obs.normalize()
+	obs.Normalize()
 	fs := Diff(exp, obs)
 	if len(fs) != 1 { // once per port and scope, however many frontends
 		t.Fatalf("findings: %+v", fs)
@@ -161,53 +160,5 @@ func TestParseIPTablesBothFamilies(t *testing.T) {
 	got, err := ParseIPTablesFamily(strings.NewReader(empty6), 6)
 	if err != nil || !slices.Equal(got.Families, []int{6}) || !got.NoRules {
 		t.Errorf("an empty ip6tables-save: %+v, %v", got, err)
-	}
-}
-
-// Captures of genuine kube-proxy 1.36 on a dual-stack cluster (iptables,
-// both backends, nftables, and IPVS in the VM; make fixtures): in sync in
-// both families, IPv6 node ports and cluster IPs read; in the drift
-// captures ds-nft's kube-proxy was frozen while an IPv6 endpoint moved and
-// a dual-stack service appeared, and ds-ipvs's cut off from the API while
-// an IPv6 endpoint left: their findings are golden.
-func TestDualStackCaptures(t *testing.T) {
-	for dir, nodes := range map[string][]string{
-		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
-		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
-	} {
-		st := loadCluster(t, filepath.Join("testdata", "dualstack", dir))
-		for _, node := range nodes {
-			t.Run(dir+"/"+node, func(t *testing.T) {
-				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
-				f, err := os.Open(path)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer f.Close()
-				obs, err := ParseRules(f)
-				if err != nil {
-					t.Fatal(err)
-				}
-				v6 := map[bool]int{}
-				for _, fe := range obs.Frontends {
-					// IPVS serves a node port by a virtual server per node
-					// address: the node's own.
-					if fe.Family() == 6 {
-						v6[fe.NodePort || fe.IP == netip.MustParseAddr("2001:2:0:40::15")]++
-					}
-				}
-				if !slices.Equal(obs.Families, []int{4, 6}) || v6[true] == 0 || v6[false] == 0 {
-					t.Fatalf("families %v; IPv6 frontends: %d node ports, %d by address", obs.Families, v6[true], v6[false])
-				}
-				fs := Diff(ExpectedFor(st, node), obs)
-				if strings.HasSuffix(dir, "drift") && (node == "ds-nft" || node == "ds-ipvs") {
-					checkGolden(t, strings.TrimSuffix(path, ".rules")+".findings.json", fs)
-					return
-				}
-				if len(fs) > 0 {
-					t.Fatalf("false findings on a healthy node: %+v", fs)
-				}
-			})
-		}
 	}
 }

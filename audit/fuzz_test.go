@@ -107,13 +107,6 @@ func FuzzParseIPVS(f *testing.F) {
 	fuzzReader(f, ParseIPVS)
 }
 
-// FuzzParseRules: format detection routes every input to a reader without
-// panicking.
-func FuzzParseRules(f *testing.F) {
-	seeds(f, "testdata/capture/clean/*.rules", "*nat\nCOMMIT\n", `{"nftables": []}`, "IP Virtual Server version 1.2.1 (size=4096)\n")
-	fuzzReader(f, ParseRules)
-}
-
 // FuzzParseClusterList: malformed cluster dumps give errors, never panics,
 // and reading one and building every node's expected model costs its size
 // plus what kube-proxy would program for it: allocPerByte per input byte and

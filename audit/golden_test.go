@@ -1,14 +1,24 @@
-package audit
+package audit_test
 
 import (
 	"bytes"
 	"encoding/json"
 	"flag"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/golden"
 )
+
+// The conformance tests: dumps captured from genuine kube-proxy and
+// judged end to end, each read as `proxyaudit diff` reads it (the format
+// known by its content, dataplane.ParseRules).
 
 var update = flag.Bool("update", false, "rewrite golden findings under testdata/")
 
@@ -27,58 +37,27 @@ func capturedRoots(t testing.TB) []string {
 	return append([]string{filepath.Join("testdata", "capture")}, others...)
 }
 
-func loadState(t testing.TB, dir string) *State {
-	return loadCluster(t, filepath.Join("testdata", "capture", dir))
+func loadState(t testing.TB, dir string) *audit.State {
+	return golden.Cluster(t, filepath.Join("testdata", "capture", dir))
 }
 
-// loadCluster reads dir/cluster.json.
-func loadCluster(t testing.TB, dir string) *State {
-	t.Helper()
-	data, err := os.ReadFile(filepath.Join(dir, "cluster.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	st, err := ParseClusterList(data)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return st
-}
-
-func auditFile(t testing.TB, st *State, node, path string) []Finding {
+func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	obs, err := ParseRules(f)
+	obs, err := dataplane.ParseRules(f)
 	if err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
-	return Diff(ExpectedFor(st, node), obs)
+	return audit.Diff(audit.ExpectedFor(st, node), obs)
 }
 
-func checkGolden(t *testing.T, path string, fs []Finding) {
+func checkGolden(t *testing.T, path string, fs []audit.Finding) {
 	t.Helper()
-	if fs == nil {
-		fs = []Finding{}
-	}
-	got, _ := json.MarshalIndent(fs, "", "  ")
-	got = append(got, '\n')
-	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test ./audit -update to create it)", err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("findings differ from %s (review, then go test ./audit -update):\n got: %s", path, got)
-	}
+	golden.Match(t, path, fs, *update)
 }
 
 // TestCapturedFixtures audits every node of every capture. Healthy nodes
@@ -87,7 +66,7 @@ func checkGolden(t *testing.T, path string, fs []Finding) {
 func TestCapturedFixtures(t *testing.T) {
 	for _, root := range capturedRoots(t) {
 		for _, dir := range captures {
-			st := loadCluster(t, filepath.Join(root, dir))
+			st := golden.Cluster(t, filepath.Join(root, dir))
 			for _, node := range captureNodes {
 				t.Run(filepath.Join(root, dir, node), func(t *testing.T) {
 					fs := auditFile(t, st, node, filepath.Join(root, dir, node+".rules"))
@@ -109,8 +88,8 @@ func TestCapturedFixtures(t *testing.T) {
 // apart from the rule names in the details.
 func TestDriftSameAcrossModes(t *testing.T) {
 	st := loadState(t, "drift")
-	strip := func(fs []Finding) []Finding {
-		out := make([]Finding, len(fs))
+	strip := func(fs []audit.Finding) []audit.Finding {
+		out := make([]audit.Finding, len(fs))
 		for i, f := range fs {
 			f.Node, f.Detail = "", ""
 			out[i] = f
@@ -173,30 +152,30 @@ func ipvsFixtures(t *testing.T, root string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		st, err := ParseClusterList(data)
+		st, err := audit.ParseClusterList(data)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var obs [2]*Observed
+		var obs [2]*audit.Observed
 		for i, name := range []string{"ipvs-a.save", "ipvs-a.list"} {
 			f, err := os.Open(filepath.Join(root, dir, name))
 			if err != nil {
 				t.Fatal(err)
 			}
-			obs[i], err = ParseRules(f)
+			obs[i], err = dataplane.ParseRules(f)
 			f.Close()
 			if err != nil {
 				t.Fatalf("%s/%s: %v", dir, name, err)
 			}
 		}
-		exp := ExpectedFor(st, "ipvs-a")
-		save, list := Diff(exp, obs[0]), Diff(exp, obs[1])
+		exp := audit.ExpectedFor(st, "ipvs-a")
+		save, list := audit.Diff(exp, obs[0]), audit.Diff(exp, obs[1])
 		js, _ := json.Marshal(save)
 		jl, _ := json.Marshal(list)
 		if !bytes.Equal(js, jl) {
 			t.Fatalf("%s: ipvsadm -Sn and -Ln disagree:\n%s\n%s", dir, js, jl)
 		}
-		switch draining := Draining(exp, obs[0]); dir {
+		switch draining := audit.Draining(exp, obs[0]); dir {
 		case "clean":
 			if len(save) != 0 || len(draining) != 0 {
 				t.Errorf("clean: %+v, draining %+v", save, draining)
@@ -218,13 +197,61 @@ func TestFlushedTable(t *testing.T) {
 		"iptables": "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\nCOMMIT\n",
 		"nftables": `{"nftables": [{"metainfo": {"json_schema_version": 1}}, {"table": {"family": "ip", "name": "kube-proxy", "handle": 3}}]}`,
 	} {
-		obs, err := ParseRules(strings.NewReader(dump))
+		obs, err := dataplane.ParseRules(strings.NewReader(dump))
 		if err != nil {
 			t.Fatal(name, err)
 		}
-		fs := Diff(ExpectedFor(st, "ipt-a"), obs)
-		if len(fs) != 1 || fs[0].Kind != NoRules {
+		fs := audit.Diff(audit.ExpectedFor(st, "ipt-a"), obs)
+		if len(fs) != 1 || fs[0].Kind != audit.NoRules {
 			t.Fatalf("%s: want one NoRules finding, got %+v", name, fs)
+		}
+	}
+}
+
+// Captures of genuine kube-proxy 1.36 on a dual-stack cluster (iptables,
+// both backends, nftables, and IPVS in the VM; make fixtures): in sync in
+// both families, IPv6 node ports and cluster IPs read; in the drift
+// captures ds-nft's kube-proxy was frozen while an IPv6 endpoint moved and
+// a dual-stack service appeared, and ds-ipvs's cut off from the API while
+// an IPv6 endpoint left: their findings are golden.
+func TestDualStackCaptures(t *testing.T) {
+	for dir, nodes := range map[string][]string{
+		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
+		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
+	} {
+		st := golden.Cluster(t, filepath.Join("testdata", "dualstack", dir))
+		for _, node := range nodes {
+			t.Run(dir+"/"+node, func(t *testing.T) {
+				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
+				f, err := os.Open(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				obs, err := dataplane.ParseRules(f)
+				if err != nil {
+					t.Fatal(err)
+				}
+				v6 := map[bool]int{}
+				for _, fe := range obs.Frontends {
+					// IPVS serves a node port by a virtual server per node
+					// address: the node's own.
+					if fe.Family() == 6 {
+						v6[fe.NodePort || fe.IP == netip.MustParseAddr("2001:2:0:40::15")]++
+					}
+				}
+				if !slices.Equal(obs.Families, []int{4, 6}) || v6[true] == 0 || v6[false] == 0 {
+					t.Fatalf("families %v; IPv6 frontends: %d node ports, %d by address", obs.Families, v6[true], v6[false])
+				}
+				fs := audit.Diff(audit.ExpectedFor(st, node), obs)
+				if strings.HasSuffix(dir, "drift") && (node == "ds-nft" || node == "ds-ipvs") {
+					checkGolden(t, strings.TrimSuffix(path, ".rules")+".findings.json", fs)
+					return
+				}
+				if len(fs) > 0 {
+					t.Fatalf("false findings on a healthy node: %+v", fs)
+				}
+			})
 		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
@@ -38,7 +39,7 @@ func rulesOf(t *testing.T, spec synth.Spec, edit func(string) string) *audit.Obs
 	if edit != nil {
 		text = edit(text)
 	}
-	obs, err := audit.ParseRules(strings.NewReader(text))
+	obs, err := dataplane.ParseRules(strings.NewReader(text))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,7 +64,7 @@ func FromIPVS(vs []VirtualServer) *Observed {
 		}
 	}
 	obs.NoRules = len(obs.Frontends) == 0
-	obs.normalize()
+	obs.Normalize()
 	return obs
 }
 

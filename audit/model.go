@@ -299,13 +299,14 @@ func Merge(parts ...*Observed) (*Observed, error) {
 	for _, p := range withRules {
 		o.Frontends = append(o.Frontends, p.Frontends...)
 	}
-	o.normalize()
+	o.Normalize()
 	return o, nil
 }
 
-// normalize sorts frontends and endpoints and removes duplicates so that
-// comparisons are set operations on sorted data.
-func (o *Observed) normalize() {
+// Normalize sorts frontends and endpoints and removes duplicates so that
+// comparisons are set operations on sorted data: every reader calls it on
+// the model it built, last.
+func (o *Observed) Normalize() {
 	// Stable: of two frontends with one key the first stays.
 	slices.SortStableFunc(o.Frontends, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
 	out := o.Frontends[:0]

@@ -179,7 +179,7 @@ func reduceNFT(srcs []nftSource) (*Observed, error) {
 		obs.Families = []int{4}
 	}
 	slices.Sort(obs.Families)
-	obs.normalize()
+	obs.Normalize()
 	return obs, nil
 }
 

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
@@ -341,7 +342,7 @@ func readRules(r io.Reader) (*audit.Observed, error) {
 		}
 		return st.Observed(), nil
 	}
-	return audit.ParseRules(br)
+	return dataplane.ParseRules(br)
 }
 
 func readBounded(path string) ([]byte, error) {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -35,7 +36,7 @@ func TestDualStackCapturesThroughTheStream(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		obs, err := audit.ParseRules(f)
+		obs, err := dataplane.ParseRules(f)
 		if err != nil {
 			t.Fatal(err)
 		}

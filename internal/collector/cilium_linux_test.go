@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 )
 
 // A node without kube-proxy's rules whose BPF filesystem holds Cilium's
@@ -26,18 +26,18 @@ func TestDetectAndReadCiliumMaps(t *testing.T) {
 		t.Skipf("cannot mount a BPF filesystem here (%v): the reader's test needs root", err)
 	}
 	t.Cleanup(func() { unix.Unmount(root, 0) })
-	b, err := os.ReadFile("../../audit/testdata/cilium/scenario/maps.json")
+	b, err := os.ReadFile("../../dataplane/cilium/testdata/scenario/maps.json")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var dumps []audit.CiliumMapDump
+	var dumps []cilium.MapDump
 	if err := json.Unmarshal(b, &dumps); err != nil {
 		t.Fatal(err)
 	}
-	if err := ciliummaps.Pin(root, dumps); err != nil {
+	if err := cilium.Pin(root, dumps); err != nil {
 		t.Fatal(err)
 	}
-	h := &Host{HasInterface: func(string) bool { return false }, BPFFS: root, ReadCilium: ciliummaps.Read}
+	h := &Host{HasInterface: func(string) bool { return false }, BPFFS: root, ReadCilium: cilium.Read}
 	src, err := h.Detect(context.Background())
 	if err != nil || src.Mode != audit.ModeCilium {
 		t.Fatalf("detected %v, %v; want cilium", src, err)
@@ -46,7 +46,7 @@ func TestDetectAndReadCiliumMaps(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cluster, err := os.ReadFile("../../audit/testdata/cilium/scenario/cluster.json")
+	cluster, err := os.ReadFile("../../dataplane/cilium/testdata/scenario/cluster.json")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 	utilexec "k8s.io/utils/exec"
 )
 
@@ -351,7 +352,7 @@ func nftFamily(fam int) string {
 // re-creates them is followed.
 type ciliumReader struct {
 	bpffs string
-	read  func(bpffs string) ([]audit.CiliumMapDump, error)
+	read  func(bpffs string) ([]cilium.MapDump, error)
 	bytes atomic.Int64
 	// note is detection's (Source.Note), a warning with every read.
 	note string
@@ -375,7 +376,7 @@ func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
 		n += int64(len(d.Packed) + len(d.Entries)*(d.KeySize+d.ValueSize))
 	}
 	r.bytes.Store(n)
-	lb, err := audit.DecodeCilium(dumps)
+	lb, err := cilium.Decode(dumps)
 	if err != nil {
 		return nil, err
 	}

@@ -21,7 +21,7 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 )
 
 // Source names where one node's kube-proxy rules are read from.
@@ -144,9 +144,9 @@ type Host struct {
 	// BPFFS is the BPF filesystem Cilium pins its maps to (cilium-agent
 	// --bpf-root; /sys/fs/bpf).
 	BPFFS string
-	// ReadCilium reads Cilium's LB maps pinned under BPFFS (ciliummaps.Read
+	// ReadCilium reads Cilium's LB maps pinned under BPFFS (cilium.Read
 	// in production); nil: Cilium is never looked for.
-	ReadCilium func(bpffs string) ([]audit.CiliumMapDump, error)
+	ReadCilium func(bpffs string) ([]cilium.MapDump, error)
 	// KubeProxyAnswers says whether kube-proxy runs on the node (its
 	// metrics answer), asked only when both kube-proxy's rules and
 	// Cilium's maps are found; nil: not asked (kube-proxy's rules win).
@@ -167,7 +167,7 @@ func NewHost() *Host {
 		OpenIPVS:     openIPVS,
 		NFTChain:     nftChainExists,
 		BPFFS:        DefaultBPFFS,
-		ReadCilium:   ciliummaps.Read,
+		ReadCilium:   cilium.Read,
 		HasInterface: func(name string) bool {
 			_, err := net.InterfaceByName(name)
 			return err == nil
@@ -228,8 +228,8 @@ func (h *Host) ciliumPinned() bool {
 	if h.ReadCilium == nil {
 		return false
 	}
-	for _, m := range []string{audit.CiliumServices4, audit.CiliumServices6} {
-		if _, err := os.Stat(filepath.Join(h.BPFFS, ciliummaps.Globals, m)); err == nil {
+	for _, m := range []string{cilium.Services4, cilium.Services6} {
+		if _, err := os.Stat(filepath.Join(h.BPFFS, cilium.Globals, m)); err == nil {
 			return true
 		}
 	}

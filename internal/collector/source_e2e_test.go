@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -62,7 +63,7 @@ func TestE2EDetectAndReadEveryMode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ref, err := audit.ParseRules(strings.NewReader(text))
+		ref, err := dataplane.ParseRules(strings.NewReader(text))
 		if err != nil {
 			t.Fatal(err)
 		}

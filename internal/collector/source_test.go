@@ -19,6 +19,7 @@ import (
 	fakeexec "k8s.io/utils/exec/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -351,7 +352,7 @@ func TestDetectLeftoverKubeProxyRulesOnACiliumNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	pinned := func() {
-		if err := os.WriteFile(filepath.Join(bpffs, "tc/globals", audit.CiliumServices4), nil, 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(bpffs, "tc/globals", cilium.Services4), nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -370,7 +371,7 @@ func TestDetectLeftoverKubeProxyRulesOnACiliumNode(t *testing.T) {
 		{name: "no Cilium maps", answers: ptr(false), want: audit.ModeIPTables},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			os.Remove(filepath.Join(bpffs, "tc/globals", audit.CiliumServices4))
+			os.Remove(filepath.Join(bpffs, "tc/globals", cilium.Services4))
 			if tc.maps {
 				pinned()
 			}
@@ -380,13 +381,13 @@ func TestDetectLeftoverKubeProxyRulesOnACiliumNode(t *testing.T) {
 			}
 			h, _ := fakeHost(false, "", ipt, legacy)
 			h.BPFFS = bpffs
-			// The genuine agent's maps (audit/testdata/cilium/scenario).
-			h.ReadCilium = func(string) ([]audit.CiliumMapDump, error) {
-				b, err := os.ReadFile("../../audit/testdata/cilium/scenario/maps.json")
+			// The genuine agent's maps (dataplane/cilium/testdata/scenario).
+			h.ReadCilium = func(string) ([]cilium.MapDump, error) {
+				b, err := os.ReadFile("../../dataplane/cilium/testdata/scenario/maps.json")
 				if err != nil {
 					return nil, err
 				}
-				var dumps []audit.CiliumMapDump
+				var dumps []cilium.MapDump
 				return dumps, json.Unmarshal(b, &dumps)
 			}
 			asked := 0

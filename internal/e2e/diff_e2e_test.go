@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/scenario"
@@ -51,7 +52,7 @@ func TestE2ELiveDiff(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			obs, err := audit.ParseRules(strings.NewReader(rules))
+			obs, err := dataplane.ParseRules(strings.NewReader(rules))
 			if err != nil {
 				t.Fatalf("%s: %v", n.Name, err)
 			}

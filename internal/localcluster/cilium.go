@@ -17,8 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 )
 
 // ModeCilium runs the genuine Cilium agent (deploy/k8s-tools/cilium.sh)
@@ -177,7 +176,7 @@ func (n *Node) startAgent() (*process, error) {
 // ciliumRules is the node's Cilium maps as a JSON list of maps (what
 // `proxyaudit diff` takes, deploy/cilium/dump prints).
 func (n *Node) ciliumRules() (string, error) {
-	dumps, err := ciliummaps.Read(n.BPFFS())
+	dumps, err := cilium.Read(n.BPFFS())
 	if err != nil {
 		return "", err
 	}
@@ -195,7 +194,7 @@ func ciliumRoutesTo(rules, ipPort string) bool {
 	if err != nil {
 		return false
 	}
-	obs, err := audit.ParseCiliumMaps(strings.NewReader(rules))
+	obs, err := cilium.ParseMaps(strings.NewReader(rules))
 	if err != nil {
 		return false
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -17,7 +18,7 @@ import (
 
 func parseRules(t testing.TB, b []byte) *audit.Observed {
 	t.Helper()
-	obs, err := audit.ParseRules(bytes.NewReader(b))
+	obs, err := dataplane.ParseRules(bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,11 +5,12 @@ import (
 	"testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 )
 
 func parse(t testing.TB, b []byte) *audit.Observed {
 	t.Helper()
-	obs, err := audit.ParseRules(bytes.NewReader(b))
+	obs, err := dataplane.ParseRules(bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}

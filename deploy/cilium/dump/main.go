@@ -1,6 +1,6 @@
 // Command dump writes the raw entries of Cilium's LB maps pinned under a
 // BPF filesystem (-bpffs) as JSON: the golden captures of the genuine
-// agent's maps in audit/testdata/cilium are made with it
+// agent's maps in dataplane/cilium/testdata are made with it
 // (deploy/cilium/capture.sh).
 package main
 
@@ -10,13 +10,13 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/proxyaudit/proxyaudit/internal/collector/ciliummaps"
+	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 )
 
 func main() {
 	bpffs := flag.String("bpffs", "/sys/fs/bpf", "the BPF filesystem the agent pins its maps to (cilium-agent --bpf-root)")
 	flag.Parse()
-	maps, err := ciliummaps.Read(*bpffs)
+	maps, err := cilium.Read(*bpffs)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "dump:", err)
 		os.Exit(1)

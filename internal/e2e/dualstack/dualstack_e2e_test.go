@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
@@ -246,7 +247,7 @@ func TestE2EDualStack(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ref, err := audit.ParseRules(strings.NewReader(text))
+		ref, err := dataplane.ParseRules(strings.NewReader(text))
 		if err != nil {
 			t.Fatalf("%s: %v", n.Name, err)
 		}
@@ -501,7 +502,7 @@ func TestE2EDualStackIPVS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		obs, err := audit.ParseRules(strings.NewReader(dump))
+		obs, err := dataplane.ParseRules(strings.NewReader(dump))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,19 +1,17 @@
 //go:build !linux
 
-package ciliummaps
+package cilium
 
 import (
 	"errors"
-
-	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Read needs Linux's BPF maps.
-func Read(string) ([]audit.CiliumMapDump, error) {
+func Read(string) ([]MapDump, error) {
 	return nil, errors.New("cilium's BPF maps can only be read on Linux")
 }
 
 // Pin needs Linux's BPF maps.
-func Pin(string, []audit.CiliumMapDump) error {
+func Pin(string, []MapDump) error {
 	return errors.New("cilium's BPF maps can only be pinned on Linux")
 }

@@ -1,4 +1,4 @@
-package ciliummaps
+package cilium
 
 // Globals is where Cilium pins its global maps under the BPF filesystem.
 const Globals = "tc/globals"

@@ -1,4 +1,4 @@
-package ciliummaps
+package cilium
 
 import (
 	"bytes"
@@ -14,8 +14,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
-
-	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // synthLB is a node's LB maps in Cilium's v1.18–v1.20 layout (the
@@ -23,12 +21,12 @@ import (
 // IPs, each with a wildcard entry, a master and per backends slots, every
 // backend of its own. For measuring reads at scale only: what the entries
 // mean is proved on the agent's own maps (audit's capture tests).
-func synthLB(services, per int) []audit.CiliumMapDump {
-	svc := audit.CiliumMapDump{Name: audit.CiliumServices4, KeySize: 12, ValueSize: 12}
-	be := audit.CiliumMapDump{Name: audit.CiliumBackends4, KeySize: 4, ValueSize: 12}
-	rev := audit.CiliumMapDump{Name: audit.CiliumRevNat4, KeySize: 2, ValueSize: 6}
-	add := func(d *audit.CiliumMapDump, k, v []byte) {
-		d.Entries = append(d.Entries, audit.CiliumEntry{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)})
+func synthLB(services, per int) []MapDump {
+	svc := MapDump{Name: Services4, KeySize: 12, ValueSize: 12}
+	be := MapDump{Name: Backends4, KeySize: 4, ValueSize: 12}
+	rev := MapDump{Name: RevNat4, KeySize: 2, ValueSize: 6}
+	add := func(d *MapDump, k, v []byte) {
+		d.Entries = append(d.Entries, Entry{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)})
 	}
 	id := uint32(0)
 	for i := range services {
@@ -69,7 +67,7 @@ func synthLB(services, per int) []audit.CiliumMapDump {
 		binary.BigEndian.PutUint16(v[4:], 80)
 		add(&rev, k, v)
 	}
-	return []audit.CiliumMapDump{svc, be, rev}
+	return []MapDump{svc, be, rev}
 }
 
 // BenchmarkReadAt10kServices reads a node's LB maps at 10k services and
@@ -101,7 +99,7 @@ func BenchmarkReadAt10kServices(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			lb, err := audit.DecodeCilium(dumps)
+			lb, err := Decode(dumps)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -116,20 +114,20 @@ func BenchmarkReadAt10kServices(b *testing.B) {
 	b.Run("proxyaudit-iterating", func(b *testing.B) {
 		start := cpu()
 		for b.Loop() {
-			var dumps []audit.CiliumMapDump
-			for _, name := range []string{audit.CiliumServices4, audit.CiliumBackends4, audit.CiliumRevNat4} {
+			var dumps []MapDump
+			for _, name := range []string{Services4, Backends4, RevNat4} {
 				m, err := ebpf.LoadPinnedMap(filepath.Join(root, Globals, name), &ebpf.LoadPinOptions{ReadOnly: true})
 				if err != nil {
 					b.Fatal(err)
 				}
 				packed, err := iterate(m)
-				dumps = append(dumps, audit.CiliumMapDump{Name: name, KeySize: int(m.KeySize()), ValueSize: int(m.ValueSize()), Packed: packed})
+				dumps = append(dumps, MapDump{Name: name, KeySize: int(m.KeySize()), ValueSize: int(m.ValueSize()), Packed: packed})
 				m.Close()
 				if err != nil {
 					b.Fatal(err)
 				}
 			}
-			lb, err := audit.DecodeCilium(dumps)
+			lb, err := Decode(dumps)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -163,7 +161,7 @@ func BenchmarkReadAt10kServices(b *testing.B) {
 // ciliumDbg is the genuine cilium-dbg, built (or found cached) by
 // deploy/k8s-tools/cilium.sh.
 func ciliumDbg(b *testing.B) string {
-	script, err := filepath.Abs("../../../deploy/k8s-tools/cilium.sh")
+	script, err := filepath.Abs("../../deploy/k8s-tools/cilium.sh")
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,6 +1,4 @@
-// Package ciliummaps reads Cilium's LB maps pinned in a BPF filesystem,
-// read-only, for the collector (and the local cluster's waits).
-package ciliummaps
+package cilium
 
 import (
 	"encoding/hex"
@@ -12,8 +10,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
-
-	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Read reads Cilium's LB maps pinned under the BPF filesystem
@@ -21,11 +17,11 @@ import (
 // BPF_F_RDONLY and only looked up, in batches. A family whose maps are absent (IPv6
 // off) is left out; no services map at all is an error saying where it
 // looked.
-func Read(bpffs string) ([]audit.CiliumMapDump, error) {
+func Read(bpffs string) ([]MapDump, error) {
 	dir := filepath.Join(bpffs, Globals)
-	var out []audit.CiliumMapDump
+	var out []MapDump
 	services := false
-	for _, name := range audit.CiliumMapNames {
+	for _, name := range MapNames {
 		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), &ebpf.LoadPinOptions{ReadOnly: true})
 		if errors.Is(err, os.ErrNotExist) {
 			continue
@@ -38,12 +34,12 @@ func Read(bpffs string) ([]audit.CiliumMapDump, error) {
 		if err != nil {
 			return nil, err
 		}
-		services = services || name == audit.CiliumServices4 || name == audit.CiliumServices6
+		services = services || name == Services4 || name == Services6
 		out = append(out, d)
 	}
 	if !services {
 		return nil, fmt.Errorf("no Cilium service map (%s or %s) in %s: is Cilium's kube-proxy replacement running on this node, and is %s the BPF filesystem it pins to (cilium-agent --bpf-root)?",
-			audit.CiliumServices4, audit.CiliumServices6, dir, bpffs)
+			Services4, Services6, dir, bpffs)
 	}
 	return out, nil
 }
@@ -51,7 +47,7 @@ func Read(bpffs string) ([]audit.CiliumMapDump, error) {
 // Pin writes dumps as Cilium's agent pins its maps: hash maps of the
 // dumps' sizes under bpffs/tc/globals, for tests and for replaying a
 // capture into a kernel.
-func Pin(bpffs string, dumps []audit.CiliumMapDump) error {
+func Pin(bpffs string, dumps []MapDump) error {
 	dir := filepath.Join(bpffs, Globals)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -83,11 +79,11 @@ func Pin(bpffs string, dumps []audit.CiliumMapDump) error {
 	return nil
 }
 
-func dumpMap(m *ebpf.Map, name string) (audit.CiliumMapDump, error) {
-	d := audit.CiliumMapDump{Name: name, KeySize: int(m.KeySize()), ValueSize: int(m.ValueSize())}
+func dumpMap(m *ebpf.Map, name string) (MapDump, error) {
+	d := MapDump{Name: name, KeySize: int(m.KeySize()), ValueSize: int(m.ValueSize())}
 	var err error
 	switch [2]int{d.KeySize, d.ValueSize} {
-	// The layouts proxyaudit reads (audit's ciliumLayouts), in batches:
+	// The layouts proxyaudit reads (audit's layouts), in batches:
 	// two system calls per entry when iterated, one per thousands here.
 	case [2]int{12, 12}:
 		d.Packed, err = readBatch[[12]byte, [12]byte](m)
@@ -120,7 +116,7 @@ const batchSize = 4096
 
 // readBatch reads every entry of a hash map of K-byte keys and V-byte
 // values (byte arrays) with BPF_MAP_LOOKUP_BATCH, packed as audit's
-// CiliumMapDump.Packed holds them. A map the agent writes meanwhile may
+// MapDump.Packed holds them. A map the agent writes meanwhile may
 // show an entry twice or miss one, as iteration may.
 func readBatch[K, V any](m *ebpf.Map) ([]byte, error) {
 	keys, vals := make([]K, batchSize), make([]V, batchSize)

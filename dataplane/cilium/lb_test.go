@@ -1,9 +1,10 @@
-package audit
+package cilium
 
 import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"flag"
 	"maps"
 	"net/netip"
 	"os"
@@ -14,15 +15,27 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/golden"
 )
 
-func readCiliumCapture(t testing.TB, dir string) []CiliumMapDump {
+// A hostile dump may cost at most allocPerByte per input byte plus
+// allocBase: the bound every reader's fuzz target holds (audit/fuzz_test.go).
+const (
+	allocPerByte = 200
+	allocBase    = 4 << 20
+)
+
+var update = flag.Bool("update", false, "rewrite golden findings under testdata/")
+
+func readCiliumCapture(t testing.TB, dir string) []MapDump {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(dir, "maps.json"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	var d []CiliumMapDump
+	var d []MapDump
 	if err := json.Unmarshal(b, &d); err != nil {
 		t.Fatal(err)
 	}
@@ -35,7 +48,7 @@ func readCiliumCapture(t testing.TB, dir string) []CiliumMapDump {
 // `cilium-dbg bpf lb list`, flags included, and every backend of
 // `cilium-dbg service list` with its state.
 func TestCiliumCapturesReadAsCiliumDbgReadsThem(t *testing.T) {
-	dirs, _ := filepath.Glob("testdata/cilium/*")
+	dirs, _ := filepath.Glob("testdata/*")
 	if len(dirs) == 0 {
 		t.Fatal("no captures in testdata/cilium (deploy/cilium/capture.sh makes them)")
 	}
@@ -43,7 +56,7 @@ func TestCiliumCapturesReadAsCiliumDbgReadsThem(t *testing.T) {
 	backend := regexp.MustCompile(`(\d+) => (\S+)/(TCP|UDP|SCTP) \((\w+)\)`)
 	for _, dir := range dirs {
 		t.Run(filepath.Base(dir), func(t *testing.T) {
-			lb, err := DecodeCilium(readCiliumCapture(t, dir))
+			lb, err := Decode(readCiliumCapture(t, dir))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -92,35 +105,35 @@ func TestCiliumCapturesReadAsCiliumDbgReadsThem(t *testing.T) {
 // A map of another layout, or entries that are not of its sizes, is an
 // error naming the map: never a guess.
 func TestCiliumLayoutsAreKnownNotGuessed(t *testing.T) {
-	good := readCiliumCapture(t, "testdata/cilium/scenario")
-	for name, mutate := range map[string]func(d []CiliumMapDump){
-		"a services value of 16 bytes": func(d []CiliumMapDump) { d[0].ValueSize = 16 },
-		"a key that is not hex":        func(d []CiliumMapDump) { d[0].Entries[0].Key = "zz" + d[0].Entries[0].Key[2:] },
-		"a value one byte short":       func(d []CiliumMapDump) { d[0].Entries[0].Value = d[0].Entries[0].Value[2:] },
+	good := readCiliumCapture(t, "testdata/scenario")
+	for name, mutate := range map[string]func(d []MapDump){
+		"a services value of 16 bytes": func(d []MapDump) { d[0].ValueSize = 16 },
+		"a key that is not hex":        func(d []MapDump) { d[0].Entries[0].Key = "zz" + d[0].Entries[0].Key[2:] },
+		"a value one byte short":       func(d []MapDump) { d[0].Entries[0].Value = d[0].Entries[0].Value[2:] },
 	} {
-		d := make([]CiliumMapDump, len(good))
+		d := make([]MapDump, len(good))
 		for i := range good {
 			d[i] = good[i]
 			d[i].Entries = slices.Clone(good[i].Entries)
 		}
-		if d[0].Name != CiliumServices4 {
+		if d[0].Name != Services4 {
 			t.Fatalf("the capture's first map is %s", d[0].Name)
 		}
 		mutate(d)
-		if _, err := DecodeCilium(d); err == nil || !strings.Contains(err.Error(), CiliumServices4) {
-			t.Errorf("%s: %v, want an error naming %s", name, err, CiliumServices4)
+		if _, err := Decode(d); err == nil || !strings.Contains(err.Error(), Services4) {
+			t.Errorf("%s: %v, want an error naming %s", name, err, Services4)
 		}
 	}
 	// A map proxyaudit does not read (another of Cilium's) is ignored.
-	if _, err := DecodeCilium(append(slices.Clone(good), CiliumMapDump{Name: "cilium_lb4_maglev", KeySize: 2, ValueSize: 4})); err != nil {
+	if _, err := Decode(append(slices.Clone(good), MapDump{Name: "cilium_lb4_maglev", KeySize: 2, ValueSize: 4})); err != nil {
 		t.Error(err)
 	}
 }
 
 // Any bytes of the known sizes decode without panicking, into frontends
 // whose slots never exceed what was read.
-func FuzzDecodeCilium(f *testing.F) {
-	for _, d := range readCiliumCapture(f, "testdata/cilium/scenario") {
+func FuzzDecode(f *testing.F) {
+	for _, d := range readCiliumCapture(f, "testdata/scenario") {
 		for _, e := range d.Entries[:min(3, len(d.Entries))] {
 			k, _ := hex.DecodeString(e.Key)
 			v, _ := hex.DecodeString(e.Value)
@@ -128,13 +141,13 @@ func FuzzDecodeCilium(f *testing.F) {
 		}
 	}
 	f.Fuzz(func(t *testing.T, name string, k, v []byte) {
-		sizes, ok := ciliumLayouts[name]
+		sizes, ok := layouts[name]
 		if !ok {
 			return
 		}
 		k = append(k, make([]byte, max(0, sizes[0]-len(k)))...)[:sizes[0]]
 		v = append(v, make([]byte, max(0, sizes[1]-len(v)))...)[:sizes[1]]
-		lb, err := DecodeCilium([]CiliumMapDump{{Name: name, KeySize: sizes[0], ValueSize: sizes[1], Entries: []CiliumEntry{{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)}}}})
+		lb, err := Decode([]MapDump{{Name: name, KeySize: sizes[0], ValueSize: sizes[1], Entries: []Entry{{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)}}}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -147,13 +160,13 @@ func FuzzDecodeCilium(f *testing.F) {
 		// The entry among the genuine agent's: it may name their backends
 		// and take over their slots or masters. Reduced and judged, every
 		// endpoint must be a decoded backend, and nothing may panic.
-		all := readCiliumCapture(t, "testdata/cilium/scenario")
+		all := readCiliumCapture(t, "testdata/scenario")
 		for i := range all {
 			if all[i].Name == name {
-				all[i].Entries = append(all[i].Entries, CiliumEntry{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)})
+				all[i].Entries = append(all[i].Entries, Entry{Key: hex.EncodeToString(k), Value: hex.EncodeToString(v)})
 			}
 		}
-		lb, err = DecodeCilium(all)
+		lb, err = Decode(all)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -169,25 +182,25 @@ func FuzzDecodeCilium(f *testing.F) {
 				}
 			}
 		}
-		_ = Diff(ExpectedFor(fuzzCiliumState, "cilx"), obs)
+		_ = audit.Diff(audit.ExpectedFor(fuzzCiliumState, "cilx"), obs)
 	})
 }
 
-var fuzzCiliumState = func() *State {
-	data, err := os.ReadFile("testdata/cilium/scenario/cluster.json")
+var fuzzCiliumState = func() *audit.State {
+	data, err := os.ReadFile("testdata/scenario/cluster.json")
 	if err != nil {
 		panic(err)
 	}
-	st, err := ParseClusterList(data)
+	st, err := audit.ParseClusterList(data)
 	if err != nil {
 		panic(err)
 	}
 	return st
 }()
 
-func ciliumObserved(t *testing.T, dir string) *Observed {
+func ciliumObserved(t *testing.T, dir string) *audit.Observed {
 	t.Helper()
-	lb, err := DecodeCilium(readCiliumCapture(t, dir))
+	lb, err := Decode(readCiliumCapture(t, dir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,25 +216,25 @@ func ciliumObserved(t *testing.T, dir string) *Observed {
 // agent's maps (SIGSTOP, then an endpoint left web, one joined dns and
 // service late appeared) give exactly those three findings.
 func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
-	st := loadCluster(t, "testdata/cilium/scenario")
-	obs := ciliumObserved(t, "testdata/cilium/scenario")
+	st := golden.Cluster(t, "testdata/scenario")
+	obs := ciliumObserved(t, "testdata/scenario")
 	if obs.NoRules || len(obs.Frontends) < 10 || !slices.Equal(obs.Families, []int{4}) {
 		t.Fatalf("scenario reduced to %d frontends, families %v, no rules %v", len(obs.Frontends), obs.Families, obs.NoRules)
 	}
-	if fs := Diff(ExpectedFor(st, "cilx"), obs); len(fs) > 0 {
+	if fs := audit.Diff(audit.ExpectedFor(st, "cilx"), obs); len(fs) > 0 {
 		t.Fatalf("false findings on the genuine agent's in-sync maps: %+v", fs)
 	}
 	// Another node's view of the same services differs where the node
 	// matters (Local traffic policy): judged as node "other", cilx's
 	// maps drift.
-	if fs := Diff(ExpectedFor(st, "other"), obs); len(fs) == 0 {
+	if fs := audit.Diff(audit.ExpectedFor(st, "other"), obs); len(fs) == 0 {
 		t.Fatal("cilx's maps judged as node other's: no finding, but its Local scopes hold cilx's endpoints")
 	}
 
 	// Dual-stack: both families of one service, an IPv6-only one, a
 	// dual-stack node port with externalTrafficPolicy Local (the lb6
 	// maps, as the genuine agent writes them).
-	dual := ciliumObserved(t, "testdata/cilium/dualstack")
+	dual := ciliumObserved(t, "testdata/dualstack")
 	six := 0
 	for _, f := range dual.Frontends {
 		if f.Family() == 6 {
@@ -231,21 +244,21 @@ func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
 	if six < 4 || !slices.Equal(dual.Families, []int{4, 6}) {
 		t.Fatalf("dual-stack capture: %d IPv6 frontends, families %v", six, dual.Families)
 	}
-	if fs := Diff(ExpectedFor(loadCluster(t, "testdata/cilium/dualstack"), "cilx"), dual); len(fs) > 0 {
+	if fs := audit.Diff(audit.ExpectedFor(golden.Cluster(t, "testdata/dualstack"), "cilx"), dual); len(fs) > 0 {
 		t.Fatalf("false findings on the genuine agent's dual-stack maps: %+v", fs)
 	}
 
-	frozen := loadCluster(t, "testdata/cilium/frozen")
-	fs := Diff(ExpectedFor(frozen, "cilx"), ciliumObserved(t, "testdata/cilium/frozen"))
-	checkGolden(t, "testdata/cilium/frozen/findings.json", fs)
-	kinds := map[string]Kind{}
+	frozen := golden.Cluster(t, "testdata/frozen")
+	fs := audit.Diff(audit.ExpectedFor(frozen, "cilx"), ciliumObserved(t, "testdata/frozen"))
+	golden.Match(t, "testdata/frozen/findings.json", fs, *update)
+	kinds := map[string]audit.Kind{}
 	for _, f := range fs {
 		kinds[f.Service+" "+f.Endpoint] = f.Kind
 	}
-	want := map[string]Kind{
-		"default/web 198.18.129.11:8080": StaleEndpoint,
-		"default/dns 198.18.128.21:5353": MissingEndpoint,
-		"default/late ":                  MissingService,
+	want := map[string]audit.Kind{
+		"default/web 198.18.129.11:8080": audit.StaleEndpoint,
+		"default/dns 198.18.128.21:5353": audit.MissingEndpoint,
+		"default/late ":                  audit.MissingService,
 	}
 	if !maps.Equal(kinds, want) {
 		t.Errorf("frozen agent's findings %v, want %v", kinds, want)
@@ -256,63 +269,57 @@ func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
 // gone from under its slots. Each is said (a warning naming the entry)
 // and judged (the finding it causes), never read as in sync.
 func TestCiliumDamagedMaps(t *testing.T) {
-	st := loadCluster(t, "testdata/cilium/scenario")
-	edit := func(name string, drop func(CiliumEntry) bool) (*Observed, []Finding) {
-		all := readCiliumCapture(t, "testdata/cilium/scenario")
+	st := golden.Cluster(t, "testdata/scenario")
+	edit := func(name string, drop func(Entry) bool) (*audit.Observed, []audit.Finding) {
+		all := readCiliumCapture(t, "testdata/scenario")
 		for i := range all {
 			if all[i].Name == name {
 				all[i].Entries = slices.DeleteFunc(all[i].Entries, drop)
 			}
 		}
-		lb, err := DecodeCilium(all)
+		lb, err := Decode(all)
 		if err != nil {
 			t.Fatal(err)
 		}
 		obs := lb.Observed()
-		return obs, Diff(ExpectedFor(st, "cilx"), obs)
+		return obs, audit.Diff(audit.ExpectedFor(st, "cilx"), obs)
 	}
-	obs, fs := edit(CiliumServices4, func(CiliumEntry) bool { return true })
-	if !obs.NoRules || len(fs) != 1 || fs[0].Kind != NoRules || !strings.Contains(fs[0].Detail, "Cilium") {
+	obs, fs := edit(Services4, func(Entry) bool { return true })
+	if !obs.NoRules || len(fs) != 1 || fs[0].Kind != audit.NoRules || !strings.Contains(fs[0].Detail, "Cilium") {
 		t.Errorf("emptied services map: no rules %v, findings %+v", obs.NoRules, fs)
 	}
 
 	// The kubernetes service's backend (198.18.90.1:6443) gone.
 	apiserver := hex.EncodeToString([]byte{198, 18, 90, 1, 0x19, 0x2b})
-	obs, fs = edit(CiliumBackends4, func(e CiliumEntry) bool { return strings.HasPrefix(e.Value, apiserver) })
+	obs, fs = edit(Backends4, func(e Entry) bool { return strings.HasPrefix(e.Value, apiserver) })
 	if len(obs.Warnings) != 1 || !strings.Contains(obs.Warnings[0], "which the backends map lacks") {
 		t.Errorf("backend gone: warnings %q", obs.Warnings)
 	}
-	if len(fs) != 1 || fs[0].Kind != MissingService || fs[0].Service != "default/kubernetes" {
+	if len(fs) != 1 || fs[0].Kind != audit.MissingService || fs[0].Service != "default/kubernetes" {
 		t.Errorf("backend gone: findings %+v", fs)
 	}
 
 	// The kubernetes service's master entry (198.19.0.1:443/TCP, slot 0).
 	master := hex.EncodeToString([]byte{198, 19, 0, 1, 0x01, 0xbb, 0, 0, 6, 0, 0, 0})
-	obs, fs = edit(CiliumServices4, func(e CiliumEntry) bool { return e.Key == master })
+	obs, fs = edit(Services4, func(e Entry) bool { return e.Key == master })
 	if len(obs.Warnings) != 1 || !strings.Contains(obs.Warnings[0], "no master entry") {
 		t.Errorf("master gone: warnings %q", obs.Warnings)
 	}
-	if len(fs) != 1 || fs[0].Kind != MissingService || fs[0].Service != "default/kubernetes" {
+	if len(fs) != 1 || fs[0].Kind != audit.MissingService || fs[0].Service != "default/kubernetes" {
 		t.Errorf("master gone: findings %+v", fs)
 	}
 }
 
-// `proxyaudit diff` and the other rule readers take a Cilium node's maps
-// dump like any dump: detected by content, judged the same; malformed
-// dumps are refused saying what was expected.
-func TestCiliumDumpParsesAsRules(t *testing.T) {
-	st := loadCluster(t, "testdata/cilium/frozen")
-	fs := auditFile(t, st, "cilx", "testdata/cilium/frozen/maps.json")
-	if len(fs) != 4 {
-		t.Errorf("frozen dump through ParseRules: %+v", fs)
-	}
+// Malformed dumps are refused saying what was expected (`proxyaudit
+// diff` takes them through dataplane.ParseRules: dataplane's tests).
+func TestParseMapsRefusesMalformedDumps(t *testing.T) {
 	for in, says := range map[string]string{
 		`[{"name": "cilium_lb4_services_v2", "keySize": 12, "valueSize": 12, "entries": [{"key": "zz", "value": ""}]}]`: "not a 12-byte key",
 		`[{"name": "cilium_lb4_backends_v3", "keySize": 4, "valueSize": 12}]`:                                           "no services map",
 		`[1, 2]`:                   "a JSON list of maps",
 		`[{"name": "cilium_lb4_se`: "a JSON list of maps",
 	} {
-		if _, err := ParseRules(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), says) {
+		if _, err := ParseMaps(strings.NewReader(in)); err == nil || !strings.Contains(err.Error(), says) {
 			t.Errorf("%s: %v, want %q", in, err, says)
 		}
 	}
@@ -323,16 +330,16 @@ func TestCiliumDumpParsesAsRules(t *testing.T) {
 // cluster's endpoints: a backend gone from it is found, named as the
 // internal scope; its key survives the wire.
 func TestCiliumInternalScopeJudged(t *testing.T) {
-	st := loadCluster(t, "testdata/cilium/scenario")
-	all := readCiliumCapture(t, "testdata/cilium/scenario")
+	st := golden.Cluster(t, "testdata/scenario")
+	all := readCiliumCapture(t, "testdata/scenario")
 	internal := 0
 	for i := range all {
-		if all[i].Name == CiliumServices4 {
+		if all[i].Name == Services4 {
 			// 198.18.201.1:8443/TCP, slot 2, internal scope: 198.18.129.31.
-			all[i].Entries = slices.DeleteFunc(all[i].Entries, func(e CiliumEntry) bool { return e.Key == "c612c90120fb020006010000" })
+			all[i].Entries = slices.DeleteFunc(all[i].Entries, func(e Entry) bool { return e.Key == "c612c90120fb020006010000" })
 		}
 	}
-	lb, err := DecodeCilium(all)
+	lb, err := Decode(all)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -340,28 +347,28 @@ func TestCiliumInternalScopeJudged(t *testing.T) {
 	for _, f := range obs.Frontends {
 		if f.Internal {
 			internal++
-			if k, err := ParseFrontendKey(f.Wire()); err != nil || k != f.FrontendKey {
+			if k, err := audit.ParseFrontendKey(f.Wire()); err != nil || k != f.FrontendKey {
 				t.Errorf("%s: wire %q parses to %v, %v", f.FrontendKey, f.Wire(), k, err)
 			}
 		}
 	}
 	// As the aggregator assesses a node (per service, against its
 	// versions): the internal scope's drift is the service's.
-	h := NewHistory(time.Minute)
+	h := audit.NewHistory(time.Minute)
 	h.Update(st, time.Unix(1_800_000_000, 0))
-	as := Assess(st, h, "cilx", obs)
-	if len(as) != 1 || as[0].Service != "default/shop" || as[0].State != Divergent || len(as[0].Findings) != 1 {
+	as := audit.Assess(st, h, "cilx", obs)
+	if len(as) != 1 || as[0].Service != "default/shop" || as[0].State != audit.Divergent || len(as[0].Findings) != 1 {
 		t.Errorf("assessed %+v", as)
 	}
 	for i := range st.Services {
 		if svc := &st.Services[i]; svc.Name == "shop" {
-			if a := AssessService(st, h, "cilx", obs, "default/shop", svc); a.State != Divergent || len(a.Findings) != 1 {
+			if a := audit.AssessService(st, h, "cilx", obs, "default/shop", svc); a.State != audit.Divergent || len(a.Findings) != 1 {
 				t.Errorf("shop assessed alone: %+v", a)
 			}
 		}
 	}
-	fs := Diff(ExpectedFor(st, "cilx"), obs)
-	if internal < 4 || len(fs) != 1 || fs[0].Kind != MissingEndpoint || fs[0].Endpoint != "198.18.129.31:8443" || fs[0].Scope != ScopeCluster ||
+	fs := audit.Diff(audit.ExpectedFor(st, "cilx"), obs)
+	if internal < 4 || len(fs) != 1 || fs[0].Kind != audit.MissingEndpoint || fs[0].Endpoint != "198.18.129.31:8443" || fs[0].Scope != audit.ScopeCluster ||
 		!strings.Contains(fs[0].Detail, "(internal scope)") {
 		t.Errorf("%d internal scopes; findings %+v", internal, fs)
 	}
@@ -370,7 +377,7 @@ func TestCiliumInternalScopeJudged(t *testing.T) {
 // One entry's slot number sized its frontend: slots up to 65535 whatever
 // the master's count, and the observed model's endpoints likewise (~43,000
 // bytes allocated per input byte: a 16 KB dump took 707 MB through
-// ParseRules and Diff; trust review 4, item 6). Slots beyond both the
+// ParseRules and audit.Diff; trust review 4, item 6). Slots beyond both the
 // master's counts and the slots read are skipped and said; the rest of the
 // frontend stands.
 func TestCiliumSlotsBoundedByWhatWasRead(t *testing.T) {
@@ -391,12 +398,12 @@ func TestCiliumSlotsBoundedByWhatWasRead(t *testing.T) {
 			packed = append(append(packed, k...), v...)
 		}
 	}
-	dump := []CiliumMapDump{{Name: CiliumServices4, KeySize: 12, ValueSize: 12, Packed: packed},
-		{Name: CiliumBackends4, KeySize: 4, ValueSize: 12}}
+	dump := []MapDump{{Name: Services4, KeySize: 12, ValueSize: 12, Packed: packed},
+		{Name: Backends4, KeySize: 4, ValueSize: 12}}
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	lb, err := DecodeCilium(dump)
+	lb, err := Decode(dump)
 	if err != nil {
 		t.Fatal(err)
 	}

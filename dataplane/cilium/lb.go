@@ -1,4 +1,8 @@
-package audit
+// Package cilium is Cilium's dataplane where it replaces kube-proxy: its LB
+// maps read from a BPF filesystem (Read, Linux only, read-only) or from a
+// dump of them (ParseMaps), decoded by Cilium's own layouts (Decode) and
+// reduced to the audit's model (LB.Observed).
+package cilium
 
 import (
 	"encoding/binary"
@@ -7,6 +11,8 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // Cilium's load-balancing maps (issue #42, first part: reading them). With
@@ -28,14 +34,14 @@ import (
 // another size is an error naming it, never guessed at. Addresses and
 // ports are in network byte order, the rest in the host's.
 
-// CiliumMapDump is one pinned map's raw entries, as the collector reads
+// MapDump is one pinned map's raw entries, as the collector reads
 // them (Packed) and as dumps and fixtures captured from the genuine agent
 // hold them (Entries, in hex).
-type CiliumMapDump struct {
-	Name      string        `json:"name"`
-	KeySize   int           `json:"keySize"`
-	ValueSize int           `json:"valueSize"`
-	Entries   []CiliumEntry `json:"entries"`
+type MapDump struct {
+	Name      string  `json:"name"`
+	KeySize   int     `json:"keySize"`
+	ValueSize int     `json:"valueSize"`
+	Entries   []Entry `json:"entries"`
 	// Packed, when not nil, holds the entries instead of Entries: each
 	// key and its value back to back, KeySize+ValueSize bytes an entry.
 	Packed []byte `json:"-"`
@@ -43,73 +49,73 @@ type CiliumMapDump struct {
 
 // WithEntries returns d with its packed entries (if any) as Entries, for
 // JSON.
-func (d CiliumMapDump) WithEntries() CiliumMapDump {
+func (d MapDump) WithEntries() MapDump {
 	if d.Packed == nil {
 		return d
 	}
 	size := d.KeySize + d.ValueSize
-	d.Entries = make([]CiliumEntry, 0, len(d.Packed)/max(size, 1))
+	d.Entries = make([]Entry, 0, len(d.Packed)/max(size, 1))
 	for i := 0; size > 0 && i+size <= len(d.Packed); i += size {
-		d.Entries = append(d.Entries, CiliumEntry{Key: hex.EncodeToString(d.Packed[i : i+d.KeySize]), Value: hex.EncodeToString(d.Packed[i+d.KeySize : i+size])})
+		d.Entries = append(d.Entries, Entry{Key: hex.EncodeToString(d.Packed[i : i+d.KeySize]), Value: hex.EncodeToString(d.Packed[i+d.KeySize : i+size])})
 	}
 	d.Packed = nil
 	return d
 }
 
 // count is how many entries d holds.
-func (d *CiliumMapDump) count() int {
+func (d *MapDump) count() int {
 	if d.Packed != nil {
 		return len(d.Packed) / (d.KeySize + d.ValueSize)
 	}
 	return len(d.Entries)
 }
 
-// CiliumEntry is one key and value, in hex.
-type CiliumEntry struct {
+// Entry is one key and value, in hex.
+type Entry struct {
 	Key   string `json:"key"`
 	Value string `json:"value"`
 }
 
 // Cilium's LB map names.
 const (
-	CiliumServices4 = "cilium_lb4_services_v2"
-	CiliumServices6 = "cilium_lb6_services_v2"
-	CiliumBackends4 = "cilium_lb4_backends_v3"
-	CiliumBackends6 = "cilium_lb6_backends_v3"
-	CiliumRevNat4   = "cilium_lb4_reverse_nat"
-	CiliumRevNat6   = "cilium_lb6_reverse_nat"
+	Services4 = "cilium_lb4_services_v2"
+	Services6 = "cilium_lb6_services_v2"
+	Backends4 = "cilium_lb4_backends_v3"
+	Backends6 = "cilium_lb6_backends_v3"
+	RevNat4   = "cilium_lb4_reverse_nat"
+	RevNat6   = "cilium_lb6_reverse_nat"
 )
 
-// ciliumLayouts are the key and value sizes each map has in the Cilium
+// layouts are the key and value sizes each map has in the Cilium
 // releases whose layouts are known.
-var ciliumLayouts = map[string][2]int{
-	CiliumServices4: {12, 12}, CiliumServices6: {24, 12},
-	CiliumBackends4: {4, 12}, CiliumBackends6: {4, 24},
-	CiliumRevNat4: {2, 6}, CiliumRevNat6: {2, 18},
+var layouts = map[string][2]int{
+	Services4: {12, 12}, Services6: {24, 12},
+	Backends4: {4, 12}, Backends6: {4, 24},
+	RevNat4: {2, 6}, RevNat6: {2, 18},
 }
 
-// CiliumMapNames are the maps the reader opens, IPv4's first.
-var CiliumMapNames = []string{CiliumServices4, CiliumBackends4, CiliumRevNat4, CiliumServices6, CiliumBackends6, CiliumRevNat6}
+// MapNames are the maps the reader opens, IPv4's first.
+var MapNames = []string{Services4, Backends4, RevNat4, Services6, Backends6, RevNat6}
 
 // Service flags (struct lb4_service's flags and flags2, bpf/lib/lb.h).
 const (
-	CiliumFlagExternalIP    = 1 << 0
-	CiliumFlagNodePort      = 1 << 1
-	CiliumFlagExtLocalScope = 1 << 2
-	CiliumFlagHostPort      = 1 << 3
-	CiliumFlagAffinity      = 1 << 4
-	CiliumFlagLoadBalancer  = 1 << 5
-	CiliumFlagRoutable      = 1 << 6
-	CiliumFlagSourceRange   = 1 << 7
+	FlagExternalIP    = 1 << 0
+	FlagNodePort      = 1 << 1
+	FlagExtLocalScope = 1 << 2
+	FlagHostPort      = 1 << 3
+	FlagAffinity      = 1 << 4
+	FlagLoadBalancer  = 1 << 5
+	FlagRoutable      = 1 << 6
+	FlagSourceRange   = 1 << 7
 
-	CiliumFlag2LocalRedirect = 1 << 0
-	CiliumFlag2NAT46x64      = 1 << 1
-	CiliumFlag2L7LB          = 1 << 2
-	CiliumFlag2Loopback      = 1 << 3 // HostPort: loopback host IP; else delegate if local
-	CiliumFlag2IntLocalScope = 1 << 4
-	CiliumFlag2TwoScopes     = 1 << 5
-	CiliumFlag2Quarantined   = 1 << 6 // on a backend slot; on a master: source range deny
-	CiliumFlag2DSR           = 1 << 7
+	Flag2LocalRedirect = 1 << 0
+	Flag2NAT46x64      = 1 << 1
+	Flag2L7LB          = 1 << 2
+	Flag2Loopback      = 1 << 3 // HostPort: loopback host IP; else delegate if local
+	Flag2IntLocalScope = 1 << 4
+	Flag2TwoScopes     = 1 << 5
+	Flag2Quarantined   = 1 << 6 // on a backend slot; on a master: source range deny
+	Flag2DSR           = 1 << 7
 )
 
 // Lookup scopes of a frontend key: with two scopes (traffic policies
@@ -117,33 +123,33 @@ const (
 // node's own backends and the internal one ("/i") all of them, as the
 // genuine agent's capture shows.
 const (
-	CiliumScopeExternal = 0
-	CiliumScopeInternal = 1
+	ScopeExternal = 0
+	ScopeInternal = 1
 )
 
-// CiliumBackendState is a backend's state (enum lb_backend_state).
-type CiliumBackendState uint8
+// BackendState is a backend's state (enum lb_backend_state).
+type BackendState uint8
 
 // Backend states.
 const (
-	CiliumActive CiliumBackendState = iota
-	CiliumTerminating
-	CiliumQuarantined
-	CiliumMaintenance
+	Active BackendState = iota
+	Terminating
+	Quarantined
+	Maintenance
 )
 
-func (s CiliumBackendState) String() string {
-	if int(s) < len(ciliumStates) {
-		return ciliumStates[s]
+func (s BackendState) String() string {
+	if int(s) < len(states) {
+		return states[s]
 	}
 	return fmt.Sprintf("state %d", s)
 }
 
-var ciliumStates = []string{"active", "terminating", "quarantined", "maintenance"}
+var states = []string{"active", "terminating", "quarantined", "maintenance"}
 
-// CiliumFrontend is one frontend of the services map: its master entry
+// Frontend is one frontend of the services map: its master entry
 // and its backend slots.
-type CiliumFrontend struct {
+type Frontend struct {
 	Addr     netip.AddrPort
 	Protocol string // TCP, UDP, SCTP; ANY for the per-address entry that drops unknown ports
 	Scope    uint8
@@ -172,28 +178,28 @@ type slotEntry struct {
 	flags2 uint8
 }
 
-// CiliumBackend is one entry of the backends map.
-type CiliumBackend struct {
+// Backend is one entry of the backends map.
+type Backend struct {
 	ID        uint32
 	Addr      netip.AddrPort
 	Protocol  string
-	State     CiliumBackendState
+	State     BackendState
 	ClusterID uint16
 	Zone      uint8
 }
 
-// CiliumLB is a node's LB maps decoded.
-type CiliumLB struct {
+// LB is a node's LB maps decoded.
+type LB struct {
 	// Warnings are what decoding skipped (a slot no frontend can have).
 	Warnings  []string
-	Frontends []CiliumFrontend // sorted by address, port, protocol, scope
-	Backends  map[uint32]CiliumBackend
+	Frontends []Frontend // sorted by address, port, protocol, scope
+	Backends  map[uint32]Backend
 	RevNat    map[uint16]netip.AddrPort
 	// Families are those whose services map was read.
 	Families []int
 }
 
-func ciliumProto(p uint8) string {
+func protoName(p uint8) string {
 	switch p {
 	case 0:
 		return "ANY"
@@ -207,20 +213,20 @@ func ciliumProto(p uint8) string {
 	return fmt.Sprintf("proto %d", p)
 }
 
-// DecodeCilium decodes the dumps of Cilium's LB maps. Maps of unknown
+// Decode decodes the dumps of Cilium's LB maps. Maps of unknown
 // names are ignored; a known map of other sizes, or an entry that is not
 // hex of the map's sizes, is an error naming the map.
-func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
-	lb := &CiliumLB{Backends: map[uint32]CiliumBackend{}, RevNat: map[uint16]netip.AddrPort{}}
+func Decode(dumps []MapDump) (*LB, error) {
+	lb := &LB{Backends: map[uint32]Backend{}, RevNat: map[uint16]netip.AddrPort{}}
 	type fkey struct {
 		addr  netip.AddrPort
 		proto uint8
 		scope uint8
 	}
-	fronts := map[fkey]*CiliumFrontend{}
+	fronts := map[fkey]*Frontend{}
 	var fams [7]bool
 	for _, d := range dumps {
-		sizes, known := ciliumLayouts[d.Name]
+		sizes, known := layouts[d.Name]
 		if !known {
 			continue
 		}
@@ -235,13 +241,13 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 		// The families are those whose services map was read, entries or
 		// not: an empty map is a node without services, not one unread.
 		switch d.Name {
-		case CiliumServices4:
+		case Services4:
 			fams[4] = true
-		case CiliumServices6:
+		case Services6:
 			fams[6] = true
 		}
-		if (d.Name == CiliumBackends4 || d.Name == CiliumBackends6) && len(lb.Backends) == 0 {
-			lb.Backends = make(map[uint32]CiliumBackend, d.count()) // 100k at 10k services
+		if (d.Name == Backends4 || d.Name == Backends6) && len(lb.Backends) == 0 {
+			lb.Backends = make(map[uint32]Backend, d.count()) // 100k at 10k services
 		}
 		size := d.KeySize + d.ValueSize
 		if d.Packed != nil && len(d.Packed)%size != 0 {
@@ -260,13 +266,13 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 				}
 			}
 			switch d.Name {
-			case CiliumServices4, CiliumServices6:
+			case Services4, Services6:
 				addr := addrOf(k[:alen])
 				fk := fkey{netip.AddrPortFrom(addr, binary.BigEndian.Uint16(k[alen:])), k[alen+4], k[alen+5]}
 				slot := int(binary.NativeEndian.Uint16(k[alen+2:]))
 				f := fronts[fk]
 				if f == nil {
-					f = &CiliumFrontend{Addr: fk.addr, Protocol: ciliumProto(fk.proto), Scope: fk.scope}
+					f = &Frontend{Addr: fk.addr, Protocol: protoName(fk.proto), Scope: fk.scope}
 					fronts[fk] = f
 				}
 				id := binary.NativeEndian.Uint32(v[0:])
@@ -280,21 +286,21 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 				// frontend, so 16 KB of entries took 700 MB (trust review 4,
 				// item 6).
 				f.read = append(f.read, slotEntry{slot, id, v[9]})
-			case CiliumBackends4, CiliumBackends6:
+			case Backends4, Backends6:
 				id := binary.NativeEndian.Uint32(k)
-				lb.Backends[id] = CiliumBackend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
-					Protocol: ciliumProto(v[alen+2]), State: CiliumBackendState(v[alen+3]), ClusterID: binary.NativeEndian.Uint16(v[alen+4:]), Zone: v[alen+6]}
-			case CiliumRevNat4, CiliumRevNat6:
+				lb.Backends[id] = Backend{ID: id, Addr: netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:])),
+					Protocol: protoName(v[alen+2]), State: BackendState(v[alen+3]), ClusterID: binary.NativeEndian.Uint16(v[alen+4:]), Zone: v[alen+6]}
+			case RevNat4, RevNat6:
 				lb.RevNat[binary.BigEndian.Uint16(k)] = netip.AddrPortFrom(addrOf(v[:alen]), binary.BigEndian.Uint16(v[alen:]))
 			}
 		}
 	}
-	lb.Frontends = make([]CiliumFrontend, 0, len(fronts))
+	lb.Frontends = make([]Frontend, 0, len(fronts))
 	for _, f := range fronts {
 		lb.Warnings = append(lb.Warnings, f.denseSlots()...)
 		lb.Frontends = append(lb.Frontends, *f)
 	}
-	slices.SortFunc(lb.Frontends, func(a, b CiliumFrontend) int {
+	slices.SortFunc(lb.Frontends, func(a, b Frontend) int {
 		if c := a.Addr.Compare(b.Addr); c != 0 {
 			return c
 		}
@@ -312,7 +318,7 @@ func DecodeCilium(dumps []CiliumMapDump) (*CiliumLB, error) {
 // terminating and quarantined ones), so no slot may lie beyond both the
 // master's counts and the number of slots read; one that does (a hostile
 // or torn map) is skipped and said.
-func (f *CiliumFrontend) denseSlots() []string {
+func (f *Frontend) denseSlots() []string {
 	if len(f.read) == 0 {
 		return nil
 	}
@@ -346,19 +352,19 @@ func addrOf(b []byte) netip.Addr {
 // FlagNames names the master entry's flags as Cilium does (its
 // ServiceFlags.String: the frontend's type first, then the traffic
 // policies, scopes, affinity, routability, …).
-func (f CiliumFrontend) FlagNames() string {
+func (f Frontend) FlagNames() string {
 	fl := uint16(f.Flags) | uint16(f.Flags2)<<8
 	typ := "ClusterIP"
 	switch {
-	case fl&CiliumFlagExternalIP != 0:
+	case fl&FlagExternalIP != 0:
 		typ = "ExternalIPs"
-	case fl&CiliumFlagNodePort != 0:
+	case fl&FlagNodePort != 0:
 		typ = "NodePort"
-	case fl&CiliumFlagLoadBalancer != 0:
+	case fl&FlagLoadBalancer != 0:
 		typ = "LoadBalancer"
-	case fl&CiliumFlagHostPort != 0:
+	case fl&FlagHostPort != 0:
 		typ = "HostPort"
-	case fl&(CiliumFlag2LocalRedirect<<8) != 0:
+	case fl&(Flag2LocalRedirect<<8) != 0:
 		typ = "LocalRedirect"
 	}
 	out := []string{typ}
@@ -367,34 +373,34 @@ func (f CiliumFrontend) FlagNames() string {
 			out = append(out, name)
 		}
 	}
-	add(CiliumFlagExtLocalScope, "Local")
-	add(CiliumFlag2IntLocalScope<<8, "InternalLocal")
-	add(CiliumFlag2TwoScopes<<8, "two-scopes")
-	add(CiliumFlagAffinity, "sessionAffinity")
-	if fl&CiliumFlagRoutable == 0 {
+	add(FlagExtLocalScope, "Local")
+	add(Flag2IntLocalScope<<8, "InternalLocal")
+	add(Flag2TwoScopes<<8, "two-scopes")
+	add(FlagAffinity, "sessionAffinity")
+	if fl&FlagRoutable == 0 {
 		out = append(out, "non-routable")
 	}
 	deny := false
-	if fl&CiliumFlagSourceRange != 0 {
+	if fl&FlagSourceRange != 0 {
 		out = append(out, "check source-range")
-		if fl&(CiliumFlag2Quarantined<<8) != 0 { // the same bit: deny on a master
+		if fl&(Flag2Quarantined<<8) != 0 { // the same bit: deny on a master
 			deny = true
 			out = append(out, "deny")
 		}
 	}
-	add(CiliumFlag2NAT46x64<<8, "46x64")
-	add(CiliumFlag2L7LB<<8, "l7-load-balancer")
-	if fl&(CiliumFlag2Loopback<<8) != 0 {
+	add(Flag2NAT46x64<<8, "46x64")
+	add(Flag2L7LB<<8, "l7-load-balancer")
+	if fl&(Flag2Loopback<<8) != 0 {
 		if typ == "HostPort" {
 			out = append(out, "loopback")
 		} else {
 			out = append(out, "delegate-if-local")
 		}
 	}
-	if !deny && fl&(CiliumFlag2Quarantined<<8) != 0 {
+	if !deny && fl&(Flag2Quarantined<<8) != 0 {
 		out = append(out, "quarantined")
 	}
-	add(CiliumFlag2DSR<<8, "dsr")
+	add(Flag2DSR<<8, "dsr")
 	return strings.Join(out, ", ")
 }
 
@@ -403,11 +409,11 @@ func (f CiliumFrontend) FlagNames() string {
 // 198.18.90.1:6443/TCP (1) (1)"; a master "… (0) 0.0.0.0:0 (REVNAT) (0)
 // [FLAGS]"; "/i" marks the internal scope): for comparing with the genuine
 // tool.
-func (lb *CiliumLB) Lines() []string {
+func (lb *LB) Lines() []string {
 	var out []string
 	for _, f := range lb.Frontends {
 		front := fmt.Sprintf("%s/%s", f.Addr, f.Protocol)
-		if f.Scope == CiliumScopeInternal {
+		if f.Scope == ScopeInternal {
 			front += "/i"
 		}
 		if f.Mastered {
@@ -444,7 +450,7 @@ func (lb *CiliumLB) Lines() []string {
 //   - slots 1..Count are the backends new connections go to (the active
 //     ones, or the terminating ones when none is active); the slots after
 //     them hold terminating and quarantined backends: a terminating one
-//     is kept for its connections (Endpoint.Weight 0, "no new
+//     is kept for its connections (audit.Endpoint.Weight 0, "no new
 //     connections"), a quarantined one is Cilium's health checking
 //     holding a listed backend out (not drift: counted as present);
 //   - a frontend without backends is a drop entry (Rejects): a service
@@ -458,8 +464,8 @@ func (lb *CiliumLB) Lines() []string {
 // A slot whose backend is not in the backends map, or slots without a
 // master (a read racing the agent's write), become warnings; the
 // frontend keeps what could be resolved.
-func (lb *CiliumLB) Observed() *Observed {
-	o := &Observed{Mode: ModeCilium, Families: lb.Families, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}, Warnings: slices.Clone(lb.Warnings)}
+func (lb *LB) Observed() *audit.Observed {
+	o := &audit.Observed{Mode: audit.ModeCilium, Families: lb.Families, NoRules: true, RejectsKnown: true, Rejects: map[audit.FrontendKey]bool{}, Warnings: slices.Clone(lb.Warnings)}
 	for i := range lb.Frontends {
 		f := &lb.Frontends[i]
 		if f.Protocol != "TCP" && f.Protocol != "UDP" && f.Protocol != "SCTP" {
@@ -469,28 +475,28 @@ func (lb *CiliumLB) Observed() *Observed {
 			o.Warnings = append(o.Warnings, fmt.Sprintf("cilium: %s/%s has backend slots but no master entry (read while the agent wrote it?)", f.Addr, f.Protocol))
 			continue
 		}
-		if f.Flags&CiliumFlagHostPort != 0 || f.Flags2&(CiliumFlag2LocalRedirect|CiliumFlag2L7LB) != 0 {
+		if f.Flags&FlagHostPort != 0 || f.Flags2&(Flag2LocalRedirect|Flag2L7LB) != 0 {
 			continue
 		}
 		o.NoRules = false
-		key := FrontendKey{IP: f.Addr.Addr(), Protocol: f.Protocol, Port: f.Addr.Port()}
-		if f.Flags&CiliumFlagNodePort != 0 && f.Addr.Addr().IsUnspecified() {
-			key = NodePortKey(family(f.Addr.Addr()), f.Protocol, f.Addr.Port())
+		key := audit.FrontendKey{IP: f.Addr.Addr(), Protocol: f.Protocol, Port: f.Addr.Port()}
+		if f.Flags&FlagNodePort != 0 && f.Addr.Addr().IsUnspecified() {
+			key = audit.NodePortKey(familyOf(f.Addr.Addr()), f.Protocol, f.Addr.Port())
 		}
-		clusterIP := f.Flags&(CiliumFlagExternalIP|CiliumFlagNodePort|CiliumFlagLoadBalancer) == 0
-		scope := ScopeCluster
-		if clusterIP && f.Flags2&CiliumFlag2IntLocalScope != 0 || !clusterIP && f.Flags&CiliumFlagExtLocalScope != 0 {
-			scope = ScopeLocal
+		clusterIP := f.Flags&(FlagExternalIP|FlagNodePort|FlagLoadBalancer) == 0
+		scope := audit.ScopeCluster
+		if clusterIP && f.Flags2&Flag2IntLocalScope != 0 || !clusterIP && f.Flags&FlagExtLocalScope != 0 {
+			scope = audit.ScopeLocal
 		}
-		if f.Scope == CiliumScopeInternal {
-			key.Internal, scope = true, ScopeCluster
+		if f.Scope == ScopeInternal {
+			key.Internal, scope = true, audit.ScopeCluster
 		}
 		fam := "lb4"
 		if key.Family() == 6 {
 			fam = "lb6"
 		}
-		of := ObservedFrontend{FrontendKey: key, Scope: scope, Chain: fmt.Sprintf("cilium_%s service %d (%s)", fam, f.RevNat, f.FlagNames()),
-			Endpoints: make([]Endpoint, 0, len(f.Slots))}
+		of := audit.ObservedFrontend{FrontendKey: key, Scope: scope, Chain: fmt.Sprintf("cilium_%s service %d (%s)", fam, f.RevNat, f.FlagNames()),
+			Endpoints: make([]audit.Endpoint, 0, len(f.Slots))}
 		for s, id := range f.Slots {
 			if id == 0 {
 				continue
@@ -501,10 +507,10 @@ func (lb *CiliumLB) Observed() *Observed {
 				continue
 			}
 			w := -1
-			if s >= f.Count && f.SlotFlags2[s]&CiliumFlag2Quarantined == 0 && be.State != CiliumQuarantined {
+			if s >= f.Count && f.SlotFlags2[s]&Flag2Quarantined == 0 && be.State != Quarantined {
 				w = 0 // terminating: its connections only
 			}
-			of.Endpoints = append(of.Endpoints, Endpoint{Addr: be.Addr, Weight: w, Chain: of.Chain})
+			of.Endpoints = append(of.Endpoints, audit.Endpoint{Addr: be.Addr, Weight: w, Chain: of.Chain})
 		}
 		if len(of.Endpoints) == 0 && !key.Internal {
 			// A drop entry. (An internal scope without backends is a
@@ -514,6 +520,24 @@ func (lb *CiliumLB) Observed() *Observed {
 		}
 		o.Frontends = append(o.Frontends, of)
 	}
-	o.normalize()
+	o.Normalize()
 	return o
+}
+
+func familyOf(a netip.Addr) int {
+	if a.Is4() {
+		return 4
+	}
+	return 6
+}
+
+// familyList is the families (4, 6) seen marks, ascending.
+func familyList(seen [7]bool) []int {
+	var out []int
+	for _, f := range []int{4, 6} {
+		if seen[f] {
+			out = append(out, f)
+		}
+	}
+	return out
 }

@@ -1,4 +1,4 @@
-package ciliummaps
+package cilium
 
 import (
 	"encoding/json"
@@ -10,12 +10,10 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
-
-	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // The reader's mechanics on real kernel maps: the genuine agent's
-// captured entries (audit/testdata/cilium) loaded into BPF hash maps of
+// captured entries (testdata/) loaded into BPF hash maps of
 // the same sizes, pinned in a BPF filesystem of the test's own as the
 // agent pins them, read back entry for entry. (That the entries mean
 // what proxyaudit says is proved against cilium-dbg in audit's tests.)
@@ -30,11 +28,11 @@ func TestReadCiliumMapsFromABPFFilesystem(t *testing.T) {
 		t.Errorf("no maps pinned: %v, want an error saying where it looked and what to check", err)
 	}
 
-	b, err := os.ReadFile("../../../audit/testdata/cilium/scenario/maps.json")
+	b, err := os.ReadFile("testdata/scenario/maps.json")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var want []audit.CiliumMapDump
+	var want []MapDump
 	if err := json.Unmarshal(b, &want); err != nil {
 		t.Fatal(err)
 	}
@@ -60,13 +58,13 @@ func TestReadCiliumMapsFromABPFFilesystem(t *testing.T) {
 		}
 		got[i] = got[i].WithEntries()
 	}
-	sorted := func(ds []audit.CiliumMapDump) []audit.CiliumMapDump {
+	sorted := func(ds []MapDump) []MapDump {
 		out := slices.Clone(ds)
 		for i := range out {
 			out[i].Entries = slices.Clone(out[i].Entries)
-			slices.SortFunc(out[i].Entries, func(a, b audit.CiliumEntry) int { return strings.Compare(a.Key, b.Key) })
+			slices.SortFunc(out[i].Entries, func(a, b Entry) int { return strings.Compare(a.Key, b.Key) })
 		}
-		slices.SortFunc(out, func(a, b audit.CiliumMapDump) int { return strings.Compare(a.Name, b.Name) })
+		slices.SortFunc(out, func(a, b MapDump) int { return strings.Compare(a.Name, b.Name) })
 		return out
 	}
 	g, w := sorted(got), sorted(want)
