@@ -101,12 +101,6 @@ func FuzzParseNFTables(f *testing.F) {
 	fuzzReader(f, ParseNFTables)
 }
 
-func FuzzParseIPVS(f *testing.F) {
-	seeds(f, "testdata/ipvs/*/ipvs-a.save")
-	seeds(f, "testdata/ipvs/*/ipvs-a.list", "-A -t 1.2.3.4:80 -s rr -p 600\n-a -t 1.2.3.4:80 -r 5.6.7.8:80 -m -w 0\n")
-	fuzzReader(f, ParseIPVS)
-}
-
 // FuzzParseClusterList: malformed cluster dumps give errors, never panics,
 // and reading one and building every node's expected model costs its size
 // plus what kube-proxy would program for it: allocPerByte per input byte and

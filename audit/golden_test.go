@@ -13,7 +13,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane"
-	"github.com/proxyaudit/proxyaudit/internal/testkit/golden"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
 // The conformance tests: dumps captured from genuine kube-proxy and
@@ -38,7 +38,7 @@ func capturedRoots(t testing.TB) []string {
 }
 
 func loadState(t testing.TB, dir string) *audit.State {
-	return golden.Cluster(t, filepath.Join("testdata", "capture", dir))
+	return readertest.Cluster(t, filepath.Join("testdata", "capture", dir))
 }
 
 func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding {
@@ -57,7 +57,7 @@ func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding
 
 func checkGolden(t *testing.T, path string, fs []audit.Finding) {
 	t.Helper()
-	golden.Match(t, path, fs, *update)
+	readertest.Match(t, path, fs, *update)
 }
 
 // TestCapturedFixtures audits every node of every capture. Healthy nodes
@@ -66,7 +66,7 @@ func checkGolden(t *testing.T, path string, fs []audit.Finding) {
 func TestCapturedFixtures(t *testing.T) {
 	for _, root := range capturedRoots(t) {
 		for _, dir := range captures {
-			st := golden.Cluster(t, filepath.Join(root, dir))
+			st := readertest.Cluster(t, filepath.Join(root, dir))
 			for _, node := range captureNodes {
 				t.Run(filepath.Join(root, dir, node), func(t *testing.T) {
 					fs := auditFile(t, st, node, filepath.Join(root, dir, node+".rules"))
@@ -219,7 +219,7 @@ func TestDualStackCaptures(t *testing.T) {
 		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
 		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
 	} {
-		st := golden.Cluster(t, filepath.Join("testdata", "dualstack", dir))
+		st := readertest.Cluster(t, filepath.Join("testdata", "dualstack", dir))
 		for _, node := range nodes {
 			t.Run(dir+"/"+node, func(t *testing.T) {
 				path := filepath.Join("testdata", "dualstack", dir, node+".rules")

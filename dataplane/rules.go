@@ -12,6 +12,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 )
 
 // ParseRules detects the format of a node's rule dump from its content and
@@ -34,7 +35,7 @@ func ParseRules(r io.Reader) (*audit.Observed, error) {
 		return audit.ParseIPTables(br)
 	case bytes.HasPrefix(first, []byte("IP Virtual Server")) || bytes.HasPrefix(first, []byte("-A -t")) || bytes.HasPrefix(first, []byte("-A -u")) ||
 		bytes.HasPrefix(first, []byte("-A --sctp-service")) || bytes.HasPrefix(first, []byte("-A -f")):
-		return audit.ParseIPVS(br)
+		return ipvs.Parse(br)
 	}
 	return nil, fmt.Errorf("line 1: %q is not the start of iptables-save output (\"*nat\"), nft JSON (\"{\"), ipvsadm output (\"-A -t …\" or \"IP Virtual Server …\") or Cilium's maps as JSON (\"[\")", clipLine(first))
 }

@@ -9,7 +9,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane"
-	"github.com/proxyaudit/proxyaudit/internal/testkit/golden"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
 // Each dump is read by its mode's reader, known by content alone, and
@@ -39,7 +39,7 @@ func TestParseRulesKnowsEachFormat(t *testing.T) {
 // A Cilium node's maps dump is judged like any dump: the frozen agent's
 // four findings.
 func TestCiliumDumpJudgedThroughParseRules(t *testing.T) {
-	st := golden.Cluster(t, "cilium/testdata/frozen")
+	st := readertest.Cluster(t, "cilium/testdata/frozen")
 	f, err := os.Open("cilium/testdata/frozen/maps.json")
 	if err != nil {
 		t.Fatal(err)

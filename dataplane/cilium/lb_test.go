@@ -17,14 +17,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/testkit/golden"
-)
-
-// A hostile dump may cost at most allocPerByte per input byte plus
-// allocBase: the bound every reader's fuzz target holds (audit/fuzz_test.go).
-const (
-	allocPerByte = 200
-	allocBase    = 4 << 20
+	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
 var update = flag.Bool("update", false, "rewrite golden findings under testdata/")
@@ -216,7 +209,7 @@ func ciliumObserved(t *testing.T, dir string) *audit.Observed {
 // agent's maps (SIGSTOP, then an endpoint left web, one joined dns and
 // service late appeared) give exactly those three findings.
 func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
-	st := golden.Cluster(t, "testdata/scenario")
+	st := readertest.Cluster(t, "testdata/scenario")
 	obs := ciliumObserved(t, "testdata/scenario")
 	if obs.NoRules || len(obs.Frontends) < 10 || !slices.Equal(obs.Families, []int{4}) {
 		t.Fatalf("scenario reduced to %d frontends, families %v, no rules %v", len(obs.Frontends), obs.Families, obs.NoRules)
@@ -244,13 +237,13 @@ func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
 	if six < 4 || !slices.Equal(dual.Families, []int{4, 6}) {
 		t.Fatalf("dual-stack capture: %d IPv6 frontends, families %v", six, dual.Families)
 	}
-	if fs := audit.Diff(audit.ExpectedFor(golden.Cluster(t, "testdata/dualstack"), "cilx"), dual); len(fs) > 0 {
+	if fs := audit.Diff(audit.ExpectedFor(readertest.Cluster(t, "testdata/dualstack"), "cilx"), dual); len(fs) > 0 {
 		t.Fatalf("false findings on the genuine agent's dual-stack maps: %+v", fs)
 	}
 
-	frozen := golden.Cluster(t, "testdata/frozen")
+	frozen := readertest.Cluster(t, "testdata/frozen")
 	fs := audit.Diff(audit.ExpectedFor(frozen, "cilx"), ciliumObserved(t, "testdata/frozen"))
-	golden.Match(t, "testdata/frozen/findings.json", fs, *update)
+	readertest.Match(t, "testdata/frozen/findings.json", fs, *update)
 	kinds := map[string]audit.Kind{}
 	for _, f := range fs {
 		kinds[f.Service+" "+f.Endpoint] = f.Kind
@@ -269,7 +262,7 @@ func TestCiliumCapturesAgainstTheAPI(t *testing.T) {
 // gone from under its slots. Each is said (a warning naming the entry)
 // and judged (the finding it causes), never read as in sync.
 func TestCiliumDamagedMaps(t *testing.T) {
-	st := golden.Cluster(t, "testdata/scenario")
+	st := readertest.Cluster(t, "testdata/scenario")
 	edit := func(name string, drop func(Entry) bool) (*audit.Observed, []audit.Finding) {
 		all := readCiliumCapture(t, "testdata/scenario")
 		for i := range all {
@@ -330,7 +323,7 @@ func TestParseMapsRefusesMalformedDumps(t *testing.T) {
 // cluster's endpoints: a backend gone from it is found, named as the
 // internal scope; its key survives the wire.
 func TestCiliumInternalScopeJudged(t *testing.T) {
-	st := golden.Cluster(t, "testdata/scenario")
+	st := readertest.Cluster(t, "testdata/scenario")
 	all := readCiliumCapture(t, "testdata/scenario")
 	internal := 0
 	for i := range all {
@@ -409,8 +402,8 @@ func TestCiliumSlotsBoundedByWhatWasRead(t *testing.T) {
 	}
 	obs := lb.Observed()
 	runtime.ReadMemStats(&after)
-	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > allocBase+allocPerByte*uint64(len(packed)) {
-		t.Errorf("%d bytes of entries allocated %d KB (%d per byte; the bound is %d)", len(packed), alloc>>10, alloc/uint64(len(packed)), allocPerByte)
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > readertest.AllocBase+readertest.AllocPerByte*uint64(len(packed)) {
+		t.Errorf("%d bytes of entries allocated %d KB (%d per byte; the bound is %d)", len(packed), alloc>>10, alloc/uint64(len(packed)), readertest.AllocPerByte)
 	}
 	for _, f := range lb.Frontends {
 		if len(f.Slots) > 1 {

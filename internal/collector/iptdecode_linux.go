@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // This file decodes iptables-nft's rules as the kernel's nf_tables netlink
@@ -79,42 +80,42 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 		return out, err
 	}
 	var exprs, udata []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_RULE_TABLE:
-			out.table = cstr(a.val)
+			out.table = cstr(a.Val)
 		case unix.NFTA_RULE_CHAIN:
-			out.chain = cstr(a.val)
+			out.chain = cstr(a.Val)
 		case unix.NFTA_RULE_HANDLE:
-			out.handle = a.u64()
+			out.handle = a.U64()
 		case unix.NFTA_RULE_POSITION:
-			out.position, out.hasPosition = a.u64(), true
+			out.position, out.hasPosition = a.U64(), true
 		case unix.NFTA_RULE_EXPRESSIONS:
-			exprs = a.val
+			exprs = a.Val
 		case nftaRuleUserdata:
-			udata = a.val
+			udata = a.Val
 		}
 	}
-	if a.err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), a.err)
+	if a.Err != nil {
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), a.Err)
 	}
 	if !audit.Reads(string(out.chain)) {
 		out.skipped = true
 		return out, nil
 	}
 	d := iptDecoder{fam: fam, strict: strictChain(out.chain)}
-	list := attrs{b: exprs}
+	list := nl.Walk(exprs)
 	n := 0
-	for list.next() {
+	for list.Next() {
 		if n++; n > maxRuleExprs {
 			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(string(out.chain)), maxRuleExprs)
 		}
-		if err := d.expr(list.val); err != nil {
+		if err := d.expr(list.Val); err != nil {
 			return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(string(out.chain)), err)
 		}
 	}
-	if list.err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), list.err)
+	if list.Err != nil {
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), list.Err)
 	}
 	if d.r.Comment == "" && !d.hasComment {
 		d.r.Comment = udataComment(udata)
@@ -205,18 +206,18 @@ func (d *iptDecoder) other(format string, args ...any) error {
 }
 
 func (d *iptDecoder) expr(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var name, data []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_EXPR_NAME:
-			name = cstr(a.val)
+			name = cstr(a.Val)
 		case unix.NFTA_EXPR_DATA:
-			data = a.val
+			data = a.Val
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	switch string(name) {
 	case "counter":
@@ -246,22 +247,22 @@ func (d *iptDecoder) expr(b []byte) error {
 
 // payload: addresses, the protocol (IPv4's header field) and ports.
 func (d *iptDecoder) payload(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var dreg, base, off, l uint32
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_PAYLOAD_DREG:
-			dreg = a.u32()
+			dreg = a.U32()
 		case unix.NFTA_PAYLOAD_BASE:
-			base = a.u32()
+			base = a.U32()
 		case unix.NFTA_PAYLOAD_OFFSET:
-			off = a.u32()
+			off = a.U32()
 		case unix.NFTA_PAYLOAD_LEN:
-			l = a.u32()
+			l = a.U32()
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	src := regOther
 	saddr, daddr, alen := uint32(12), uint32(16), uint32(4)
@@ -286,19 +287,19 @@ func (d *iptDecoder) payload(b []byte) error {
 
 // meta: the layer-4 protocol, interfaces and the mark.
 func (d *iptDecoder) meta(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var dreg, key uint32
 	hasDreg := false
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_META_DREG:
-			dreg, hasDreg = a.u32(), true
+			dreg, hasDreg = a.U32(), true
 		case unix.NFTA_META_KEY:
-			key = a.u32()
+			key = a.U32()
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	if !hasDreg {
 		// A meta set (MARK's native form): no match.
@@ -317,25 +318,25 @@ func (d *iptDecoder) meta(b []byte) error {
 
 // bitwise: an address prefix's mask (or the mark's).
 func (d *iptDecoder) bitwise(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var sreg, dreg uint32
 	var mask []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_BITWISE_SREG:
-			sreg = a.u32()
+			sreg = a.U32()
 		case unix.NFTA_BITWISE_DREG:
-			dreg = a.u32()
+			dreg = a.U32()
 		case unix.NFTA_BITWISE_MASK:
-			v, _, _, err := dataValue(a.val)
+			v, _, _, err := dataValue(a.Val)
 			if err != nil {
 				return err
 			}
 			mask = v
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	s := *d.reg(sreg)
 	switch s.src {
@@ -350,25 +351,25 @@ func (d *iptDecoder) bitwise(b []byte) error {
 
 // cmp: what a match compares a loaded value with.
 func (d *iptDecoder) cmp(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var sreg, op uint32
 	var value []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_CMP_SREG:
-			sreg = a.u32()
+			sreg = a.U32()
 		case unix.NFTA_CMP_OP:
-			op = a.u32()
+			op = a.U32()
 		case unix.NFTA_CMP_DATA:
-			v, _, _, err := dataValue(a.val)
+			v, _, _, err := dataValue(a.Val)
 			if err != nil {
 				return err
 			}
 			value = v
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	s := d.reg(sreg)
 	if op != unix.NFT_CMP_EQ && op != unix.NFT_CMP_NEQ {
@@ -451,19 +452,19 @@ func allOnes(b []byte) bool {
 // immediate: a verdict (jump, goto, accept, ...) or a value loaded for a
 // native nat expression.
 func (d *iptDecoder) immediate(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var dreg uint32
 	var data []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_IMMEDIATE_DREG:
-			dreg = a.u32()
+			dreg = a.U32()
 		case unix.NFTA_IMMEDIATE_DATA:
-			data = a.val
+			data = a.Val
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	if dreg != unix.NFT_REG_VERDICT {
 		v, _, _, err := dataValue(data)
@@ -473,24 +474,24 @@ func (d *iptDecoder) immediate(b []byte) error {
 		*d.reg(dreg) = regState{src: regData, data: v}
 		return nil
 	}
-	v := attrs{b: data}
-	for v.next() {
-		if v.typ != unix.NFTA_DATA_VERDICT {
+	v := nl.Walk(data)
+	for v.Next() {
+		if v.Type != unix.NFTA_DATA_VERDICT {
 			continue
 		}
-		va := attrs{b: v.val}
+		va := nl.Walk(v.Val)
 		var code int32
 		var chain string
-		for va.next() {
-			switch va.typ {
+		for va.Next() {
+			switch va.Type {
 			case unix.NFTA_VERDICT_CODE:
-				code = int32(va.u32())
+				code = int32(va.U32())
 			case unix.NFTA_VERDICT_CHAIN:
-				chain = va.str()
+				chain = va.Str()
 			}
 		}
-		if va.err != nil {
-			return va.err
+		if va.Err != nil {
+			return va.Err
 		}
 		switch code {
 		case unix.NFT_JUMP:
@@ -508,31 +509,31 @@ func (d *iptDecoder) immediate(b []byte) error {
 			return d.other("verdict %d", code)
 		}
 	}
-	return v.err
+	return v.Err
 }
 
 // nat: a DNAT in native form (loaded address and port).
 func (d *iptDecoder) nat(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var typ, regAddr, regAddrMax, regProto, regProtoMax, flags uint32
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_NAT_TYPE:
-			typ = a.u32()
+			typ = a.U32()
 		case unix.NFTA_NAT_REG_ADDR_MIN:
-			regAddr = a.u32()
+			regAddr = a.U32()
 		case unix.NFTA_NAT_REG_ADDR_MAX:
-			regAddrMax = a.u32()
+			regAddrMax = a.U32()
 		case unix.NFTA_NAT_REG_PROTO_MIN:
-			regProto = a.u32()
+			regProto = a.U32()
 		case unix.NFTA_NAT_REG_PROTO_MAX:
-			regProtoMax = a.u32()
+			regProtoMax = a.U32()
 		case unix.NFTA_NAT_FLAGS:
-			flags = a.u32()
+			flags = a.U32()
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	if typ != unix.NFT_NAT_DNAT {
 		d.r.Jump = "SNAT"

@@ -599,12 +599,12 @@ func chainOf(data []byte) (table, name string) {
 	if err != nil {
 		return "", ""
 	}
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_CHAIN_TABLE:
-			table = a.str()
+			table = a.Str()
 		case unix.NFTA_CHAIN_NAME:
-			name = a.str()
+			name = a.Str()
 		}
 	}
 	return table, name

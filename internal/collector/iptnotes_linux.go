@@ -332,14 +332,14 @@ func ruleChainOf(data []byte) (table, chain []byte, handle uint64) {
 	if err != nil {
 		return nil, nil, 0
 	}
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_RULE_TABLE:
-			table = cstr(a.val)
+			table = cstr(a.Val)
 		case unix.NFTA_RULE_CHAIN:
-			chain = cstr(a.val)
+			chain = cstr(a.Val)
 		case unix.NFTA_RULE_HANDLE:
-			handle = a.u64()
+			handle = a.U64()
 		case unix.NFTA_RULE_EXPRESSIONS:
 			return table, chain, handle
 		}

@@ -5,27 +5,28 @@ import (
 	"encoding/binary"
 	"net/netip"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"golang.org/x/sys/unix"
 )
 
 // xt reads an xtables match or target: its name, revision and the
 // legacy struct it carries.
 func (d *iptDecoder) xt(b []byte, target bool) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var name, info []byte
 	var rev uint32
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_MATCH_NAME: // = NFTA_TARGET_NAME
-			name = cstr(a.val)
+			name = cstr(a.Val)
 		case unix.NFTA_MATCH_REV:
-			rev = a.u32()
+			rev = a.U32()
 		case unix.NFTA_MATCH_INFO:
-			info = a.val
+			info = a.Val
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	if target {
 		d.r.Jump = targetName(name)

@@ -8,13 +8,9 @@ import (
 	"os"
 	"unsafe"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"golang.org/x/sys/unix"
 )
-
-// nlBuffer is the size of each of the two receive buffers dumps are read
-// through: the kernel fills a datagram with as many messages as fit (a
-// dump's part is at most 32 KiB) and the next read continues the dump.
-const nlBuffer = 64 << 10
 
 // openNetfilter opens a netlink socket to nf_tables for requests.
 func openNetfilter() (int, error) {
@@ -108,7 +104,7 @@ func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []by
 // read costs a few microseconds of system call on its own.
 func (r *iptNFTReader) recv() ([][]byte, error) {
 	if r.bufs[0] == nil {
-		r.bufs = [2][]byte{make([]byte, nlBuffer), make([]byte, nlBuffer)}
+		r.bufs = [2][]byte{make([]byte, nl.Buffer), make([]byte, nl.Buffer)}
 	}
 	var iov [2]unix.Iovec
 	var msgs [2]unix.Mmsghdr

@@ -2,13 +2,13 @@ package collector
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"net/netip"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // This file decodes what the kernel's nf_tables netlink dumps say about
@@ -23,72 +23,12 @@ import (
 // from the kernel, but a bug must never crash the collector or make it
 // allocate without bound.
 
-// attrs walks the netlink attributes in b: type (without the nested and
-// byte-order flags) and value. Malformed input ends the walk with err set.
-type attrs struct {
-	b   []byte
-	typ uint16
-	val []byte
-	err error
-}
-
-func (a *attrs) next() bool {
-	if len(a.b) == 0 || a.err != nil {
-		return false
-	}
-	if len(a.b) < 4 {
-		a.err = errors.New("truncated attribute header")
-		return false
-	}
-	l := int(binary.NativeEndian.Uint16(a.b))
-	if l < 4 || l > len(a.b) {
-		a.err = fmt.Errorf("attribute length %d outside its message (%d bytes left)", l, len(a.b))
-		return false
-	}
-	a.typ = binary.NativeEndian.Uint16(a.b[2:]) &^ (unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
-	a.val = a.b[4:l]
-	pad := (l + 3) &^ 3
-	if pad > len(a.b) {
-		pad = len(a.b)
-	}
-	a.b = a.b[pad:]
-	return true
-}
-
-func (a *attrs) u32() uint32 {
-	if len(a.val) < 4 {
-		a.err = fmt.Errorf("attribute %d: %d bytes, want 4", a.typ, len(a.val))
-		return 0
-	}
-	return binary.BigEndian.Uint32(a.val)
-}
-
-func (a *attrs) u64() uint64 {
-	if len(a.val) < 8 {
-		a.err = fmt.Errorf("attribute %d: %d bytes, want 8", a.typ, len(a.val))
-		return 0
-	}
-	return binary.BigEndian.Uint64(a.val)
-}
-
-// str is a NUL-terminated string attribute.
-func (a *attrs) str() string {
-	v := a.val
-	for i, c := range v {
-		if c == 0 {
-			v = v[:i]
-			break
-		}
-	}
-	return string(v)
-}
-
 // body skips a message's nfgenmsg header.
-func body(data []byte, what string) (attrs, error) {
+func body(data []byte, what string) (nl.Attrs, error) {
 	if len(data) < 4 {
-		return attrs{}, fmt.Errorf("nf_tables %s: message shorter than its header", what)
+		return nl.Attrs{}, fmt.Errorf("nf_tables %s: message shorter than its header", what)
 	}
-	return attrs{b: data[4:]}, nil
+	return nl.Walk(data[4:]), nil
 }
 
 // nftRule is one decoded rule: its chain and its statements in order.
@@ -124,28 +64,28 @@ func decodeRule(data []byte) (nftRule, error) {
 		return r, err
 	}
 	d := ruleDecoder{rule: &r}
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_RULE_CHAIN:
-			r.chain = a.str()
+			r.chain = a.Str()
 		case unix.NFTA_RULE_EXPRESSIONS:
-			list := attrs{b: a.val}
+			list := nl.Walk(a.Val)
 			n := 0
-			for list.next() {
+			for list.Next() {
 				if n++; n > maxRuleExprs {
 					return r, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(r.chain), maxRuleExprs)
 				}
-				if err := d.expr(list.val); err != nil {
+				if err := d.expr(list.Val); err != nil {
 					return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), err)
 				}
 			}
-			if list.err != nil {
-				return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), list.err)
+			if list.Err != nil {
+				return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), list.Err)
 			}
 		}
 	}
-	if a.err != nil {
-		return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), a.err)
+	if a.Err != nil {
+		return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), a.Err)
 	}
 	return r, nil
 }
@@ -164,12 +104,12 @@ type ruleDecoder struct {
 // expr reads one expression (NFTA_EXPR_NAME, then NFTA_EXPR_DATA) and
 // appends what it means to the rule.
 func (d *ruleDecoder) expr(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var name []byte
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_EXPR_NAME:
-			name = a.val
+			name = a.Val
 			if n := len(name); n > 0 && name[n-1] == 0 {
 				name = name[:n-1]
 			}
@@ -179,31 +119,31 @@ func (d *ruleDecoder) expr(b []byte) error {
 			case "cmp":
 				d.rule.stmts = append(d.rule.stmts, nftStmt{match: true})
 			case "lookup":
-				err = d.lookup(a.val)
+				err = d.lookup(a.Val)
 			case "immediate":
-				err = d.immediate(a.val)
+				err = d.immediate(a.Val)
 			case "nat":
-				err = d.nat(a.val)
+				err = d.nat(a.Val)
 			}
 			if err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 		}
 	}
-	return a.err
+	return a.Err
 }
 
 func (d *ruleDecoder) lookup(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var st nftStmt
 	var dreg uint32
 	hasDreg := false
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_LOOKUP_SET:
-			st.set = a.str()
+			st.set = a.Str()
 		case unix.NFTA_LOOKUP_DREG:
-			dreg, hasDreg = a.u32(), true
+			dreg, hasDreg = a.U32(), true
 		}
 	}
 	switch {
@@ -215,29 +155,29 @@ func (d *ruleDecoder) lookup(b []byte) error {
 		st.dnatMap = true
 	}
 	d.rule.stmts = append(d.rule.stmts, st)
-	return a.err
+	return a.Err
 }
 
 func (d *ruleDecoder) immediate(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var dreg uint32
 	var value []byte
 	var target string
 	verdict := false
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_IMMEDIATE_DREG:
-			dreg = a.u32()
+			dreg = a.U32()
 		case unix.NFTA_IMMEDIATE_DATA:
 			var err error
-			value, target, verdict, err = dataValue(a.val)
+			value, target, verdict, err = dataValue(a.Val)
 			if err != nil {
 				return err
 			}
 		}
 	}
-	if a.err != nil {
-		return a.err
+	if a.Err != nil {
+		return a.Err
 	}
 	switch {
 	case verdict && target != "":
@@ -249,22 +189,22 @@ func (d *ruleDecoder) immediate(b []byte) error {
 }
 
 func (d *ruleDecoder) nat(b []byte) error {
-	a := attrs{b: b}
+	a := nl.Walk(b)
 	var typ, regAddr, regProto uint32
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_NAT_TYPE:
-			typ = a.u32()
+			typ = a.U32()
 		case unix.NFTA_NAT_REG_ADDR_MIN:
-			regAddr = a.u32()
+			regAddr = a.U32()
 		case unix.NFTA_NAT_REG_PROTO_MIN:
-			regProto = a.u32()
+			regProto = a.U32()
 		}
 	}
-	if a.err == nil && typ == unix.NFT_NAT_DNAT {
+	if a.Err == nil && typ == unix.NFT_NAT_DNAT {
 		d.dnat(regAddr, regProto)
 	}
-	return a.err
+	return a.Err
 }
 
 // load keeps the last two immediates (a DNAT's address and port).
@@ -324,39 +264,39 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 	if err != nil {
 		return out, err
 	}
-	for a.next() {
-		if a.typ != unix.NFTA_SET_ELEM_LIST_ELEMENTS {
+	for a.Next() {
+		if a.Type != unix.NFTA_SET_ELEM_LIST_ELEMENTS {
 			continue
 		}
-		list := attrs{b: a.val}
-		for list.next() {
+		list := nl.Walk(a.Val)
+		for list.Next() {
 			if len(out) >= maxSetElems {
 				return out, fmt.Errorf("nf_tables set elements: more than %d", maxSetElems)
 			}
 			var el nftElem
-			e := attrs{b: list.val}
-			for e.next() {
-				switch e.typ {
+			e := nl.Walk(list.Val)
+			for e.Next() {
+				switch e.Type {
 				case unix.NFTA_SET_ELEM_KEY:
-					el.key, _, _, err = dataValue(e.val)
+					el.key, _, _, err = dataValue(e.Val)
 				case unix.NFTA_SET_ELEM_DATA:
-					el.data, el.target, _, err = dataValue(e.val)
+					el.data, el.target, _, err = dataValue(e.Val)
 				}
 				if err != nil {
 					return out, fmt.Errorf("nf_tables set element: %w", err)
 				}
 			}
-			if e.err != nil {
-				return out, fmt.Errorf("nf_tables set element: %w", e.err)
+			if e.Err != nil {
+				return out, fmt.Errorf("nf_tables set element: %w", e.Err)
 			}
 			out = append(out, el)
 		}
-		if list.err != nil {
-			return out, fmt.Errorf("nf_tables set elements: %w", list.err)
+		if list.Err != nil {
+			return out, fmt.Errorf("nf_tables set elements: %w", list.Err)
 		}
 	}
-	if a.err != nil {
-		return out, fmt.Errorf("nf_tables set elements: %w", a.err)
+	if a.Err != nil {
+		return out, fmt.Errorf("nf_tables set elements: %w", a.Err)
 	}
 	return out, nil
 }
@@ -364,33 +304,33 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 // dataValue reads an nft_data: a value (NFTA_DATA_VALUE), or a verdict
 // (NFTA_DATA_VERDICT) and the chain of a goto or jump.
 func dataValue(b []byte) (value []byte, target string, verdict bool, err error) {
-	a := attrs{b: b}
-	for a.next() {
-		switch a.typ {
+	a := nl.Walk(b)
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_DATA_VALUE:
-			value = a.val
+			value = a.Val
 		case unix.NFTA_DATA_VERDICT:
 			verdict = true
-			v := attrs{b: a.val}
+			v := nl.Walk(a.Val)
 			var code uint32
 			var chain string
-			for v.next() {
-				switch v.typ {
+			for v.Next() {
+				switch v.Type {
 				case unix.NFTA_VERDICT_CODE:
-					code = v.u32()
+					code = v.U32()
 				case unix.NFTA_VERDICT_CHAIN:
-					chain = v.str()
+					chain = v.Str()
 				}
 			}
-			if v.err != nil {
-				return nil, "", false, v.err
+			if v.Err != nil {
+				return nil, "", false, v.Err
 			}
 			if int32(code) == unix.NFT_GOTO || int32(code) == unix.NFT_JUMP {
 				target = chain
 			}
 		}
 	}
-	return value, target, verdict, a.err
+	return value, target, verdict, a.Err
 }
 
 // Element layouts kube-proxy uses: concatenations pad each part to 4
@@ -465,19 +405,19 @@ func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
 	if err != nil {
 		return "", "", info, err
 	}
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_SET_TABLE:
-			table = a.str()
+			table = a.Str()
 		case unix.NFTA_SET_NAME:
-			name = a.str()
+			name = a.Str()
 		case nftaSetHandle:
-			info.handle = a.u64()
+			info.handle = a.U64()
 		case unix.NFTA_SET_FLAGS:
-			info.anonymous = a.u32()&unix.NFT_SET_ANONYMOUS != 0
+			info.anonymous = a.U32()&unix.NFT_SET_ANONYMOUS != 0
 		}
 	}
-	return table, name, info, a.err
+	return table, name, info, a.Err
 }
 
 // elemsOf reads the table and set an NFT_MSG_NEWSETELEM body is of.
@@ -486,12 +426,12 @@ func elemsOf(data []byte) (table, set string) {
 	if err != nil {
 		return "", ""
 	}
-	for a.next() {
-		switch a.typ {
+	for a.Next() {
+		switch a.Type {
 		case unix.NFTA_SET_ELEM_LIST_TABLE:
-			table = a.str()
+			table = a.Str()
 		case unix.NFTA_SET_ELEM_LIST_SET:
-			set = a.str()
+			set = a.Str()
 		}
 	}
 	return table, set
@@ -509,10 +449,10 @@ func tableHandle(data []byte) (uint64, bool) {
 	if err != nil {
 		return 0, false
 	}
-	for a.next() {
-		if a.typ == nftaTableHandle {
-			h := a.u64()
-			return h, a.err == nil
+	for a.Next() {
+		if a.Type == nftaTableHandle {
+			h := a.U64()
+			return h, a.Err == nil
 		}
 	}
 	return 0, false

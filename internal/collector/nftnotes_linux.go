@@ -191,9 +191,9 @@ func tableName(data []byte) string {
 	if err != nil {
 		return ""
 	}
-	for a.next() {
-		if a.typ == unix.NFTA_TABLE_NAME {
-			return a.str()
+	for a.Next() {
+		if a.Type == unix.NFTA_TABLE_NAME {
+			return a.Str()
 		}
 	}
 	return ""

@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	utilexec "k8s.io/utils/exec"
 )
 
@@ -246,9 +247,9 @@ func (r *toolReader) Read(ctx context.Context) (*audit.Observed, error) {
 // serialised, and a handle that failed is closed and reopened on the next
 // read.
 type ipvsReader struct {
-	open func() (IPVS, error)
+	open func() (ipvs.Table, error)
 	mu   sync.Mutex
-	h    IPVS
+	h    ipvs.Table
 	// had: the last read found virtual servers (see Flushed).
 	had bool
 }
@@ -316,7 +317,7 @@ func (r *ipvsReader) Read(ctx context.Context) (*audit.Observed, error) {
 	vs, err := r.h.VirtualServers(rctx)
 	if cleared.Load() {
 		r.had = false
-		return audit.FromIPVS(nil), nil
+		return ipvs.Observed(nil), nil
 	}
 	if err != nil {
 		r.h.Close()
@@ -324,7 +325,7 @@ func (r *ipvsReader) Read(ctx context.Context) (*audit.Observed, error) {
 		return nil, err
 	}
 	r.had = len(vs) > 0
-	return audit.FromIPVS(vs), nil
+	return ipvs.Observed(vs), nil
 }
 
 type countingReader struct {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 )
 
 // Source names where one node's kube-proxy rules are read from.
@@ -69,15 +70,6 @@ type IPTables interface {
 	ChainExists(table, chain string) (bool, error)
 }
 
-// IPVS reads the kernel's IPVS table (moby/ipvs over generic netlink in
-// production). It is not safe for concurrent use.
-type IPVS interface {
-	// VirtualServers reads the table; a context that ends stops the read
-	// between two virtual servers.
-	VirtualServers(ctx context.Context) ([]audit.VirtualServer, error)
-	Close()
-}
-
 // ChangeSignal tells the collector when kube-proxy's rules may have
 // changed, so that a quiet node is not read at all.
 type ChangeSignal interface {
@@ -122,7 +114,7 @@ type Host struct {
 	// IP6Tables is IPTables for ip6tables; nil skips IPv6 in detection.
 	IP6Tables func(legacy bool) (IPTables, error)
 	// OpenIPVS opens the IPVS table.
-	OpenIPVS func() (IPVS, error)
+	OpenIPVS func() (ipvs.Table, error)
 	// HasInterface says whether a network interface exists.
 	HasInterface func(name string) bool
 	// OpenSignal opens the change signal of a source; nil (and no error)
@@ -164,7 +156,7 @@ func NewHost() *Host {
 		Exec:         utilexec.New(),
 		IPTables:     func(legacy bool) (IPTables, error) { return openIPTables(legacy, false) },
 		IP6Tables:    func(legacy bool) (IPTables, error) { return openIPTables(legacy, true) },
-		OpenIPVS:     openIPVS,
+		OpenIPVS:     ipvs.Open,
 		NFTChain:     nftChainExists,
 		BPFFS:        DefaultBPFFS,
 		ReadCilium:   cilium.Read,

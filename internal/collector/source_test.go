@@ -20,6 +20,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -247,10 +248,10 @@ func TestToolReaders(t *testing.T) {
 // The IPVS reader keeps one handle and reopens it after a failed dump.
 func TestIPVSReaderReopensAfterAFailure(t *testing.T) {
 	vip := netip.MustParseAddrPort("198.19.0.10:53")
-	table := &collectortest.IPVS{Servers: []audit.VirtualServer{{Addr: vip, Protocol: "UDP", Scheduler: "rr",
-		Real: []audit.RealServer{{Addr: netip.MustParseAddrPort("198.18.128.5:53"), Weight: 1}}}}}
+	table := &collectortest.IPVS{Servers: []ipvs.VirtualServer{{Addr: vip, Protocol: "UDP", Scheduler: "rr",
+		Real: []ipvs.RealServer{{Addr: netip.MustParseAddrPort("198.18.128.5:53"), Weight: 1}}}}}
 	opened := 0
-	h := &collector.Host{OpenIPVS: func() (collector.IPVS, error) { opened++; return table, nil }}
+	h := &collector.Host{OpenIPVS: func() (ipvs.Table, error) { opened++; return table, nil }}
 	r := h.Reader(collector.Source{Mode: audit.ModeIPVS})
 	ctx := context.Background()
 	for range 2 {
@@ -268,7 +269,7 @@ func TestIPVSReaderReopensAfterAFailure(t *testing.T) {
 		t.Fatalf("after the failure: %v, opened %d times", err, opened)
 	}
 	// No IPVS in the kernel: the opener's error, every time.
-	h = &collector.Host{OpenIPVS: func() (collector.IPVS, error) { return nil, errors.New("this kernel has no IPVS table") }}
+	h = &collector.Host{OpenIPVS: func() (ipvs.Table, error) { return nil, errors.New("this kernel has no IPVS table") }}
 	if _, err := h.Reader(collector.Source{Mode: audit.ModeIPVS}).Read(ctx); err == nil || !strings.Contains(err.Error(), "no IPVS") {
 		t.Errorf("no IPVS: %v", err)
 	}

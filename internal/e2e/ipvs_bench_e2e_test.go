@@ -13,10 +13,10 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
-var ipvsBench = flag.String("ipvs-bench", "", "run internal/collector's BenchmarkIPVSRead in the IPVS VM with these -test.bench arguments (make bench-ipvs)")
+var ipvsBench = flag.String("ipvs-bench", "", "run dataplane/ipvs's BenchmarkIPVSRead in the IPVS VM with these -test.bench arguments (make bench-ipvs)")
 
 // TestIPVSBenchmarkInVM runs the IPVS read benchmark where IPVS exists: it
-// compiles internal/collector's test binary and runs BenchmarkIPVSRead in
+// compiles dataplane/ipvs's test binary and runs BenchmarkIPVSRead in
 // the VM, in a network namespace of its own, and prints go test's output.
 // It is not a timed test: it only carries the benchmark to the kernel.
 func TestIPVSBenchmarkInVM(t *testing.T) {
@@ -33,8 +33,8 @@ func TestIPVSBenchmarkInVM(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "collector.test")
-	build := exec.Command("go", "test", "-c", "-o", bin, "./internal/collector")
+	bin := filepath.Join(dir, "ipvs.test")
+	build := exec.Command("go", "test", "-c", "-o", bin, "./dataplane/ipvs")
 	build.Dir = root
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build the benchmark: %v\n%s", err, out)

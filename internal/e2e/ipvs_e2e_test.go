@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/scenario"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -345,7 +346,7 @@ func readVM(ctx context.Context, t *testing.T, c *localcluster.Cluster, vm *loca
 	if err != nil {
 		t.Fatal(err)
 	}
-	fromSave, err := audit.ParseIPVS(strings.NewReader(save))
+	fromSave, err := ipvs.Parse(strings.NewReader(save))
 	if err != nil {
 		t.Fatalf("ipvsadm -Sn: %v\n%s", err, save)
 	}

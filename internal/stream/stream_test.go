@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
 
@@ -159,7 +160,7 @@ func TestKeyRoundTrip(t *testing.T) {
 // An IPVS table crosses the stream whole: frontends without a scope (IPVS
 // has none), weights including 0 (draining real servers).
 func TestIPVSRoundTrip(t *testing.T) {
-	obs, err := audit.ParseIPVS(strings.NewReader("-A -t 198.19.0.10:80 -s rr\n-a -t 198.19.0.10:80 -r 198.18.128.1:8080 -m -w 1\n" +
+	obs, err := ipvs.Parse(strings.NewReader("-A -t 198.19.0.10:80 -s rr\n-a -t 198.19.0.10:80 -r 198.18.128.1:8080 -m -w 1\n" +
 		"-a -t 198.19.0.10:80 -r 198.18.128.2:8080 -m -w 0\n-A -u 198.19.0.10:53 -s rr -p 600\n"))
 	if err != nil {
 		t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 )
 
 func parse(t testing.TB, b []byte) *audit.Observed {
@@ -67,7 +68,7 @@ func TestSynthIPVS(t *testing.T) {
 	if err := spec.WriteIPVSRestore(&b, nil, false); err != nil {
 		t.Fatal(err)
 	}
-	obs, err := audit.ParseIPVS(&b)
+	obs, err := ipvs.Parse(&b)
 	if err != nil {
 		t.Fatal(err)
 	}

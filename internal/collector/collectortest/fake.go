@@ -8,12 +8,13 @@ import (
 	"sync/atomic"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 )
 
 var (
 	_ collector.IPTables   = (*IPTables)(nil)
-	_ collector.IPVS       = (*IPVS)(nil)
+	_ ipvs.Table           = (*IPVS)(nil)
 	_ collector.RuleReader = (*Reader)(nil)
 
 	_ collector.NoEndpointReader = (*Reader)(nil)
@@ -33,19 +34,19 @@ func (f *IPTables) ChainExists(table, chain string) (bool, error) {
 // IPVS serves a fixed table.
 type IPVS struct {
 	mu      sync.Mutex
-	Servers []audit.VirtualServer
+	Servers []ipvs.VirtualServer
 	Err     error
 	Closed  int
 }
 
-// VirtualServers implements collector.IPVS.
-func (f *IPVS) VirtualServers(context.Context) ([]audit.VirtualServer, error) {
+// VirtualServers implements ipvs.Table.
+func (f *IPVS) VirtualServers(context.Context) ([]ipvs.VirtualServer, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.Servers, f.Err
 }
 
-// Close implements collector.IPVS.
+// Close implements ipvs.Table.
 func (f *IPVS) Close() {
 	f.mu.Lock()
 	f.Closed++

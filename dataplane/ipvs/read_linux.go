@@ -1,4 +1,4 @@
-package collector
+package ipvs
 
 import (
 	"context"
@@ -12,7 +12,7 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // genlIPVS reads the IPVS table over generic netlink (mdlayher/genetlink):
@@ -52,7 +52,7 @@ const (
 	ipvsSvcPersistent = 0x1 // IP_VS_SVC_F_PERSISTENT: session affinity
 )
 
-func openIPVS() (IPVS, error) {
+func Open() (Table, error) {
 	// Without the module the IPVS family does not exist. A collector image
 	// needs no kmod: the table is there or not, and this says so.
 	if _, err := os.Stat("/proc/net/ip_vs"); err != nil {
@@ -79,17 +79,17 @@ type ipvsService struct {
 	addr      []byte
 	port      []byte // big-endian, as sent back
 	fwmark    uint32
-	vs        audit.VirtualServer
+	vs        VirtualServer
 	ok        bool
 }
 
-func (g *genlIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, error) {
+func (g *genlIPVS) VirtualServers(ctx context.Context) ([]VirtualServer, error) {
 	msgs, err := g.c.Execute(genetlink.Message{Header: genetlink.Header{Command: ipvsCmdGetService, Version: g.fam.Version}},
 		g.fam.ID, netlink.Request|netlink.Dump)
 	if err != nil {
 		return nil, fmt.Errorf("IPVS services: %w", err)
 	}
-	vs := make([]audit.VirtualServer, 0, len(msgs))
+	vs := make([]VirtualServer, 0, len(msgs))
 	for _, m := range msgs {
 		if err := ctx.Err(); err != nil {
 			return nil, err
@@ -111,7 +111,7 @@ func (g *genlIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, e
 
 // AnyVirtualServer peeks at the first part of a services dump.
 func (g *genlIPVS) AnyVirtualServer() (bool, error) {
-	return peekDump(unix.NETLINK_GENERIC, g.fam.ID, []byte{ipvsCmdGetService, g.fam.Version, 0, 0})
+	return nl.PeekDump(unix.NETLINK_GENERIC, g.fam.ID, []byte{ipvsCmdGetService, g.fam.Version, 0, 0})
 }
 
 // destinations dumps one virtual server's real servers.
@@ -133,7 +133,7 @@ func (g *genlIPVS) destinations(s *ipvsService) error {
 	if err != nil {
 		return err
 	}
-	s.vs.Real = make([]audit.RealServer, 0, len(msgs))
+	s.vs.Real = make([]RealServer, 0, len(msgs))
 	for _, m := range msgs {
 		rs, ok, err := decodeIPVSDest(m.Data, s.af)
 		if err != nil {
@@ -150,35 +150,35 @@ func (g *genlIPVS) destinations(s *ipvsService) error {
 // integers, except ports (network order).
 func decodeIPVSService(data []byte) (ipvsService, error) {
 	var s ipvsService
-	a := attrs{b: data}
-	for a.next() {
-		if a.typ != ipvsCmdAttrService {
+	a := nl.Walk(data)
+	for a.Next() {
+		if a.Type != ipvsCmdAttrService {
 			continue
 		}
-		sa := attrs{b: a.val}
+		sa := nl.Walk(a.Val)
 		var flags, timeout uint32
-		for sa.next() {
-			switch sa.typ {
+		for sa.Next() {
+			switch sa.Type {
 			case ipvsSvcAttrAF:
-				s.af = nativeU16(sa.val)
+				s.af = nativeU16(sa.Val)
 			case ipvsSvcAttrProtocol:
-				s.proto = nativeU16(sa.val)
+				s.proto = nativeU16(sa.Val)
 			case ipvsSvcAttrAddr:
-				s.addr = sa.val
+				s.addr = sa.Val
 			case ipvsSvcAttrPort:
-				s.port = sa.val
+				s.port = sa.Val
 			case ipvsSvcAttrFWMark:
-				s.fwmark = nativeU32(sa.val)
+				s.fwmark = nativeU32(sa.Val)
 			case ipvsSvcAttrSched:
-				s.vs.Scheduler = sa.str()
+				s.vs.Scheduler = sa.Str()
 			case ipvsSvcAttrFlags:
-				flags = nativeU32(sa.val)
+				flags = nativeU32(sa.Val)
 			case ipvsSvcAttrTimeout:
-				timeout = nativeU32(sa.val)
+				timeout = nativeU32(sa.Val)
 			}
 		}
-		if sa.err != nil {
-			return s, sa.err
+		if sa.Err != nil {
+			return s, sa.Err
 		}
 		if flags&ipvsSvcPersistent != 0 {
 			s.vs.PersistentSeconds = int(timeout)
@@ -191,44 +191,44 @@ func decodeIPVSService(data []byte) (ipvsService, error) {
 			s.ok = true
 		}
 	}
-	return s, a.err
+	return s, a.Err
 }
 
 // decodeIPVSDest reads one IPVS_CMD_NEW_DEST message body; a real server
 // whose family the kernel does not say (before Linux 4.10) has its
 // service's.
-func decodeIPVSDest(data []byte, svcAF uint16) (audit.RealServer, bool, error) {
-	var rs audit.RealServer
+func decodeIPVSDest(data []byte, svcAF uint16) (RealServer, bool, error) {
+	var rs RealServer
 	var addr, port []byte
 	var af uint16
-	a := attrs{b: data}
-	for a.next() {
-		if a.typ != ipvsCmdAttrDest {
+	a := nl.Walk(data)
+	for a.Next() {
+		if a.Type != ipvsCmdAttrDest {
 			continue
 		}
-		da := attrs{b: a.val}
-		for da.next() {
-			switch da.typ {
+		da := nl.Walk(a.Val)
+		for da.Next() {
+			switch da.Type {
 			case ipvsDestAttrAddr:
-				addr = da.val
+				addr = da.Val
 			case ipvsDestAttrPort:
-				port = da.val
+				port = da.Val
 			case ipvsDestAttrWeight:
-				rs.Weight = int(nativeU32(da.val))
+				rs.Weight = int(nativeU32(da.Val))
 			case ipvsDestAttrActiveConns:
-				rs.ActiveConns = int(nativeU32(da.val))
+				rs.ActiveConns = int(nativeU32(da.Val))
 			case ipvsDestAttrInactiveConns:
-				rs.InactiveConns = int(nativeU32(da.val))
+				rs.InactiveConns = int(nativeU32(da.Val))
 			case ipvsDestAttrAF:
-				af = nativeU16(da.val)
+				af = nativeU16(da.Val)
 			}
 		}
-		if da.err != nil {
-			return rs, false, da.err
+		if da.Err != nil {
+			return rs, false, da.Err
 		}
 	}
-	if a.err != nil {
-		return rs, false, a.err
+	if a.Err != nil {
+		return rs, false, a.Err
 	}
 	if af == 0 {
 		af = svcAF

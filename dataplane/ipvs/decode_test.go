@@ -1,6 +1,6 @@
 //go:build linux
 
-package collector
+package ipvs
 
 import (
 	"encoding/binary"
@@ -12,6 +12,14 @@ import (
 
 func nested(typ uint16, attrs ...netlink.Attribute) netlink.Attribute {
 	return netlink.Attribute{Type: typ | netlink.Nested, Data: mustAttrs(attrs...)}
+}
+
+func mustAttrs(a ...netlink.Attribute) []byte {
+	b, err := netlink.MarshalAttributes(a)
+	if err != nil {
+		panic(err)
+	}
+	return b
 }
 
 func ne16(v uint16) []byte { return binary.NativeEndian.AppendUint16(nil, v) }

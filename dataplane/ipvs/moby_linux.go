@@ -1,4 +1,4 @@
-package collector
+package ipvs
 
 import (
 	"context"
@@ -7,9 +7,7 @@ import (
 	"os"
 	"syscall"
 
-	"github.com/moby/ipvs"
-
-	"github.com/proxyaudit/proxyaudit/audit"
+	mobyipvs "github.com/moby/ipvs"
 )
 
 // mobyIPVS reads the IPVS table over generic netlink with moby/ipvs: one
@@ -19,16 +17,16 @@ import (
 // genlIPVS instead, and the benchmark keeps this one beside it. moby/ipvs
 // logs through logrus when it runs modprobe (the collector's main routes
 // logrus into its own logger).
-type mobyIPVS struct{ h *ipvs.Handle }
+type mobyIPVS struct{ h *mobyipvs.Handle }
 
-func openMobyIPVS() (IPVS, error) {
+func OpenMoby() (Table, error) {
 	// Without the module the netlink family is missing and moby/ipvs
 	// would still return a handle. A collector image needs no kmod: the
 	// table is there or not, and this says so.
 	if _, err := os.Stat("/proc/net/ip_vs"); err != nil {
 		return nil, fmt.Errorf("open IPVS netlink: this kernel has no IPVS table (%v): is the ip_vs module loaded? kube-proxy in IPVS mode loads it", err)
 	}
-	h, err := ipvs.New("")
+	h, err := mobyipvs.New("")
 	if err != nil {
 		return nil, fmt.Errorf("open IPVS netlink: %w (is the ip_vs module loaded?)", err)
 	}
@@ -37,12 +35,12 @@ func openMobyIPVS() (IPVS, error) {
 
 func (m mobyIPVS) Close() { m.h.Close() }
 
-func (m mobyIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, error) {
+func (m mobyIPVS) VirtualServers(ctx context.Context) ([]VirtualServer, error) {
 	svcs, err := m.h.GetServices()
 	if err != nil {
 		return nil, fmt.Errorf("IPVS services: %w", err)
 	}
-	vs := make([]audit.VirtualServer, 0, len(svcs))
+	vs := make([]VirtualServer, 0, len(svcs))
 	for _, s := range svcs {
 		if err := ctx.Err(); err != nil {
 			return nil, err
@@ -63,7 +61,7 @@ func (m mobyIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, er
 			if !ok {
 				continue
 			}
-			v.Real = append(v.Real, audit.RealServer{Addr: netip.AddrPortFrom(a.Unmap(), d.Port), Weight: d.Weight,
+			v.Real = append(v.Real, RealServer{Addr: netip.AddrPortFrom(a.Unmap(), d.Port), Weight: d.Weight,
 				ActiveConns: d.ActiveConnections, InactiveConns: d.InactiveConnections})
 		}
 		vs = append(vs, v)
@@ -71,10 +69,10 @@ func (m mobyIPVS) VirtualServers(ctx context.Context) ([]audit.VirtualServer, er
 	return vs, nil
 }
 
-func virtualServer(s *ipvs.Service) (audit.VirtualServer, bool) {
+func virtualServer(s *mobyipvs.Service) (VirtualServer, bool) {
 	a, ok := netip.AddrFromSlice(s.Address)
 	if !ok {
-		return audit.VirtualServer{}, false
+		return VirtualServer{}, false
 	}
 	var proto string
 	switch s.Protocol {
@@ -85,9 +83,9 @@ func virtualServer(s *ipvs.Service) (audit.VirtualServer, bool) {
 	case syscall.IPPROTO_SCTP:
 		proto = "SCTP"
 	default:
-		return audit.VirtualServer{}, false
+		return VirtualServer{}, false
 	}
-	v := audit.VirtualServer{Addr: netip.AddrPortFrom(a.Unmap(), s.Port), Protocol: proto, Scheduler: s.SchedName}
+	v := VirtualServer{Addr: netip.AddrPortFrom(a.Unmap(), s.Port), Protocol: proto, Scheduler: s.SchedName}
 	const persistent = 0x1 // IP_VS_SVC_F_PERSISTENT: session affinity
 	if s.Flags&persistent != 0 {
 		v.PersistentSeconds = int(s.Timeout)

@@ -1,9 +1,9 @@
 //go:build !linux
 
-package collector
+package ipvs
 
 import "errors"
 
-func openIPVS() (IPVS, error) {
+func Open() (Table, error) {
 	return nil, errors.New("IPVS can only be read on Linux")
 }

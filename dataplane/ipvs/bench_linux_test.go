@@ -1,6 +1,6 @@
 //go:build linux
 
-package collector
+package ipvs
 
 import (
 	"bytes"
@@ -17,10 +17,10 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// BenchmarkIPVSRead reads a large IPVS table three ways in one run: the
-// collector's netlink dump (one services dump, one destinations dump per
+// BenchmarkIPVSRead reads a large IPVS table three ways in one run, each
+// reduced to the model: the collector's netlink dump (one services dump, one destinations dump per
 // virtual server), bare `ipvsadm -Sn`, and `ipvsadm -Sn` parsed by
-// audit.ParseIPVS (what a collector forking the tool would pay). It needs
+// Parse (what a collector forking the tool would pay). It needs
 // a kernel with IPVS; an empty table is filled first with
 // PROXYAUDIT_BENCH_IPVS_SERVICES virtual servers (default 10,000) of
 // PROXYAUDIT_BENCH_IPVS_REAL real servers each (default 10). Run it in a
@@ -31,8 +31,19 @@ func BenchmarkIPVSRead(b *testing.B) {
 		b.Skip("no IPVS in this kernel: `make bench-ipvs` runs this benchmark in the VM")
 	}
 	svcs, reals := envInt("PROXYAUDIT_BENCH_IPVS_SERVICES", 10_000), envInt("PROXYAUDIT_BENCH_IPVS_REAL", 10)
-	reader := NewHost().Reader(Source{Mode: audit.ModeIPVS})
-	obs, err := reader.Read(context.Background())
+	read := func(t Table) (*audit.Observed, error) {
+		vs, err := t.VirtualServers(context.Background())
+		if err != nil {
+			return nil, err
+		}
+		return Observed(vs), nil
+	}
+	t, err := Open()
+	if err != nil {
+		b.Fatal(err)
+	}
+	obs, err := read(t)
+	t.Close()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -54,13 +65,17 @@ func BenchmarkIPVSRead(b *testing.B) {
 	// audit reads) beside moby/ipvs, which it replaced.
 	for _, r := range []struct {
 		name string
-		open func() (IPVS, error)
-	}{{"netlink", openIPVS}, {"netlink-moby", openMobyIPVS}} {
-		reader := (&Host{OpenIPVS: r.open}).Reader(Source{Mode: audit.ModeIPVS})
+		open func() (Table, error)
+	}{{"netlink", Open}, {"netlink-moby", OpenMoby}} {
 		b.Run(r.name, func(b *testing.B) {
+			t, err := r.open()
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer t.Close()
 			var o *audit.Observed
 			for b.Loop() {
-				if o, err = reader.Read(context.Background()); err != nil {
+				if o, err = read(t); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -82,7 +97,7 @@ func BenchmarkIPVSRead(b *testing.B) {
 				b.Fatal(err)
 			}
 			if parse {
-				o, err = audit.ParseIPVS(out)
+				o, err = Parse(out)
 			} else {
 				_, err = io.Copy(io.Discard, out)
 			}

@@ -1,4 +1,4 @@
-package collector
+package nl
 
 import (
 	"crypto/rand"
@@ -9,7 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// peekDump asks the kernel for a dump on a socket of its own and reads
+// PeekDump asks the kernel for a dump on a socket of its own and reads
 // only its first part: whether the dump holds anything at all. The socket
 // is closed with the rest unread (the kernel drops the dump), so a peek
 // at a table of 10k entries costs one part (~100), not the table. Not for
@@ -17,7 +17,7 @@ import (
 // earlier commits deleted.
 // Datagrams not from the kernel are dropped. A refusal comes back as the
 // kernel's errno.
-func peekDump(proto int, typ uint16, body []byte) (bool, error) {
+func PeekDump(proto int, typ uint16, body []byte) (bool, error) {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return false, fmt.Errorf("netlink socket: %w", err)
@@ -36,7 +36,7 @@ func peekDump(proto int, typ uint16, body []byte) (bool, error) {
 	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return false, fmt.Errorf("netlink request: %w", err)
 	}
-	buf := make([]byte, nlBuffer)
+	buf := make([]byte, Buffer)
 	for {
 		n, from, err := unix.Recvfrom(fd, buf, 0)
 		if err != nil {

@@ -1,17 +1,23 @@
-package audit
+// Package ipvs is kube-proxy's IPVS mode: the kernel's IPVS table read over
+// generic netlink (Open, Linux only) or from `ipvsadm -Sn`/`-Ln` text
+// (Parse), and reduced to the audit's model (Observed).
+package ipvs
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net/netip"
 	"strconv"
 	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // VirtualServer is one IPVS virtual server as the kernel holds it, from
 // `ipvsadm -Sn`/`-Ln` text or a netlink dump (the collector's source):
-// both readers build these, and FromIPVS turns them into the model.
+// both readers build these, and Observed turns them into the model.
 type VirtualServer struct {
 	Addr     netip.AddrPort
 	Protocol string // TCP, UDP or SCTP
@@ -32,18 +38,18 @@ type RealServer struct {
 	ActiveConns, InactiveConns int
 }
 
-// FromIPVS builds the observed model of an IPVS table: each virtual server
+// Observed builds the observed model of an IPVS table: each virtual server
 // becomes a frontend keyed by (VIP, protocol, port) with its real servers
 // and weights. IPVS names nothing, so the diff maps virtual servers to
-// services through the Service objects (cluster, external and
+// services through the audit.Service objects (cluster, external and
 // load-balancer IPs; node ports per node address). No virtual server at
-// all is NoRules (a flushed table). One table holds both families, so the
+// all is audit.NoRules (a flushed table). One table holds both families, so the
 // model covers both.
-func FromIPVS(vs []VirtualServer) *Observed {
-	obs := &Observed{Mode: ModeIPVS, Families: []int{4, 6}}
-	byKey := map[FrontendKey]int{}
+func Observed(vs []VirtualServer) *audit.Observed {
+	obs := &audit.Observed{Mode: audit.ModeIPVS, Families: []int{4, 6}}
+	byKey := map[audit.FrontendKey]int{}
 	for _, v := range vs {
-		k := FrontendKey{IP: v.Addr.Addr().Unmap(), Protocol: v.Protocol, Port: v.Addr.Port()}
+		k := audit.FrontendKey{IP: v.Addr.Addr().Unmap(), Protocol: v.Protocol, Port: v.Addr.Port()}
 		i, ok := byKey[k]
 		if !ok {
 			i = len(obs.Frontends)
@@ -55,11 +61,11 @@ func FromIPVS(vs []VirtualServer) *Observed {
 			if v.PersistentSeconds > 0 {
 				chain += fmt.Sprintf(" persistent %ds", v.PersistentSeconds)
 			}
-			obs.Frontends = append(obs.Frontends, ObservedFrontend{FrontendKey: k, Chain: chain})
+			obs.Frontends = append(obs.Frontends, audit.ObservedFrontend{FrontendKey: k, Chain: chain})
 		}
 		f := &obs.Frontends[i]
 		for _, r := range v.Real {
-			f.Endpoints = append(f.Endpoints, Endpoint{Addr: netip.AddrPortFrom(r.Addr.Addr().Unmap(), r.Addr.Port()), Weight: r.Weight,
+			f.Endpoints = append(f.Endpoints, audit.Endpoint{Addr: netip.AddrPortFrom(r.Addr.Addr().Unmap(), r.Addr.Port()), Weight: r.Weight,
 				ActiveConns: r.ActiveConns, InactiveConns: r.InactiveConns, Chain: f.Chain})
 		}
 	}
@@ -68,11 +74,11 @@ func FromIPVS(vs []VirtualServer) *Observed {
 	return obs
 }
 
-// ParseIPVS reads `ipvsadm -Sn` (save) or `ipvsadm -Ln` (list) output.
+// Parse reads `ipvsadm -Sn` (save) or `ipvsadm -Ln` (list) output.
 // Firewall-mark services are ignored (kube-proxy programs none).
-func ParseIPVS(r io.Reader) (*Observed, error) {
+func Parse(r io.Reader) (*audit.Observed, error) {
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 4096), MaxLineBytes)
+	sc.Buffer(make([]byte, 0, 4096), audit.MaxLineBytes)
 	var vs []VirtualServer
 	byAddr := map[string]int{}
 	cur := -1
@@ -150,7 +156,7 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 				continue
 			}
 			if proto == "" {
-				return nil, fmt.Errorf("line %d: ipvsadm rule without -t, -u or --sctp-service: %q", lineNo, clip([]byte(line)))
+				return nil, fmt.Errorf("line %d: ipvsadm rule without -t, -u or --sctp-service: %q", lineNo, clip(line))
 			}
 			var v *VirtualServer
 			if v, err = addVS(proto, addr); err != nil {
@@ -201,7 +207,7 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 			}
 			err = addRS(f[1], w, act, inact)
 		default:
-			return nil, fmt.Errorf("line %d: expected ipvsadm -Sn or -Ln output, got %q", lineNo, clip([]byte(line)))
+			return nil, fmt.Errorf("line %d: expected ipvsadm -Sn or -Ln output, got %q", lineNo, clip(line))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("line %d: %v", lineNo, err)
@@ -210,5 +216,22 @@ func ParseIPVS(r io.Reader) (*Observed, error) {
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("read ipvsadm output: %w", err)
 	}
-	return FromIPVS(vs), nil
+	return Observed(vs), nil
+}
+
+// Table is the kernel's IPVS table, open for reading. It is not safe for
+// concurrent use.
+type Table interface {
+	// VirtualServers reads the table; a context that ends stops the read
+	// between two virtual servers.
+	VirtualServers(ctx context.Context) ([]VirtualServer, error)
+	Close()
+}
+
+// clip shortens a line quoted in an error.
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
 }
