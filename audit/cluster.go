@@ -333,13 +333,13 @@ func ServiceFamilies(st *State) []int {
 			continue
 		}
 		for _, ip := range st.Services[i].ClusterIPs {
-			seen[family(ip)] = true
+			seen[Family(ip)] = true
 		}
 	}
-	return familyList(seen)
+	return FamilyList(seen)
 }
 
-func family(a netip.Addr) int {
+func Family(a netip.Addr) int {
 	if a.Is4() {
 		return 4
 	}

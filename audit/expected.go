@@ -22,7 +22,7 @@ func ExpectedFor(st *State, node string) Expected {
 		}
 		for _, sp := range svc.Ports {
 			for _, cip := range svc.ClusterIPs {
-				exp.Ports = append(exp.Ports, expectedPort(svc, sp, family(cip), cip, node, zone))
+				exp.Ports = append(exp.Ports, expectedPort(svc, sp, Family(cip), cip, node, zone))
 			}
 		}
 	}
@@ -76,12 +76,12 @@ func expectedPort(svc *Service, sp corev1.ServicePort, fam int, clusterIP netip.
 	port := uint16(sp.Port)
 	ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: clusterIP, Protocol: proto, Port: port}, KindClusterIP, internal})
 	for _, ip := range svc.ExternalIPs {
-		if family(ip) == fam {
+		if Family(ip) == fam {
 			ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: ip, Protocol: proto, Port: port}, KindExternalIP, external})
 		}
 	}
 	for _, ip := range svc.LBIPs {
-		if family(ip) == fam {
+		if Family(ip) == fam {
 			ep.Frontends = append(ep.Frontends, ExpectedFrontend{FrontendKey{IP: ip, Protocol: proto, Port: port}, KindLoadBalancer, external})
 		}
 	}

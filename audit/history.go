@@ -281,7 +281,7 @@ func serviceKeys(s *Service) []FrontendKey {
 		}
 		if p.NodePort != 0 {
 			for _, ip := range s.ClusterIPs { // one node port per family
-				out = append(out, NodePortKey(family(ip), proto, uint16(p.NodePort)))
+				out = append(out, NodePortKey(Family(ip), proto, uint16(p.NodePort)))
 			}
 		}
 	}

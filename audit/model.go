@@ -95,7 +95,7 @@ func (k FrontendKey) Family() int {
 	if !k.IP.IsValid() {
 		return 4
 	}
-	return family(k.IP)
+	return Family(k.IP)
 }
 
 // nodePortOf is the node port a per-address frontend with k's protocol
@@ -240,8 +240,8 @@ type Observed struct {
 	Warnings []string
 }
 
-// familyList is the families (4, 6) seen marks, ascending.
-func familyList(seen [7]bool) []int {
+// FamilyList is the families (4, 6) seen marks, ascending.
+func FamilyList(seen [7]bool) []int {
 	var out []int
 	for _, f := range []int{4, 6} {
 		if seen[f] {
@@ -303,6 +303,10 @@ func Merge(parts ...*Observed) (*Observed, error) {
 	return o, nil
 }
 
+// MaxLineBytes bounds one line of rule text a reader takes; longer lines
+// are an error.
+const MaxLineBytes = 64 << 10
+
 // Normalize sorts frontends and endpoints and removes duplicates so that
 // comparisons are set operations on sorted data: every reader calls it on
 // the model it built, last.
@@ -322,7 +326,7 @@ func (o *Observed) Normalize() {
 			k := slice{&f.Endpoints[0], len(f.Endpoints)}
 			sorted, ok := done[k]
 			if !ok {
-				sorted = sortEndpoints(f.Endpoints)
+				sorted = SortEndpoints(f.Endpoints)
 				done[k] = sorted
 			}
 			f.Endpoints = sorted
@@ -336,9 +340,9 @@ func (o *Observed) Normalize() {
 	sort.Ints(o.Families)
 }
 
-// sortEndpoints sorts endpoints by address and drops repeats (the first
+// SortEndpoints sorts endpoints by address and drops repeats (the first
 // stays), in place.
-func sortEndpoints(eps []Endpoint) []Endpoint {
+func SortEndpoints(eps []Endpoint) []Endpoint {
 	slices.SortStableFunc(eps, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
 	return slices.CompactFunc(eps, func(a, b Endpoint) bool { return a.Addr == b.Addr })
 }

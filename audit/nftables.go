@@ -413,7 +413,7 @@ func policyEndpoints(t nftSource, policy string) []Endpoint {
 			}
 		}
 	}
-	return sortEndpoints(eps)
+	return SortEndpoints(eps)
 }
 
 // nftPolicy follows an external-… chain to the service-… (cluster) or
@@ -635,4 +635,12 @@ func readDNAT(sc *jscan, st *NFTStatement) error {
 		st.DNAT = append(st.DNAT, netip.AddrPortFrom(addr, port))
 	}
 	return err
+}
+
+// clip shortens what an error quotes.
+func clip(b []byte) string {
+	if len(b) > 80 {
+		return string(b[:80]) + "…"
+	}
+	return string(b)
 }

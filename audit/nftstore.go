@@ -243,3 +243,11 @@ func (k *NFTablesKube) Len() int {
 	}
 	return len(k.fronts)
 }
+
+// front is where a frontend's dispatch sends it: the policy (service)
+// chain that picks an endpoint, its scope, and the service's name.
+type front struct {
+	scope  Scope
+	policy string
+	name   string
+}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -179,4 +180,27 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 	if !strings.HasPrefix(svc(1), "service-") {
 		t.Fatal(svc(1))
 	}
+}
+
+// apply applies one round of changes to a model, as the collector applies
+// them to the state it streams (readertest.Apply, for the rooms outside
+// audit; this copy goes when nftables has its room).
+func apply(o *Observed, changed []ObservedFrontend, removed []FrontendKey) *Observed {
+	next := map[FrontendKey]ObservedFrontend{}
+	for _, f := range o.Frontends {
+		next[f.FrontendKey] = f
+	}
+	for _, k := range removed {
+		delete(next, k)
+	}
+	for _, f := range changed {
+		next[f.FrontendKey] = f
+	}
+	out := &Observed{Mode: o.Mode, Families: o.Families}
+	for _, f := range next {
+		out.Frontends = append(out.Frontends, f)
+	}
+	slices.SortFunc(out.Frontends, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
+	out.NoRules = len(out.Frontends) == 0
+	return out
 }

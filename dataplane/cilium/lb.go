@@ -309,7 +309,7 @@ func Decode(dumps []MapDump) (*LB, error) {
 		}
 		return int(a.Scope) - int(b.Scope)
 	})
-	lb.Families = familyList(fams)
+	lb.Families = audit.FamilyList(fams)
 	return lb, nil
 }
 
@@ -481,7 +481,7 @@ func (lb *LB) Observed() *audit.Observed {
 		o.NoRules = false
 		key := audit.FrontendKey{IP: f.Addr.Addr(), Protocol: f.Protocol, Port: f.Addr.Port()}
 		if f.Flags&FlagNodePort != 0 && f.Addr.Addr().IsUnspecified() {
-			key = audit.NodePortKey(familyOf(f.Addr.Addr()), f.Protocol, f.Addr.Port())
+			key = audit.NodePortKey(audit.Family(f.Addr.Addr()), f.Protocol, f.Addr.Port())
 		}
 		clusterIP := f.Flags&(FlagExternalIP|FlagNodePort|FlagLoadBalancer) == 0
 		scope := audit.ScopeCluster
@@ -522,22 +522,4 @@ func (lb *LB) Observed() *audit.Observed {
 	}
 	o.Normalize()
 	return o
-}
-
-func familyOf(a netip.Addr) int {
-	if a.Is4() {
-		return 4
-	}
-	return 6
-}
-
-// familyList is the families (4, 6) seen marks, ascending.
-func familyList(seen [7]bool) []int {
-	var out []int
-	for _, f := range []int{4, 6} {
-		if seen[f] {
-			out = append(out, f)
-		}
-	}
-	return out
 }

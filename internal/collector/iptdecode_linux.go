@@ -9,12 +9,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // This file decodes iptables-nft's rules as the kernel's nf_tables netlink
-// messages hold them into what the audit reads (audit.IPTRule): exactly
+// messages hold them into what the audit reads (iptables.Rule): exactly
 // what the text parser takes from the same rule as iptables-save prints
 // it. iptables-nft writes addresses, protocols and ports as native
 // expressions (payload or meta loads, bitwise masks, cmp), verdicts as
@@ -51,7 +51,7 @@ type iptNFTRule struct {
 	hasPosition bool
 	// skipped: a chain the audit does not read (rule not decoded).
 	skipped bool
-	rule    audit.IPTRule
+	rule    iptables.Rule
 }
 
 // Attributes golang.org/x/sys does not name.
@@ -99,7 +99,7 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 	if a.Err != nil {
 		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), a.Err)
 	}
-	if !audit.Reads(string(out.chain)) {
+	if !iptables.Reads(string(out.chain)) {
 		out.skipped = true
 		return out, nil
 	}
@@ -184,7 +184,7 @@ type regState struct {
 type iptDecoder struct {
 	fam        int
 	strict     bool
-	r          audit.IPTRule
+	r          iptables.Rule
 	hasComment bool
 	regs       [32]regState
 }

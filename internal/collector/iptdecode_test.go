@@ -18,7 +18,7 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -82,7 +82,7 @@ func decodeAll(msgs [][]byte, fam int) []string {
 	return out
 }
 
-func describeRule(r audit.IPTRule) string {
+func describeRule(r iptables.Rule) string {
 	var f []string
 	if r.Dst.IsValid() {
 		f = append(f, "dst="+r.Dst.String())
@@ -282,39 +282,39 @@ func TestIPTNFTDecodeEdges(t *testing.T) {
 	for _, tc := range []struct {
 		name, chain string
 		exprs       [][]netlink.Attribute
-		want        audit.IPTRule
+		want        iptables.Rule
 		undecodable bool
 	}{
 		{"cluster IP", "KUBE-SERVICES", cat(tcp, dst("198.19.0.10"), one(xtExpr("match", "comment", 0, append([]byte("ns/svc:http cluster IP"), make([]byte, 240)...))), dport(unix.NFT_CMP_EQ, 80), one(verdictExpr(unix.NFT_JUMP, "KUBE-SVC-A"))),
-			audit.IPTRule{Dst: netip.MustParseAddr("198.19.0.10"), Proto: "TCP", DPort: 80, HasDPort: true, Jump: "KUBE-SVC-A", Comment: "ns/svc:http cluster IP"}, false},
-		{"goto", "KUBE-SERVICES", one(verdictExpr(unix.NFT_GOTO, "KUBE-SVC-A")), audit.IPTRule{Jump: "KUBE-SVC-A", Goto: true}, false},
+			iptables.Rule{Dst: netip.MustParseAddr("198.19.0.10"), Proto: "TCP", DPort: 80, HasDPort: true, Jump: "KUBE-SVC-A", Comment: "ns/svc:http cluster IP"}, false},
+		{"goto", "KUBE-SERVICES", one(verdictExpr(unix.NFT_GOTO, "KUBE-SVC-A")), iptables.Rule{Jump: "KUBE-SVC-A", Goto: true}, false},
 		{"prefix destination is a condition", "KUBE-NODEPORTS", cat(tcp, [][]netlink.Attribute{payloadExpr(unix.NFT_PAYLOAD_NETWORK_HEADER, 16, 1), cmpExpr(unix.NFT_CMP_EQ, []byte{127})}, dport(unix.NFT_CMP_EQ, 30080)),
-			audit.IPTRule{Cond: true, Proto: "TCP", DPort: 30080, HasDPort: true}, false},
+			iptables.Rule{Cond: true, Proto: "TCP", DPort: 30080, HasDPort: true}, false},
 		{"negated destination is a condition", "KUBE-SERVICES", [][]netlink.Attribute{payloadExpr(unix.NFT_PAYLOAD_NETWORK_HEADER, 16, 4), cmpExpr(unix.NFT_CMP_NEQ, []byte{127, 0, 0, 1})},
-			audit.IPTRule{Cond: true}, false},
+			iptables.Rule{Cond: true}, false},
 		{"source is a condition", "KUBE-EXT-A", [][]netlink.Attribute{payloadExpr(unix.NFT_PAYLOAD_NETWORK_HEADER, 12, 4), cmpExpr(unix.NFT_CMP_EQ, ip.AsSlice())},
-			audit.IPTRule{Cond: true}, false},
-		{"source address type is a condition", "KUBE-EXT-A", one(xtExpr("match", "addrtype", 1, []byte{2, 0, 0, 0, 0, 0, 0, 0})), audit.IPTRule{Cond: true}, false},
-		{"destination address type is not", "KUBE-SERVICES", one(xtExpr("match", "addrtype", 1, []byte{0, 0, 2, 0, 0, 0, 0, 0})), audit.IPTRule{}, false},
+			iptables.Rule{Cond: true}, false},
+		{"source address type is a condition", "KUBE-EXT-A", one(xtExpr("match", "addrtype", 1, []byte{2, 0, 0, 0, 0, 0, 0, 0})), iptables.Rule{Cond: true}, false},
+		{"destination address type is not", "KUBE-SERVICES", one(xtExpr("match", "addrtype", 1, []byte{0, 0, 2, 0, 0, 0, 0, 0})), iptables.Rule{}, false},
 		{"negated protocol reads as the protocol (as the text parser does)", "KUBE-SERVICES", [][]netlink.Attribute{metaExpr(unix.NFT_META_L4PROTO), cmpExpr(unix.NFT_CMP_NEQ, []byte{17})},
-			audit.IPTRule{Proto: "UDP"}, false},
-		{"xt tcp port", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(53, 53, xtTCPInvDstPort)))), audit.IPTRule{Proto: "TCP", DPort: 53, HasDPort: true}, false},
-		{"xt tcp without ports", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(0, 0xffff, 0)))), audit.IPTRule{Proto: "TCP"}, false},
-		{"xt tcp port range", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(80, 90, 0)))), audit.IPTRule{}, true},
-		{"native port range", "KUBE-SERVICES", cat(tcp, dport(unix.NFT_CMP_GTE, 80)), audit.IPTRule{}, true},
-		{"a port without a protocol", "KUBE-SERVICES", dport(unix.NFT_CMP_EQ, 80), audit.IPTRule{}, true},
-		{"an unknown match in a dispatch chain", "KUBE-SERVICES", one(xtExpr("match", "u32", 0, []byte{1, 2, 3, 4})), audit.IPTRule{}, true},
-		{"an unknown expression in a dispatch chain", "KUBE-FW-A", one(exprAttr("lookup", []netlink.Attribute{{Type: unix.NFTA_LOOKUP_SET, Data: cstring("x")}})), audit.IPTRule{}, true},
+			iptables.Rule{Proto: "UDP"}, false},
+		{"xt tcp port", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(53, 53, xtTCPInvDstPort)))), iptables.Rule{Proto: "TCP", DPort: 53, HasDPort: true}, false},
+		{"xt tcp without ports", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(0, 0xffff, 0)))), iptables.Rule{Proto: "TCP"}, false},
+		{"xt tcp port range", "KUBE-SERVICES", cat(tcp, one(xtExpr("match", "tcp", 0, tcpInfo(80, 90, 0)))), iptables.Rule{}, true},
+		{"native port range", "KUBE-SERVICES", cat(tcp, dport(unix.NFT_CMP_GTE, 80)), iptables.Rule{}, true},
+		{"a port without a protocol", "KUBE-SERVICES", dport(unix.NFT_CMP_EQ, 80), iptables.Rule{}, true},
+		{"an unknown match in a dispatch chain", "KUBE-SERVICES", one(xtExpr("match", "u32", 0, []byte{1, 2, 3, 4})), iptables.Rule{}, true},
+		{"an unknown expression in a dispatch chain", "KUBE-FW-A", one(exprAttr("lookup", []netlink.Attribute{{Type: unix.NFTA_LOOKUP_SET, Data: cstring("x")}})), iptables.Rule{}, true},
 		{"an unknown match in an endpoint chain", "KUBE-SEP-AAAAAAAAAAAAAAAA", cat(one(xtExpr("match", "u32", 0, []byte{1, 2, 3, 4})), one(xtExpr("target", "DNAT", 2, natRange2(3, ip, ip, 8080, 8080)))),
-			audit.IPTRule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
+			iptables.Rule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
 		{"DNAT revision 0", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 0, []byte{1, 0, 0, 0, 3, 0, 0, 0, 198, 18, 128, 1, 198, 18, 128, 1, 0x1f, 0x90, 0x1f, 0x90, 0, 0, 0, 0})),
-			audit.IPTRule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
+			iptables.Rule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
 		{"DNAT with --random", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(3|nfNATRangeRandom, ip, ip, 8080, 8080))),
-			audit.IPTRule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
-		{"DNAT to an address range", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(3, ip, ip.Next(), 8080, 8080))), audit.IPTRule{}, true},
-		{"DNAT without a port", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(1, ip, ip, 0, 0))), audit.IPTRule{}, true},
-		{"DNAT with a port offset", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(3|32, ip, ip, 8080, 8080))), audit.IPTRule{}, true},
-		{"a chain the audit does not read is not decoded", "PREROUTING", one(exprAttr("garbage", nil)), audit.IPTRule{}, false},
+			iptables.Rule{Jump: "DNAT", DNAT: netip.AddrPortFrom(ip, 8080)}, false},
+		{"DNAT to an address range", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(3, ip, ip.Next(), 8080, 8080))), iptables.Rule{}, true},
+		{"DNAT without a port", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(1, ip, ip, 0, 0))), iptables.Rule{}, true},
+		{"DNAT with a port offset", "KUBE-SEP-AAAAAAAAAAAAAAAA", one(xtExpr("target", "DNAT", 2, natRange2(3|32, ip, ip, 8080, 8080))), iptables.Rule{}, true},
+		{"a chain the audit does not read is not decoded", "PREROUTING", one(exprAttr("garbage", nil)), iptables.Rule{}, false},
 	} {
 		d, err := decodeIPTNFTRule(iptRuleMsg(v4, tc.chain, tc.exprs...), 4)
 		switch {

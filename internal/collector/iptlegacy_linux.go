@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // legacyReader reads the legacy (x_tables) backend's nat tables without
@@ -50,7 +51,7 @@ type legacyReader struct {
 // legacyFamily is one family's model and what each chain held at the
 // last read (a digest of its entries, by a hash of its name).
 type legacyFamily struct {
-	nat  *audit.IPTablesNAT
+	nat  *iptables.NAT
 	sums map[uint64]chainSum
 	gen  uint32
 	// entries is the table's entry count and dispatch the rules of its
@@ -113,7 +114,7 @@ func (r *legacyReader) read(ctx context.Context) (*Changes, error) {
 		f := r.fams[i]
 		first := f == nil
 		if first {
-			f = &legacyFamily{nat: audit.NewIPTablesNAT(fam), sums: map[uint64]chainSum{}}
+			f = &legacyFamily{nat: iptables.NewNAT(fam), sums: map[uint64]chainSum{}}
 		}
 		f.nat.OmitEndpointChains = r.omitChains
 		err := r.readFamily(ctx, fam, f, &n)
@@ -324,7 +325,7 @@ func (r *legacyReader) apply(f *legacyFamily, table []byte, lay entryLayout, fam
 		}
 		return ok && old.sum == sum
 	}
-	err := decodeLegacy(table, lay, fam, r.seed, known, func(chain string, rules []audit.IPTRule) error {
+	err := decodeLegacy(table, lay, fam, r.seed, known, func(chain string, rules []iptables.Rule) error {
 		r.chains.Add(1)
 		return f.nat.SetChain(chain, rules)
 	})
@@ -384,7 +385,7 @@ func nameHash(s string) uint64 {
 // grew shifts every offset after it). kube-proxy replaces the whole
 // table at every sync; most chains come back byte for byte. Pure; fuzzed.
 func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, known func(chain string, sum uint64, rules int) bool,
-	emit func(chain string, rules []audit.IPTRule) error) error {
+	emit func(chain string, rules []iptables.Rule) error) error {
 	// The user chains: where each starts (its first entry after the head)
 	// and its name, in table order.
 	type head struct {
@@ -412,7 +413,7 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, kno
 		}
 		return "", false
 	}
-	var rules []audit.IPTRule
+	var rules []iptables.Rule
 	var offs []int
 	for h, hd := range heads {
 		end := len(table)
@@ -420,7 +421,7 @@ func decodeLegacy(table []byte, lay entryLayout, fam int, seed maphash.Seed, kno
 			end = heads[h+1].off
 		}
 		name := hd.name
-		if !audit.Reads(name) {
+		if !iptables.Reads(name) {
 			continue
 		}
 		rules, offs = rules[:0], offs[:0]
@@ -518,7 +519,7 @@ func cstr(b []byte) []byte {
 }
 
 // decodeLegacyEntry reads one rule as iptables-legacy-save prints it.
-func decodeLegacyEntry(table []byte, off int, lay entryLayout, fam int, chainAt func(int) (string, bool), chain string) (audit.IPTRule, error) {
+func decodeLegacyEntry(table []byte, off int, lay entryLayout, fam int, chainAt func(int) (string, bool), chain string) (iptables.Rule, error) {
 	e := table[off:]
 	d := iptDecoder{fam: fam, strict: chain == "KUBE-SERVICES" || chain == "KUBE-NODEPORTS" ||
 		len(chain) > 9 && (chain[:9] == "KUBE-EXT-" || chain[:8] == "KUBE-FW-")}

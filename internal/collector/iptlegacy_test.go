@@ -15,7 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -29,7 +29,7 @@ var legacyCaptures = []struct{ file, capture string }{
 
 func decodeLegacyAll(table []byte, fam int) string {
 	var b strings.Builder
-	err := decodeLegacy(table, layouts[fam], fam, maphash.MakeSeed(), func(string, uint64, int) bool { return false }, func(chain string, rules []audit.IPTRule) error {
+	err := decodeLegacy(table, layouts[fam], fam, maphash.MakeSeed(), func(string, uint64, int) bool { return false }, func(chain string, rules []iptables.Rule) error {
 		fmt.Fprintf(&b, "%s\n", chain)
 		for _, r := range rules {
 			fmt.Fprintf(&b, "  %s\n", describeRule(r))
@@ -164,7 +164,7 @@ func FuzzLegacyDecode(f *testing.F) {
 			fam = 6
 		}
 		allocs := testing.AllocsPerRun(1, func() {
-			decodeLegacy(table, layouts[fam], fam, seed, func(string, uint64, int) bool { return false }, func(string, []audit.IPTRule) error { return nil })
+			decodeLegacy(table, layouts[fam], fam, seed, func(string, uint64, int) bool { return false }, func(string, []iptables.Rule) error { return nil })
 		})
 		if limit := 256 + float64(len(table))/8; allocs > limit {
 			t.Fatalf("%d bytes decoded with %.0f allocations (limit %.0f)", len(table), allocs, limit)
@@ -179,7 +179,7 @@ func TestLegacyDecodeRefusesTruncated(t *testing.T) {
 		t.Fatal(err)
 	}
 	cut := table[:len(table)-7]
-	err = decodeLegacy(cut, layouts[4], 4, maphash.MakeSeed(), func(string, uint64, int) bool { return false }, func(string, []audit.IPTRule) error { return nil })
+	err = decodeLegacy(cut, layouts[4], 4, maphash.MakeSeed(), func(string, uint64, int) bool { return false }, func(string, []iptables.Rule) error { return nil })
 	if err == nil {
 		t.Error("a truncated table decoded")
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -187,7 +188,7 @@ func TestE2ENoIPTablesBinary(t *testing.T) {
 			ns.Close()
 			t.Fatal(err)
 		}
-		want, err := audit.ParseIPTablesFamily(strings.NewReader(string(natOnlyDump(data))), 4)
+		want, err := iptables.ParseFamily(strings.NewReader(string(natOnlyDump(data))), 4)
 		if err != nil {
 			ns.Close()
 			t.Fatal(err)

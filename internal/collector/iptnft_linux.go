@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // iptNFTReader reads iptables-nft's nat tables (table ip nat and table
@@ -24,7 +25,7 @@ import (
 // chains and its dispatch chains, not the table.
 //
 // A whole read streams the table's rules through one 64 KiB buffer,
-// decoding each into the chain-by-chain model (audit.IPTablesNAT). Under
+// decoding each into the chain-by-chain model (iptables.NAT). Under
 // churn a whole dump can be interrupted (the kernel resumes a dump by
 // position, so a commit between two parts may skip or repeat rules, and
 // flags it NLM_F_DUMP_INTR): it is tried again, and after a few
@@ -37,12 +38,12 @@ type iptNFTReader struct {
 	bufs [2][]byte
 	got  [][]byte
 	seq  uint32
-	fams [2]*audit.IPTablesNAT // IPv4, IPv6; nil: no base (the next read is whole)
+	fams [2]*iptables.NAT // IPv4, IPv6; nil: no base (the next read is whole)
 	// mirrors are the mirrored chains (see chainNotes) of each family,
 	// kept up to date from notifications.
 	mirrors [2]map[string]*ruleMirror
 	// chainRules and chainHandles are readChain's, kept between calls.
-	chainRules   []audit.IPTRule
+	chainRules   []iptables.Rule
 	chainHandles []uint64
 	// text reads one family with iptables-save when the decoder cannot;
 	// nil: no tool (the error stands).
@@ -101,7 +102,7 @@ func (r *iptNFTReader) Subscribed(on bool) { r.notes.Subscribed(on) }
 func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.fams = [2]*audit.IPTablesNAT{}
+	r.fams = [2]*iptables.NAT{}
 	r.omitChains = false
 	ch, err := r.read(ctx)
 	if err != nil {
@@ -181,7 +182,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 		}
 		obs, err := audit.Merge(parts...)
 		if err != nil {
-			r.fams = [2]*audit.IPTablesNAT{}
+			r.fams = [2]*iptables.NAT{}
 			return nil, err
 		}
 		r.rebase()
@@ -284,12 +285,12 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 		r.lastFallback.Store(err.Error())
 		obs, err = r.text(ctx, fam)
 		if err != nil {
-			r.fams = [2]*audit.IPTablesNAT{}
+			r.fams = [2]*iptables.NAT{}
 			return nil, fmt.Errorf("IPv%d rules: the netlink read failed (%v) and so did the fallback: %w", fam, errors.Unwrap(err), err)
 		}
 		nat = nil
 	case err != nil:
-		r.fams = [2]*audit.IPTablesNAT{}
+		r.fams = [2]*iptables.NAT{}
 		r.closeOnError(err)
 		return nil, fmt.Errorf("read table %s nat over netlink: %w", nftFamily(fam), err)
 	default:
@@ -307,7 +308,7 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 // not hold, a rule that did not decode) is dumped instead, as is every
 // other touched chain. again: a chain did not decode, the base is gone,
 // and the read must be made again (whole).
-func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, base *audit.IPTablesNAT, n *int64) (again bool, err error) {
+func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, base *iptables.NAT, n *int64) (again bool, err error) {
 	chains := t.chains
 	if r.mirrors[i] == nil {
 		r.mirrors[i] = map[string]*ruleMirror{}
@@ -322,14 +323,14 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			continue
 		}
 		if err := base.SetChain(chain, m.rules()); err != nil {
-			r.fams = [2]*audit.IPTablesNAT{}
+			r.fams = [2]*iptables.NAT{}
 			return false, err
 		}
 	}
 	for chain := range chains {
 		rules, handles, ok, err := r.readChain(ctx, fam, chain, n)
 		if err != nil {
-			r.fams = [2]*audit.IPTablesNAT{}
+			r.fams = [2]*iptables.NAT{}
 			r.closeOnError(err)
 			if errors.Is(err, ErrUndecodable) {
 				return true, err
@@ -349,7 +350,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			continue
 		}
 		if err := base.SetChain(chain, rules); err != nil {
-			r.fams = [2]*audit.IPTablesNAT{}
+			r.fams = [2]*iptables.NAT{}
 			return false, err
 		}
 	}
@@ -385,8 +386,8 @@ var errDumpStopped = errors.New("the dump stopped at its part limit")
 // rules in one dump, and from where that dump reached maxDumpParts chain
 // by chain, in the order of the table's chain list. A table that does not
 // exist reads as an empty one.
-func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*audit.IPTablesNAT, error) {
-	nat, last := audit.NewIPTablesNAT(fam), ""
+func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*iptables.NAT, error) {
+	nat, last := iptables.NewNAT(fam), ""
 	stopped := false
 	for try := 0; r.maxDumpParts > 0 && try < interruptedTries; try++ {
 		clear(mirrors)
@@ -420,7 +421,7 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 			return nil
 		})
 		if errors.Is(err, unix.ENOENT) {
-			return audit.NewIPTablesNAT(fam), nil
+			return iptables.NewNAT(fam), nil
 		}
 		if err != nil {
 			return nil, err
@@ -437,13 +438,13 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 		from = i
 	} else {
 		clear(mirrors)
-		nat = audit.NewIPTablesNAT(fam)
+		nat = iptables.NewNAT(fam)
 	}
 	r.byChain.Add(1)
 	// Chain by chain; a commit during the read touches chains the next
 	// read reads again.
 	for _, name := range order[from:] {
-		if !audit.Reads(name) {
+		if !iptables.Reads(name) {
 			continue
 		}
 		rules, handles, ok, err := r.readChain(ctx, fam, name, n)
@@ -465,10 +466,10 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 // dumpTable reads a family's nat table's rules in one dump, of at most
 // maxParts parts: when it stops there (errDumpStopped), last is the chain
 // it was reading, which the model does not hold.
-func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64, maxParts int) (nat *audit.IPTablesNAT, last string, intr bool, err error) {
-	nat = audit.NewIPTablesNAT(fam)
+func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64, maxParts int) (nat *iptables.NAT, last string, intr bool, err error) {
+	nat = iptables.NewNAT(fam)
 	var cur string
-	var rules []audit.IPTRule
+	var rules []iptables.Rule
 	var handles []uint64
 	var ferr error
 	flush := func() {
@@ -502,7 +503,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 	case errors.Is(err, errDumpStopped):
 		return nat, cur, intr, err
 	case errors.Is(err, unix.ENOENT):
-		return audit.NewIPTablesNAT(fam), "", false, nil
+		return iptables.NewNAT(fam), "", false, nil
 	case err != nil:
 		return nil, "", false, err
 	}
@@ -519,7 +520,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 //
 // The rules and handles returned are the reader's own, valid until its
 // next readChain.
-func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]audit.IPTRule, []uint64, bool, error) {
+func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]iptables.Rule, []uint64, bool, error) {
 	rules, handles := r.chainRules[:0], r.chainHandles[:0]
 	defer func() { r.chainRules, r.chainHandles = rules[:0], handles[:0] }()
 	for try := 0; ; try++ {

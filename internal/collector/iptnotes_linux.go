@@ -6,7 +6,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // chainNotes learns from the change signal's notifications which chains
@@ -119,7 +119,7 @@ type ruleOp struct {
 	pos      uint64
 	hasPos   bool
 	appended bool
-	rule     audit.IPTRule
+	rule     iptables.Rule
 	// err: the rule could not be decoded (the chain is dumped instead,
 	// and falls back to the text tool if that fails too).
 	err error
@@ -263,9 +263,9 @@ func (b *notesBase) countDispatch(i int, msg uint16) {
 	b.mu.Unlock()
 }
 
-// reads is audit.Reads of a name in bytes.
+// reads is iptables.Reads of a name in bytes.
 func reads(chain []byte) bool {
-	return bytes.HasPrefix(chain, []byte("KUBE-")) && audit.Reads(string(chain))
+	return bytes.HasPrefix(chain, []byte("KUBE-")) && iptables.Reads(string(chain))
 }
 
 // mirroredName returns the constant string of a mirrored chain's name, so

@@ -9,7 +9,7 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // natRuleNote is a notification of a rule of KUBE-SERVICES in table nat:
@@ -48,7 +48,7 @@ func FuzzChainNotes(f *testing.F) {
 		var n chainNotes
 		n.Subscribed(true)
 		// KUBE-SERVICES as a dump left it: rules 10 and 11.
-		mirrors := map[string]*ruleMirror{"KUBE-SERVICES": mirrorOf([]audit.IPTRule{{Jump: "KUBE-SVC-A"}, {Jump: "KUBE-SVC-B"}}, []uint64{10, 11})}
+		mirrors := map[string]*ruleMirror{"KUBE-SERVICES": mirrorOf([]iptables.Rule{{Jump: "KUBE-SVC-A"}, {Jump: "KUBE-SVC-B"}}, []uint64{10, 11})}
 		for len(ops) >= 5 {
 			kind, fam := (ops[0]&0x0f)%7, byte(unix.NFPROTO_IPV4)
 			if ops[0]&0x80 != 0 {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	utilexec "k8s.io/utils/exec"
 )
@@ -193,7 +194,7 @@ func (r *toolReader) parse(in io.Reader) (*audit.Observed, error) {
 	if r.src.Mode == audit.ModeNFTables {
 		return audit.ParseNFTables(in)
 	}
-	return audit.ParseIPTablesFamily(in, r.fam)
+	return iptables.ParseFamily(in, r.fam)
 }
 
 func (r *toolReader) Read(ctx context.Context) (*audit.Observed, error) {

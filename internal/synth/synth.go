@@ -25,6 +25,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // Spec sizes a synthetic cluster.
@@ -143,7 +144,7 @@ func (s Spec) Observed() (*audit.Observed, error) {
 	if err := s.WriteIPTablesSave(&b); err != nil {
 		return nil, err
 	}
-	return audit.ParseIPTables(&b)
+	return iptables.Parse(&b)
 }
 
 // portProtoHash is kube-proxy's chain-name hash.

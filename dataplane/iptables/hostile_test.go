@@ -1,4 +1,4 @@
-package audit
+package iptables
 
 import (
 	"bytes"
@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // A dump whose frontends all jump to one long external chain (its jump to
@@ -14,7 +16,7 @@ import (
 // backwards again (6.3 MB took 24 s). Each chain is followed once now.
 func TestSharedExternalChainWalkedOnce(t *testing.T) {
 	const frontends, length = 3000, 3000
-	p := &iptables{rules: map[chainKey][]iptRule{}}
+	p := &parser{rules: map[chainKey][]iptRule{}}
 	ext := []iptRule{{jump: "KUBE-SVC-AAAAAAAAAAAAAAAA"}}
 	for range length {
 		ext = append(ext, iptRule{jump: "KUBE-MARK-MASQ", cond: true})
@@ -31,7 +33,7 @@ func TestSharedExternalChainWalkedOnce(t *testing.T) {
 		t.Fatalf("%d frontends, want %d", len(out), frontends)
 	}
 	for k, f := range out {
-		if f.policy != "KUBE-SVC-AAAAAAAAAAAAAAAA" || f.scope != ScopeCluster {
+		if f.policy != "KUBE-SVC-AAAAAAAAAAAAAAAA" || f.scope != audit.ScopeCluster {
 			t.Fatalf("%v reaches %+v", k, f)
 		}
 	}
@@ -73,7 +75,7 @@ func BenchmarkSharedExternalChain(b *testing.B) {
 				b.ReportAllocs()
 				b.SetBytes(int64(len(dump)))
 				for b.Loop() {
-					if _, err := ParseIPTables(bytes.NewReader(dump)); err != nil {
+					if _, err := Parse(bytes.NewReader(dump)); err != nil {
 						b.Fatal(err)
 					}
 				}

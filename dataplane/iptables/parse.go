@@ -1,4 +1,9 @@
-package audit
+// Package iptables is kube-proxy's iptables mode as text and as the
+// incremental store the collector's kernel readers fill: iptables-save
+// output read into the audit's model (Parse, ParseFamily), and the nat
+// table kept chain by chain (NAT), reduced to the same model and to the
+// frontends changed since the last look.
+package iptables
 
 import (
 	"bufio"
@@ -6,190 +11,18 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
-	"slices"
 	"strconv"
 	"strings"
-)
 
-// MaxLineBytes bounds one line of rule text; longer lines are an error.
-const MaxLineBytes = 64 << 10
+	"github.com/proxyaudit/proxyaudit/audit"
+)
 
 // MaxRules bounds the rules a reader keeps from one node (kube-proxy writes
 // about two per endpoint: 200k at the 100k-endpoint scalability limit), so
 // that hostile or runaway input cannot take unbounded memory.
 const MaxRules = 4 << 20
 
-// iptRule is the part of an iptables rule the audit reads, for the few
-// chains it parses in full (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-EXT-…,
-// KUBE-FW-… and the filter table's REJECTs).
-type iptRule struct {
-	dst      netip.Addr
-	proto    string
-	dport    uint16
-	jump     string
-	comment  string
-	cond     bool // matches on source or address type: not an unconditional jump
-	hasDport bool
-}
-
-// chainKey is a chain name as a map key that costs no allocation; iptables
-// limits chain names to 28 bytes.
-type chainKey [32]byte
-
-func keyOf(b []byte) (chainKey, bool) {
-	var k chainKey
-	if len(b) == 0 || len(b) > len(k) {
-		return k, false
-	}
-	copy(k[:], b)
-	return k, true
-}
-
-func keyString(s string) chainKey {
-	k, _ := keyOf([]byte(s))
-	return k
-}
-
-func (k chainKey) String() string {
-	n := bytes.IndexByte(k[:], 0)
-	if n < 0 {
-		n = len(k)
-	}
-	return string(k[:n])
-}
-
-// sepID names an endpoint chain compactly: kube-proxy's names are
-// "KUBE-SEP-" plus 16 base32 characters (80 bits), decoded exactly into a
-// and b. Any other name gets a sequence number with b's top bit set.
-type sepID struct {
-	a uint64
-	b uint32
-}
-
-const sepOther = 1 << 31
-
-type sepSlot struct {
-	b   uint32
-	idx int32
-}
-
-func (p *iptables) addMoreDNAT(id sepID, ap netip.AddrPort) {
-	p.kept++
-	if p.moreDNAT == nil {
-		p.moreDNAT = map[sepID][]netip.AddrPort{}
-	}
-	p.moreDNAT[id] = append(p.moreDNAT[id], ap)
-}
-
-func (p *iptables) lookupDNAT(id sepID) (int32, bool) {
-	if s, ok := p.dnat[id.a]; ok && s.b == id.b {
-		return s.idx, true
-	}
-	i, ok := p.collide[id]
-	return i, ok
-}
-
-// iptables holds what one pass over iptables-save output keeps: the few
-// dispatch chains in full, each service policy chain as its jumps to
-// endpoint chains, and each endpoint chain as its DNAT target.
-type iptables struct {
-	rules  map[chainKey][]iptRule
-	policy map[chainKey][]sepID
-	// iptables-save prints a chain's rules together, so consecutive jumps
-	// of one policy chain collect in cur before one map write.
-	curKey chainKey
-	cur    []sepID
-	// declaredSEPs counts ":KUBE-SEP-…" declarations, which precede the
-	// rules, to size dnat once.
-	declaredSEPs int
-	// dnat maps an endpoint chain to the index of its DNAT target in
-	// targets, keyed by the ID's first 64 bits: small slots and a fast hash
-	// keep a 100k-entry map cache-friendly. IDs that share those bits with
-	// another live in collide.
-	dnat    map[uint64]sepSlot
-	collide map[sepID]int32
-	// walked counts the rules policyOf looked at (tests bound it).
-	walked     int
-	targets    []netip.AddrPort
-	moreDNAT   map[sepID][]netip.AddrPort // a second DNAT in one chain: never kube-proxy's, kept anyway
-	free       []int32                    // slots of targets no chain uses (IPTablesNAT.SetChain)
-	omitChains bool                       // endpointsOf leaves Endpoint.Chain empty
-	otherIDs   map[string]sepID
-	otherNames []string
-	filterSvc  []iptRule
-	kept       int // rules retained, against MaxRules
-}
-
-// sepIDOf returns the ID of endpoint chain name (with its "KUBE-SEP-").
-func (p *iptables) sepIDOf(name []byte) sepID {
-	if id, ok := canonicalSEP(name[len(prefixSEP):]); ok {
-		return id
-	}
-	if id, ok := p.otherIDs[string(name)]; ok {
-		return id
-	}
-	if p.otherIDs == nil {
-		p.otherIDs = map[string]sepID{}
-	}
-	id := sepID{a: uint64(len(p.otherNames)), b: sepOther}
-	p.otherIDs[string(name)] = id
-	p.otherNames = append(p.otherNames, string(name))
-	return id
-}
-
-func canonicalSEP(h []byte) (sepID, bool) {
-	if len(h) != 16 {
-		return sepID{}, false
-	}
-	var id sepID
-	for i, c := range h {
-		var v byte
-		switch {
-		case c >= 'A' && c <= 'Z':
-			v = c - 'A'
-		case c >= '2' && c <= '7':
-			v = c - '2' + 26
-		default:
-			return sepID{}, false
-		}
-		if i < 12 {
-			id.a = id.a<<5 | uint64(v)
-		} else {
-			id.b = id.b<<5 | uint32(v)
-		}
-	}
-	return id, true
-}
-
-const base32Alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
-
-func (p *iptables) sepName(id sepID) string {
-	if id.b&sepOther != 0 {
-		return p.otherNames[id.a]
-	}
-	var b [25]byte
-	copy(b[:], prefixSEP)
-	for i := 11; i >= 0; i-- {
-		b[9+i] = base32Alphabet[id.a&31]
-		id.a >>= 5
-	}
-	for i := 3; i >= 0; i-- {
-		b[21+i] = base32Alphabet[id.b&31]
-		id.b >>= 5
-	}
-	return string(b[:])
-}
-
-var (
-	prefixSEP  = []byte("KUBE-SEP-")
-	prefixSVC  = []byte("KUBE-SVC-")
-	prefixSVL  = []byte("KUBE-SVL-")
-	jumpSEP    = []byte(" -j KUBE-SEP-")
-	toDest     = []byte(" --to-destination ")
-	commitLine = []byte("COMMIT")
-)
-
-// ParseIPTables reads iptables-save output (nf_tables or legacy backend;
+// Parse reads iptables-save output (nf_tables or legacy backend;
 // the nat table, optionally the filter table) into the observed model,
 // following jumps from KUBE-SERVICES and KUBE-NODEPORTS. Chains no frontend
 // reaches (leftovers of a partial sync) do not count. Comments are used only
@@ -205,22 +38,22 @@ var (
 // It is one pass over the lines with no allocation for the rules that make
 // up the bulk of a large ruleset (endpoint chains and the service chains'
 // jumps to them); only the dispatch chains are tokenized.
-func ParseIPTables(r io.Reader) (*Observed, error) { return parseIPTables(r, 0) }
+func Parse(r io.Reader) (*audit.Observed, error) { return parse(r, 0) }
 
-// ParseIPTablesFamily reads the output of iptables-save (fam 4) or
+// ParseFamily reads the output of iptables-save (fam 4) or
 // ip6tables-save (fam 6): one family, whatever its addresses.
-func ParseIPTablesFamily(r io.Reader, fam int) (*Observed, error) { return parseIPTables(r, fam) }
+func ParseFamily(r io.Reader, fam int) (*audit.Observed, error) { return parse(r, fam) }
 
 // iptDump is one family's iptables-save output within the input.
 type iptDump struct {
-	p                 *iptables
+	p                 *parser
 	fam               int // from the header or the caller; 0 unknown
 	sawNat, sawFilter bool
 	firstLine         int
 }
 
 func newIPTDump(fam, line int) *iptDump {
-	return &iptDump{p: &iptables{rules: map[chainKey][]iptRule{}, policy: map[chainKey][]sepID{}}, fam: fam, firstLine: line}
+	return &iptDump{p: &parser{rules: map[chainKey][]iptRule{}, policy: map[chainKey][]sepID{}}, fam: fam, firstLine: line}
 }
 
 var (
@@ -228,9 +61,9 @@ var (
 	genIPv6 = []byte("# Generated by ip6tables-save")
 )
 
-func parseIPTables(r io.Reader, fam int) (*Observed, error) {
+func parse(r io.Reader, fam int) (*audit.Observed, error) {
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 256<<10), MaxLineBytes)
+	sc.Buffer(make([]byte, 0, 256<<10), audit.MaxLineBytes)
 	dumps := []*iptDump{newIPTDump(fam, 1)}
 	d := dumps[0]
 	table := ""
@@ -322,7 +155,7 @@ func parseIPTables(r io.Reader, fam int) (*Observed, error) {
 	}
 	if err := sc.Err(); err != nil {
 		if err == bufio.ErrTooLong {
-			return nil, fmt.Errorf("line %d: longer than %d bytes: not iptables-save output", lineNo+1, MaxLineBytes)
+			return nil, fmt.Errorf("line %d: longer than %d bytes: not iptables-save output", lineNo+1, audit.MaxLineBytes)
 		}
 		return nil, fmt.Errorf("read iptables-save output: %w", err)
 	}
@@ -358,14 +191,14 @@ func parseIPTables(r io.Reader, fam int) (*Observed, error) {
 	if len(dumps) == 2 && dumps[0].fam == dumps[1].fam {
 		return nil, fmt.Errorf("line %d: two IPv%d dumps: at most one per family", dumps[1].firstLine, dumps[0].fam)
 	}
-	parts := make([]*Observed, len(dumps))
+	parts := make([]*audit.Observed, len(dumps))
 	for i, d := range dumps {
 		parts[i] = d.p.resolve(d.sawFilter, d.fam)
 	}
 	if len(parts) == 1 {
 		return parts[0], nil
 	}
-	return Merge(parts...)
+	return audit.Merge(parts...)
 }
 
 func saveTool(fam int) string {
@@ -376,7 +209,7 @@ func saveTool(fam int) string {
 }
 
 // rule takes one rule (the text after "-A ").
-func (p *iptables) rule(table string, rest []byte) error {
+func (p *parser) rule(table string, rest []byte) error {
 	if !bytes.HasPrefix(rest, []byte("KUBE-")) {
 		return nil
 	}
@@ -477,187 +310,11 @@ func (p *iptables) rule(table string, rest []byte) error {
 	return nil
 }
 
-func (p *iptables) flushPolicy() {
+func (p *parser) flushPolicy() {
 	if len(p.cur) > 0 {
 		p.policy[p.curKey] = p.cur
 	}
 	p.curKey, p.cur = chainKey{}, nil
-}
-
-// families lists the IP families of the dump's service and DNAT
-// addresses, ascending.
-func (p *iptables) families() []int {
-	var seen [7]bool
-	for _, r := range p.rules[keyString("KUBE-SERVICES")] {
-		if r.dst.IsValid() {
-			seen[family(r.dst)] = true
-		}
-	}
-	for _, t := range p.targets {
-		seen[family(t.Addr())] = true
-	}
-	return familyList(seen)
-}
-
-// resolve builds the observed model of one family's dump.
-func (p *iptables) resolve(sawFilter bool, fam int) *Observed {
-	p.flushPolicy()
-	o := p.observed(fam, p.frontTable(fam))
-	if sawFilter {
-		o.RejectsKnown = true
-		o.Rejects = map[FrontendKey]bool{}
-		for _, r := range p.filterSvc {
-			if r.jump == "REJECT" && r.dst.IsValid() && r.hasDport {
-				o.Rejects[FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}] = true
-			}
-		}
-	}
-	return o
-}
-
-// front is where a frontend's dispatch rule sends it: the policy chain
-// that picks an endpoint (KUBE-SVC-… or KUBE-SVL-…), its scope, and the
-// service's name from the rule's comment.
-type front struct {
-	scope  Scope
-	policy string
-	name   string
-}
-
-var (
-	keyServices  = keyString("KUBE-SERVICES")
-	keyNodePorts = keyString("KUBE-NODEPORTS")
-)
-
-// frontTable maps every frontend of the dispatch chains (KUBE-SERVICES,
-// then KUBE-NODEPORTS) to where it goes. Of two rules for one frontend
-// the first counts, as in the kernel; a rule that reaches no policy chain
-// (a jump to KUBE-MARK-MASQ, say) claims nothing.
-func (p *iptables) frontTable(fam int) map[FrontendKey]front {
-	svc, np := p.rules[keyServices], p.rules[keyNodePorts]
-	out := make(map[FrontendKey]front, len(svc)+len(np))
-	// Each chain is followed once, however many frontends jump to it: a
-	// dump whose external chain is long and shared would otherwise cost
-	// frontends × its length.
-	type reached struct {
-		scope  Scope
-		policy string
-	}
-	memo := map[string]reached{}
-	add := func(key FrontendKey, r iptRule) {
-		if _, ok := out[key]; ok {
-			return
-		}
-		to, ok := memo[r.jump]
-		if !ok {
-			to.scope, to.policy = p.policyOf(r.jump, 0)
-			memo[r.jump] = to
-		}
-		if to.policy != "" {
-			out[key] = front{scope: to.scope, policy: to.policy, name: commentName(r.comment)}
-		}
-	}
-	for _, r := range svc {
-		if r.dst.IsValid() && r.hasDport && r.proto != "" {
-			add(FrontendKey{IP: r.dst, Protocol: r.proto, Port: r.dport}, r)
-		}
-	}
-	for _, r := range np {
-		if r.hasDport && r.proto != "" {
-			add(NodePortKey(fam, r.proto, r.dport), r)
-		}
-	}
-	return out
-}
-
-// endpointsOf is what a policy chain's jumps reach: each endpoint chain's
-// DNAT targets, sorted. An endpoint chain without DNAT routes nothing.
-func (p *iptables) endpointsOf(policy string) []Endpoint {
-	seps := p.policy[keyString(policy)]
-	eps := make([]Endpoint, 0, len(seps))
-	for _, sep := range seps {
-		ti, ok := p.lookupDNAT(sep)
-		if !ok {
-			continue
-		}
-		name := ""
-		if !p.omitChains {
-			name = p.sepName(sep)
-		}
-		eps = append(eps, Endpoint{Addr: p.targets[ti], Weight: -1, Chain: name})
-		for _, more := range p.moreDNAT[sep] {
-			eps = append(eps, Endpoint{Addr: more, Weight: -1, Chain: name})
-		}
-	}
-	return sortEndpoints(eps)
-}
-
-// observed builds the model of the frontends in fronts, sorted by key.
-// Frontends that go to one policy chain share its endpoints: read once,
-// one slice (kube-proxy points a few frontends at a chain; a dump pointing
-// thousands at one costs no more than the dump's size).
-func (p *iptables) observed(fam int, fronts map[FrontendKey]front) *Observed {
-	o := &Observed{Mode: ModeIPTables, Families: []int{fam}, Frontends: p.frontends(fronts, nil)}
-	o.NoRules = len(o.Frontends) == 0
-	return o
-}
-
-// frontends builds the observed frontends of the keys in fronts that
-// want says (all when want is nil), sorted by key.
-func (p *iptables) frontends(fronts map[FrontendKey]front, want func(FrontendKey, front) bool) []ObservedFrontend {
-	shared := map[string][]Endpoint{}
-	var out []ObservedFrontend
-	for key, f := range fronts {
-		if want != nil && !want(key, f) {
-			continue
-		}
-		eps, ok := shared[f.policy]
-		if !ok {
-			eps = p.endpointsOf(f.policy)
-			shared[f.policy] = eps
-		}
-		out = append(out, ObservedFrontend{FrontendKey: key, Scope: f.scope, Chain: f.policy, Name: f.name, Endpoints: eps})
-	}
-	slices.SortFunc(out, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
-	return out
-}
-
-// iptPolicy follows a frontend's jump to the policy chain that picks an
-// endpoint: KUBE-SVC (cluster) or KUBE-SVL (local). KUBE-FW filters and then
-// jumps to KUBE-EXT; KUBE-EXT short-circuits local and pod traffic to
-// KUBE-SVC and ends with an unconditional jump to its policy chain.
-func (p *iptables) policyOf(chain string, depth int) (Scope, string) {
-	if depth > 4 {
-		return "", ""
-	}
-	switch {
-	case strings.HasPrefix(chain, "KUBE-SVC-"):
-		return ScopeCluster, chain
-	case strings.HasPrefix(chain, "KUBE-SVL-"):
-		return ScopeLocal, chain
-	case strings.HasPrefix(chain, "KUBE-FW-"), strings.HasPrefix(chain, "KUBE-EXT-"):
-		rules := p.rules[keyString(chain)]
-		for i := len(rules) - 1; i >= 0; i-- {
-			r := rules[i]
-			p.walked++
-			if strings.HasPrefix(r.jump, "KUBE-EXT-") || strings.HasPrefix(r.jump, "KUBE-SVC-") || strings.HasPrefix(r.jump, "KUBE-SVL-") {
-				if !r.cond || strings.HasPrefix(chain, "KUBE-FW-") {
-					return p.policyOf(r.jump, depth+1)
-				}
-			}
-		}
-	}
-	return "", ""
-}
-
-// commentName extracts "ns/name:port" from a kube-proxy rule comment such as
-// "ns/name:port cluster IP".
-func commentName(c string) string {
-	name, _, _ := strings.Cut(c, " ")
-	if strings.Count(name, "/") != 1 {
-		return ""
-	}
-	return name
 }
 
 // parseIPTRule reads the options of one rule. It tokenizes by hand (quotes

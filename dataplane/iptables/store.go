@@ -1,4 +1,4 @@
-package audit
+package iptables
 
 import (
 	"errors"
@@ -6,14 +6,16 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// IPTRule is what one iptables rule says that the audit reads, for a
+// Rule is what one iptables rule says that the audit reads, for a
 // reader that decodes the kernel's rules instead of iptables-save's text
 // (the collector's netlink and getsockopt readers). Each field is what
-// ParseIPTables takes from the same rule's text, so both build the same
+// Parse takes from the same rule's text, so both build the same
 // model.
-type IPTRule struct {
+type Rule struct {
 	// Dst is the one destination address the rule matches (-d a/32).
 	Dst netip.Addr
 	// Cond: the rule also matches on something that narrows which packets
@@ -36,43 +38,43 @@ type IPTRule struct {
 	DNAT netip.AddrPort
 }
 
-// IPTablesNAT is one IP family's iptables nat table as the audit reads it,
+// NAT is one IP family's iptables nat table as the audit reads it,
 // kept chain by chain so that a reader can replace only the chains a
 // commit changed (SetChain, DeleteChain) and learn which frontends that
-// changed (Changes) instead of rebuilding the whole model. Observed is the
-// whole model, exactly what ParseIPTablesFamily builds from iptables-save
+// changed (Changes) instead of rebuilding the whole model. audit.Observed is the
+// whole model, exactly what ParseFamily builds from iptables-save
 // output of the same rules.
 //
 // It holds only what the audit reads: endpoint chains as their DNAT
 // targets, policy chains as their jumps to endpoint chains, and the
 // dispatch chains' rules in full. It is not safe for concurrent use.
-type IPTablesNAT struct {
-	// OmitEndpointChains leaves Endpoint.Chain empty in Changes and
+type NAT struct {
+	// OmitEndpointChains leaves audit.Endpoint.Chain empty in Changes and
 	// Observed: a reader that streams the model never sends those names
 	// (100k strings at 10k services).
 	OmitEndpointChains bool
 
 	fam int
-	p   *iptables
+	p   *parser
 	// fronts is the frontend table as of the last Changes (nil before).
-	fronts map[FrontendKey]front
+	fronts map[audit.FrontendKey]front
 	// What changed since the last Changes.
 	dispatchDirty bool
 	dirtyPolicy   map[string]bool
 	dirtySEP      map[sepID]bool
 }
 
-// NewIPTablesNAT returns an empty table of IP family fam (4 or 6).
-func NewIPTablesNAT(fam int) *IPTablesNAT {
-	return &IPTablesNAT{fam: fam, p: newIPTables(), dirtyPolicy: map[string]bool{}, dirtySEP: map[sepID]bool{}}
+// NewNAT returns an empty table of IP family fam (4 or 6).
+func NewNAT(fam int) *NAT {
+	return &NAT{fam: fam, p: newParser(), dirtyPolicy: map[string]bool{}, dirtySEP: map[sepID]bool{}}
 }
 
-func newIPTables() *iptables {
-	return &iptables{rules: map[chainKey][]iptRule{}, policy: map[chainKey][]sepID{}}
+func newParser() *parser {
+	return &parser{rules: map[chainKey][]iptRule{}, policy: map[chainKey][]sepID{}}
 }
 
 // Family is the table's IP family.
-func (t *IPTablesNAT) Family() int { return t.fam }
+func (t *NAT) Family() int { return t.fam }
 
 // ErrTooManyChainNames means a table kept up to date chain by chain has
 // seen more endpoint chains with names kube-proxy does not make than it
@@ -112,7 +114,7 @@ func Reads(chain string) bool { return chainKind(chain) != chainOther }
 
 // SetChain replaces chain name's rules (an empty list empties it). Chains
 // the audit does not read are ignored.
-func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
+func (t *NAT) SetChain(name string, rules []Rule) error {
 	kind := chainKind(name)
 	if kind == chainOther {
 		return nil
@@ -196,7 +198,7 @@ func (t *IPTablesNAT) SetChain(name string, rules []IPTRule) error {
 }
 
 // DeleteChain removes chain name.
-func (t *IPTablesNAT) DeleteChain(name string) {
+func (t *NAT) DeleteChain(name string) {
 	if _, ok := keyOf([]byte(name)); !ok || chainKind(name) == chainOther {
 		return
 	}
@@ -205,7 +207,7 @@ func (t *IPTablesNAT) DeleteChain(name string) {
 
 // putDNAT makes targets the endpoint chain's DNAT targets (none: it has
 // no DNAT), reusing freed slots.
-func (p *iptables) putDNAT(id sepID, targets []netip.AddrPort) {
+func (p *parser) putDNAT(id sepID, targets []netip.AddrPort) {
 	if idx, ok := p.lookupDNAT(id); ok {
 		p.free = append(p.free, idx)
 		if s, ok := p.dnat[id.a]; ok && s.b == id.b {
@@ -247,7 +249,7 @@ func (p *iptables) putDNAT(id sepID, targets []netip.AddrPort) {
 
 // Chains calls f with the name of every chain that holds rules the audit
 // keeps.
-func (t *IPTablesNAT) Chains(f func(name string)) {
+func (t *NAT) Chains(f func(name string)) {
 	p := t.p
 	for a, s := range p.dnat {
 		f(p.sepName(sepID{a: a, b: s.b}))
@@ -265,7 +267,7 @@ func (t *IPTablesNAT) Chains(f func(name string)) {
 
 // Len is the number of frontends as of the last Changes (0 for a nil
 // table).
-func (t *IPTablesNAT) Len() int {
+func (t *NAT) Len() int {
 	if t == nil {
 		return 0
 	}
@@ -273,7 +275,7 @@ func (t *IPTablesNAT) Len() int {
 }
 
 // Observed is the whole model of the table.
-func (t *IPTablesNAT) Observed() *Observed {
+func (t *NAT) Observed() *audit.Observed {
 	t.p.omitChains = t.OmitEndpointChains
 	return t.p.observed(t.fam, t.p.frontTable(t.fam))
 }
@@ -284,11 +286,11 @@ func (t *IPTablesNAT) Observed() *Observed {
 // A frontend changed when its dispatch rule now goes elsewhere or carries
 // another name, when its policy chain changed, or when one of the
 // endpoint chains that chain jumps to did.
-func (t *IPTablesNAT) Changes() (changed []ObservedFrontend, removed []FrontendKey) {
+func (t *NAT) Changes() (changed []audit.ObservedFrontend, removed []audit.FrontendKey) {
 	p := t.p
 	p.omitChains = t.OmitEndpointChains
 	first := t.fronts == nil
-	dirty := map[FrontendKey]bool{}
+	dirty := map[audit.FrontendKey]bool{}
 	if first || t.dispatchDirty {
 		next := p.frontTable(t.fam)
 		for k, f := range t.fronts {
@@ -305,7 +307,7 @@ func (t *IPTablesNAT) Changes() (changed []ObservedFrontend, removed []FrontendK
 		}
 		t.fronts = next
 	}
-	// Policy chains one of whose endpoint chains changed changed too.
+	// audit.Policy chains one of whose endpoint chains changed changed too.
 	if len(t.dirtySEP) > 0 && !first {
 		seen := map[string]bool{}
 		for _, f := range t.fronts {
@@ -321,10 +323,10 @@ func (t *IPTablesNAT) Changes() (changed []ObservedFrontend, removed []FrontendK
 			}
 		}
 	}
-	changed = p.frontends(t.fronts, func(k FrontendKey, f front) bool {
+	changed = p.frontends(t.fronts, func(k audit.FrontendKey, f front) bool {
 		return first || dirty[k] || t.dirtyPolicy[f.policy]
 	})
-	slices.SortFunc(removed, FrontendKey.compare)
+	slices.SortFunc(removed, audit.FrontendKey.Compare)
 	t.dispatchDirty = false
 	clear(t.dirtyPolicy)
 	clear(t.dirtySEP)

@@ -1,4 +1,4 @@
-package audit
+package iptables
 
 import (
 	"bufio"
@@ -9,9 +9,11 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"slices"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
 // natDump is one family's nat table as a decoder gives it: each chain's
@@ -19,11 +21,11 @@ import (
 type natDump struct {
 	fam    int
 	order  []string
-	chains map[string][]IPTRule
+	chains map[string][]Rule
 }
 
 // splitNAT reads iptables-save text (one or both families) into each
-// family's nat table, every rule as an IPTRule: what ParseIPTables reads
+// family's nat table, every rule as a Rule: what Parse reads
 // of it, field by field.
 func splitNAT(t testing.TB, text []byte) []*natDump {
 	t.Helper()
@@ -31,7 +33,7 @@ func splitNAT(t testing.TB, text []byte) []*natDump {
 	var cur *natDump
 	fam, table := 4, ""
 	sc := bufio.NewScanner(bytes.NewReader(text))
-	sc.Buffer(nil, MaxLineBytes)
+	sc.Buffer(nil, audit.MaxLineBytes)
 	for sc.Scan() {
 		line := sc.Text()
 		switch {
@@ -42,7 +44,7 @@ func splitNAT(t testing.TB, text []byte) []*natDump {
 		case strings.HasPrefix(line, "*"):
 			table = line[1:]
 			if table == "nat" {
-				cur = &natDump{fam: fam, chains: map[string][]IPTRule{}}
+				cur = &natDump{fam: fam, chains: map[string][]Rule{}}
 				out = append(out, cur)
 			}
 		case table != "nat":
@@ -58,7 +60,7 @@ func splitNAT(t testing.TB, text []byte) []*natDump {
 			if err != nil {
 				t.Fatalf("%q: %v", line, err)
 			}
-			ir := IPTRule{Dst: r.dst, Cond: r.cond, Proto: r.proto, DPort: r.dport, HasDPort: r.hasDport, Jump: r.jump, Comment: r.comment}
+			ir := Rule{Dst: r.dst, Cond: r.cond, Proto: r.proto, DPort: r.dport, HasDPort: r.hasDport, Jump: r.jump, Comment: r.comment}
 			ir.Goto = strings.Contains(" "+args+" ", " -g "+r.jump)
 			if _, v, ok := strings.Cut(args, "--to-destination "); ok {
 				v, _, _ = strings.Cut(v, " ")
@@ -77,9 +79,9 @@ func splitNAT(t testing.TB, text []byte) []*natDump {
 	return out
 }
 
-func (d *natDump) load(t testing.TB) *IPTablesNAT {
+func (d *natDump) load(t testing.TB) *NAT {
 	t.Helper()
-	nat := NewIPTablesNAT(d.fam)
+	nat := NewNAT(d.fam)
 	for _, name := range d.order {
 		if err := nat.SetChain(name, d.chains[name]); err != nil {
 			t.Fatal(err)
@@ -90,7 +92,7 @@ func (d *natDump) load(t testing.TB) *IPTablesNAT {
 
 func captureDumps(t *testing.T) map[string][]byte {
 	t.Helper()
-	paths, _ := filepath.Glob("testdata/*/*/*.rules")
+	paths, _ := filepath.Glob("../../audit/testdata/*/*/*.rules")
 	out := map[string][]byte{}
 	for _, p := range paths {
 		data, err := os.ReadFile(p)
@@ -139,7 +141,7 @@ func TestIPTablesNATEqualsParse(t *testing.T) {
 					fam.Write(part.text)
 				}
 			}
-			want, err := ParseIPTablesFamily(&fam, d.fam)
+			want, err := ParseFamily(&fam, d.fam)
 			if err != nil {
 				t.Fatalf("%s: %v", path, err)
 			}
@@ -175,28 +177,6 @@ func splitFamilies(text []byte) []famText {
 	return out
 }
 
-// apply applies one round of changes to a model, as the collector applies
-// them to the state it streams.
-func apply(o *Observed, changed []ObservedFrontend, removed []FrontendKey) *Observed {
-	next := map[FrontendKey]ObservedFrontend{}
-	for _, f := range o.Frontends {
-		next[f.FrontendKey] = f
-	}
-	for _, k := range removed {
-		delete(next, k)
-	}
-	for _, f := range changed {
-		next[f.FrontendKey] = f
-	}
-	out := &Observed{Mode: o.Mode, Families: o.Families}
-	for _, f := range next {
-		out.Frontends = append(out.Frontends, f)
-	}
-	slices.SortFunc(out.Frontends, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
-	out.NoRules = len(out.Frontends) == 0
-	return out
-}
-
 // Random changes chain by chain, of every kind kube-proxy and a person
 // make (a service's chains rewritten, endpoints moved, a DNAT tampered
 // with, dispatch rules dropped or redirected, chains deleted): after each
@@ -206,12 +186,12 @@ func apply(o *Observed, changed []ObservedFrontend, removed []FrontendKey) *Obse
 // that moved.)
 func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	nat := NewIPTablesNAT(4)
+	nat := NewNAT(4)
 	svc := func(i int) string { return fmt.Sprintf("KUBE-SVC-%016d", i) }
 	sep := func(i, j int) string { return fmt.Sprintf("KUBE-SEP-%s", sepSuffix(i*16+j)) }
 	services := 40
-	dispatch := func() []IPTRule {
-		var rs []IPTRule
+	dispatch := func() []Rule {
+		var rs []Rule
 		for i := range services {
 			if rng.IntN(20) == 0 {
 				continue // a dispatch rule missing
@@ -220,17 +200,17 @@ func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 			if i%7 == 0 {
 				jump = fmt.Sprintf("KUBE-EXT-%016d", i)
 			}
-			rs = append(rs, IPTRule{Dst: netip.AddrFrom4([4]byte{198, 19, 0, byte(i)}), Proto: "TCP", DPort: 80, HasDPort: true, Jump: jump,
+			rs = append(rs, Rule{Dst: netip.AddrFrom4([4]byte{198, 19, 0, byte(i)}), Proto: "TCP", DPort: 80, HasDPort: true, Jump: jump,
 				Comment: fmt.Sprintf("ns/s%d:http cluster IP", i)})
 		}
 		return rs
 	}
 	endpoints := func(i int) {
 		n := rng.IntN(4)
-		var rs []IPTRule
+		var rs []Rule
 		for j := range n {
-			rs = append(rs, IPTRule{Jump: sep(i, j)})
-			if err := nat.SetChain(sep(i, j), []IPTRule{{Cond: true, Jump: "KUBE-MARK-MASQ"},
+			rs = append(rs, Rule{Jump: sep(i, j)})
+			if err := nat.SetChain(sep(i, j), []Rule{{Cond: true, Jump: "KUBE-MARK-MASQ"},
 				{Proto: "TCP", Jump: "DNAT", DNAT: netip.AddrPortFrom(netip.AddrFrom4([4]byte{198, 18, 128, byte(rng.IntN(250))}), 8080)}}); err != nil {
 				t.Fatal(err)
 			}
@@ -239,7 +219,7 @@ func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 			t.Fatal(err)
 		}
 		if i%7 == 0 {
-			if err := nat.SetChain(fmt.Sprintf("KUBE-EXT-%016d", i), []IPTRule{{Jump: "KUBE-MARK-MASQ"}, {Jump: svc(i)}}); err != nil {
+			if err := nat.SetChain(fmt.Sprintf("KUBE-EXT-%016d", i), []Rule{{Jump: "KUBE-MARK-MASQ"}, {Jump: svc(i)}}); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -250,7 +230,7 @@ func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 	if err := nat.SetChain("KUBE-SERVICES", dispatch()); err != nil {
 		t.Fatal(err)
 	}
-	model := &Observed{Mode: ModeIPTables, Families: []int{4}, NoRules: true}
+	model := &audit.Observed{Mode: audit.ModeIPTables, Families: []int{4}, NoRules: true}
 	for round := range 300 {
 		if round > 0 {
 			for range 1 + rng.IntN(5) {
@@ -259,7 +239,7 @@ func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 				case 0, 1:
 					endpoints(i)
 				case 2: // a DNAT rewritten by hand
-					if err := nat.SetChain(sep(i, 0), []IPTRule{{Proto: "TCP", Jump: "DNAT",
+					if err := nat.SetChain(sep(i, 0), []Rule{{Proto: "TCP", Jump: "DNAT",
 						DNAT: netip.AddrPortFrom(netip.AddrFrom4([4]byte{198, 18, 129, byte(rng.IntN(250))}), 8080)}}); err != nil {
 						t.Fatal(err)
 					}
@@ -275,7 +255,7 @@ func TestIPTablesNATChangesMatchTheWholeModel(t *testing.T) {
 			}
 		}
 		changed, removed := nat.Changes()
-		model = apply(model, changed, removed)
+		model = readertest.Apply(model, changed, removed)
 		want := nat.Observed()
 		if !reflect.DeepEqual(model, want) {
 			t.Fatalf("round %d: the model with its changes applied differs from the whole model:\n%+v\n%+v", round, model, want)
@@ -296,16 +276,16 @@ func sepSuffix(n int) string {
 // policy chain name longer than iptables allows, and more rules than one
 // node holds.
 func TestIPTablesNATBounds(t *testing.T) {
-	nat := NewIPTablesNAT(4)
-	if err := nat.SetChain("KUBE-SVC-"+strings.Repeat("X", 40), []IPTRule{{Jump: "KUBE-SEP-A"}}); err == nil {
+	nat := NewNAT(4)
+	if err := nat.SetChain("KUBE-SVC-"+strings.Repeat("X", 40), []Rule{{Jump: "KUBE-SEP-A"}}); err == nil {
 		t.Error("an over-long chain name was taken")
 	}
-	if err := nat.SetChain("PREROUTING", []IPTRule{{Jump: "KUBE-SERVICES"}}); err != nil {
+	if err := nat.SetChain("PREROUTING", []Rule{{Jump: "KUBE-SERVICES"}}); err != nil {
 		t.Errorf("a chain the audit does not read: %v", err)
 	}
-	many := make([]IPTRule, MaxRules/2+1)
+	many := make([]Rule, MaxRules/2+1)
 	for i := range many {
-		many[i] = IPTRule{Jump: "KUBE-SEP-AAAAAAAAAAAAAAAA"}
+		many[i] = Rule{Jump: "KUBE-SEP-AAAAAAAAAAAAAAAA"}
 	}
 	if err := nat.SetChain("KUBE-SVC-ONE", many); err != nil {
 		t.Fatal(err)
