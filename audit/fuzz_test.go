@@ -12,12 +12,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
-func FuzzParseNFTables(f *testing.F) {
-	readertest.Seeds(f, "testdata/capture/clean/nft-*.rules", `{"nftables": []}`, `{"nftables": [{"map": {"family": "ip", "table": "kube-proxy", "name": "service-ips", "elem": [[{"concat": ["1.2.3.4", "tcp", 80]}, {"goto": {"target": "service-X"}}]]}}]}`)
-	f.Add(readertest.SharedChainNFT(1000))
-	readertest.Fuzz(f, audit.ParseNFTables)
-}
-
 // FuzzParseClusterList: malformed cluster dumps give errors, never panics,
 // and reading one and building every node's expected model costs its size
 // plus what kube-proxy would program for it: readertest.AllocPerByte per input byte and

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -53,7 +54,7 @@ func BenchmarkIPv6Half(b *testing.B) {
 					if err != nil {
 						return nil, err
 					}
-					return audit.FromNFTables(t)
+					return nftables.FromTables(t)
 				}
 			},
 			func(h *Host) func() (*audit.Observed, error) {

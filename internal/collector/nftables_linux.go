@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 )
 
 // nftNetlinkReader reads kube-proxy's nftables table (table ip
@@ -67,13 +68,13 @@ type nftNetlinkReader struct {
 // nftFam is what the reader keeps of one family's table: the model, the
 // table's sets (name to handle, kept from notifications) and its maps.
 type nftFam struct {
-	kube       *audit.NFTablesKube
+	kube       *nftables.Kube
 	sets       map[string]setInfo
 	dispatches bool
 	// services is how many rules the services chain (the dispatch) holds.
 	services   int
-	serviceIPs []audit.NFTMapEntry
-	nodePorts  []audit.NFTMapEntry
+	serviceIPs []nftables.MapEntry
+	nodePorts  []nftables.MapEntry
 	noEndpoint []audit.FrontendKey
 }
 
@@ -280,12 +281,12 @@ func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (
 	r.whole.Add(1)
 	t, sets, err := r.table(ctx, fam, n)
 	if errors.Is(err, unix.ENOENT) {
-		t, sets, err = &audit.NFTTable{Family: fam}, map[string]setInfo{}, nil
+		t, sets, err = &nftables.Table{Family: fam}, map[string]setInfo{}, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	f := &nftFam{kube: audit.NewNFTablesKube(fam), sets: sets, dispatches: t.Dispatches, services: len(t.Chains["services"]),
+	f := &nftFam{kube: nftables.NewKube(fam), sets: sets, dispatches: t.Dispatches, services: len(t.Chains["services"]),
 		serviceIPs: t.ServiceIPs, nodePorts: t.NodePorts, noEndpoint: t.NoEndpoints}
 	f.kube.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
 	for chain, rules := range t.Chains {
@@ -335,7 +336,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		if err := r.lookups(ctx, fam, family, chain, rules, f.sets, nil, cache, cache, looked, n); err != nil {
 			return err
 		}
-		stmts := make([][]audit.NFTStatement, len(rules))
+		stmts := make([][]nftables.Statement, len(rules))
 		for i, rule := range rules {
 			for _, st := range rule.stmts {
 				stmts[i] = append(stmts[i], statement(st, looked))
@@ -435,7 +436,7 @@ func dispatchesOf(rules []nftRule) bool {
 
 // table reads kube-proxy's table of one family, and lists its sets; n
 // counts the bytes read.
-func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*audit.NFTTable, map[string]setInfo, error) {
+func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nftables.Table, map[string]setInfo, error) {
 	fam := byte(unix.NFPROTO_IPV4)
 	if family == 6 {
 		fam = unix.NFPROTO_IPV6
@@ -465,7 +466,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 	if err != nil {
 		return nil, nil, err
 	}
-	t := &audit.NFTTable{Family: family, Chains: make(map[string][][]audit.NFTStatement, len(rules))}
+	t := &nftables.Table{Family: family, Chains: make(map[string][][]nftables.Statement, len(rules))}
 	sets, err := r.sets(ctx, fam, n)
 	if err != nil {
 		return nil, nil, err
@@ -498,7 +499,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*au
 	}
 	r.notes.seen(fam, last)
 	for chain, rs := range rules {
-		out := make([][]audit.NFTStatement, len(rs))
+		out := make([][]nftables.Statement, len(rs))
 		for i, rule := range rs {
 			for _, st := range rule.stmts {
 				out[i] = append(out[i], statement(st, looked))
@@ -572,20 +573,20 @@ func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (m
 }
 
 // mapEntries decodes the named maps' elements.
-func mapEntries(family int, maps map[string][]nftElem) (ips, ports []audit.NFTMapEntry, none []audit.FrontendKey, err error) {
+func mapEntries(family int, maps map[string][]nftElem) (ips, ports []nftables.MapEntry, none []audit.FrontendKey, err error) {
 	for _, el := range maps["service-ips"] {
 		k, err := serviceIPKey(family, el.key)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("map service-ips: %w", err)
 		}
-		ips = append(ips, audit.NFTMapEntry{Key: k, Target: el.target})
+		ips = append(ips, nftables.MapEntry{Key: k, Target: el.target})
 	}
 	for _, el := range maps["service-nodeports"] {
 		k, err := nodePortKey(family, el.key)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("map service-nodeports: %w", err)
 		}
-		ports = append(ports, audit.NFTMapEntry{Key: k, Target: el.target})
+		ports = append(ports, nftables.MapEntry{Key: k, Target: el.target})
 	}
 	for _, el := range maps["no-endpoint-services"] {
 		if k, err := serviceIPKey(family, el.key); err == nil {
@@ -606,8 +607,8 @@ func frontendChain(chain string) bool {
 }
 
 // statement turns a decoded statement into the audit's, its maps resolved.
-func statement(st nftStmt, looked map[string]*lookupMap) audit.NFTStatement {
-	var out audit.NFTStatement
+func statement(st nftStmt, looked map[string]*lookupMap) nftables.Statement {
+	var out nftables.Statement
 	switch {
 	case st.target != "":
 		out.Gotos, out.Verdict = []string{st.target}, true

@@ -16,6 +16,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	utilexec "k8s.io/utils/exec"
 )
 
@@ -192,7 +193,7 @@ func (r *toolReader) Source() Source { return r.src }
 
 func (r *toolReader) parse(in io.Reader) (*audit.Observed, error) {
 	if r.src.Mode == audit.ModeNFTables {
-		return audit.ParseNFTables(in)
+		return nftables.Parse(in)
 	}
 	return iptables.ParseFamily(in, r.fam)
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -161,7 +162,7 @@ func TestE2ENetlinkReaderAgreesOnFixtures(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		want, err := audit.ParseNFTables(bytes.NewReader(data))
+		want, err := nftables.Parse(bytes.NewReader(data))
 		if err != nil {
 			t.Fatal(err)
 		}

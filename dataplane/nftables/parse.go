@@ -1,12 +1,18 @@
-package audit
+// Package nftables is kube-proxy's nftables mode as nft JSON and as the
+// tables the collector decodes from the kernel: `nft -j list` output read
+// into the audit's model (Parse), decoded tables reduced to it
+// (FromTables), and kube-proxy's table kept chain by chain (Kube), with the
+// frontends changed since the last look.
+package nftables
 
 import (
 	"bytes"
 	"fmt"
 	"io"
 	"net/netip"
-	"slices"
 	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // nftTable is kube-proxy's table in one family: the maps the audit reads
@@ -24,11 +30,11 @@ const MaxJSONBytes = 128 << 20
 // nftMaps are the maps and sets the audit reads.
 var nftMaps = map[string]bool{"service-ips": true, "service-nodeports": true, "no-endpoint-services": true}
 
-// ParseNFTables reads `nft -j list table ip kube-proxy` (or `nft -j list
+// Parse reads `nft -j list table ip kube-proxy` (or `nft -j list
 // ruleset`) output into the observed model. Frontends come from the
 // service-ips and service-nodeports maps; the service, local and external
 // chains are followed to their numgen DNAT maps or per-endpoint chains.
-func ParseNFTables(r io.Reader) (*Observed, error) {
+func Parse(r io.Reader) (*audit.Observed, error) {
 	tables, err := parseNFTTables(r)
 	if err != nil {
 		return nil, err
@@ -124,70 +130,11 @@ func parseNFTTables(r io.Reader) (map[string]*nftTable, error) {
 	return tables, nil
 }
 
-// nftSources lists the parsed tables, IPv4 first.
-func nftSources(tables map[string]*nftTable) []nftSource {
-	var srcs []nftSource
-	for _, fam := range []string{"ip", "ip6"} {
-		if t := tables[fam]; t != nil {
-			srcs = append(srcs, t)
-		}
-	}
-	return srcs
-}
-
-// nftSource is kube-proxy's table in one family as a reader decoded it:
-// nft's JSON (parsed lazily, chain by chain) or the collector's netlink
-// dump (NFTTable). reduceNFT turns either into the observed model.
-type nftSource interface {
-	familyOf() int
-	// dispatches reports whether the services chain still looks up
-	// service-ips: without that rule (a flushed table) no service
-	// traffic is translated.
-	dispatches() bool
-	serviceIPs(fn func(FrontendKey, string)) error
-	nodePorts(fn func(FrontendKey, string)) error
-	noEndpoints(fn func(FrontendKey)) error
-	// rules is a chain's rules, each as its statements.
-	rules(chain string) [][]NFTStatement
-}
-
-func reduceNFT(srcs []nftSource) (*Observed, error) {
-	obs := &Observed{Mode: ModeNFTables, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
-	for _, t := range srcs {
-		obs.Families = append(obs.Families, t.familyOf())
-		if !t.dispatches() {
-			// This family's table was flushed: its maps may remain,
-			// but nothing looks them up.
-			continue
-		}
-		// Frontends that go to one policy chain share its endpoints, read
-		// once (see the iptables reader).
-		shared := map[string][]Endpoint{}
-		add := func(k FrontendKey, target string) { addFrontend(t, obs, k, target, shared) }
-		if err := t.serviceIPs(add); err != nil {
-			return nil, err
-		}
-		if err := t.nodePorts(add); err != nil {
-			return nil, err
-		}
-		if err := t.noEndpoints(func(k FrontendKey) { obs.Rejects[k] = true }); err != nil {
-			return nil, err
-		}
-	}
-	obs.NoRules = len(obs.Frontends) == 0
-	if len(obs.Families) == 0 {
-		obs.Families = []int{4}
-	}
-	slices.Sort(obs.Families)
-	obs.Normalize()
-	return obs, nil
-}
-
 func (t *nftTable) familyOf() int { return t.family }
 
-func (t *nftTable) rules(chain string) [][]NFTStatement {
+func (t *nftTable) rules(chain string) [][]Statement {
 	raw := t.chains[chain]
-	out := make([][]NFTStatement, len(raw))
+	out := make([][]Statement, len(raw))
 	for i, r := range raw {
 		out[i] = statements(r)
 	}
@@ -303,7 +250,7 @@ func jsonPort(raw []byte) (uint16, bool) {
 	return uint16(n), true
 }
 
-func (t *nftTable) serviceIPs(fn func(FrontendKey, string)) error {
+func (t *nftTable) serviceIPs(fn func(audit.FrontendKey, string)) error {
 	m := t.maps["service-ips"]
 	if m == nil {
 		return nil
@@ -317,12 +264,12 @@ func (t *nftTable) serviceIPs(fn func(FrontendKey, string)) error {
 		if err != nil || !okp {
 			return fmt.Errorf("nft map service-ips: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 		}
-		fn(FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}, el.target)
+		fn(audit.FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port}, el.target)
 		return nil
 	})
 }
 
-func (t *nftTable) nodePorts(fn func(FrontendKey, string)) error {
+func (t *nftTable) nodePorts(fn func(audit.FrontendKey, string)) error {
 	m := t.maps["service-nodeports"]
 	if m == nil {
 		return nil
@@ -335,12 +282,12 @@ func (t *nftTable) nodePorts(fn func(FrontendKey, string)) error {
 		if !okp {
 			return fmt.Errorf("nft map service-nodeports: bad key %s", clip(bytes.Join(el.key, []byte(", "))))
 		}
-		fn(NodePortKey(t.family, strings.ToUpper(jsonString(el.key[0])), port), el.target)
+		fn(audit.NodePortKey(t.family, strings.ToUpper(jsonString(el.key[0])), port), el.target)
 		return nil
 	})
 }
 
-func (t *nftTable) noEndpoints(fn func(FrontendKey)) error {
+func (t *nftTable) noEndpoints(fn func(audit.FrontendKey)) error {
 	m := t.maps["no-endpoint-services"]
 	if m == nil {
 		return nil
@@ -349,119 +296,18 @@ func (t *nftTable) noEndpoints(fn func(FrontendKey)) error {
 		if len(el.key) == 3 {
 			if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
 				port, _ := jsonPort(el.key[2])
-				fn(FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port})
+				fn(audit.FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port})
 			}
 		}
 		return nil
 	})
 }
 
-// addFrontend follows a map element's target to the frontend's policy
-// chain and its endpoints: DNATs in the chain (a numgen map or a plain
-// address) and in the endpoint chains it goes to (session affinity).
-func addFrontend(t nftSource, obs *Observed, key FrontendKey, target string, shared map[string][]Endpoint) {
-	scope, policy := nftPolicy(t, target, 0)
-	if policy == "" {
-		return
-	}
-	eps, ok := shared[policy]
-	if !ok {
-		eps = policyEndpoints(t, policy)
-		shared[policy] = eps
-	}
-	obs.Frontends = append(obs.Frontends, ObservedFrontend{FrontendKey: key, Scope: scope, Chain: policy, Name: nftChainName(policy), Endpoints: eps})
-}
-
-// policyEndpoints reads a policy chain's endpoints: its DNATs (a numgen
-// map or a plain address) and those of the endpoint chains it goes to
-// (session affinity), sorted and without repeats.
-func policyEndpoints(t nftSource, policy string) []Endpoint {
-	// Counted first, so that 100k endpoints are one allocation, not a
-	// slice grown ten times.
-	type part struct {
-		chain string
-		rules [][]NFTStatement
-	}
-	parts := []part{{policy, t.rules(policy)}}
-	seen := map[string]bool{}
-	n := 0
-	for _, rule := range parts[0].rules {
-		for _, st := range rule {
-			n += len(st.DNAT)
-			for _, ch := range st.Gotos {
-				if strings.HasPrefix(ch, "endpoint-") && !seen[ch] { // each endpoint chain once
-					seen[ch] = true
-					parts = append(parts, part{ch, t.rules(ch)})
-				}
-			}
-		}
-	}
-	for _, p := range parts[1:] {
-		for _, rule := range p.rules {
-			for _, st := range rule {
-				n += len(st.DNAT)
-			}
-		}
-	}
-	eps := make([]Endpoint, 0, n)
-	for _, p := range parts {
-		for _, rule := range p.rules {
-			for _, st := range rule {
-				for _, a := range st.DNAT {
-					eps = append(eps, Endpoint{Addr: a, Weight: -1, Chain: p.chain})
-				}
-			}
-		}
-	}
-	return SortEndpoints(eps)
-}
-
-// nftPolicy follows an external-… chain to the service-… (cluster) or
-// local-… chain its last unconditional goto names.
-func nftPolicy(t nftSource, chain string, depth int) (Scope, string) {
-	switch {
-	case depth > 3:
-		return "", ""
-	case strings.HasPrefix(chain, "service-"):
-		return ScopeCluster, chain
-	case strings.HasPrefix(chain, "local-"):
-		return ScopeLocal, chain
-	case strings.HasPrefix(chain, "external-"):
-		rules := t.rules(chain)
-		for i := len(rules) - 1; i >= 0; i-- {
-			if sts := rules[i]; len(sts) == 1 && len(sts[0].Gotos) == 1 && sts[0].Verdict {
-				return nftPolicy(t, sts[0].Gotos[0], depth+1)
-			}
-		}
-	}
-	return "", ""
-}
-
-// nftChainName turns "service-HASH-ns/name/proto/port" into "ns/name:port".
-func nftChainName(chain string) string {
-	_, rest, ok := strings.Cut(chain, "-")
-	if !ok {
-		return ""
-	}
-	_, rest, ok = strings.Cut(rest, "-")
-	if !ok {
-		return ""
-	}
-	parts := strings.Split(rest, "/")
-	if len(parts) != 4 {
-		return ""
-	}
-	if parts[3] == "" {
-		return parts[0] + "/" + parts[1]
-	}
-	return parts[0] + "/" + parts[1] + ":" + parts[3]
-}
-
-// NFTStatement is what the audit reads of one rule statement: DNAT
+// Statement is what the audit reads of one rule statement: DNAT
 // destinations (a plain address, or the values of a numgen map) and the
 // chains it goes to (a goto or jump verdict, Verdict true; or the values
 // of a numgen verdict map).
-type NFTStatement struct {
+type Statement struct {
 	DNAT    []netip.AddrPort
 	Gotos   []string
 	Verdict bool
@@ -469,11 +315,11 @@ type NFTStatement struct {
 
 // statements reads a rule's expression list. Unreadable rules read as
 // empty: they route nothing the audit can name.
-func statements(rule []byte) []NFTStatement {
-	var out []NFTStatement
+func statements(rule []byte) []Statement {
+	var out []Statement
 	sc := at(rule)
 	err := sc.array(func(int) error {
-		var st NFTStatement
+		var st Statement
 		if sc.peek() != '{' {
 			return sc.skip()
 		}
@@ -588,7 +434,7 @@ func mapSet(sc *jscan, fn func(*jscan) error) error {
 	})
 }
 
-func readDNAT(sc *jscan, st *NFTStatement) error {
+func readDNAT(sc *jscan, st *Statement) error {
 	var addr netip.Addr
 	var port uint16
 	err := sc.object(func(k []byte) error {

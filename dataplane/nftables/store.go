@@ -1,44 +1,46 @@
-package audit
+package nftables
 
 import (
 	"slices"
 	"strings"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
-// NFTablesKube is kube-proxy's nftables table in one IP family as the audit
+// Kube is kube-proxy's nftables table in one IP family as the audit
 // reads it, kept map by map and chain by chain so that a reader can
 // replace only what a commit changed (SetChain, DeleteChain, SetMaps) and
 // learn which frontends that changed (Changes) instead of reducing the
-// whole table. Observed is exactly what FromNFTables builds from the same
+// whole table. audit.Observed is exactly what FromTables builds from the same
 // table. It is not safe for concurrent use.
-type NFTablesKube struct {
-	// OmitEndpointChains leaves Endpoint.Chain empty in Changes (a
+type Kube struct {
+	// OmitEndpointChains leaves audit.Endpoint.Chain empty in Changes (a
 	// reader that streams the model never sends those names).
 	OmitEndpointChains bool
 
 	fam         int
 	dispatches  bool
-	serviceIPs  map[FrontendKey]string
-	nodePorts   map[FrontendKey]string
-	noEndpoints map[FrontendKey]bool
-	chains      map[string][][]NFTStatement
+	serviceIPs  map[audit.FrontendKey]string
+	nodePorts   map[audit.FrontendKey]string
+	noEndpoints map[audit.FrontendKey]bool
+	chains      map[string][][]Statement
 
 	// fronts is where each frontend went as of the last Changes (nil
 	// before the first).
-	fronts      map[FrontendKey]front
+	fronts      map[audit.FrontendKey]front
 	mapsDirty   bool
 	dirtyChains map[string]bool
 }
 
-// NewNFTablesKube returns an empty table of IP family fam (4 or 6).
-func NewNFTablesKube(fam int) *NFTablesKube {
-	return &NFTablesKube{fam: fam, serviceIPs: map[FrontendKey]string{}, nodePorts: map[FrontendKey]string{},
-		noEndpoints: map[FrontendKey]bool{}, chains: map[string][][]NFTStatement{}, dirtyChains: map[string]bool{}}
+// NewKube returns an empty table of IP family fam (4 or 6).
+func NewKube(fam int) *Kube {
+	return &Kube{fam: fam, serviceIPs: map[audit.FrontendKey]string{}, nodePorts: map[audit.FrontendKey]string{},
+		noEndpoints: map[audit.FrontendKey]bool{}, chains: map[string][][]Statement{}, dirtyChains: map[string]bool{}}
 }
 
-// NFTablesKubeOf keeps a decoded table.
-func NFTablesKubeOf(t *NFTTable) *NFTablesKube {
-	k := NewNFTablesKube(t.Family)
+// KubeOf keeps a decoded table.
+func KubeOf(t *Table) *Kube {
+	k := NewKube(t.Family)
 	k.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
 	for name, rules := range t.Chains {
 		k.SetChain(name, rules)
@@ -47,7 +49,7 @@ func NFTablesKubeOf(t *NFTTable) *NFTablesKube {
 }
 
 // SetChain replaces a chain's rules (none: the chain is empty or gone).
-func (k *NFTablesKube) SetChain(name string, rules [][]NFTStatement) {
+func (k *Kube) SetChain(name string, rules [][]Statement) {
 	old, had := k.chains[name]
 	if len(rules) == 0 {
 		if !had {
@@ -66,10 +68,10 @@ func (k *NFTablesKube) SetChain(name string, rules [][]NFTStatement) {
 }
 
 // DeleteChain removes a chain.
-func (k *NFTablesKube) DeleteChain(name string) { k.SetChain(name, nil) }
+func (k *Kube) DeleteChain(name string) { k.SetChain(name, nil) }
 
-func sameStatements(a, b []NFTStatement) bool {
-	return slices.EqualFunc(a, b, func(x, y NFTStatement) bool {
+func sameStatements(a, b []Statement) bool {
+	return slices.EqualFunc(a, b, func(x, y Statement) bool {
 		return x.Verdict == y.Verdict && slices.Equal(x.DNAT, y.DNAT) && slices.Equal(x.Gotos, y.Gotos)
 	})
 }
@@ -77,7 +79,7 @@ func sameStatements(a, b []NFTStatement) bool {
 // SetMaps replaces the table's maps: whether the services chain looks up
 // service-ips (a flushed table's does not), the service-ips and
 // service-nodeports elements, and the no-endpoint-services keys.
-func (k *NFTablesKube) SetMaps(dispatches bool, serviceIPs, nodePorts []NFTMapEntry, noEndpoints []FrontendKey) {
+func (k *Kube) SetMaps(dispatches bool, serviceIPs, nodePorts []MapEntry, noEndpoints []audit.FrontendKey) {
 	k.dispatches = dispatches
 	k.serviceIPs = mapOf(serviceIPs)
 	k.nodePorts = mapOf(nodePorts)
@@ -88,8 +90,8 @@ func (k *NFTablesKube) SetMaps(dispatches bool, serviceIPs, nodePorts []NFTMapEn
 	k.mapsDirty = true
 }
 
-func mapOf(entries []NFTMapEntry) map[FrontendKey]string {
-	m := make(map[FrontendKey]string, len(entries))
+func mapOf(entries []MapEntry) map[audit.FrontendKey]string {
+	m := make(map[audit.FrontendKey]string, len(entries))
 	for _, e := range entries {
 		if _, ok := m[e.Key]; !ok { // the first, as the reducer keeps it
 			m[e.Key] = e.Target
@@ -99,48 +101,48 @@ func mapOf(entries []NFTMapEntry) map[FrontendKey]string {
 }
 
 // The table as the reducer reads it.
-func (k *NFTablesKube) familyOf() int                       { return k.fam }
-func (k *NFTablesKube) rules(chain string) [][]NFTStatement { return k.chains[chain] }
+func (k *Kube) familyOf() int                    { return k.fam }
+func (k *Kube) rules(chain string) [][]Statement { return k.chains[chain] }
 
-type nftKubeSource struct{ *NFTablesKube }
+type nftKubeSource struct{ *Kube }
 
-func (s nftKubeSource) dispatches() bool { return s.NFTablesKube.dispatches }
+func (s nftKubeSource) dispatches() bool { return s.Kube.dispatches }
 
-func (s nftKubeSource) serviceIPs(fn func(FrontendKey, string)) error {
-	for key, target := range s.NFTablesKube.serviceIPs {
+func (s nftKubeSource) serviceIPs(fn func(audit.FrontendKey, string)) error {
+	for key, target := range s.Kube.serviceIPs {
 		fn(key, target)
 	}
 	return nil
 }
 
-func (s nftKubeSource) nodePorts(fn func(FrontendKey, string)) error {
-	for key, target := range s.NFTablesKube.nodePorts {
+func (s nftKubeSource) nodePorts(fn func(audit.FrontendKey, string)) error {
+	for key, target := range s.Kube.nodePorts {
 		fn(key, target)
 	}
 	return nil
 }
 
-func (s nftKubeSource) noEndpoints(fn func(FrontendKey)) error {
-	for key := range s.NFTablesKube.noEndpoints {
+func (s nftKubeSource) noEndpoints(fn func(audit.FrontendKey)) error {
+	for key := range s.Kube.noEndpoints {
 		fn(key)
 	}
 	return nil
 }
 
-// Observed is the whole model of the table, as FromNFTables builds it.
-func (k *NFTablesKube) Observed() (*Observed, error) {
+// Observed is the whole model of the table, as FromTables builds it.
+func (k *Kube) Observed() (*audit.Observed, error) {
 	return reduceNFT([]nftSource{nftKubeSource{k}})
 }
 
 // frontTable maps every frontend of the maps to its policy chain and
 // scope (none when the table does not dispatch).
-func (k *NFTablesKube) frontTable() map[FrontendKey]front {
-	out := make(map[FrontendKey]front, len(k.serviceIPs)+len(k.nodePorts))
+func (k *Kube) frontTable() map[audit.FrontendKey]front {
+	out := make(map[audit.FrontendKey]front, len(k.serviceIPs)+len(k.nodePorts))
 	if !k.dispatches {
 		return out
 	}
 	src := nftKubeSource{k}
-	add := func(key FrontendKey, target string) {
+	add := func(key audit.FrontendKey, target string) {
 		if _, ok := out[key]; ok {
 			return
 		}
@@ -161,9 +163,9 @@ func (k *NFTablesKube) frontTable() map[FrontendKey]front {
 // them at the first), sorted by key, and the keys of those that are gone.
 // A frontend changed when its map element now goes elsewhere, when its
 // policy chain changed, or when an endpoint chain that chain goes to did.
-func (k *NFTablesKube) Changes() (changed []ObservedFrontend, removed []FrontendKey) {
+func (k *Kube) Changes() (changed []audit.ObservedFrontend, removed []audit.FrontendKey) {
 	first := k.fronts == nil
-	dirty := map[FrontendKey]bool{}
+	dirty := map[audit.FrontendKey]bool{}
 	redo := first || k.mapsDirty
 	for chain := range k.dirtyChains {
 		// An external-… chain's last goto picks the policy.
@@ -211,7 +213,7 @@ func (k *NFTablesKube) Changes() (changed []ObservedFrontend, removed []Frontend
 		return d
 	}
 	src := nftKubeSource{k}
-	shared := map[string][]Endpoint{}
+	shared := map[string][]audit.Endpoint{}
 	for key, f := range k.fronts {
 		if !first && !dirty[key] && !isDirty(f.policy) {
 			continue
@@ -226,10 +228,10 @@ func (k *NFTablesKube) Changes() (changed []ObservedFrontend, removed []Frontend
 			}
 			shared[f.policy] = eps
 		}
-		changed = append(changed, ObservedFrontend{FrontendKey: key, Scope: f.scope, Chain: f.policy, Name: f.name, Endpoints: eps})
+		changed = append(changed, audit.ObservedFrontend{FrontendKey: key, Scope: f.scope, Chain: f.policy, Name: f.name, Endpoints: eps})
 	}
-	slices.SortFunc(changed, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
-	slices.SortFunc(removed, FrontendKey.compare)
+	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
+	slices.SortFunc(removed, audit.FrontendKey.Compare)
 	k.mapsDirty = false
 	clear(k.dirtyChains)
 	return changed, removed
@@ -237,7 +239,7 @@ func (k *NFTablesKube) Changes() (changed []ObservedFrontend, removed []Frontend
 
 // Len is the number of frontends as of the last Changes (0 for a nil
 // table).
-func (k *NFTablesKube) Len() int {
+func (k *Kube) Len() int {
 	if k == nil {
 		return 0
 	}
@@ -247,7 +249,7 @@ func (k *NFTablesKube) Len() int {
 // front is where a frontend's dispatch sends it: the policy (service)
 // chain that picks an endpoint, its scope, and the service's name.
 type front struct {
-	scope  Scope
+	scope  audit.Scope
 	policy string
 	name   string
 }

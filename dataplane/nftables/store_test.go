@@ -1,4 +1,4 @@
-package audit
+package nftables
 
 import (
 	"bytes"
@@ -8,17 +8,19 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"slices"
 	"strings"
 	"testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit/readertest"
 )
 
 // decodedTable is a parsed nft JSON table as a netlink reader decodes it.
-func decodedTable(t *nftTable) *NFTTable {
-	out := &NFTTable{Family: t.family, Dispatches: t.dispatches(), Chains: map[string][][]NFTStatement{}}
-	t.serviceIPs(func(k FrontendKey, target string) { out.ServiceIPs = append(out.ServiceIPs, NFTMapEntry{k, target}) })
-	t.nodePorts(func(k FrontendKey, target string) { out.NodePorts = append(out.NodePorts, NFTMapEntry{k, target}) })
-	t.noEndpoints(func(k FrontendKey) { out.NoEndpoints = append(out.NoEndpoints, k) })
+func decodedTable(t *nftTable) *Table {
+	out := &Table{Family: t.family, Dispatches: t.dispatches(), Chains: map[string][][]Statement{}}
+	t.serviceIPs(func(k audit.FrontendKey, target string) { out.ServiceIPs = append(out.ServiceIPs, MapEntry{k, target}) })
+	t.nodePorts(func(k audit.FrontendKey, target string) { out.NodePorts = append(out.NodePorts, MapEntry{k, target}) })
+	t.noEndpoints(func(k audit.FrontendKey) { out.NoEndpoints = append(out.NoEndpoints, k) })
 	for name := range t.chains {
 		out.Chains[name] = t.rules(name)
 	}
@@ -26,10 +28,10 @@ func decodedTable(t *nftTable) *NFTTable {
 }
 
 // The table kept map by map and chain by chain reads every nftables
-// capture as FromNFTables does, and its first Changes are the whole
+// capture as FromTables does, and its first Changes are the whole
 // model.
 func TestNFTablesKubeEqualsTheReducer(t *testing.T) {
-	paths, _ := filepath.Glob("testdata/*/*/*nft*.rules")
+	paths, _ := filepath.Glob("../../audit/testdata/*/*/*nft*.rules")
 	if len(paths) < 4 {
 		t.Fatalf("only %d nftables captures", len(paths))
 	}
@@ -44,11 +46,11 @@ func TestNFTablesKubeEqualsTheReducer(t *testing.T) {
 		}
 		for fam, pt := range tables {
 			nt := decodedTable(pt)
-			want, err := FromNFTables(nt)
+			want, err := FromTables(nt)
 			if err != nil {
 				t.Fatal(err)
 			}
-			k := NFTablesKubeOf(nt)
+			k := KubeOf(nt)
 			got, err := k.Observed()
 			if err != nil {
 				t.Fatal(err)
@@ -73,7 +75,7 @@ func TestNFTablesKubeEqualsTheReducer(t *testing.T) {
 func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 5))
 	const services = 40
-	k := NewNFTablesKube(4)
+	k := NewKube(4)
 	svc := func(i int) string { return fmt.Sprintf("service-%08d-ns/s%d/tcp/http", i, i) }
 	ext := func(i int) string { return fmt.Sprintf("external-%08d-ns/s%d/tcp/http", i, i) }
 	local := func(i int) string { return fmt.Sprintf("local-%08d-ns/s%d/tcp/http", i, i) }
@@ -90,22 +92,22 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 			var gotos []string
 			for j := range n {
 				gotos = append(gotos, epc(i, j))
-				k.SetChain(epc(i, j), [][]NFTStatement{{{DNAT: []netip.AddrPort{addr()}}}})
+				k.SetChain(epc(i, j), [][]Statement{{{DNAT: []netip.AddrPort{addr()}}}})
 			}
-			k.SetChain(svc(i), [][]NFTStatement{{{}, {Gotos: gotos}}})
+			k.SetChain(svc(i), [][]Statement{{{}, {Gotos: gotos}}})
 			return
 		}
 		var dnat []netip.AddrPort
 		for range n {
 			dnat = append(dnat, addr())
 		}
-		k.SetChain(svc(i), [][]NFTStatement{{{}, {DNAT: dnat}}})
+		k.SetChain(svc(i), [][]Statement{{{}, {DNAT: dnat}}})
 	}
 	maps := func() {
-		var ips, ports []NFTMapEntry
-		var none []FrontendKey
+		var ips, ports []MapEntry
+		var none []audit.FrontendKey
 		for i := range services {
-			key := FrontendKey{IP: netip.AddrFrom4([4]byte{198, 19, 0, byte(i)}), Protocol: "TCP", Port: 80}
+			key := audit.FrontendKey{IP: netip.AddrFrom4([4]byte{198, 19, 0, byte(i)}), Protocol: "TCP", Port: 80}
 			switch rng.IntN(12) {
 			case 0:
 				continue // an element missing
@@ -113,12 +115,12 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 				none = append(none, key)
 				continue
 			case 2:
-				ips = append(ips, NFTMapEntry{key, svc((i + 1) % services)}) // pointed elsewhere
+				ips = append(ips, MapEntry{key, svc((i + 1) % services)}) // pointed elsewhere
 				continue
 			}
-			ips = append(ips, NFTMapEntry{key, svc(i)})
+			ips = append(ips, MapEntry{key, svc(i)})
 			if i%3 == 0 {
-				ports = append(ports, NFTMapEntry{NodePortKey(4, "TCP", uint16(30000+i)), ext(i)})
+				ports = append(ports, MapEntry{audit.NodePortKey(4, "TCP", uint16(30000+i)), ext(i)})
 			}
 		}
 		k.SetMaps(rng.IntN(30) != 0, ips, ports, none)
@@ -127,9 +129,9 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 		target := svc(i)
 		if rng.IntN(3) == 0 {
 			target = local(i)
-			k.SetChain(local(i), [][]NFTStatement{{{DNAT: []netip.AddrPort{addr()}}}})
+			k.SetChain(local(i), [][]Statement{{{DNAT: []netip.AddrPort{addr()}}}})
 		}
-		k.SetChain(ext(i), [][]NFTStatement{{{Gotos: []string{"mark-for-masquerade"}, Verdict: true}}, {{Gotos: []string{target}, Verdict: true}}})
+		k.SetChain(ext(i), [][]Statement{{{Gotos: []string{"mark-for-masquerade"}, Verdict: true}}, {{Gotos: []string{target}, Verdict: true}}})
 	}
 	for i := range services {
 		endpoints(i)
@@ -138,7 +140,7 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 		}
 	}
 	maps()
-	model := &Observed{Mode: ModeNFTables, Families: []int{4}, NoRules: true, RejectsKnown: true, Rejects: map[FrontendKey]bool{}}
+	model := &audit.Observed{Mode: audit.ModeNFTables, Families: []int{4}, NoRules: true, RejectsKnown: true, Rejects: map[audit.FrontendKey]bool{}}
 	for round := range 400 {
 		if round > 0 {
 			for range 1 + rng.IntN(5) {
@@ -148,9 +150,9 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 					endpoints(i)
 				case 2: // a DNAT rewritten by hand, or an endpoint chain's
 					if i%5 == 0 {
-						k.SetChain(epc(i, 0), [][]NFTStatement{{{DNAT: []netip.AddrPort{addr()}}}})
+						k.SetChain(epc(i, 0), [][]Statement{{{DNAT: []netip.AddrPort{addr()}}}})
 					} else {
-						k.SetChain(svc(i), [][]NFTStatement{{{}, {DNAT: []netip.AddrPort{addr()}}}})
+						k.SetChain(svc(i), [][]Statement{{{}, {DNAT: []netip.AddrPort{addr()}}}})
 					}
 				case 3:
 					maps()
@@ -166,7 +168,7 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 			}
 		}
 		changed, removed := k.Changes()
-		model = apply(model, changed, removed)
+		model = readertest.Apply(model, changed, removed)
 		want, err := k.Observed()
 		if err != nil {
 			t.Fatal(err)
@@ -180,27 +182,4 @@ func TestNFTablesKubeChangesMatchTheWholeModel(t *testing.T) {
 	if !strings.HasPrefix(svc(1), "service-") {
 		t.Fatal(svc(1))
 	}
-}
-
-// apply applies one round of changes to a model, as the collector applies
-// them to the state it streams (readertest.Apply, for the rooms outside
-// audit; this copy goes when nftables has its room).
-func apply(o *Observed, changed []ObservedFrontend, removed []FrontendKey) *Observed {
-	next := map[FrontendKey]ObservedFrontend{}
-	for _, f := range o.Frontends {
-		next[f.FrontendKey] = f
-	}
-	for _, k := range removed {
-		delete(next, k)
-	}
-	for _, f := range changed {
-		next[f.FrontendKey] = f
-	}
-	out := &Observed{Mode: o.Mode, Families: o.Families}
-	for _, f := range next {
-		out.Frontends = append(out.Frontends, f)
-	}
-	slices.SortFunc(out.Frontends, func(a, b ObservedFrontend) int { return a.FrontendKey.compare(b.FrontendKey) })
-	out.NoRules = len(out.Frontends) == 0
-	return out
 }
