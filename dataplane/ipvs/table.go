@@ -79,135 +79,24 @@ func Observed(vs []VirtualServer) *audit.Observed {
 func Parse(r io.Reader) (*audit.Observed, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 4096), audit.MaxLineBytes)
-	var vs []VirtualServer
-	byAddr := map[string]int{}
-	cur := -1
-	lineNo := 0
-	addVS := func(proto, addr string) (*VirtualServer, error) {
-		ap, err := netip.ParseAddrPort(addr)
-		if err != nil {
-			return nil, fmt.Errorf("bad virtual server address %q", addr)
-		}
-		key := proto + " " + ap.String()
-		if i, ok := byAddr[key]; ok {
-			cur = i
-		} else {
-			cur = len(vs)
-			byAddr[key] = cur
-			vs = append(vs, VirtualServer{Addr: ap, Protocol: proto})
-		}
-		return &vs[cur], nil
-	}
-	addRS := func(addr string, weight, active, inactive int) error {
-		if cur < 0 {
-			return fmt.Errorf("real server before any virtual server")
-		}
-		ap, err := netip.ParseAddrPort(addr)
-		if err != nil {
-			return fmt.Errorf("bad real server address %q", addr)
-		}
-		vs[cur].Real = append(vs[cur].Real, RealServer{Addr: ap, Weight: weight, ActiveConns: active, InactiveConns: inactive})
-		return nil
-	}
-	atoi := func(s, what string) (int, error) {
-		n, err := strconv.Atoi(s)
-		if err != nil {
-			return 0, fmt.Errorf("bad %s %q", what, s)
-		}
-		return n, nil
-	}
-	for sc.Scan() {
-		lineNo++
+	t := &textTable{byAddr: map[string]int{}, cur: -1}
+	for lineNo := 1; sc.Scan(); lineNo++ {
 		line := strings.TrimSpace(sc.Text())
 		if line == "" || strings.HasPrefix(line, "IP Virtual Server") || strings.HasPrefix(line, "Prot ") || strings.HasPrefix(line, "-> RemoteAddress") {
 			continue
 		}
-		f := strings.Fields(line)
 		var err error
-		switch {
-		case f[0] == "-A" || f[0] == "-a": // save format
-			proto, addr, rs, sched := "", "", "", ""
-			weight, persist := 1, 0
-			for i := 1; i+1 < len(f) && err == nil; i++ {
-				switch f[i] {
-				case "-t", "--tcp-service":
-					proto, addr = "TCP", f[i+1]
-				case "-u", "--udp-service":
-					proto, addr = "UDP", f[i+1]
-				case "--sctp-service":
-					proto, addr = "SCTP", f[i+1]
-				case "-f", "--fwmark-service":
-					proto = "FWM"
-				case "-r", "--real-server":
-					rs = f[i+1]
-				case "-w", "--weight":
-					weight, err = atoi(f[i+1], "weight")
-				case "-s", "--scheduler":
-					sched = f[i+1]
-				case "-p", "--persistent":
-					persist, err = atoi(f[i+1], "persistence timeout")
-				}
-			}
-			if err != nil {
-				break
-			}
-			if proto == "FWM" {
-				cur = -1
-				continue
-			}
-			if proto == "" {
-				return nil, fmt.Errorf("line %d: ipvsadm rule without -t, -u or --sctp-service: %q", lineNo, clip(line))
-			}
-			var v *VirtualServer
-			if v, err = addVS(proto, addr); err != nil {
-				break
-			}
-			if f[0] == "-A" {
-				v.Scheduler, v.PersistentSeconds = sched, persist
-			} else {
-				err = addRS(rs, weight, 0, 0)
-			}
-		case f[0] == "TCP" || f[0] == "UDP" || f[0] == "SCTP": // list format
-			if len(f) < 2 {
-				return nil, fmt.Errorf("line %d: virtual server without an address", lineNo)
-			}
-			var v *VirtualServer
-			if v, err = addVS(f[0], f[1]); err != nil {
-				break
-			}
-			if len(f) > 2 {
-				v.Scheduler = f[2]
-			}
-			for i := 3; i+1 < len(f); i++ {
-				if f[i] == "persistent" {
-					v.PersistentSeconds, err = atoi(f[i+1], "persistence timeout")
-				}
-			}
+		switch f := strings.Fields(line); {
+		case f[0] == "-A" || f[0] == "-a":
+			err = t.saveLine(f, line)
+		case f[0] == "TCP" || f[0] == "UDP" || f[0] == "SCTP":
+			err = t.listService(f)
 		case f[0] == "FWM":
-			cur = -1
-			continue
+			t.cur = -1
 		case f[0] == "->":
-			if len(f) < 4 {
-				return nil, fmt.Errorf("line %d: real server line needs address, forward and weight", lineNo)
-			}
-			if cur < 0 && len(vs) > 0 {
-				continue // real servers of a firewall-mark service
-			}
-			var w, act, inact int
-			if w, err = atoi(f[3], "weight"); err != nil {
-				break
-			}
-			if len(f) >= 6 {
-				if act, err = atoi(f[4], "active connection count"); err == nil {
-					inact, err = atoi(f[5], "inactive connection count")
-				}
-				if err != nil {
-					break
-				}
-			}
-			err = addRS(f[1], w, act, inact)
+			err = t.listReal(f)
 		default:
-			return nil, fmt.Errorf("line %d: expected ipvsadm -Sn or -Ln output, got %q", lineNo, clip(line))
+			err = fmt.Errorf("expected ipvsadm -Sn or -Ln output, got %q", clip(line))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("line %d: %v", lineNo, err)
@@ -216,7 +105,143 @@ func Parse(r io.Reader) (*audit.Observed, error) {
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("read ipvsadm output: %w", err)
 	}
-	return Observed(vs), nil
+	return Observed(t.vs), nil
+}
+
+// textTable is the table as Parse reads it: virtual servers in the order
+// first seen, and the one real servers are added to (-1 after a
+// firewall-mark service, whose real servers are skipped).
+type textTable struct {
+	vs     []VirtualServer
+	byAddr map[string]int
+	cur    int
+}
+
+func (t *textTable) addVS(proto, addr string) (*VirtualServer, error) {
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("bad virtual server address %q", addr)
+	}
+	key := proto + " " + ap.String()
+	if i, ok := t.byAddr[key]; ok {
+		t.cur = i
+	} else {
+		t.cur = len(t.vs)
+		t.byAddr[key] = t.cur
+		t.vs = append(t.vs, VirtualServer{Addr: ap, Protocol: proto})
+	}
+	return &t.vs[t.cur], nil
+}
+
+func (t *textTable) addRS(addr string, weight, active, inactive int) error {
+	if t.cur < 0 {
+		return fmt.Errorf("real server before any virtual server")
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return fmt.Errorf("bad real server address %q", addr)
+	}
+	t.vs[t.cur].Real = append(t.vs[t.cur].Real, RealServer{Addr: ap, Weight: weight, ActiveConns: active, InactiveConns: inactive})
+	return nil
+}
+
+// saveLine reads a line of the save format: -A a virtual server, -a one
+// of its real servers.
+func (t *textTable) saveLine(f []string, line string) error {
+	proto, addr, rs, sched := "", "", "", ""
+	weight, persist := 1, 0
+	var err error
+	for i := 1; i+1 < len(f) && err == nil; i++ {
+		switch f[i] {
+		case "-t", "--tcp-service":
+			proto, addr = "TCP", f[i+1]
+		case "-u", "--udp-service":
+			proto, addr = "UDP", f[i+1]
+		case "--sctp-service":
+			proto, addr = "SCTP", f[i+1]
+		case "-f", "--fwmark-service":
+			proto = "FWM"
+		case "-r", "--real-server":
+			rs = f[i+1]
+		case "-w", "--weight":
+			weight, err = atoi(f[i+1], "weight")
+		case "-s", "--scheduler":
+			sched = f[i+1]
+		case "-p", "--persistent":
+			persist, err = atoi(f[i+1], "persistence timeout")
+		}
+	}
+	switch {
+	case err != nil:
+		return err
+	case proto == "FWM":
+		t.cur = -1
+		return nil
+	case proto == "":
+		return fmt.Errorf("ipvsadm rule without -t, -u or --sctp-service: %q", clip(line))
+	}
+	v, err := t.addVS(proto, addr)
+	if err != nil {
+		return err
+	}
+	if f[0] == "-A" {
+		v.Scheduler, v.PersistentSeconds = sched, persist
+		return nil
+	}
+	return t.addRS(rs, weight, 0, 0)
+}
+
+// listService reads a virtual server line of the list format.
+func (t *textTable) listService(f []string) error {
+	if len(f) < 2 {
+		return fmt.Errorf("virtual server without an address")
+	}
+	v, err := t.addVS(f[0], f[1])
+	if err != nil {
+		return err
+	}
+	if len(f) > 2 {
+		v.Scheduler = f[2]
+	}
+	for i := 3; i+1 < len(f) && err == nil; i++ {
+		if f[i] == "persistent" {
+			v.PersistentSeconds, err = atoi(f[i+1], "persistence timeout")
+		}
+	}
+	return err
+}
+
+// listReal reads a real server line of the list format (address,
+// forward, weight, and the connection counts when given).
+func (t *textTable) listReal(f []string) error {
+	if len(f) < 4 {
+		return fmt.Errorf("real server line needs address, forward and weight")
+	}
+	if t.cur < 0 && len(t.vs) > 0 {
+		return nil // real servers of a firewall-mark service
+	}
+	w, err := atoi(f[3], "weight")
+	if err != nil {
+		return err
+	}
+	var act, inact int
+	if len(f) >= 6 {
+		if act, err = atoi(f[4], "active connection count"); err == nil {
+			inact, err = atoi(f[5], "inactive connection count")
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return t.addRS(f[1], w, act, inact)
+}
+
+func atoi(s, what string) (int, error) {
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return 0, fmt.Errorf("bad %s %q", what, s)
+	}
+	return n, nil
 }
 
 // Table is the kernel's IPVS table, open for reading. It is not safe for
