@@ -41,7 +41,8 @@ func loadState(t testing.TB, dir string) *audit.State {
 	return readertest.Cluster(t, filepath.Join("testdata", "capture", dir))
 }
 
-func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding {
+// readRules reads a rule dump as `proxyaudit diff` does.
+func readRules(t testing.TB, path string) *audit.Observed {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
@@ -52,7 +53,12 @@ func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding
 	if err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
-	return audit.Diff(audit.ExpectedFor(st, node), obs)
+	return obs
+}
+
+func auditFile(t testing.TB, st *audit.State, node, path string) []audit.Finding {
+	t.Helper()
+	return audit.Diff(audit.ExpectedFor(st, node), readRules(t, path))
 }
 
 func checkGolden(t *testing.T, path string, fs []audit.Finding) {
@@ -148,25 +154,10 @@ func TestIPVSFixtures(t *testing.T) {
 // weight0 tables).
 func ipvsFixtures(t *testing.T, root string) {
 	for _, dir := range []string{"clean", "drift", "weight0"} {
-		data, err := os.ReadFile(filepath.Join(root, dir, "cluster.json"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		st, err := audit.ParseClusterList(data)
-		if err != nil {
-			t.Fatal(err)
-		}
+		st := readertest.Cluster(t, filepath.Join(root, dir))
 		var obs [2]*audit.Observed
 		for i, name := range []string{"ipvs-a.save", "ipvs-a.list"} {
-			f, err := os.Open(filepath.Join(root, dir, name))
-			if err != nil {
-				t.Fatal(err)
-			}
-			obs[i], err = dataplane.ParseRules(f)
-			f.Close()
-			if err != nil {
-				t.Fatalf("%s/%s: %v", dir, name, err)
-			}
+			obs[i] = readRules(t, filepath.Join(root, dir, name))
 		}
 		exp := audit.ExpectedFor(st, "ipvs-a")
 		save, list := audit.Diff(exp, obs[0]), audit.Diff(exp, obs[1])
@@ -223,15 +214,7 @@ func TestDualStackCaptures(t *testing.T) {
 		for _, node := range nodes {
 			t.Run(dir+"/"+node, func(t *testing.T) {
 				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
-				f, err := os.Open(path)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer f.Close()
-				obs, err := dataplane.ParseRules(f)
-				if err != nil {
-					t.Fatal(err)
-				}
+				obs := readRules(t, path)
 				v6 := map[bool]int{}
 				for _, fe := range obs.Frontends {
 					// IPVS serves a node port by a virtual server per node
