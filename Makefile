@@ -114,7 +114,7 @@ e2e-cilium: deps modules cluster-binaries
 ## UDP and through a NodePort; pods killed, Services churned, CoreDNS and kube-proxy rolled, the API server
 ## restarted, the chart upgraded, a node drained) with faults injected on random nodes: every fault must
 ## be found and repaired or paged, and nothing else found, restarted or paged.
-## make test runs the same for 3 minutes at a 10 s grace; SOAK, SOAK_GRACE and SOAK_FAULTS (a comma-separated
+## make test runs the same for 6 minutes at a 10 s grace; SOAK, SOAK_GRACE and SOAK_FAULTS (a comma-separated
 ## list of: frozen, watch hung, watch hung for good, flushed, endpoint rewritten, UDP blackhole; empty: all, in turn) change it
 SOAK ?= 60m
 SOAK_GRACE ?= 30s

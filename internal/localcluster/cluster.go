@@ -405,6 +405,10 @@ func (c *Cluster) startEtcd(ctx context.Context) error {
 }
 
 func (c *Cluster) startAPIServer(ctx context.Context) error {
+	auditPolicy := filepath.Join(c.Dir, "audit-policy.yaml")
+	if err := os.WriteFile(auditPolicy, []byte(auditPolicyYAML), 0o644); err != nil {
+		return err
+	}
 	var err error
 	c.apiserver, err = startProcess("kube-apiserver", filepath.Join(c.Dir, "kube-apiserver.log"), []string{
 		filepath.Join(c.bin, "kube-apiserver"),
@@ -429,6 +433,10 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		"--service-cluster-ip-range=" + c.serviceCIDRs(),
 		"--cert-dir=" + filepath.Join(c.Dir, "certs"),
 		"--profiling=false",
+		// proxyaudit's writes, as the API server saw them (AuditedWrites).
+		"--audit-policy-file=" + auditPolicy,
+		"--audit-log-path=" + filepath.Join(c.Dir, "audit.log"),
+		"--audit-log-maxsize=0",
 	})
 	if err != nil {
 		return err

@@ -11,8 +11,13 @@ import (
 	"testing"
 	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -310,4 +315,48 @@ func TestE2EFaultInjectors(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// TestE2EAuditedWritesCountProxyauditsOwn: the API server's audit log
+// records the writes of the proxyaudit namespace's service accounts, and
+// AuditedWrites counts them by account, verb and resource (refusals
+// apart); the admin's writes and everyone's reads are not there.
+func TestE2EAuditedWritesCountProxyauditsOwn(t *testing.T) {
+	c := Shared(t)
+	ctx := context.Background()
+	since := time.Now()
+	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "proxyaudit"}}, metav1.CreateOptions{}); err != nil && !strings.Contains(err.Error(), "already exists") {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().ServiceAccounts("proxyaudit").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "audit-probe"}}, metav1.CreateOptions{}); err != nil && !strings.Contains(err.Error(), "already exists") {
+		t.Fatal(err)
+	}
+	tok, err := c.Client.CoreV1().ServiceAccounts("proxyaudit").CreateToken(ctx, "audit-probe", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := rest.CopyConfig(c.RESTConfig)
+	cfg.BearerToken = tok.Status.Token
+	as, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// No RBAC: the account's write is refused, its read too (not logged).
+	if _, err := as.CoreV1().ConfigMaps("proxyaudit").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "probe"}}, metav1.CreateOptions{}); err == nil {
+		t.Fatal("a service account without RBAC wrote a ConfigMap")
+	}
+	_, _ = as.CoreV1().ConfigMaps("proxyaudit").List(ctx, metav1.ListOptions{})
+	// The admin's write is not proxyaudit's.
+	if _, err := c.Client.CoreV1().ConfigMaps("proxyaudit").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "admin-probe"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Client.CoreV1().ConfigMaps("proxyaudit").Delete(ctx, "admin-probe", metav1.DeleteOptions{})
+	var ok, refused map[string]int
+	testkit.Await(t, 10*time.Second, "audit-probe's refused create in the audit log", func() bool {
+		ok, refused, err = c.AuditedWrites(since)
+		return err == nil && refused["audit-probe create configmaps"] == 1
+	}, func() string { return fmt.Sprintf("writes %v, refused %v, error %v", ok, refused, err) })
+	if len(ok) != 0 || len(refused) != 1 {
+		t.Errorf("audited writes since the test began: %v, refused %v; want only audit-probe's refused create", ok, refused)
+	}
 }

@@ -36,7 +36,7 @@ import (
 // test for a few minutes at a shorter grace (the harder case: entries of
 // finished flows outlive it).
 var (
-	soakFor    = flag.Duration("soak", 3*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
+	soakFor    = flag.Duration("soak", 6*time.Minute, "how long TestE2ESoakOnRealNodes lives through rollouts and faults, one every max(1m, soak/12) (make soak: 60m)")
 	soakGrace  = flag.Duration("soak-grace", 10*time.Second, "the chart's grace during the soak (make soak: the chart's default, 30s)")
 	soakFaults = flag.String("soak-faults", "", "the faults the soak injects, in turn, comma-separated (empty: frozen, watch hung, watch hung for good, flushed, endpoint rewritten and UDP blackhole, shuffled)")
 )
@@ -936,6 +936,18 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	for _, g := range grew {
 		t.Errorf("resident set grew past the bound (a quarter of its first minute's and 16 MiB): %s", g)
 	}
+	// What proxyaudit wrote, as the API server recorded it: leader
+	// election, the barrier's stamps, its record, Events, repairs.
+	if writes, refused, err := c.AuditedWrites(began); err != nil {
+		t.Errorf("proxyaudit's API writes: %v", err)
+	} else {
+		total := 0
+		for _, n := range writes {
+			total += n
+		}
+		t.Logf("API writes by proxyaudit's service accounts (the API server's audit log): %d in %s (%.1f a minute): %s; refused: %s",
+			total, time.Since(began).Round(time.Second), float64(total)/time.Since(began).Minutes(), byCount(writes), byCount(refused))
+	}
 	var keys []string
 	for k := range findings {
 		keys = append(keys, k)
@@ -1109,4 +1121,21 @@ func processSummary(seen map[int]*podProcess) (lines, grew []string) {
 			prog, len(byProg[prog]), med, top, peak>>20, growth>>20))
 	}
 	return lines, grew
+}
+
+// byCount lists counts, the largest first: "a 12, b 3".
+func byCount(m map[string]int) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool { return m[keys[i]] > m[keys[j]] || m[keys[i]] == m[keys[j]] && keys[i] < keys[j] })
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, m[k])
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ", ")
 }
