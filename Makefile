@@ -145,7 +145,7 @@ screenshots: deps modules cluster-binaries
 ## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) and
 ## the IPVS VM's tables (clean, drift, weight0) from that release's kube-proxy (built from its own module:
 ## deploy/k8s-tools/kube-proxy-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs}, which the audit's
-## conformance tests then judge too (not yet 1.37, whose IPVS mode is behind its KubeProxyIPVS gate)
+## conformance tests then judge too (1.37's IPVS mode is behind its KubeProxyIPVS gate, on by default)
 fixtures: deps cluster-binaries
 ifeq ($(K8S_VERSION),)
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
