@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 the API server's service proxy reads Endpoints, which no controller manager writes here
-
 package live
 
 import (
@@ -25,6 +23,7 @@ import (
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -359,8 +358,9 @@ func newLiveOn(ctx context.Context, t *testing.T, c *localcluster.Cluster, specs
 // aggregatorService makes the replicas reachable through the API server's
 // service proxy, as the chart's Service does. The replicas are host
 // processes here, so each gets a stand-in Pod carrying its IP (the API
-// server proxies only to addresses that are pods) and the Endpoints are
-// written by hand.
+// server proxies only to addresses that are pods) and the EndpointSlice is
+// written by hand: no controller manager runs here, and since 1.37 the
+// service proxy reads EndpointSlices (it read Endpoints before).
 func (l *live) aggregatorService(ctx context.Context) {
 	exists := func(err error) bool { return err == nil || strings.Contains(err.Error(), "already exists") }
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
@@ -368,10 +368,11 @@ func (l *live) aggregatorService(ctx context.Context) {
 	if _, err := l.c.CreateService(ctx, svc); !exists(err) {
 		l.t.Fatal(err)
 	}
-	// No controller manager here: the service proxy reads Endpoints,
-	// written by hand (see the file-ignore at the top).
-	ep := &corev1.Endpoints{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
-		Subsets: []corev1.EndpointSubset{{Ports: []corev1.EndpointPort{{Name: "http", Port: 8080, Protocol: corev1.ProtocolTCP}}}}}
+	port, proto, ready := int32(8080), corev1.ProtocolTCP, true
+	slice := &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator-stand-in",
+		Labels: map[string]string{discoveryv1.LabelServiceName: "proxyaudit-aggregator"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: new("http"), Port: &port, Protocol: &proto}}}
 	for i, ip := range l.replicas {
 		name := fmt.Sprintf("proxyaudit-aggregator-%d", i)
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
@@ -388,10 +389,11 @@ func (l *live) aggregatorService(ctx context.Context) {
 		if _, err := l.c.Client.CoreV1().Pods(ns).UpdateStatus(ctx, cur, metav1.UpdateOptions{}); err != nil {
 			l.t.Fatal(err)
 		}
-		ep.Subsets[0].Addresses = append(ep.Subsets[0].Addresses, corev1.EndpointAddress{IP: ip,
-			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: name}})
+		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{ip},
+			Conditions: discoveryv1.EndpointConditions{Ready: &ready},
+			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: name}})
 	}
-	if _, err := l.c.Client.CoreV1().Endpoints(ns).Create(ctx, ep, metav1.CreateOptions{}); !exists(err) {
+	if _, err := l.c.Client.DiscoveryV1().EndpointSlices(ns).Create(ctx, slice, metav1.CreateOptions{}); !exists(err) {
 		l.t.Fatal(err)
 	}
 }
