@@ -1,3 +1,5 @@
+//lint:file-ignore SA1019 the API server's service proxy of 1.36 and before reads Endpoints, which no controller manager writes here
+
 package live
 
 import (
@@ -358,9 +360,10 @@ func newLiveOn(ctx context.Context, t *testing.T, c *localcluster.Cluster, specs
 // aggregatorService makes the replicas reachable through the API server's
 // service proxy, as the chart's Service does. The replicas are host
 // processes here, so each gets a stand-in Pod carrying its IP (the API
-// server proxies only to addresses that are pods) and the EndpointSlice is
-// written by hand: no controller manager runs here, and since 1.37 the
-// service proxy reads EndpointSlices (it read Endpoints before).
+// server proxies only to addresses that are pods) and the endpoints are
+// written by hand, as no controller manager runs here: Endpoints, which
+// the service proxy of 1.36 and before reads, and the EndpointSlice that
+// of 1.37 reads.
 func (l *live) aggregatorService(ctx context.Context) {
 	exists := func(err error) bool { return err == nil || strings.Contains(err.Error(), "already exists") }
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
@@ -394,6 +397,14 @@ func (l *live) aggregatorService(ctx context.Context) {
 			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: name}})
 	}
 	if _, err := l.c.Client.DiscoveryV1().EndpointSlices(ns).Create(ctx, slice, metav1.CreateOptions{}); !exists(err) {
+		l.t.Fatal(err)
+	}
+	ep := &corev1.Endpoints{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "proxyaudit-aggregator"},
+		Subsets: []corev1.EndpointSubset{{Ports: []corev1.EndpointPort{{Name: "http", Port: port, Protocol: proto}}}}}
+	for _, e := range slice.Endpoints {
+		ep.Subsets[0].Addresses = append(ep.Subsets[0].Addresses, corev1.EndpointAddress{IP: e.Addresses[0], TargetRef: e.TargetRef})
+	}
+	if _, err := l.c.Client.CoreV1().Endpoints(ns).Create(ctx, ep, metav1.CreateOptions{}); !exists(err) {
 		l.t.Fatal(err)
 	}
 }
