@@ -229,6 +229,9 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	if err := CanRun(); err != nil {
 		return nil, err
 	}
+	if err := checkLane(); err != nil {
+		return nil, err
+	}
 	if cfg.Instance < 0 || cfg.Instance >= len(instances) {
 		return nil, fmt.Errorf("local cluster instance %d: want 0 (the first) or 1 (a second beside it)", cfg.Instance)
 	}
@@ -805,7 +808,10 @@ func Leftovers() []string {
 	for _, l := range ourLinks() {
 		out = append(out, "link "+l)
 	}
-	cgroups, _ := filepath.Glob("/sys/fs/cgroup/*/" + namePrefix + "*")
+	var cgroups []string
+	if machineLane() { // another lane's are lane 0's real nodes
+		cgroups, _ = filepath.Glob("/sys/fs/cgroup/*/" + namePrefix + "*")
+	}
 	for _, cg := range cgroups {
 		out = append(out, "cgroup "+cg)
 	}

@@ -67,6 +67,9 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 	if c.cfg.Instance != 0 {
 		return nil, fmt.Errorf("node %s: real nodes run only in the first local cluster instance", spec.Name)
 	}
+	if !machineLane() {
+		return nil, fmt.Errorf("node %s: real nodes run only in lane 0 (%s=%s): their cgroups and the host's forwarding are the machine's", spec.Name, LaneEnv, Lane())
+	}
 	if err := c.ensureControlPlane(ctx); err != nil {
 		return nil, err
 	}
@@ -426,6 +429,9 @@ func writeCertKubeconfig(path, server, caFile, cert, key string) error {
 // containers (their processes live in the nodes' cgroups), the kubelet's
 // and containerd's mounts under dir, and the cgroups themselves.
 func cleanupRealNodes(dir string) error {
+	if !machineLane() {
+		return nil // every pa-* cgroup here is lane 0's (AddKubeletNode)
+	}
 	var errs []error
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/" + namePrefix + "*")
 	if sys, _ := filepath.Glob("/sys/fs/cgroup/" + namePrefix + "*"); len(sys) > 0 {
@@ -579,6 +585,9 @@ const (
 // restoreForwarding turns the host's IPv4 forwarding off again if a real
 // node turned it on (its mark says so), after Stop or a crashed run.
 func restoreForwarding() {
+	if !machineLane() {
+		return // the mark is lane 0's real nodes'; this lane's forwarding is its own namespace's
+	}
 	if b, err := os.ReadFile(forwardMark); err == nil && strings.TrimSpace(string(b)) == "0" {
 		_ = os.WriteFile(ipForward, []byte("0"), 0o644)
 	}
