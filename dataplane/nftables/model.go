@@ -14,7 +14,8 @@ type Table struct {
 	// ServiceIPs and NodePorts are the service-ips and service-nodeports
 	// map elements: a frontend and the chain it goes to.
 	ServiceIPs, NodePorts []MapEntry
-	// NoEndpoints are the keys of the no-endpoint-services map.
+	// NoEndpoints are the keys of the no-endpoint-services and
+	// no-endpoint-nodeports maps.
 	NoEndpoints []audit.FrontendKey
 	// Chains are every chain's rules, each as its statements.
 	Chains map[string][][]Statement

@@ -28,7 +28,7 @@ type nftTable struct {
 const MaxJSONBytes = 128 << 20
 
 // nftMaps are the maps and sets the audit reads.
-var nftMaps = map[string]bool{"service-ips": true, "service-nodeports": true, "no-endpoint-services": true}
+var nftMaps = map[string]bool{"service-ips": true, "service-nodeports": true, "no-endpoint-services": true, "no-endpoint-nodeports": true}
 
 // Parse reads `nft -j list table ip kube-proxy` (or `nft -j list
 // ruleset`) output into the observed model. Frontends come from the
@@ -288,15 +288,27 @@ func (t *nftTable) nodePorts(fn func(audit.FrontendKey, string)) error {
 }
 
 func (t *nftTable) noEndpoints(fn func(audit.FrontendKey)) error {
-	m := t.maps["no-endpoint-services"]
+	if m := t.maps["no-endpoint-services"]; m != nil {
+		if err := elements(m, func(el nftElem) error {
+			if len(el.key) == 3 {
+				if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
+					port, _ := jsonPort(el.key[2])
+					fn(audit.FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port})
+				}
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+	}
+	m := t.maps["no-endpoint-nodeports"]
 	if m == nil {
 		return nil
 	}
 	return elements(m, func(el nftElem) error {
-		if len(el.key) == 3 {
-			if ip, err := netip.ParseAddr(jsonString(el.key[0])); err == nil {
-				port, _ := jsonPort(el.key[2])
-				fn(audit.FrontendKey{IP: ip.Unmap(), Protocol: strings.ToUpper(jsonString(el.key[1])), Port: port})
+		if len(el.key) == 2 {
+			if port, ok := jsonPort(el.key[1]); ok {
+				fn(audit.NodePortKey(t.family, strings.ToUpper(jsonString(el.key[0])), port))
 			}
 		}
 		return nil

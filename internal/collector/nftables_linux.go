@@ -129,8 +129,8 @@ func (r *nftNetlinkReader) Source() Source { return Source{Mode: audit.ModeNFTab
 // BytesRead is what the last read received from the kernel.
 func (r *nftNetlinkReader) BytesRead() int64 { return r.bytes.Load() }
 
-// NoEndpoints implements NoEndpointReader: the no-endpoint-services
-// map's frontends, both families, as last read.
+// NoEndpoints implements NoEndpointReader: the no-endpoint-services and
+// no-endpoint-nodeports maps' frontends, both families, as last read.
 func (r *nftNetlinkReader) NoEndpoints() []audit.FrontendKey {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -147,7 +147,7 @@ func (r *nftNetlinkReader) NoEndpoints() []audit.FrontendKey {
 const kubeProxyTable = "kube-proxy"
 
 // nftMaps are the named maps the audit reads.
-var nftNamedMaps = []string{"service-ips", "service-nodeports", "no-endpoint-services"}
+var nftNamedMaps = []string{"service-ips", "service-nodeports", "no-endpoint-services", "no-endpoint-nodeports"}
 
 var _ ChangeReader = (*nftNetlinkReader)(nil)
 
@@ -590,6 +590,14 @@ func mapEntries(family int, maps map[string][]nftElem) (ips, ports []nftables.Ma
 	}
 	for _, el := range maps["no-endpoint-services"] {
 		if k, err := serviceIPKey(family, el.key); err == nil {
+			none = append(none, k)
+		}
+	}
+	// A node port with no endpoints: its UDP flows stay pinned to the gone
+	// pods even where kube-proxy cleans a service's (1.37 skips node
+	// ports without endpoints: pkg/proxy/conntrack/cleanup.go).
+	for _, el := range maps["no-endpoint-nodeports"] {
+		if k, err := nodePortKey(family, el.key); err == nil {
 			none = append(none, k)
 		}
 	}
