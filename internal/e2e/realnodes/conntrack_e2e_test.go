@@ -7,14 +7,17 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
@@ -45,10 +48,16 @@ type resolver struct {
 
 func startResolver(t *testing.T, node *localcluster.Node, dns string) *resolver {
 	t.Helper()
+	return startResolverAt(t, node, net.JoinHostPort(dns, "53"))
+}
+
+// startResolverAt is startResolver asking addr (a node port: ip:port).
+func startResolverAt(t *testing.T, node *localcluster.Node, addr string) *resolver {
+	t.Helper()
 	var conn net.Conn
 	if err := localcluster.InNetNS(node.NetNS, func() error {
 		var err error
-		conn, err = net.Dial("udp4", net.JoinHostPort(dns, "53"))
+		conn, err = net.Dial("udp4", addr)
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -186,10 +195,13 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 }
 
 // Conntrack remediation on real nodes, where kube-proxy is healthy and
-// still leaves flows stale: kube-proxy 1.36's cleanup skips a service
-// with no serving endpoints (pkg/proxy/conntrack/cleanup.go; the statsd
-// blackhole of kubernetes#139628). Resolvers on two nodes keep asking
-// kube-dns; CoreDNS is scaled to zero. In dry-run proxyaudit finds the
+// still leaves flows stale: kube-proxy's cleanup skips a node port with
+// no serving endpoints (pkg/proxy/conntrack/cleanup.go: 1.36 and before
+// skip any service without endpoints, the statsd blackhole of
+// kubernetes#139628; 1.37 cleans a service IP's entries then, but not a
+// node port's, whose match would take unrelated flows). Resolvers on two
+// nodes keep asking CoreDNS through a UDP node port of their own node's
+// address; CoreDNS is scaled to zero. In dry-run proxyaudit finds the
 // flows still DNATed to the gone pod on both nodes, says what it would
 // delete, and the entries stay (the resolvers hear nothing: a blackhole).
 // CoreDNS back, then scaled to zero again and the mode switched to
@@ -197,16 +209,23 @@ func TestE2EStaleConntrackOnRealNodes(t *testing.T) {
 // collectors, unable to resolve them, reach the new pods by the
 // addresses the old ones sent): each node's collector deletes the stale entries, kube-proxy
 // is not restarted (the rules are right), and the resolvers' next queries
-// meet the service's REJECT (they learn it is down). CoreDNS back, their
+// meet the node port's REJECT (they learn it is down). CoreDNS back, their
 // next queries reach the live pod.
 func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 	c := cluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	svc, err := c.Client.CoreV1().Services("kube-system").Get(ctx, "kube-dns", metav1.GetOptions{})
+	// CoreDNS behind a UDP node port, as a node-local DNS cache or a
+	// syslog relay is reached from outside the cluster.
+	svc, err := c.Client.CoreV1().Services("kube-system").Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "dns-nodeport"},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeNodePort, Selector: map[string]string{"k8s-app": "kube-dns"},
+			Ports: []corev1.ServicePort{{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt32(53)}}}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer c.Client.CoreV1().Services("kube-system").Delete(context.Background(), svc.Name, metav1.DeleteOptions{})
+	nodePort := strconv.Itoa(int(svc.Spec.Ports[0].NodePort))
+	frontend := audit.NodePortKey(4, "UDP", uint16(svc.Spec.Ports[0].NodePort)).Wire()
 	scale := func(ctx context.Context, n int) error {
 		_, err := c.Client.AppsV1().Deployments("kube-system").Patch(ctx, "coredns", types.MergePatchType,
 			[]byte(fmt.Sprintf(`{"spec":{"replicas":%d}}`, n)), metav1.PatchOptions{})
@@ -247,20 +266,19 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 				}
 			}
 			for _, n := range nodes {
-				out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", "53")
+				out, _ := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-port-dst", nodePort)
 				why = append(why, n.Name+" conntrack:\n"+out, n.Name+"'s collector:\n"+collectorLog(ctx, c, n.Name, 15))
 			}
 			t.Fatalf("%s", testkit.Waiting(limit, what, "findings and tables:\n"+strings.Join(why, "\n")+"\naggregators:\n"+aggregatorLogs(ctx, c, what)))
 		}
 	}
-	// pinned counts a node's UDP entries to kube-dns DNATed to ip
-	// (conntrack -L in its network namespace): the resolver's, and
-	// one-shot queries of other clients of kube-dns (the collectors' own
-	// lookups). Not flows addressed to ip itself: on the node that ran
-	// the gone pod, other nodes' flows to it (DNATed there) pass through
-	// conntrack too, and they are no business of this node's collector.
+	// pinned counts a node's UDP entries to its own node port DNATed to
+	// ip (conntrack -L in its network namespace): the resolver's. Not
+	// flows addressed to ip itself: on the node that ran the gone pod,
+	// other nodes' flows to it (DNATed there) pass through conntrack too,
+	// and they are no business of this node's collector.
 	pinned := func(n *localcluster.Node, ip string) int {
-		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-dst", svc.Spec.ClusterIP, "--reply-src", ip)
+		out, err := n.Exec(ctx, "conntrack", "-L", "-p", "udp", "--orig-dst", n.IP, "--orig-port-dst", nodePort, "--reply-src", ip)
 		if err != nil && !strings.Contains(out, "0 flow entries") {
 			t.Fatalf("conntrack -L on %s: %v\n%s", n.Name, err, out)
 		}
@@ -274,7 +292,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 	}
 	rs := map[string]*resolver{}
 	for _, n := range nodes {
-		rs[n.Name] = startResolver(t, n, svc.Spec.ClusterIP)
+		rs[n.Name] = startResolverAt(t, n, net.JoinHostPort(n.IP, nodePort))
 	}
 	// toZero scales CoreDNS to zero once the resolvers are answered, and
 	// returns where its pod was.
@@ -313,7 +331,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		for _, n := range nodes {
 			until(3*time.Minute, "a dry-run flush on "+n.Name, func() bool {
 				for _, m := range events(n.Name, "ProxyauditDryRun") {
-					if strings.Contains(m, "would FlushConntrack") && strings.Contains(m, "→ "+dead) {
+					if strings.Contains(m, "would FlushConntrack") && strings.Contains(m, nodePort+"/UDP") && strings.Contains(m, "→ "+dead) {
 						return true
 					}
 				}
@@ -330,19 +348,19 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		for _, n := range nodes {
 			found := false
 			for _, f := range r.Findings {
-				found = found || (f.Kind == audit.StaleConntrack && f.Node == n.Name && f.Endpoint == dead && f.Frontend == net.JoinHostPort(svc.Spec.ClusterIP, "53")+"/UDP")
+				found = found || (f.Kind == audit.StaleConntrack && f.Node == n.Name && f.Endpoint == dead && f.Frontend == frontend)
 			}
 			if !found {
 				t.Errorf("no StaleConntrack on %s to %s:\n%s", n.Name, dead, clip(raw))
 			}
 		}
 		// The collector restarted (a chart upgrade, an eviction) while the
-		// service has no endpoints, so no longer in the node's rules: it
+		// node port has no endpoints, so no longer in the node's rules: it
 		// still counts the flows pinned to the gone pod, and the finding
 		// stays on the new collector's reports. On the iptables node by the
 		// frontends it kept on the node (--conntrack-file); on the nftables
 		// node, its file deleted first (as at a first install), by the
-		// rules' own no-endpoint-services map. (The real nodes share the
+		// rules' own no-endpoint-nodeports map. (The real nodes share the
 		// host's filesystem: the chart's hostPath is /var/lib/proxyaudit.)
 		for _, rc := range []struct {
 			n      *localcluster.Node
@@ -438,7 +456,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 		for _, n := range nodes {
 			until(4*time.Minute, "the flush on "+n.Name, func() bool {
 				for _, m := range events(n.Name, "ProxyauditFlushConntrack") {
-					if strings.Contains(m, "→ "+dead) {
+					if strings.Contains(m, nodePort+"/UDP") && strings.Contains(m, "→ "+dead) {
 						if !strings.Contains(m, "(deleted ") || strings.Contains(m, "(deleted 0 entries)") {
 							t.Fatalf("flush on %s: %s", n.Name, m)
 						}
@@ -454,7 +472,7 @@ func TestE2EConntrackRemediationOnRealNodes(t *testing.T) {
 			}
 		}
 		for _, n := range nodes {
-			until(30*time.Second, n.Name+"'s resolver told the service is down (REJECT), not left in a blackhole", func() bool { return rs[n.Name].refused.Load() > 0 })
+			until(30*time.Second, n.Name+"'s resolver told the node port is down (REJECT), not left in a blackhole", func() bool { return rs[n.Name].refused.Load() > 0 })
 		}
 		until(2*time.Minute, "the StaleConntrack findings gone", func() bool {
 			r, _, err := report(ctx, t, c)
