@@ -44,10 +44,10 @@ image: deps
 ##   1/3 unit tests of every package (-short: no cluster binaries, no cluster): a failing unit test is
 ##       reported, and ends the run, minutes after the start, before anything slow is built; then make lint;
 ##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
-##       local cluster, in two lanes side by side: lane 0 (the machine's namespaces) runs E2E_LANE0, the
-##       real-node suite and a few beside it; lane 1 (deploy/lane.sh: a network and mount namespace of its
-##       own) runs the rest. Each lane's clusters take one at a time, the lanes overlap (the suites wait on
-##       grace periods and leave most of the two cores idle). Beside them, at the lowest CPU priority
+##       local cluster, in three lanes side by side: lane 0 (the machine's namespaces) runs E2E_LANE0, the
+##       real-node suite and the harness's; lanes 1 and 2 (deploy/lane.sh: a network and mount namespace
+##       each) run E2E_LANE2 and the rest. A lane's packages take its cluster lock one at a time, the lanes
+##       overlap (the suites wait on grace periods and leave much of the two cores idle). Beside them, at the lowest CPU priority
 ##       (nice 19): cosign's build (the real-node suite signs its releases; minutes of CPU cold), the
 ##       release's tests (BESIDE_PKGS, signed), every fuzz target briefly and the race detector over the
 ##       unit tests (make race -short); their log is printed at 3/3;
@@ -58,18 +58,19 @@ image: deps
 BESIDE_PKGS = ./internal/release
 E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ && $$1 !~ /internal\/release$$/ {print $$1}')
 # Lane 0 holds the real kubelet nodes' suite (only lane 0 may run them: their cgroups and the host's
-# forwarding are the machine's) and, to even the lanes (~30 min each), three packages beside it; lane 1
-# every other end-to-end package. Minutes each lane's packages held its lock: CONTRIBUTING.md.
-E2E_LANE0 = internal/e2e/realnodes internal/localcluster internal/collector internal/e2e/dualstack
+# forwarding are the machine's) and the harness's own; lane 2 the collector's (its churn tests are the
+# longest after the real nodes'); lane 1 every other end-to-end package. Minutes each lane's packages
+# held its lock: CONTRIBUTING.md.
+E2E_LANE0 = internal/e2e/realnodes internal/localcluster internal/e2e/dualstack
+E2E_LANE2 = internal/collector
 MODULE = github.com/proxyaudit/proxyaudit
 BESIDE_LOG = .cache/logs/make-test-beside.log
 # gotestsum runs stage 2 (output as `go test` prints it, failures listed again at the end) and lists
 # its slowest tests from the JSON it keeps: where CI's time goes, on every run. Installed into
-# .cache/bin before stage 2: lane 1 has no network to fetch it.
+# .cache/bin before stage 2: lanes 1 and 2 have no network to fetch it.
 GOTESTSUM ?= gotest.tools/gotestsum@v1.13.0
 GOTESTSUM_BIN = $(CURDIR)/.cache/bin/gotestsum
 E2E_JSON = .cache/logs/make-test-e2e.json
-E2E_JSON1 = .cache/logs/make-test-e2e-lane1.json
 # A broken unit test ends make test as soon as its package reports it (CI's signal within minutes).
 UNIT_MAX_FAILS ?= 1
 test: deps modules
@@ -80,7 +81,7 @@ test: deps modules
 	@echo "unit tests: $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory cluster-binaries
-	@echo "== make test 2/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): end-to-end tests on the real local cluster, lanes 0 and 1 side by side; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
+	@echo "== make test 2/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): end-to-end tests on the real local cluster, lanes 0, 1 and 2 side by side; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
 	@mkdir -p $(dir $(BESIDE_LOG)); \
 	( start=$$(date +%s); nice -n 19 deploy/k8s-tools/release-tool.sh cosign >/dev/null; \
 	  echo "cosign built after $$(( $$(date +%s) - start )) s"; \
@@ -90,23 +91,26 @@ test: deps modules
 	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
 	  nice -n 19 $(MAKE) --no-print-directory race RACE_FLAGS=-short; r=$$?; \
 	  echo "race: exit $$r after $$(( $$(date +%s) - start )) s"; [ $$p -eq 0 ] && [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
-	lane0=; lane1=; for p in $(E2E_PKGS); do \
-	  case " $(E2E_LANE0) " in *" $${p#$(MODULE)/} "*) lane0="$$lane0 $$p" ;; *) lane1="$$lane1 $$p" ;; esac; done; \
-	echo "lane 0:$$lane0"; echo "lane 1:$$lane1"; \
-	( deploy/lane.sh 1 env PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON1) -- \
-		-count=1 -timeout $(TIMEOUT) $$lane1; l=$$?; \
-	  echo "lane 1: exit $$l after $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"; exit $$l ) & l1=$$!; \
+	lane0=; lane1=; lane2=; for p in $(E2E_PKGS); do n=" $${p#$(MODULE)/} "; \
+	  case " $(E2E_LANE0) " in *"$$n"*) lane0="$$lane0 $$p"; continue ;; esac; \
+	  case " $(E2E_LANE2) " in *"$$n"*) lane2="$$lane2 $$p"; continue ;; esac; lane1="$$lane1 $$p"; done; \
+	echo "lane 0:$$lane0"; echo "lane 1:$$lane1"; echo "lane 2:$$lane2"; \
+	for l in 1 2; do \
+	  eval pkgs=\$$lane$$l; \
+	  ( deploy/lane.sh $$l env PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON)-lane$$l -- \
+		-count=1 -timeout $(TIMEOUT) $$pkgs; r=$$?; \
+	    echo "lane $$l: exit $$r after $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"; exit $$r ) & eval pid$$l=\$$!; done; \
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON) -- \
 		-count=1 -timeout $(TIMEOUT) $$lane0; rc=$$?; \
 	echo "lane 0: exit $$rc after $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"; \
-	wait $$l1; rc1=$$?; \
+	wait $$pid1; rc1=$$?; wait $$pid2; rc2=$$?; \
 	echo "stage 2's slowest tests (30 s or more; a lane's suites wait for each other on its lock, so a package's time is not its own):"; \
 	echo "lane 0:"; $(GOTESTSUM_BIN) tool slowest --jsonfile $(E2E_JSON) --threshold 30s; \
-	echo "lane 1:"; $(GOTESTSUM_BIN) tool slowest --jsonfile $(E2E_JSON1) --threshold 30s; \
+	for l in 1 2; do echo "lane $$l:"; $(GOTESTSUM_BIN) tool slowest --jsonfile $(E2E_JSON)-lane$$l --threshold 30s; done; \
 	echo "== make test 3/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): what ran beside stage 2: $(BESIDE_PKGS), every fuzz target for $(TEST_FUZZTIME), the race detector"; \
 	wait $$beside; brc=$$?; cat $(BESIDE_LOG); \
 	echo "make test: $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s"; \
-	[ $$rc -eq 0 ] && [ $$rc1 -eq 0 ] && [ $$brc -eq 0 ]
+	[ $$rc -eq 0 ] && [ $$rc1 -eq 0 ] && [ $$rc2 -eq 0 ] && [ $$brc -eq 0 ]
 
 ## race: the packages whose goroutines share state (stream pool, collector, aggregator, executor,
 ## status page, CLI) under the race detector, one package at a time, end-to-end tests included (~8 min);
@@ -287,7 +291,7 @@ demo-binaries:
 ## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool, an OpenTelemetry Collector, and
 ## the release's tools (an OCI registry, krew, cyclonedx-gomod), built here so that no test builds one beside
 ## a timing-sensitive suite (cosign, minutes of both cores cold, is built by make test beside its suites), and
-## the IPVS VM's image (apt-get download): lane 1 (deploy/lane.sh) has no network to fetch anything
+## the IPVS VM's image (apt-get download): lanes 1 and 2 (deploy/lane.sh) have no network to fetch anything
 cluster-binaries: demo-binaries
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null

@@ -4,9 +4,10 @@
 # links and addresses, the nodes' network namespaces in /run/netns, the
 # cluster lock in /run/lock) cannot meet those of lane 0, the machine's own
 # namespaces, where `go test` runs by default. make test runs the real-node
-# suite in lane 0 and the other cluster suites in lane 1, side by side: each
-# lane's clusters still take one at a time (its own lock), but the two lanes
-# overlap, which the suites' idle waits on grace periods leave room for.
+# suite in lane 0 and the other cluster suites in lanes 1 and 2, side by
+# side: each lane's clusters still take one at a time (its own lock), but
+# the lanes overlap, which the suites' idle waits on grace periods leave
+# room for.
 #
 # What the lanes still share, and why that is safe: processes (the harness
 # marks each with its owner's PID, and cleans up only those whose owner is

@@ -2,6 +2,8 @@ package localcluster
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -29,12 +31,26 @@ var shared struct {
 // namespace nodes (make fixtures K8S_VERSION=…).
 const KubeProxyEnv = "PROXYAUDIT_KUBE_PROXY"
 
-// Main is a TestMain for packages with end-to-end tests. The shared cluster
-// with the given nodes starts on the first Shared call (so unit tests in the
-// same package do not wait for it) and is torn down after the tests, which
-// then fail if anything of the cluster is left on the machine.
+// Main is a TestMain for packages with end-to-end tests. Unless -short,
+// the package takes its lane's cluster lock before its first test and
+// keeps it to the end: its end-to-end tests run as one block, so one whose
+// context is already running never waits for another package's suite
+// (the collector's scratch namespaces waited 20 minutes for the real-node
+// suite's and failed), and go test's -timeout bounds the wait. The shared
+// cluster with the given nodes starts on the first Shared call and is torn
+// down after the tests, which then fail if anything of the cluster is left
+// on the machine.
 func Main(m *testing.M, nodes ...NodeSpec) {
 	shared.nodes = nodes
+	flag.Parse()
+	var release func()
+	if err := errors.Join(CanRun(), checkLane()); err == nil && !testing.Short() {
+		logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "localcluster: "+format+"\n", args...) }
+		if release, err = takeLock(context.Background(), logf); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
 	if err := CanRun(); err != nil {
 		shared.skip = err.Error()
 		banner := fmt.Sprintf("\n*** END-TO-END TESTS SKIPPED: %v ***\n*** they need a real local cluster; run `make test` as root on Linux ***\n\n", err)
@@ -62,6 +78,9 @@ func Main(m *testing.M, nodes ...NodeSpec) {
 			fmt.Fprintf(os.Stderr, "local cluster left these behind:\n  %s\n", strings.Join(left, "\n  "))
 			code = 1
 		}
+	}
+	if release != nil {
+		release()
 	}
 	os.Exit(code)
 }
