@@ -68,7 +68,7 @@ func (c *Cluster) AddKubeletNode(ctx context.Context, spec KubeletNodeSpec) (*No
 		return nil, fmt.Errorf("node %s: real nodes run only in the first local cluster instance", spec.Name)
 	}
 	if !machineLane() {
-		return nil, fmt.Errorf("node %s: real nodes run only in lane 0 (%s=%s): their cgroups and the host's forwarding are the machine's", spec.Name, LaneEnv, Lane())
+		return nil, fmt.Errorf("node %s: real nodes run only in lane 0 (%s=%s): their cgroups and the host's forwarding are the machine's", spec.Name, laneEnv, lane())
 	}
 	if err := c.ensureControlPlane(ctx); err != nil {
 		return nil, err
