@@ -62,6 +62,9 @@ func TestE2EIPVS(t *testing.T) {
 			keep := filepath.Join(os.TempDir(), "proxyaudit-ipvs-failure")
 			os.RemoveAll(keep)
 			_ = exec.Command("cp", "-r", vm.Dir, keep).Run()
+			// The guest's console (beside the work dir): a guest that died
+			// says why there only.
+			_ = exec.Command("cp", vm.Dir+".console.log", filepath.Join(keep, "console.log")).Run()
 			t.Logf("VM logs kept in %s; kube-proxy's last lines:\n%s", keep, vm.Log("kube-proxy", 15))
 		}
 		vm.Stop()
