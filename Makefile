@@ -45,7 +45,7 @@ image: deps
 ##       reported, and ends the run, minutes after the start, before anything slow is built; then make lint;
 ##   2/3 the cluster binaries, then the packages with end-to-end tests (E2E_PKGS), whole, on the real
 ##       local cluster, in three lanes side by side: lane 0 (the machine's namespaces) runs E2E_LANE0, the
-##       real-node suite and the harness's; lanes 1 and 2 (deploy/lane.sh: a network and mount namespace
+##       real-node suite; lanes 1 and 2 (deploy/lane.sh: a network and mount namespace
 ##       each) run E2E_LANE2 and the rest. A lane's packages take its cluster lock one at a time, the lanes
 ##       overlap (the suites wait on grace periods and leave much of the two cores idle). Beside them, at the lowest CPU priority
 ##       (nice 19): cosign's build (the real-node suite signs its releases; minutes of CPU cold), the
@@ -57,12 +57,12 @@ image: deps
 # The release's tests need no cluster and are not timing-sensitive: they run beside (BESIDE_PKGS).
 BESIDE_PKGS = ./internal/release
 E2E_PKGS = $$($(GO) list -f '{{.ImportPath}} {{join .TestImports " "}} {{join .XTestImports " "}} {{join .TestGoFiles " "}} {{join .XTestGoFiles " "}}' ./... | awk '/internal\/localcluster|_e2e_test\.go/ && $$1 !~ /internal\/release$$/ {print $$1}')
-# Lane 0 holds the real kubelet nodes' suite (only lane 0 may run them: their cgroups and the host's
-# forwarding are the machine's) and the harness's own; lane 2 the collector's (its churn tests are the
-# longest after the real nodes'); lane 1 every other end-to-end package. Minutes each lane's packages
-# held its lock: CONTRIBUTING.md.
-E2E_LANE0 = internal/e2e/realnodes internal/localcluster internal/e2e/dualstack
-E2E_LANE2 = internal/collector
+# Lane 0 holds the real kubelet nodes' suite alone (only lane 0 may run them: their cgroups and the
+# host's forwarding are the machine's; it is the longest, ~28 min); lane 2 the collector's, the IPVS
+# VM's, dualstack and the harness's own (~14 min); lane 1 every other end-to-end package (~21 min).
+# Minutes each lane's packages held its lock: CONTRIBUTING.md.
+E2E_LANE0 = internal/e2e/realnodes
+E2E_LANE2 = internal/collector internal/e2e internal/e2e/dualstack internal/localcluster
 MODULE = github.com/proxyaudit/proxyaudit
 BESIDE_LOG = .cache/logs/make-test-beside.log
 # gotestsum runs stage 2 (output as `go test` prints it, failures listed again at the end) and lists

@@ -32,7 +32,7 @@ var shared struct {
 const KubeProxyEnv = "PROXYAUDIT_KUBE_PROXY"
 
 // Main is a TestMain for packages with end-to-end tests. Unless -short,
-// the package takes its lane's cluster lock before its first test and
+// -fuzz or -run '^$', the package takes its lane's cluster lock before its first test and
 // keeps it to the end: its end-to-end tests run as one block, so one whose
 // context is already running never waits for another package's suite
 // (the collector's scratch namespaces waited 20 minutes for the real-node
@@ -44,7 +44,7 @@ func Main(m *testing.M, nodes ...NodeSpec) {
 	shared.nodes = nodes
 	flag.Parse()
 	var release func()
-	if err := errors.Join(CanRun(), checkLane()); err == nil && !testing.Short() {
+	if err := errors.Join(CanRun(), checkLane()); err == nil && runsTests() {
 		logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "localcluster: "+format+"\n", args...) }
 		if release, err = takeLock(context.Background(), logf); err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -83,6 +83,22 @@ func Main(m *testing.M, nodes ...NodeSpec) {
 		release()
 	}
 	os.Exit(code)
+}
+
+// runsTests reports whether this run may run end-to-end tests: not -short
+// (make unit, make test's first stage), not a fuzz or benchmark run
+// (-run '^$'), which must not wait for the lock while a suite holds it.
+func runsTests() bool {
+	if testing.Short() {
+		return false
+	}
+	if f := flag.Lookup("test.fuzz"); f != nil && f.Value.String() != "" {
+		return false
+	}
+	if f := flag.Lookup("test.run"); f != nil && f.Value.String() == "^$" {
+		return false
+	}
+	return true
 }
 
 // NeedRoot skips t when the machine cannot run what cannot (root,
