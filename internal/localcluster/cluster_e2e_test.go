@@ -36,6 +36,13 @@ func TestMain(m *testing.M) {
 // killed, leaving its namespaces behind as a crashed run would.
 func crashHelper() {
 	ctx := context.Background()
+	// The parent test holds its lane's lock for the package (Main) and
+	// hands this process its descriptor: a flock held by the same open
+	// file, so the helper's cluster runs under it instead of waiting for
+	// it forever.
+	if os.Getenv("PROXYAUDIT_CRASH_LOCK") == "1" {
+		procLock.f, procLock.holds = os.NewFile(3, lockPath), 1
+	}
 	c, err := Start(ctx, Config{})
 	if err == nil {
 		_, err = c.AddNode(ctx, NodeSpec{Name: "crash", Mode: ModeIPTables})
@@ -68,6 +75,12 @@ func TestE2ERunAfterCrashStartsClean(t *testing.T) {
 	}
 	helper := exec.Command(os.Args[0], "-test.run=^$")
 	helper.Env = append(os.Environ(), "PROXYAUDIT_CRASH_HELPER=1")
+	procLock.Lock()
+	if procLock.f != nil {
+		helper.ExtraFiles = []*os.File{procLock.f}
+		helper.Env = append(helper.Env, "PROXYAUDIT_CRASH_LOCK=1")
+	}
+	procLock.Unlock()
 	out, err := helper.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
