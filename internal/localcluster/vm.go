@@ -223,6 +223,9 @@ func (v *VMNode) expect(ctx context.Context, timeout time.Duration, re *regexp.R
 			if !ok {
 				return fmt.Errorf("qemu exited (%v); console log: %s", v.qemu.err, v.qemu.log.Name())
 			}
+			if strings.HasPrefix(line, "@@proxyaudit-vm-shell-exited") {
+				return fmt.Errorf("the guest's console shell ended (%s) before answering: a new one runs; console log: %s", line, v.qemu.log.Name())
+			}
 			if re.MatchString(line) {
 				if collect != nil {
 					*collect = append(*collect, line)
