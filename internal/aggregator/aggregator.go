@@ -9,6 +9,7 @@ package aggregator
 import (
 	"context"
 	"crypto/rand"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -172,10 +173,11 @@ type node struct {
 	noRules          bool
 	// shownSince: the first report on this stream showing the rules as
 	// they are now (their version); judged: the time the last judgement
-	// was made as of; before: the rules the report before showed, while
-	// no judgement reached them. See judgeAt.
+	// was made as of; before: the rules earlier reports showed, earliest
+	// first, while no judgement reached them (at most maxShown). See
+	// judgeAt.
 	shownSince, judged time.Time
-	before             *shown
+	before             []shown
 
 	// readNowFor is the grace deadline a read-now request was last sent
 	// for: one request per crossing.
@@ -210,6 +212,29 @@ type shown struct {
 	at, since time.Time
 	version   uint64
 	noRules   bool
+}
+
+// maxShown bounds the rules a node's reports showed that wait for a
+// judgement: a stream sends at most four reports a second and the view
+// trails the API by a second or so, so a few suffice; past it the
+// intermediate rules go first (never the earliest, which dates a drift,
+// nor a table without rules, which dates everything after it).
+const maxShown = 4
+
+// keepShown queues s after the rules waiting in q, making room as
+// maxShown says.
+func keepShown(q []shown, s shown) []shown {
+	if len(q) >= maxShown {
+		drop := 1
+		for i := 1; i < len(q); i++ {
+			if !q[i].noRules {
+				drop = i
+				break
+			}
+		}
+		q = slices.Delete(q, drop, drop+1)
+	}
+	return append(q, s)
 }
 
 // New returns an aggregator over view. It leads only after StartedLeading

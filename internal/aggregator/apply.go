@@ -95,17 +95,19 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 	n.complete = true
 	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
 		// The rules the last report showed, if no judgement reached it
-		// yet: judged in its stead while this report is newer than the
-		// view (judgeAt). The earliest such rules are kept while none of
-		// them is judged: a drift must be dated when the node first showed
-		// it (a flush reported at once, then kube-proxy's next sync
-		// rewriting part of the table: three reports within the view's
-		// second of delay, and the flush dated by the third).
-		if b := n.before; b == nil || !b.at.After(n.judged) {
-			n.before = nil
-			if wasComplete && n.fresh && n.heard.After(n.judged) {
-				n.before = &shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules}
-			}
+		// yet: queued, and judged each as of its own time before this
+		// report (judgeAt), so that a drift is dated when the node first
+		// showed it (a flush reported at once, then kube-proxy's next
+		// sync rewriting part of the table: three reports within the
+		// view's second of delay, and the flush dated by the third).
+		// Every such report is kept, not only the earliest: a change
+		// reported just before the flush, still unjudged when the
+		// flush's report came, made the flush's report the one dropped,
+		// and the flush was dated a second late (seen on a loaded CI
+		// machine in TestE2EFlushSeenAtOnce).
+		n.before = slices.DeleteFunc(n.before, func(b shown) bool { return !b.at.After(n.judged) })
+		if wasComplete && n.fresh && n.heard.After(n.judged) {
+			n.before = keepShown(n.before, shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules})
 		}
 		n.version++
 		n.shownSince = now

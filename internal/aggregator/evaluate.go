@@ -148,44 +148,56 @@ type job struct {
 
 // dueLocked picks the reports the view now covers (a.mu held), each to
 // be judged as of the time it shows; gen is the cluster state's
-// generation.
+// generation. A node's jobs come in the order its reports came: the rules
+// earlier reports showed that no judgement reached (node.before), then its
+// latest.
 func (a *Aggregator) dueLocked(covered time.Time, gen uint64) []job {
 	var jobs []job
 	for _, n := range a.nodes {
 		if !n.fresh || !n.complete {
 			continue
 		}
-		rules, version, noRules, shownSince := n.state, n.version, n.noRules, n.shownSince
-		at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered)
-		if b := n.before; b != nil {
-			// Rules an earlier report showed and no judgement reached:
-			// judged first, as of their own time when the view covers it
-			// (the latest report's turn is the next cycle), so that a
-			// drift is dated when the node first showed it, and when the
-			// latest report is newer than the view.
-			if bat, bok := judgeAt(b.at, b.since, n.judged, covered); bok {
-				rules, version, noRules, shownSince, at, ok = &b.state, b.version, b.noRules, b.since, bat, true
+		// Rules earlier reports showed: judged first, each as of its own
+		// time when the view covers it (else as of the covered time, and
+		// again next cycle), so that a drift is dated when the node first
+		// showed it, and when the latest report is newer than the view.
+		kept := n.before[:0]
+		for _, b := range n.before {
+			if at, ok := judgeAt(b.at, b.since, n.judged, covered); ok {
+				jobs = append(jobs, a.jobLocked(n, &b.state, b.version, b.noRules, b.since, at, gen))
+				n.judged = at
+			}
+			if b.at.After(n.judged) {
+				kept = append(kept, b) // not judged as of its time yet
 			}
 		}
-		if !ok {
-			continue
+		clear(n.before[len(kept):])
+		n.before = kept
+		if len(kept) > 0 {
+			continue // the latest report's turn comes after theirs
 		}
-		// Judged as of an earlier time than the latest report: its
-		// turn comes.
-		n.fresh, n.judged = !at.Equal(n.heard), at
-		if b := n.before; b != nil && !at.Before(b.at) {
-			n.before = nil // judged as of its time or later
+		if at, ok := judgeAt(n.heard, n.shownSince, n.judged, covered); ok {
+			jobs = append(jobs, a.jobLocked(n, n.state, n.version, n.noRules, n.shownSince, at, gen))
+			// Judged as of an earlier time than the latest report: its
+			// turn comes.
+			n.fresh, n.judged = !at.Equal(n.heard), at
 		}
-		j := job{n: n, at: at, shown: shownSince, noRule: noRules}
-		if n.assessedVersion == version && n.assessedGen == gen {
-			j.reuse = true
-		} else {
-			j.snap = *rules
-			n.assessedVersion, n.assessedGen = version, gen
-		}
-		jobs = append(jobs, j)
 	}
 	return jobs
+}
+
+// jobLocked is node n's rules (of the given version) due for judgement as
+// of at; their assessment is reused when neither they nor the cluster
+// state (gen) moved since it was made.
+func (a *Aggregator) jobLocked(n *node, rules *stream.State, version uint64, noRules bool, shownSince, at time.Time, gen uint64) job {
+	j := job{n: n, at: at, shown: shownSince, noRule: noRules}
+	if n.assessedVersion == version && n.assessedGen == gen {
+		j.reuse = true
+	} else {
+		j.snap = *rules
+		n.assessedVersion, n.assessedGen = version, gen
+	}
+	return j
 }
 
 // judgeConntrack judges every node's last conntrack counts against the
