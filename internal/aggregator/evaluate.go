@@ -12,34 +12,95 @@ import (
 )
 
 // Evaluate assesses every node that reported since the last call and
-// concludes; the loop in Run calls it every second.
-//
-// With shards (Config.Shards), each replica judges the nodes of the
-// shards it holds and publishes that partial verdict; the leader then
-// reads every holder's and concludes for the fleet (concludeFleet).
+// concludes; the loop in Run calls it every second. How the judgement of
+// the nodes becomes the fleet's verdict is the conclusion's (alone: it is
+// the verdict; with shards, each replica judges the nodes of the shards it
+// holds and publishes that partial verdict, and the leader reads every
+// holder's and concludes for the fleet).
 func (a *Aggregator) Evaluate() {
-	if !a.Judging() || a.view.Synced() != nil {
-		return
-	}
-	if a.blind() {
+	if !a.Judging() || a.view.Synced() != nil || a.blind() {
 		return
 	}
 	start := a.cfg.Clock.Now()
-	var nodeInfo map[string]audit.NodeInfo
-	var families []int // the IP families the cluster has services in
-	// A report is judged once the cluster state covers its time (see
-	// View.Covered); a later cycle takes the rest.
-	covered := a.view.Covered()
-	var jobs []job
-	var held, assessedAt time.Duration // for a slow cycle's log
-	var stale []audit.TimedFinding     // StaleConntrack, every node's
-	ctErrs := map[string]string{}
-	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
-		held = a.cfg.Clock.Since(start)
-		nodeInfo, families = st.Nodes, audit.ServiceFamilies(st)
-		a.mu.Lock()
-		jobs = a.dueLocked(covered, gen)
+	c := a.judgeReports(start)
+	names := a.view.ExpectedNodes()
+	con := a.conclusion()
+	a.mu.Lock()
+	if !a.judgingLocked() {
 		a.mu.Unlock()
+		return
+	}
+	now := a.cfg.Clock.Now()
+	v, part := con.judgeLocked(now, names)
+	addConntrack(&v, c.stale, c.ctErrs)
+	gone := a.pruneLocked(&v)
+	audit.WarnKnownBad(&v, c.nodeInfo)
+	a.warnUnauditedLocked(&v, c.families)
+	recovering := now.Before(a.Recovering())
+	if recovering {
+		v = holdBackDrift(v)
+	}
+	asks := a.readNowDue(now, &v, recovering)
+	prev := a.verdict
+	con.publishLocked(now, prev, &v, part, recovering) // releases a.mu
+	a.askReadNow(asks)
+	for _, name := range gone {
+		a.cfg.Metrics.NoRulesSeen.DeleteLabelValues(name)
+		con.forget(name)
+	}
+	fv, ok := con.fleet(now, prev, &v, recovering)
+	if !ok {
+		// A shard holder only: the leader concludes.
+		a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
+		return
+	}
+	a.finish(start, c, prev, fv, recovering)
+}
+
+// finish publishes the fleet's verdict v: metrics, the log of what
+// changed, and (unless drift is held back after an outage) remediation and
+// the reports.
+func (a *Aggregator) finish(start time.Time, c cycle, prev, v *audit.Verdict, recovering bool) {
+	a.cfg.Metrics.setVerdict(v)
+	took := a.cfg.Clock.Since(start)
+	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(took.Seconds())
+	if took > slowEvaluation {
+		a.cfg.Log.Warn("slow evaluation: every finding waits for it", zap.Duration("took", took), zap.Int("reports_judged", c.jobs),
+			zap.Int("nodes", len(v.Nodes)), zap.Duration("cluster_state_held_after", c.held), zap.Duration("assessed_after", c.assessedAt))
+	}
+	a.logChanges(prev, v)
+	if !recovering {
+		a.handOff(v)
+		if a.cfg.Reports != nil {
+			a.cfg.Reports.Offer(a.leadContext(), v)
+		}
+	}
+}
+
+// cycle is what an evaluation's judgement of the reports leaves for its
+// conclusion.
+type cycle struct {
+	nodeInfo         map[string]audit.NodeInfo
+	families         []int // the IP families the cluster has services in
+	stale            []audit.TimedFinding
+	ctErrs           map[string]string
+	jobs             int
+	held, assessedAt time.Duration // for a slow cycle's log
+}
+
+// judgeReports judges, under the view's read lock, every report the
+// cluster state now covers (see View.Covered; a later cycle takes the
+// rest), and every node's conntrack counts.
+func (a *Aggregator) judgeReports(start time.Time) cycle {
+	c := cycle{ctErrs: map[string]string{}}
+	covered := a.view.Covered()
+	a.view.Read(func(st *audit.State, h *audit.History, gen uint64) {
+		c.held = a.cfg.Clock.Since(start)
+		c.nodeInfo, c.families = st.Nodes, audit.ServiceFamilies(st)
+		a.mu.Lock()
+		jobs := a.dueLocked(covered, gen)
+		a.mu.Unlock()
+		c.jobs = len(jobs)
 		a.startGeneration(st, h, gen)
 		services := servicesProgrammed(st)
 		for _, j := range jobs {
@@ -55,85 +116,21 @@ func (a *Aggregator) Evaluate() {
 				a.cfg.Metrics.ProgrammingLag.Observe(max(l, 0).Seconds())
 			}
 		}
-		stale = a.judgeConntrack(h, ctErrs)
-		assessedAt = a.cfg.Clock.Since(start)
+		c.stale = a.judgeConntrack(h, c.ctErrs)
+		c.assessedAt = a.cfg.Clock.Since(start)
 	})
-	names := a.view.ExpectedNodes()
-	a.mu.Lock()
-	if !a.judgingLocked() {
-		a.mu.Unlock()
-		return
-	}
-	now := a.cfg.Clock.Now()
-	var v audit.Verdict
-	var part audit.Partial
-	if a.sharded() {
-		var mine []string // names is the view's own: not filtered in place
-		for _, n := range names {
-			if a.held[a.shardOf(n)] {
-				mine = append(mine, n)
-			}
-		}
-		names = mine
-		part = a.judge.JudgeNodes(now, names)
-		v = audit.Verdict{At: now, Nodes: part.Nodes, Findings: append(slices.Clone(part.Missing), part.Drift...)}
-	} else {
-		v = a.judge.Evaluate(now, names)
-	}
-	addConntrack(&v, stale, ctErrs)
-	gone := a.pruneLocked(&v)
-	audit.WarnKnownBad(&v, nodeInfo)
-	a.warnUnauditedLocked(&v, families)
-	recovering := now.Before(a.Recovering())
-	if recovering {
-		v = holdBackDrift(v)
-	}
-	asks := a.readNowDue(now, &v, recovering)
-	prev := a.verdict
-	if a.sharded() {
-		shards := a.heldShardsLocked()
-		a.mu.Unlock()
-		a.publishPartial(partialOf(part, &v, recovering), shards)
-	} else {
-		a.markFound(prev, &v, now)
-		a.verdict = &v
-		a.mu.Unlock()
-	}
-	// Each on its own: a collector slow to read its socket must not hold
-	// up the evaluation (a write may wait out its 10 s deadline).
+	return c
+}
+
+// askReadNow sends each read-now request on its own: a collector slow to
+// read its socket must not hold up the evaluation (a write may wait out
+// its 10 s deadline).
+func (a *Aggregator) askReadNow(asks []*conn) {
 	for _, c := range asks {
 		go func() {
 			a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
 		}()
 		a.cfg.Metrics.ReadNow.Inc()
-	}
-	for _, name := range gone {
-		a.cfg.Metrics.NoRulesSeen.DeleteLabelValues(name)
-		if r := a.cfg.Remediation; r != nil && !a.sharded() {
-			r.Executor.Forget(name) // sharded, the leader forgets from the fleet's verdict
-		}
-	}
-	if a.sharded() {
-		if !a.lead.isLeading() {
-			// A shard holder only: the leader concludes.
-			a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())
-			return
-		}
-		v = a.concludeFleet(now, prev, recovering)
-	}
-	a.cfg.Metrics.setVerdict(&v)
-	took := a.cfg.Clock.Since(start)
-	a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(took.Seconds())
-	if took > slowEvaluation {
-		a.cfg.Log.Warn("slow evaluation: every finding waits for it", zap.Duration("took", took), zap.Int("reports_judged", len(jobs)),
-			zap.Int("nodes", len(v.Nodes)), zap.Duration("cluster_state_held_after", held), zap.Duration("assessed_after", assessedAt))
-	}
-	a.logChanges(prev, &v)
-	if !recovering {
-		a.handOff(&v)
-		if a.cfg.Reports != nil {
-			a.cfg.Reports.Offer(a.leadContext(), &v)
-		}
 	}
 }
 
@@ -200,86 +197,6 @@ func (a *Aggregator) jobLocked(n *node, rules *stream.State, version uint64, noR
 	return j
 }
 
-// judgeConntrack judges every node's last conntrack counts against the
-// history (the caller holds the view), and says whose could not be read.
-// Evaluations come every second and counts every --conntrack-interval: a
-// node's judgement is reused while its counts and the history are the
-// same, for a quarter of grace (the latest a stale flow is found past
-// grace), so a fleet of steady nodes costs a map lookup each.
-func (a *Aggregator) judgeConntrack(h *audit.History, errs map[string]string) []audit.TimedFinding {
-	type one struct {
-		n    *node
-		ct   *audit.Conntrack
-		mode audit.Mode
-	}
-	now, seq := a.cfg.Clock.Now(), h.TouchSeq()
-	var out []audit.TimedFinding
-	var todo []one
-	a.mu.Lock()
-	for _, n := range a.nodes {
-		if n.conntrackErr != "" {
-			errs[n.name] = n.conntrackErr
-		}
-		if n.conntrack == nil || !n.complete {
-			continue
-		}
-		if n.ctJudgedFor == n.conntrack && n.ctJudgedSeq == seq && now.Sub(n.ctJudgedAt) < a.cfg.Policy.Grace/4 {
-			out = append(out, n.ctJudged...)
-			continue
-		}
-		todo = append(todo, one{n, n.conntrack, audit.Mode(n.state.Mode)})
-	}
-	a.mu.Unlock()
-	for _, o := range todo {
-		fs := audit.JudgeConntrack(o.n.name, o.ct, h, o.mode, now, a.cfg.Policy.Grace)
-		out = append(out, fs...)
-		a.mu.Lock()
-		o.n.ctJudged, o.n.ctJudgedFor, o.n.ctJudgedSeq, o.n.ctJudgedAt = fs, o.ct, seq, now
-		a.mu.Unlock()
-	}
-	return out
-}
-
-// addConntrack puts the StaleConntrack findings of nodes whose collector
-// is heard (a silent one's counts are old) into the verdict, counts each
-// node's stale flows, and warns of tables that could not be read. They
-// change no node's state: a node's rules may be right while the kernel
-// remembers old decisions, and restarting kube-proxy is not the repair.
-func addConntrack(v *audit.Verdict, stale []audit.TimedFinding, errs map[string]string) {
-	idx := map[string]int{}
-	for i, n := range v.Nodes {
-		if n.State != audit.NodeMissing && n.State != audit.NodePending {
-			idx[n.Node] = i
-		}
-	}
-	added := false
-	for _, f := range stale {
-		i, ok := idx[f.Node]
-		if !ok {
-			continue
-		}
-		if !added {
-			// The judge's slices are shared with its later verdicts.
-			v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
-			added = true
-		}
-		v.Findings = append(v.Findings, f)
-		v.Nodes[i].StaleFlows += f.Flows
-	}
-	for node, err := range errs {
-		if i, ok := idx[node]; ok {
-			if !added {
-				v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
-				added = true
-			}
-			v.Nodes[i].Warnings = append(slices.Clone(v.Nodes[i].Warnings), "conntrack could not be read, stale flows are not audited: "+err)
-		}
-	}
-	if added {
-		audit.SortTimed(v.Findings)
-	}
-}
-
 // handOff gives a verdict to the remediation rounds. They run one at a
 // time beside the evaluations, each on the newest verdict (one a round
 // did not get to is replaced, never queued): a round makes API calls for
@@ -334,8 +251,8 @@ const slowEvaluation = 2 * time.Second
 // simulation instead of 1-3 s, and at 5,000 nodes a quarter of the stuck
 // nodes 25 s late. A node whose rules change at every report (one just
 // thawed, catching up under churn) has no earlier span of the same rules:
-// Evaluate then judges the report before the latest (node.before) when the
-// view covers that one, or its findings could outlive its repair.
+// Evaluate then judges the reports before the latest (node.before) when
+// the view covers them, or its findings could outlive its repair.
 func judgeAt(heard, shownSince, judged, covered time.Time) (time.Time, bool) {
 	switch {
 	case !heard.After(covered) && heard.After(judged):

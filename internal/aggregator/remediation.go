@@ -73,44 +73,10 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 			continue // reports, but is not (or no longer) in the cluster
 		}
 		fs := byNode[st.Node]
-		n := remediate.Node{
-			Name:          st.Node,
-			Drifted:       st.State == audit.NodeStuck || st.State == audit.NodeDivergent || st.State == audit.NodeNoRules,
-			Healthy:       st.State == audit.NodeInSync,
-			Summary:       summary(st, fs),
-			Dataplane:     dataplaneOf(st.Mode),
-			Unschedulable: node.Spec.Unschedulable,
-			Incident:      r.Executor.Incident(st.Node),
-		}
-		for _, f := range fs {
-			if f.Kind == audit.StaleConntrack && f.Frontend != "" {
-				n.Stale = append(n.Stale, remediate.StalePair{Service: f.Service, Port: f.Port, Protocol: f.Protocol, Frontend: f.Frontend, Dest: f.Endpoint, Flows: f.Flows})
-			}
-		}
-		if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
-			n.Exempt = "label " + r.ExemptLabel
-		}
-		if q := audit.QuietOf(node); q.Leaving() {
-			n.Leaving = string(q)
-		}
-		if n.Drifted && !storm {
-			n.StaticProxy, n.NoProxyPod = r.Executor.Inspect(ctx, st.Node, n.Dataplane)
-		} else {
-			n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
-		}
+		n := a.remediationNode(ctx, r, node, st, fs, storm)
 		fleet.Nodes = append(fleet.Nodes, n)
 		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
 		kinds[st.Node] = string(st.State)
-		if r.Policy.Mode != remediate.DryRun {
-			// In a storm the drift is most likely the aggregator's or the
-			// API's: no node is marked, as node-health controllers (NHC,
-			// draino) may act on the condition across the whole fleet.
-			if status, reason, msg, ok := remediate.Condition(st, n.Summary); ok && !(storm && status == corev1.ConditionTrue) {
-				if err := r.Executor.SetCondition(ctx, node, status, reason, msg); err != nil {
-					a.cfg.Log.Warn("cannot set the node condition", zap.String("node", st.Node), zap.Error(err))
-				}
-			}
-		}
 	}
 	if r.Pause != nil {
 		fleet.Paused = r.Pause.Held(ctx)
@@ -132,6 +98,49 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	if err := r.Executor.Execute(ctx, actions, notices); err != nil {
 		a.cfg.Log.Warn("remediation round had failures", zap.Error(err))
 	}
+}
+
+// remediationNode is what the planner knows of one node of the verdict
+// (st, its findings fs): its state, stale flows, exemption, whether it is
+// leaving, how its kube-proxy runs. Unless dry-run, it also sets the
+// node's condition (in a storm, never to drifted).
+func (a *Aggregator) remediationNode(ctx context.Context, r *Remediation, node *corev1.Node, st audit.NodeStatus, fs []audit.TimedFinding, storm bool) remediate.Node {
+	n := remediate.Node{
+		Name:          st.Node,
+		Drifted:       st.State == audit.NodeStuck || st.State == audit.NodeDivergent || st.State == audit.NodeNoRules,
+		Healthy:       st.State == audit.NodeInSync,
+		Summary:       summary(st, fs),
+		Dataplane:     dataplaneOf(st.Mode),
+		Unschedulable: node.Spec.Unschedulable,
+		Incident:      r.Executor.Incident(st.Node),
+	}
+	for _, f := range fs {
+		if f.Kind == audit.StaleConntrack && f.Frontend != "" {
+			n.Stale = append(n.Stale, remediate.StalePair{Service: f.Service, Port: f.Port, Protocol: f.Protocol, Frontend: f.Frontend, Dest: f.Endpoint, Flows: f.Flows})
+		}
+	}
+	if _, ok := node.Labels[r.ExemptLabel]; ok && r.ExemptLabel != "" {
+		n.Exempt = "label " + r.ExemptLabel
+	}
+	if q := audit.QuietOf(node); q.Leaving() {
+		n.Leaving = string(q)
+	}
+	if n.Drifted && !storm {
+		n.StaticProxy, n.NoProxyPod = r.Executor.Inspect(ctx, st.Node, n.Dataplane)
+	} else {
+		n.StaticProxy, n.NoProxyPod = r.Executor.Learned(st.Node)
+	}
+	if r.Policy.Mode != remediate.DryRun {
+		// In a storm the drift is most likely the aggregator's or the
+		// API's: no node is marked, as node-health controllers (NHC,
+		// draino) may act on the condition across the whole fleet.
+		if status, reason, msg, ok := remediate.Condition(st, n.Summary); ok && !(storm && status == corev1.ConditionTrue) {
+			if err := r.Executor.SetCondition(ctx, node, status, reason, msg); err != nil {
+				a.cfg.Log.Warn("cannot set the node condition", zap.String("node", st.Node), zap.Error(err))
+			}
+		}
+	}
+	return n
 }
 
 // alertmanager keeps every incident an alert in Alertmanager (in a storm,
