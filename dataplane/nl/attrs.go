@@ -6,6 +6,7 @@
 package nl
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -87,4 +88,34 @@ func (a *Attrs) Str() string {
 		}
 	}
 	return string(v)
+}
+
+// Body skips an nf_tables message's nfgenmsg header; what names the
+// message in the error.
+func Body(data []byte, what string) (Attrs, error) {
+	if len(data) < 4 {
+		return Attrs{}, fmt.Errorf("nf_tables %s: message shorter than its header", what)
+	}
+	return Walk(data[4:]), nil
+}
+
+// MaxRuleExprs bounds the expressions of one nf_tables rule a decoder
+// reads: kube-proxy (either mode) writes a handful.
+const MaxRuleExprs = 64
+
+// AddrLen is the length of an address of family (4 or 6) in an nf_tables
+// register or key.
+func AddrLen(family int) int {
+	if family == 6 {
+		return 16
+	}
+	return 4
+}
+
+// CStr is b up to its first NUL (a kernel string attribute or field).
+func CStr(b []byte) []byte {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		return b[:i]
+	}
+	return b
 }

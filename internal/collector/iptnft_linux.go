@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // iptNFTReader reads iptables-nft's nat tables (table ip nat and table
@@ -280,7 +281,7 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 	nat, err := r.readTable(ctx, fam, r.mirrors[i], n)
 	var obs *audit.Observed
 	switch {
-	case errors.Is(err, ErrUndecodable) && r.text != nil:
+	case errors.Is(err, iptables.ErrUndecodable) && r.text != nil:
 		r.fallbacks.Add(1)
 		r.lastFallback.Store(err.Error())
 		obs, err = r.text(ctx, fam)
@@ -332,7 +333,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 		if err != nil {
 			r.fams = [2]*iptables.NAT{}
 			r.closeOnError(err)
-			if errors.Is(err, ErrUndecodable) {
+			if errors.Is(err, iptables.ErrUndecodable) {
 				return true, err
 			}
 			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", clip(chain), nftFamily(fam), err)
@@ -359,7 +360,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 
 // closeOnError drops a socket that may hold part of a dump.
 func (r *iptNFTReader) closeOnError(err error) {
-	if r.fd >= 0 && !errors.Is(err, ErrUndecodable) {
+	if r.fd >= 0 && !errors.Is(err, iptables.ErrUndecodable) {
 		unix.Close(r.fd)
 		r.fd = -1
 	}
@@ -482,20 +483,20 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 		cur, rules, handles = "", rules[:0], handles[:0]
 	}
 	intr, err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, maxParts, func(body []byte) error {
-		d, err := decodeIPTNFTRule(body, fam)
+		d, err := iptables.DecodeNFTRule(body, fam)
 		if err != nil {
 			return err
 		}
-		if string(d.table) != "nat" {
+		if string(d.Table) != "nat" {
 			return nil
 		}
 		// A dump lists each chain's rules together.
-		if string(d.chain) != cur {
+		if string(d.Chain) != cur {
 			flush()
-			cur = string(d.chain)
+			cur = string(d.Chain)
 		}
-		if !d.skipped {
-			rules, handles = append(rules, d.rule), append(handles, d.handle)
+		if !d.Skipped {
+			rules, handles = append(rules, d.Rule), append(handles, d.Handle)
 		}
 		return nil
 	})
@@ -528,12 +529,12 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
 			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n, 0,
 			func(body []byte) error {
-				d, err := decodeIPTNFTRule(body, fam)
+				d, err := iptables.DecodeNFTRule(body, fam)
 				if err != nil {
 					return err
 				}
-				if string(d.table) == "nat" && string(d.chain) == chain {
-					rules, handles = append(rules, d.rule), append(handles, d.handle)
+				if string(d.Table) == "nat" && string(d.Chain) == chain {
+					rules, handles = append(rules, d.Rule), append(handles, d.Handle)
 				}
 				return nil
 			})
@@ -596,7 +597,7 @@ func applyOps(mirrors map[string]*ruleMirror, ops []ruleOp) map[string]*ruleMirr
 
 // chainOf reads a NEWCHAIN body's table and chain name.
 func chainOf(data []byte) (table, name string) {
-	a, err := body(data, "chain")
+	a, err := nl.Body(data, "chain")
 	if err != nil {
 		return "", ""
 	}

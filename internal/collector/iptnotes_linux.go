@@ -7,6 +7,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // chainNotes learns from the change signal's notifications which chains
@@ -207,8 +208,8 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 		case unix.NFT_MSG_NEWRULE:
 			// Decoded here, off the read: at 10k services a sync adds 10k
 			// rules to KUBE-SERVICES, a few MB of messages.
-			d, err := decodeIPTNFTRule(data, 4+2*i)
-			op.kind, op.handle, op.pos, op.hasPos, op.rule, op.err = opNewRule, d.handle, d.position, d.hasPosition, d.rule, err
+			d, err := iptables.DecodeNFTRule(data, 4+2*i)
+			op.kind, op.handle, op.pos, op.hasPos, op.rule, op.err = opNewRule, d.Handle, d.Position, d.HasPosition, d.Rule, err
 			op.appended = flags&unix.NLM_F_APPEND != 0
 		case unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
 			op.kind, op.handle = opDelRule, handle
@@ -328,16 +329,16 @@ const (
 // ruleChainOf reads a rule message's table, chain and handle (the
 // kernel puts them first, before the expressions).
 func ruleChainOf(data []byte) (table, chain []byte, handle uint64) {
-	a, err := body(data, "rule")
+	a, err := nl.Body(data, "rule")
 	if err != nil {
 		return nil, nil, 0
 	}
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_RULE_TABLE:
-			table = cstr(a.Val)
+			table = nl.CStr(a.Val)
 		case unix.NFTA_RULE_CHAIN:
-			chain = cstr(a.Val)
+			chain = nl.CStr(a.Val)
 		case unix.NFTA_RULE_HANDLE:
 			handle = a.U64()
 		case unix.NFTA_RULE_EXPRESSIONS:

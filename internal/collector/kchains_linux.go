@@ -9,6 +9,8 @@ import (
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 // kernelChains checks chains in the kernel itself, on a host without the
@@ -95,18 +97,7 @@ func legacyChainExists(fam int, table, chain string) (bool, error) {
 		if errno != 0 {
 			return false, fmt.Errorf("%s IPT_SO_GET_ENTRIES %s: %w", legacyTool(fam), table, errno)
 		}
-		entries, lay := buf[getEntriesHead:], layouts[fam]
-		for off := 0; off < len(entries); {
-			next, tname, tdata, err := entryAt(entries, off, lay)
-			if err != nil {
-				return false, err
-			}
-			if string(tname) == "ERROR" && string(cstr(tdata)) == chain {
-				return true, nil
-			}
-			off += next
-		}
-		return false, nil
+		return iptables.LegacyHasChain(buf[getEntriesHead:], fam, chain)
 	}
 	return false, fmt.Errorf("%s: the %s table kept changing", legacyTool(fam), table)
 }

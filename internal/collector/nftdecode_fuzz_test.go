@@ -3,38 +3,29 @@
 package collector
 
 import (
-	"encoding/binary"
 	"testing"
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 )
 
-// ruleMsg builds an NFT_MSG_NEWRULE body: chain and expressions.
+// ruleMsg builds an NFT_MSG_NEWRULE body of kube-proxy's table.
 func ruleMsg(chain string, exprs ...[]netlink.Attribute) []byte {
-	var list []netlink.Attribute
-	for _, e := range exprs {
-		b, _ := netlink.MarshalAttributes(e)
-		list = append(list, netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: b})
-	}
-	lb, _ := netlink.MarshalAttributes(list)
-	body, _ := netlink.MarshalAttributes([]netlink.Attribute{
-		{Type: unix.NFTA_RULE_TABLE, Data: cstring("kube-proxy")},
-		{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)},
-		{Type: unix.NLA_F_NESTED | unix.NFTA_RULE_EXPRESSIONS, Data: lb},
-	})
-	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
+	return nltest.RuleMsg(unix.NFPROTO_IPV4, "kube-proxy", chain, exprs...)
 }
 
-func exprAttr(name string, data []netlink.Attribute) []netlink.Attribute {
-	b, _ := netlink.MarshalAttributes(data)
-	return []netlink.Attribute{{Type: unix.NFTA_EXPR_NAME, Data: cstring(name)}, {Type: unix.NLA_F_NESTED | unix.NFTA_EXPR_DATA, Data: b}}
-}
+// The message builders nf_tables decoders' tests share.
+var (
+	exprAttr    = nltest.Expr
+	be32        = nltest.BE32
+	mustAttrs   = nltest.Attrs
+	verdictExpr = nltest.Verdict
+)
 
 // nftGoto is NFT_GOTO (-4) as the kernel writes it.
 var nftGoto = func() uint32 { v := int32(unix.NFT_GOTO); return uint32(v) }()
-
-func be32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
 
 // elemMsg builds an NFT_MSG_NEWSETELEM body with one element.
 func elemMsg(key []byte, chain string) []byte {
@@ -77,14 +68,6 @@ func TestNFTDecode(t *testing.T) {
 	}
 }
 
-func mustAttrs(a ...netlink.Attribute) []byte {
-	b, err := netlink.MarshalAttributes(a)
-	if err != nil {
-		panic(err)
-	}
-	return b
-}
-
 // Malformed kernel messages never panic, and decoding allocates in
 // proportion to the input.
 func FuzzNFTDecode(f *testing.F) {
@@ -102,6 +85,8 @@ func FuzzNFTDecode(f *testing.F) {
 				dnatValue(4, el.data)
 			}
 			_ = r
+			ruleChainOf(data) // what the notes read of a rule message
+			chainOf(data)
 		})
 		if limit := 64 + 2*float64(len(data)); allocs > limit {
 			t.Fatalf("%d bytes decoded with %.0f allocations (limit %.0f)", len(data), allocs, limit)

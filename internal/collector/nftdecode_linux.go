@@ -23,14 +23,6 @@ import (
 // from the kernel, but a bug must never crash the collector or make it
 // allocate without bound.
 
-// body skips a message's nfgenmsg header.
-func body(data []byte, what string) (nl.Attrs, error) {
-	if len(data) < 4 {
-		return nl.Attrs{}, fmt.Errorf("nf_tables %s: message shorter than its header", what)
-	}
-	return nl.Walk(data[4:]), nil
-}
-
 // nftRule is one decoded rule: its chain and its statements in order.
 type nftRule struct {
 	chain string
@@ -52,14 +44,10 @@ type nftStmt struct {
 	dnat netip.AddrPort
 }
 
-// maxRuleExprs bounds the expressions of one rule: kube-proxy writes a
-// handful.
-const maxRuleExprs = 64
-
 // decodeRule reads one NFT_MSG_NEWRULE message body.
 func decodeRule(data []byte) (nftRule, error) {
 	var r nftRule
-	a, err := body(data, "rule")
+	a, err := nl.Body(data, "rule")
 	if err != nil {
 		return r, err
 	}
@@ -72,8 +60,8 @@ func decodeRule(data []byte) (nftRule, error) {
 			list := nl.Walk(a.Val)
 			n := 0
 			for list.Next() {
-				if n++; n > maxRuleExprs {
-					return r, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(r.chain), maxRuleExprs)
+				if n++; n > nl.MaxRuleExprs {
+					return r, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(r.chain), nl.MaxRuleExprs)
 				}
 				if err := d.expr(list.Val); err != nil {
 					return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), err)
@@ -170,7 +158,7 @@ func (d *ruleDecoder) immediate(b []byte) error {
 			dreg = a.U32()
 		case unix.NFTA_IMMEDIATE_DATA:
 			var err error
-			value, target, verdict, err = dataValue(a.Val)
+			value, target, verdict, err = nl.DataValue(a.Val)
 			if err != nil {
 				return err
 			}
@@ -260,7 +248,7 @@ const maxSetElems = 1 << 20
 // decodeElems reads one NFT_MSG_NEWSETELEM message body and appends its
 // elements. The keys and values keep pointing into data.
 func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
-	a, err := body(data, "set elements")
+	a, err := nl.Body(data, "set elements")
 	if err != nil {
 		return out, err
 	}
@@ -278,9 +266,9 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 			for e.Next() {
 				switch e.Type {
 				case unix.NFTA_SET_ELEM_KEY:
-					el.key, _, _, err = dataValue(e.Val)
+					el.key, _, _, err = nl.DataValue(e.Val)
 				case unix.NFTA_SET_ELEM_DATA:
-					el.data, el.target, _, err = dataValue(e.Val)
+					el.data, el.target, _, err = nl.DataValue(e.Val)
 				}
 				if err != nil {
 					return out, fmt.Errorf("nf_tables set element: %w", err)
@@ -301,54 +289,16 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 	return out, nil
 }
 
-// dataValue reads an nft_data: a value (NFTA_DATA_VALUE), or a verdict
-// (NFTA_DATA_VERDICT) and the chain of a goto or jump.
-func dataValue(b []byte) (value []byte, target string, verdict bool, err error) {
-	a := nl.Walk(b)
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_DATA_VALUE:
-			value = a.Val
-		case unix.NFTA_DATA_VERDICT:
-			verdict = true
-			v := nl.Walk(a.Val)
-			var code uint32
-			var chain string
-			for v.Next() {
-				switch v.Type {
-				case unix.NFTA_VERDICT_CODE:
-					code = v.U32()
-				case unix.NFTA_VERDICT_CHAIN:
-					chain = v.Str()
-				}
-			}
-			if v.Err != nil {
-				return nil, "", false, v.Err
-			}
-			if int32(code) == unix.NFT_GOTO || int32(code) == unix.NFT_JUMP {
-				target = chain
-			}
-		}
-	}
-	return value, target, verdict, a.Err
-}
-
 // Element layouts kube-proxy uses: concatenations pad each part to 4
-// bytes (nf_tables registers are 32 bits).
+// bytes (nf_tables registers are 32 bits; an address is nl.AddrLen).
 //
 //	service-ips, no-endpoint-services: ip . inet_proto . inet_service
 //	service-nodeports:                 inet_proto . inet_service
 //	a DNAT map's value:                ip . inet_service
-func ipLen(family int) int {
-	if family == 6 {
-		return 16
-	}
-	return 4
-}
 
 // serviceIPKey decodes ip . inet_proto . inet_service.
 func serviceIPKey(family int, k []byte) (audit.FrontendKey, error) {
-	n := ipLen(family)
+	n := nl.AddrLen(family)
 	if len(k) != n+8 {
 		return audit.FrontendKey{}, fmt.Errorf("key of %d bytes, want %d (ip . inet_proto . inet_service)", len(k), n+8)
 	}
@@ -374,7 +324,7 @@ func nodePortKey(family int, k []byte) (audit.FrontendKey, error) {
 
 // dnatValue decodes ip . inet_service.
 func dnatValue(family int, v []byte) (netip.AddrPort, bool) {
-	n := ipLen(family)
+	n := nl.AddrLen(family)
 	if len(v) != n+4 {
 		return netip.AddrPort{}, false
 	}
@@ -401,7 +351,7 @@ func decodeSet(data []byte) (string, setInfo, error) {
 // decodeSetNote is decodeSet with the set's table (a notification may be
 // of any table).
 func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
-	a, err := body(data, "set")
+	a, err := nl.Body(data, "set")
 	if err != nil {
 		return "", "", info, err
 	}
@@ -422,7 +372,7 @@ func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
 
 // elemsOf reads the table and set an NFT_MSG_NEWSETELEM body is of.
 func elemsOf(data []byte) (table, set string) {
-	a, err := body(data, "set elements")
+	a, err := nl.Body(data, "set elements")
 	if err != nil {
 		return "", ""
 	}
@@ -445,7 +395,7 @@ const (
 
 // tableHandle reads NFTA_TABLE_HANDLE from an NFT_MSG_NEWTABLE body.
 func tableHandle(data []byte) (uint64, bool) {
-	a, err := body(data, "table")
+	a, err := nl.Body(data, "table")
 	if err != nil {
 		return 0, false
 	}

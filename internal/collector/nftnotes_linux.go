@@ -4,6 +4,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // mapNotes learns kube-proxy's new anonymous maps from the notifications
@@ -187,7 +189,7 @@ func (m *mapNotes) seen(family byte, last uint64) {
 // tableName reads NFTA_TABLE_NAME from an NFT_MSG_NEWTABLE or DELTABLE
 // body.
 func tableName(data []byte) string {
-	a, err := body(data, "table")
+	a, err := nl.Body(data, "table")
 	if err != nil {
 		return ""
 	}

@@ -1,12 +1,13 @@
-package collector
+package iptables
 
 import (
 	"bytes"
 	"encoding/binary"
 	"net/netip"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // xt reads an xtables match or target: its name, revision and the
@@ -18,7 +19,7 @@ func (d *iptDecoder) xt(b []byte, target bool) error {
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_MATCH_NAME: // = NFTA_TARGET_NAME
-			name = cstr(a.Val)
+			name = nl.CStr(a.Val)
 		case unix.NFTA_MATCH_REV:
 			rev = a.U32()
 		case unix.NFTA_MATCH_INFO:
@@ -86,7 +87,7 @@ func (d *iptDecoder) match(name, info []byte) error {
 	case "statistic", "recent", "nfacct", "mark", "conntrack", "state", "limit", "multiport", "connmark", "pkttype", "physdev", "set", "mac":
 		// Matches whose options the text parser skips.
 	default:
-		return d.other("match %q", clip(string(name)))
+		return d.other("match %q", clip(name))
 	}
 	return nil
 }
@@ -127,7 +128,7 @@ func (d *iptDecoder) dnat(rev uint32, info []byte) error {
 			return undecodable("DNAT revision %d of %d bytes", rev, len(info))
 		}
 		flags = binary.NativeEndian.Uint32(info)
-		n := ipLen(d.fam)
+		n := nl.AddrLen(d.fam)
 		minIP, maxIP = info[4:4+n], info[20:20+n]
 		minPort, maxPort = binary.BigEndian.Uint16(info[36:]), binary.BigEndian.Uint16(info[38:])
 	default:

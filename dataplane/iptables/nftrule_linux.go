@@ -1,4 +1,4 @@
-package collector
+package iptables
 
 import (
 	"bytes"
@@ -9,12 +9,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // This file decodes iptables-nft's rules as the kernel's nf_tables netlink
-// messages hold them into what the audit reads (iptables.Rule): exactly
+// messages hold them into what the audit reads (Rule): exactly
 // what the text parser takes from the same rule as iptables-save prints
 // it. iptables-nft writes addresses, protocols and ports as native
 // expressions (payload or meta loads, bitwise masks, cmp), verdicts as
@@ -39,19 +39,19 @@ func undecodable(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrUndecodable, fmt.Sprintf(format, args...))
 }
 
-// iptNFTRule is one decoded rule message.
-type iptNFTRule struct {
-	// table and chain point into the message: a dump's rules are compared
+// NFTRule is one decoded rule message.
+type NFTRule struct {
+	// Table and Chain point into the message: a dump's rules are compared
 	// with the chain being read, not each copied.
-	table, chain []byte
-	handle       uint64
-	// position is the handle of the rule this one follows (set in a
+	Table, Chain []byte
+	Handle       uint64
+	// Position is the handle of the rule this one follows (set in a
 	// notification of a rule inserted after another).
-	position    uint64
-	hasPosition bool
-	// skipped: a chain the audit does not read (rule not decoded).
-	skipped bool
-	rule    iptables.Rule
+	Position    uint64
+	HasPosition bool
+	// Skipped: a chain the audit does not read (rule not decoded).
+	Skipped bool
+	Rule    Rule
 }
 
 // Attributes golang.org/x/sys does not name.
@@ -70,12 +70,12 @@ const (
 	nfAccept          = 1    // NF_ACCEPT
 )
 
-// decodeIPTNFTRule reads one NFT_MSG_NEWRULE body of an iptables-nft
+// DecodeNFTRule reads one NFT_MSG_NEWRULE body of an iptables-nft
 // table of family fam (4, 6). A rule of a chain the audit does not read
 // comes back skipped, its expressions not looked at.
-func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
-	var out iptNFTRule
-	a, err := body(data, "rule")
+func DecodeNFTRule(data []byte, fam int) (NFTRule, error) {
+	var out NFTRule
+	a, err := nl.Body(data, "rule")
 	if err != nil {
 		return out, err
 	}
@@ -83,13 +83,13 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_RULE_TABLE:
-			out.table = cstr(a.Val)
+			out.Table = nl.CStr(a.Val)
 		case unix.NFTA_RULE_CHAIN:
-			out.chain = cstr(a.Val)
+			out.Chain = nl.CStr(a.Val)
 		case unix.NFTA_RULE_HANDLE:
-			out.handle = a.U64()
+			out.Handle = a.U64()
 		case unix.NFTA_RULE_POSITION:
-			out.position, out.hasPosition = a.U64(), true
+			out.Position, out.HasPosition = a.U64(), true
 		case unix.NFTA_RULE_EXPRESSIONS:
 			exprs = a.Val
 		case nftaRuleUserdata:
@@ -97,34 +97,34 @@ func decodeIPTNFTRule(data []byte, fam int) (iptNFTRule, error) {
 		}
 	}
 	if a.Err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), a.Err)
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.Chain), a.Err)
 	}
-	if !iptables.Reads(string(out.chain)) {
-		out.skipped = true
+	if !Reads(string(out.Chain)) {
+		out.Skipped = true
 		return out, nil
 	}
-	d := iptDecoder{fam: fam, strict: strictChain(out.chain)}
+	d := iptDecoder{fam: fam, strict: strictChain(out.Chain)}
 	list := nl.Walk(exprs)
 	n := 0
 	for list.Next() {
-		if n++; n > maxRuleExprs {
-			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(string(out.chain)), maxRuleExprs)
+		if n++; n > nl.MaxRuleExprs {
+			return out, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(out.Chain), nl.MaxRuleExprs)
 		}
 		if err := d.expr(list.Val); err != nil {
-			return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(string(out.chain)), err)
+			return out, fmt.Errorf("rule %d in chain %s: %w", out.Handle, clip(out.Chain), err)
 		}
 	}
 	if list.Err != nil {
-		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(string(out.chain)), list.Err)
+		return out, fmt.Errorf("nf_tables rule in chain %q: %w", clip(out.Chain), list.Err)
 	}
 	if d.r.Comment == "" && !d.hasComment {
 		d.r.Comment = udataComment(udata)
 	}
 	if d.r.HasDPort && d.r.Proto == "" {
 		// iptables-save prints a port only under -p tcp/udp/sctp.
-		return out, fmt.Errorf("rule %d in chain %s: %w", out.handle, clip(string(out.chain)), undecodable("a destination port without a protocol"))
+		return out, fmt.Errorf("rule %d in chain %s: %w", out.Handle, clip(out.Chain), undecodable("a destination port without a protocol"))
 	}
-	out.rule = d.r
+	out.Rule = d.r
 	return out, nil
 }
 
@@ -184,7 +184,7 @@ type regState struct {
 type iptDecoder struct {
 	fam        int
 	strict     bool
-	r          iptables.Rule
+	r          Rule
 	hasComment bool
 	regs       [32]regState
 }
@@ -211,7 +211,7 @@ func (d *iptDecoder) expr(b []byte) error {
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_EXPR_NAME:
-			name = cstr(a.Val)
+			name = nl.CStr(a.Val)
 		case unix.NFTA_EXPR_DATA:
 			data = a.Val
 		}
@@ -242,7 +242,7 @@ func (d *iptDecoder) expr(b []byte) error {
 		d.r.Jump = "MASQUERADE"
 		return nil
 	}
-	return d.other("expression %q", clip(string(name)))
+	return d.other("expression %q", clip(name))
 }
 
 // payload: addresses, the protocol (IPv4's header field) and ports.
@@ -328,7 +328,7 @@ func (d *iptDecoder) bitwise(b []byte) error {
 		case unix.NFTA_BITWISE_DREG:
 			dreg = a.U32()
 		case unix.NFTA_BITWISE_MASK:
-			v, _, _, err := dataValue(a.Val)
+			v, _, _, err := nl.DataValue(a.Val)
 			if err != nil {
 				return err
 			}
@@ -361,7 +361,7 @@ func (d *iptDecoder) cmp(b []byte) error {
 		case unix.NFTA_CMP_OP:
 			op = a.U32()
 		case unix.NFTA_CMP_DATA:
-			v, _, _, err := dataValue(a.Val)
+			v, _, _, err := nl.DataValue(a.Val)
 			if err != nil {
 				return err
 			}
@@ -389,7 +389,7 @@ func (d *iptDecoder) cmp(b []byte) error {
 		}
 		// iptables-save prints a negated protocol as "! -p tcp"; the text
 		// parser takes the protocol all the same.
-		proto, ok := protoName(value[0])
+		proto, ok := audit.ProtocolName(value[0])
 		if !ok {
 			return d.other("protocol %d", value[0])
 		}
@@ -397,13 +397,13 @@ func (d *iptDecoder) cmp(b []byte) error {
 	case regSaddr:
 		d.r.Cond = true
 	case regDaddr:
-		full := s.length == ipLen(d.fam) && (s.mask == nil || allOnes(s.mask))
+		full := s.length == nl.AddrLen(d.fam) && (s.mask == nil || allOnes(s.mask))
 		if neg || !full {
 			d.r.Cond = true
 			return nil
 		}
 		ip, ok := netip.AddrFromSlice(value)
-		if !ok || len(value) != ipLen(d.fam) {
+		if !ok || len(value) != nl.AddrLen(d.fam) {
 			return d.other("a destination of %d bytes", len(value))
 		}
 		d.r.Dst = ip.Unmap()
@@ -467,7 +467,7 @@ func (d *iptDecoder) immediate(b []byte) error {
 		return a.Err
 	}
 	if dreg != unix.NFT_REG_VERDICT {
-		v, _, _, err := dataValue(data)
+		v, _, _, err := nl.DataValue(data)
 		if err != nil {
 			return err
 		}
@@ -546,7 +546,7 @@ func (d *iptDecoder) nat(b []byte) error {
 		return undecodable("a DNAT to other than one address and port")
 	}
 	ip, ok := netip.AddrFromSlice(addr.data)
-	if !ok || len(addr.data) != ipLen(d.fam) {
+	if !ok || len(addr.data) != nl.AddrLen(d.fam) {
 		return undecodable("a DNAT address of %d bytes", len(addr.data))
 	}
 	d.r.DNAT = netip.AddrPortFrom(ip.Unmap(), binary.BigEndian.Uint16(port.data))

@@ -1,0 +1,58 @@
+// Package nltest builds nf_tables netlink messages for the decoders'
+// tests (iptables-nft's and nftables mode's): a rule of chosen
+// expressions, as the kernel would send it.
+package nltest
+
+import (
+	"encoding/binary"
+
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// RuleMsg builds an NFT_MSG_NEWRULE body (nfgenmsg header of family fam,
+// NFPROTO_*) of table and chain with the given expressions.
+func RuleMsg(fam byte, table, chain string, exprs ...[]netlink.Attribute) []byte {
+	var list []netlink.Attribute
+	for _, e := range exprs {
+		list = append(list, netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: Attrs(e...)})
+	}
+	body := Attrs(
+		netlink.Attribute{Type: unix.NFTA_RULE_TABLE, Data: CString(table)},
+		netlink.Attribute{Type: unix.NFTA_RULE_CHAIN, Data: CString(chain)},
+		netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_RULE_EXPRESSIONS, Data: Attrs(list...)},
+	)
+	return append([]byte{fam, 0, 0, 0}, body...)
+}
+
+// Expr is one expression: its name and its data's attributes.
+func Expr(name string, data []netlink.Attribute) []netlink.Attribute {
+	return []netlink.Attribute{{Type: unix.NFTA_EXPR_NAME, Data: CString(name)}, {Type: unix.NLA_F_NESTED | unix.NFTA_EXPR_DATA, Data: Attrs(data...)}}
+}
+
+// BE32 is v in network order, as nf_tables attributes carry numbers.
+func BE32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
+
+// CString is s with its NUL.
+func CString(s string) []byte { return append([]byte(s), 0) }
+
+// Attrs marshals attributes; it panics on what netlink cannot encode (a
+// test's mistake).
+func Attrs(a ...netlink.Attribute) []byte {
+	b, err := netlink.MarshalAttributes(a)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// Verdict is an immediate expression holding a verdict (code: NF_*, or
+// NFT_JUMP/NFT_GOTO to chain) in register 0.
+func Verdict(code int32, chain string) []netlink.Attribute {
+	v := []netlink.Attribute{{Type: unix.NFTA_VERDICT_CODE, Data: BE32(uint32(code))}}
+	if chain != "" {
+		v = append(v, netlink.Attribute{Type: unix.NFTA_VERDICT_CHAIN, Data: CString(chain)})
+	}
+	return Expr("immediate", []netlink.Attribute{{Type: unix.NFTA_IMMEDIATE_DREG, Data: BE32(0)},
+		{Type: unix.NLA_F_NESTED | unix.NFTA_IMMEDIATE_DATA, Data: Attrs(netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_DATA_VERDICT, Data: Attrs(v...)})}})
+}
