@@ -4,6 +4,12 @@ import "golang.org/x/sys/unix"
 
 // What the nf_tables decoders of iptables-nft and nftables mode share.
 
+// Attributes golang.org/x/sys does not name (linux/netfilter/nf_tables.h).
+const (
+	NFTASetHandle   = 16 // NFTA_SET_HANDLE
+	NFTATableHandle = 4  // NFTA_TABLE_HANDLE
+)
+
 // DataValue reads an nft_data: a value (NFTA_DATA_VALUE), or a verdict
 // (NFTA_DATA_VERDICT) and the chain of a goto or jump.
 func DataValue(b []byte) (value []byte, target string, verdict bool, err error) {

@@ -347,3 +347,46 @@ func ruleChainOf(data []byte) (table, chain []byte, handle uint64) {
 	}
 	return table, chain, handle
 }
+
+// applyOps applies the mirrored chains' notified changes to their
+// mirrors, and returns each chain they touched: its mirror, or nil when
+// the changes did not apply and the chain must be dumped (its later
+// changes in this batch are then not applied: the dump shows them).
+func applyOps(mirrors map[string]*ruleMirror, ops []ruleOp) map[string]*ruleMirror {
+	out := map[string]*ruleMirror{}
+	for _, op := range ops {
+		if m, ok := out[op.chain]; ok && m == nil {
+			continue
+		}
+		m := mirrors[op.chain]
+		switch op.kind {
+		case opNewChain:
+			if m == nil {
+				m = newRuleMirror()
+				mirrors[op.chain] = m
+			}
+		case opDelChain:
+			// Gone: no rules (a chain made again starts empty).
+			delete(mirrors, op.chain)
+			m = newRuleMirror()
+		case opNewRule:
+			if m == nil {
+				// A chain that was there, empty, when the table was read.
+				m = newRuleMirror()
+				mirrors[op.chain] = m
+			}
+			if op.err != nil || !m.add(op.handle, op.pos, op.hasPos, op.appended, op.rule) {
+				out[op.chain] = nil
+				continue
+			}
+		case opDelRule:
+			if m != nil {
+				m.del(op.handle)
+			}
+		}
+		if m != nil {
+			out[op.chain] = m
+		}
+	}
+	return out
+}

@@ -8,8 +8,9 @@ import (
 	"os"
 	"unsafe"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // openNetfilter opens a netlink socket to nf_tables for requests.
@@ -181,4 +182,12 @@ func nfproto(fam int) byte {
 		return unix.NFPROTO_IPV6
 	}
 	return unix.NFPROTO_IPV4
+}
+
+// clip shortens a name the kernel gave for an error message.
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
 }

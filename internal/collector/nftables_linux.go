@@ -1,13 +1,10 @@
 package collector
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -69,7 +66,7 @@ type nftNetlinkReader struct {
 // table's sets (name to handle, kept from notifications) and its maps.
 type nftFam struct {
 	kube       *nftables.Kube
-	sets       map[string]setInfo
+	sets       map[string]nftables.SetInfo
 	dispatches bool
 	// services is how many rules the services chain (the dispatch) holds.
 	services   int
@@ -96,27 +93,7 @@ func (r *nftNetlinkReader) Subscribed(on bool) { r.touched.Subscribed(on) }
 
 type cachedSet struct {
 	handle uint64
-	m      *lookupMap
-}
-
-// lookupMap is a map a rule looks up, decoded: the verdict targets of a
-// verdict map, or the addresses of a DNAT map.
-type lookupMap struct {
-	targets []string
-	dnat    []netip.AddrPort
-}
-
-func decodeLookupMap(family int, els []nftElem) *lookupMap {
-	m := &lookupMap{}
-	for _, el := range els {
-		if el.target != "" {
-			m.targets = append(m.targets, el.target)
-		}
-		if ap, ok := dnatValue(family, el.data); ok {
-			m.dnat = append(m.dnat, ap)
-		}
-	}
-	return m
+	m      *nftables.LookupMap
 }
 
 var _ RuleReader = (*nftNetlinkReader)(nil)
@@ -281,7 +258,7 @@ func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (
 	r.whole.Add(1)
 	t, sets, err := r.table(ctx, fam, n)
 	if errors.Is(err, unix.ENOENT) {
-		t, sets, err = &nftables.Table{Family: fam}, map[string]setInfo{}, nil
+		t, sets, err = &nftables.Table{Family: fam}, map[string]nftables.SetInfo{}, nil
 	}
 	if err != nil {
 		return nil, err
@@ -290,7 +267,7 @@ func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (
 		serviceIPs: t.ServiceIPs, nodePorts: t.NodePorts, noEndpoint: t.NoEndpoints}
 	f.kube.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
 	for chain, rules := range t.Chains {
-		if frontendChain(chain) { // the only chains the model reads
+		if nftables.FrontendChain(chain) { // the only chains the model reads
 			f.kube.SetChain(chain, rules)
 		}
 	}
@@ -317,9 +294,9 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		}
 	}
 	mapsChanged := t.maps
-	looked := map[string]*lookupMap{}
+	looked := map[string]*nftables.LookupMap{}
 	for chain := range t.chains {
-		if !frontendChain(chain) && chain != "services" {
+		if !nftables.FrontendChain(chain) && chain != "services" {
 			continue
 		}
 		rules, err := r.chainRules(ctx, fam, chain, n)
@@ -328,7 +305,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		}
 		if chain == "services" {
 			f.services = len(rules)
-			if d := dispatchesOf(rules); d != f.dispatches {
+			if d := nftables.Dispatches(rules); d != f.dispatches {
 				f.dispatches, mapsChanged = d, true
 			}
 			continue
@@ -338,8 +315,8 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		}
 		stmts := make([][]nftables.Statement, len(rules))
 		for i, rule := range rules {
-			for _, st := range rule.stmts {
-				stmts[i] = append(stmts[i], statement(st, looked))
+			for _, st := range rule.Stmts {
+				stmts[i] = append(stmts[i], nftables.StatementOf(st, looked))
 			}
 		}
 		f.kube.SetChain(chain, stmts)
@@ -349,7 +326,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		if err != nil {
 			return err
 		}
-		if f.serviceIPs, f.nodePorts, f.noEndpoint, err = mapEntries(family, maps); err != nil {
+		if f.serviceIPs, f.nodePorts, f.noEndpoint, err = nftables.MapEntries(family, maps); err != nil {
 			return err
 		}
 		f.kube.SetMaps(f.dispatches, f.serviceIPs, f.nodePorts, f.noEndpoint)
@@ -357,86 +334,15 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 	// Maps announced but gone again (or never looked up) are forgotten.
 	var last uint64
 	for _, info := range f.sets {
-		last = max(last, info.handle)
+		last = max(last, info.Handle)
 	}
 	r.notes.seen(fam, last)
 	return nil
 }
 
-// chainRules dumps one chain's rules (none: the chain is gone).
-func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain string, n *int64) ([]nftRule, error) {
-	r.chains.Add(1)
-	var rules []nftRule
-	err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
-		{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)}}, n, func(data []byte) error {
-		rule, err := decodeRule(data)
-		if err == nil && rule.chain == chain {
-			rules = append(rules, rule)
-		}
-		return err
-	})
-	if errors.Is(err, unix.ENOENT) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("chain %s: %w", clip(chain), err)
-	}
-	return rules, nil
-}
-
-// rulesByChain reads the table's rules chain by chain, for a whole read
-// whose one dump commits kept interrupting: the chains the audit reads
-// (frontends' and the services dispatch), named by the chain list. A
-// chain list can be interrupted too (a chain made or deleted between its
-// parts); the names of every try are taken, so a chain one try skipped
-// is named by another, and one made since is named by the notifications
-// for the next read.
-func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64) (map[string][]nftRule, error) {
-	r.byChain.Add(1)
-	names := map[string]struct{}{}
-	list := func(data []byte) error {
-		if table, chain := chainOf(data); table == kubeProxyTable && (chain == "services" || frontendChain(chain)) {
-			names[chain] = struct{}{}
-		}
-		return nil
-	}
-	for try := 0; ; try++ {
-		err := r.dumpTries(ctx, 1, true, unix.NFT_MSG_GETCHAIN, fam, []netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: cstring(kubeProxyTable)}}, n, list)
-		if err == nil || try+1 == interruptedTries && errors.Is(err, errDumpInterrupted) {
-			break
-		}
-		if !errors.Is(err, errDumpInterrupted) {
-			return nil, err
-		}
-	}
-	rules := make(map[string][]nftRule, len(names))
-	for chain := range names {
-		rs, err := r.chainRules(ctx, fam, chain, n)
-		if err != nil {
-			return nil, err
-		}
-		if rs != nil {
-			rules[chain] = rs
-		}
-	}
-	return rules, nil
-}
-
-// dispatchesOf says whether the services chain looks up service-ips.
-func dispatchesOf(rules []nftRule) bool {
-	for _, rule := range rules {
-		for _, st := range rule.stmts {
-			if st.vmap && st.set == "service-ips" {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // table reads kube-proxy's table of one family, and lists its sets; n
 // counts the bytes read.
-func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nftables.Table, map[string]setInfo, error) {
+func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nftables.Table, map[string]nftables.SetInfo, error) {
 	fam := byte(unix.NFPROTO_IPV4)
 	if family == 6 {
 		fam = unix.NFPROTO_IPV6
@@ -447,17 +353,17 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	if err != nil {
 		return nil, nil, err
 	}
-	rules := map[string][]nftRule{}
+	rules := map[string][]nftables.Rule{}
 	// Under churn a large table's dump outlasts the gap between two
 	// commits: tried twice, then read chain by chain (each chain's dump
 	// is one or two parts, rarely interrupted).
 	err = r.dumpTries(ctx, 2, false, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)}}, n,
 		func(data []byte) error {
-			rule, err := decodeRule(data)
+			rule, err := nftables.DecodeRule(data)
 			if err != nil {
 				return err
 			}
-			rules[rule.chain] = append(rules[rule.chain], rule)
+			rules[rule.Chain] = append(rules[rule.Chain], rule)
 			return nil
 		})
 	if errors.Is(err, errDumpInterrupted) {
@@ -484,9 +390,9 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	cache := r.anon[family]
 	fresh := make(map[string]cachedSet, len(cache))
 	defer func() { r.anon[family] = fresh }()
-	looked := map[string]*lookupMap{}
+	looked := map[string]*nftables.LookupMap{}
 	for chain, rs := range rules {
-		if frontendChain(chain) {
+		if nftables.FrontendChain(chain) {
 			if err := r.lookups(ctx, fam, family, chain, rs, sets, maps, cache, fresh, looked, n); err != nil {
 				return nil, nil, err
 			}
@@ -495,20 +401,20 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	// Maps announced but gone again (or never looked up) are forgotten.
 	var last uint64
 	for _, info := range sets {
-		last = max(last, info.handle)
+		last = max(last, info.Handle)
 	}
 	r.notes.seen(fam, last)
 	for chain, rs := range rules {
 		out := make([][]nftables.Statement, len(rs))
 		for i, rule := range rs {
-			for _, st := range rule.stmts {
-				out[i] = append(out[i], statement(st, looked))
+			for _, st := range rule.Stmts {
+				out[i] = append(out[i], nftables.StatementOf(st, looked))
 			}
 		}
 		t.Chains[chain] = out
 	}
-	t.Dispatches = dispatchesOf(rules["services"])
-	if t.ServiceIPs, t.NodePorts, t.NoEndpoints, err = mapEntries(family, maps); err != nil {
+	t.Dispatches = nftables.Dispatches(rules["services"])
+	if t.ServiceIPs, t.NodePorts, t.NoEndpoints, err = nftables.MapEntries(family, maps); err != nil {
 		return nil, nil, err
 	}
 	return t, sets, nil
@@ -518,266 +424,44 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 // map read with the table (named), or an anonymous one from the cache
 // (by name and handle), from the notifications, or dumped; the anonymous
 // ones go into fresh.
-func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, chain string, rs []nftRule, sets map[string]setInfo,
-	named map[string][]nftElem, cache, fresh map[string]cachedSet, looked map[string]*lookupMap, n *int64) error {
+func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, chain string, rs []nftables.Rule, sets map[string]nftables.SetInfo,
+	named map[string][]nftables.Elem, cache, fresh map[string]cachedSet, looked map[string]*nftables.LookupMap, n *int64) error {
 	for _, rule := range rs {
-		for _, st := range rule.stmts {
-			if !(st.vmap || st.dnatMap) || st.set == "" || looked[st.set] != nil {
+		for _, st := range rule.Stmts {
+			if !(st.VMap || st.DNATMap) || st.Set == "" || looked[st.Set] != nil {
 				continue
 			}
-			if els, ok := named[st.set]; ok {
-				looked[st.set] = decodeLookupMap(family, els)
+			if els, ok := named[st.Set]; ok {
+				looked[st.Set] = nftables.DecodeLookupMap(family, els)
 				continue
 			}
-			info, known := sets[st.set]
-			if c, ok := cache[st.set]; ok && known && info.anonymous && c.handle == info.handle {
-				looked[st.set], fresh[st.set] = c.m, c
+			info, known := sets[st.Set]
+			if c, ok := cache[st.Set]; ok && known && info.Anonymous && c.handle == info.Handle {
+				looked[st.Set], fresh[st.Set] = c.m, c
 				continue
 			}
-			var m *lookupMap
+			var m *nftables.LookupMap
 			ok := false
-			if known && info.anonymous {
-				m, ok = r.notes.take(fam, info.handle)
+			if known && info.Anonymous {
+				m, ok = r.notes.take(fam, info.Handle)
 			}
 			if ok {
 				r.noted.Add(1)
 			} else {
-				els, err := r.elements(ctx, fam, st.set, n)
+				els, err := r.elements(ctx, fam, st.Set, n)
 				if err != nil {
-					return fmt.Errorf("map %s of chain %s: %w", st.set, chain, err)
+					return fmt.Errorf("map %s of chain %s: %w", st.Set, chain, err)
 				}
 				r.dumped.Add(1)
-				m = decodeLookupMap(family, els)
+				m = nftables.DecodeLookupMap(family, els)
 			}
-			looked[st.set] = m
-			if known && info.anonymous {
-				fresh[st.set] = cachedSet{handle: info.handle, m: m}
+			looked[st.Set] = m
+			if known && info.Anonymous {
+				fresh[st.Set] = cachedSet{handle: info.Handle, m: m}
 			}
 		}
 	}
 	return nil
-}
-
-// namedMaps dumps the named maps the audit reads (a map that is not there
-// reads as empty).
-func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (map[string][]nftElem, error) {
-	maps := map[string][]nftElem{}
-	for _, name := range nftNamedMaps {
-		els, err := r.elements(ctx, fam, name, n)
-		if err != nil && !errors.Is(err, unix.ENOENT) {
-			return nil, fmt.Errorf("map %s: %w", name, err)
-		}
-		maps[name] = els
-	}
-	return maps, nil
-}
-
-// mapEntries decodes the named maps' elements.
-func mapEntries(family int, maps map[string][]nftElem) (ips, ports []nftables.MapEntry, none []audit.FrontendKey, err error) {
-	for _, el := range maps["service-ips"] {
-		k, err := serviceIPKey(family, el.key)
-		if err != nil {
-			return nil, nil, nil, fmt.Errorf("map service-ips: %w", err)
-		}
-		ips = append(ips, nftables.MapEntry{Key: k, Target: el.target})
-	}
-	for _, el := range maps["service-nodeports"] {
-		k, err := nodePortKey(family, el.key)
-		if err != nil {
-			return nil, nil, nil, fmt.Errorf("map service-nodeports: %w", err)
-		}
-		ports = append(ports, nftables.MapEntry{Key: k, Target: el.target})
-	}
-	for _, el := range maps["no-endpoint-services"] {
-		if k, err := serviceIPKey(family, el.key); err == nil {
-			none = append(none, k)
-		}
-	}
-	// A node port with no endpoints: its UDP flows stay pinned to the gone
-	// pods even where kube-proxy cleans a service's (1.37 skips node
-	// ports without endpoints: pkg/proxy/conntrack/cleanup.go).
-	for _, el := range maps["no-endpoint-nodeports"] {
-		if k, err := nodePortKey(family, el.key); err == nil {
-			none = append(none, k)
-		}
-	}
-	return ips, ports, none, nil
-}
-
-// frontendChain: the chains a frontend's traffic goes through.
-func frontendChain(chain string) bool {
-	for _, p := range []string{"service-", "external-", "local-", "endpoint-"} {
-		if strings.HasPrefix(chain, p) {
-			return true
-		}
-	}
-	return false
-}
-
-// statement turns a decoded statement into the audit's, its maps resolved.
-func statement(st nftStmt, looked map[string]*lookupMap) nftables.Statement {
-	var out nftables.Statement
-	switch {
-	case st.target != "":
-		out.Gotos, out.Verdict = []string{st.target}, true
-	case st.vmap && looked[st.set] != nil:
-		out.Gotos = looked[st.set].targets
-	case st.dnatMap && looked[st.set] != nil:
-		out.DNAT = looked[st.set].dnat
-	case st.dnat.IsValid():
-		out.DNAT = []netip.AddrPort{st.dnat}
-	}
-	return out
-}
-
-// sets lists the table's sets with their handles.
-func (r *nftNetlinkReader) sets(ctx context.Context, fam byte, n *int64) (map[string]setInfo, error) {
-	out := map[string]setInfo{}
-	err := r.dump(ctx, unix.NFT_MSG_GETSET, fam, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: cstring(kubeProxyTable)}}, n,
-		func(data []byte) error {
-			name, info, err := decodeSet(data)
-			if err != nil {
-				return err
-			}
-			out[name] = info
-			return nil
-		})
-	return out, err
-}
-
-// handleOfTable is the handle of kube-proxy's table (ENOENT: no table).
-func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64, error) {
-	if err := ctx.Err(); err != nil {
-		return 0, err
-	}
-	body, err := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: cstring(kubeProxyTable)}})
-	if err != nil {
-		return 0, err
-	}
-	msgs, err := r.conn.Execute(netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETTABLE), Flags: netlink.Request},
-		Data:   append([]byte{fam, unix.NFNETLINK_V0, 0, 0}, body...),
-	})
-	if err != nil {
-		return 0, err
-	}
-	for _, m := range msgs {
-		if h, ok := tableHandle(m.Data); ok {
-			return h, nil
-		}
-	}
-	return 0, errors.New("no handle in the kernel's answer for the table")
-}
-
-// elements dumps one set's or map's elements.
-func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n *int64) ([]nftElem, error) {
-	var out []nftElem
-	err := r.dump(ctx, unix.NFT_MSG_GETSETELEM, fam, []netlink.Attribute{
-		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: cstring(kubeProxyTable)},
-		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: cstring(set)},
-	}, n, func(data []byte) error {
-		var err error
-		out, err = decodeElems(data, out)
-		return err
-	})
-	return out, err
-}
-
-// dump sends one nf_tables dump request and hands each reply's body to
-// fn. A dump the kernel flags interrupted by a commit (NLM_F_DUMP_INTR:
-// it resumes a dump by position, so a commit between two parts can skip
-// or repeat rules of chains it never touched) is asked again, up to
-// interruptedTries times, and then fails with errDumpInterrupted; fn
-// sees only an answer that was not interrupted.
-func (r *nftNetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
-	return r.dumpTries(ctx, interruptedTries, false, msg, fam, attrs, n, fn)
-}
-
-// errDumpInterrupted: every try of a dump was interrupted by a commit.
-var errDumpInterrupted = errors.New("every try of the dump was interrupted by a commit")
-
-// dumpTries is dump with its number of tries; with keep, fn is handed the
-// interrupted answers too (before the error).
-func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
-	body, err := netlink.MarshalAttributes(attrs)
-	if err != nil {
-		return err
-	}
-	req := netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | msg), Flags: netlink.Request | netlink.Dump},
-		Data:   append([]byte{fam, unix.NFNETLINK_V0, 0, 0}, body...),
-	}
-	for try := 0; try < tries; try++ {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		sent, err := r.conn.Send(req)
-		if err != nil {
-			return err
-		}
-		bodies, intr, err := r.receiveDump(sent.Header.Sequence, n)
-		if err != nil {
-			return err
-		}
-		if intr {
-			r.interrupted.Add(1)
-			if !keep {
-				continue
-			}
-		}
-		for _, b := range bodies {
-			if err := fn(b); err != nil {
-				return err
-			}
-		}
-		if !intr {
-			return nil
-		}
-	}
-	return errDumpInterrupted
-}
-
-// dumpBuffer holds one datagram of a dump (the kernel's dump parts are at
-// most a few pages).
-const dumpBuffer = 256 << 10
-
-// receiveDump reads the parts of dump seq up to the kernel's done message
-// and returns the messages' bodies, and whether any part — the done
-// message included — was flagged interrupted by a commit. The done
-// message can be the only one flagged (a commit just before the dump's
-// last, empty round, which resumed by position past the rules a commit
-// moved: the table's last rules never came); the library's Receive drops
-// it, flag and all, so the datagrams are read here (nlMessages).
-func (r *nftNetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, intr bool, err error) {
-	rc, err := r.conn.SyscallConn()
-	if err != nil {
-		return nil, false, err
-	}
-	if r.buf == nil {
-		r.buf = make([]byte, dumpBuffer)
-	}
-	for {
-		var size int
-		var rerr error
-		if err := rc.Read(func(fd uintptr) bool {
-			size, _, rerr = unix.Recvfrom(int(fd), r.buf, 0)
-			return rerr != unix.EAGAIN && rerr != unix.EWOULDBLOCK
-		}); err != nil {
-			return nil, intr, err
-		}
-		if rerr != nil {
-			return nil, intr, fmt.Errorf("receive: %w", rerr)
-		}
-		*n += int64(size)
-		done, in, err := nlMessages(r.buf[:size], seq, func(b []byte) error {
-			bodies = append(bodies, bytes.Clone(b))
-			return nil
-		})
-		intr = intr || in
-		if err != nil || done {
-			return bodies, intr, err
-		}
-	}
 }
 
 func cstring(s string) []byte { return append([]byte(s), 0) }

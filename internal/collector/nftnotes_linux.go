@@ -5,6 +5,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -35,7 +36,7 @@ type mapNotes struct {
 }
 
 type doneMap struct {
-	m *lookupMap
+	m *nftables.LookupMap
 	n int // elements
 }
 
@@ -51,7 +52,7 @@ type handleKey struct {
 
 type notedMap struct {
 	handle uint64
-	elems  []nftElem
+	elems  []nftables.Elem
 }
 
 // maxNotedElems bounds what the notes hold between two reads (a few MB);
@@ -74,9 +75,9 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 	defer m.mu.Unlock()
 	switch typ & 0xff {
 	case unix.NFT_MSG_NEWSET:
-		table, name, info, err := decodeSetNote(data)
+		table, name, info, err := nftables.DecodeSetNote(data)
 		// kube-proxy's tables are ip and ip6: the reader takes no other.
-		if err != nil || table != kubeProxyTable || !info.anonymous || (family != unix.NFPROTO_IPV4 && family != unix.NFPROTO_IPV6) {
+		if err != nil || table != kubeProxyTable || !info.Anonymous || (family != unix.NFPROTO_IPV4 && family != unix.NFPROTO_IPV6) {
 			return
 		}
 		if m.open == nil {
@@ -86,15 +87,15 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 		if old := m.open[k]; old != nil {
 			m.elems -= len(old.elems)
 		}
-		m.open[k] = &notedMap{handle: info.handle}
+		m.open[k] = &notedMap{handle: info.Handle}
 	case unix.NFT_MSG_NEWSETELEM:
-		table, set := elemsOf(data)
+		table, set := nftables.ElemsOf(data)
 		nm := m.open[noteKey{family, set}]
 		if table != kubeProxyTable || nm == nil {
 			return
 		}
 		// The body is the socket's buffer: keep a copy.
-		els, err := decodeElems(append([]byte(nil), data...), nm.elems)
+		els, err := nftables.DecodeElems(append([]byte(nil), data...), nm.elems)
 		if err != nil {
 			m.elems -= len(nm.elems)
 			delete(m.open, noteKey{family, set}) // never trusted: dumped
@@ -106,7 +107,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 			m.clearLocked()
 		}
 	case unix.NFT_MSG_DELSET:
-		table, name, info, err := decodeSetNote(data)
+		table, name, info, err := nftables.DecodeSetNote(data)
 		if err != nil || table != kubeProxyTable {
 			return
 		}
@@ -114,9 +115,9 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 			m.elems -= len(old.elems)
 			delete(m.open, noteKey{family, name})
 		}
-		if d, ok := m.done[handleKey{family, info.handle}]; ok {
+		if d, ok := m.done[handleKey{family, info.Handle}]; ok {
 			m.elems -= d.n
-			delete(m.done, handleKey{family, info.handle})
+			delete(m.done, handleKey{family, info.Handle})
 		}
 	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE:
 		// A table made again numbers its sets from 1 again: nothing
@@ -139,7 +140,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 			if k.family == unix.NFPROTO_IPV6 {
 				fam = 6
 			}
-			m.done[hk] = doneMap{m: decodeLookupMap(fam, nm.elems), n: len(nm.elems)}
+			m.done[hk] = doneMap{m: nftables.DecodeLookupMap(fam, nm.elems), n: len(nm.elems)}
 		}
 		clear(m.open)
 	}
@@ -160,7 +161,7 @@ func (m *mapNotes) clearLocked() {
 
 // take returns the complete map of that family and handle, decoded,
 // forgetting it (the reader caches what it uses).
-func (m *mapNotes) take(family byte, handle uint64) (*lookupMap, bool) {
+func (m *mapNotes) take(family byte, handle uint64) (*nftables.LookupMap, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	k := handleKey{family, handle}

@@ -9,6 +9,8 @@ import (
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 func msgType(t uint16) uint16 { return unix.NFNL_SUBSYS_NFTABLES<<8 | t }
@@ -19,7 +21,7 @@ func setMsg(table, name string, handle uint64, flags uint32) []byte {
 		{Type: unix.NFTA_SET_TABLE, Data: cstring(table)},
 		{Type: unix.NFTA_SET_NAME, Data: cstring(name)},
 		{Type: unix.NFTA_SET_FLAGS, Data: be32(flags)},
-		{Type: nftaSetHandle, Data: binary.BigEndian.AppendUint64(nil, handle)},
+		{Type: nl.NFTASetHandle, Data: binary.BigEndian.AppendUint64(nil, handle)},
 	})
 	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
 }
@@ -67,7 +69,7 @@ func TestMapNotesBelieveOnlyWholeCommits(t *testing.T) {
 		var m mapNotes
 		commit(&m, "__map0", 7, true)
 		lm, ok := m.take(fam, 7)
-		if !ok || lm == nil || len(lm.targets) != 2 || lm.targets[0] != "endpoint-a" || lm.targets[1] != "endpoint-b" {
+		if !ok || lm == nil || len(lm.Targets) != 2 || lm.Targets[0] != "endpoint-a" || lm.Targets[1] != "endpoint-b" {
 			t.Fatalf("take = %+v, %v; want both elements", lm, ok)
 		}
 		if _, ok := m.take(fam, 7); ok {

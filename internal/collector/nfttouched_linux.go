@@ -4,6 +4,8 @@ import (
 	"slices"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 )
 
 // nftTouched learns from the change signal's notifications what each
@@ -28,7 +30,7 @@ type nftFamTouched struct {
 
 type setChange struct {
 	name string
-	info setInfo
+	info nftables.SetInfo
 	gone bool
 }
 
@@ -62,7 +64,7 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 			n.touch(i, chain)
 		}
 	case unix.NFT_MSG_NEWSET, unix.NFT_MSG_DELSET, nftMsgDestroySet:
-		table, name, info, err := decodeSetNote(data)
+		table, name, info, err := nftables.DecodeSetNote(data)
 		if err != nil || table != kubeProxyTable {
 			return
 		}
@@ -81,7 +83,7 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 		}
 		f.sets = append(f.sets, setChange{name: name, info: info, gone: msg != unix.NFT_MSG_NEWSET})
 	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nftMsgDestroySetElem:
-		if table, set := elemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
+		if table, set := nftables.ElemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
 			n.mu.Lock()
 			n.fams[i].maps = true
 			n.mu.Unlock()

@@ -12,12 +12,13 @@ import (
 	"sync/atomic"
 	"time"
 
+	utilexec "k8s.io/utils/exec"
+
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
-	utilexec "k8s.io/utils/exec"
 )
 
 // RuleReader reads one node's kube-proxy rules from one source.

@@ -11,8 +11,9 @@ import (
 	"time"
 
 	"github.com/mdlayher/netlink"
-	"github.com/proxyaudit/proxyaudit/audit"
 	"golang.org/x/sys/unix"
+
+	"github.com/proxyaudit/proxyaudit/audit"
 )
 
 // nftSignal watches nf_tables, where both iptables-nft and kube-proxy's

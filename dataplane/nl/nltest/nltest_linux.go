@@ -56,3 +56,17 @@ func Verdict(code int32, chain string) []netlink.Attribute {
 	return Expr("immediate", []netlink.Attribute{{Type: unix.NFTA_IMMEDIATE_DREG, Data: BE32(0)},
 		{Type: unix.NLA_F_NESTED | unix.NFTA_IMMEDIATE_DATA, Data: Attrs(netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_DATA_VERDICT, Data: Attrs(v...)})}})
 }
+
+// ElemMsg builds an NFT_MSG_NEWSETELEM body of set with one element: key,
+// and a goto to chain as its value.
+func ElemMsg(set string, key []byte, chain string) []byte {
+	gotoCode := int32(unix.NFT_GOTO)
+	verdict := Attrs(netlink.Attribute{Type: unix.NFTA_VERDICT_CODE, Data: BE32(uint32(gotoCode))}, netlink.Attribute{Type: unix.NFTA_VERDICT_CHAIN, Data: CString(chain)})
+	elem := Attrs(
+		netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_SET_ELEM_KEY, Data: Attrs(netlink.Attribute{Type: unix.NFTA_DATA_VALUE, Data: key})},
+		netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_SET_ELEM_DATA, Data: Attrs(netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_DATA_VERDICT, Data: verdict})},
+	)
+	body := Attrs(netlink.Attribute{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: CString(set)},
+		netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_SET_ELEM_LIST_ELEMENTS, Data: Attrs(netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: elem})})
+	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
+}

@@ -1,9 +1,10 @@
-package collector
+package nftables
 
 import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -23,30 +24,30 @@ import (
 // from the kernel, but a bug must never crash the collector or make it
 // allocate without bound.
 
-// nftRule is one decoded rule: its chain and its statements in order.
-type nftRule struct {
-	chain string
-	stmts []nftStmt
+// Rule is one decoded rule: its chain and its statements in order.
+type Rule struct {
+	Chain string
+	Stmts []Stmt
 }
 
-// nftStmt is a statement before the sets it looks up are known.
-type nftStmt struct {
-	// match: a condition (cmp, or a lookup that only tests membership).
-	match bool
-	// target is a goto or jump verdict's chain.
-	target string
-	// set is the map a lookup reads: its values are verdicts (vmap) or an
+// Stmt is a statement before the sets it looks up are known.
+type Stmt struct {
+	// Match: a condition (cmp, or a lookup that only tests membership).
+	Match bool
+	// Target is a goto or jump verdict's chain.
+	Target string
+	// Set is the map a lookup reads: its values are verdicts (vmap) or an
 	// address and port a DNAT reads (dnatMap).
-	set     string
-	vmap    bool
-	dnatMap bool
-	// dnat is a DNAT to an address and port held in immediates.
-	dnat netip.AddrPort
+	Set     string
+	VMap    bool
+	DNATMap bool
+	// DNAT is a DNAT to an address and port held in immediates.
+	DNAT netip.AddrPort
 }
 
-// decodeRule reads one NFT_MSG_NEWRULE message body.
-func decodeRule(data []byte) (nftRule, error) {
-	var r nftRule
+// DecodeRule reads one NFT_MSG_NEWRULE message body.
+func DecodeRule(data []byte) (Rule, error) {
+	var r Rule
 	a, err := nl.Body(data, "rule")
 	if err != nil {
 		return r, err
@@ -55,25 +56,25 @@ func decodeRule(data []byte) (nftRule, error) {
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_RULE_CHAIN:
-			r.chain = a.Str()
+			r.Chain = a.Str()
 		case unix.NFTA_RULE_EXPRESSIONS:
 			list := nl.Walk(a.Val)
 			n := 0
 			for list.Next() {
 				if n++; n > nl.MaxRuleExprs {
-					return r, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip(r.chain), nl.MaxRuleExprs)
+					return r, fmt.Errorf("nf_tables rule in chain %q: more than %d expressions", clip([]byte(r.Chain)), nl.MaxRuleExprs)
 				}
 				if err := d.expr(list.Val); err != nil {
-					return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), err)
+					return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip([]byte(r.Chain)), err)
 				}
 			}
 			if list.Err != nil {
-				return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), list.Err)
+				return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip([]byte(r.Chain)), list.Err)
 			}
 		}
 	}
 	if a.Err != nil {
-		return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip(r.chain), a.Err)
+		return r, fmt.Errorf("nf_tables rule in chain %q: %w", clip([]byte(r.Chain)), a.Err)
 	}
 	return r, nil
 }
@@ -81,7 +82,7 @@ func decodeRule(data []byte) (nftRule, error) {
 // ruleDecoder decodes one rule's expressions, holding the last immediates
 // loaded into registers until a nat expression reads them.
 type ruleDecoder struct {
-	rule *nftRule
+	rule *Rule
 	regs [2]struct {
 		reg  uint32
 		data []byte
@@ -105,7 +106,7 @@ func (d *ruleDecoder) expr(b []byte) error {
 			var err error
 			switch string(name) {
 			case "cmp":
-				d.rule.stmts = append(d.rule.stmts, nftStmt{match: true})
+				d.rule.Stmts = append(d.rule.Stmts, Stmt{Match: true})
 			case "lookup":
 				err = d.lookup(a.Val)
 			case "immediate":
@@ -123,26 +124,26 @@ func (d *ruleDecoder) expr(b []byte) error {
 
 func (d *ruleDecoder) lookup(b []byte) error {
 	a := nl.Walk(b)
-	var st nftStmt
+	var st Stmt
 	var dreg uint32
 	hasDreg := false
 	for a.Next() {
 		switch a.Type {
 		case unix.NFTA_LOOKUP_SET:
-			st.set = a.Str()
+			st.Set = a.Str()
 		case unix.NFTA_LOOKUP_DREG:
 			dreg, hasDreg = a.U32(), true
 		}
 	}
 	switch {
 	case !hasDreg:
-		st.match = true
+		st.Match = true
 	case dreg == unix.NFT_REG_VERDICT:
-		st.vmap = true
+		st.VMap = true
 	default:
-		st.dnatMap = true
+		st.DNATMap = true
 	}
-	d.rule.stmts = append(d.rule.stmts, st)
+	d.rule.Stmts = append(d.rule.Stmts, st)
 	return a.Err
 }
 
@@ -169,7 +170,7 @@ func (d *ruleDecoder) immediate(b []byte) error {
 	}
 	switch {
 	case verdict && target != "":
-		d.rule.stmts = append(d.rule.stmts, nftStmt{target: target})
+		d.rule.Stmts = append(d.rule.Stmts, Stmt{Target: target})
 	case !verdict && dreg != unix.NFT_REG_VERDICT:
 		d.load(dreg, value)
 	}
@@ -230,24 +231,24 @@ func (d *ruleDecoder) dnat(regAddr, regProto uint32) {
 	if port := d.loaded(regProto); regProto != 0 && len(port) >= 2 {
 		p = binary.BigEndian.Uint16(port)
 	}
-	d.rule.stmts = append(d.rule.stmts, nftStmt{dnat: netip.AddrPortFrom(ip.Unmap(), p)})
+	d.rule.Stmts = append(d.rule.Stmts, Stmt{DNAT: netip.AddrPortFrom(ip.Unmap(), p)})
 }
 
-// nftElem is one set or map element: its key and, for maps, its value:
+// Elem is one set or map element: its key and, for maps, its value:
 // data bytes, or the target chain of a goto or jump verdict.
-type nftElem struct {
-	key    []byte
-	data   []byte
-	target string
+type Elem struct {
+	Key    []byte
+	Data   []byte
+	Target string
 }
 
 // maxSetElems bounds the elements read from one map: 10k services with a
 // few ports each stay far below it.
 const maxSetElems = 1 << 20
 
-// decodeElems reads one NFT_MSG_NEWSETELEM message body and appends its
+// DecodeElems reads one NFT_MSG_NEWSETELEM message body and appends its
 // elements. The keys and values keep pointing into data.
-func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
+func DecodeElems(data []byte, out []Elem) ([]Elem, error) {
 	a, err := nl.Body(data, "set elements")
 	if err != nil {
 		return out, err
@@ -261,14 +262,14 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 			if len(out) >= maxSetElems {
 				return out, fmt.Errorf("nf_tables set elements: more than %d", maxSetElems)
 			}
-			var el nftElem
+			var el Elem
 			e := nl.Walk(list.Val)
 			for e.Next() {
 				switch e.Type {
 				case unix.NFTA_SET_ELEM_KEY:
-					el.key, _, _, err = nl.DataValue(e.Val)
+					el.Key, _, _, err = nl.DataValue(e.Val)
 				case unix.NFTA_SET_ELEM_DATA:
-					el.data, el.target, _, err = nl.DataValue(e.Val)
+					el.Data, el.Target, _, err = nl.DataValue(e.Val)
 				}
 				if err != nil {
 					return out, fmt.Errorf("nf_tables set element: %w", err)
@@ -296,34 +297,34 @@ func decodeElems(data []byte, out []nftElem) ([]nftElem, error) {
 //	service-nodeports:                 inet_proto . inet_service
 //	a DNAT map's value:                ip . inet_service
 
-// serviceIPKey decodes ip . inet_proto . inet_service.
-func serviceIPKey(family int, k []byte) (audit.FrontendKey, error) {
+// ServiceIPKey decodes ip . inet_proto . inet_service.
+func ServiceIPKey(family int, k []byte) (audit.FrontendKey, error) {
 	n := nl.AddrLen(family)
 	if len(k) != n+8 {
 		return audit.FrontendKey{}, fmt.Errorf("key of %d bytes, want %d (ip . inet_proto . inet_service)", len(k), n+8)
 	}
 	ip, _ := netip.AddrFromSlice(k[:n])
-	proto, ok := protoName(k[n])
+	proto, ok := audit.ProtocolName(k[n])
 	if !ok {
 		return audit.FrontendKey{}, fmt.Errorf("unknown protocol %d", k[n])
 	}
 	return audit.FrontendKey{IP: ip.Unmap(), Protocol: proto, Port: binary.BigEndian.Uint16(k[n+4:])}, nil
 }
 
-// nodePortKey decodes inet_proto . inet_service.
-func nodePortKey(family int, k []byte) (audit.FrontendKey, error) {
+// NodePortKey decodes inet_proto . inet_service.
+func NodePortKey(family int, k []byte) (audit.FrontendKey, error) {
 	if len(k) != 8 {
 		return audit.FrontendKey{}, fmt.Errorf("key of %d bytes, want 8 (inet_proto . inet_service)", len(k))
 	}
-	proto, ok := protoName(k[0])
+	proto, ok := audit.ProtocolName(k[0])
 	if !ok {
 		return audit.FrontendKey{}, fmt.Errorf("unknown protocol %d", k[0])
 	}
 	return audit.NodePortKey(family, proto, binary.BigEndian.Uint16(k[4:])), nil
 }
 
-// dnatValue decodes ip . inet_service.
-func dnatValue(family int, v []byte) (netip.AddrPort, bool) {
+// DNATValue decodes ip . inet_service.
+func DNATValue(family int, v []byte) (netip.AddrPort, bool) {
 	n := nl.AddrLen(family)
 	if len(v) != n+4 {
 		return netip.AddrPort{}, false
@@ -335,22 +336,22 @@ func dnatValue(family int, v []byte) (netip.AddrPort, bool) {
 	return netip.AddrPortFrom(ip.Unmap(), binary.BigEndian.Uint16(v[n:])), true
 }
 
-// setInfo is what the table's set list says of one set.
-type setInfo struct {
-	handle    uint64
-	anonymous bool
+// SetInfo is what the table's set list says of one set.
+type SetInfo struct {
+	Handle    uint64
+	Anonymous bool
 }
 
-// decodeSet reads one NFT_MSG_NEWSET message body: the set's name, handle
+// DecodeSet reads one NFT_MSG_NEWSET message body: the set's name, handle
 // and whether it is anonymous (bound to one rule, never changed).
-func decodeSet(data []byte) (string, setInfo, error) {
-	_, name, info, err := decodeSetNote(data)
+func DecodeSet(data []byte) (string, SetInfo, error) {
+	_, name, info, err := DecodeSetNote(data)
 	return name, info, err
 }
 
-// decodeSetNote is decodeSet with the set's table (a notification may be
+// DecodeSetNote is decodeSet with the set's table (a notification may be
 // of any table).
-func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
+func DecodeSetNote(data []byte) (table, name string, info SetInfo, err error) {
 	a, err := nl.Body(data, "set")
 	if err != nil {
 		return "", "", info, err
@@ -361,17 +362,17 @@ func decodeSetNote(data []byte) (table, name string, info setInfo, err error) {
 			table = a.Str()
 		case unix.NFTA_SET_NAME:
 			name = a.Str()
-		case nftaSetHandle:
-			info.handle = a.U64()
+		case nl.NFTASetHandle:
+			info.Handle = a.U64()
 		case unix.NFTA_SET_FLAGS:
-			info.anonymous = a.U32()&unix.NFT_SET_ANONYMOUS != 0
+			info.Anonymous = a.U32()&unix.NFT_SET_ANONYMOUS != 0
 		}
 	}
 	return table, name, info, a.Err
 }
 
-// elemsOf reads the table and set an NFT_MSG_NEWSETELEM body is of.
-func elemsOf(data []byte) (table, set string) {
+// ElemsOf reads the table and set an NFT_MSG_NEWSETELEM body is of.
+func ElemsOf(data []byte) (table, set string) {
 	a, err := nl.Body(data, "set elements")
 	if err != nil {
 		return "", ""
@@ -387,20 +388,14 @@ func elemsOf(data []byte) (table, set string) {
 	return table, set
 }
 
-// Attributes golang.org/x/sys does not name (linux/netfilter/nf_tables.h).
-const (
-	nftaSetHandle   = 16 // NFTA_SET_HANDLE
-	nftaTableHandle = 4  // NFTA_TABLE_HANDLE
-)
-
-// tableHandle reads NFTA_TABLE_HANDLE from an NFT_MSG_NEWTABLE body.
-func tableHandle(data []byte) (uint64, bool) {
+// TableHandle reads NFTA_TABLE_HANDLE from an NFT_MSG_NEWTABLE body.
+func TableHandle(data []byte) (uint64, bool) {
 	a, err := nl.Body(data, "table")
 	if err != nil {
 		return 0, false
 	}
 	for a.Next() {
-		if a.Type == nftaTableHandle {
+		if a.Type == nl.NFTATableHandle {
 			h := a.U64()
 			return h, a.Err == nil
 		}
@@ -408,9 +403,92 @@ func tableHandle(data []byte) (uint64, bool) {
 	return 0, false
 }
 
-func clip(s string) string {
-	if len(s) > 80 {
-		return s[:80] + "…"
+// LookupMap is a map a rule looks up, decoded: the verdict targets of a
+// verdict map, or the addresses of a DNAT map.
+type LookupMap struct {
+	Targets []string
+	DNAT    []netip.AddrPort
+}
+
+func DecodeLookupMap(family int, els []Elem) *LookupMap {
+	m := &LookupMap{}
+	for _, el := range els {
+		if el.Target != "" {
+			m.Targets = append(m.Targets, el.Target)
+		}
+		if ap, ok := DNATValue(family, el.Data); ok {
+			m.DNAT = append(m.DNAT, ap)
+		}
 	}
-	return s
+	return m
+}
+
+// Dispatches says whether the services chain looks up service-ips.
+func Dispatches(rules []Rule) bool {
+	for _, rule := range rules {
+		for _, st := range rule.Stmts {
+			if st.VMap && st.Set == "service-ips" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// MapEntries decodes the named maps' elements.
+func MapEntries(family int, maps map[string][]Elem) (ips, ports []MapEntry, none []audit.FrontendKey, err error) {
+	for _, el := range maps["service-ips"] {
+		k, err := ServiceIPKey(family, el.Key)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("map service-ips: %w", err)
+		}
+		ips = append(ips, MapEntry{Key: k, Target: el.Target})
+	}
+	for _, el := range maps["service-nodeports"] {
+		k, err := NodePortKey(family, el.Key)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("map service-nodeports: %w", err)
+		}
+		ports = append(ports, MapEntry{Key: k, Target: el.Target})
+	}
+	for _, el := range maps["no-endpoint-services"] {
+		if k, err := ServiceIPKey(family, el.Key); err == nil {
+			none = append(none, k)
+		}
+	}
+	// A node port with no endpoints: its UDP flows stay pinned to the gone
+	// pods even where kube-proxy cleans a service's (1.37 skips node
+	// ports without endpoints: pkg/proxy/conntrack/cleanup.go).
+	for _, el := range maps["no-endpoint-nodeports"] {
+		if k, err := NodePortKey(family, el.Key); err == nil {
+			none = append(none, k)
+		}
+	}
+	return ips, ports, none, nil
+}
+
+// FrontendChain: the chains a frontend's traffic goes through.
+func FrontendChain(chain string) bool {
+	for _, p := range []string{"service-", "external-", "local-", "endpoint-"} {
+		if strings.HasPrefix(chain, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// StatementOf turns a decoded StatementOf into the audit's, its maps resolved.
+func StatementOf(st Stmt, looked map[string]*LookupMap) Statement {
+	var out Statement
+	switch {
+	case st.Target != "":
+		out.Gotos, out.Verdict = []string{st.Target}, true
+	case st.VMap && looked[st.Set] != nil:
+		out.Gotos = looked[st.Set].Targets
+	case st.DNATMap && looked[st.Set] != nil:
+		out.DNAT = looked[st.Set].DNAT
+	case st.DNAT.IsValid():
+		out.DNAT = []netip.AddrPort{st.DNAT}
+	}
+	return out
 }
