@@ -15,19 +15,9 @@ import (
 // immediate: a verdict (jump, goto, accept, ...) or a value loaded for a
 // native nat expression.
 func (d *iptDecoder) immediate(b []byte) error {
-	a := nl.Walk(b)
-	var dreg uint32
-	var data []byte
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_IMMEDIATE_DREG:
-			dreg = a.U32()
-		case unix.NFTA_IMMEDIATE_DATA:
-			data = a.Val
-		}
-	}
-	if a.Err != nil {
-		return a.Err
+	dreg, data, err := nl.DecodeImmediate(b)
+	if err != nil {
+		return err
 	}
 	if dreg != unix.NFT_REG_VERDICT {
 		v, _, _, err := nl.DataValue(data)
@@ -37,67 +27,35 @@ func (d *iptDecoder) immediate(b []byte) error {
 		*d.reg(dreg) = regState{src: regData, data: v}
 		return nil
 	}
-	v := nl.Walk(data)
-	for v.Next() {
-		if v.Type != unix.NFTA_DATA_VERDICT {
-			continue
-		}
-		va := nl.Walk(v.Val)
-		var code int32
-		var chain string
-		for va.Next() {
-			switch va.Type {
-			case unix.NFTA_VERDICT_CODE:
-				code = int32(va.U32())
-			case unix.NFTA_VERDICT_CHAIN:
-				chain = va.Str()
-			}
-		}
-		if va.Err != nil {
-			return va.Err
-		}
-		switch code {
-		case unix.NFT_JUMP:
-			d.r.Jump, d.r.Goto = chain, false
-		case unix.NFT_GOTO:
-			d.r.Jump, d.r.Goto = chain, true
-		case nfAccept:
-			d.r.Jump = "ACCEPT"
-		case nfDrop:
-			d.r.Jump = "DROP"
-		case unix.NFT_RETURN:
-			d.r.Jump = "RETURN"
-		case unix.NFT_CONTINUE:
-		default:
-			return d.other("verdict %d", code)
-		}
+	code, chain, ok, err := nl.DataVerdict(data)
+	if err != nil || !ok {
+		return err
 	}
-	return v.Err
+	switch code {
+	case unix.NFT_JUMP:
+		d.r.Jump, d.r.Goto = chain, false
+	case unix.NFT_GOTO:
+		d.r.Jump, d.r.Goto = chain, true
+	case nfAccept:
+		d.r.Jump = "ACCEPT"
+	case nfDrop:
+		d.r.Jump = "DROP"
+	case unix.NFT_RETURN:
+		d.r.Jump = "RETURN"
+	case unix.NFT_CONTINUE:
+	default:
+		return d.other("verdict %d", code)
+	}
+	return nil
 }
 
 // nat: a DNAT in native form (loaded address and port).
 func (d *iptDecoder) nat(b []byte) error {
-	a := nl.Walk(b)
-	var typ, regAddr, regAddrMax, regProto, regProtoMax, flags uint32
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_NAT_TYPE:
-			typ = a.U32()
-		case unix.NFTA_NAT_REG_ADDR_MIN:
-			regAddr = a.U32()
-		case unix.NFTA_NAT_REG_ADDR_MAX:
-			regAddrMax = a.U32()
-		case unix.NFTA_NAT_REG_PROTO_MIN:
-			regProto = a.U32()
-		case unix.NFTA_NAT_REG_PROTO_MAX:
-			regProtoMax = a.U32()
-		case unix.NFTA_NAT_FLAGS:
-			flags = a.U32()
-		}
+	n, err := nl.DecodeNAT(b)
+	if err != nil {
+		return err
 	}
-	if a.Err != nil {
-		return a.Err
-	}
+	typ, regAddr, regAddrMax, regProto, regProtoMax, flags := n.Type, n.RegAddrMin, n.RegAddrMax, n.RegProtoMin, n.RegProtoMax, n.Flags
 	if typ != unix.NFT_NAT_DNAT {
 		d.r.Jump = "SNAT"
 		return nil

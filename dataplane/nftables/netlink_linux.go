@@ -148,25 +148,17 @@ func (d *ruleDecoder) lookup(b []byte) error {
 }
 
 func (d *ruleDecoder) immediate(b []byte) error {
-	a := nl.Walk(b)
-	var dreg uint32
+	dreg, data, err := nl.DecodeImmediate(b)
+	if err != nil {
+		return err
+	}
 	var value []byte
 	var target string
 	verdict := false
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_IMMEDIATE_DREG:
-			dreg = a.U32()
-		case unix.NFTA_IMMEDIATE_DATA:
-			var err error
-			value, target, verdict, err = nl.DataValue(a.Val)
-			if err != nil {
-				return err
-			}
+	if data != nil {
+		if value, target, verdict, err = nl.DataValue(data); err != nil {
+			return err
 		}
-	}
-	if a.Err != nil {
-		return a.Err
 	}
 	switch {
 	case verdict && target != "":
@@ -178,22 +170,11 @@ func (d *ruleDecoder) immediate(b []byte) error {
 }
 
 func (d *ruleDecoder) nat(b []byte) error {
-	a := nl.Walk(b)
-	var typ, regAddr, regProto uint32
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_NAT_TYPE:
-			typ = a.U32()
-		case unix.NFTA_NAT_REG_ADDR_MIN:
-			regAddr = a.U32()
-		case unix.NFTA_NAT_REG_PROTO_MIN:
-			regProto = a.U32()
-		}
+	n, err := nl.DecodeNAT(b)
+	if err == nil && n.Type == unix.NFT_NAT_DNAT {
+		d.dnat(n.RegAddrMin, n.RegProtoMin)
 	}
-	if a.Err == nil && typ == unix.NFT_NAT_DNAT {
-		d.dnat(regAddr, regProto)
-	}
-	return a.Err
+	return err
 }
 
 // load keeps the last two immediates (a DNAT's address and port).
