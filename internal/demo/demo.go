@@ -179,10 +179,16 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.say("\n▶ drifting %s: its kube-proxy's connection to the API dies without an error (the dead-watch failure)", hung.Name)
-	if _, err := hung.DropAPIConnection(ctx); err != nil {
+	d.say("\n▶ drifting %s: its kube-proxy's traffic with the API is lost without an error (the dead-watch failure: kube-proxy stays up and green)", hung.Name)
+	// All of kube-proxy's API traffic, not its one connection: client-go
+	// replaces a dead connection (its HTTP/2 health check, ~45 s), which
+	// healed the drift before the demo's repair on 1.37. A new pod (a new
+	// cgroup) is what cures it, as the repair does.
+	heal, err := hung.HangProxyWatch(ctx)
+	if err != nil {
 		return nil, err
 	}
+	defer func() { _ = heal(context.WithoutCancel(ctx)) }()
 	d.say("▶ CoreDNS is rolled (kubectl rollout restart deployment/coredns): its pod %s goes", res.GoneDNS)
 	if err := restartDeployment(ctx, c, "kube-system", "coredns"); err != nil {
 		return nil, err
