@@ -20,7 +20,6 @@ func ruleMsg(chain string, exprs ...[]netlink.Attribute) []byte {
 var (
 	exprAttr    = nltest.Expr
 	be32        = nltest.BE32
-	mustAttrs   = nltest.Attrs
 	verdictExpr = nltest.Verdict
 )
 

@@ -390,6 +390,3 @@ func (r *ciliumReader) Read(context.Context) (*audit.Observed, error) {
 	}
 	return obs, nil
 }
-
-// protoName names an IP protocol number kube-proxy serves.
-func protoName(p byte) (string, bool) { return audit.ProtocolName(p) }
