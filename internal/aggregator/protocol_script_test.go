@@ -25,6 +25,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
@@ -174,13 +175,7 @@ func newProtocolScript(t *testing.T) *protocolScript {
 	s := &protocolScript{t: t, ctx: ctx, a: a, clk: clk, streams: map[string]*scriptStream{}, flushes: make(chan string, 4),
 		parked: make(chan struct{}, 4)}
 	a.warmup.onWait = func() { s.parked <- struct{}{} }
-	deadline := time.Now().Add(10 * time.Second)
-	for view.Synced() != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("the view's informers did not sync")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, "the view's informers synced", func() bool { return view.Synced() == nil })
 	return s
 }
 

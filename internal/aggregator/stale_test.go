@@ -14,8 +14,6 @@ import (
 
 	"go.uber.org/zap/zaptest"
 
-	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +22,9 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // An API server that goes away (the open watch ends, lists and watches are
@@ -62,14 +63,7 @@ func TestFailingWatchMakesTheViewStale(t *testing.T) {
 	// the view's clock.
 	wait := func(what string, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				_, why := view.Stale()
-				t.Fatalf("waiting for %s (stale: %q)", what, why)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		testkit.Await(t, 30*time.Second, what, cond, func() string { _, why := view.Stale(); return fmt.Sprintf("stale: %q", why) })
 	}
 	wait("informers synced", func() bool { return view.Synced() == nil })
 	if s, why := view.Stale(); !s.IsZero() {
@@ -208,18 +202,11 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 	converge := func(step string) {
 		t.Helper()
 		want := full()
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			var got *audit.State
+		var got *audit.State
+		testkit.Await(t, 10*time.Second, step+": the view's state equal to a full reduction", func() bool {
 			view.Read(func(st *audit.State, _ *audit.History, _ uint64) { got = st })
-			if view.Synced() == nil && reflect.DeepEqual(got, want) {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: the view's state\n%+v\ndiffers from a full reduction\n%+v", step, got, want)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return view.Synced() == nil && reflect.DeepEqual(got, want)
+		}, func() string { return fmt.Sprintf("the view's state\n%+v\na full reduction\n%+v", got, want) })
 	}
 	converge("start")
 	s := slice("a-1", "a", "198.18.0.1", "198.18.0.9")
