@@ -36,37 +36,13 @@ func TestE2ECheckNodeOnRealNodes(t *testing.T) {
 		}
 		defer c.Client.CoreV1().Namespaces().Delete(context.Background(), name, metav1.DeleteOptions{})
 	}
-	type result struct {
-		Findings []audit.Finding `json:"findings"`
-		Read     struct {
-			Mode                 string
-			Frontends, Endpoints int
-			PodSeconds           float64
-		} `json:"read"`
-	}
-	check := func(args ...string) (int, *result, string) {
+	check := func(args ...string) (int, *checkResult, string) {
 		t.Helper()
-		cmd := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, append([]string{"check"}, args...)...)
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		code := 0
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			code = ee.ExitCode()
-		} else if err != nil {
-			t.Fatal(err)
-		}
-		var r result
-		if code < 2 {
-			if err := json.Unmarshal(out, &r); err != nil {
-				t.Fatalf("check %v: %v\n%s\n%s", args, err, out, stderr.String())
-			}
-		}
+		code, r, stderr := runCheck(ctx, t, c, args...)
 		if pods, err := c.Client.CoreV1().Pods("check").List(ctx, metav1.ListOptions{}); err != nil || len(pods.Items) > 0 {
 			t.Errorf("check %v left pods behind: %v %v", args, pods, err)
 		}
-		return code, &r, stderr.String()
+		return code, r, stderr
 	}
 
 	for node, mode := range map[string]string{"real-ipt-a": "iptables", "real-nft-a": "nftables"} {
@@ -127,4 +103,39 @@ func TestE2ECheckNodeOnRealNodes(t *testing.T) {
 			t.Errorf("check %v: exit %d, %q; want 2 saying %q", tc.args, code, stderr, tc.says)
 		}
 	}
+}
+
+// checkResult is what `kubectl proxyaudit check -o json` prints.
+type checkResult struct {
+	Findings []audit.Finding `json:"findings"`
+	Read     struct {
+		Mode                 string
+		Frontends, Endpoints int
+		PodSeconds           float64
+	} `json:"read"`
+}
+
+// runCheck runs `kubectl proxyaudit check ARGS…` as the cluster's admin:
+// its exit code, what it printed (read when it exited 0 or 1: in sync, or
+// findings) and its stderr.
+func runCheck(ctx context.Context, t *testing.T, c *localcluster.Cluster, args ...string) (int, *checkResult, string) {
+	t.Helper()
+	cmd := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, append([]string{"check"}, args...)...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	var r checkResult
+	if code < 2 {
+		if err := json.Unmarshal(out, &r); err != nil {
+			t.Fatalf("check %v: %v\n%s\n%s", args, err, out, stderr.String())
+		}
+	}
+	return code, &r, stderr.String()
 }

@@ -2,10 +2,7 @@ package realnodes
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"os"
-	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -196,33 +193,8 @@ func TestE2ECiliumOnRealNodes(t *testing.T) {
 // finds that Service missing, as the aggregator would.
 func checkCiliumNode(ctx context.Context, t *testing.T, c *localcluster.Cluster, n *localcluster.Node, ns string, service func(string, ...string) *corev1.Service) {
 	t.Helper()
-	type result struct {
-		Findings []audit.Finding `json:"findings"`
-		Read     struct {
-			Mode       string
-			Frontends  int
-			PodSeconds float64
-		} `json:"read"`
-	}
-	check := func() (int, result, string) {
-		cmd := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "check", "node/"+n.Name, "-n", ns, "-o", "json", "--bpf-root", c.CiliumBPFRoot())
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		code := 0
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			code = ee.ExitCode()
-		} else if err != nil {
-			t.Fatal(err)
-		}
-		var r result
-		if code < 2 {
-			if err := json.Unmarshal(out, &r); err != nil {
-				t.Fatalf("check node/%s: %v\n%s\n%s", n.Name, err, out, stderr.String())
-			}
-		}
-		return code, r, stderr.String()
+	check := func() (int, *checkResult, string) {
+		return runCheck(ctx, t, c, "node/"+n.Name, "-n", ns, "-o", "json", "--bpf-root", c.CiliumBPFRoot())
 	}
 	code, r, stderr := check()
 	if code != 0 || r.Read.Mode != string(audit.ModeCilium) || r.Read.Frontends < 1 || len(r.Findings) != 0 {
