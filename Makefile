@@ -4,6 +4,9 @@
 GO       ?= go
 BIN      ?= bin
 TIMEOUT  ?= 45m
+# The oldest Kubernetes the chart supports (Chart.yaml's kubeVersion): its API server and
+# kube-proxy are built for the live suite (localcluster.OldestKubernetes says the same).
+OLDEST_K8S = v1.33.5
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
@@ -171,14 +174,14 @@ screenshots: deps modules cluster-binaries
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
 ## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) and
 ## the IPVS VM's tables (clean, drift, weight0) from that release's kube-proxy (built from its own module:
-## deploy/k8s-tools/kube-proxy-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs}, which the audit's
+## deploy/k8s-tools/tool-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs}, which the audit's
 ## conformance tests then judge too (1.37's IPVS mode is behind its KubeProxyIPVS gate, on by default)
 fixtures: deps cluster-binaries
 ifeq ($(K8S_VERSION),)
 	$(GO) test -count=1 -timeout 30m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture
 	$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture
 else
-	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/kube-proxy-at.sh $(K8S_VERSION)) \
+	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/tool-at.sh $(K8S_VERSION)) \
 		$(GO) test -count=1 -timeout 40m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture \
 		-capture-dir audit/testdata/k8s/$(basename $(K8S_VERSION))/capture
 endif
@@ -291,8 +294,11 @@ demo-binaries:
 ## cluster-binaries: the demo's, and the tests' own: Alertmanager, promtool, an OpenTelemetry Collector, and
 ## the release's tools (an OCI registry, krew, cyclonedx-gomod), built here so that no test builds one beside
 ## a timing-sensitive suite (cosign, minutes of both cores cold, is built by make test beside its suites), and
-## the IPVS VM's image (apt-get download): lanes 1 and 2 (deploy/lane.sh) have no network to fetch anything
+## the IPVS VM's image (apt-get download), the oldest supported release's API server and kube-proxy (the live
+## suite installs the chart on them): lanes 1 and 2 (deploy/lane.sh) have no network to fetch anything
 cluster-binaries: demo-binaries
+	@deploy/k8s-tools/tool-at.sh $(OLDEST_K8S) kube-apiserver >/dev/null
+	@deploy/k8s-tools/tool-at.sh $(OLDEST_K8S) kube-proxy >/dev/null
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
 	@deploy/k8s-tools/promtool.sh >/dev/null
 	@deploy/k8s-tools/otelcol.sh >/dev/null

@@ -112,8 +112,11 @@ type Config struct {
 	KeepWorkDir bool
 	// KubeProxy is the kube-proxy binary the namespace nodes run; empty is
 	// the pinned one in BinDir (PROXYAUDIT_KUBE_PROXY sets it for the
-	// suites' shared cluster: another release's, deploy/k8s-tools/kube-proxy-at.sh).
+	// suites' shared cluster: another release's, deploy/k8s-tools/tool-at.sh).
 	KubeProxy string
+	// APIServer is the kube-apiserver binary; empty is the pinned one in
+	// BinDir (another release's: deploy/k8s-tools/tool-at.sh, ToolAt).
+	APIServer string
 	// DualStack gives the API server an IPv6 service range beside the
 	// IPv4 one, each namespace-only node an IPv6 address (2001:2:0:N::2)
 	// beside its IPv4 one, and kube-proxy both cluster CIDRs.
@@ -414,7 +417,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 	}
 	var err error
 	c.apiserver, err = startProcess("kube-apiserver", filepath.Join(c.Dir, "kube-apiserver.log"), []string{
-		filepath.Join(c.bin, "kube-apiserver"),
+		c.apiServerBinary(),
 		"--etcd-servers=" + c.in.etcdClient,
 		"--bind-address=" + c.bindAddress(),
 		fmt.Sprintf("--secure-port=%d", c.in.apiPort),

@@ -137,3 +137,28 @@ func compiledModules(t *testing.T, dir string, pkgs ...string) map[string]string
 	}
 	return mods
 }
+
+// The oldest release the live suite installs on is the one the Makefile
+// builds before the lanes (which have no network) and the chart's
+// kubeVersion names: change one and this names the others.
+func TestOldestKubernetesAgrees(t *testing.T) {
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk, err := os.ReadFile(filepath.Join(root, "Makefile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := regexp.MustCompile(`(?m)^OLDEST_K8S = (\S+)$`).FindSubmatch(mk); m == nil || string(m[1]) != OldestKubernetes {
+		t.Errorf("Makefile's OLDEST_K8S %q, localcluster.OldestKubernetes %q", m, OldestKubernetes)
+	}
+	chartYAML, err := os.ReadFile(filepath.Join(root, "charts/proxyaudit/Chart.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	minor := strings.Join(strings.Split(strings.TrimPrefix(OldestKubernetes, "v"), ".")[:2], ".")
+	if want := `kubeVersion: ">=` + minor + `.0-0"`; !strings.Contains(string(chartYAML), want) {
+		t.Errorf("Chart.yaml should say %s (the oldest release the live suite installs on, %s)", want, OldestKubernetes)
+	}
+}

@@ -247,6 +247,14 @@ func (c *Cluster) legacyBin() (string, error) {
 	return dir, nil
 }
 
+// apiServerBinary is the kube-apiserver binary the cluster runs.
+func (c *Cluster) apiServerBinary() string {
+	if c.cfg.APIServer != "" {
+		return c.cfg.APIServer
+	}
+	return filepath.Join(c.bin, "kube-apiserver")
+}
+
 // kubeProxy is the kube-proxy binary namespace nodes and VM nodes run.
 func (c *Cluster) kubeProxy() string {
 	if c.cfg.KubeProxy != "" {

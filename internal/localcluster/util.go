@@ -26,15 +26,28 @@ func EnsureBinaries(ctx context.Context, logf func(string, ...any)) (string, err
 	return ensureTool(ctx, "build.sh")
 }
 
+// OldestKubernetes is the oldest release the chart supports (its
+// kubeVersion), whose API server and kube-proxy the live suite installs and
+// audits on beside the test cluster's own release.
+const OldestKubernetes = "v1.33.5"
+
+// ToolAt builds or reuses another release's kube-proxy or kube-apiserver
+// (deploy/k8s-tools/tool-at.sh) and returns its path. Its build needs the
+// module proxy: `make cluster-binaries` builds OldestKubernetes' before the
+// suites run in lanes without a network.
+func ToolAt(ctx context.Context, version, tool string) (string, error) {
+	return ensureTool(ctx, "tool-at.sh", version, tool)
+}
+
 // ensureTool runs a build script in deploy/k8s-tools (which builds or
 // reuses a cached binary) and returns the path it prints.
-func ensureTool(ctx context.Context, script string) (string, error) {
+func ensureTool(ctx context.Context, script string, args ...string) (string, error) {
 	root, err := RepoRoot()
 	if err != nil {
 		return "", err
 	}
 	path := filepath.Join(root, "deploy", "k8s-tools", script)
-	cmd := exec.CommandContext(ctx, path)
+	cmd := exec.CommandContext(ctx, path, args...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
