@@ -180,15 +180,18 @@ type client struct {
 	ctAt   time.Time
 	ctSent uint64
 	// ctKeys are the frontends of the rules at the last conntrack read;
-	// ctGone those that left the rules since, and when: their flows are
+	// ctGone those that left the rules since, and when — at a conntrack
+	// read or at any rules read between two (leftRules): their flows are
 	// still counted for ctRemember, and may be flushed. A service left
 	// with no endpoints leaves the NAT rules (kube-proxy rejects it in
-	// the filter table), and kube-proxy leaves its UDP entries alone.
+	// the filter table), and kube-proxy leaves its UDP entries alone (a
+	// node port's, 1.37 too).
 	ctKeys map[audit.FrontendKey]bool
 	ctGone map[audit.FrontendKey]time.Time
 	// ctSaved: ConntrackFile was written since the start (then again
-	// only when the frontends change).
-	ctSaved bool
+	// only when the frontends change); ctDirty: a rules read added to
+	// ctGone since it was last written.
+	ctSaved, ctDirty bool
 	http    http.Client
 
 	// The last successful read, kept across streams: its state, the

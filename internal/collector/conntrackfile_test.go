@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -132,4 +133,51 @@ func TestConntrackFrontendsOutliveRestart(t *testing.T) {
 			t.Fatal("counted with a file that cannot exist")
 		}
 	})
+}
+
+// A frontend that comes and leaves between two conntrack reads — a node
+// port whose one pod went seconds after it came, as the soak made its UDP
+// blackhole on kube-proxy 1.37 — was never among a conntrack read's
+// frontends: its flows, pinned to the gone pod, must still be counted,
+// since the rules read that saw it leave.
+func TestConntrackCountsAFrontendThatCameAndWentBetweenReads(t *testing.T) {
+	gone := synthRules(t, 4).Frontends[0]
+	var reads atomic.Int64
+	rules := func() (*audit.Observed, error) {
+		o := synthRules(t, 4)
+		if reads.Add(1) != 2 { // only the second read shows it
+			o.Frontends = o.Frontends[1:]
+		}
+		return o, nil
+	}
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln.Close()
+	table := &ctTable{}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: 50 * time.Millisecond,
+			Reader: &collectortest.Reader{Rules: rules}, Conntrack: table, ConntrackInterval: 2500 * time.Millisecond})
+	}()
+	defer func() { cancel(); <-done }()
+	// Reads come a second apart (a read starts at least 1 s after the
+	// last), conntrack reads 2.5 s apart: the first with the first read,
+	// the next after the third.
+	conn := welcome(t, ln)
+	defer conn.Close()
+	counted := func() bool {
+		table.mu.Lock()
+		defer table.mu.Unlock()
+		return slices.Contains(table.keys, gone.FrontendKey)
+	}
+	for deadline := time.Now().Add(10 * time.Second); !counted(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %d rules reads the conntrack read does not count %s, which one read showed and the next did not", reads.Load(), gone.FrontendKey.Wire())
+		}
+		nextReport(t, conn, 5*time.Second)
+	}
+	if reads.Load() < 3 {
+		t.Fatalf("counted after %d reads: the test shows nothing", reads.Load())
+	}
 }
