@@ -174,7 +174,7 @@ screenshots: deps modules cluster-binaries
 ## fixtures: recapture audit/testdata/capture, audit/testdata/ipvs and audit/testdata/dualstack from genuine
 ## kube-proxies (review the diff); K8S_VERSION=vX.Y.Z captures the service matrix (clean, drift, large) and
 ## the IPVS VM's tables (clean, drift, weight0) from that release's kube-proxy (built from its own module:
-## deploy/k8s-tools/tool-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs}, which the audit's
+## deploy/k8s-tools/tool-at.sh) into audit/testdata/k8s/vX.Y/{capture,ipvs,dualstack}, which the audit's
 ## conformance tests then judge too (1.37's IPVS mode is behind its KubeProxyIPVS gate, on by default)
 fixtures: deps cluster-binaries
 ifeq ($(K8S_VERSION),)
@@ -184,6 +184,9 @@ else
 	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/tool-at.sh $(K8S_VERSION)) \
 		$(GO) test -count=1 -timeout 40m -run 'TestE2ECaptureFixtures|TestE2EIPVS' ./internal/e2e -capture \
 		-capture-dir audit/testdata/k8s/$(basename $(K8S_VERSION))/capture
+	PROXYAUDIT_KUBE_PROXY=$$(deploy/k8s-tools/tool-at.sh $(K8S_VERSION)) \
+		$(GO) test -count=1 -timeout 10m -run 'TestE2EDualStack' ./internal/e2e/dualstack -capture \
+		-capture-dir audit/testdata/k8s/$(basename $(K8S_VERSION))/dualstack
 endif
 	$(GO) test -count=1 ./audit -update
 

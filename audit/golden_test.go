@@ -199,21 +199,33 @@ func TestFlushedTable(t *testing.T) {
 	}
 }
 
-// Captures of genuine kube-proxy 1.36 on a dual-stack cluster (iptables,
-// both backends, nftables, and IPVS in the VM; make fixtures): in sync in
+// Captures of genuine kube-proxy on a dual-stack cluster (iptables, both
+// backends, nftables, and IPVS in the VM; make fixtures): the pinned
+// release's in testdata/dualstack, another release's in
+// testdata/k8s/vX.Y/dualstack (make fixtures K8S_VERSION=…). In sync in
 // both families, IPv6 node ports and cluster IPs read; in the drift
 // captures ds-nft's kube-proxy was frozen while an IPv6 endpoint moved and
 // a dual-stack service appeared, and ds-ipvs's cut off from the API while
 // an IPv6 endpoint left: their findings are golden.
 func TestDualStackCaptures(t *testing.T) {
+	roots, err := filepath.Glob(filepath.Join("testdata", "k8s", "*", "dualstack"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, root := range append([]string{filepath.Join("testdata", "dualstack")}, roots...) {
+		dualStackCaptures(t, root)
+	}
+}
+
+func dualStackCaptures(t *testing.T, root string) {
 	for dir, nodes := range map[string][]string{
 		"clean": {"ds-ipt", "ds-legacy", "ds-nft"}, "drift": {"ds-ipt", "ds-legacy", "ds-nft"},
 		"ipvs-clean": {"ds-ipvs"}, "ipvs-drift": {"ds-ipvs"},
 	} {
-		st := readertest.Cluster(t, filepath.Join("testdata", "dualstack", dir))
+		st := readertest.Cluster(t, filepath.Join(root, dir))
 		for _, node := range nodes {
-			t.Run(dir+"/"+node, func(t *testing.T) {
-				path := filepath.Join("testdata", "dualstack", dir, node+".rules")
+			t.Run(filepath.Join(root, dir, node), func(t *testing.T) {
+				path := filepath.Join(root, dir, node+".rules")
 				obs := readRules(t, path)
 				v6 := map[bool]int{}
 				for _, fe := range obs.Frontends {

@@ -30,18 +30,21 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
-var capture = flag.Bool("capture", false, "rewrite audit/testdata/dualstack from the dual-stack cluster (make fixtures)")
+var (
+	capture    = flag.Bool("capture", false, "rewrite audit/testdata/dualstack from the dual-stack cluster (make fixtures)")
+	captureDir = flag.String("capture-dir", "audit/testdata/dualstack", "where -capture writes, below the repository (make fixtures K8S_VERSION=vX.Y.Z: audit/testdata/k8s/vX.Y/dualstack, with that release's kube-proxy in "+localcluster.KubeProxyEnv+")")
+)
 
 // save writes the cluster and every node's rules (both families, as an
 // SRE's tools print them; more, such as a VM's ipvsadm -Sn, by name)
-// under audit/testdata/dualstack/dir.
+// under -capture-dir's dir.
 func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string, more map[string]string) {
 	t.Helper()
 	root, err := localcluster.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir = filepath.Join(root, "audit", "testdata", "dualstack", dir)
+	dir = filepath.Join(root, *captureDir, dir)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -73,6 +76,9 @@ func cluster(t *testing.T, cfg localcluster.Config, nodes ...localcluster.NodeSp
 	t.Helper()
 	localcluster.NeedRoot(t, false)
 	cfg.Logf = t.Logf
+	if cfg.KubeProxy == "" {
+		cfg.KubeProxy = os.Getenv(localcluster.KubeProxyEnv) // another release's (make fixtures K8S_VERSION=…)
+	}
 	c, err := localcluster.Start(context.Background(), cfg)
 	t.Cleanup(func() {
 		if err := c.Stop(); err != nil {
