@@ -16,10 +16,10 @@ fi
 mkdir -p "$bin.tmp"
 # -ldflags as helm's own Makefile sets them: the version helm reports, and the
 # Kubernetes version `helm template` and `helm lint` assume without a cluster:
-# 1.36, the API server the tests run (the module default 1.20 fails the
+# 1.37, the API server the tests run (the module default 1.20 fails the
 # chart's kubeVersion).
-k8s="-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=36"
-k8s="$k8s -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=36"
+k8s="-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=37"
+k8s="$k8s -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37"
 "$repo/deploy/quiet.sh" helm "building helm $HELM_VERSION from the Go module proxy (~2 min)" -- \
   env CGO_ENABLED=0 GOBIN="$bin.tmp" GOFLAGS=-mod=mod go install -trimpath \
   -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION $k8s" \

@@ -568,7 +568,7 @@ func caBundle(root string) ([]byte, error) {
 // Image references the local cluster and the chart use.
 const (
 	// KubeProxyRef is the tag kubeadm's kube-proxy DaemonSet names.
-	KubeProxyRef = "registry.k8s.io/kube-proxy:v1.36.3"
+	KubeProxyRef = "registry.k8s.io/kube-proxy:v1.37.2"
 	// PauseRef is the sandbox image the nodes' containerd is told to use.
 	PauseRef = "registry.k8s.io/pause:3.10"
 	// CoreDNSRef is the cluster DNS image (deploy/k8s-tools/coredns.sh's version).

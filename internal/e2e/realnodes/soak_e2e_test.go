@@ -569,10 +569,10 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	// And a real blackhole kube-proxy leaves: a UDP client on the node
-	// keeps sending to a service whose one pod went (scaled to zero:
-	// kube-proxy 1.36's conntrack cleanup skips a service with no
-	// endpoints; 1.37's does not, see docs/design.md), its entry still
-	// DNATed to the gone pod. No restart cures it (the
+	// keeps sending to its node's node port of a service whose one pod
+	// went (scaled to zero: kube-proxy's conntrack cleanup skips a node
+	// port with no endpoints, 1.37's too; a ClusterIP's 1.37 cleans, see
+	// docs/design.md), its entry still DNATed to the gone pod. No restart cures it (the
 	// rules are right); the chart's default pages nothing for it (its
 	// alert is Prometheus's ProxyAuditStaleConntrack), so the operator
 	// scales the service back once it is found.
@@ -581,7 +581,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 	lone.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"app": "lone"}}
 	lone.Spec.Template.Labels = map[string]string{"app": "lone"}
 	loneSvc, err := c.Client.CoreV1().Services(ns).Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "lone"},
-		Spec: corev1.ServiceSpec{Selector: lone.Spec.Template.Labels, Ports: []corev1.ServicePort{
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeNodePort, Selector: lone.Spec.Template.Labels, Ports: []corev1.ServicePort{
 			{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt32(5353)}}}}, metav1.CreateOptions{})
 	if err == nil {
 		_, err = c.Client.AppsV1().Deployments(ns).Create(ctx, lone, metav1.CreateOptions{})
@@ -640,7 +640,7 @@ func TestE2ESoakOnRealNodes(t *testing.T) {
 		case "endpoint rewritten":
 			err = n.TamperEndpoint(ctx, "198.18.252.1:8080", "198.18.252.9:8080")
 		case "UDP blackhole":
-			r := startResolver(t, n, loneSvc.Spec.ClusterIP)
+			r := startResolverAt(t, n, net.JoinHostPort(n.IP, strconv.Itoa(int(loneSvc.Spec.Ports[0].NodePort))))
 			for deadline := time.Now().Add(20 * time.Second); r.answers.Load() == 0 && time.Now().Before(deadline); {
 				time.Sleep(100 * time.Millisecond)
 			}
