@@ -53,7 +53,8 @@ image: deps
 ##       overlap (the suites wait on grace periods and leave much of the two cores idle). Beside them, at the lowest CPU priority
 ##       (nice 19): cosign's build (the real-node suite signs its releases; minutes of CPU cold), the
 ##       release's tests (BESIDE_PKGS, signed), every fuzz target briefly and the race detector over the
-##       unit tests (make race -short); their log is printed at 3/3;
+##       unit tests (make race -short); their log is printed at 3/3. Also beside, the genuine Cilium
+##       agent's build, whose two suites run last in lanes 0 and 1 (cilium_after);
 ##   3/3 the results of what ran beside
 # The packages with end-to-end tests: their tests import internal/localcluster (a cluster, root) or
 # they have *_e2e_test.go files (slow builds: the release).
@@ -74,6 +75,17 @@ BESIDE_LOG = .cache/logs/make-test-beside.log
 GOTESTSUM ?= gotest.tools/gotestsum@v1.13.0
 GOTESTSUM_BIN = $(CURDIR)/.cache/bin/gotestsum
 E2E_JSON = .cache/logs/make-test-e2e.json
+# The genuine Cilium agent's suites (make e2e-cilium) run in make test after their lane's other
+# packages: the agent (~6 min cold) and Debian's clang-19 are built and installed beside stage 2 at
+# nice 19 (log: .cache/logs/make-test-cilium-build.log) while the lanes mostly wait, and each suite
+# waits for CILIUM_READY (its .failed twin fails it). $(call cilium_after,LANE,PREFIX,RUN) runs RUN
+# so (PREFIX: deploy/lane.sh LANE env, or nothing in lane 0) and sets cr to 1 if it failed.
+CILIUM_READY = .cache/logs/make-test-cilium.ready
+CILIUM_LIVE = -run TestE2ECiliumNode ./internal/e2e/live
+CILIUM_REALNODES = -run TestE2ECiliumOnRealNodes ./internal/e2e/realnodes
+define cilium_after
+cr=0; w=0; while [ ! -e $(CILIUM_READY) ] && [ ! -e $(CILIUM_READY).failed ] && [ $$w -lt 480 ]; do sleep 5; w=$$((w + 1)); done; if [ -e $(CILIUM_READY) ]; then $(2) PROXYAUDIT_CILIUM=1 PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON)-cilium$(1) -- -count=1 -timeout 20m $(3) || cr=1; else echo "lane $(1): the Cilium agent's build failed or took 40 minutes:"; tail -30 .cache/logs/make-test-cilium-build.log; cr=1; fi
+endef
 # A broken unit test ends make test as soon as its package reports it (CI's signal within minutes).
 UNIT_MAX_FAILS ?= 1
 test: deps modules
@@ -85,7 +97,7 @@ test: deps modules
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory cluster-binaries
 	@echo "== make test 2/3 ($$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start): end-to-end tests on the real local cluster, lanes 0, 1 and 2 side by side; beside them at nice 19, the release tests, fuzz and race (log: $(BESIDE_LOG))"
-	@mkdir -p $(dir $(BESIDE_LOG)); \
+	@mkdir -p $(dir $(BESIDE_LOG)); rm -f $(CILIUM_READY) $(CILIUM_READY).failed; \
 	( start=$$(date +%s); nice -n 19 deploy/k8s-tools/release-tool.sh cosign >/dev/null; \
 	  echo "cosign built after $$(( $$(date +%s) - start )) s"; \
 	  PROXYAUDIT_RELEASE_SIGN=1 PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) nice -n 19 $(GO) test -count=1 -timeout $(TIMEOUT) $(BESIDE_PKGS); p=$$?; \
@@ -94,6 +106,8 @@ test: deps modules
 	  echo "fuzz: exit $$f after $$(( $$(date +%s) - start )) s"; \
 	  nice -n 19 $(MAKE) --no-print-directory race RACE_FLAGS=-short; r=$$?; \
 	  echo "race: exit $$r after $$(( $$(date +%s) - start )) s"; [ $$p -eq 0 ] && [ $$f -eq 0 ] && [ $$r -eq 0 ] ) > $(BESIDE_LOG) 2>&1 & beside=$$!; \
+	( deploy/install-deps.sh cilium && nice -n 19 deploy/quiet.sh cilium-build "building the genuine Cilium agent (v1.20.2; ~6 min cold)" -- deploy/k8s-tools/cilium.sh \
+	  && touch $(CILIUM_READY) || touch $(CILIUM_READY).failed ) > .cache/logs/make-test-cilium-build.log 2>&1 & \
 	lane0=; lane1=; lane2=; for p in $(E2E_PKGS); do n=" $${p#$(MODULE)/} "; \
 	  case " $(E2E_LANE0) " in *"$$n"*) lane0="$$lane0 $$p"; continue ;; esac; \
 	  case " $(E2E_LANE2) " in *"$$n"*) lane2="$$lane2 $$p"; continue ;; esac; lane1="$$lane1 $$p"; done; \
@@ -102,9 +116,11 @@ test: deps modules
 	  eval pkgs=\$$lane$$l; \
 	  ( deploy/lane.sh $$l env PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON)-lane$$l -- \
 		-count=1 -timeout $(TIMEOUT) $$pkgs; r=$$?; \
+	    if [ $$l = 1 ]; then $(call cilium_after,1,deploy/lane.sh 1 env,$(CILIUM_LIVE)); r=$$(( r | cr )); fi; \
 	    echo "lane $$l: exit $$r after $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"; exit $$r ) & eval pid$$l=\$$!; done; \
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GOTESTSUM_BIN) --format standard-quiet --jsonfile $(E2E_JSON) -- \
 		-count=1 -timeout $(TIMEOUT) $$lane0; rc=$$?; \
+	$(call cilium_after,0,env,$(CILIUM_REALNODES)); rc=$$(( rc | cr )); \
 	echo "lane 0: exit $$rc after $$(( $$(date +%s) - $$(cat .cache/make-test.start) )) s since the start"; \
 	wait $$pid1; rc1=$$?; wait $$pid2; rc2=$$?; \
 	echo "stage 2's slowest tests (30 s or more; a lane's suites wait for each other on its lock, so a package's time is not its own):"; \
@@ -131,8 +147,8 @@ e2e: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=$(E2E_REQUIRE) $(GO) test -count=1 -timeout $(TIMEOUT) -run 'E2E' ./...
 
 ## e2e-cilium: the genuine Cilium agent (kube-proxy replacement) on a node of the live system, and as its
-## DaemonSet's pod on a real kubelet node: in sync, frozen and found, restarted by remediation. Not in `make test`:
-## the agent's cold build (~6 min), its image (clang and LLVM inside) and Debian's clang-19 do not fit its CI budget.
+## DaemonSet's pod on a real kubelet node: in sync, frozen and found, restarted by remediation. make test runs
+## both too, each after its lane's other packages, the agent built beside stage 2 (CILIUM_READY).
 e2e-cilium: deps modules cluster-binaries
 	@deploy/install-deps.sh cilium
 	@deploy/quiet.sh cilium-build "building the genuine Cilium agent (v1.20.2; ~6 min cold)" -- deploy/k8s-tools/cilium.sh
@@ -153,8 +169,9 @@ soak: deps modules cluster-binaries
 	PROXYAUDIT_E2E_REQUIRE=1 $(GO) test -count=1 -timeout 120m -v -run '^TestE2ESoakOnRealNodes$$' ./internal/e2e/realnodes \
 		-soak $(SOAK) -soak-grace $(SOAK_GRACE) -soak-faults '$(SOAK_FAULTS)'
 
-## e2e-long: the suites kept out of `make test` because CI's budget cannot hold them (each says why above)
-e2e-long: e2e-cilium soak
+## e2e-long: the suite kept out of `make test` because CI's budget cannot hold it: the hour's soak (make
+## test runs it for six minutes)
+e2e-long: soak
 
 ## demo: bring up the local cluster, drift one node, show the findings (builds only what it runs;
 ## each long step prints one line and logs to .cache/logs/, V=1 shows everything)
