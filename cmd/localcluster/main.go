@@ -69,35 +69,26 @@ func demoFlags(o *demoOptions) *flag.FlagSet {
 
 func runDemo(ctx context.Context, o demoOptions) error {
 	logf := func(format string, args ...any) { fmt.Printf("  · "+format+"\n", args...) }
-	fmt.Println("▶ starting etcd and kube-apiserver (built here from k8s.io/kubernetes)")
-	c, err := localcluster.Start(ctx, localcluster.Config{Logf: logf})
-	if err != nil {
-		return err
-	}
+	fmt.Println("▶ starting etcd and kube-apiserver (built here from k8s.io/kubernetes), then real nodes, each a")
+	fmt.Println("  network namespace with its own containerd and kubelet: node-a (iptables, zone-a), node-b (iptables,")
+	fmt.Println("  zone-b), node-c (nftables, zone-a); kube-proxy as kubeadm runs it (DaemonSets in kube-system), CoreDNS;")
+	fmt.Println("  images are built here, nothing is pulled")
+	c, err := localcluster.StartTopology(ctx, localcluster.Topology{
+		Kubelets: []localcluster.KubeletNodeSpec{
+			{Name: "node-a", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
+			{Name: "node-b", Mode: localcluster.ModeIPTables, Zone: "zone-b"},
+			{Name: "node-c", Mode: localcluster.ModeNFTables, Zone: "zone-a"},
+		},
+		ProxyModes: []localcluster.Mode{localcluster.ModeIPTables, localcluster.ModeNFTables},
+		DNS:        true,
+	}, logf)
 	defer func() {
 		fmt.Println("▶ tearing down the local cluster")
 		if err := c.Stop(); err != nil {
 			fmt.Fprintln(os.Stderr, "teardown:", err)
 		}
 	}()
-	fmt.Println("▶ adding real nodes, each a network namespace with its own containerd and kubelet:")
-	fmt.Println("  node-a (iptables, zone-a), node-b (iptables, zone-b), node-c (nftables, zone-a); images are built here, nothing is pulled")
-	for _, spec := range []localcluster.KubeletNodeSpec{
-		{Name: "node-a", Mode: localcluster.ModeIPTables, Zone: "zone-a"},
-		{Name: "node-b", Mode: localcluster.ModeIPTables, Zone: "zone-b"},
-		{Name: "node-c", Mode: localcluster.ModeNFTables, Zone: "zone-a"},
-	} {
-		if _, err := c.AddKubeletNode(ctx, spec); err != nil {
-			return err
-		}
-	}
-	fmt.Println("▶ kube-proxy as kubeadm runs it (DaemonSets in kube-system), CoreDNS")
-	for _, m := range []localcluster.Mode{localcluster.ModeIPTables, localcluster.ModeNFTables} {
-		if err := c.DeployKubeProxy(ctx, m); err != nil {
-			return err
-		}
-	}
-	if err := c.DeployDNS(ctx); err != nil {
+	if err != nil {
 		return err
 	}
 	if _, err := c.WaitPodsReady(ctx, "kube-system", "k8s-app=kube-proxy", 3, 2*time.Minute); err != nil {

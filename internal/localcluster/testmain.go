@@ -11,7 +11,6 @@ import (
 	"sync"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // RequireEnv, when set to "1" (make test sets it under CI=true), turns the
@@ -19,12 +18,15 @@ import (
 // failure, so a CI run can never pass without them.
 const RequireEnv = "PROXYAUDIT_E2E_REQUIRE"
 
+// shared is the package's cluster (Up without Own): the topology of its
+// first Up, stopped by Main after the package's tests.
 var shared struct {
-	once    sync.Once
-	nodes   []NodeSpec
-	cluster *Cluster
-	err     error
-	skip    string
+	once     sync.Once
+	nodes    []NodeSpec
+	topology Topology
+	cluster  *Cluster
+	err      error
+	skip     string
 }
 
 // KubeProxyEnv names another kube-proxy binary for the shared cluster's
@@ -136,38 +138,9 @@ func BuildForTest(t testing.TB) string {
 	return dir
 }
 
-// Shared returns the package's shared cluster, starting it on first use, or
-// skips the test with the reason the machine cannot run it.
+// Shared returns the package's shared cluster of the nodes Main was given:
+// Up(t, Topology{Nodes: those}).
 func Shared(t testing.TB) *Cluster {
 	t.Helper()
-	if shared.skip != "" {
-		t.Skipf("END-TO-END TEST SKIPPED: %s", shared.skip)
-	}
-	if testing.Short() {
-		t.Skip("end-to-end test skipped in -short mode (make unit); make test runs it")
-	}
-	shared.once.Do(func() {
-		logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "localcluster: "+format+"\n", args...) }
-		// Start waits for the machine-wide lock while other packages'
-		// clusters run (go test's -timeout bounds that); the setup's own
-		// budget begins once this cluster is up.
-		c, err := Start(context.Background(), Config{Logf: logf, KubeProxy: os.Getenv(KubeProxyEnv)})
-		if err != nil {
-			shared.err = err
-			return
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
-		defer cancel()
-		shared.cluster = c
-		for _, spec := range shared.nodes {
-			if _, err := c.AddNode(ctx, spec); err != nil {
-				shared.err = err
-				return
-			}
-		}
-	})
-	if shared.err != nil {
-		t.Fatalf("local cluster: %v", shared.err)
-	}
-	return shared.cluster
+	return Up(t, Topology{Nodes: shared.nodes})
 }

@@ -69,36 +69,11 @@ func save(ctx context.Context, t *testing.T, c *localcluster.Cluster, dir string
 	t.Logf("captured %s", dir)
 }
 
-// cluster starts a local cluster of cfg's families with nodes, stopped
-// (and checked for leftovers) when t ends. Each test has its own: the
-// API server's service ranges are fixed at its start.
+// cluster is a local cluster of cfg's families with nodes, the test's own
+// (the API server's service ranges are fixed at its start).
 func cluster(t *testing.T, cfg localcluster.Config, nodes ...localcluster.NodeSpec) *localcluster.Cluster {
 	t.Helper()
-	localcluster.NeedRoot(t, false)
-	cfg.Logf = t.Logf
-	if cfg.KubeProxy == "" {
-		cfg.KubeProxy = os.Getenv(localcluster.KubeProxyEnv) // another release's (make fixtures K8S_VERSION=…)
-	}
-	c, err := localcluster.Start(context.Background(), cfg)
-	t.Cleanup(func() {
-		if err := c.Stop(); err != nil {
-			t.Errorf("stop the local cluster: %v", err)
-		}
-		if left := localcluster.Leftovers(); len(left) > 0 {
-			t.Errorf("the local cluster left behind:\n  %s", strings.Join(left, "\n  "))
-		}
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	for _, s := range nodes {
-		if _, err := c.AddNode(ctx, s); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return c
+	return localcluster.Up(t, localcluster.Topology{Own: true, Config: cfg, Nodes: nodes})
 }
 
 // read is what the collector reads on node n, with the mode it detected.

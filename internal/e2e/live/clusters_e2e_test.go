@@ -66,20 +66,7 @@ func TestE2ETwoClusters(t *testing.T) {
 	la := newLive(ctx, t, "openReports.enabled=true")
 
 	start := time.Now()
-	b, err := localcluster.Start(ctx, localcluster.Config{Logf: t.Logf, Instance: 1})
-	if err != nil {
-		t.Fatalf("a second cluster: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := b.Stop(); err != nil {
-			t.Errorf("stop the second cluster: %v", err)
-		}
-	})
-	for _, spec := range secondNodes {
-		if _, err := b.AddNode(ctx, spec); err != nil {
-			t.Fatal(err)
-		}
-	}
+	b := localcluster.Up(t, localcluster.Topology{Own: true, Config: localcluster.Config{Instance: 1}, Nodes: secondNodes})
 	if err := chart.ApplyCRD(ctx, b.RESTConfig, crd, "openreports.io/v1alpha1"); err != nil {
 		t.Fatal(err)
 	}

@@ -37,23 +37,11 @@ func TestE2EOldestKubernetes(t *testing.T) {
 		t.Fatalf("kube-proxy %s (make cluster-binaries builds it): %v", v, err)
 	}
 	start := time.Now()
-	b, err := localcluster.Start(ctx, localcluster.Config{Logf: t.Logf, Instance: 1, APIServer: apiserver, KubeProxy: proxy})
-	if err != nil {
-		t.Fatalf("a cluster on %s: %v", v, err)
-	}
-	t.Cleanup(func() {
-		if err := b.Stop(); err != nil {
-			t.Errorf("stop the %s cluster: %v", v, err)
-		}
-	})
+	b := localcluster.Up(t, localcluster.Topology{Own: true, Nodes: secondNodes,
+		Config: localcluster.Config{Instance: 1, APIServer: apiserver, KubeProxy: proxy}})
 	sv, err := b.Client.Discovery().ServerVersion()
 	if err != nil || sv.GitVersion != v {
 		t.Fatalf("the second API server says %v (%v), want %s", sv, err, v)
-	}
-	for _, spec := range secondNodes {
-		if _, err := b.AddNode(ctx, spec); err != nil {
-			t.Fatal(err)
-		}
 	}
 	for _, n := range b.Nodes() {
 		out, err := n.Exec(ctx, proxy, "--version")

@@ -50,89 +50,37 @@ var fleet = []localcluster.KubeletNodeSpec{
 	{Name: "real-static", Mode: localcluster.ModeIPTables, Zone: "zone-b", StaticProxy: true},
 }
 
-// Debugging: PROXYAUDIT_KEEP=1 keeps the cluster's work directory (logs,
-// kubeconfigs) after the run; PROXYAUDIT_HOLD=1 holds a failing wait for
-// ten minutes so that the cluster can be looked at.
+// The package's cluster: the control plane with the controller manager
+// and scheduler, the real nodes, kube-proxy's DaemonSets and CoreDNS, all
+// Ready. Debugging: PROXYAUDIT_KEEP=1 keeps the cluster's work directory
+// (logs, kubeconfigs) after the run; PROXYAUDIT_HOLD=1 holds a failing
+// wait for ten minutes so that the cluster can be looked at.
+var topology = localcluster.Topology{Kubelets: fleet,
+	ProxyModes: []localcluster.Mode{localcluster.ModeIPTables, localcluster.ModeNFTables}, DNS: true}
+
+// shared holds the proxyaudit binaries the tests run (built once).
 var shared struct {
 	once sync.Once
-	c    *localcluster.Cluster
 	bin  string
 	err  error
 }
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if shared.c != nil {
-		if err := shared.c.Stop(); err != nil {
-			fmt.Fprintln(os.Stderr, "stop the local cluster:", err)
-			code = 1
-		}
-		if left := localcluster.Leftovers(); len(left) > 0 {
-			fmt.Fprintf(os.Stderr, "the local cluster left behind:\n  %s\n", strings.Join(left, "\n  "))
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { localcluster.Main(m) }
 
-func skipUnlessCluster(t *testing.T) {
-	t.Helper()
-	if testing.Short() {
-		t.Skip("end-to-end test skipped in -short mode (make unit); make test runs it")
-	}
-	if err := localcluster.CanRun(); err != nil {
-		if os.Getenv("PROXYAUDIT_E2E_REQUIRE") == "1" {
-			t.Fatalf("END-TO-END TEST REQUIRED BUT CANNOT RUN: %v", err)
-		}
-		t.Skipf("END-TO-END TEST SKIPPED: %v", err)
-	}
-}
-
-// cluster brings up (once per package) the control plane with the
-// controller manager and scheduler, three real nodes, kube-proxy's
-// DaemonSets and CoreDNS, all Ready.
+// cluster is the package's cluster (once per package), with the
+// proxyaudit binaries built.
 func cluster(t *testing.T) *localcluster.Cluster {
 	t.Helper()
-	skipUnlessCluster(t)
+	c := localcluster.Up(t, topology)
 	shared.once.Do(func() {
-		// Start waits for the machine-wide cluster lock while other
-		// packages' clusters run (go test's -timeout bounds that); the
-		// setup's own budget begins once this cluster is up.
-		c, err := localcluster.Start(context.Background(), localcluster.Config{Logf: t.Logf, KeepWorkDir: os.Getenv("PROXYAUDIT_KEEP") != ""})
-		if err != nil {
-			shared.err = err
-			return
+		if shared.bin, shared.err = os.MkdirTemp("", "proxyaudit-realnodes-bin-"); shared.err == nil {
+			shared.err = localcluster.BuildProxyaudit(shared.bin)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-		defer cancel()
-		shared.c = c
-		start := time.Now()
-		for _, s := range fleet {
-			if _, err := c.AddKubeletNode(ctx, s); err != nil {
-				shared.err = err
-				return
-			}
-		}
-		t.Logf("%d real nodes Ready %s after the control plane (images built on the way)", len(fleet), time.Since(start).Round(time.Millisecond))
-		for _, m := range []localcluster.Mode{localcluster.ModeIPTables, localcluster.ModeNFTables} {
-			if err := c.DeployKubeProxy(ctx, m); err != nil {
-				shared.err = err
-				return
-			}
-		}
-		if err := c.DeployDNS(ctx); err != nil {
-			shared.err = err
-			return
-		}
-		if shared.bin, err = os.MkdirTemp("", "proxyaudit-realnodes-bin-"); err == nil {
-			err = localcluster.BuildProxyaudit(shared.bin)
-		}
-		shared.err = err
 	})
 	if shared.err != nil {
 		t.Fatal(shared.err)
 	}
-	return shared.c
+	return c
 }
 
 // waitPods waits until want pods match selector in ns, all Ready.
