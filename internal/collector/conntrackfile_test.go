@@ -1,10 +1,8 @@
 package collector_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -41,20 +39,11 @@ func TestConntrackFrontendsOutliveRestart(t *testing.T) {
 	// them.
 	run := func(t *testing.T, file string, rules func() (*audit.Observed, error), rejected ...audit.FrontendKey) (counted, flushable bool) {
 		t.Helper()
-		ln, _ := net.Listen("tcp", "127.0.0.1:0")
-		defer ln.Close()
 		table := &ctTable{}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
-				Reader:    &collectortest.Reader{Rules: rules, Rejected: func() []audit.FrontendKey { return rejected }},
-				Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: true, ConntrackFile: file})
-		}()
-		defer func() { cancel(); <-done }()
-		conn := welcome(t, ln)
-		defer conn.Close()
+		conn, stop := runCollector(t, collector.Config{Node: "n1", Interval: time.Hour,
+			Reader:    &collectortest.Reader{Rules: rules, Rejected: func() []audit.FrontendKey { return rejected }},
+			Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: true, ConntrackFile: file})
+		defer stop()
 		nextReport(t, conn, 5*time.Second)
 		table.mu.Lock()
 		counted = slices.Contains(table.keys, gone.FrontendKey)
@@ -150,22 +139,12 @@ func TestConntrackCountsAFrontendThatCameAndWentBetweenReads(t *testing.T) {
 		}
 		return o, nil
 	}
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
 	table := &ctTable{}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: 50 * time.Millisecond,
-			Reader: &collectortest.Reader{Rules: rules}, Conntrack: table, ConntrackInterval: 2500 * time.Millisecond})
-	}()
-	defer func() { cancel(); <-done }()
 	// Reads come a second apart (a read starts at least 1 s after the
 	// last), conntrack reads 2.5 s apart: the first with the first read,
 	// the next after the third.
-	conn := welcome(t, ln)
-	defer conn.Close()
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: 50 * time.Millisecond,
+		Reader: &collectortest.Reader{Rules: rules}, Conntrack: table, ConntrackInterval: 2500 * time.Millisecond})
 	counted := func() bool {
 		table.mu.Lock()
 		defer table.mu.Unlock()

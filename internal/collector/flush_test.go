@@ -117,12 +117,8 @@ func TestFlushOfAFrontendThatLeftTheRules(t *testing.T) {
 	all := synthRules(t, 4)
 	gone := all.Frontends[0]
 	var left atomic.Bool
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
 	table := &ctTable{}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: 50 * time.Millisecond,
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: 50 * time.Millisecond,
 		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) {
 			o := synthRules(t, 4)
 			if left.Load() {
@@ -131,8 +127,6 @@ func TestFlushOfAFrontendThatLeftTheRules(t *testing.T) {
 			return o, nil
 		}},
 		Conntrack: table, ConntrackInterval: 50 * time.Millisecond, ConntrackDelete: true})
-	conn := welcome(t, ln)
-	defer conn.Close()
 	counted := func() bool {
 		table.mu.Lock()
 		defer table.mu.Unlock()
@@ -226,17 +220,42 @@ func TestFlushOfANodePortSparesExplicitFrontends(t *testing.T) {
 // with the test.
 func flushingCollector(t *testing.T, rules *audit.Observed, table *ctTable, deletion bool) net.Conn {
 	t.Helper()
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	t.Cleanup(func() { ln.Close() })
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: time.Hour,
 		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
 		Conntrack: table, ConntrackInterval: time.Hour, ConntrackDelete: deletion})
-	conn := welcome(t, ln)
-	t.Cleanup(func() { conn.Close() })
 	nextReport(t, conn, 5*time.Second)
 	return conn
+}
+
+// runCollector runs a collector of cfg against an aggregator's listener
+// for at most 30 s and returns that aggregator's end once welcomed, and
+// stop, which ends the collector and waits for it (at the test's end at
+// the latest).
+func runCollector(t *testing.T, cfg collector.Config) (net.Conn, func()) {
+	t.Helper()
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	cfg.Aggregator = ln.Addr().String()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		collector.Run(ctx, cfg)
+	}()
+	var conn net.Conn
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			ln.Close()
+			if conn != nil {
+				conn.Close()
+			}
+		})
+	}
+	t.Cleanup(stop)
+	conn = welcome(t, ln)
+	return conn, stop
 }
 
 // datedTable is a conntrack table whose pairs' last packets are dated.
@@ -261,15 +280,9 @@ func TestConntrackLastPacketOnlyOffTheRules(t *testing.T) {
 		{Frontend: served.FrontendKey, Dest: served.Endpoints[0].Addr, UDP: 1, Active: at},
 		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), UDP: 1, Active: at},
 	}}
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: time.Hour,
 		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
 		Conntrack: table, ConntrackInterval: time.Hour})
-	conn := welcome(t, ln)
-	defer conn.Close()
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	m, _, err := stream.Read(conn, 1<<20)
 	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil {
@@ -297,15 +310,9 @@ func TestConntrackQuietWhenPacketsStop(t *testing.T) {
 		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.250:9"), UDP: 1, Active: now.Add(time.Minute)},
 		{Frontend: served.FrontendKey, Dest: mustAddrPort(t, "198.18.250.251:9"), TCP: map[string]int{"SYN_SENT": 2}, Active: now.Add(-time.Minute)},
 	}}
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: time.Hour,
 		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules, nil }},
 		Conntrack: table, ConntrackInterval: 20 * time.Second})
-	conn := welcome(t, ln)
-	defer conn.Close()
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	m, _, err := stream.Read(conn, 1<<20)
 	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil {
@@ -354,15 +361,9 @@ func TestConntrackLastPacketFollowsTheRules(t *testing.T) {
 	at := time.Unix(1_800_000_000, 0)
 	table := &datedTable{flows: []audit.ConntrackFlows{{Frontend: served.FrontendKey, Dest: served.Endpoints[0].Addr, UDP: 60, Active: at},
 		{Frontend: scaledDown.FrontendKey, Dest: scaledDown.Endpoints[0].Addr, UDP: 1, Active: at}}}
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go collector.Run(ctx, collector.Config{Node: "n1", Aggregator: ln.Addr().String(), Interval: time.Hour,
+	conn, _ := runCollector(t, collector.Config{Node: "n1", Interval: time.Hour,
 		Reader:    &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules.Load(), nil }},
 		Conntrack: table, ConntrackInterval: time.Hour})
-	conn := welcome(t, ln)
-	defer conn.Close()
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	m, _, err := stream.Read(conn, 1<<20)
 	if err != nil || m.Type != stream.TypeReport || m.Report.Conntrack == nil || len(m.Report.Conntrack.Pairs) != 2 {

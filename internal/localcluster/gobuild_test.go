@@ -146,19 +146,13 @@ func TestOldestKubernetesAgrees(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mk, err := os.ReadFile(filepath.Join(root, "Makefile"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m := regexp.MustCompile(`(?m)^OLDEST_K8S = (\S+)$`).FindSubmatch(mk); m == nil || string(m[1]) != OldestKubernetes {
+	mk := mustRead(t, filepath.Join(root, "Makefile"))
+	if m := regexp.MustCompile(`(?m)^OLDEST_K8S = (\S+)$`).FindStringSubmatch(mk); m == nil || m[1] != OldestKubernetes {
 		t.Errorf("Makefile's OLDEST_K8S %q, localcluster.OldestKubernetes %q", m, OldestKubernetes)
 	}
-	chartYAML, err := os.ReadFile(filepath.Join(root, "charts/proxyaudit/Chart.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	chartYAML := mustRead(t, filepath.Join(root, "charts/proxyaudit/Chart.yaml"))
 	minor := strings.Join(strings.Split(strings.TrimPrefix(OldestKubernetes, "v"), ".")[:2], ".")
-	if want := `kubeVersion: ">=` + minor + `.0-0"`; !strings.Contains(string(chartYAML), want) {
+	if want := `kubeVersion: ">=` + minor + `.0-0"`; !strings.Contains(chartYAML, want) {
 		t.Errorf("Chart.yaml should say %s (the oldest release the live suite installs on, %s)", want, OldestKubernetes)
 	}
 }
