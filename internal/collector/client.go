@@ -192,7 +192,7 @@ type client struct {
 	// only when the frontends change); ctDirty: a rules read added to
 	// ctGone since it was last written.
 	ctSaved, ctDirty bool
-	http    http.Client
+	http             http.Client
 
 	// The last successful read, kept across streams: its state, the
 	// change signal's token it reflects, and when it began.
