@@ -96,14 +96,7 @@ func TestE2EChartAppliesServerSide(t *testing.T) {
 
 func helmCmd(ctx context.Context, t *testing.T, c *localcluster.Cluster, args ...string) (string, error) {
 	t.Helper()
-	helm, err := chart.Helm(root(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.CommandContext(ctx, helm, args...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig, "HELM_CACHE_HOME="+t.TempDir(),
-		"HELM_CONFIG_HOME="+t.TempDir(), "HELM_DATA_HOME="+t.TempDir())
-	out, err := cmd.CombinedOutput()
+	out, err := (&localcluster.System{C: c}).Helm(ctx, args...)
 	return string(out), err
 }
 

@@ -12,7 +12,6 @@ package demo
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -77,11 +76,7 @@ type Result struct {
 }
 
 // Report is what `proxyaudit report -o json` prints.
-type Report struct {
-	Nodes    []audit.NodeStatus   `json:"nodes"`
-	Findings []audit.TimedFinding `json:"findings"`
-	Summary  audit.Summary        `json:"summary"`
-}
+type Report = localcluster.Report
 
 // Run tells the story. It leaves the chart installed; Uninstall removes it.
 func Run(ctx context.Context, cfg Config) (*Result, error) {
@@ -94,28 +89,20 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 
 type demo struct {
 	Config
-	c    *localcluster.Cluster
-	helm string
-	root string
-	n    int // nodes
+	c   *localcluster.Cluster
+	sys *localcluster.System
+	n   int // nodes
 }
 
 func newDemo(cfg Config) (*demo, error) {
 	if _, err := os.Stat(cfg.CLI); err != nil {
 		return nil, fmt.Errorf("the proxyaudit CLI: %w (run `make build`)", err)
 	}
-	root, err := localcluster.RepoRoot()
-	if err != nil {
-		return nil, err
-	}
-	helm, err := chart.Helm(root)
-	if err != nil {
-		return nil, err
-	}
 	if cfg.Cluster.Node(cfg.Drift) == nil {
 		return nil, fmt.Errorf("no node %s in the cluster", cfg.Drift)
 	}
-	return &demo{Config: cfg, c: cfg.Cluster, helm: helm, root: root, n: len(cfg.Cluster.Nodes())}, nil
+	return &demo{Config: cfg, c: cfg.Cluster, n: len(cfg.Cluster.Nodes()),
+		sys: &localcluster.System{C: cfg.Cluster, Bin: filepath.Dir(cfg.CLI), Release: Release, Namespace: Namespace}}, nil
 }
 
 func (d *demo) say(format string, args ...any) { fmt.Fprintf(d.Out, format+"\n", args...) }
@@ -161,7 +148,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	if err := d.install(ctx); err != nil {
 		return nil, err
 	}
-	if _, err := d.wait(ctx, 2*time.Minute, "every node in sync", d.allInSync); err != nil {
+	if _, err := d.sys.Wait(ctx, 2*time.Minute, "every node in sync", d.allInSync); err != nil {
 		return nil, err
 	}
 	d.say("\n$ kubectl proxyaudit report")
@@ -175,7 +162,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	}
 
 	hung := c.Node(d.Drift)
-	proxyPod, err := kubeProxyPod(ctx, c, hung.Name)
+	proxyPod, err := d.kubeProxyPod(ctx, hung.Name)
 	if err != nil {
 		return nil, err
 	}
@@ -238,7 +225,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	// every stale endpoint just printed, on the drifted node.
 	d.say("\n▶ waiting for the aggregator to judge: a change is drift once it outlives the grace period (%s)", Grace)
 	want := []string{res.GoneDNS + ":53", webPods[1] + ":8080", webPods[1] + ":8443"}
-	drifted, err := d.wait(ctx, Grace+2*time.Minute, "StuckProxy and the stale endpoints on "+hung.Name, func(r *Report) bool {
+	drifted, err := d.sys.Wait(ctx, Grace+2*time.Minute, "StuckProxy and the stale endpoints on "+hung.Name, func(r *Report) bool {
 		if !slices.ContainsFunc(r.Findings, func(f audit.TimedFinding) bool { return f.Kind == audit.StuckProxy && f.Node == hung.Name }) {
 			return false
 		}
@@ -287,7 +274,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 	}
 	var healed string
 	for deadline := time.Now().Add(3 * time.Minute); healed == ""; time.Sleep(500 * time.Millisecond) {
-		pod, err := kubeProxyPod(ctx, c, hung.Name)
+		pod, err := d.kubeProxyPod(ctx, hung.Name)
 		if err == nil && pod != "" && pod != proxyPod {
 			healed = pod
 		}
@@ -295,7 +282,7 @@ func (d *demo) run(ctx context.Context) (*Result, error) {
 			return nil, fmt.Errorf("remediation did not replace kube-proxy pod %s on %s within 3 minutes; what proxyaudit said about the node:\n%s", proxyPod, hung.Name, nodeEvents(ctx, c, hung.Name))
 		}
 	}
-	if _, err := d.wait(ctx, 2*time.Minute, "every node in sync again", d.allInSync); err != nil {
+	if _, err := d.sys.Wait(ctx, 2*time.Minute, "every node in sync again", d.allInSync); err != nil {
 		return nil, err
 	}
 	res.Healed = time.Since(changed)
@@ -366,12 +353,12 @@ func staleOf(r *Report, node, service string) []string {
 
 // install runs helm install with the demo's values.
 func (d *demo) install(ctx context.Context) error {
-	args := []string{"install", Release, filepath.Join(d.root, chart.Dir), "--namespace", Namespace, "--create-namespace",
+	args := []string{"install", Release, chart.Dir, "--namespace", Namespace, "--create-namespace",
 		"--set", "collector.interval=" + interval.String(),
 		"--set", "remediation.mode=restart", "--set", "remediation.maxUnhealthy=50%"}
 	d.say("▶ $ helm %s", strings.Join(args, " "))
-	if out, err := d.helmRun(ctx, args...); err != nil {
-		return fmt.Errorf("helm install: %v\n%s", err, out)
+	if _, err := d.sys.Helm(ctx, args...); err != nil {
+		return err
 	}
 	start := time.Now()
 	if _, err := d.c.WaitPodsReady(ctx, Namespace, "app.kubernetes.io/component=collector", d.n, 3*time.Minute); err != nil {
@@ -388,38 +375,14 @@ func (d *demo) install(ctx context.Context) error {
 // incident record: the demo's restart would count against the next
 // install's budget) and the demo's services.
 func Uninstall(ctx context.Context, c *localcluster.Cluster) error {
-	d := &demo{c: c}
-	root, err := localcluster.RepoRoot()
-	if err != nil {
+	if err := (&localcluster.System{C: c, Release: Release, Namespace: Namespace}).Uninstall(ctx); err != nil {
 		return err
 	}
-	if d.helm, err = chart.Helm(root); err != nil {
-		return err
-	}
-	if out, err := d.helmRun(ctx, "uninstall", Release, "--namespace", Namespace, "--wait"); err != nil {
-		return fmt.Errorf("helm uninstall: %v\n%s", err, out)
-	}
-	err = c.Client.CoreV1().ConfigMaps(Namespace).Delete(ctx, Release+"-aggregator-incidents", metav1.DeleteOptions{})
-	if err != nil && !strings.Contains(err.Error(), "not found") {
-		return err
-	}
-	err = c.Client.CoreV1().Namespaces().Delete(ctx, "shop", metav1.DeleteOptions{})
+	err := c.Client.CoreV1().Namespaces().Delete(ctx, "shop", metav1.DeleteOptions{})
 	if err != nil && !strings.Contains(err.Error(), "not found") {
 		return err
 	}
 	return nil
-}
-
-func (d *demo) helmRun(ctx context.Context, args ...string) ([]byte, error) {
-	home, err := os.MkdirTemp("", "proxyaudit-demo-helm-")
-	if err != nil {
-		return nil, err
-	}
-	defer os.RemoveAll(home)
-	cmd := exec.CommandContext(ctx, d.helm, args...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+d.c.AdminKubeconfig, "HELM_CACHE_HOME="+home+"/cache",
-		"HELM_CONFIG_HOME="+home+"/config", "HELM_DATA_HOME="+home+"/data")
-	return cmd.CombinedOutput()
 }
 
 // cli runs `proxyaudit args...` against the cluster, printed as a user
@@ -457,38 +420,6 @@ func (d *demo) report(ctx context.Context, format string) ([]byte, error) {
 	return out, nil
 }
 
-// wait runs `proxyaudit report` every second until cond holds, and returns
-// that report.
-func (d *demo) wait(ctx context.Context, limit time.Duration, what string, cond func(*Report) bool) (*Report, error) {
-	deadline := time.Now().Add(limit)
-	var last error
-	var seen []string // the last report's findings, for the error
-	for time.Now().Before(deadline) {
-		var out []byte
-		if out, last = d.report(ctx, "json"); last == nil {
-			var r Report
-			if last = json.Unmarshal(out, &r); last == nil {
-				if cond(&r) {
-					return &r, nil
-				}
-				seen = seen[:0]
-				for _, f := range r.Findings {
-					seen = append(seen, fmt.Sprintf("%s %s %s %s %s", f.Node, f.Kind, f.Service, f.Port, f.Endpoint))
-				}
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(time.Second):
-		}
-	}
-	if last == nil {
-		return nil, fmt.Errorf("after %s, still waiting for %s; the last report's findings:\n  %s", limit, what, strings.Join(seen, "\n  "))
-	}
-	return nil, fmt.Errorf("after %s, still waiting for %s (last error: %v)", limit, what, last)
-}
-
 // show prints `proxyaudit report` as a user sees it, and returns it.
 func (d *demo) show(ctx context.Context) (string, error) {
 	out, err := d.report(ctx, "table")
@@ -501,13 +432,7 @@ func (d *demo) show(ctx context.Context) (string, error) {
 
 // allInSync: every node judged in sync, and no finding.
 func (d *demo) allInSync(r *Report) bool {
-	in := 0
-	for _, s := range r.Nodes {
-		if s.State == audit.NodeInSync {
-			in++
-		}
-	}
-	return len(r.Nodes) == d.n && in == d.n && len(r.Findings) == 0
+	return len(r.Nodes) == d.n && r.InSync() == d.n && len(r.Findings) == 0
 }
 
 // DiffCommand is the offline check of what Run captured.
@@ -520,17 +445,12 @@ func DiffCommand(c *localcluster.Cluster, out string) string {
 }
 
 // kubeProxyPod names the kube-proxy pod on node that is not being deleted.
-func kubeProxyPod(ctx context.Context, c *localcluster.Cluster, node string) (string, error) {
-	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy", FieldSelector: "spec.nodeName=" + node})
-	if err != nil {
+func (d *demo) kubeProxyPod(ctx context.Context, node string) (string, error) {
+	p, err := d.sys.Pod(ctx, "kube-system", "k8s-app=kube-proxy", node)
+	if p == nil {
 		return "", err
 	}
-	for _, p := range pods.Items {
-		if p.DeletionTimestamp == nil {
-			return p.Name, nil
-		}
-	}
-	return "", nil
+	return p.Name, nil
 }
 
 // restartDeployment does what kubectl rollout restart does.

@@ -2,7 +2,6 @@ package live
 
 import (
 	"context"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -10,7 +9,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
 )
@@ -52,30 +50,21 @@ func TestE2EOldestKubernetes(t *testing.T) {
 	t.Logf("cluster on %s (API server %s) with %d nodes in %s", v, b.APIServer(), len(secondNodes), time.Since(start).Round(time.Second))
 
 	// helm install as a user runs it, then uninstall.
-	root, err := localcluster.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	helmBin, err := chart.Helm(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	helm := func(args ...string) string {
+	sys := &localcluster.System{C: b, Namespace: "proxyaudit-helm"}
+	helm := func(args ...string) {
 		t.Helper()
-		cmd := exec.CommandContext(ctx, helmBin, append(args, "--kubeconfig", b.AdminKubeconfig)...)
-		cmd.Dir = root
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("helm %s on %s: %v\n%s", strings.Join(args, " "), v, err, out)
+		if _, err := sys.Helm(ctx, args...); err != nil {
+			t.Fatalf("on %s: %v", v, err)
 		}
-		return string(out)
 	}
 	helm("install", "proxyaudit", "charts/proxyaudit", "--namespace", "proxyaudit-helm", "--create-namespace", "--wait=false")
 	vaps, err := b.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies().List(ctx, metav1.ListOptions{})
 	if err != nil || len(vaps.Items) == 0 {
 		t.Errorf("the chart's ValidatingAdmissionPolicies on %s: %d, %v", v, len(vaps.Items), err)
 	}
-	helm("uninstall", "proxyaudit", "--namespace", "proxyaudit-helm", "--wait")
+	if err := sys.Uninstall(ctx); err != nil {
+		t.Fatalf("on %s: %v", v, err)
+	}
 
 	// The binaries as the chart runs them, on 1.33's rules.
 	l := newLiveOn(ctx, t, b, secondNodes, secondReplicaIPs)

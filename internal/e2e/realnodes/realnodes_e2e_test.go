@@ -20,7 +20,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -108,64 +107,39 @@ func TestE2ERealNodesRunKubeProxyAndDNS(t *testing.T) {
 	}
 }
 
+// system drives the chart and the CLI on c as users do.
+func system(c *localcluster.Cluster) *localcluster.System {
+	return &localcluster.System{C: c, Bin: shared.bin}
+}
+
 // uninstall removes the chart and the incident record it leaves by design
 // (open incidents survive a reinstall): a test's incidents must not hold
 // the next test's repairs (the fleet budget counts nodes not yet
 // re-audited).
 func uninstall(t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
-	ctx := context.Background()
-	helm(ctx, t, c, "uninstall", "proxyaudit", "--namespace", "proxyaudit", "--wait")
-	if err := c.Client.CoreV1().ConfigMaps("proxyaudit").Delete(ctx, "proxyaudit-aggregator-incidents", metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+	if err := system(c).Uninstall(context.Background()); err != nil {
 		t.Error(err)
 	}
 }
 
 func helm(ctx context.Context, t *testing.T, c *localcluster.Cluster, args ...string) string {
 	t.Helper()
-	root, err := localcluster.RepoRoot()
+	out, err := system(c).Helm(ctx, args...)
 	if err != nil {
 		t.Fatal(err)
-	}
-	bin, err := chart.Helm(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	home := t.TempDir()
-	cmd := exec.CommandContext(ctx, bin, args...)
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.AdminKubeconfig, "HELM_CACHE_HOME="+home+"/cache",
-		"HELM_CONFIG_HOME="+home+"/config", "HELM_DATA_HOME="+home+"/data")
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
 	return string(out)
 }
 
 // fleetReport is what `proxyaudit report -o json` prints.
-type fleetReport struct {
-	Stale    any                  `json:"stale"`
-	Nodes    []audit.NodeStatus   `json:"nodes"`
-	Findings []audit.TimedFinding `json:"findings"`
-	Summary  audit.Summary        `json:"summary"`
-}
+type fleetReport = localcluster.Report
 
 // report runs `kubectl proxyaudit report -o json` as the chart's README
 // says, through the API server's proxy to the aggregator's pods.
 func report(ctx context.Context, t *testing.T, c *localcluster.Cluster) (*fleetReport, string, error) {
 	t.Helper()
-	out, err := kubectlProxyaudit(ctx, t, c, c.AdminKubeconfig, "report", "-n", "proxyaudit", "-o", "json").Output()
-	var r fleetReport
-	if jerr := json.Unmarshal(out, &r); jerr != nil {
-		var ee *exec.ExitError
-		stderr := ""
-		if errors.As(err, &ee) {
-			stderr = string(ee.Stderr)
-		}
-		return nil, string(out) + stderr, fmt.Errorf("report: %v (%v)", jerr, err)
-	}
-	return &r, string(out), nil
+	return system(c).Report(ctx)
 }
 
 // reportFormats runs `kubectl proxyaudit report` in every output format
@@ -216,14 +190,10 @@ func reportFormats(ctx context.Context, t *testing.T, c *localcluster.Cluster, n
 // plugin) with kubeconfig.
 func kubectlProxyaudit(ctx context.Context, t *testing.T, c *localcluster.Cluster, kubeconfig string, args ...string) *exec.Cmd {
 	t.Helper()
-	plugin := filepath.Join(shared.bin, "kubectl-proxyaudit")
-	if _, err := os.Stat(plugin); err != nil {
-		if err := os.Link(filepath.Join(shared.bin, "proxyaudit"), plugin); err != nil {
-			t.Fatal(err)
-		}
+	cmd, err := system(c).Kubectl(ctx, kubeconfig, args...)
+	if err != nil {
+		t.Fatal(err)
 	}
-	cmd := exec.CommandContext(ctx, c.Kubectl(), append([]string{"proxyaudit"}, args...)...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+kubeconfig, "PATH="+shared.bin+":"+os.Getenv("PATH"))
 	return cmd
 }
 
@@ -1026,17 +996,11 @@ func systemPod(ctx context.Context, t *testing.T, c *localcluster.Cluster, selec
 // systemPodIn is systemPod in namespace ns.
 func systemPodIn(ctx context.Context, t *testing.T, c *localcluster.Cluster, ns, selector, node string) *corev1.Pod {
 	t.Helper()
-	pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector,
-		FieldSelector: "spec.nodeName=" + node})
+	p, err := system(c).Pod(ctx, ns, selector, node)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := range pods.Items {
-		if pods.Items[i].DeletionTimestamp == nil {
-			return &pods.Items[i]
-		}
-	}
-	return nil
+	return p
 }
 
 // watchFindings polls the report every second until the returned function
@@ -1081,15 +1045,7 @@ func watchFindings(ctx context.Context, t *testing.T, c *localcluster.Cluster, a
 }
 
 // inSync counts the nodes judged in sync.
-func inSync(r *fleetReport) int {
-	n := 0
-	for _, s := range r.Nodes {
-		if s.State == audit.NodeInSync {
-			n++
-		}
-	}
-	return n
-}
+func inSync(r *fleetReport) int { return r.InSync() }
 
 // heardSince counts the nodes whose last report came after since.
 func heardSince(r *fleetReport, since time.Time) int {
