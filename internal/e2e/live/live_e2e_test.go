@@ -448,14 +448,10 @@ func (l *live) withUnreachableContext(t *testing.T) (string, string) {
 // KUBECONFIG, as on a workstation.
 func (l *live) cli(t *testing.T, args ...string) (string, int) {
 	t.Helper()
-	plugin := filepath.Join(l.bin, "kubectl-proxyaudit")
-	if _, err := os.Stat(plugin); err != nil {
-		if err := os.Link(filepath.Join(l.bin, "proxyaudit"), plugin); err != nil {
-			t.Fatal(err)
-		}
+	cmd, err := (&localcluster.System{C: l.c, Bin: l.bin}).Kubectl(context.Background(), l.sreKubeconfig, append(args, "-n", ns)...)
+	if err != nil {
+		t.Fatal(err)
 	}
-	cmd := exec.Command(l.c.Kubectl(), append(append([]string{"proxyaudit"}, args...), "-n", ns)...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+l.sreKubeconfig, "PATH="+l.bin+":"+os.Getenv("PATH"))
 	out, err := cmd.CombinedOutput()
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
