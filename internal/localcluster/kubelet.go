@@ -430,7 +430,13 @@ func writeCertKubeconfig(path, server, caFile, cert, key string) error {
 // and containerd's mounts under dir, and the cgroups themselves.
 func cleanupRealNodes(dir string) error {
 	if !machineLane() {
-		return nil // every pa-* cgroup here is lane 0's (AddKubeletNode)
+		// Every pa-* cgroup here is lane 0's (AddKubeletNode); the mounts
+		// under dir are this lane's own (a Cilium node's BPF filesystem,
+		// in the lane's mount namespace and temporary directory).
+		if dir == "" {
+			return nil
+		}
+		return unmountUnder(dir)
 	}
 	var errs []error
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/" + namePrefix + "*")
