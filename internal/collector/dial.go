@@ -83,7 +83,7 @@ const lookupWithFallback = 3 * time.Second
 // latest list of replicas, from lists before it.
 const keptPeers = 4
 
-// learnPeers keeps the aggregator replicas' addresses the aggregator sent
+// LearnPeers keeps the aggregator replicas' addresses the aggregator sent
 // as what each aggregator name resolves to, for when it cannot be
 // resolved: a rollout during a DNS outage replaces every replica, and the
 // collector has heard of the new ones while connected to the old. The
@@ -92,7 +92,7 @@ const keptPeers = 4
 // copy of the Service is behind (an old follower answering a hello) must
 // not make the collector forget the successor a going replica named.
 // DNS, when it answers, replaces the whole list.
-func (c *client) learnPeers(p *stream.Peers) {
+func (c *client) LearnPeers(p *stream.Peers) {
 	if p == nil {
 		return
 	}
@@ -126,8 +126,8 @@ func (c *client) learnPeers(p *stream.Peers) {
 	c.savePeers()
 }
 
-// credentials reads the projected ServiceAccount token ("" without a file).
-func (c *client) credentials() (string, error) {
+// Token reads the projected ServiceAccount token ("" without a file).
+func (c *client) Token() (string, error) {
 	if c.cfg.TokenFile == "" {
 		return "", nil
 	}
@@ -175,7 +175,7 @@ func (c *client) dial(ctx context.Context, preferred string) (net.Conn, error) {
 // aggregator welcomed the stream, else the leader it named or why it
 // refused.
 func (c *client) greet(conn net.Conn) (*session, string, error) {
-	token, err := c.credentials()
+	token, err := c.Token()
 	if err != nil {
 		return nil, "", err
 	}
@@ -194,21 +194,13 @@ func (c *client) greet(conn net.Conn) (*session, string, error) {
 	// names a leader that is gone, a rollout can replace the follower
 	// before this collector reaches any leader.
 	if reply.Peers != nil {
-		c.learnPeers(reply.Peers)
+		c.LearnPeers(reply.Peers)
 	}
 	if leader, err := HelloOutcome(reply); leader != "" || err != nil {
 		return nil, leader, err
 	}
 	c.welcomed = true
-	s := &session{c: c, token: token, sent: stream.NewState(), full: true, pace: newPace(c.cfg.Interval, c.cfg.Clock.Now())}
-	// refs: changed frontends go as their hashes; the aggregator asks for
-	// the content of those no node sent it yet. An aggregator that does
-	// not say so gets content.
-	s.refs = reply.Welcome != nil && reply.Welcome.Refs
-	// tops: a report of changes names the whole state it moves to; the
-	// aggregator asks one level down (bucket names, changed frontends,
-	// content) only for what no node's copy holds.
-	s.tops = s.refs && reply.Welcome.Tops
+	s := newSession(c, hello.Hello, reply, Stream{Interval: c.cfg.Interval, Clock: c.cfg.Clock, Log: c.cfg.Log})
 	c.lastKP, c.ctSent = nil, 0
 	c.cfg.Log.Info("streaming to the aggregator", zap.String("aggregator", conn.RemoteAddr().String()), zap.Bool("refs", s.refs), zap.Bool("tops", s.tops))
 	return s, "", nil

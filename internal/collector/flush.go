@@ -12,7 +12,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
-// flush acts on the aggregator's request to delete stale conntrack
+// Flush acts on the aggregator's request to delete stale conntrack
 // entries, deciding for itself what it may delete: a pair is refused when
 // the frontend is neither in the node's rules as last read nor one that
 // left them lately (ctGone), or when those rules still send it to the
@@ -20,7 +20,7 @@ import (
 // that is wrong or compromised cannot cut flows the node serves). What is
 // left is deleted as conntrack.FlushTarget says: UDP, and TCP only for connection
 // attempts never answered.
-func (c *client) flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
+func (c *client) Flush(ctx context.Context, f *stream.Flush) *stream.Flushed {
 	if f == nil {
 		return &stream.Flushed{Error: "an empty flush request"}
 	}

@@ -126,7 +126,7 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("the commit's notifications did not arrive")
 			}
-			if why := c.due(""); why != stream.ReadChange {
+			if why := c.Due(""); why != stream.ReadChange {
 				t.Fatalf("after a commit, due says %q", why)
 			}
 			inNS(func() error { return c.read(ctx, stream.ReadChange) })
@@ -136,7 +136,7 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 			close(gate.release)
 			// The rest of the commit arrives, the NEWGEN last.
 			restArrives(t, c, sig)
-			why := c.due("")
+			why := c.Due("")
 			if why != stream.ReadChange {
 				t.Fatalf("the rest of the commit arrived and due says %q: the node would show half a commit until the next one", why)
 			}
@@ -146,7 +146,7 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 				stream.ChangedKeys(c.cached, want, func(k string) { differ = append(differ, k) })
 				t.Fatalf("after the rest of the commit, the model differs from a whole read in %d frontends: %v", len(differ), differ)
 			}
-			if why := c.due(""); why != "" {
+			if why := c.Due(""); why != "" {
 				t.Errorf("caught up, and due still says %q", why)
 			}
 			t.Logf("reads: %v", c.cost.Reads)

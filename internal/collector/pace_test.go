@@ -21,7 +21,7 @@ func TestReportsKeepTheAggregatorsPace(t *testing.T) {
 	ctx := context.Background()
 	interval := ss.c.cfg.Interval
 	aggregator := rate.NewLimiter(rate.Every(interval/4), 8) // as the aggregator admits a stream
-	ss.s = &session{c: ss.c, token: ss.token, sent: stream.NewState(), full: true, pace: newPace(interval, ss.clk.Now())}
+	ss.s = &session{n: ss.c, clock: ss.clk, log: ss.c.cfg.Log, token: ss.token, sent: stream.NewState(), full: true, pace: newPace(interval, ss.clk.Now())}
 	ss.c.credit = newReadCredit(1, time.Minute, interval) // the read budget out of the way
 	sent, refused := 0, 0
 	send := func(out []*stream.Message) {

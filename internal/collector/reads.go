@@ -49,9 +49,9 @@ func (c *client) probe() FlushProbe {
 	return p
 }
 
-// flushed says whether the rules were flushed since the last read (see
+// Flushed says whether the rules were flushed since the last read (see
 // FlushProbe): a read then does not wait for the read budget.
-func (c *client) flushed(ctx context.Context) bool {
+func (c *client) Flushed(ctx context.Context) bool {
 	p := c.probe()
 	return p != nil && c.cached != nil && p.Flushed(ctx)
 }
@@ -68,10 +68,10 @@ func (c *client) events() <-chan struct{} {
 	return c.signal.Events()
 }
 
-// due says why the rules need a read now, or "" when the last read still
+// Due says why the rules need a read now, or "" when the last read still
 // shows them: its token unchanged and younger than FullReadInterval.
 // orElse is the reason when there is no last read or no usable signal.
-func (c *client) due(orElse stream.ReadReason) stream.ReadReason {
+func (c *client) Due(orElse stream.ReadReason) stream.ReadReason {
 	if c.cached == nil || c.signal == nil {
 		return orElse
 	}
@@ -113,9 +113,9 @@ func (c *client) scrape(ctx context.Context) {
 	}
 }
 
-// scrapeAsync starts a scrape whose result arrives on c.scraped, unless
+// StartScrape starts a scrape whose result arrives on c.scraped, unless
 // one is still running (a frozen kube-proxy: one scrape at a time).
-func (c *client) scrapeAsync(ctx context.Context) {
+func (c *client) StartScrape(ctx context.Context) {
 	if c.cfg.KubeProxyMetrics == "" || c.noKubeProxy || c.scraping {
 		return
 	}
@@ -126,9 +126,9 @@ func (c *client) scrapeAsync(ctx context.Context) {
 	go func() { c.scraped <- ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics) }()
 }
 
-// report builds the next report against what was sent: of a new read when
+// Report builds the next report against what was sent: of a new read when
 // why is set, else of the last read.
-func (c *client) report(ctx context.Context, sent *stream.State, full bool, why stream.ReadReason, refs bool) *stream.Report {
+func (c *client) Report(ctx context.Context, sent *stream.State, full bool, why stream.ReadReason, refs bool) *stream.Report {
 	c.seq++
 	var r *stream.Report
 	if why != "" || c.cached == nil {
@@ -487,4 +487,21 @@ func cpuTime() time.Duration {
 	syscall.Getrusage(syscall.RUSAGE_SELF, &self)
 	syscall.Getrusage(syscall.RUSAGE_CHILDREN, &kids)
 	return time.Duration(self.Utime.Nano() + self.Stime.Nano() + kids.Utime.Nano() + kids.Stime.Nano())
+}
+
+// ReadWait is how long a read a change or a read-now request causes waits
+// (see readWait); the first read does not.
+func (c *client) ReadWait(now time.Time) time.Duration {
+	if c.readAt.IsZero() {
+		return 0
+	}
+	return readWait(now.Sub(c.readAt), c.credit.wait(now), c.cfg.Interval)
+}
+
+// Scraped takes a heartbeat's scrape of kube-proxy's metrics. On the
+// legacy backend kube-proxy's sync time is part of the change signal (a
+// pod swap keeps the table's size): a read may be due.
+func (c *client) Scraped(kp *stream.KubeProxy) bool {
+	c.kp, c.scraping = kp, false
+	return c.legacy
 }

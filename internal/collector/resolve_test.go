@@ -53,7 +53,7 @@ func TestPeersOutliveDNS(t *testing.T) {
 		Lookup: func(_ context.Context, host string) ([]string, error) {
 			return nil, errors.New("lookup " + host + ": i/o timeout")
 		}}}
-	c.learnPeers(&stream.Peers{IPs: []string{"198.18.140.2", "2001:2::7"}})
+	c.LearnPeers(&stream.Peers{IPs: []string{"198.18.140.2", "2001:2::7"}})
 	want := []string{"198.18.140.2:9443", "[2001:2::7]:9443", "198.51.100.9:9443"}
 	if got, err := c.addresses(context.Background(), ""); err != nil || !slices.Equal(got, want) {
 		t.Fatalf("without DNS: %v, %v; want the replicas named %v", got, err, want)
@@ -68,12 +68,12 @@ func TestPeersOutliveDNS(t *testing.T) {
 		{"198.18.140.2", "\x1b[2J"},
 		make([]string, stream.MaxPeers+1),
 	} {
-		c.learnPeers(&stream.Peers{IPs: bad})
+		c.LearnPeers(&stream.Peers{IPs: bad})
 		if got, _ := c.addresses(context.Background(), ""); !slices.Equal(got, want) {
 			t.Errorf("after %q: %v, want %v kept", bad, got, want)
 		}
 	}
-	c.learnPeers(nil)
+	c.LearnPeers(nil)
 	if got, _ := c.addresses(context.Background(), ""); !slices.Equal(got, want) {
 		t.Errorf("after an empty message: %v", got)
 	}
@@ -100,14 +100,14 @@ func TestPeersNewestFirstOlderKept(t *testing.T) {
 		}
 		return got
 	}
-	c.learnPeers(&stream.Peers{IPs: []string{"198.18.131.3", "198.18.132.3"}}) // the going leader: the follower and the successor
-	c.learnPeers(&stream.Peers{IPs: []string{"198.18.130.3", "198.18.131.3"}}) // the old follower, behind
+	c.LearnPeers(&stream.Peers{IPs: []string{"198.18.131.3", "198.18.132.3"}}) // the going leader: the follower and the successor
+	c.LearnPeers(&stream.Peers{IPs: []string{"198.18.130.3", "198.18.131.3"}}) // the old follower, behind
 	if got, want := addrs(), []string{"198.18.130.3:9443", "198.18.131.3:9443", "198.18.132.3:9443"}; !slices.Equal(got, want) {
 		t.Fatalf("after a list that is behind: %v, want %v (the successor kept, last)", got, want)
 	}
 	// Rollout after rollout without DNS: what is kept from before is bounded.
 	for i := range 10 {
-		c.learnPeers(&stream.Peers{IPs: []string{fmt.Sprintf("198.18.140.%d", i+1)}})
+		c.LearnPeers(&stream.Peers{IPs: []string{fmt.Sprintf("198.18.140.%d", i+1)}})
 	}
 	if got, want := addrs(), []string{"198.18.140.10:9443", "198.18.140.9:9443", "198.18.140.8:9443", "198.18.140.7:9443", "198.18.140.6:9443"}; !slices.Equal(got, want) {
 		t.Fatalf("after ten lists: %v, want the latest and the %d before it, newest first: %v", got, keptPeers, want)
@@ -141,7 +141,7 @@ func TestPeersFileOutlivesRestart(t *testing.T) {
 	if _, err := first.addresses(context.Background(), ""); err != nil {
 		t.Fatal(err)
 	}
-	first.learnPeers(&stream.Peers{IPs: []string{"198.18.131.2", "2001:2::7"}})
+	first.LearnPeers(&stream.Peers{IPs: []string{"198.18.131.2", "2001:2::7"}})
 	want := []string{"198.18.131.2:9443", "[2001:2::7]:9443", "198.18.130.2:9443"}
 
 	dnsUp = false

@@ -118,7 +118,7 @@ func (ss *sessionScript) run(t *testing.T, d *datadriven.TestData) string {
 	var out []*stream.Message
 	switch d.Cmd {
 	case "welcome":
-		ss.s = &session{c: ss.c, token: ss.token, sent: stream.NewState(), full: true, refs: d.HasArg("refs"), tops: d.HasArg("tops")}
+		ss.s = &session{n: ss.c, clock: ss.clk, log: ss.c.cfg.Log, token: ss.token, sent: stream.NewState(), full: true, refs: d.HasArg("refs"), tops: d.HasArg("tops")}
 		out = ss.s.start(ctx)
 	case "rules":
 		var drop []int

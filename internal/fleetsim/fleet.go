@@ -37,7 +37,7 @@ type Fleet struct {
 	// reports caches encoded reports by transition (from → to version),
 	// shared by every node making the same transition.
 	rmu     sync.Mutex
-	reports map[transitionKey]*encoded
+	reports map[transitionKey]*transition
 
 	// WriteBlocked is the longest a report waited for the aggregator to
 	// read it (ns): a report read late is dated late.
@@ -54,6 +54,7 @@ type Fleet struct {
 }
 
 type simNode struct {
+	f     *Fleet
 	lag   time.Duration
 	phase time.Duration
 	src   net.IP // source address: the aggregator limits reviews per source
@@ -69,24 +70,31 @@ type simNode struct {
 	refs            bool     // offers to name frontends by hash
 	tops            bool     // offers to name its state by its top
 	frozen          *Version // non-nil while stuck
+	shown           *Version // what the node's last read saw
+	readAt          time.Time
 	sent            *Version // what the aggregator's copy holds
-	before          *Version // what it held before the last report
-	full            bool     // the next report is a full snapshot
 	seq             uint64
-	changed         uint64 // seq of the last report that changed the state
-	changedFull     bool   // and whether it was a full snapshot
 	syncs           float64
 	last            string // last reject reason
+	// built is the last report Report built, from the shared transition
+	// t: written as t's encoding with this node's seq and kube-proxy.
+	built *stream.Report
+	t     *transition
 }
 
-// encoded is a report without its seq: the frame is prefix + seq + rest.
-type encoded struct {
-	rest []byte // the report's JSON after `{"seq":0,`
+// transition is the report moving the aggregator's copy from one version
+// to another, shared by every node making it; rest is its encoding after
+// `{"seq":0,`, made at its first write.
+type transition struct {
+	report *stream.Report
+	once   sync.Once
+	rest   []byte
+	err    error
 }
 
 type transitionKey struct {
-	from, to   uint64
-	refs, tops bool
+	from, to uint64
+	refs     bool
 }
 
 // NewFleet prepares n nodes named name(i), reporting every interval to
@@ -96,14 +104,14 @@ type transitionKey struct {
 // a loopback address of its own (127.64.0.0/10), as collectors come from
 // their nodes' addresses.
 func NewFleet(truth *Truth, addrs []string, n int, name func(int) string, interval, minLag, maxLag time.Duration) *Fleet {
-	f := &Fleet{truth: truth, addrs: addrs, interval: interval, reports: map[transitionKey]*encoded{}}
+	f := &Fleet{truth: truth, addrs: addrs, interval: interval, reports: map[transitionKey]*transition{}}
 	rng := rand.New(rand.NewPCG(1, uint64(n)))
 	for i := range n {
 		f.nodes = append(f.nodes, &simNode{
+			f:     f,
 			name:  name(i),
 			lag:   minLag + time.Duration(rng.Int64N(int64(maxLag-minLag)+1)),
 			phase: time.Duration(rng.Int64N(int64(interval))),
-			full:  true,
 			src:   net.IPv4(127, 64+byte(i>>16&63), byte(i>>8), byte(i)),
 		})
 	}
@@ -174,7 +182,9 @@ func (f *Fleet) Run(ctx context.Context, rampUp time.Duration) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			delay := time.Duration(int64(rampUp) * int64(i) / int64(len(f.nodes)))
+			// The fleet spreads over the interval, as nodes started at
+			// different times do.
+			delay := time.Duration(int64(rampUp)*int64(i)/int64(len(f.nodes))) + n.phase
 			select {
 			case <-ctx.Done():
 				return
@@ -310,7 +320,6 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 	}
 	n.conn, n.welcomed, n.heard = c, time.Now(), time.Time{}
 	n.streams++
-	first := n.streams == 1
 	n.mu.Unlock()
 	defer func() {
 		n.mu.Lock()
@@ -319,221 +328,206 @@ func (f *Fleet) session(ctx context.Context, n *simNode, i int, preferred string
 		}
 		n.mu.Unlock()
 	}()
-	return "", true, f.stream(ctx, c, n, m, first)
+	// The collector's own session: what it answers, when it reads, its
+	// pace, what it keeps to answer wants.
+	leader, err := collector.Serve(ctx, n, hello.Hello, m, collector.Stream{
+		Conn: c, Interval: f.interval, MaxMessageBytes: 1 << 20,
+		Write: f.writer(c, n), Received: f.received,
+	})
+	return leader, true, err
 }
 
-// stream runs a welcomed stream until it ends.
-func (f *Fleet) stream(ctx context.Context, c net.Conn, n *simNode, m *stream.Message, first bool) error {
+// received counts what the aggregator asks of the fleet.
+func (f *Fleet) received(m *stream.Message) {
+	switch m.Type {
+	case stream.TypeResync:
+		f.Resyncs.Add(1)
+	case stream.TypeWant:
+		f.Wants.Add(1)
+	case stream.TypeReadNow:
+		f.ReadNows.Add(1)
+	case stream.TypeReject:
+		f.Rejects.Add(1)
+	}
+}
+
+// writer writes node n's messages on c: a report it built from a shared
+// transition as that transition's encoding with its own seq and
+// kube-proxy (one encoding for every node making it), others as the
+// collector writes them.
+func (f *Fleet) writer(c net.Conn, n *simNode) func([]*stream.Message) error {
 	w := bufio.NewWriterSize(c, 64<<10)
-	refs := n.refs && m.Welcome != nil && m.Welcome.Refs
-	tops := refs && n.tops && m.Welcome.Tops
-	n.mu.Lock()
-	n.full, n.sent, n.before = true, nil, nil
-	n.mu.Unlock()
-	// The aggregator asks for a full snapshot when its copy differs, and
-	// for a read at once when a change the node missed crosses grace.
-	errc := make(chan error, 1)
-	readNow := make(chan struct{}, 1)
-	wants := make(chan *stream.Want, 4)
-	go func() {
-		for {
-			m, _, err := stream.Read(c, 1<<20)
-			if err != nil {
-				errc <- err
-				return
-			}
-			switch m.Type {
-			case stream.TypeResync:
-				f.Resyncs.Add(1)
-				n.mu.Lock()
-				n.full = true
-				n.mu.Unlock()
-			case stream.TypeWant:
-				f.Wants.Add(1)
-				if m.Want != nil {
-					select {
-					case wants <- m.Want:
-					case <-ctx.Done():
-						return
-					}
-				}
-			case stream.TypeReadNow:
-				f.ReadNows.Add(1)
-				select {
-				case readNow <- struct{}{}:
-				default:
-				}
-			case stream.TypeReject:
-				f.Rejects.Add(1)
-				errc <- fmt.Errorf("rejected: %s", m.Reject.Reason)
-				return
-			}
-		}
-	}()
-	// The first stream starts at the node's phase in the interval (the
-	// fleet spreads); a collector whose stream was replaced resends what
-	// it read last at once.
-	if first {
-		select {
-		case <-ctx.Done():
-			return nil
-		case err := <-errc:
-			return err
-		case <-time.After(n.phase):
-		}
-	}
-	tick := time.NewTicker(f.interval)
-	defer tick.Stop()
-	sent := func(frame []byte) {
-		f.BytesSent.Add(int64(len(frame)))
-		if refs {
-			f.BytesSentRefs.Add(int64(len(frame)))
-		}
-	}
-	for {
-		frame, err := f.report(n, time.Now(), refs, tops)
-		if err != nil {
-			return err
-		}
-		c.SetWriteDeadline(time.Now().Add(30 * time.Second))
-		began := time.Now()
-		if _, err := w.Write(frame); err != nil {
-			return err
-		}
-		if err := w.Flush(); err != nil {
-			return err
-		}
-		if d := int64(time.Since(began)); d > f.WriteBlocked.Load() {
-			f.WriteBlocked.Store(d)
-		}
-		sent(frame)
-		f.Reports.Add(1)
-		n.mu.Lock()
-		if n.heard.IsZero() {
-			n.heard = time.Now()
-		}
-		n.mu.Unlock()
-	wait:
-		select {
-		case <-ctx.Done():
-			return nil
-		case err := <-errc:
-			return err
-		case want := <-wants:
-			// As the collector: the next level down of what the last
-			// report of a change named, from the versions it moved the
-			// aggregator from and to.
-			n.mu.Lock()
-			var recent []stream.Sent
-			if n.before != nil {
-				recent = append(recent, stream.Sent{Next: *n.before.State})
-			}
-			if n.sent != nil {
-				last := stream.Sent{Seq: n.changed, Next: *n.sent.State}
-				if n.before != nil && !n.changedFull {
-					last.Prev = *n.before.State
-				}
-				recent = append(recent, last)
-			}
-			n.mu.Unlock()
-			m := &stream.Message{Type: stream.TypeContent, Content: stream.Reply(want, recent)}
-			body, err := json.Marshal(m)
+	return func(out []*stream.Message) error {
+		for _, m := range out {
+			frame, err := n.frame(m)
 			if err != nil {
 				return err
 			}
-			frame := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+			c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+			began := time.Now()
 			if _, err := w.Write(frame); err != nil {
 				return err
 			}
 			if err := w.Flush(); err != nil {
 				return err
 			}
-			sent(frame)
-			goto wait
-		case <-tick.C:
-		case <-readNow:
-			// As the collector: reads start at least a second apart.
-			if left := time.Second - time.Since(began); left > 0 {
-				time.Sleep(left)
+			if d := int64(time.Since(began)); d > f.WriteBlocked.Load() {
+				f.WriteBlocked.Store(d)
 			}
+			f.BytesSent.Add(int64(len(frame)))
+			n.mu.Lock()
+			if n.refs {
+				f.BytesSentRefs.Add(int64(len(frame)))
+			}
+			if m.Type == stream.TypeReport {
+				f.Reports.Add(1)
+				if n.heard.IsZero() {
+					n.heard = time.Now()
+				}
+			}
+			n.mu.Unlock()
 		}
+		return nil
 	}
 }
 
-// report builds node n's next frame: the transition from what the
-// aggregator holds to what the node shows now, with the node's own seq and
-// kube-proxy signal (its syncs go on while stuck: the health check stays
-// green).
-func (f *Fleet) report(n *simNode, now time.Time, refs, tops bool) ([]byte, error) {
+// frame encodes m as stream.Write does.
+func (n *simNode) frame(m *stream.Message) ([]byte, error) {
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	show := n.frozen
-	if show == nil {
-		show = f.truth.At(now, n.lag)
+	built, t := n.built, n.t
+	n.mu.Unlock()
+	var body []byte
+	if m.Type == stream.TypeReport && m.Report == built {
+		rest, err := t.encoded()
+		if err != nil {
+			return nil, err
+		}
+		kp, _ := json.Marshal(built.KubeProxy)
+		body = make([]byte, 0, 64+len(kp)+len(rest))
+		body = append(body, `{"type":"report","report":{"seq":`...)
+		body = strconv.AppendUint(body, built.Seq, 10)
+		body = append(body, `,"kubeProxy":`...)
+		body = append(body, kp...)
+		body = append(body, ',')
+		body = append(body, rest...)
+		body = append(body, '}')
+	} else {
+		var err error
+		if body, err = json.Marshal(m); err != nil {
+			return nil, err
+		}
 	}
-	var from uint64
-	if !n.full && n.sent != nil {
-		from = n.sent.Seq
-	}
-	e, err := f.transition(n.sent, show, from == 0, refs, tops)
-	if err != nil {
-		return nil, err
-	}
-	n.seq++
-	if from == 0 || n.sent != show {
-		n.changed, n.changedFull = n.seq, from == 0
-	}
-	if n.sent == nil || n.sent.Seq != show.Seq || n.full {
-		n.syncs++
-	}
-	if n.sent != show {
-		n.before = n.sent
-	}
-	n.sent, n.full = show, false
-	kp, _ := json.Marshal(&stream.KubeProxy{LastSync: float64(now.Add(-n.lag).UnixNano()) / 1e9, EndpointChangesTotal: n.syncs})
-	body := make([]byte, 0, 64+len(kp)+len(e.rest))
-	body = append(body, `{"type":"report","report":{"seq":`...)
-	body = strconv.AppendUint(body, n.seq, 10)
-	body = append(body, `,"kubeProxy":`...)
-	body = append(body, kp...)
-	body = append(body, ',')
-	body = append(body, e.rest...)
-	body = append(body, '}')
 	frame := make([]byte, 4, 4+len(body))
 	binary.BigEndian.PutUint32(frame, uint32(len(body)))
 	return append(frame, body...), nil
 }
 
-// transition encodes the report moving the aggregator's copy from one
-// version to another (a full snapshot when full), once per pair.
-func (f *Fleet) transition(from, to *Version, full, refs, tops bool) (*encoded, error) {
-	key := transitionKey{to: to.Seq, refs: refs, tops: tops}
+// encoded is the transition's report encoded once, without its seq.
+func (t *transition) encoded() ([]byte, error) {
+	t.once.Do(func() {
+		b, err := json.Marshal(t.report)
+		const head = `{"seq":0,`
+		switch {
+		case err != nil:
+			t.err = err
+		case string(b[:len(head)]) != head:
+			t.err = fmt.Errorf("report encoding starts %q, not %q", b[:len(head)], head)
+		default:
+			t.rest = b[len(head):]
+		}
+	})
+	return t.rest, t.err
+}
+
+// Report is the simulated node's read and report (collector.Node): its
+// rules are the Truth as of its kube-proxy's lag, or the version it froze
+// at while stuck; the report is the shared transition from what the
+// aggregator holds, with the node's own seq and kube-proxy signal (its
+// syncs go on while stuck: the health check stays green).
+func (n *simNode) Report(_ context.Context, sent *stream.State, full bool, why stream.ReadReason, refs bool) *stream.Report {
+	now := time.Now()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if why != "" || n.shown == nil {
+		n.shown, n.readAt = n.frozen, now
+		if n.shown == nil {
+			n.shown = n.f.truth.At(now, n.lag)
+		}
+	}
+	show := n.shown
+	if full || n.sent == nil || n.sent.Seq != show.Seq {
+		n.syncs++
+	}
+	t := n.f.transition(n.sent, show, full, refs)
+	*sent = *show.State // as stream.Delta leaves it: the shared version, unchanged
+	n.sent = show
+	n.seq++
+	r := *t.report
+	r.Seq = n.seq
+	r.KubeProxy = &stream.KubeProxy{LastSync: float64(now.Add(-n.lag).UnixNano()) / 1e9, EndpointChangesTotal: n.syncs}
+	n.built, n.t = &r, t
+	return &r
+}
+
+// Due: a simulated node has no change signal; it reads at every
+// heartbeat, as a collector without one does.
+func (n *simNode) Due(orElse stream.ReadReason) stream.ReadReason { return orElse }
+
+// ReadWait keeps reads a second apart (the collector's read gap); a
+// simulated read costs nothing, so no read budget holds it.
+func (n *simNode) ReadWait(now time.Time) time.Duration {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.readAt.IsZero() {
+		return 0
+	}
+	return max(0, time.Second-now.Sub(n.readAt))
+}
+
+// Flushed: no flush to see (a simulated node's rules are never flushed).
+func (n *simNode) Flushed(context.Context) bool { return false }
+
+// Flush refuses, as a collector without --conntrack-delete does.
+func (n *simNode) Flush(_ context.Context, fl *stream.Flush) *stream.Flushed {
+	out := &stream.Flushed{Error: "conntrack deletion is off on simulated nodes"}
+	if fl != nil {
+		out.ID = fl.ID
+	}
+	return out
+}
+
+// LearnPeers: the fleet dials the replicas it was given.
+func (n *simNode) LearnPeers(*stream.Peers) {}
+
+// Token is the token SetToken gave (the stream keeps it).
+func (n *simNode) Token() (string, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.token, nil
+}
+
+// StartScrape and Scraped: the kube-proxy signal rides in every report.
+func (n *simNode) StartScrape(context.Context)    {}
+func (n *simNode) Scraped(*stream.KubeProxy) bool { return false }
+
+// transition is the report moving the aggregator's copy from one version
+// to another (a full snapshot when full), made once per pair.
+func (f *Fleet) transition(from, to *Version, full, refs bool) *transition {
+	key := transitionKey{to: to.Seq, refs: refs}
 	if !full {
 		key.from = from.Seq
 	}
 	f.rmu.Lock()
 	defer f.rmu.Unlock()
-	if e, ok := f.reports[key]; ok {
-		return e, nil
+	if t, ok := f.reports[key]; ok {
+		return t
 	}
 	prev := stream.NewState()
 	if !full {
 		cp := *from.State // Delta overwrites *prev: hand it a copy
 		prev = &cp
 	}
-	r := stream.Delta(prev, to.State, 0, full, refs)
-	if tops && (full || from != to) {
-		r = r.ByTop(prev)
-	}
-	b, err := json.Marshal(r)
-	if err != nil {
-		return nil, err
-	}
-	const head = `{"seq":0,`
-	if string(b[:len(head)]) != head {
-		return nil, fmt.Errorf("report encoding starts %q, not %q", b[:len(head)], head)
-	}
-	e := &encoded{rest: b[len(head):]}
+	t := &transition{report: stream.Delta(prev, to.State, 0, full, refs)}
 	// Transitions to versions no longer kept are not asked for again.
 	// A full snapshot at 100k endpoints is 3 MB: the cache stays small.
 	if len(f.reports) > 256 {
@@ -547,8 +541,8 @@ func (f *Fleet) transition(from, to *Version, full, refs, tops bool) (*encoded, 
 			clear(f.reports)
 		}
 	}
-	f.reports[key] = e
-	return e, nil
+	f.reports[key] = t
+	return t
 }
 
 func (t *Truth) oldest() uint64 {
