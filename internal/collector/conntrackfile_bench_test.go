@@ -85,8 +85,8 @@ func BenchmarkLeftRules(b *testing.B) {
 	})
 	for _, tc := range []struct {
 		name    string
-		changes *Changes
-	}{{"whole", nil}, {"changes", &Changes{Removed: []audit.FrontendKey{gone}}}} {
+		changes *audit.Changes
+	}{{"whole", nil}, {"changes", &audit.Changes{Removed: []audit.FrontendKey{gone}}}} {
 		b.Run("leftRules/"+tc.name, func(b *testing.B) {
 			c := &client{cfg: Config{Log: zap.NewNop(), Conntrack: noConntrack{}, Clock: clock.RealClock{}}, cached: lessState}
 			b.ReportAllocs()

@@ -93,14 +93,14 @@ func (r *legacyReader) Read(ctx context.Context) (*audit.Observed, error) {
 }
 
 // ReadChanges reads what changed since the last read.
-func (r *legacyReader) ReadChanges(ctx context.Context) (*Changes, error) {
+func (r *legacyReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true // streamed: the stream carries no endpoint chain names
 	return r.read(ctx)
 }
 
-func (r *legacyReader) read(ctx context.Context) (*Changes, error) {
+func (r *legacyReader) read(ctx context.Context) (*audit.Changes, error) {
 	r.reads.Add(1)
 	var n int64
 	defer func() { r.bytes.Store(n) }()
@@ -164,11 +164,11 @@ func (r *legacyReader) read(ctx context.Context) (*Changes, error) {
 			r.fams = [2]*legacyFamily{}
 			return nil, err
 		}
-		return &Changes{Whole: obs}, nil
+		return &audit.Changes{Whole: obs}, nil
 	}
 	sort.Slice(changed, func(a, b int) bool { return changed[a].FrontendKey.Compare(changed[b].FrontendKey) < 0 })
 	sort.Slice(removed, func(a, b int) bool { return removed[a].Compare(removed[b]) < 0 })
-	return &Changes{Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeIPTables,
+	return &audit.Changes{Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeIPTables,
 		NoRules: r.fams[0].nat.Len()+r.fams[1].nat.Len() == 0}, nil
 }
 

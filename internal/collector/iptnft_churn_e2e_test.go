@@ -340,7 +340,7 @@ func (c *iptChurn) read(round int, what string) {
 	t := c.t
 	t.Helper()
 	c.caughtUp(round)
-	var ch *Changes
+	var ch *audit.Changes
 	var whole, text *audit.Observed
 	c.inNS(func() error {
 		var err error

@@ -113,7 +113,7 @@ func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 }
 
 // ReadChanges reads what changed since the last read.
-func (r *iptNFTReader) ReadChanges(ctx context.Context) (*Changes, error) {
+func (r *iptNFTReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true // what changed is streamed, and the stream carries no endpoint chain names
@@ -124,7 +124,7 @@ func (r *iptNFTReader) ReadChanges(ctx context.Context) (*Changes, error) {
 // since the last read (a flush, kube-proxy's full sync) is a whole read.
 const maxChainReads = 4096
 
-func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
+func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
 	if r.fd < 0 {
 		fd, err := openNetfilter()
 		if err != nil {
@@ -187,7 +187,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 			return nil, err
 		}
 		r.rebase()
-		return &Changes{Whole: obs}, nil
+		return &audit.Changes{Whole: obs}, nil
 	}
 	r.rebase()
 	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
@@ -196,7 +196,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*Changes, error) {
 	for _, nat := range r.fams {
 		total += nat.Len()
 	}
-	return &Changes{Through: touched.through, Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
+	return &audit.Changes{Through: touched.through, Frontends: changed, Removed: removed, NoRules: total == 0, Families: []int{4, 6}, Mode: audit.ModeIPTables}, nil
 }
 
 // rebase tells the notes how many rules each family's KUBE-SERVICES

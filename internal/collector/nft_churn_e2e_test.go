@@ -249,7 +249,7 @@ func (ir *nftIncremental) read(round int, what string) {
 			t.Fatalf("round %d: the notifications of generation %d did not arrive in 5s", round, tok)
 		}
 	}
-	var ch *Changes
+	var ch *audit.Changes
 	var whole *audit.Observed
 	if err := localcluster.InNetNS(ir.ns.NetNS, func() error {
 		var err error

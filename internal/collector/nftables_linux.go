@@ -143,14 +143,14 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 // ReadChanges reads what changed since the last read: the chains the
 // notifications named, each dumped on its own, and the named maps when
 // their elements changed.
-func (r *nftNetlinkReader) ReadChanges(ctx context.Context) (*Changes, error) {
+func (r *nftNetlinkReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true
 	return r.read(ctx)
 }
 
-func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
+func (r *nftNetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 	if r.conn == nil {
 		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 		if err != nil {
@@ -202,12 +202,12 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*Changes, error) {
 			return nil, err
 		}
 		r.rebase()
-		return &Changes{Whole: obs}, nil
+		return &audit.Changes{Whole: obs}, nil
 	}
 	r.rebase()
 	slices.SortFunc(changed, func(a, b audit.ObservedFrontend) int { return a.FrontendKey.Compare(b.FrontendKey) })
 	slices.SortFunc(removed, audit.FrontendKey.Compare)
-	return &Changes{Through: through, Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
+	return &audit.Changes{Through: through, Frontends: changed, Removed: removed, Families: []int{4, 6}, Mode: audit.ModeNFTables,
 		NoRules: r.fams[0].kube.Len()+r.fams[1].kube.Len() == 0}, nil
 }
 

@@ -38,7 +38,7 @@ type ChangeReader interface {
 	// ReadChanges reads the rules and returns what changed since the
 	// last Read or ReadChanges that returned no error (a whole read at
 	// the first, and whenever the reader cannot vouch for the changes).
-	ReadChanges(ctx context.Context) (*Changes, error)
+	ReadChanges(ctx context.Context) (*audit.Changes, error)
 }
 
 // NoEndpointReader is a RuleReader that also names the frontends its
@@ -48,26 +48,6 @@ type ChangeReader interface {
 // counted even by a collector that never saw the service with endpoints.
 type NoEndpointReader interface {
 	NoEndpoints() []audit.FrontendKey
-}
-
-// Changes is what a ChangeReader read.
-type Changes struct {
-	// Whole, when set, is a whole read: the rest is empty.
-	Whole *audit.Observed
-	// Frontends are the frontends that changed or appeared, sorted by
-	// key; Removed the keys of those that are gone.
-	Frontends []audit.ObservedFrontend
-	Removed   []audit.FrontendKey
-	// The node-wide facts after the changes.
-	Mode     audit.Mode
-	Families []int
-	NoRules  bool
-	// Through is the change signal's generation (its token) up to which
-	// the read holds every commit's changes, when the reader learns the
-	// changes from the signal's notifications (0: unknown). It can lag
-	// the token taken before the read: that commit's notifications were
-	// still on the way, and its NEWGEN must cause another read.
-	Through uint64
 }
 
 // Reader returns the reader for src, reading both IP families (kube-proxy

@@ -290,7 +290,7 @@ func (c *client) conntrackKeys(now time.Time) []audit.FrontendKey {
 // among the frontends of a conntrack read, and its flows, pinned to the
 // gone pod, were never counted. Those of the last conntrack read are
 // remembered there too (conntrackKeys).
-func (c *client) leftRules(prev *stream.State, changes *Changes) {
+func (c *client) leftRules(prev *stream.State, changes *audit.Changes) {
 	if c.cfg.Conntrack == nil || prev == nil {
 		return
 	}
@@ -352,7 +352,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	before := cpuTime()
 	start := time.Now()
 	var obs *audit.Observed
-	var changes *Changes
+	var changes *audit.Changes
 	var err error
 	if cr, ok := c.reader.(ChangeReader); ok && c.cached != nil {
 		// Only what changed since the last read (the reader says when it
@@ -409,7 +409,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 
 // applyChanges is the state after a read of changes: the frontends that
 // changed put, those gone removed, the rest shared with the state before.
-func applyChanges(s *stream.State, ch *Changes) *stream.State {
+func applyChanges(s *stream.State, ch *audit.Changes) *stream.State {
 	removed := make([]string, len(ch.Removed))
 	for i, k := range ch.Removed {
 		removed[i] = stream.KeyString(k)

@@ -24,9 +24,9 @@ func (r *changeReader) Read(context.Context) (*audit.Observed, error) {
 	r.bytes = 1 << 20
 	return r.obs, nil
 }
-func (r *changeReader) ReadChanges(ctx context.Context) (*Changes, error) {
+func (r *changeReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.bytes = 0
-	return &Changes{Mode: r.obs.Mode, Families: r.obs.Families}, nil
+	return &audit.Changes{Mode: r.obs.Mode, Families: r.obs.Families}, nil
 }
 func (r *changeReader) BytesRead() int64 { return r.bytes }
 
