@@ -247,7 +247,7 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 		if err != nil {
 			b.Fatal(err)
 		}
-		for deadline := time.Now().Add(10 * time.Second); !r.notes.caughtUp(tok); time.Sleep(time.Millisecond) {
+		for deadline := time.Now().Add(10 * time.Second); !r.notes.CaughtUp(tok); time.Sleep(time.Millisecond) {
 			if time.Now().After(deadline) {
 				b.Fatal("the sync's notifications did not arrive")
 			}

@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -72,7 +73,7 @@ func captureNetlinkMessages(t *testing.T) {
 		}
 		err = localcluster.InNetNS(ns.NetNS, func() error {
 			r := newIPTNFTReader(nil)
-			fd, err := openNetfilter()
+			fd, err := nl.OpenNetfilter()
 			if err != nil {
 				return err
 			}
@@ -81,7 +82,7 @@ func captureNetlinkMessages(t *testing.T) {
 			for _, fam := range []int{4, 6} {
 				var msgs [][]byte
 				var n int64
-				if _, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), &n, 0, func(b []byte) error {
+				if _, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), &n, 0, func(b []byte) error {
 					// Every rule of the small captures; the large one's
 					// first 300 (its layout repeats).
 					if len(msgs) < 300 {

@@ -396,7 +396,7 @@ func (c *iptChurn) caughtUp(round int) {
 		if err != nil {
 			c.t.Fatal(err)
 		}
-		if tok == c.tok0 || c.r.(*iptNFTReader).notes.caughtUp(tok) {
+		if tok == c.tok0 || c.r.(*iptNFTReader).notes.CaughtUp(tok) {
 			return
 		}
 		if time.Now().After(deadline) {

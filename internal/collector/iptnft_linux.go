@@ -66,7 +66,7 @@ type iptNFTReader struct {
 	omitChains bool
 	// peeks spaces the dumps of the dispatch Flushed makes when
 	// notifications were lost.
-	peeks peekRate
+	peeks nl.PeekRate
 }
 
 func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
@@ -120,13 +120,9 @@ func (r *iptNFTReader) ReadChanges(ctx context.Context) (*audit.Changes, error) 
 	return r.read(ctx)
 }
 
-// maxChainReads is the most chains a read dumps one by one; more touched
-// since the last read (a flush, kube-proxy's full sync) is a whole read.
-const maxChainReads = 4096
-
 func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
 	if r.fd < 0 {
-		fd, err := openNetfilter()
+		fd, err := nl.OpenNetfilter()
 		if err != nil {
 			return nil, err
 		}
@@ -147,7 +143,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
 		if base != nil {
 			base.OmitEndpointChains = r.omitChains
 		}
-		if base == nil || touched.lost || t.reset || len(t.chains) > maxChainReads {
+		if base == nil || touched.lost || t.reset || len(t.chains) > nl.MaxChainReads {
 			obs, err := r.readWhole(ctx, i, fam, &n)
 			if err != nil {
 				return nil, err
@@ -207,7 +203,7 @@ func (r *iptNFTReader) rebase() {
 		if m := r.mirrors[i]["KUBE-SERVICES"]; m != nil {
 			n = len(m.nodes)
 		}
-		r.notes.rebase(i, n)
+		r.notes.Rebase(i, n)
 	}
 }
 
@@ -220,7 +216,7 @@ func (r *iptNFTReader) rebase() {
 // services under churn).
 func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
 	if r.fd < 0 {
-		fd, err := openNetfilter()
+		fd, err := nl.OpenNetfilter()
 		if err != nil {
 			return false
 		}
@@ -230,7 +226,7 @@ func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
 		rules := 0
 		var n int64
 		_, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
-			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), &n, 0,
+			append(nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), nl.Attr(unix.NFTA_RULE_CHAIN, nl.CString(chain))...), &n, 0,
 			func([]byte) error { rules++; return nil })
 		if err != nil && !errors.Is(err, unix.ENOENT) {
 			r.closeOnError(err)
@@ -247,14 +243,14 @@ func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
 // to half) in a family that had services, or deleted its nat table; or,
 // when notifications were lost since, KUBE-SERVICES holds no rule now.
 func (r *iptNFTReader) Flushed(ctx context.Context) bool {
-	tripped, incomplete := r.notes.flushed()
+	tripped, incomplete := r.notes.Flushed()
 	if tripped || !incomplete {
 		return tripped
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for i, fam := range []int{4, 6} {
-		if r.fams[i] != nil && r.fams[i].Len() > 0 && r.peeks.allow(time.Now()) && r.dispatchEmpty(ctx, fam) {
+		if r.fams[i] != nil && r.fams[i].Len() > 0 && r.peeks.Allow(time.Now()) && r.dispatchEmpty(ctx, fam) {
 			return true
 		}
 	}
@@ -336,7 +332,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			if errors.Is(err, iptables.ErrUndecodable) {
 				return true, err
 			}
-			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", clip(chain), nftFamily(fam), err)
+			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", nl.Clip(chain), nftFamily(fam), err)
 		}
 		r.chains.Add(1)
 		if mirrored(chain) {
@@ -366,9 +362,6 @@ func (r *iptNFTReader) closeOnError(err error) {
 	}
 }
 
-// interruptedTries is how many interrupted dumps a read tries again.
-const interruptedTries = 3
-
 // maxDumpParts is how many parts of a whole-table dump a read takes
 // before it reads the rest chain by chain. The kernel resumes each 32 KiB
 // part of a dump by walking the table from its start, so part k costs k
@@ -390,14 +383,14 @@ var errDumpStopped = errors.New("the dump stopped at its part limit")
 func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*iptables.NAT, error) {
 	nat, last := iptables.NewNAT(fam), ""
 	stopped := false
-	for try := 0; r.maxDumpParts > 0 && try < interruptedTries; try++ {
+	for try := 0; r.maxDumpParts > 0 && try < nl.InterruptedTries; try++ {
 		clear(mirrors)
 		whole, at, intr, err := r.dumpTable(ctx, fam, mirrors, n, r.maxDumpParts)
 		if errors.Is(err, errDumpStopped) {
 			// The rest of the dump is not read: a new socket for what
 			// follows.
 			unix.Close(r.fd)
-			if r.fd, err = openNetfilter(); err != nil {
+			if r.fd, err = nl.OpenNetfilter(); err != nil {
 				return nil, err
 			}
 			if intr {
@@ -415,8 +408,8 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 	var order []string // every chain, in the table's order (a dump's)
 	for try := 0; ; try++ {
 		order = order[:0]
-		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nlAttr(unix.NFTA_CHAIN_TABLE, cstring("nat")), n, 0, func(body []byte) error {
-			if table, name := chainOf(body); table == "nat" {
+		intr, err := r.dump(ctx, unix.NFT_MSG_GETCHAIN, fam, nl.Attr(unix.NFTA_CHAIN_TABLE, nl.CString("nat")), n, 0, func(body []byte) error {
+			if table, name := nl.ChainOf(body); table == "nat" {
 				order = append(order, name)
 			}
 			return nil
@@ -462,23 +455,6 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 		}
 	}
 	return nat, nil
-}
-
-// chainOf reads a NEWCHAIN body's table and chain name.
-func chainOf(data []byte) (table, name string) {
-	a, err := nl.Body(data, "chain")
-	if err != nil {
-		return "", ""
-	}
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_CHAIN_TABLE:
-			table = a.Str()
-		case unix.NFTA_CHAIN_NAME:
-			name = a.Str()
-		}
-	}
-	return table, name
 }
 
 // Fallbacks counts reads that fell back to iptables-save, and says why

@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // dumpTable reads a family's nat table's rules in one dump, of at most
@@ -30,7 +31,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 		}
 		cur, rules, handles = "", rules[:0], handles[:0]
 	}
-	intr, err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), n, maxParts, func(body []byte) error {
+	intr, err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), n, maxParts, func(body []byte) error {
 		d, err := iptables.DecodeNFTRule(body, fam)
 		if err != nil {
 			return err
@@ -75,7 +76,7 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 	for try := 0; ; try++ {
 		rules, handles = rules[:0], handles[:0]
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
-			append(nlAttr(unix.NFTA_RULE_TABLE, cstring("nat")), nlAttr(unix.NFTA_RULE_CHAIN, cstring(chain))...), n, 0,
+			append(nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), nl.Attr(unix.NFTA_RULE_CHAIN, nl.CString(chain))...), n, 0,
 			func(body []byte) error {
 				d, err := iptables.DecodeNFTRule(body, fam)
 				if err != nil {
@@ -91,7 +92,7 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 			return nil, nil, false, nil
 		case err != nil:
 			return nil, nil, false, err
-		case intr && try < interruptedTries:
+		case intr && try < nl.InterruptedTries:
 			continue
 		case intr:
 			r.notes.touch(fam, chain)

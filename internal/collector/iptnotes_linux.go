@@ -2,7 +2,6 @@ package collector
 
 import (
 	"bytes"
-	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -21,86 +20,8 @@ import (
 // deleted, more touched chains or changes than a read should apply one by
 // one, and any time without a working subscription.
 type chainNotes struct {
-	notesBase
+	nl.Notes
 	fams [2]famNotes
-}
-
-// notesBase is what the notification sinks that follow changes share:
-// whether notifications flow, whether one was lost, and the generation
-// of the last commit announced.
-type notesBase struct {
-	mu         sync.Mutex
-	subscribed bool
-	lost       bool
-	// gen is the generation of the last commit announced (genKnown: one
-	// was, since the subscription). A commit's NEWGEN comes after all
-	// its other notifications, so the notes hold every change of the
-	// commits up to gen, and perhaps some of the next.
-	gen      uint32
-	genKnown bool
-	// flush follows the dispatch chain (see flushWatch).
-	flush flushWatch
-}
-
-// family reads what a notification is: its message type and its family
-// (index 0 for IPv4, 1 for IPv6). ok is false for what the sinks do not
-// follow: another subsystem or family, and a commit's NEWGEN, whose
-// generation it records.
-func (b *notesBase) family(typ uint16, data []byte) (msg uint16, i int, ok bool) {
-	if len(data) < 4 || typ>>8 != unix.NFNL_SUBSYS_NFTABLES {
-		return 0, 0, false
-	}
-	if typ&0xff == unix.NFT_MSG_NEWGEN {
-		b.mu.Lock()
-		if g, ok := genID(data); ok {
-			b.gen, b.genKnown = g, true
-		}
-		b.flush.commit()
-		b.mu.Unlock()
-		return 0, 0, false
-	}
-	switch data[0] {
-	case unix.NFPROTO_IPV4:
-		return typ & 0xff, 0, true
-	case unix.NFPROTO_IPV6:
-		return typ & 0xff, 1, true
-	}
-	return 0, 0, false
-}
-
-// Lost: a notification was dropped; the next read is whole.
-func (b *notesBase) Lost() {
-	b.mu.Lock()
-	b.lost = true
-	b.mu.Unlock()
-}
-
-// Subscribed says whether notifications flow: without them every read is
-// whole.
-func (b *notesBase) Subscribed(on bool) {
-	b.mu.Lock()
-	b.subscribed, b.lost, b.genKnown = on, true, false
-	b.mu.Unlock()
-}
-
-// taken reports, for a take (b.mu held), whether the next read must be
-// whole, and through which generation the notes taken hold every change
-// (0: unknown), and starts afresh.
-//
-// A read of changes reflects the commits up to that generation, not
-// those up to the kernel's generation when it started: some of a commit's
-// notifications may be taken while the rest, and its NEWGEN, are still
-// on the way. The reader's token must say so, or that NEWGEN would find
-// the token already moved and the rest would wait for the next commit
-// (on a quiet node, forever).
-func (b *notesBase) taken() (lost bool, through uint64) {
-	lost = b.lost || !b.subscribed
-	b.lost = false
-	b.flush.take()
-	if b.genKnown {
-		through = uint64(b.gen)
-	}
-	return lost, through
 }
 
 type famNotes struct {
@@ -141,22 +62,6 @@ func mirrored(chain string) bool { return chain == "KUBE-SERVICES" || chain == "
 // adds every KUBE-SERVICES rule). Past it, the chain is dumped instead.
 const maxMirrorOps = 64 << 10
 
-// flushed says whether a commit since the last read flushed a dispatch
-// (tripped), and whether the notes since then are incomplete (a
-// notification lost, or none flowing), so that only the kernel can say.
-func (b *notesBase) flushed() (tripped, incomplete bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.flush.tripped, b.lost || !b.subscribed
-}
-
-// rebase records the rules family i's dispatch held at the last read.
-func (b *notesBase) rebase(i, n int) {
-	b.mu.Lock()
-	b.flush.rebase(i, n)
-	b.mu.Unlock()
-}
-
 // touched is what notes held when a read took them.
 type touched struct {
 	lost    bool
@@ -169,7 +74,7 @@ var _ NotificationSink = (*chainNotes)(nil)
 // Note takes one notification: only the nat tables of ip and ip6, and of
 // them only chains the audit reads.
 func (n *chainNotes) Note(typ, flags uint16, data []byte) {
-	msg, i, ok := n.family(typ, data)
+	msg, i, ok := n.Family(typ, data)
 	if !ok {
 		return
 	}
@@ -178,19 +83,19 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 	var table, chain []byte
 	var handle uint64
 	switch msg {
-	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
-		table, chain, handle = ruleChainOf(data)
-	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nftMsgDestroyChain:
-		t, c := chainOf(data)
+	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nl.MsgDestroyRule:
+		table, chain, handle = nl.RuleChainOf(data)
+	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nl.MsgDestroyChain:
+		t, c := nl.ChainOf(data)
 		table, chain = []byte(t), []byte(c)
-	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nftMsgDestroyTable:
-		if tableName(data) == "nat" {
-			n.mu.Lock()
+	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nl.MsgDestroyTable:
+		if nl.TableName(data) == "nat" {
+			n.Lock()
 			n.fams[i].reset, n.fams[i].chains, n.fams[i].ops = true, nil, nil
 			if msg != unix.NFT_MSG_NEWTABLE {
-				n.flush.tableGone(i)
+				n.Flush.TableGone(i)
 			}
-			n.mu.Unlock()
+			n.Unlock()
 		}
 		return
 	default:
@@ -200,7 +105,7 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 		return
 	}
 	if string(chain) == "KUBE-SERVICES" {
-		n.countDispatch(i, msg)
+		n.CountDispatch(i, msg)
 	}
 	if string(chain) == "KUBE-SERVICES" || string(chain) == "KUBE-NODEPORTS" {
 		op := ruleOp{chain: mirroredName(string(chain))}
@@ -211,15 +116,15 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 			d, err := iptables.DecodeNFTRule(data, 4+2*i)
 			op.kind, op.handle, op.pos, op.hasPos, op.rule, op.err = opNewRule, d.Handle, d.Position, d.HasPosition, d.Rule, err
 			op.appended = flags&unix.NLM_F_APPEND != 0
-		case unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
+		case unix.NFT_MSG_DELRULE, nl.MsgDestroyRule:
 			op.kind, op.handle = opDelRule, handle
 		case unix.NFT_MSG_NEWCHAIN:
 			op.kind = opNewChain
 		default:
 			op.kind = opDelChain
 		}
-		n.mu.Lock()
-		defer n.mu.Unlock()
+		n.Lock()
+		defer n.Unlock()
 		f := &n.fams[i]
 		if f.reset {
 			return
@@ -242,26 +147,9 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 		f.ops = append(f.ops, op)
 		return
 	}
-	n.mu.Lock()
-	defer n.mu.Unlock()
+	n.Lock()
+	defer n.Unlock()
 	n.touchLocked(i, string(chain))
-}
-
-// countDispatch counts a rule added to or deleted from family i's
-// dispatch chain (see flushWatch).
-func (b *notesBase) countDispatch(i int, msg uint16) {
-	delta := 0
-	switch msg {
-	case unix.NFT_MSG_NEWRULE:
-		delta = 1
-	case unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
-		delta = -1
-	default:
-		return
-	}
-	b.mu.Lock()
-	b.flush.rule(i, delta)
-	b.mu.Unlock()
 }
 
 // reads is iptables.Reads of a name in bytes.
@@ -286,7 +174,7 @@ func (n *chainNotes) touchLocked(i int, chain string) {
 	if _, ok := f.chains[chain]; ok {
 		return // (a lookup by a converted name does not allocate)
 	}
-	if len(f.chains) >= maxChainReads {
+	if len(f.chains) >= nl.MaxChainReads {
 		// A whole read costs less than this many chains one by one.
 		f.reset, f.chains, f.ops = true, nil, nil
 		return
@@ -299,8 +187,8 @@ func (n *chainNotes) touchLocked(i int, chain string) {
 
 // touch marks a chain to be read again next time.
 func (n *chainNotes) touch(fam int, chain string) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
+	n.Lock()
+	defer n.Unlock()
 	i := 0
 	if fam == 6 {
 		i = 1
@@ -310,42 +198,12 @@ func (n *chainNotes) touch(fam int, chain string) {
 
 // take returns what was touched since the last take and starts afresh.
 func (n *chainNotes) take() touched {
-	n.mu.Lock()
-	defer n.mu.Unlock()
+	n.Lock()
+	defer n.Unlock()
 	t := touched{fams: n.fams}
-	t.lost, t.through = n.taken()
+	t.lost, t.through = n.Taken()
 	n.fams = [2]famNotes{}
 	return t
-}
-
-// Message types newer than golang.org/x/sys knows (Linux 6.3's destroy
-// commands; the kernel announces them as deletions, taken here anyway).
-const (
-	nftMsgDestroyTable = 26
-	nftMsgDestroyChain = 27
-	nftMsgDestroyRule  = 28
-)
-
-// ruleChainOf reads a rule message's table, chain and handle (the
-// kernel puts them first, before the expressions).
-func ruleChainOf(data []byte) (table, chain []byte, handle uint64) {
-	a, err := nl.Body(data, "rule")
-	if err != nil {
-		return nil, nil, 0
-	}
-	for a.Next() {
-		switch a.Type {
-		case unix.NFTA_RULE_TABLE:
-			table = nl.CStr(a.Val)
-		case unix.NFTA_RULE_CHAIN:
-			chain = nl.CStr(a.Val)
-		case unix.NFTA_RULE_HANDLE:
-			handle = a.U64()
-		case unix.NFTA_RULE_EXPRESSIONS:
-			return table, chain, handle
-		}
-	}
-	return table, chain, handle
 }
 
 // applyOps applies the mirrored chains' notified changes to their

@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // kernelChains checks chains in the kernel itself, on a host without the
@@ -46,13 +47,13 @@ func nftChainExists(fam int, table, chain string) (bool, error) {
 		return false, fmt.Errorf("open nf_tables netlink: %w", err)
 	}
 	defer c.Close()
-	body, err := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: cstring(table)}, {Type: unix.NFTA_CHAIN_NAME, Data: cstring(chain)}})
+	body, err := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: nl.CString(table)}, {Type: unix.NFTA_CHAIN_NAME, Data: nl.CString(chain)}})
 	if err != nil {
 		return false, err
 	}
 	_, err = c.Execute(netlink.Message{
 		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETCHAIN), Flags: netlink.Request},
-		Data:   append([]byte{nfproto(fam), unix.NFNETLINK_V0, 0, 0}, body...),
+		Data:   append([]byte{nl.Proto(fam), unix.NFNETLINK_V0, 0, 0}, body...),
 	})
 	switch {
 	case errors.Is(err, unix.ENOENT):

@@ -242,7 +242,7 @@ func (ir *nftIncremental) read(round int, what string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if tok == ir.tok0 || ir.r.touched.caughtUp(tok) {
+		if tok == ir.tok0 || ir.r.touched.CaughtUp(tok) {
 			break
 		}
 		if time.Now().After(deadline) {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // nftNetlinkReader reads kube-proxy's nftables table (table ip
@@ -59,7 +60,7 @@ type nftNetlinkReader struct {
 	// byChain whole reads made chain by chain after that.
 	whole, chains, interrupted, byChain atomic.Int64
 	// peeks spaces the dumps Flushed makes when notifications were lost.
-	peeks peekRate
+	peeks nl.PeekRate
 }
 
 // nftFam is what the reader keeps of one family's table: the model, the
@@ -215,7 +216,7 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 // holds as read (see flushWatch).
 func (r *nftNetlinkReader) rebase() {
 	for i, f := range r.fams {
-		r.touched.rebase(i, f.services)
+		r.touched.Rebase(i, f.services)
 	}
 }
 
@@ -224,13 +225,13 @@ func (r *nftNetlinkReader) rebase() {
 // table; or, when notifications were lost since, the services chain
 // holds no rule now.
 func (r *nftNetlinkReader) Flushed(ctx context.Context) bool {
-	tripped, incomplete := r.touched.flushed()
+	tripped, incomplete := r.touched.Flushed()
 	if tripped || !incomplete {
 		return tripped
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.conn == nil || !r.peeks.allow(time.Now()) {
+	if r.conn == nil || !r.peeks.Allow(time.Now()) {
 		return false
 	}
 	for i, fam := range []int{4, 6} {
@@ -241,8 +242,8 @@ func (r *nftNetlinkReader) Flushed(ctx context.Context) bool {
 		// iptNFTReader.dispatchEmpty for why not a peek).
 		rules := 0
 		var n int64
-		err := r.dump(ctx, unix.NFT_MSG_GETRULE, nfproto(fam), []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
-			{Type: unix.NFTA_RULE_CHAIN, Data: cstring("services")}}, &n, func([]byte) error { rules++; return nil })
+		err := r.dump(ctx, unix.NFT_MSG_GETRULE, nl.Proto(fam), []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: nl.CString(kubeProxyTable)},
+			{Type: unix.NFTA_RULE_CHAIN, Data: nl.CString("services")}}, &n, func([]byte) error { rules++; return nil })
 		if (err == nil || errors.Is(err, unix.ENOENT)) && rules == 0 {
 			return true
 		}
@@ -357,7 +358,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	// Under churn a large table's dump outlasts the gap between two
 	// commits: tried twice, then read chain by chain (each chain's dump
 	// is one or two parts, rarely interrupted).
-	err = r.dumpTries(ctx, 2, false, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)}}, n,
+	err = r.dumpTries(ctx, 2, false, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: nl.CString(kubeProxyTable)}}, n,
 		func(data []byte) error {
 			rule, err := nftables.DecodeRule(data)
 			if err != nil {
@@ -366,7 +367,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 			rules[rule.Chain] = append(rules[rule.Chain], rule)
 			return nil
 		})
-	if errors.Is(err, errDumpInterrupted) {
+	if errors.Is(err, nl.ErrDumpInterrupted) {
 		rules, err = r.rulesByChain(ctx, fam, n)
 	}
 	if err != nil {
@@ -463,7 +464,5 @@ func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, ch
 	}
 	return nil
 }
-
-func cstring(s string) []byte { return append([]byte(s), 0) }
 
 func newNFTNetlinkReader() RuleReader { return &nftNetlinkReader{} }

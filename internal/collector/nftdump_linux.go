@@ -14,14 +14,15 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // chainRules dumps one chain's rules (none: the chain is gone).
 func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain string, n *int64) ([]nftables.Rule, error) {
 	r.chains.Add(1)
 	var rules []nftables.Rule
-	err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: cstring(kubeProxyTable)},
-		{Type: unix.NFTA_RULE_CHAIN, Data: cstring(chain)}}, n, func(data []byte) error {
+	err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: nl.CString(kubeProxyTable)},
+		{Type: unix.NFTA_RULE_CHAIN, Data: nl.CString(chain)}}, n, func(data []byte) error {
 		rule, err := nftables.DecodeRule(data)
 		if err == nil && rule.Chain == chain {
 			rules = append(rules, rule)
@@ -32,7 +33,7 @@ func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain strin
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("chain %s: %w", clip(chain), err)
+		return nil, fmt.Errorf("chain %s: %w", nl.Clip(chain), err)
 	}
 	return rules, nil
 }
@@ -48,17 +49,17 @@ func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64)
 	r.byChain.Add(1)
 	names := map[string]struct{}{}
 	list := func(data []byte) error {
-		if table, chain := chainOf(data); table == kubeProxyTable && (chain == "services" || nftables.FrontendChain(chain)) {
+		if table, chain := nl.ChainOf(data); table == kubeProxyTable && (chain == "services" || nftables.FrontendChain(chain)) {
 			names[chain] = struct{}{}
 		}
 		return nil
 	}
 	for try := 0; ; try++ {
-		err := r.dumpTries(ctx, 1, true, unix.NFT_MSG_GETCHAIN, fam, []netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: cstring(kubeProxyTable)}}, n, list)
-		if err == nil || try+1 == interruptedTries && errors.Is(err, errDumpInterrupted) {
+		err := r.dumpTries(ctx, 1, true, unix.NFT_MSG_GETCHAIN, fam, []netlink.Attribute{{Type: unix.NFTA_CHAIN_TABLE, Data: nl.CString(kubeProxyTable)}}, n, list)
+		if err == nil || try+1 == nl.InterruptedTries && errors.Is(err, nl.ErrDumpInterrupted) {
 			break
 		}
-		if !errors.Is(err, errDumpInterrupted) {
+		if !errors.Is(err, nl.ErrDumpInterrupted) {
 			return nil, err
 		}
 	}
@@ -92,7 +93,7 @@ func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (m
 // sets lists the table's sets with their handles.
 func (r *nftNetlinkReader) sets(ctx context.Context, fam byte, n *int64) (map[string]nftables.SetInfo, error) {
 	out := map[string]nftables.SetInfo{}
-	err := r.dump(ctx, unix.NFT_MSG_GETSET, fam, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: cstring(kubeProxyTable)}}, n,
+	err := r.dump(ctx, unix.NFT_MSG_GETSET, fam, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: nl.CString(kubeProxyTable)}}, n,
 		func(data []byte) error {
 			name, info, err := nftables.DecodeSet(data)
 			if err != nil {
@@ -109,7 +110,7 @@ func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64,
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
-	body, err := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: cstring(kubeProxyTable)}})
+	body, err := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: nl.CString(kubeProxyTable)}})
 	if err != nil {
 		return 0, err
 	}
@@ -132,8 +133,8 @@ func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64,
 func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n *int64) ([]nftables.Elem, error) {
 	var out []nftables.Elem
 	err := r.dump(ctx, unix.NFT_MSG_GETSETELEM, fam, []netlink.Attribute{
-		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: cstring(kubeProxyTable)},
-		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: cstring(set)},
+		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: nl.CString(kubeProxyTable)},
+		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: nl.CString(set)},
 	}, n, func(data []byte) error {
 		var err error
 		out, err = nftables.DecodeElems(data, out)
@@ -146,14 +147,11 @@ func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n
 // fn. A dump the kernel flags interrupted by a commit (NLM_F_DUMP_INTR:
 // it resumes a dump by position, so a commit between two parts can skip
 // or repeat rules of chains it never touched) is asked again, up to
-// interruptedTries times, and then fails with errDumpInterrupted; fn
+// nl.InterruptedTries times, and then fails with nl.ErrDumpInterrupted; fn
 // sees only an answer that was not interrupted.
 func (r *nftNetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
-	return r.dumpTries(ctx, interruptedTries, false, msg, fam, attrs, n, fn)
+	return r.dumpTries(ctx, nl.InterruptedTries, false, msg, fam, attrs, n, fn)
 }
-
-// errDumpInterrupted: every try of a dump was interrupted by a commit.
-var errDumpInterrupted = errors.New("every try of the dump was interrupted by a commit")
 
 // dumpTries is dump with its number of tries; with keep, fn is handed the
 // interrupted answers too (before the error).
@@ -193,7 +191,7 @@ func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, 
 			return nil
 		}
 	}
-	return errDumpInterrupted
+	return nl.ErrDumpInterrupted
 }
 
 // dumpBuffer holds one datagram of a dump (the kernel's dump parts are at
@@ -206,7 +204,7 @@ const dumpBuffer = 256 << 10
 // message can be the only one flagged (a commit just before the dump's
 // last, empty round, which resumed by position past the rules a commit
 // moved: the table's last rules never came); the library's Receive drops
-// it, flag and all, so the datagrams are read here (nlMessages).
+// it, flag and all, so the datagrams are read here (nl.Messages).
 func (r *nftNetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, intr bool, err error) {
 	rc, err := r.conn.SyscallConn()
 	if err != nil {
@@ -228,7 +226,7 @@ func (r *nftNetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, i
 			return nil, intr, fmt.Errorf("receive: %w", rerr)
 		}
 		*n += int64(size)
-		done, in, err := nlMessages(r.buf[:size], seq, func(b []byte) error {
+		done, in, err := nl.Messages(r.buf[:size], seq, func(b []byte) error {
 			bodies = append(bodies, bytes.Clone(b))
 			return nil
 		})

@@ -122,7 +122,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE:
 		// A table made again numbers its sets from 1 again: nothing
 		// learnt of the old one may answer for the new.
-		if tableName(data) == kubeProxyTable {
+		if nl.TableName(data) == kubeProxyTable {
 			m.clearLocked()
 		}
 	case unix.NFT_MSG_NEWGEN:
@@ -185,19 +185,4 @@ func (m *mapNotes) seen(family byte, last uint64) {
 			m.elems -= d.n
 		}
 	}
-}
-
-// tableName reads NFTA_TABLE_NAME from an NFT_MSG_NEWTABLE or DELTABLE
-// body.
-func tableName(data []byte) string {
-	a, err := nl.Body(data, "table")
-	if err != nil {
-		return ""
-	}
-	for a.Next() {
-		if a.Type == unix.NFTA_TABLE_NAME {
-			return a.Str()
-		}
-	}
-	return ""
 }

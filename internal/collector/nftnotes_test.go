@@ -18,8 +18,8 @@ func msgType(t uint16) uint16 { return unix.NFNL_SUBSYS_NFTABLES<<8 | t }
 // setMsg builds an NFT_MSG_NEWSET (or DELSET) body.
 func setMsg(table, name string, handle uint64, flags uint32) []byte {
 	body, _ := netlink.MarshalAttributes([]netlink.Attribute{
-		{Type: unix.NFTA_SET_TABLE, Data: cstring(table)},
-		{Type: unix.NFTA_SET_NAME, Data: cstring(name)},
+		{Type: unix.NFTA_SET_TABLE, Data: nl.CString(table)},
+		{Type: unix.NFTA_SET_NAME, Data: nl.CString(name)},
 		{Type: unix.NFTA_SET_FLAGS, Data: be32(flags)},
 		{Type: nl.NFTASetHandle, Data: binary.BigEndian.AppendUint64(nil, handle)},
 	})
@@ -29,13 +29,13 @@ func setMsg(table, name string, handle uint64, flags uint32) []byte {
 // setElemMsg is elemMsg for set name of table.
 func setElemMsg(table, set string, key byte, chain string) []byte {
 	m := elemMsg([]byte{key}, chain)
-	head, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: cstring(table)}})
+	head, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: nl.CString(table)}})
 	// elemMsg names service-ips: rename by rebuilding its attributes.
 	ad, _ := netlink.NewAttributeDecoder(m[4:])
 	var rest []netlink.Attribute
 	for ad.Next() {
 		if ad.Type() == unix.NFTA_SET_ELEM_LIST_SET {
-			rest = append(rest, netlink.Attribute{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: cstring(set)})
+			rest = append(rest, netlink.Attribute{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: nl.CString(set)})
 			continue
 		}
 		rest = append(rest, netlink.Attribute{Type: ad.Type() | ad.TypeFlags(), Data: ad.Bytes()})
@@ -45,7 +45,7 @@ func setElemMsg(table, set string, key byte, chain string) []byte {
 }
 
 func tableMsg(name string) []byte {
-	b, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: cstring(name)}})
+	b, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: nl.CString(name)}})
 	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, b...)
 }
 

@@ -6,6 +6,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // nftTouched learns from the change signal's notifications what each
@@ -16,7 +17,7 @@ import (
 // from a new one without listing every set). What it cannot vouch for
 // makes the next read whole, as chainNotes does for iptables-nft.
 type nftTouched struct {
-	notesBase
+	nl.Notes
 	fams [2]nftFamTouched
 }
 
@@ -46,30 +47,30 @@ const maxTouchedSets = 64 << 10
 var _ NotificationSink = (*nftTouched)(nil)
 
 func (n *nftTouched) Note(typ, _ uint16, data []byte) {
-	msg, i, ok := n.family(typ, data)
+	msg, i, ok := n.Family(typ, data)
 	if !ok {
 		return
 	}
 	switch msg {
-	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nftMsgDestroyRule:
-		table, chain, _ := ruleChainOf(data)
+	case unix.NFT_MSG_NEWRULE, unix.NFT_MSG_DELRULE, nl.MsgDestroyRule:
+		table, chain, _ := nl.RuleChainOf(data)
 		if string(table) == kubeProxyTable {
 			if string(chain) == "services" {
-				n.countDispatch(i, msg)
+				n.CountDispatch(i, msg)
 			}
 			n.touch(i, string(chain))
 		}
-	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nftMsgDestroyChain:
-		if table, chain := chainOf(data); table == kubeProxyTable {
+	case unix.NFT_MSG_NEWCHAIN, unix.NFT_MSG_DELCHAIN, nl.MsgDestroyChain:
+		if table, chain := nl.ChainOf(data); table == kubeProxyTable {
 			n.touch(i, chain)
 		}
-	case unix.NFT_MSG_NEWSET, unix.NFT_MSG_DELSET, nftMsgDestroySet:
+	case unix.NFT_MSG_NEWSET, unix.NFT_MSG_DELSET, nl.MsgDestroySet:
 		table, name, info, err := nftables.DecodeSetNote(data)
 		if err != nil || table != kubeProxyTable {
 			return
 		}
-		n.mu.Lock()
-		defer n.mu.Unlock()
+		n.Lock()
+		defer n.Unlock()
 		f := &n.fams[i]
 		if slices.Contains(nftNamedMaps, name) {
 			f.maps = true
@@ -82,27 +83,27 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 			return
 		}
 		f.sets = append(f.sets, setChange{name: name, info: info, gone: msg != unix.NFT_MSG_NEWSET})
-	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nftMsgDestroySetElem:
+	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nl.MsgDestroySetElem:
 		if table, set := nftables.ElemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
-			n.mu.Lock()
+			n.Lock()
 			n.fams[i].maps = true
-			n.mu.Unlock()
+			n.Unlock()
 		}
-	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nftMsgDestroyTable:
-		if tableName(data) == kubeProxyTable {
-			n.mu.Lock()
+	case unix.NFT_MSG_NEWTABLE, unix.NFT_MSG_DELTABLE, nl.MsgDestroyTable:
+		if nl.TableName(data) == kubeProxyTable {
+			n.Lock()
 			n.fams[i] = nftFamTouched{reset: true}
 			if msg != unix.NFT_MSG_NEWTABLE {
-				n.flush.tableGone(i)
+				n.Flush.TableGone(i)
 			}
-			n.mu.Unlock()
+			n.Unlock()
 		}
 	}
 }
 
 func (n *nftTouched) touch(i int, chain string) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
+	n.Lock()
+	defer n.Unlock()
 	f := &n.fams[i]
 	if f.reset {
 		return
@@ -110,7 +111,7 @@ func (n *nftTouched) touch(i int, chain string) {
 	if _, ok := f.chains[chain]; ok {
 		return
 	}
-	if len(f.chains) >= maxChainReads {
+	if len(f.chains) >= nl.MaxChainReads {
 		f.reset, f.chains, f.sets = true, nil, nil
 		return
 	}
@@ -122,10 +123,10 @@ func (n *nftTouched) touch(i int, chain string) {
 
 // take returns what was touched since the last take (see taken).
 func (n *nftTouched) take() (lost bool, through uint64, fams [2]nftFamTouched) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	flushed := n.flush.tripped
-	lost, through = n.taken()
+	n.Lock()
+	defer n.Unlock()
+	flushed := n.Flush.Tripped
+	lost, through = n.Taken()
 	fams = n.fams
 	for i := range fams {
 		if flushed && len(fams[i].chains) > flushedChains {
@@ -138,9 +139,3 @@ func (n *nftTouched) take() (lost bool, through uint64, fams [2]nftFamTouched) {
 	n.fams = [2]nftFamTouched{}
 	return lost, through, fams
 }
-
-// Message types newer than golang.org/x/sys knows (Linux 6.3).
-const (
-	nftMsgDestroySet     = 29
-	nftMsgDestroySetElem = 30
-)

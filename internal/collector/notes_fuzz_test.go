@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // natRuleNote is a notification of a rule of KUBE-SERVICES in table nat:
@@ -19,8 +20,8 @@ func natRuleNote(fam byte, handle, pos uint64, hasPos bool) []byte {
 	b, _ := netlink.MarshalAttributes(jump)
 	list, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: b}})
 	attrs := []netlink.Attribute{
-		{Type: unix.NFTA_RULE_TABLE, Data: cstring("nat")},
-		{Type: unix.NFTA_RULE_CHAIN, Data: cstring("KUBE-SERVICES")},
+		{Type: unix.NFTA_RULE_TABLE, Data: nl.CString("nat")},
+		{Type: unix.NFTA_RULE_CHAIN, Data: nl.CString("KUBE-SERVICES")},
 		{Type: unix.NFTA_RULE_HANDLE, Data: binary.BigEndian.AppendUint64(nil, handle)},
 	}
 	if hasPos {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -207,14 +208,14 @@ func restArrives(t *testing.T, c *client, sig *nftSignal) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var notes *notesBase
+		var notes *nl.Notes
 		switch r := c.reader.(type) {
 		case *iptNFTReader:
-			notes = &r.notes.notesBase
+			notes = &r.notes.Notes
 		case *nftNetlinkReader:
-			notes = &r.touched.notesBase
+			notes = &r.touched.Notes
 		}
-		if notes.caughtUp(tok) {
+		if notes.CaughtUp(tok) {
 			return
 		}
 		if time.Now().After(deadline) {

@@ -8,6 +8,7 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 )
 
@@ -35,8 +36,8 @@ func FuzzNotesChainOf(f *testing.F) {
 	f.Add([]byte{2, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, data []byte) {
 		allocs := testing.AllocsPerRun(1, func() {
-			ruleChainOf(data)
-			chainOf(data)
+			nl.RuleChainOf(data)
+			nl.ChainOf(data)
 		})
 		if limit := 64 + 2*float64(len(data)); allocs > limit {
 			t.Fatalf("%d bytes read with %.0f allocations (limit %.0f)", len(data), allocs, limit)

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // nftSignal watches nf_tables, where both iptables-nft and kube-proxy's
@@ -89,30 +90,11 @@ func (s *nftSignal) Token() (uint64, error) {
 		if m.Header.Type != nftNewGen {
 			continue
 		}
-		if id, ok := genID(m.Data); ok {
+		if id, ok := nl.GenID(m.Data); ok {
 			return uint64(id), nil
 		}
 	}
 	return 0, errors.New("nf_tables generation: no NFTA_GEN_ID in the kernel's answer")
-}
-
-// genID reads NFTA_GEN_ID from a NEWGEN message body (nfgenmsg header,
-// then attributes).
-func genID(data []byte) (uint32, bool) {
-	if len(data) < 4 {
-		return 0, false
-	}
-	ad, err := netlink.NewAttributeDecoder(data[4:])
-	if err != nil {
-		return 0, false
-	}
-	ad.ByteOrder = binary.BigEndian
-	for ad.Next() {
-		if ad.Type() == unix.NFTA_GEN_ID {
-			return ad.Uint32(), ad.Err() == nil
-		}
-	}
-	return 0, false
 }
 
 // Events fires after commits; a lost notification (the socket's buffer

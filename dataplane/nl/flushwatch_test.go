@@ -1,4 +1,4 @@
-package collector
+package nl
 
 import "testing"
 
@@ -8,70 +8,70 @@ import "testing"
 // never trips it, a flush does even when the next commit writes the
 // dispatch back, and a read starts the count afresh.
 func TestFlushWatch(t *testing.T) {
-	rules := func(w *flushWatch, i, n int) {
+	rules := func(w *FlushWatch, i, n int) {
 		for range max(n, -n) {
 			if n > 0 {
-				w.rule(i, 1)
+				w.Rule(i, 1)
 			} else {
-				w.rule(i, -1)
+				w.Rule(i, -1)
 			}
 		}
 	}
-	var w flushWatch
-	w.rebase(0, 100)
+	var w FlushWatch
+	w.Rebase(0, 100)
 	// kube-proxy's sync: deleted and added in one commit.
 	rules(&w, 0, -100)
 	rules(&w, 0, 100)
-	w.commit()
-	if w.tripped {
+	w.Commit()
+	if w.Tripped {
 		t.Fatal("a rewrite of the dispatch in one commit tripped")
 	}
 	// Services removed: 40 of 100, not a flush.
 	rules(&w, 0, -40)
-	w.commit()
-	if w.tripped {
+	w.Commit()
+	if w.Tripped {
 		t.Fatal("40 of 100 rules gone tripped")
 	}
 	// A flush, then kube-proxy's next sync writes it back: the first
 	// commit trips.
-	w.take()
-	w.rebase(0, 60)
+	w.Take()
+	w.Rebase(0, 60)
 	rules(&w, 0, -60)
-	w.commit()
+	w.Commit()
 	rules(&w, 0, 60)
-	w.commit()
-	if !w.tripped {
+	w.Commit()
+	if !w.Tripped {
 		t.Fatal("a flush followed by a rewrite did not trip")
 	}
 	// A read takes the notes: afresh.
-	w.take()
-	w.rebase(0, 60)
-	if w.tripped {
+	w.Take()
+	w.Rebase(0, 60)
+	if w.Tripped {
 		t.Fatal("still tripped after a read")
 	}
 	// The IPv6 family's table deleted, where the last read saw rules.
-	w.rebase(1, 10)
-	w.tableGone(1)
-	w.commit()
-	if !w.tripped {
+	w.Rebase(1, 10)
+	w.TableGone(1)
+	w.Commit()
+	if !w.Tripped {
 		t.Fatal("the table deleted did not trip")
 	}
 	// A family without rules at the last read never trips.
-	var e flushWatch
-	e.tableGone(0)
+	var e FlushWatch
+	e.TableGone(0)
 	rules(&e, 1, -5)
-	e.commit()
-	if e.tripped {
+	e.Commit()
+	if e.Tripped {
 		t.Fatal("a family without rules tripped")
 	}
 	// Notes that arrive while a read is on its way stay counted after it.
-	var r flushWatch
-	r.rebase(0, 100)
-	r.take()
+	var r FlushWatch
+	r.Rebase(0, 100)
+	r.Take()
 	rules(&r, 0, -80) // after the read took the notes
-	r.rebase(0, 100)  // the read saw all 100
-	r.commit()
-	if !r.tripped {
+	r.Rebase(0, 100)  // the read saw all 100
+	r.Commit()
+	if !r.Tripped {
 		t.Fatal("a flush during a read was forgotten by the read's rebase")
 	}
 }
