@@ -140,8 +140,8 @@ func Run(ctx context.Context, cfg Config) error {
 	c.cost.Reads = map[stream.ReadReason]uint64{}
 	c.loadPeers()
 	c.loadConntrack(cfg.Clock.Now())
-	if src, ok := cfg.Reader.(interface{ Source() Source }); ok {
-		c.openSignal(src.Source())
+	if src, ok := sourceOf(cfg.Reader); ok {
+		c.openSignal(src)
 	}
 	defer func() {
 		if c.signal != nil {

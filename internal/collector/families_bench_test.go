@@ -42,20 +42,8 @@ func BenchmarkIPv6Half(b *testing.B) {
 			}},
 		{"nftables", []string{"nft", "-j", "-f", "-"}, nftLoad,
 			func(*Host) func() (*audit.Observed, error) {
-				r := newNFTNetlinkReader().(*nftNetlinkReader)
-				return func() (*audit.Observed, error) {
-					var n int64
-					if r.conn == nil {
-						if _, err := r.Read(ctx); err != nil { // opens the socket
-							return nil, err
-						}
-					}
-					t, _, err := r.table(ctx, 4, &n)
-					if err != nil {
-						return nil, err
-					}
-					return nftables.FromTables(t)
-				}
+				r := nftables.NewNetlinkReader()
+				return func() (*audit.Observed, error) { return r.ReadFamily(ctx, 4) }
 			},
 			func(h *Host) func() (*audit.Observed, error) {
 				r := h.Reader(Source{Mode: audit.ModeNFTables})

@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -84,7 +85,7 @@ func TestE2EForgedNotificationsAreDropped(t *testing.T) {
 	send(unix.NFT_MSG_NEWRULE, natRuleNote(unix.NFPROTO_IPV4, 0, 10, true))
 	send(unix.NFT_MSG_DELRULE, natRuleNote(unix.NFPROTO_IPV4, 11, 0, false))
 	send(unix.NFT_MSG_NEWRULE, natRuleNote(unix.NFPROTO_IPV4, 12, 0, false))
-	send(unix.NFT_MSG_NEWGEN, genMsg)
+	send(unix.NFT_MSG_NEWGEN, nltest.GenMsg)
 	select {
 	case <-sig.Events():
 		t.Error("forged notifications announced a change")

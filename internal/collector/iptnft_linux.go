@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -289,7 +290,7 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 	case err != nil:
 		r.fams = [2]*iptables.NAT{}
 		r.closeOnError(err)
-		return nil, fmt.Errorf("read table %s nat over netlink: %w", nftFamily(fam), err)
+		return nil, fmt.Errorf("read table %s nat over netlink: %w", nftables.FamilyName(fam), err)
 	default:
 		nat.OmitEndpointChains = r.omitChains
 		fs, _ := nat.Changes()
@@ -332,7 +333,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			if errors.Is(err, iptables.ErrUndecodable) {
 				return true, err
 			}
-			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", nl.Clip(chain), nftFamily(fam), err)
+			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", nl.Clip(chain), nftables.FamilyName(fam), err)
 		}
 		r.chains.Add(1)
 		if mirrored(chain) {

@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -59,7 +60,7 @@ func nftChainExists(fam int, table, chain string) (bool, error) {
 	case errors.Is(err, unix.ENOENT):
 		return false, nil
 	case err != nil:
-		return false, fmt.Errorf("nf_tables chain %s of table %s %s: %w", chain, nftFamily(fam), table, err)
+		return false, fmt.Errorf("nf_tables chain %s of table %s %s: %w", chain, nftables.FamilyName(fam), table, err)
 	}
 	return true, nil
 }

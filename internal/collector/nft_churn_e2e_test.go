@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -22,7 +23,7 @@ type nftChurn struct {
 	serial   int
 }
 
-func (c *nftChurn) family() string { return nftFamily(c.fam) }
+func (c *nftChurn) family() string { return nftables.FamilyName(c.fam) }
 
 func (c *nftChurn) vip(i int) string {
 	if c.fam == 6 {
@@ -148,7 +149,7 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 	}
 	apply("add table ip other\nadd chain ip other c\n")
 	src := Source{Mode: audit.ModeNFTables}
-	var r *nftNetlinkReader
+	var r *nftables.NetlinkReader
 	var sig *nftSignal
 	inNS := func(f func() error) {
 		t.Helper()
@@ -162,7 +163,7 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 			return err
 		}
 		sig = s.(*nftSignal)
-		r = NewHost().Reader(src).(*nftNetlinkReader)
+		r = NewHost().Reader(src).(*nftables.NetlinkReader)
 		sig.Feed(r)
 		return nil
 	})
@@ -212,8 +213,8 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 		read(round, strings.Join(did, " "))
 	}
 	t.Logf("commits: %v; whole reads %d, chains read one by one %d, maps from notifications %d, dumped %d",
-		counts, r.whole.Load(), r.chains.Load(), r.noted.Load(), r.dumped.Load())
-	if r.chains.Load() == 0 {
+		counts, r.Counts().Whole, r.Counts().Chains, r.Counts().NotedMaps, r.Counts().DumpedMaps)
+	if r.Counts().Chains == 0 {
 		t.Error("no read was incremental")
 	}
 }
@@ -225,7 +226,7 @@ type nftIncremental struct {
 	t     *testing.T
 	ctx   context.Context
 	ns    *localcluster.Scratch
-	r     *nftNetlinkReader
+	r     *nftables.NetlinkReader
 	sig   *nftSignal
 	tok0  uint64
 	state *stream.State
@@ -242,7 +243,7 @@ func (ir *nftIncremental) read(round int, what string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if tok == ir.tok0 || ir.r.touched.CaughtUp(tok) {
+		if tok == ir.tok0 || ir.r.CaughtUp(tok) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -256,7 +257,7 @@ func (ir *nftIncremental) read(round int, what string) {
 		if ch, err = ir.r.ReadChanges(ir.ctx); err != nil {
 			return err
 		}
-		whole, err = newNFTNetlinkReader().Read(ir.ctx)
+		whole, err = nftables.NewNetlinkReader().Read(ir.ctx)
 		return err
 	}); err != nil {
 		t.Fatal(err)

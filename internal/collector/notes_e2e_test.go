@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -24,7 +25,7 @@ func TestE2ENotedMapsMatchDumps(t *testing.T) {
 	apply := sigService(ctx, t, c)
 	apply("198.18.131.1", "198.18.131.2")
 	var sig *nftSignal
-	fed := &nftNetlinkReader{}
+	fed := nftables.NewNetlinkReader()
 	onNode(t, n, func() error {
 		s, err := openNFTSignal(DefaultNotifyBuffer)
 		if err != nil {
@@ -40,17 +41,17 @@ func TestE2ENotedMapsMatchDumps(t *testing.T) {
 		t.Helper()
 		// The commit's notifications reach the watcher within moments.
 		time.Sleep(500 * time.Millisecond)
-		noted0, dumped0 := fed.noted.Load(), fed.dumped.Load()
+		noted0, dumped0 := fed.Counts().NotedMaps, fed.Counts().DumpedMaps
 		var got, want *audit.Observed
 		onNode(t, n, func() error {
 			var err error
 			if got, err = fed.Read(ctx); err != nil {
 				return err
 			}
-			want, err = (&nftNetlinkReader{}).Read(ctx)
+			want, err = nftables.NewNetlinkReader().Read(ctx)
 			return err
 		})
-		noted, dumped := fed.noted.Load()-noted0, fed.dumped.Load()-dumped0
+		noted, dumped := fed.Counts().NotedMaps-noted0, fed.Counts().DumpedMaps-dumped0
 		t.Logf("%s: maps new since the last read: %d from notifications, %d dumped", what, noted, dumped)
 		if !reflect.DeepEqual(got, want) {
 			t.Errorf("%s: the reader fed by notifications reads another model than one dumping every map", what)
@@ -59,9 +60,9 @@ func TestE2ENotedMapsMatchDumps(t *testing.T) {
 	for k := range 4 {
 		apply("198.18.131.1", fmt.Sprintf("198.18.131.%d", 10+k), fmt.Sprintf("198.18.131.%d", 20+k))
 	}
-	noted0 := fed.noted.Load()
+	noted0 := fed.Counts().NotedMaps
 	compare("after four changes by kube-proxy")
-	if fed.noted.Load() == noted0 {
+	if fed.Counts().NotedMaps == noted0 {
 		t.Error("no map of kube-proxy's commits was learnt from notifications")
 	}
 
@@ -78,9 +79,9 @@ func TestE2ENotedMapsMatchDumps(t *testing.T) {
 	// what it learnt; the next read dumps and still agrees.
 	apply("198.18.131.1", "198.18.131.3")
 	fed.Lost()
-	dumped0 := fed.dumped.Load()
+	dumped0 := fed.Counts().DumpedMaps
 	compare("after a lost notification")
-	if fed.dumped.Load() == dumped0 {
+	if fed.Counts().DumpedMaps == dumped0 {
 		t.Error("after a lost notification the new maps were not dumped")
 	}
 }

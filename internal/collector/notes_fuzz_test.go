@@ -11,6 +11,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 )
 
 // natRuleNote is a notification of a rule of KUBE-SERVICES in table nat:
@@ -59,15 +60,15 @@ func FuzzChainNotes(f *testing.F) {
 			ops = ops[5:]
 			switch kind {
 			case 0:
-				n.Note(msgType(unix.NFT_MSG_NEWRULE), unix.NLM_F_APPEND, natRuleNote(fam, handle, pos, hasPos))
+				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), unix.NLM_F_APPEND, natRuleNote(fam, handle, pos, hasPos))
 			case 1:
-				n.Note(msgType(unix.NFT_MSG_NEWRULE), 0, natRuleNote(fam, handle, pos, hasPos))
+				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), 0, natRuleNote(fam, handle, pos, hasPos))
 			case 2:
-				n.Note(msgType(unix.NFT_MSG_DELRULE), 0, natRuleNote(fam, handle, 0, false))
+				n.Note(nltest.MsgType(unix.NFT_MSG_DELRULE), 0, natRuleNote(fam, handle, 0, false))
 			case 3:
-				n.Note(msgType(unix.NFT_MSG_NEWGEN), 0, genMsg)
+				n.Note(nltest.MsgType(unix.NFT_MSG_NEWGEN), 0, nltest.GenMsg)
 			case 4:
-				n.Note(msgType(unix.NFT_MSG_DELTABLE), 0, tableMsg("nat"))
+				n.Note(nltest.MsgType(unix.NFT_MSG_DELTABLE), 0, nltest.TableMsg("nat"))
 			case 5:
 				// A read takes the notes and applies the mirrored chains'.
 				tk := n.take()

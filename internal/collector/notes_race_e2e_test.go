@@ -12,7 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/dataplane/nl"
+	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -208,14 +208,14 @@ func restArrives(t *testing.T, c *client, sig *nftSignal) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var notes *nl.Notes
+		var caughtUp func(uint64) bool
 		switch r := c.reader.(type) {
 		case *iptNFTReader:
-			notes = &r.notes.Notes
-		case *nftNetlinkReader:
-			notes = &r.touched.Notes
+			caughtUp = r.notes.CaughtUp
+		case *nftables.NetlinkReader:
+			caughtUp = r.CaughtUp
 		}
-		if notes.CaughtUp(tok) {
+		if caughtUp(tok) {
 			return
 		}
 		if time.Now().After(deadline) {

@@ -50,6 +50,18 @@ type NoEndpointReader interface {
 	NoEndpoints() []audit.FrontendKey
 }
 
+// sourceOf says which source r reads: the collector's own readers name
+// it, a mode's reader in its dataplane package names its mode.
+func sourceOf(r RuleReader) (Source, bool) {
+	switch r := r.(type) {
+	case interface{ Source() Source }:
+		return r.Source(), true
+	case interface{ Mode() audit.Mode }:
+		return Source{Mode: r.Mode()}, true
+	}
+	return Source{}, false
+}
+
 // Reader returns the reader for src, reading both IP families (kube-proxy
 // programs both wherever the kernel has IPv6, even on a single-stack
 // node): iptables-nft's ip and ip6 nat tables over netlink, and then only
@@ -67,10 +79,10 @@ func (h *Host) Reader(src Source) RuleReader {
 	case src.Mode == audit.ModeCilium:
 		return &ciliumReader{bpffs: h.BPFFS, read: h.ReadCilium, note: src.Note}
 	case src.Mode == audit.ModeNFTables && !h.NFTJSON:
-		return newNFTNetlinkReader()
+		return nftables.NewNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
 		return h.familyReaders(src, func(fam int) []string {
-			return []string{"nft", "-j", "list", "table", nftFamily(fam), "kube-proxy"}
+			return []string{"nft", "-j", "list", "table", nftables.FamilyName(fam), "kube-proxy"}
 		})
 	case src.Mode == audit.ModeIPTables && !h.IPTablesSave:
 		text := h.iptablesSave(src)
@@ -320,14 +332,6 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
 	return n, err
-}
-
-// nftFamily is nft's name of IP family fam: ip, ip6.
-func nftFamily(fam int) string {
-	if fam == 6 {
-		return "ip6"
-	}
-	return "ip"
 }
 
 // ciliumReader reads Cilium's LB maps (its kube-proxy replacement):

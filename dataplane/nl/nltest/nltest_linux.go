@@ -70,3 +70,47 @@ func ElemMsg(set string, key []byte, chain string) []byte {
 		netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_SET_ELEM_LIST_ELEMENTS, Data: Attrs(netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: elem})})
 	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
 }
+
+// MsgType is nf_tables message type t as the kernel announces it.
+func MsgType(t uint16) uint16 { return unix.NFNL_SUBSYS_NFTABLES<<8 | t }
+
+// SetMsg builds an NFT_MSG_NEWSET (or DELSET) body.
+func SetMsg(table, name string, handle uint64, flags uint32) []byte {
+	body, _ := netlink.MarshalAttributes([]netlink.Attribute{
+		{Type: unix.NFTA_SET_TABLE, Data: CString(table)},
+		{Type: unix.NFTA_SET_NAME, Data: CString(name)},
+		{Type: unix.NFTA_SET_FLAGS, Data: BE32(flags)},
+		{Type: nftaSetHandle, Data: binary.BigEndian.AppendUint64(nil, handle)},
+	})
+	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, body...)
+}
+
+// SetElemMsg is ElemMsg for set of table.
+func SetElemMsg(table, set string, key byte, chain string) []byte {
+	m := ElemMsg("service-ips", []byte{key}, chain)
+	head, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: CString(table)}})
+	// ElemMsg names service-ips: rename by rebuilding its attributes.
+	ad, _ := netlink.NewAttributeDecoder(m[4:])
+	var rest []netlink.Attribute
+	for ad.Next() {
+		if ad.Type() == unix.NFTA_SET_ELEM_LIST_SET {
+			rest = append(rest, netlink.Attribute{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: CString(set)})
+			continue
+		}
+		rest = append(rest, netlink.Attribute{Type: ad.Type() | ad.TypeFlags(), Data: ad.Bytes()})
+	}
+	b, _ := netlink.MarshalAttributes(rest)
+	return append(append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, head...), b...)
+}
+
+// TableMsg builds an NFT_MSG_NEWTABLE (or DELTABLE) body of ip.
+func TableMsg(name string) []byte {
+	b, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NFTA_TABLE_NAME, Data: CString(name)}})
+	return append([]byte{unix.NFPROTO_IPV4, 0, 0, 0}, b...)
+}
+
+// GenMsg is an NFT_MSG_NEWGEN body without its attributes.
+var GenMsg = []byte{unix.NFPROTO_UNSPEC, 0, 0, 0}
+
+// nftaSetHandle is NFTA_SET_HANDLE, which golang.org/x/sys does not name.
+const nftaSetHandle = 0x10

@@ -1,11 +1,10 @@
-package collector
+package nftables
 
 import (
 	"sync"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -36,7 +35,7 @@ type mapNotes struct {
 }
 
 type doneMap struct {
-	m *nftables.LookupMap
+	m *LookupMap
 	n int // elements
 }
 
@@ -52,15 +51,13 @@ type handleKey struct {
 
 type notedMap struct {
 	handle uint64
-	elems  []nftables.Elem
+	elems  []Elem
 }
 
 // maxNotedElems bounds what the notes hold between two reads (a few MB);
 // past it they are dropped (the maps are dumped instead). One kube-proxy
 // sync at 10k services under 100 changes a second makes ~20k.
 const maxNotedElems = 200_000
-
-var _ NotificationSink = (*mapNotes)(nil)
 
 // Note takes one notification. Only kube-proxy's table matters.
 func (m *mapNotes) Note(typ, _ uint16, data []byte) {
@@ -75,7 +72,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 	defer m.mu.Unlock()
 	switch typ & 0xff {
 	case unix.NFT_MSG_NEWSET:
-		table, name, info, err := nftables.DecodeSetNote(data)
+		table, name, info, err := DecodeSetNote(data)
 		// kube-proxy's tables are ip and ip6: the reader takes no other.
 		if err != nil || table != kubeProxyTable || !info.Anonymous || (family != unix.NFPROTO_IPV4 && family != unix.NFPROTO_IPV6) {
 			return
@@ -89,13 +86,13 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 		}
 		m.open[k] = &notedMap{handle: info.Handle}
 	case unix.NFT_MSG_NEWSETELEM:
-		table, set := nftables.ElemsOf(data)
+		table, set := ElemsOf(data)
 		nm := m.open[noteKey{family, set}]
 		if table != kubeProxyTable || nm == nil {
 			return
 		}
 		// The body is the socket's buffer: keep a copy.
-		els, err := nftables.DecodeElems(append([]byte(nil), data...), nm.elems)
+		els, err := DecodeElems(append([]byte(nil), data...), nm.elems)
 		if err != nil {
 			m.elems -= len(nm.elems)
 			delete(m.open, noteKey{family, set}) // never trusted: dumped
@@ -107,7 +104,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 			m.clearLocked()
 		}
 	case unix.NFT_MSG_DELSET:
-		table, name, info, err := nftables.DecodeSetNote(data)
+		table, name, info, err := DecodeSetNote(data)
 		if err != nil || table != kubeProxyTable {
 			return
 		}
@@ -140,7 +137,7 @@ func (m *mapNotes) Note(typ, _ uint16, data []byte) {
 			if k.family == unix.NFPROTO_IPV6 {
 				fam = 6
 			}
-			m.done[hk] = doneMap{m: nftables.DecodeLookupMap(fam, nm.elems), n: len(nm.elems)}
+			m.done[hk] = doneMap{m: DecodeLookupMap(fam, nm.elems), n: len(nm.elems)}
 		}
 		clear(m.open)
 	}
@@ -161,7 +158,7 @@ func (m *mapNotes) clearLocked() {
 
 // take returns the complete map of that family and handle, decoded,
 // forgetting it (the reader caches what it uses).
-func (m *mapNotes) take(family byte, handle uint64) (*nftables.LookupMap, bool) {
+func (m *mapNotes) take(family byte, handle uint64) (*LookupMap, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	k := handleKey{family, handle}

@@ -1,4 +1,4 @@
-package collector
+package nftables
 
 import (
 	"context"
@@ -13,11 +13,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
-// nftNetlinkReader reads kube-proxy's nftables table (table ip
+// NetlinkReader reads kube-proxy's nftables table (table ip
 // kube-proxy) straight from the kernel over netlink, without running nft:
 // one dump of the table's rules, one dump of each map the audit reads
 // (service-ips, service-nodeports, no-endpoint-services) and one of each
@@ -25,7 +24,7 @@ import (
 // Only the expressions the model needs are decoded. `nft list ruleset`
 // takes seconds with large sets; this reads the anchors (10k services,
 // 100k endpoints) in a fraction of that (docs/benchmarks.md).
-type nftNetlinkReader struct {
+type NetlinkReader struct {
 	mu    sync.Mutex
 	conn  *netlink.Conn
 	buf   []byte // a dump's datagram (receiveDump)
@@ -66,50 +65,70 @@ type nftNetlinkReader struct {
 // nftFam is what the reader keeps of one family's table: the model, the
 // table's sets (name to handle, kept from notifications) and its maps.
 type nftFam struct {
-	kube       *nftables.Kube
-	sets       map[string]nftables.SetInfo
+	kube       *Kube
+	sets       map[string]SetInfo
 	dispatches bool
 	// services is how many rules the services chain (the dispatch) holds.
 	services   int
-	serviceIPs []nftables.MapEntry
-	nodePorts  []nftables.MapEntry
+	serviceIPs []MapEntry
+	nodePorts  []MapEntry
 	noEndpoint []audit.FrontendKey
 }
 
-// Note, Lost and Subscribed make the reader a NotificationSink of the
-// change signal.
-func (r *nftNetlinkReader) Note(typ, flags uint16, data []byte) {
+// Note, Lost and Subscribed take the nf_tables notifications the
+// collector's change signal receives (its NotificationSink): what each
+// commit touched, so that a read dumps only that.
+func (r *NetlinkReader) Note(typ, flags uint16, data []byte) {
 	r.notes.Note(typ, flags, data)
 	r.touched.Note(typ, flags, data)
 }
 
-// Lost: see NotificationSink.
-func (r *nftNetlinkReader) Lost() {
+// Lost: a notification was dropped; the next read is whole.
+func (r *NetlinkReader) Lost() {
 	r.notes.Lost()
 	r.touched.Lost()
 }
 
-// Subscribed: see NotificationSink.
-func (r *nftNetlinkReader) Subscribed(on bool) { r.touched.Subscribed(on) }
+// Subscribed says whether notifications flow: without them every read
+// is whole.
+func (r *NetlinkReader) Subscribed(on bool) { r.touched.Subscribed(on) }
 
 type cachedSet struct {
 	handle uint64
-	m      *nftables.LookupMap
+	m      *LookupMap
 }
 
-var _ RuleReader = (*nftNetlinkReader)(nil)
+func (r *NetlinkReader) String() string { return "nftables (netlink)" }
 
-func (r *nftNetlinkReader) String() string { return "nftables (netlink)" }
+// Mode is the mode whose rules the reader reads.
+func (r *NetlinkReader) Mode() audit.Mode { return audit.ModeNFTables }
 
-// Source is where the reader reads from.
-func (r *nftNetlinkReader) Source() Source { return Source{Mode: audit.ModeNFTables} }
+// Counts are what the reader's reads did so far: whole reads, chains
+// read one by one, dumps a commit interrupted (asked again), whole reads
+// made chain by chain after that, and where the maps came from (the
+// notifications, or dumps).
+type Counts struct {
+	Whole, Chains, Interrupted, ByChain int64
+	NotedMaps, DumpedMaps               int64
+}
+
+// Counts returns the reader's counts so far.
+func (r *NetlinkReader) Counts() Counts {
+	return Counts{Whole: r.whole.Load(), Chains: r.chains.Load(), Interrupted: r.interrupted.Load(), ByChain: r.byChain.Load(),
+		NotedMaps: r.noted.Load(), DumpedMaps: r.dumped.Load()}
+}
+
+// CaughtUp says whether the notifications the reader took hold every
+// change up to the commit of generation gen, or lost one on the way (see
+// nl.Notes.CaughtUp).
+func (r *NetlinkReader) CaughtUp(gen uint64) bool { return r.touched.CaughtUp(gen) }
 
 // BytesRead is what the last read received from the kernel.
-func (r *nftNetlinkReader) BytesRead() int64 { return r.bytes.Load() }
+func (r *NetlinkReader) BytesRead() int64 { return r.bytes.Load() }
 
 // NoEndpoints implements NoEndpointReader: the no-endpoint-services and
 // no-endpoint-nodeports maps' frontends, both families, as last read.
-func (r *nftNetlinkReader) NoEndpoints() []audit.FrontendKey {
+func (r *NetlinkReader) NoEndpoints() []audit.FrontendKey {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var out []audit.FrontendKey
@@ -127,10 +146,8 @@ const kubeProxyTable = "kube-proxy"
 // nftMaps are the named maps the audit reads.
 var nftNamedMaps = []string{"service-ips", "service-nodeports", "no-endpoint-services", "no-endpoint-nodeports"}
 
-var _ ChangeReader = (*nftNetlinkReader)(nil)
-
 // Read reads both families' tables whole.
-func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
+func (r *NetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.fams, r.omitChains = [2]*nftFam{}, false
@@ -141,17 +158,38 @@ func (r *nftNetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	return ch.Whole, nil
 }
 
+// ReadFamily reads one family's table (4 or 6) whole, as Read reads each,
+// and keeps nothing of it: what reading the second family costs is
+// measured beside Read (BenchmarkIPv6Half).
+func (r *NetlinkReader) ReadFamily(ctx context.Context, family int) (*audit.Observed, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.conn == nil {
+		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
+		if err != nil {
+			return nil, fmt.Errorf("open nf_tables netlink: %w", err)
+		}
+		r.conn = c
+	}
+	var n int64
+	t, _, err := r.table(ctx, family, &n)
+	if err != nil {
+		return nil, err
+	}
+	return FromTables(t)
+}
+
 // ReadChanges reads what changed since the last read: the chains the
 // notifications named, each dumped on its own, and the named maps when
 // their elements changed.
-func (r *nftNetlinkReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
+func (r *NetlinkReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true
 	return r.read(ctx)
 }
 
-func (r *nftNetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
+func (r *NetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 	if r.conn == nil {
 		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 		if err != nil {
@@ -180,7 +218,7 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 			// A broken socket is reopened on the next read.
 			r.conn.Close()
 			r.conn, r.fams = nil, [2]*nftFam{}
-			return nil, fmt.Errorf("read table %s %s over netlink: %w", nftFamily(fam), kubeProxyTable, err)
+			return nil, fmt.Errorf("read table %s %s over netlink: %w", FamilyName(fam), kubeProxyTable, err)
 		}
 		r.fams[i] = f
 		f.kube.OmitEndpointChains = r.omitChains
@@ -214,7 +252,7 @@ func (r *nftNetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 
 // rebase tells the notes how many rules each family's services chain
 // holds as read (see flushWatch).
-func (r *nftNetlinkReader) rebase() {
+func (r *NetlinkReader) rebase() {
 	for i, f := range r.fams {
 		r.touched.Rebase(i, f.services)
 	}
@@ -224,7 +262,7 @@ func (r *nftNetlinkReader) rebase() {
 // cut it to half) in a family that had services, or deleted kube-proxy's
 // table; or, when notifications were lost since, the services chain
 // holds no rule now.
-func (r *nftNetlinkReader) Flushed(ctx context.Context) bool {
+func (r *NetlinkReader) Flushed(ctx context.Context) bool {
 	tripped, incomplete := r.touched.Flushed()
 	if tripped || !incomplete {
 		return tripped
@@ -255,20 +293,20 @@ func (r *nftNetlinkReader) Flushed(ctx context.Context) bool {
 // it. A table that is gone reads as an empty one: kube-proxy's rules of
 // this family were removed (or the kernel has no IPv6: then no service of
 // the family can exist either).
-func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (*nftFam, error) {
+func (r *NetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (*nftFam, error) {
 	r.whole.Add(1)
 	t, sets, err := r.table(ctx, fam, n)
 	if errors.Is(err, unix.ENOENT) {
-		t, sets, err = &nftables.Table{Family: fam}, map[string]nftables.SetInfo{}, nil
+		t, sets, err = &Table{Family: fam}, map[string]SetInfo{}, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	f := &nftFam{kube: nftables.NewKube(fam), sets: sets, dispatches: t.Dispatches, services: len(t.Chains["services"]),
+	f := &nftFam{kube: NewKube(fam), sets: sets, dispatches: t.Dispatches, services: len(t.Chains["services"]),
 		serviceIPs: t.ServiceIPs, nodePorts: t.NodePorts, noEndpoint: t.NoEndpoints}
 	f.kube.SetMaps(t.Dispatches, t.ServiceIPs, t.NodePorts, t.NoEndpoints)
 	for chain, rules := range t.Chains {
-		if nftables.FrontendChain(chain) { // the only chains the model reads
+		if FrontendChain(chain) { // the only chains the model reads
 			f.kube.SetChain(chain, rules)
 		}
 	}
@@ -276,7 +314,7 @@ func (r *nftNetlinkReader) wholeFamily(ctx context.Context, fam int, n *int64) (
 }
 
 // update reads what the notifications say changed in a family's table.
-func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t nftFamTouched, n *int64) error {
+func (r *NetlinkReader) update(ctx context.Context, family int, f *nftFam, t nftFamTouched, n *int64) error {
 	fam := byte(unix.NFPROTO_IPV4)
 	if family == 6 {
 		fam = unix.NFPROTO_IPV6
@@ -295,9 +333,9 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		}
 	}
 	mapsChanged := t.maps
-	looked := map[string]*nftables.LookupMap{}
+	looked := map[string]*LookupMap{}
 	for chain := range t.chains {
-		if !nftables.FrontendChain(chain) && chain != "services" {
+		if !FrontendChain(chain) && chain != "services" {
 			continue
 		}
 		rules, err := r.chainRules(ctx, fam, chain, n)
@@ -306,7 +344,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		}
 		if chain == "services" {
 			f.services = len(rules)
-			if d := nftables.Dispatches(rules); d != f.dispatches {
+			if d := Dispatches(rules); d != f.dispatches {
 				f.dispatches, mapsChanged = d, true
 			}
 			continue
@@ -314,10 +352,10 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		if err := r.lookups(ctx, fam, family, chain, rules, f.sets, nil, cache, cache, looked, n); err != nil {
 			return err
 		}
-		stmts := make([][]nftables.Statement, len(rules))
+		stmts := make([][]Statement, len(rules))
 		for i, rule := range rules {
 			for _, st := range rule.Stmts {
-				stmts[i] = append(stmts[i], nftables.StatementOf(st, looked))
+				stmts[i] = append(stmts[i], StatementOf(st, looked))
 			}
 		}
 		f.kube.SetChain(chain, stmts)
@@ -327,7 +365,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 		if err != nil {
 			return err
 		}
-		if f.serviceIPs, f.nodePorts, f.noEndpoint, err = nftables.MapEntries(family, maps); err != nil {
+		if f.serviceIPs, f.nodePorts, f.noEndpoint, err = MapEntries(family, maps); err != nil {
 			return err
 		}
 		f.kube.SetMaps(f.dispatches, f.serviceIPs, f.nodePorts, f.noEndpoint)
@@ -343,7 +381,7 @@ func (r *nftNetlinkReader) update(ctx context.Context, family int, f *nftFam, t 
 
 // table reads kube-proxy's table of one family, and lists its sets; n
 // counts the bytes read.
-func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nftables.Table, map[string]nftables.SetInfo, error) {
+func (r *NetlinkReader) table(ctx context.Context, family int, n *int64) (*Table, map[string]SetInfo, error) {
 	fam := byte(unix.NFPROTO_IPV4)
 	if family == 6 {
 		fam = unix.NFPROTO_IPV6
@@ -354,13 +392,13 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	if err != nil {
 		return nil, nil, err
 	}
-	rules := map[string][]nftables.Rule{}
+	rules := map[string][]Rule{}
 	// Under churn a large table's dump outlasts the gap between two
 	// commits: tried twice, then read chain by chain (each chain's dump
 	// is one or two parts, rarely interrupted).
 	err = r.dumpTries(ctx, 2, false, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: nl.CString(kubeProxyTable)}}, n,
 		func(data []byte) error {
-			rule, err := nftables.DecodeRule(data)
+			rule, err := DecodeRule(data)
 			if err != nil {
 				return err
 			}
@@ -373,7 +411,7 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	if err != nil {
 		return nil, nil, err
 	}
-	t := &nftables.Table{Family: family, Chains: make(map[string][][]nftables.Statement, len(rules))}
+	t := &Table{Family: family, Chains: make(map[string][][]Statement, len(rules))}
 	sets, err := r.sets(ctx, fam, n)
 	if err != nil {
 		return nil, nil, err
@@ -391,9 +429,9 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	cache := r.anon[family]
 	fresh := make(map[string]cachedSet, len(cache))
 	defer func() { r.anon[family] = fresh }()
-	looked := map[string]*nftables.LookupMap{}
+	looked := map[string]*LookupMap{}
 	for chain, rs := range rules {
-		if nftables.FrontendChain(chain) {
+		if FrontendChain(chain) {
 			if err := r.lookups(ctx, fam, family, chain, rs, sets, maps, cache, fresh, looked, n); err != nil {
 				return nil, nil, err
 			}
@@ -406,16 +444,16 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 	}
 	r.notes.seen(fam, last)
 	for chain, rs := range rules {
-		out := make([][]nftables.Statement, len(rs))
+		out := make([][]Statement, len(rs))
 		for i, rule := range rs {
 			for _, st := range rule.Stmts {
-				out[i] = append(out[i], nftables.StatementOf(st, looked))
+				out[i] = append(out[i], StatementOf(st, looked))
 			}
 		}
 		t.Chains[chain] = out
 	}
-	t.Dispatches = nftables.Dispatches(rules["services"])
-	if t.ServiceIPs, t.NodePorts, t.NoEndpoints, err = nftables.MapEntries(family, maps); err != nil {
+	t.Dispatches = Dispatches(rules["services"])
+	if t.ServiceIPs, t.NodePorts, t.NoEndpoints, err = MapEntries(family, maps); err != nil {
 		return nil, nil, err
 	}
 	return t, sets, nil
@@ -425,15 +463,15 @@ func (r *nftNetlinkReader) table(ctx context.Context, family int, n *int64) (*nf
 // map read with the table (named), or an anonymous one from the cache
 // (by name and handle), from the notifications, or dumped; the anonymous
 // ones go into fresh.
-func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, chain string, rs []nftables.Rule, sets map[string]nftables.SetInfo,
-	named map[string][]nftables.Elem, cache, fresh map[string]cachedSet, looked map[string]*nftables.LookupMap, n *int64) error {
+func (r *NetlinkReader) lookups(ctx context.Context, fam byte, family int, chain string, rs []Rule, sets map[string]SetInfo,
+	named map[string][]Elem, cache, fresh map[string]cachedSet, looked map[string]*LookupMap, n *int64) error {
 	for _, rule := range rs {
 		for _, st := range rule.Stmts {
 			if !(st.VMap || st.DNATMap) || st.Set == "" || looked[st.Set] != nil {
 				continue
 			}
 			if els, ok := named[st.Set]; ok {
-				looked[st.Set] = nftables.DecodeLookupMap(family, els)
+				looked[st.Set] = DecodeLookupMap(family, els)
 				continue
 			}
 			info, known := sets[st.Set]
@@ -441,7 +479,7 @@ func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, ch
 				looked[st.Set], fresh[st.Set] = c.m, c
 				continue
 			}
-			var m *nftables.LookupMap
+			var m *LookupMap
 			ok := false
 			if known && info.Anonymous {
 				m, ok = r.notes.take(fam, info.Handle)
@@ -454,7 +492,7 @@ func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, ch
 					return fmt.Errorf("map %s of chain %s: %w", st.Set, chain, err)
 				}
 				r.dumped.Add(1)
-				m = nftables.DecodeLookupMap(family, els)
+				m = DecodeLookupMap(family, els)
 			}
 			looked[st.Set] = m
 			if known && info.Anonymous {
@@ -465,4 +503,6 @@ func (r *nftNetlinkReader) lookups(ctx context.Context, fam byte, family int, ch
 	return nil
 }
 
-func newNFTNetlinkReader() RuleReader { return &nftNetlinkReader{} }
+// NewNetlinkReader returns a reader of kube-proxy's nftables tables over
+// netlink.
+func NewNetlinkReader() *NetlinkReader { return &NetlinkReader{} }

@@ -1,11 +1,10 @@
-package collector
+package nftables
 
 import (
 	"slices"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -31,7 +30,7 @@ type nftFamTouched struct {
 
 type setChange struct {
 	name string
-	info nftables.SetInfo
+	info SetInfo
 	gone bool
 }
 
@@ -43,8 +42,6 @@ const flushedChains = 64
 // kube-proxy sync makes and deletes one anonymous map per service it
 // rewrites); past it the next read is whole.
 const maxTouchedSets = 64 << 10
-
-var _ NotificationSink = (*nftTouched)(nil)
 
 func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 	msg, i, ok := n.Family(typ, data)
@@ -65,7 +62,7 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 			n.touch(i, chain)
 		}
 	case unix.NFT_MSG_NEWSET, unix.NFT_MSG_DELSET, nl.MsgDestroySet:
-		table, name, info, err := nftables.DecodeSetNote(data)
+		table, name, info, err := DecodeSetNote(data)
 		if err != nil || table != kubeProxyTable {
 			return
 		}
@@ -84,7 +81,7 @@ func (n *nftTouched) Note(typ, _ uint16, data []byte) {
 		}
 		f.sets = append(f.sets, setChange{name: name, info: info, gone: msg != unix.NFT_MSG_NEWSET})
 	case unix.NFT_MSG_NEWSETELEM, unix.NFT_MSG_DELSETELEM, nl.MsgDestroySetElem:
-		if table, set := nftables.ElemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
+		if table, set := ElemsOf(data); table == kubeProxyTable && slices.Contains(nftNamedMaps, set) {
 			n.Lock()
 			n.fams[i].maps = true
 			n.Unlock()

@@ -1,6 +1,6 @@
 //go:build linux
 
-package collector
+package nftables
 
 import (
 	"bytes"
@@ -47,7 +47,7 @@ func TestE2ENFTablesWholeReadUnderCommits(t *testing.T) {
 	if err := localcluster.LoadNFT(ctx, ns.NetNS, dump.Bytes()); err != nil {
 		t.Fatal(err)
 	}
-	read := func(r *nftNetlinkReader) *stream.State {
+	read := func(r *NetlinkReader) *stream.State {
 		t.Helper()
 		var obs *audit.Observed
 		if err := localcluster.InNetNS(ns.NetNS, func() error {
@@ -59,7 +59,7 @@ func TestE2ENFTablesWholeReadUnderCommits(t *testing.T) {
 		}
 		return stream.FromModel(obs)
 	}
-	want := read(newNFTNetlinkReader().(*nftNetlinkReader))
+	want := read(NewNetlinkReader())
 	if want.Len() != 2000 {
 		t.Fatalf("the quiet table read as %d frontends", want.Len())
 	}
@@ -83,7 +83,7 @@ func TestE2ENFTablesWholeReadUnderCommits(t *testing.T) {
 			}
 		}
 	}()
-	r := newNFTNetlinkReader().(*nftNetlinkReader)
+	r := NewNetlinkReader()
 	reads := 0
 	for deadline := time.Now().Add(40 * time.Second); time.Now().Before(deadline) && (reads < 10 || r.interrupted.Load() < 3); reads++ {
 		got := read(r)

@@ -2,7 +2,7 @@
 // sets, handle and a set's elements, and the dump itself (asked again
 // when a commit interrupts it).
 
-package collector
+package nftables
 
 import (
 	"bytes"
@@ -13,17 +13,16 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // chainRules dumps one chain's rules (none: the chain is gone).
-func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain string, n *int64) ([]nftables.Rule, error) {
+func (r *NetlinkReader) chainRules(ctx context.Context, fam byte, chain string, n *int64) ([]Rule, error) {
 	r.chains.Add(1)
-	var rules []nftables.Rule
+	var rules []Rule
 	err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: nl.CString(kubeProxyTable)},
 		{Type: unix.NFTA_RULE_CHAIN, Data: nl.CString(chain)}}, n, func(data []byte) error {
-		rule, err := nftables.DecodeRule(data)
+		rule, err := DecodeRule(data)
 		if err == nil && rule.Chain == chain {
 			rules = append(rules, rule)
 		}
@@ -45,11 +44,11 @@ func (r *nftNetlinkReader) chainRules(ctx context.Context, fam byte, chain strin
 // parts); the names of every try are taken, so a chain one try skipped
 // is named by another, and one made since is named by the notifications
 // for the next read.
-func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64) (map[string][]nftables.Rule, error) {
+func (r *NetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64) (map[string][]Rule, error) {
 	r.byChain.Add(1)
 	names := map[string]struct{}{}
 	list := func(data []byte) error {
-		if table, chain := nl.ChainOf(data); table == kubeProxyTable && (chain == "services" || nftables.FrontendChain(chain)) {
+		if table, chain := nl.ChainOf(data); table == kubeProxyTable && (chain == "services" || FrontendChain(chain)) {
 			names[chain] = struct{}{}
 		}
 		return nil
@@ -63,7 +62,7 @@ func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64)
 			return nil, err
 		}
 	}
-	rules := make(map[string][]nftables.Rule, len(names))
+	rules := make(map[string][]Rule, len(names))
 	for chain := range names {
 		rs, err := r.chainRules(ctx, fam, chain, n)
 		if err != nil {
@@ -78,8 +77,8 @@ func (r *nftNetlinkReader) rulesByChain(ctx context.Context, fam byte, n *int64)
 
 // namedMaps dumps the named maps the audit reads (a map that is not there
 // reads as empty).
-func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (map[string][]nftables.Elem, error) {
-	maps := map[string][]nftables.Elem{}
+func (r *NetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (map[string][]Elem, error) {
+	maps := map[string][]Elem{}
 	for _, name := range nftNamedMaps {
 		els, err := r.elements(ctx, fam, name, n)
 		if err != nil && !errors.Is(err, unix.ENOENT) {
@@ -91,11 +90,11 @@ func (r *nftNetlinkReader) namedMaps(ctx context.Context, fam byte, n *int64) (m
 }
 
 // sets lists the table's sets with their handles.
-func (r *nftNetlinkReader) sets(ctx context.Context, fam byte, n *int64) (map[string]nftables.SetInfo, error) {
-	out := map[string]nftables.SetInfo{}
+func (r *NetlinkReader) sets(ctx context.Context, fam byte, n *int64) (map[string]SetInfo, error) {
+	out := map[string]SetInfo{}
 	err := r.dump(ctx, unix.NFT_MSG_GETSET, fam, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: nl.CString(kubeProxyTable)}}, n,
 		func(data []byte) error {
-			name, info, err := nftables.DecodeSet(data)
+			name, info, err := DecodeSet(data)
 			if err != nil {
 				return err
 			}
@@ -106,7 +105,7 @@ func (r *nftNetlinkReader) sets(ctx context.Context, fam byte, n *int64) (map[st
 }
 
 // handleOfTable is the handle of kube-proxy's table (ENOENT: no table).
-func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64, error) {
+func (r *NetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
@@ -122,7 +121,7 @@ func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64,
 		return 0, err
 	}
 	for _, m := range msgs {
-		if h, ok := nftables.TableHandle(m.Data); ok {
+		if h, ok := TableHandle(m.Data); ok {
 			return h, nil
 		}
 	}
@@ -130,14 +129,14 @@ func (r *nftNetlinkReader) handleOfTable(ctx context.Context, fam byte) (uint64,
 }
 
 // elements dumps one set's or map's elements.
-func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n *int64) ([]nftables.Elem, error) {
-	var out []nftables.Elem
+func (r *NetlinkReader) elements(ctx context.Context, fam byte, set string, n *int64) ([]Elem, error) {
+	var out []Elem
 	err := r.dump(ctx, unix.NFT_MSG_GETSETELEM, fam, []netlink.Attribute{
 		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: nl.CString(kubeProxyTable)},
 		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: nl.CString(set)},
 	}, n, func(data []byte) error {
 		var err error
-		out, err = nftables.DecodeElems(data, out)
+		out, err = DecodeElems(data, out)
 		return err
 	})
 	return out, err
@@ -149,13 +148,13 @@ func (r *nftNetlinkReader) elements(ctx context.Context, fam byte, set string, n
 // or repeat rules of chains it never touched) is asked again, up to
 // nl.InterruptedTries times, and then fails with nl.ErrDumpInterrupted; fn
 // sees only an answer that was not interrupted.
-func (r *nftNetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
+func (r *NetlinkReader) dump(ctx context.Context, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
 	return r.dumpTries(ctx, nl.InterruptedTries, false, msg, fam, attrs, n, fn)
 }
 
 // dumpTries is dump with its number of tries; with keep, fn is handed the
 // interrupted answers too (before the error).
-func (r *nftNetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
+func (r *NetlinkReader) dumpTries(ctx context.Context, tries int, keep bool, msg uint16, fam byte, attrs []netlink.Attribute, n *int64, fn func([]byte) error) error {
 	body, err := netlink.MarshalAttributes(attrs)
 	if err != nil {
 		return err
@@ -205,7 +204,7 @@ const dumpBuffer = 256 << 10
 // last, empty round, which resumed by position past the rules a commit
 // moved: the table's last rules never came); the library's Receive drops
 // it, flag and all, so the datagrams are read here (nl.Messages).
-func (r *nftNetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, intr bool, err error) {
+func (r *NetlinkReader) receiveDump(seq uint32, n *int64) (bodies [][]byte, intr bool, err error) {
 	rc, err := r.conn.SyscallConn()
 	if err != nil {
 		return nil, false, err

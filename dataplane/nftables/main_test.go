@@ -1,0 +1,11 @@
+package nftables
+
+import (
+	"testing"
+
+	"github.com/proxyaudit/proxyaudit/internal/localcluster"
+)
+
+// The kernel reader's tests run on tables in network namespaces of their
+// own (localcluster.NewScratch); Main checks that nothing is left behind.
+func TestMain(m *testing.M) { localcluster.Main(m) }
