@@ -177,3 +177,9 @@ var (
 	toDest     = []byte(" --to-destination ")
 	commitLine = []byte("COMMIT")
 )
+
+// ChainChecker says whether a table has a chain (go-iptables, or the
+// kernel itself: KernelChains).
+type ChainChecker interface {
+	ChainExists(table, chain string) (bool, error)
+}

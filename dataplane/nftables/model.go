@@ -62,11 +62,3 @@ func (t *Table) noEndpoints(fn func(audit.FrontendKey)) error {
 }
 
 func (t *Table) rules(chain string) [][]Statement { return t.Chains[chain] }
-
-// FamilyName is nft's name of IP family fam: ip, ip6.
-func FamilyName(fam int) string {
-	if fam == 6 {
-		return "ip6"
-	}
-	return "ip"
-}

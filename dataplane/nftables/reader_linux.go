@@ -218,7 +218,7 @@ func (r *NetlinkReader) read(ctx context.Context) (*audit.Changes, error) {
 			// A broken socket is reopened on the next read.
 			r.conn.Close()
 			r.conn, r.fams = nil, [2]*nftFam{}
-			return nil, fmt.Errorf("read table %s %s over netlink: %w", FamilyName(fam), kubeProxyTable, err)
+			return nil, fmt.Errorf("read table %s %s over netlink: %w", nl.FamilyName(fam), kubeProxyTable, err)
 		}
 		r.fams[i] = f
 		f.kube.OmitEndpointChains = r.omitChains

@@ -119,3 +119,11 @@ func CStr(b []byte) []byte {
 	}
 	return b
 }
+
+// FamilyName is nft's name of IP family fam: ip, ip6.
+func FamilyName(fam int) string {
+	if fam == 6 {
+		return "ip6"
+	}
+	return "ip"
+}

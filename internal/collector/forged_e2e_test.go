@@ -82,9 +82,9 @@ func TestE2EForgedNotificationsAreDropped(t *testing.T) {
 			t.Fatalf("the forger could not send: %v (the test proves nothing)", err)
 		}
 	}
-	send(unix.NFT_MSG_NEWRULE, natRuleNote(unix.NFPROTO_IPV4, 0, 10, true))
-	send(unix.NFT_MSG_DELRULE, natRuleNote(unix.NFPROTO_IPV4, 11, 0, false))
-	send(unix.NFT_MSG_NEWRULE, natRuleNote(unix.NFPROTO_IPV4, 12, 0, false))
+	send(unix.NFT_MSG_NEWRULE, nltest.NATRuleNote(unix.NFPROTO_IPV4, 0, 10, true))
+	send(unix.NFT_MSG_DELRULE, nltest.NATRuleNote(unix.NFPROTO_IPV4, 11, 0, false))
+	send(unix.NFT_MSG_NEWRULE, nltest.NATRuleNote(unix.NFPROTO_IPV4, 12, 0, false))
 	send(unix.NFT_MSG_NEWGEN, nltest.GenMsg)
 	select {
 	case <-sig.Events():

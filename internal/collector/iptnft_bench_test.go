@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -84,7 +85,7 @@ func benchIPTWhole(b *testing.B, ctx context.Context, ns *localcluster.Scratch, 
 			t1 := time.Now()
 			var m0, m1 runtime.MemStats
 			runtime.ReadMemStats(&m0)
-			nl, err := newIPTNFTReader(nil).Read(ctx)
+			nl, err := iptables.NewNFTReader(nil).Read(ctx)
 			if err != nil {
 				return err
 			}
@@ -138,7 +139,7 @@ func benchIPTLegacyWhole(b *testing.B, ctx context.Context, ipt []byte, want int
 			t1 := time.Now()
 			var m0, m1 runtime.MemStats
 			runtime.ReadMemStats(&m0)
-			lr := newLegacyReader(nil)
+			lr := iptables.NewLegacyReader(nil)
 			got, err := lr.Read(ctx)
 			if err != nil {
 				return err
@@ -162,7 +163,7 @@ func benchIPTLegacyWhole(b *testing.B, ctx context.Context, ipt []byte, want int
 	var again time.Duration
 	var againAlloc uint64
 	if err := localcluster.InNetNS(lns.NetNS, func() error {
-		lr := newLegacyReader(nil)
+		lr := iptables.NewLegacyReader(nil)
 		if _, err := lr.ReadChanges(ctx); err != nil {
 			return err
 		}
@@ -208,7 +209,7 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 		}
 	}
 
-	var r *iptNFTReader
+	var r *iptables.NFTReader
 	var sig *nftSignal
 	inNS(func() error {
 		s, err := openNFTSignal(DefaultNotifyBuffer)
@@ -216,7 +217,7 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 			return err
 		}
 		sig = s.(*nftSignal)
-		r = newIPTNFTReader(nil)
+		r = iptables.NewNFTReader(nil)
 		sig.Feed(r)
 		_, err = r.ReadChanges(ctx)
 		return err
@@ -247,7 +248,7 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 		if err != nil {
 			b.Fatal(err)
 		}
-		for deadline := time.Now().Add(10 * time.Second); !r.notes.CaughtUp(tok); time.Sleep(time.Millisecond) {
+		for deadline := time.Now().Add(10 * time.Second); !r.CaughtUp(tok); time.Sleep(time.Millisecond) {
 			if time.Now().After(deadline) {
 				b.Fatal("the sync's notifications did not arrive")
 			}
@@ -275,6 +276,6 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 	b.ReportMetric(cpu.Seconds()/n, "notes+read-cpu-s")
 	b.ReportMetric(float64(alloc)/n/(1<<20), "alloc-MB")
 	b.ReportMetric(float64(frontends)/n, "frontends-changed")
-	b.ReportMetric(float64(r.chains.Load())/n, "chains-read")
+	b.ReportMetric(float64(r.Counts().Chains)/n, "chains-read")
 
 }

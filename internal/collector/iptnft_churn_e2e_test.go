@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -349,11 +350,11 @@ func (c *iptChurn) read(round int, what string) {
 		}
 		// The whole read dumps the small table in one request, or
 		// chain by chain every other round, as a large one.
-		var wr RuleReader = newLegacyReader(nil)
+		var wr RuleReader = iptables.NewLegacyReader(nil)
 		if !c.legacy {
-			nr := newIPTNFTReader(nil)
+			nr := iptables.NewNFTReader(nil)
 			if round%2 == 1 {
-				nr.maxDumpParts = 0
+				nr.SetMaxDumpParts(0)
 			}
 			wr = nr
 		}
@@ -396,7 +397,7 @@ func (c *iptChurn) caughtUp(round int) {
 		if err != nil {
 			c.t.Fatal(err)
 		}
-		if tok == c.tok0 || c.r.(*iptNFTReader).notes.CaughtUp(tok) {
+		if tok == c.tok0 || c.r.(*iptables.NFTReader).CaughtUp(tok) {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -411,24 +412,24 @@ func (c *iptChurn) caughtUp(round int) {
 func (c *iptChurn) summary(counts map[string]int) {
 	t := c.t
 	if c.legacy {
-		lr := c.r.(*legacyReader)
-		t.Logf("commits: %v; %d reads decoded %d chains that changed; fallbacks: %d", counts, lr.reads.Load(), lr.chains.Load(), lr.fallbacks.Load())
-		if lr.fallbacks.Load() > 0 {
-			t.Errorf("the reader fell back to iptables-legacy-save: %v", lr.lastFallback.Load())
+		lr := c.r.(*iptables.LegacyReader)
+		t.Logf("commits: %v; %d reads decoded %d chains that changed; fallbacks: %d", counts, lr.Counts().Reads, lr.Counts().Chains, fallbacks(lr))
+		if fallbacks(lr) > 0 {
+			t.Errorf("the reader fell back to iptables-legacy-save: %v", lastFallback(lr))
 		}
 		return
 	}
-	nr := c.r.(*iptNFTReader)
+	nr := c.r.(*iptables.NFTReader)
 	t.Logf("commits: %v; chains read one by one: %d; mirrored changes applied: %d; whole reads: %d (by chain: %d); fallbacks: %d",
-		counts, nr.chains.Load(), nr.mirrorOps.Load(), nr.whole.Load(), nr.byChain.Load(), nr.fallbacks.Load())
-	if nr.mirrorOps.Load() == 0 {
+		counts, nr.Counts().Chains, nr.Counts().MirrorOps, nr.Counts().Whole, nr.Counts().ByChain, fallbacks(nr))
+	if nr.Counts().MirrorOps == 0 {
 		t.Error("no change of KUBE-SERVICES was applied from notifications")
 	}
-	if nr.chains.Load() == 0 {
+	if nr.Counts().Chains == 0 {
 		t.Error("no read was incremental")
 	}
-	if nr.fallbacks.Load() > 0 {
-		t.Errorf("the reader fell back to iptables-save: %v", nr.lastFallback.Load())
+	if fallbacks(nr) > 0 {
+		t.Errorf("the reader fell back to iptables-save: %v", lastFallback(nr))
 	}
 }
 
@@ -442,4 +443,16 @@ func uniqueInts(xs []int) []int {
 		}
 	}
 	return out
+}
+
+// fallbacks and lastFallback: how often a reader fell back to the text
+// tool, and why the last time.
+func fallbacks(r interface{ Fallbacks() (uint64, string) }) uint64 {
+	n, _ := r.Fallbacks()
+	return n
+}
+
+func lastFallback(r interface{ Fallbacks() (uint64, string) }) string {
+	_, why := r.Fallbacks()
+	return why
 }

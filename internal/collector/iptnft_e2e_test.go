@@ -82,29 +82,29 @@ func TestE2EIPTablesNetlinkAgreesOnCaptures(t *testing.T) {
 		host := NewHost()
 		var got, want *audit.Observed
 		err = localcluster.InNetNS(ns.NetNS, func() error {
-			r := host.Reader(Source{Mode: audit.ModeIPTables}).(*iptNFTReader)
+			r := host.Reader(Source{Mode: audit.ModeIPTables}).(*iptables.NFTReader)
 			var err error
 			if got, err = r.Read(ctx); err != nil {
 				return err
 			}
-			if n := r.fallbacks.Load(); n > 0 {
-				t.Errorf("%s: the netlink read fell back to iptables-save: %v", name, r.lastFallback.Load())
+			if n := fallbacks(r); n > 0 {
+				t.Errorf("%s: the netlink read fell back to iptables-save: %v", name, lastFallback(r))
 			}
 			// Chain by chain, as a large table is read.
-			byChain := newIPTNFTReader(nil)
-			byChain.maxDumpParts = 0
+			byChain := iptables.NewNFTReader(nil)
+			byChain.SetMaxDumpParts(0)
 			again, err := byChain.Read(ctx)
 			if err != nil {
 				return err
 			}
-			if byChain.byChain.Load() == 0 {
+			if byChain.Counts().ByChain == 0 {
 				t.Errorf("%s: not read chain by chain", name)
 			}
 			sameModel(t, name+" chain by chain", again, got)
 			// A dump stopped after its first parts, the rest chain by
 			// chain, as a large table is read.
-			parts := newIPTNFTReader(nil)
-			parts.maxDumpParts = 2
+			parts := iptables.NewNFTReader(nil)
+			parts.SetMaxDumpParts(2)
 			again, err = parts.Read(ctx)
 			if err != nil {
 				return err
@@ -148,13 +148,13 @@ func TestE2EIPTablesLegacyAgreesOnCaptures(t *testing.T) {
 		host := NewHost()
 		var got, want *audit.Observed
 		err = localcluster.InNetNS(ns.NetNS, func() error {
-			r := host.Reader(src).(*legacyReader)
+			r := host.Reader(src).(*iptables.LegacyReader)
 			var err error
 			if got, err = r.Read(ctx); err != nil {
 				return err
 			}
-			if n := r.fallbacks.Load(); n > 0 {
-				t.Errorf("%s: the getsockopt read fell back to iptables-legacy-save: %v", name, r.lastFallback.Load())
+			if n := fallbacks(r); n > 0 {
+				t.Errorf("%s: the getsockopt read fell back to iptables-legacy-save: %v", name, lastFallback(r))
 			}
 			want, err = host.iptablesSave(src).Read(ctx)
 			return err

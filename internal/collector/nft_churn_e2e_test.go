@@ -10,6 +10,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -23,7 +24,7 @@ type nftChurn struct {
 	serial   int
 }
 
-func (c *nftChurn) family() string { return nftables.FamilyName(c.fam) }
+func (c *nftChurn) family() string { return nl.FamilyName(c.fam) }
 
 func (c *nftChurn) vip(i int) string {
 	if c.fam == 6 {

@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -210,8 +211,8 @@ func restArrives(t *testing.T, c *client, sig *nftSignal) {
 		}
 		var caughtUp func(uint64) bool
 		switch r := c.reader.(type) {
-		case *iptNFTReader:
-			caughtUp = r.notes.CaughtUp
+		case *iptables.NFTReader:
+			caughtUp = r.CaughtUp
 		case *nftables.NetlinkReader:
 			caughtUp = r.CaughtUp
 		}

@@ -19,6 +19,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // RuleReader reads one node's kube-proxy rules from one source.
@@ -51,13 +52,18 @@ type NoEndpointReader interface {
 }
 
 // sourceOf says which source r reads: the collector's own readers name
-// it, a mode's reader in its dataplane package names its mode.
+// it, a mode's reader in its dataplane package names its mode (and the
+// iptables backend, Legacy).
 func sourceOf(r RuleReader) (Source, bool) {
 	switch r := r.(type) {
 	case interface{ Source() Source }:
 		return r.Source(), true
 	case interface{ Mode() audit.Mode }:
-		return Source{Mode: r.Mode()}, true
+		src := Source{Mode: r.Mode()}
+		if l, ok := r.(interface{ Legacy() bool }); ok {
+			src.Legacy = l.Legacy()
+		}
+		return src, true
 	}
 	return Source{}, false
 }
@@ -82,15 +88,15 @@ func (h *Host) Reader(src Source) RuleReader {
 		return nftables.NewNetlinkReader()
 	case src.Mode == audit.ModeNFTables:
 		return h.familyReaders(src, func(fam int) []string {
-			return []string{"nft", "-j", "list", "table", nftables.FamilyName(fam), "kube-proxy"}
+			return []string{"nft", "-j", "list", "table", nl.FamilyName(fam), "kube-proxy"}
 		})
 	case src.Mode == audit.ModeIPTables && !h.IPTablesSave:
 		text := h.iptablesSave(src)
 		fallback := func(ctx context.Context, fam int) (*audit.Observed, error) { return text.fams[fam/6].Read(ctx) }
 		if src.Legacy {
-			return newLegacyReader(fallback)
+			return iptables.NewLegacyReader(fallback)
 		}
-		return newIPTNFTReader(fallback)
+		return iptables.NewNFTReader(fallback)
 	default:
 		return h.iptablesSave(src)
 	}

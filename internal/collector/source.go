@@ -22,6 +22,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
 )
 
@@ -157,7 +158,7 @@ func NewHost() *Host {
 		IPTables:     func(legacy bool) (IPTables, error) { return openIPTables(legacy, false) },
 		IP6Tables:    func(legacy bool) (IPTables, error) { return openIPTables(legacy, true) },
 		OpenIPVS:     ipvs.Open,
-		NFTChain:     nftChainExists,
+		NFTChain:     iptables.NFTChainExists,
 		BPFFS:        DefaultBPFFS,
 		ReadCilium:   cilium.Read,
 		HasInterface: func(name string) bool {

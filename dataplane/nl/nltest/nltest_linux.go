@@ -114,3 +114,22 @@ var GenMsg = []byte{unix.NFPROTO_UNSPEC, 0, 0, 0}
 
 // nftaSetHandle is NFTA_SET_HANDLE, which golang.org/x/sys does not name.
 const nftaSetHandle = 0x10
+
+// NATRuleNote is a notification of a rule of KUBE-SERVICES in table nat:
+// its handle, the rule it goes after (with hasPos), a jump.
+func NATRuleNote(fam byte, handle, pos uint64, hasPos bool) []byte {
+	jump := Verdict(unix.NFT_JUMP, "KUBE-SVC-AAAAAAAAAAAAAAAA")
+	b, _ := netlink.MarshalAttributes(jump)
+	list, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: b}})
+	attrs := []netlink.Attribute{
+		{Type: unix.NFTA_RULE_TABLE, Data: CString("nat")},
+		{Type: unix.NFTA_RULE_CHAIN, Data: CString("KUBE-SERVICES")},
+		{Type: unix.NFTA_RULE_HANDLE, Data: binary.BigEndian.AppendUint64(nil, handle)},
+	}
+	if hasPos {
+		attrs = append(attrs, netlink.Attribute{Type: unix.NFTA_RULE_POSITION, Data: binary.BigEndian.AppendUint64(nil, pos)})
+	}
+	attrs = append(attrs, netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_RULE_EXPRESSIONS, Data: list})
+	body, _ := netlink.MarshalAttributes(attrs)
+	return append([]byte{fam, 0, 0, 0}, body...)
+}

@@ -1,6 +1,6 @@
 //go:build linux
 
-package collector
+package iptables_test
 
 import (
 	"bytes"
@@ -12,11 +12,10 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/nl"
+	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -72,17 +71,9 @@ func captureNetlinkMessages(t *testing.T) {
 			t.Fatal(err)
 		}
 		err = localcluster.InNetNS(ns.NetNS, func() error {
-			r := newIPTNFTReader(nil)
-			fd, err := nl.OpenNetfilter()
-			if err != nil {
-				return err
-			}
-			defer unix.Close(fd)
-			r.fd = fd
 			for _, fam := range []int{4, 6} {
 				var msgs [][]byte
-				var n int64
-				if _, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), &n, 0, func(b []byte) error {
+				if err := iptables.DumpNAT(ctx, fam, func(b []byte) error {
 					// Every rule of the small captures; the large one's
 					// first 300 (its layout repeats).
 					if len(msgs) < 300 {
@@ -163,33 +154,4 @@ func captureLegacyTables(t *testing.T) {
 
 // legacyTable is the nat table's entries as IPT_SO_GET_ENTRIES returns
 // them (none when there is no table).
-func legacyTable(fam int) ([]byte, error) {
-	af, level := unix.AF_INET, unix.SOL_IP
-	if fam == 6 {
-		af, level = unix.AF_INET6, unix.SOL_IPV6
-	}
-	fd, err := unix.Socket(af, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
-	if err != nil {
-		return nil, err
-	}
-	defer unix.Close(fd)
-	var info iptGetinfo
-	copy(info.Name[:], "nat")
-	size := uint32(unsafe.Sizeof(info))
-	if _, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), iptSoGetInfo, uintptr(unsafe.Pointer(&info)), uintptr(unsafe.Pointer(&size)), 0); errno != 0 {
-		if errno == unix.ENOENT {
-			return nil, nil
-		}
-		return nil, errno
-	}
-	buf := make([]byte, getEntriesHead+int(info.Size))
-	copy(buf, "nat")
-	putU32(buf[32:], info.Size)
-	l := uint32(len(buf))
-	if _, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), iptSoGetEntries, uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&l)), 0); errno != 0 {
-		return nil, errno
-	}
-	return buf[getEntriesHead:], nil
-}
-
-func putU32(b []byte, v uint32) { *(*uint32)(unsafe.Pointer(&b[0])) = v }
+func legacyTable(fam int) ([]byte, error) { return iptables.LegacyNATEntries(fam) }

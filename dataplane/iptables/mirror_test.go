@@ -1,14 +1,12 @@
 //go:build linux
 
-package collector
+package iptables
 
 import (
 	"errors"
 	"fmt"
 	"slices"
 	"testing"
-
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
 func jumps(m *ruleMirror) []string {
@@ -19,13 +17,13 @@ func jumps(m *ruleMirror) []string {
 	return out
 }
 
-func rule(j string) iptables.Rule { return iptables.Rule{Jump: j} }
+func rule(j string) Rule { return Rule{Jump: j} }
 
 // The mirror places rules as the kernel's notifications say (appended,
 // first, after a handle), and applying a batch a second time, as on top
 // of a dump that already shows it, changes nothing.
 func TestRuleMirrorAppliesNotificationsOnce(t *testing.T) {
-	m := mirrorOf([]iptables.Rule{rule("a"), rule("b")}, []uint64{1, 2})
+	m := mirrorOf([]Rule{rule("a"), rule("b")}, []uint64{1, 2})
 	ops := []ruleOp{
 		{kind: opNewRule, chain: "KUBE-SERVICES", handle: 3, appended: true, rule: rule("c")},
 		{kind: opNewRule, chain: "KUBE-SERVICES", handle: 4, rule: rule("first")},
@@ -71,7 +69,7 @@ func BenchmarkRuleMirrorSync(b *testing.B) {
 	// One kube-proxy sync of KUBE-SERVICES at 10k services: every rule
 	// deleted and added again.
 	const n = 10000
-	rules := make([]iptables.Rule, n)
+	rules := make([]Rule, n)
 	handles := make([]uint64, n)
 	for i := range rules {
 		rules[i], handles[i] = rule(fmt.Sprint(i)), uint64(i+1)

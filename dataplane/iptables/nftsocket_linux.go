@@ -1,4 +1,4 @@
-package collector
+package iptables
 
 import (
 	"context"
@@ -20,7 +20,7 @@ import (
 //
 // With maxParts above 0, it stops after that many datagrams and returns
 // errDumpStopped: the rest of the dump is still due on the socket.
-func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []byte, n *int64, maxParts int, fn func([]byte) error) (intr bool, err error) {
+func (r *NFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []byte, n *int64, maxParts int, fn func([]byte) error) (intr bool, err error) {
 	r.seq++
 	seq := r.seq
 	req := make([]byte, unix.NLMSG_HDRLEN+4, unix.NLMSG_HDRLEN+4+len(attrs))
@@ -74,7 +74,7 @@ func (r *iptNFTReader) dump(ctx context.Context, msg uint16, fam int, attrs []by
 // recv receives up to two datagrams in one system call (recvmmsg): a
 // small chain's dump is its rules and then the kernel's NLMSG_DONE, and a
 // read costs a few microseconds of system call on its own.
-func (r *iptNFTReader) recv() ([][]byte, error) {
+func (r *NFTReader) recv() ([][]byte, error) {
 	if r.bufs[0] == nil {
 		r.bufs = [2][]byte{make([]byte, nl.Buffer), make([]byte, nl.Buffer)}
 	}

@@ -1,11 +1,10 @@
-package collector
+package iptables
 
 import (
 	"bytes"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -41,7 +40,7 @@ type ruleOp struct {
 	pos      uint64
 	hasPos   bool
 	appended bool
-	rule     iptables.Rule
+	rule     Rule
 	// err: the rule could not be decoded (the chain is dumped instead,
 	// and falls back to the text tool if that fails too).
 	err error
@@ -68,8 +67,6 @@ type touched struct {
 	through uint64
 	fams    [2]famNotes
 }
-
-var _ NotificationSink = (*chainNotes)(nil)
 
 // Note takes one notification: only the nat tables of ip and ip6, and of
 // them only chains the audit reads.
@@ -113,7 +110,7 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 		case unix.NFT_MSG_NEWRULE:
 			// Decoded here, off the read: at 10k services a sync adds 10k
 			// rules to KUBE-SERVICES, a few MB of messages.
-			d, err := iptables.DecodeNFTRule(data, 4+2*i)
+			d, err := DecodeNFTRule(data, 4+2*i)
 			op.kind, op.handle, op.pos, op.hasPos, op.rule, op.err = opNewRule, d.Handle, d.Position, d.HasPosition, d.Rule, err
 			op.appended = flags&unix.NLM_F_APPEND != 0
 		case unix.NFT_MSG_DELRULE, nl.MsgDestroyRule:
@@ -152,9 +149,9 @@ func (n *chainNotes) Note(typ, flags uint16, data []byte) {
 	n.touchLocked(i, string(chain))
 }
 
-// reads is iptables.Reads of a name in bytes.
+// reads is Reads of a name in bytes.
 func reads(chain []byte) bool {
-	return bytes.HasPrefix(chain, []byte("KUBE-")) && iptables.Reads(string(chain))
+	return bytes.HasPrefix(chain, []byte("KUBE-")) && Reads(string(chain))
 }
 
 // mirroredName returns the constant string of a mirrored chain's name, so

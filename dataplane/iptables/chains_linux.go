@@ -1,4 +1,4 @@
-package collector
+package iptables
 
 import (
 	"encoding/binary"
@@ -10,8 +10,6 @@ import (
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
@@ -23,17 +21,15 @@ type kernelChains struct {
 	fam    int
 }
 
-var _ IPTables = kernelChains{}
-
 func (k kernelChains) ChainExists(table, chain string) (bool, error) {
 	if k.legacy {
 		return legacyChainExists(k.fam, table, chain)
 	}
-	return nftChainExists(k.fam, table, chain)
+	return NFTChainExists(k.fam, table, chain)
 }
 
-// kernelIPTables opens chain checks without a binary.
-func kernelIPTables(legacy, v6 bool) IPTables {
+// KernelChains opens chain checks without a binary.
+func KernelChains(legacy, v6 bool) ChainChecker {
 	fam := 4
 	if v6 {
 		fam = 6
@@ -41,8 +37,8 @@ func kernelIPTables(legacy, v6 bool) IPTables {
 	return kernelChains{legacy: legacy, fam: fam}
 }
 
-// nftChainExists asks nf_tables whether table has chain, in family fam.
-func nftChainExists(fam int, table, chain string) (bool, error) {
+// NFTChainExists asks nf_tables whether table has chain, in family fam.
+func NFTChainExists(fam int, table, chain string) (bool, error) {
 	c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 	if err != nil {
 		return false, fmt.Errorf("open nf_tables netlink: %w", err)
@@ -60,7 +56,7 @@ func nftChainExists(fam int, table, chain string) (bool, error) {
 	case errors.Is(err, unix.ENOENT):
 		return false, nil
 	case err != nil:
-		return false, fmt.Errorf("nf_tables chain %s of table %s %s: %w", chain, nftables.FamilyName(fam), table, err)
+		return false, fmt.Errorf("nf_tables chain %s of table %s %s: %w", chain, nl.FamilyName(fam), table, err)
 	}
 	return true, nil
 }
@@ -99,7 +95,7 @@ func legacyChainExists(fam int, table, chain string) (bool, error) {
 		if errno != 0 {
 			return false, fmt.Errorf("%s IPT_SO_GET_ENTRIES %s: %w", legacyTool(fam), table, errno)
 		}
-		return iptables.LegacyHasChain(buf[getEntriesHead:], fam, chain)
+		return LegacyHasChain(buf[getEntriesHead:], fam, chain)
 	}
 	return false, fmt.Errorf("%s: the %s table kept changing", legacyTool(fam), table)
 }

@@ -1,6 +1,4 @@
-package collector
-
-import "github.com/proxyaudit/proxyaudit/dataplane/iptables"
+package iptables
 
 // ruleMirror is one chain's rules by their kernel handles, in order: what
 // the reader keeps of the chains it follows from notifications instead of
@@ -15,13 +13,13 @@ type ruleMirror struct {
 
 type mirrorNode struct {
 	prev, next uint64
-	rule       iptables.Rule
+	rule       Rule
 }
 
 func newRuleMirror() *ruleMirror { return &ruleMirror{nodes: map[uint64]*mirrorNode{}} }
 
 // mirrorOf builds a mirror from a chain's rules and their handles.
-func mirrorOf(rules []iptables.Rule, handles []uint64) *ruleMirror {
+func mirrorOf(rules []Rule, handles []uint64) *ruleMirror {
 	m := newRuleMirror()
 	for i, r := range rules {
 		m.insert(handles[i], m.tail, m.tail != 0, r)
@@ -32,7 +30,7 @@ func mirrorOf(rules []iptables.Rule, handles []uint64) *ruleMirror {
 // add puts a new rule where a notification says: after the rule with
 // handle pos (hasPos), else at the end (appended) or the start. It fails
 // when pos is not in the mirror.
-func (m *ruleMirror) add(handle, pos uint64, hasPos, appended bool, r iptables.Rule) bool {
+func (m *ruleMirror) add(handle, pos uint64, hasPos, appended bool, r Rule) bool {
 	if handle == 0 || hasPos && (pos == 0 || pos == handle) {
 		// The kernel numbers rules from 1, and a rule goes after another
 		// one: a change that says otherwise is not the kernel's. The
@@ -58,7 +56,7 @@ func (m *ruleMirror) add(handle, pos uint64, hasPos, appended bool, r iptables.R
 
 // insert puts a rule after the rule with handle after (at the start when
 // !afterOK).
-func (m *ruleMirror) insert(handle, after uint64, afterOK bool, r iptables.Rule) {
+func (m *ruleMirror) insert(handle, after uint64, afterOK bool, r Rule) {
 	n := &mirrorNode{rule: r}
 	if !afterOK {
 		n.next = m.head
@@ -101,8 +99,8 @@ func (m *ruleMirror) del(handle uint64) {
 }
 
 // rules lists the chain's rules in order.
-func (m *ruleMirror) rules() []iptables.Rule {
-	out := make([]iptables.Rule, 0, len(m.nodes))
+func (m *ruleMirror) rules() []Rule {
+	out := make([]Rule, 0, len(m.nodes))
 	for h := m.head; h != 0 && len(out) < len(m.nodes); {
 		n := m.nodes[h]
 		if n == nil {

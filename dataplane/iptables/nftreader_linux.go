@@ -1,4 +1,4 @@
-package collector
+package iptables
 
 import (
 	"context"
@@ -13,12 +13,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
-	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
-// iptNFTReader reads iptables-nft's nat tables (table ip nat and table
+// NFTReader reads iptables-nft's nat tables (table ip nat and table
 // ip6 nat, where iptables-nft keeps the rules iptables-save prints)
 // straight from the kernel over netlink, and after the first read only
 // the chains a commit touched: the change signal's notifications name
@@ -27,25 +25,25 @@ import (
 // chains and its dispatch chains, not the table.
 //
 // A whole read streams the table's rules through one 64 KiB buffer,
-// decoding each into the chain-by-chain model (iptables.NAT). Under
+// decoding each into the chain-by-chain model (NAT). Under
 // churn a whole dump can be interrupted (the kernel resumes a dump by
 // position, so a commit between two parts may skip or repeat rules, and
 // flags it NLM_F_DUMP_INTR): it is tried again, and after a few
 // interrupted tries read chain by chain (each chain's dump is small). A
 // rule the decoder does not understand in a chain the audit reads makes
 // that read fall back to iptables-save for the family (counted).
-type iptNFTReader struct {
+type NFTReader struct {
 	mu   sync.Mutex
 	fd   int // -1: closed
 	bufs [2][]byte
 	got  [][]byte
 	seq  uint32
-	fams [2]*iptables.NAT // IPv4, IPv6; nil: no base (the next read is whole)
+	fams [2]*NAT // IPv4, IPv6; nil: no base (the next read is whole)
 	// mirrors are the mirrored chains (see chainNotes) of each family,
 	// kept up to date from notifications.
 	mirrors [2]map[string]*ruleMirror
 	// chainRules and chainHandles are readChain's, kept between calls.
-	chainRules   []iptables.Rule
+	chainRules   []Rule
 	chainHandles []uint64
 	// text reads one family with iptables-save when the decoder cannot;
 	// nil: no tool (the error stands).
@@ -70,41 +68,57 @@ type iptNFTReader struct {
 	peeks nl.PeekRate
 }
 
-func newIPTNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *iptNFTReader {
+func NewNFTReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *NFTReader {
 	// Sequence numbers start where no other process can guess: an answer
 	// must name the request's.
-	return &iptNFTReader{fd: -1, text: text, maxDumpParts: maxDumpParts, seq: rand.Uint32()}
+	return &NFTReader{fd: -1, text: text, maxDumpParts: maxDumpParts, seq: rand.Uint32()}
 }
 
-var (
-	_ RuleReader       = (*iptNFTReader)(nil)
-	_ ChangeReader     = (*iptNFTReader)(nil)
-	_ NotificationSink = (*iptNFTReader)(nil)
-)
+func (r *NFTReader) String() string { return "iptables (nf_tables backend, netlink)" }
 
-func (r *iptNFTReader) String() string { return "iptables (nf_tables backend, netlink)" }
+// Mode is the mode whose rules the reader reads.
+func (r *NFTReader) Mode() audit.Mode { return audit.ModeIPTables }
 
-// Source is where the reader reads from.
-func (r *iptNFTReader) Source() Source { return Source{Mode: audit.ModeIPTables} }
+// NFTCounts are what an NFTReader's reads did so far: whole reads,
+// chains dumped one by one, whole reads made chain by chain (a dump past
+// its part limit), mirrored chains' changes applied from notifications.
+type NFTCounts struct{ Whole, Chains, ByChain, MirrorOps int64 }
+
+// Counts returns the reader's counts so far.
+func (r *NFTReader) Counts() NFTCounts {
+	return NFTCounts{Whole: r.whole.Load(), Chains: r.chains.Load(), ByChain: r.byChain.Load(), MirrorOps: r.mirrorOps.Load()}
+}
+
+// CaughtUp says whether the notifications the reader took hold every
+// change up to the commit of generation gen, or lost one on the way (see
+// nl.Notes.CaughtUp).
+func (r *NFTReader) CaughtUp(gen uint64) bool { return r.notes.CaughtUp(gen) }
+
+// SetMaxDumpParts sets how many parts of a whole-table dump a read takes
+// before it reads the rest chain by chain (0: no limit); tests lower it
+// to exercise both ways.
+func (r *NFTReader) SetMaxDumpParts(n int) { r.maxDumpParts = n }
 
 // BytesRead is what the last read received from the kernel.
-func (r *iptNFTReader) BytesRead() int64 { return r.bytes.Load() }
+func (r *NFTReader) BytesRead() int64 { return r.bytes.Load() }
 
-// Note, Lost and Subscribed make the reader the change signal's
-// NotificationSink.
-func (r *iptNFTReader) Note(typ, flags uint16, data []byte) { r.notes.Note(typ, flags, data) }
+// Note, Lost and Subscribed take the nf_tables notifications the
+// collector's change signal receives (its NotificationSink): the chains
+// each commit touched, and the mirrored chains' changes.
+func (r *NFTReader) Note(typ, flags uint16, data []byte) { r.notes.Note(typ, flags, data) }
 
-// Lost: see NotificationSink.
-func (r *iptNFTReader) Lost() { r.notes.Lost() }
+// Lost: a notification was dropped; the next read is whole.
+func (r *NFTReader) Lost() { r.notes.Lost() }
 
-// Subscribed: see NotificationSink.
-func (r *iptNFTReader) Subscribed(on bool) { r.notes.Subscribed(on) }
+// Subscribed says whether notifications flow: without them every read
+// is whole.
+func (r *NFTReader) Subscribed(on bool) { r.notes.Subscribed(on) }
 
 // Read reads both families whole.
-func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
+func (r *NFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.fams = [2]*iptables.NAT{}
+	r.fams = [2]*NAT{}
 	r.omitChains = false
 	ch, err := r.read(ctx)
 	if err != nil {
@@ -114,14 +128,14 @@ func (r *iptNFTReader) Read(ctx context.Context) (*audit.Observed, error) {
 }
 
 // ReadChanges reads what changed since the last read.
-func (r *iptNFTReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
+func (r *NFTReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true // what changed is streamed, and the stream carries no endpoint chain names
 	return r.read(ctx)
 }
 
-func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
+func (r *NFTReader) read(ctx context.Context) (*audit.Changes, error) {
 	if r.fd < 0 {
 		fd, err := nl.OpenNetfilter()
 		if err != nil {
@@ -180,7 +194,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
 		}
 		obs, err := audit.Merge(parts...)
 		if err != nil {
-			r.fams = [2]*iptables.NAT{}
+			r.fams = [2]*NAT{}
 			return nil, err
 		}
 		r.rebase()
@@ -198,7 +212,7 @@ func (r *iptNFTReader) read(ctx context.Context) (*audit.Changes, error) {
 
 // rebase tells the notes how many rules each family's KUBE-SERVICES
 // holds as read (see flushWatch).
-func (r *iptNFTReader) rebase() {
+func (r *NFTReader) rebase() {
 	for i := range r.mirrors {
 		n := 0
 		if m := r.mirrors[i]["KUBE-SERVICES"]; m != nil {
@@ -215,7 +229,7 @@ func (r *iptNFTReader) rebase() {
 // an nf_tables socket waits for the kernel to free what the commits
 // before it deleted (a minute and more was seen after a flush at 2,500
 // services under churn).
-func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
+func (r *NFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
 	if r.fd < 0 {
 		fd, err := nl.OpenNetfilter()
 		if err != nil {
@@ -243,7 +257,7 @@ func (r *iptNFTReader) dispatchEmpty(ctx context.Context, fam int) bool {
 // Flushed: a commit since the last read emptied KUBE-SERVICES (or cut it
 // to half) in a family that had services, or deleted its nat table; or,
 // when notifications were lost since, KUBE-SERVICES holds no rule now.
-func (r *iptNFTReader) Flushed(ctx context.Context) bool {
+func (r *NFTReader) Flushed(ctx context.Context) bool {
 	tripped, incomplete := r.notes.Flushed()
 	if tripped || !incomplete {
 		return tripped
@@ -267,7 +281,7 @@ func (r *iptNFTReader) Flushed(ctx context.Context) bool {
 // has no frontend, whatever its other chains hold: it is not read (a
 // flush is reported at once even where a whole read of the rest would
 // take seconds), and leaves no base, so the next read is whole.
-func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*audit.Observed, error) {
+func (r *NFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*audit.Observed, error) {
 	had := r.fams[i] != nil && r.fams[i].Len() > 0
 	r.mirrors[i] = map[string]*ruleMirror{}
 	if had && r.dispatchEmpty(ctx, fam) {
@@ -278,19 +292,19 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 	nat, err := r.readTable(ctx, fam, r.mirrors[i], n)
 	var obs *audit.Observed
 	switch {
-	case errors.Is(err, iptables.ErrUndecodable) && r.text != nil:
+	case errors.Is(err, ErrUndecodable) && r.text != nil:
 		r.fallbacks.Add(1)
 		r.lastFallback.Store(err.Error())
 		obs, err = r.text(ctx, fam)
 		if err != nil {
-			r.fams = [2]*iptables.NAT{}
+			r.fams = [2]*NAT{}
 			return nil, fmt.Errorf("IPv%d rules: the netlink read failed (%v) and so did the fallback: %w", fam, errors.Unwrap(err), err)
 		}
 		nat = nil
 	case err != nil:
-		r.fams = [2]*iptables.NAT{}
+		r.fams = [2]*NAT{}
 		r.closeOnError(err)
-		return nil, fmt.Errorf("read table %s nat over netlink: %w", nftables.FamilyName(fam), err)
+		return nil, fmt.Errorf("read table %s nat over netlink: %w", nl.FamilyName(fam), err)
 	default:
 		nat.OmitEndpointChains = r.omitChains
 		fs, _ := nat.Changes()
@@ -306,7 +320,7 @@ func (r *iptNFTReader) readWhole(ctx context.Context, i, fam int, n *int64) (*au
 // not hold, a rule that did not decode) is dumped instead, as is every
 // other touched chain. again: a chain did not decode, the base is gone,
 // and the read must be made again (whole).
-func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, base *iptables.NAT, n *int64) (again bool, err error) {
+func (r *NFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, base *NAT, n *int64) (again bool, err error) {
 	chains := t.chains
 	if r.mirrors[i] == nil {
 		r.mirrors[i] = map[string]*ruleMirror{}
@@ -321,19 +335,19 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			continue
 		}
 		if err := base.SetChain(chain, m.rules()); err != nil {
-			r.fams = [2]*iptables.NAT{}
+			r.fams = [2]*NAT{}
 			return false, err
 		}
 	}
 	for chain := range chains {
 		rules, handles, ok, err := r.readChain(ctx, fam, chain, n)
 		if err != nil {
-			r.fams = [2]*iptables.NAT{}
+			r.fams = [2]*NAT{}
 			r.closeOnError(err)
-			if errors.Is(err, iptables.ErrUndecodable) {
+			if errors.Is(err, ErrUndecodable) {
 				return true, err
 			}
-			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", nl.Clip(chain), nftables.FamilyName(fam), err)
+			return false, fmt.Errorf("read chain %s of table %s nat over netlink: %w", nl.Clip(chain), nl.FamilyName(fam), err)
 		}
 		r.chains.Add(1)
 		if mirrored(chain) {
@@ -348,7 +362,7 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 			continue
 		}
 		if err := base.SetChain(chain, rules); err != nil {
-			r.fams = [2]*iptables.NAT{}
+			r.fams = [2]*NAT{}
 			return false, err
 		}
 	}
@@ -356,8 +370,8 @@ func (r *iptNFTReader) readTouched(ctx context.Context, i, fam int, t famNotes, 
 }
 
 // closeOnError drops a socket that may hold part of a dump.
-func (r *iptNFTReader) closeOnError(err error) {
-	if r.fd >= 0 && !errors.Is(err, iptables.ErrUndecodable) {
+func (r *NFTReader) closeOnError(err error) {
+	if r.fd >= 0 && !errors.Is(err, ErrUndecodable) {
 		unix.Close(r.fd)
 		r.fd = -1
 	}
@@ -381,8 +395,8 @@ var errDumpStopped = errors.New("the dump stopped at its part limit")
 // rules in one dump, and from where that dump reached maxDumpParts chain
 // by chain, in the order of the table's chain list. A table that does not
 // exist reads as an empty one.
-func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*iptables.NAT, error) {
-	nat, last := iptables.NewNAT(fam), ""
+func (r *NFTReader) readTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64) (*NAT, error) {
+	nat, last := NewNAT(fam), ""
 	stopped := false
 	for try := 0; r.maxDumpParts > 0 && try < nl.InterruptedTries; try++ {
 		clear(mirrors)
@@ -416,7 +430,7 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 			return nil
 		})
 		if errors.Is(err, unix.ENOENT) {
-			return iptables.NewNAT(fam), nil
+			return NewNAT(fam), nil
 		}
 		if err != nil {
 			return nil, err
@@ -433,13 +447,13 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 		from = i
 	} else {
 		clear(mirrors)
-		nat = iptables.NewNAT(fam)
+		nat = NewNAT(fam)
 	}
 	r.byChain.Add(1)
 	// Chain by chain; a commit during the read touches chains the next
 	// read reads again.
 	for _, name := range order[from:] {
-		if !iptables.Reads(name) {
+		if !Reads(name) {
 			continue
 		}
 		rules, handles, ok, err := r.readChain(ctx, fam, name, n)
@@ -460,7 +474,7 @@ func (r *iptNFTReader) readTable(ctx context.Context, fam int, mirrors map[strin
 
 // Fallbacks counts reads that fell back to iptables-save, and says why
 // the last did.
-func (r *iptNFTReader) Fallbacks() (uint64, string) {
+func (r *NFTReader) Fallbacks() (uint64, string) {
 	why, _ := r.lastFallback.Load().(string)
 	return uint64(r.fallbacks.Load()), why
 }

@@ -1,7 +1,7 @@
 // The iptables-nft reader's dumps: a family's nat table in one dump (up
 // to a number of parts) and one chain's rules.
 
-package collector
+package iptables
 
 import (
 	"context"
@@ -9,17 +9,16 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // dumpTable reads a family's nat table's rules in one dump, of at most
 // maxParts parts: when it stops there (errDumpStopped), last is the chain
 // it was reading, which the model does not hold.
-func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64, maxParts int) (nat *iptables.NAT, last string, intr bool, err error) {
-	nat = iptables.NewNAT(fam)
+func (r *NFTReader) dumpTable(ctx context.Context, fam int, mirrors map[string]*ruleMirror, n *int64, maxParts int) (nat *NAT, last string, intr bool, err error) {
+	nat = NewNAT(fam)
 	var cur string
-	var rules []iptables.Rule
+	var rules []Rule
 	var handles []uint64
 	var ferr error
 	flush := func() {
@@ -32,7 +31,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 		cur, rules, handles = "", rules[:0], handles[:0]
 	}
 	intr, err = r.dump(ctx, unix.NFT_MSG_GETRULE, fam, nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), n, maxParts, func(body []byte) error {
-		d, err := iptables.DecodeNFTRule(body, fam)
+		d, err := DecodeNFTRule(body, fam)
 		if err != nil {
 			return err
 		}
@@ -53,7 +52,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 	case errors.Is(err, errDumpStopped):
 		return nat, cur, intr, err
 	case errors.Is(err, unix.ENOENT):
-		return iptables.NewNAT(fam), "", false, nil
+		return NewNAT(fam), "", false, nil
 	case err != nil:
 		return nil, "", false, err
 	}
@@ -70,7 +69,7 @@ func (r *iptNFTReader) dumpTable(ctx context.Context, fam int, mirrors map[strin
 //
 // The rules and handles returned are the reader's own, valid until its
 // next readChain.
-func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]iptables.Rule, []uint64, bool, error) {
+func (r *NFTReader) readChain(ctx context.Context, fam int, chain string, n *int64) ([]Rule, []uint64, bool, error) {
 	rules, handles := r.chainRules[:0], r.chainHandles[:0]
 	defer func() { r.chainRules, r.chainHandles = rules[:0], handles[:0] }()
 	for try := 0; ; try++ {
@@ -78,7 +77,7 @@ func (r *iptNFTReader) readChain(ctx context.Context, fam int, chain string, n *
 		intr, err := r.dump(ctx, unix.NFT_MSG_GETRULE, fam,
 			append(nl.Attr(unix.NFTA_RULE_TABLE, nl.CString("nat")), nl.Attr(unix.NFTA_RULE_CHAIN, nl.CString(chain))...), n, 0,
 			func(body []byte) error {
-				d, err := iptables.DecodeNFTRule(body, fam)
+				d, err := DecodeNFTRule(body, fam)
 				if err != nil {
 					return err
 				}

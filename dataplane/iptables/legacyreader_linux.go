@@ -1,4 +1,4 @@
-package collector
+package iptables
 
 import (
 	"context"
@@ -15,10 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 )
 
-// legacyReader reads the legacy (x_tables) backend's nat tables without
+// LegacyReader reads the legacy (x_tables) backend's nat tables without
 // running a tool: one IPT_SO_GET_ENTRIES (IP6T_SO_GET_ENTRIES for IPv6)
 // per family, the getsockopt iptables-legacy-save itself uses, decoded in
 // place. The kernel hands the whole table over at once (there is no
@@ -28,7 +27,7 @@ import (
 //
 // A rule the decoder does not understand in a chain the audit reads makes
 // that read fall back to iptables-legacy-save (counted), as on nf_tables.
-type legacyReader struct {
+type LegacyReader struct {
 	mu   sync.Mutex
 	fds  [2]int // raw sockets, IPv4 and IPv6; -1: not open
 	fams [2]*legacyFamily
@@ -42,14 +41,14 @@ type legacyReader struct {
 	lastFallback             atomic.Value // string
 	// seed digests chains' entries (see decodeLegacy).
 	seed maphash.Seed
-	// omitChains: see iptNFTReader.
+	// omitChains: see NFTReader.
 	omitChains bool
 }
 
 // legacyFamily is one family's model and what each chain held at the
 // last read (a digest of its entries, by a hash of its name).
 type legacyFamily struct {
-	nat  *iptables.NAT
+	nat  *NAT
 	sums map[uint64]chainSum
 	gen  uint32
 	// entries is the table's entry count and dispatch the rules of its
@@ -62,25 +61,32 @@ type chainSum struct {
 	gen uint32
 }
 
-func newLegacyReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *legacyReader {
-	return &legacyReader{fds: [2]int{-1, -1}, text: text, seed: maphash.MakeSeed()}
+func NewLegacyReader(text func(ctx context.Context, fam int) (*audit.Observed, error)) *LegacyReader {
+	return &LegacyReader{fds: [2]int{-1, -1}, text: text, seed: maphash.MakeSeed()}
 }
 
-var (
-	_ RuleReader   = (*legacyReader)(nil)
-	_ ChangeReader = (*legacyReader)(nil)
-)
+func (r *LegacyReader) String() string { return "iptables (legacy backend, getsockopt)" }
 
-func (r *legacyReader) String() string { return "iptables (legacy backend, getsockopt)" }
+// Mode is the mode whose rules the reader reads.
+func (r *LegacyReader) Mode() audit.Mode { return audit.ModeIPTables }
 
-// Source is where the reader reads from.
-func (r *legacyReader) Source() Source { return Source{Mode: audit.ModeIPTables, Legacy: true} }
+// Legacy: the reader reads the legacy (x_tables) backend.
+func (r *LegacyReader) Legacy() bool { return true }
+
+// LegacyCounts are what a LegacyReader's reads did so far: reads, and
+// chains decoded that changed.
+type LegacyCounts struct{ Reads, Chains int64 }
+
+// Counts returns the reader's counts so far.
+func (r *LegacyReader) Counts() LegacyCounts {
+	return LegacyCounts{Reads: r.reads.Load(), Chains: r.chains.Load()}
+}
 
 // BytesRead is the size of the tables the last read received.
-func (r *legacyReader) BytesRead() int64 { return r.bytes.Load() }
+func (r *LegacyReader) BytesRead() int64 { return r.bytes.Load() }
 
 // Read reads both families whole.
-func (r *legacyReader) Read(ctx context.Context) (*audit.Observed, error) {
+func (r *LegacyReader) Read(ctx context.Context) (*audit.Observed, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.fams = [2]*legacyFamily{}
@@ -93,14 +99,14 @@ func (r *legacyReader) Read(ctx context.Context) (*audit.Observed, error) {
 }
 
 // ReadChanges reads what changed since the last read.
-func (r *legacyReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
+func (r *LegacyReader) ReadChanges(ctx context.Context) (*audit.Changes, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.omitChains = true // streamed: the stream carries no endpoint chain names
 	return r.read(ctx)
 }
 
-func (r *legacyReader) read(ctx context.Context) (*audit.Changes, error) {
+func (r *LegacyReader) read(ctx context.Context) (*audit.Changes, error) {
 	r.reads.Add(1)
 	var n int64
 	defer func() { r.bytes.Store(n) }()
@@ -112,12 +118,12 @@ func (r *legacyReader) read(ctx context.Context) (*audit.Changes, error) {
 		f := r.fams[i]
 		first := f == nil
 		if first {
-			f = &legacyFamily{nat: iptables.NewNAT(fam), sums: map[uint64]chainSum{}}
+			f = &legacyFamily{nat: NewNAT(fam), sums: map[uint64]chainSum{}}
 		}
 		f.nat.OmitEndpointChains = r.omitChains
 		err := r.readFamily(ctx, fam, f, &n)
 		switch {
-		case errors.Is(err, iptables.ErrUndecodable) && r.text != nil:
+		case errors.Is(err, ErrUndecodable) && r.text != nil:
 			r.fallbacks.Add(1)
 			r.lastFallback.Store(err.Error())
 			obs, terr := r.text(ctx, fam)
@@ -183,7 +189,7 @@ const (
 // readFamily reads one family's nat table and puts the chains whose rules
 // changed into f. A kernel without the table (no legacy nat in this
 // namespace) reads as an empty one.
-func (r *legacyReader) readFamily(ctx context.Context, fam int, f *legacyFamily, n *int64) error {
+func (r *LegacyReader) readFamily(ctx context.Context, fam int, f *legacyFamily, n *int64) error {
 	i := fam / 6
 	if r.fds[i] < 0 {
 		af := unix.AF_INET
@@ -260,7 +266,7 @@ func natInfo(fd, level int) (iptGetinfo, syscall.Errno) {
 // its nat table, or at least half as many entries as KUBE-SERVICES held
 // (a flush of the table, or of KUBE-SERVICES). kube-proxy replaces the
 // whole table at each sync, keeping its size but for what changed.
-func (r *legacyReader) Flushed(context.Context) bool {
+func (r *LegacyReader) Flushed(context.Context) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for i, level := range []int{unix.SOL_IP, unix.SOL_IPV6} {
@@ -286,7 +292,7 @@ func legacyTool(fam int) string {
 // apply decodes a table's entries and puts the chains the audit reads
 // whose rules differ from the last read into f's model; chains gone are
 // deleted.
-func (r *legacyReader) apply(f *legacyFamily, table []byte, fam int) error {
+func (r *LegacyReader) apply(f *legacyFamily, table []byte, fam int) error {
 	f.gen++
 	seen, fresh := 0, 0
 	f.dispatch = 0
@@ -303,7 +309,7 @@ func (r *legacyReader) apply(f *legacyFamily, table []byte, fam int) error {
 		}
 		return ok && old.sum == sum
 	}
-	err := iptables.DecodeLegacy(table, fam, r.seed, known, func(chain string, rules []iptables.Rule) error {
+	err := DecodeLegacy(table, fam, r.seed, known, func(chain string, rules []Rule) error {
 		r.chains.Add(1)
 		return f.nat.SetChain(chain, rules)
 	})
@@ -352,7 +358,7 @@ func nameHash(s string) uint64 {
 
 // Fallbacks counts reads that fell back to iptables-legacy-save, and says
 // why the last did.
-func (r *legacyReader) Fallbacks() (uint64, string) {
+func (r *LegacyReader) Fallbacks() (uint64, string) {
 	why, _ := r.lastFallback.Load().(string)
 	return uint64(r.fallbacks.Load()), why
 }

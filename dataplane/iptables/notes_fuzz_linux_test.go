@@ -1,37 +1,15 @@
 //go:build linux
 
-package collector
+package iptables
 
 import (
 	"encoding/binary"
 	"testing"
 
-	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
-	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 )
-
-// natRuleNote is a notification of a rule of KUBE-SERVICES in table nat:
-// its handle, the rule it goes after (with hasPos), a jump.
-func natRuleNote(fam byte, handle, pos uint64, hasPos bool) []byte {
-	jump := verdictExpr(unix.NFT_JUMP, "KUBE-SVC-AAAAAAAAAAAAAAAA")
-	b, _ := netlink.MarshalAttributes(jump)
-	list, _ := netlink.MarshalAttributes([]netlink.Attribute{{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: b}})
-	attrs := []netlink.Attribute{
-		{Type: unix.NFTA_RULE_TABLE, Data: nl.CString("nat")},
-		{Type: unix.NFTA_RULE_CHAIN, Data: nl.CString("KUBE-SERVICES")},
-		{Type: unix.NFTA_RULE_HANDLE, Data: binary.BigEndian.AppendUint64(nil, handle)},
-	}
-	if hasPos {
-		attrs = append(attrs, netlink.Attribute{Type: unix.NFTA_RULE_POSITION, Data: binary.BigEndian.AppendUint64(nil, pos)})
-	}
-	attrs = append(attrs, netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_RULE_EXPRESSIONS, Data: list})
-	body, _ := netlink.MarshalAttributes(attrs)
-	return append([]byte{fam, 0, 0, 0}, body...)
-}
 
 // A hostile process with NET_ADMIN in the node's namespace can send any
 // sequence of nf_tables notifications (four forged ones, a rule with
@@ -50,7 +28,7 @@ func FuzzChainNotes(f *testing.F) {
 		var n chainNotes
 		n.Subscribed(true)
 		// KUBE-SERVICES as a dump left it: rules 10 and 11.
-		mirrors := map[string]*ruleMirror{"KUBE-SERVICES": mirrorOf([]iptables.Rule{{Jump: "KUBE-SVC-A"}, {Jump: "KUBE-SVC-B"}}, []uint64{10, 11})}
+		mirrors := map[string]*ruleMirror{"KUBE-SERVICES": mirrorOf([]Rule{{Jump: "KUBE-SVC-A"}, {Jump: "KUBE-SVC-B"}}, []uint64{10, 11})}
 		for len(ops) >= 5 {
 			kind, fam := (ops[0]&0x0f)%7, byte(unix.NFPROTO_IPV4)
 			if ops[0]&0x80 != 0 {
@@ -60,11 +38,11 @@ func FuzzChainNotes(f *testing.F) {
 			ops = ops[5:]
 			switch kind {
 			case 0:
-				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), unix.NLM_F_APPEND, natRuleNote(fam, handle, pos, hasPos))
+				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), unix.NLM_F_APPEND, nltest.NATRuleNote(fam, handle, pos, hasPos))
 			case 1:
-				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), 0, natRuleNote(fam, handle, pos, hasPos))
+				n.Note(nltest.MsgType(unix.NFT_MSG_NEWRULE), 0, nltest.NATRuleNote(fam, handle, pos, hasPos))
 			case 2:
-				n.Note(nltest.MsgType(unix.NFT_MSG_DELRULE), 0, natRuleNote(fam, handle, 0, false))
+				n.Note(nltest.MsgType(unix.NFT_MSG_DELRULE), 0, nltest.NATRuleNote(fam, handle, 0, false))
 			case 3:
 				n.Note(nltest.MsgType(unix.NFT_MSG_NEWGEN), 0, nltest.GenMsg)
 			case 4:
