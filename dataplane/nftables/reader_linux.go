@@ -158,27 +158,6 @@ func (r *NetlinkReader) Read(ctx context.Context) (*audit.Observed, error) {
 	return ch.Whole, nil
 }
 
-// ReadFamily reads one family's table (4 or 6) whole, as Read reads each,
-// and keeps nothing of it: what reading the second family costs is
-// measured beside Read (BenchmarkIPv6Half).
-func (r *NetlinkReader) ReadFamily(ctx context.Context, family int) (*audit.Observed, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.conn == nil {
-		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
-		if err != nil {
-			return nil, fmt.Errorf("open nf_tables netlink: %w", err)
-		}
-		r.conn = c
-	}
-	var n int64
-	t, _, err := r.table(ctx, family, &n)
-	if err != nil {
-		return nil, err
-	}
-	return FromTables(t)
-}
-
 // ReadChanges reads what changed since the last read: the chains the
 // notifications named, each dumped on its own, and the named maps when
 // their elements changed.

@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/dataplane/nl/nltest"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
@@ -50,13 +51,13 @@ func TestE2EForgedNotificationsAreDropped(t *testing.T) {
 	}
 	defer ns.Close()
 	sink := &recordingSink{}
-	var sig *nftSignal
+	var sig *nl.GenSignal
 	if err := localcluster.InNetNS(ns.NetNS, func() error {
-		s, err := openNFTSignal(DefaultNotifyBuffer)
+		s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
-		sig = s.(*nftSignal)
+		sig = s
 		sig.Feed(sink)
 		return nil
 	}); err != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -210,13 +211,13 @@ func benchIPTChanges(b *testing.B, ctx context.Context, ns *localcluster.Scratch
 	}
 
 	var r *iptables.NFTReader
-	var sig *nftSignal
+	var sig *nl.GenSignal
 	inNS(func() error {
-		s, err := openNFTSignal(DefaultNotifyBuffer)
+		s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
-		sig = s.(*nftSignal)
+		sig = s
 		r = iptables.NewNFTReader(nil)
 		sig.Feed(r)
 		_, err = r.ReadChanges(ctx)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -154,7 +155,7 @@ type iptChurn struct {
 	tables map[int]*churnTable
 	src    Source
 	r      ChangeReader
-	sig    *nftSignal
+	sig    *nl.GenSignal
 	tok0   uint64
 	// state is the model kept from the reader's changes alone.
 	state *stream.State
@@ -259,11 +260,11 @@ func (c *iptChurn) open() {
 		if c.legacy {
 			return nil
 		}
-		s, err := openNFTSignal(DefaultNotifyBuffer)
+		s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
-		c.sig = s.(*nftSignal)
+		c.sig = s
 		c.sig.Feed(c.r.(NotificationSink))
 		return nil
 	})

@@ -151,7 +151,7 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 	apply("add table ip other\nadd chain ip other c\n")
 	src := Source{Mode: audit.ModeNFTables}
 	var r *nftables.NetlinkReader
-	var sig *nftSignal
+	var sig *nl.GenSignal
 	inNS := func(f func() error) {
 		t.Helper()
 		if err := localcluster.InNetNS(ns.NetNS, f); err != nil {
@@ -159,11 +159,11 @@ func TestE2ENFTablesIncrementalEqualsWholeRead(t *testing.T) {
 		}
 	}
 	inNS(func() error {
-		s, err := openNFTSignal(DefaultNotifyBuffer)
+		s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
-		sig = s.(*nftSignal)
+		sig = s
 		r = NewHost().Reader(src).(*nftables.NetlinkReader)
 		sig.Feed(r)
 		return nil
@@ -228,7 +228,7 @@ type nftIncremental struct {
 	ctx   context.Context
 	ns    *localcluster.Scratch
 	r     *nftables.NetlinkReader
-	sig   *nftSignal
+	sig   *nl.GenSignal
 	tok0  uint64
 	state *stream.State
 }

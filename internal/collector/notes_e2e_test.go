@@ -9,6 +9,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 )
 
@@ -24,14 +25,14 @@ func TestE2ENotedMapsMatchDumps(t *testing.T) {
 	n := c.Node("col-nft")
 	apply := sigService(ctx, t, c)
 	apply("198.18.131.1", "198.18.131.2")
-	var sig *nftSignal
+	var sig *nl.GenSignal
 	fed := nftables.NewNetlinkReader()
 	onNode(t, n, func() error {
-		s, err := openNFTSignal(DefaultNotifyBuffer)
+		s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 		if err != nil {
 			return err
 		}
-		sig = s.(*nftSignal)
+		sig = s
 		sig.Feed(fed)
 		_, err = fed.Read(ctx)
 		return err

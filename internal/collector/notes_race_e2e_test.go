@@ -14,6 +14,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/nftables"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -91,15 +92,15 @@ func TestE2EReadWhileACommitsNotesArrive(t *testing.T) {
 			c := &client{cfg: Config{Log: zap.NewNop(), Clock: clock.RealClock{}, FullReadInterval: time.Hour, Interval: 10 * time.Second}, fed: true,
 				credit: newReadCredit(DefaultReadBudget, time.Second, 10*time.Second)}
 			c.cost.Reads = map[stream.ReadReason]uint64{}
-			var sig *nftSignal
+			var sig *nl.GenSignal
 			gate := &gateSink{}
 			inNS(func() error {
 				c.reader = NewHost().Reader(src)
-				s, err := openNFTSignal(DefaultNotifyBuffer)
+				s, err := nl.OpenGenSignal(DefaultNotifyBuffer)
 				if err != nil {
 					return err
 				}
-				sig = s.(*nftSignal)
+				sig = s
 				gate.NotificationSink = c.reader.(NotificationSink)
 				sig.Feed(gate)
 				c.signal = sig
@@ -202,7 +203,7 @@ func notesRaceTables(t *testing.T, ctx context.Context, ns *localcluster.Scratch
 
 // restArrives waits until the reader has every notification of the
 // kernel's current generation.
-func restArrives(t *testing.T, c *client, sig *nftSignal) {
+func restArrives(t *testing.T, c *client, sig *nl.GenSignal) {
 	t.Helper()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		tok, err := sig.Token()

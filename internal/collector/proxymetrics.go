@@ -136,3 +136,32 @@ func Listening(metricsURL string) func(ctx context.Context) bool {
 		return true
 	}
 }
+
+// scrape reads kube-proxy's metrics (the second signal, and on the legacy
+// backend part of the change signal).
+func (c *client) scrape(ctx context.Context) {
+	if c.cfg.KubeProxyMetrics != "" && !c.noKubeProxy {
+		c.kp = ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
+	}
+}
+
+// StartScrape starts a scrape whose result arrives on c.scraped, unless
+// one is still running (a frozen kube-proxy: one scrape at a time).
+func (c *client) StartScrape(ctx context.Context) {
+	if c.cfg.KubeProxyMetrics == "" || c.noKubeProxy || c.scraping {
+		return
+	}
+	if c.scraped == nil {
+		c.scraped = make(chan *stream.KubeProxy, 1)
+	}
+	c.scraping = true
+	go func() { c.scraped <- ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics) }()
+}
+
+// Scraped takes a heartbeat's scrape of kube-proxy's metrics. On the
+// legacy backend kube-proxy's sync time is part of the change signal (a
+// pod swap keeps the table's size): a read may be due.
+func (c *client) Scraped(kp *stream.KubeProxy) bool {
+	c.kp, c.scraping = kp, false
+	return c.legacy
+}

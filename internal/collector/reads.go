@@ -105,27 +105,6 @@ func (c *client) Due(orElse stream.ReadReason) stream.ReadReason {
 	return ""
 }
 
-// scrape reads kube-proxy's metrics (the second signal, and on the legacy
-// backend part of the change signal).
-func (c *client) scrape(ctx context.Context) {
-	if c.cfg.KubeProxyMetrics != "" && !c.noKubeProxy {
-		c.kp = ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics)
-	}
-}
-
-// StartScrape starts a scrape whose result arrives on c.scraped, unless
-// one is still running (a frozen kube-proxy: one scrape at a time).
-func (c *client) StartScrape(ctx context.Context) {
-	if c.cfg.KubeProxyMetrics == "" || c.noKubeProxy || c.scraping {
-		return
-	}
-	if c.scraped == nil {
-		c.scraped = make(chan *stream.KubeProxy, 1)
-	}
-	c.scraping = true
-	go func() { c.scraped <- ScrapeKubeProxy(ctx, &c.http, c.cfg.KubeProxyMetrics) }()
-}
-
 // Report builds the next report against what was sent: of a new read when
 // why is set, else of the last read.
 func (c *client) Report(ctx context.Context, sent *stream.State, full bool, why stream.ReadReason, refs bool) *stream.Report {
@@ -496,12 +475,4 @@ func (c *client) ReadWait(now time.Time) time.Duration {
 		return 0
 	}
 	return readWait(now.Sub(c.readAt), c.credit.wait(now), c.cfg.Interval)
-}
-
-// Scraped takes a heartbeat's scrape of kube-proxy's metrics. On the
-// legacy backend kube-proxy's sync time is part of the change signal (a
-// pod swap keeps the table's size): a read may be due.
-func (c *client) Scraped(kp *stream.KubeProxy) bool {
-	c.kp, c.scraping = kp, false
-	return c.legacy
 }

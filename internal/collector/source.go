@@ -24,6 +24,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/dataplane/cilium"
 	"github.com/proxyaudit/proxyaudit/dataplane/iptables"
 	"github.com/proxyaudit/proxyaudit/dataplane/ipvs"
+	"github.com/proxyaudit/proxyaudit/dataplane/nl"
 )
 
 // Source names where one node's kube-proxy rules are read from.
@@ -91,18 +92,10 @@ type ChangeSignal interface {
 	Close()
 }
 
-// NotificationSink takes the nf_tables notifications a change signal
-// receives anyway (NFNLGRP_NFTABLES): message type, netlink flags
-// (NLM_F_APPEND marks an appended rule) and body, in the order the kernel
-// sent them; Lost says some were dropped (ENOBUFS).
-//
-// A sink that also has Subscribed(bool) is told when notifications start
-// to flow to it and when the subscription breaks (none will come any
-// more).
-type NotificationSink interface {
-	Note(typ, flags uint16, data []byte)
-	Lost()
-}
+// NotificationSink takes the nf_tables notifications the change signal
+// receives anyway (nl.Sink): the netlink readers learn from them which
+// maps and chains each commit touched.
+type NotificationSink = nl.Sink
 
 // Host is this node's kernel and tools as the collector reaches them.
 // NewHost wires the real ones; tests put fakes in the fields.

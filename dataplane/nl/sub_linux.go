@@ -1,4 +1,4 @@
-package collector
+package nl
 
 import (
 	"encoding/binary"
@@ -11,14 +11,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// nfnlSub is a subscription to the nf_tables notification group
+// sub is a subscription to the nf_tables notification group
 // (NFNLGRP_NFTABLES), read in batches: the kernel sends each notification
 // as a datagram of its own, and one kube-proxy sync at 10k services
 // announces ~20k of them (its KUBE-SERVICES rewrite), which as one system
 // call each cost ~50 ms of CPU here. recvmmsg takes up to subBatch per
 // call. The socket is non-blocking under Go's poller, so Close wakes a
 // waiting read.
-type nfnlSub struct {
+type sub struct {
 	f     *os.File
 	rc    syscall.RawConn
 	bufs  [][]byte
@@ -36,10 +36,10 @@ const (
 	subBuffer = 16 << 10
 )
 
-// openNFNLSub subscribes to NFNLGRP_NFTABLES with a receive buffer of
+// openSub subscribes to NFNLGRP_NFTABLES with a receive buffer of
 // buffer bytes (0: the kernel's default; SO_RCVBUFFORCE with
 // CAP_NET_ADMIN, else SO_RCVBUF).
-func openNFNLSub(buffer int) (*nfnlSub, error) {
+func openSub(buffer int) (*sub, error) {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, unix.NETLINK_NETFILTER)
 	if err != nil {
 		return nil, fmt.Errorf("nf_tables notifications: %w", err)
@@ -59,7 +59,7 @@ func openNFNLSub(buffer int) (*nfnlSub, error) {
 		f.Close()
 		return nil, err
 	}
-	s := &nfnlSub{f: f, rc: rc, bufs: make([][]byte, subBatch), iov: make([]unix.Iovec, subBatch), msgs: make([]unix.Mmsghdr, subBatch),
+	s := &sub{f: f, rc: rc, bufs: make([][]byte, subBatch), iov: make([]unix.Iovec, subBatch), msgs: make([]unix.Mmsghdr, subBatch),
 		names: make([]unix.RawSockaddrNetlink, subBatch)}
 	for i := range s.bufs {
 		s.bufs[i] = make([]byte, subBuffer)
@@ -74,7 +74,7 @@ var errTruncated = errors.New("a notification larger than its buffer")
 // flags, body), in the order the kernel sent them. ENOBUFS (the buffer
 // overran: notifications were dropped) comes back as an error after the
 // messages before it.
-func (s *nfnlSub) receive(fn func(typ, flags uint16, body []byte)) error {
+func (s *sub) receive(fn func(typ, flags uint16, body []byte)) error {
 	var got int
 	var errno syscall.Errno
 	err := s.rc.Read(func(fd uintptr) bool {
@@ -124,4 +124,4 @@ func (s *nfnlSub) receive(fn func(typ, flags uint16, body []byte)) error {
 }
 
 // Close ends the subscription; a receive under way returns an error.
-func (s *nfnlSub) Close() error { return s.f.Close() }
+func (s *sub) Close() error { return s.f.Close() }
