@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 
 	"go.uber.org/zap"
@@ -40,6 +41,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
@@ -189,7 +191,7 @@ type server struct {
 	o        *options
 	client   kubernetes.Interface
 	election kubernetes.Interface // the Lease's own client
-	view     *aggregator.View
+	view     *view.View
 	agg      *aggregator.Aggregator
 	notifier *effect.Slack
 	streams  net.Listener
@@ -290,15 +292,15 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	// less than that is lagging, not divergent. With leader election, the
 	// Lease renewals (every retry period) are the canary that proves this
 	// replica's watches still deliver.
-	vcfg := aggregator.ViewConfig{Client: client, Keep: 4 * o.policy.Grace, Log: log.Named("view"), Clock: clk}
+	vcfg := view.Config{Client: client, Keep: 4 * o.policy.Grace, Log: log.Named("view"), Clock: clk}
 	if o.leaderElect {
-		vcfg.Canary = &aggregator.Canary{Namespace: o.leNamespace, Lease: o.leName, Timeout: o.leDuration}
+		vcfg.Canary = &view.Canary{Namespace: o.leNamespace, Lease: o.leName, Timeout: o.leDuration}
 	}
 	if o.barrier {
-		vcfg.Barrier = &aggregator.Barrier{Namespace: o.leNamespace, Identity: o.self, Every: time.Second, Timeout: 10 * time.Second,
+		vcfg.Barrier = &view.Barrier{Namespace: o.leNamespace, Identity: o.self, Every: time.Second, Timeout: 10 * time.Second,
 			Active: func() bool { return s.agg.Judging() }}
 	}
-	s.view = aggregator.NewView(vcfg)
+	s.view = view.New(vcfg)
 	executor := &effect.Executor{Client: client, Policy: o.remediation, ProxyNamespace: o.proxyNamespace, ProxySelector: o.proxySelector,
 		AgentNamespace: o.agentNamespace, AgentSelector: o.agentSelector,
 		Incidents: &effect.Incidents{Client: client, Namespace: o.leNamespace, Name: o.incidents, MaxAge: 30 * time.Second},

@@ -14,6 +14,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
@@ -115,7 +116,7 @@ func (o *options) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.policy.Grace, "grace", o.policy.Grace, "how long a node may lag or differ before it is a finding (the network-programming SLO)")
 	fs.BoolVar(&o.leaderElect, "leader-elect", o.leaderElect, "elect a leader through a Lease; with false this replica always leads (run only one)")
 	fs.StringVar(&o.leNamespace, "leader-elect-namespace", o.leNamespace, "namespace of the leader-election Lease, the incident record (--incident-configmap) and the watch barrier's Service and EndpointSlice [POD_NAMESPACE]")
-	fs.BoolVar(&o.barrier, "watch-barrier", o.barrier, "stamp a Service and an EndpointSlice named "+aggregator.BarrierName+" every second and judge a report only once the stamps written after it arrived through the watches: a healthy node ahead of this replica's watches is never called divergent, and a watch stuck for one kind makes the view stale. Needs patch on them, and create where they do not exist (the chart creates them)")
+	fs.BoolVar(&o.barrier, "watch-barrier", o.barrier, "stamp a Service and an EndpointSlice named "+view.BarrierName+" every second and judge a report only once the stamps written after it arrived through the watches: a healthy node ahead of this replica's watches is never called divergent, and a watch stuck for one kind makes the view stale. Needs patch on them, and create where they do not exist (the chart creates them)")
 	fs.StringVar(&o.leName, "leader-elect-lease-name", o.leName, "name of the leader-election Lease")
 	fs.DurationVar(&o.leDuration, "leader-elect-lease-duration", o.leDuration, "how long followers wait after the last renewal before taking over")
 	fs.DurationVar(&o.leRenew, "leader-elect-renew-deadline", o.leRenew, "how long the leader keeps trying to renew before it steps down")

@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -96,7 +97,7 @@ type Config struct {
 // no effect (a write, a notice, a call out) is made under any of them.
 type Aggregator struct {
 	cfg  Config
-	view *View
+	view *view.View
 
 	mu     sync.Mutex
 	lead   leadership
@@ -239,7 +240,7 @@ func keepShown(q []shown, s shown) []shown {
 
 // New returns an aggregator over view. It leads only after StartedLeading
 // (or at once when leader election is off: call StartedLeading yourself).
-func New(cfg Config, view *View) *Aggregator {
+func New(cfg Config, view *view.View) *Aggregator {
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = stream.DefaultMaxMessageBytes
 	}
@@ -264,7 +265,7 @@ func New(cfg Config, view *View) *Aggregator {
 	if cfg.RecoveryGrace == 0 {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
-	view.onRebuild = func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) }
+	view.ObserveRebuilds(func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) })
 	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, held: map[int]bool{}, partials: newPartialLog(rand.Text()), judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -65,17 +66,17 @@ func fakeCluster() *fake.Clientset {
 // startWith is start over the given fake API, with the barrier when not
 // nil. Nothing evaluates on its own: until and advance do, as they step
 // the clock.
-func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, barrier *Barrier) *harness {
-	return startView(t, grace, auth, client, ViewConfig{Debounce: 50 * time.Millisecond, Barrier: barrier})
+func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, barrier *view.Barrier) *harness {
+	return startView(t, grace, auth, client, view.Config{Debounce: 50 * time.Millisecond, Barrier: barrier})
 }
 
 // startView is startWith with the view's debounce and barrier in vc.
-func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc ViewConfig, opts ...func(*Config)) *harness {
+func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc view.Config, opts ...func(*Config)) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	clk := clocktesting.NewFakeClock(t0)
 	vc.Client, vc.Keep, vc.Log, vc.Clock = client, 4*grace, log, clk
-	view := NewView(vc)
+	view := view.New(vc)
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = grace, time.Second
 	cfg := Config{Policy: p, Auth: auth, Self: "127.0.0.1:1", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}
@@ -431,10 +432,10 @@ func TestQuietNodes(t *testing.T) {
 			t.Errorf("%+v: %q, want %q", tc.node, got, tc.want)
 		}
 	}
-	// Trim keeps what audit.QuietOf reads.
+	// view.Trim keeps what audit.QuietOf reads.
 	n := &corev1.Node{Status: corev1.NodeStatus{Images: make([]corev1.ContainerImage, 3),
 		Conditions: []corev1.NodeCondition{{Type: corev1.NodeMemoryPressure}, {Type: corev1.NodeReady, Status: corev1.ConditionFalse, Message: "kubelet stopped"}}}}
-	Trim(n)
+	view.Trim(n)
 	if len(n.Status.Images) != 0 || len(n.Status.Conditions) != 1 || audit.QuietOf(n) != audit.QuietNotReady {
 		t.Errorf("trimmed node: %+v", n.Status)
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -43,7 +44,7 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 	const nodes = 12
 	for _, shared := range []bool{false, true} {
 		b.Run(fmt.Sprintf("%d-nodes/%s", nodes, map[bool]string{false: "each", true: "shared"}[shared]), func(b *testing.B) {
-			a := New(Config{}, &View{})
+			a := New(Config{}, &view.View{})
 			b.ReportAllocs()
 			for b.Loop() {
 				a.newGeneration(cur, h)
@@ -86,7 +87,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 		rules = append(rules, r)
 	}
 	h.Update(states[0], now.Add(-time.Second))
-	a := New(Config{}, &View{})
+	a := New(Config{}, &view.View{})
 	a.newGeneration(states[0], h)
 	n := &node{name: "node-1"}
 	a.assessNode(states[0], h, n, rules[0])
@@ -193,7 +194,7 @@ func BenchmarkTakeoverCycle(b *testing.B) {
 		var ns []*node
 		var a *Aggregator
 		fresh := func() {
-			a = New(Config{}, &View{})
+			a = New(Config{}, &view.View{})
 			a.isolated = isolated
 			ns = make([]*node, nodes)
 			for i := range ns {

@@ -2,8 +2,6 @@ package aggregator
 
 import (
 	"fmt"
-	corev1 "k8s.io/api/core/v1"
-	"k8s.io/utils/ptr"
 	"math/rand/v2"
 	"net/netip"
 	"reflect"
@@ -11,10 +9,14 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -31,7 +33,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 	h := audit.NewHistory(5 * time.Second)
 	now := time.Unix(1_800_000_000, 0)
 	pool := stream.NewPool()
-	a := New(Config{}, &View{})
+	a := New(Config{}, &view.View{})
 	n := &node{name: "node-1"}
 	deleted := map[int]bool{}
 	var past []*audit.State
@@ -182,7 +184,7 @@ func TestSharedAssessmentsEqualFull(t *testing.T) {
 	h := audit.NewHistory(5 * time.Second)
 	now := time.Unix(1_800_000_000, 0)
 	pool := stream.NewPool()
-	a := New(Config{}, &View{})
+	a := New(Config{}, &view.View{})
 	ns := make([]*node, len(all))
 	for i, name := range all {
 		ns[i] = &node{name: name}
@@ -270,7 +272,7 @@ func TestUnchangedRulesBecomeUnowned(t *testing.T) {
 	if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(synth.Rules(st0)), 1, true, false)); err != nil {
 		t.Fatal(err)
 	}
-	a := New(Config{}, &View{})
+	a := New(Config{}, &view.View{})
 	stuck := &node{name: "stuck"}
 	for i, step := range []struct {
 		st *audit.State

@@ -9,6 +9,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -73,7 +74,7 @@ func TestDualStackCapturesThroughTheStream(t *testing.T) {
 		for _, name := range tc.nodes {
 			t.Run(tc.drift+"/"+name, func(t *testing.T) {
 				h := audit.NewHistory(time.Minute)
-				a := New(Config{}, &View{})
+				a := New(Config{}, &view.View{})
 				n := &node{name: name}
 				at := time.Unix(1_800_000_000, 0)
 				for _, dir := range []string{tc.clean, tc.drift} {

@@ -6,9 +6,10 @@ import (
 	"slices"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
-	"go.uber.org/zap"
 )
 
 // Evaluate assesses every node that reported since the last call and
@@ -429,4 +430,15 @@ func (a *Aggregator) warnUnauditedLocked(v *audit.Verdict, families []int) {
 			}
 		}
 	}
+}
+
+// servicesProgrammed counts the services kube-proxy programs (not skipped).
+func servicesProgrammed(st *audit.State) int {
+	n := 0
+	for i := range st.Services {
+		if st.Services[i].Skip == "" {
+			n++
+		}
+	}
+	return n
 }

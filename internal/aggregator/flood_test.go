@@ -16,7 +16,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // TestMadeUpTypesMakeNoSeries: a peer without credentials sending
@@ -216,7 +218,7 @@ func TestStreamChurnLeaksNothing(t *testing.T) {
 // budget frees. A hello is not budgeted (an unauthenticated peer must not
 // be able to hold the budget), so it is read at once.
 func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
-	a := New(Config{DecodeBudget: 1 << 20}, &View{})
+	a := New(Config{DecodeBudget: 1 << 20}, &view.View{})
 	frame := func(size int) (hdr, body []byte) {
 		body = []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", size) + `"]}}`)
 		return binary.BigEndian.AppendUint32(nil, uint32(len(body))), body
@@ -293,7 +295,7 @@ func TestTricklingFrameGivesBackItsBudget(t *testing.T) {
 	defer func(r int, s time.Duration) { bodyRate, bodySlack = r, s }(bodyRate, bodySlack)
 	bodyRate, bodySlack = 64<<20, 300*time.Millisecond // a 16 MiB frame: 550 ms
 	const budget = 64 << 20
-	a := New(Config{DecodeBudget: budget}, &View{})
+	a := New(Config{DecodeBudget: budget}, &view.View{})
 	server, client := net.Pipe()
 	defer client.Close()
 	done := make(chan error, 1)
@@ -339,11 +341,13 @@ func TestTricklingFrameGivesBackItsBudget(t *testing.T) {
 func TestPreHelloGateKeepsRoomForNodes(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"},
 		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "198.18.0.10"}, {Type: corev1.NodeHostName, Address: "n1"}}}})
-	v := NewView(ViewConfig{Client: client, Keep: time.Minute})
+	v := view.New(view.Config{Client: client, Keep: time.Minute})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	v.factory.Start(ctx.Done())
-	v.factory.WaitForCacheSync(ctx.Done())
+	done := make(chan struct{})
+	defer func() { cancel(); <-done }()
+	go func() { v.Run(ctx); close(done) }()
+	testkit.Eventually(t, 10*time.Second, "the view synced", func() bool { return v.Synced() == nil })
 	if !v.IsNodeAddress("198.18.0.10") || !v.IsNodeAddress("::ffff:198.18.0.10") || v.IsNodeAddress("198.18.0.11") || v.IsNodeAddress("n1") {
 		t.Fatal("the Node address index is wrong")
 	}
@@ -388,7 +392,7 @@ func TestPreHelloGateKeepsRoomForNodes(t *testing.T) {
 // the other nodes' deltas keep arriving throughout.
 func TestTricklersLeaveDeltasTheirShare(t *testing.T) {
 	const budget = 64 << 20
-	a := New(Config{DecodeBudget: budget}, &View{})
+	a := New(Config{DecodeBudget: budget}, &view.View{})
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	defer func() { close(stop); wg.Wait() }()

@@ -8,13 +8,14 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 )
 
 // TestFindingsKeepWhenFound: a finding is dated by the first verdict that
 // held it, whatever later verdicts recompute; one that cleared and came
 // back is found again, and each first publication is measured once.
 func TestFindingsKeepWhenFound(t *testing.T) {
-	a := New(Config{}, &View{})
+	a := New(Config{}, &view.View{})
 	since := t0.Add(-40 * time.Second)
 	stale := audit.TimedFinding{Since: since, Finding: audit.Finding{Node: "n1", Service: "ns/a", Port: "http", Kind: audit.StaleEndpoint, Endpoint: "198.18.0.7:80"}}
 	stuck := audit.TimedFinding{Since: since, Finding: audit.Finding{Node: "n1", Kind: audit.StuckProxy, Detail: "up to 31s ago"}}
@@ -55,5 +56,31 @@ func TestFindingsKeepWhenFound(t *testing.T) {
 	}
 	if n, sum := count(audit.StuckProxy); n != 1 || sum != 41 {
 		t.Errorf("StuckProxy delays: %d observations summing to %.0f s, want 1 (41 s)", n, sum)
+	}
+}
+
+func TestHoldBackDriftKeepsOnlyCollectorMissing(t *testing.T) {
+	v := audit.Verdict{
+		Findings: []audit.TimedFinding{
+			{Finding: audit.Finding{Node: "a", Kind: audit.StuckProxy}},
+			{Finding: audit.Finding{Node: "a", Kind: audit.StaleEndpoint}},
+			{Finding: audit.Finding{Node: "b", Kind: audit.CollectorMissing}},
+			{Finding: audit.Finding{Node: "c", Kind: audit.NoRules}},
+		},
+		Nodes: []audit.NodeStatus{{Node: "a", State: audit.NodeStuck}, {Node: "b", State: audit.NodeMissing},
+			{Node: "c", State: audit.NodeNoRules}, {Node: "d", State: audit.NodeInSync}},
+	}
+	h := holdBackDrift(v)
+	if len(h.Findings) != 1 || h.Findings[0].Kind != audit.CollectorMissing {
+		t.Errorf("findings held back: %+v", h.Findings)
+	}
+	want := []audit.NodeState{audit.NodeLagging, audit.NodeMissing, audit.NodeLagging, audit.NodeInSync}
+	for i, n := range h.Nodes {
+		if n.State != want[i] {
+			t.Errorf("%s: %s, want %s", n.Node, n.State, want[i])
+		}
+	}
+	if v.Nodes[0].State != audit.NodeStuck {
+		t.Error("holdBackDrift changed its input")
 	}
 }

@@ -11,11 +11,12 @@ import (
 	"sync"
 	"time"
 
-	"github.com/proxyaudit/proxyaudit/internal/api"
 	authzv1 "k8s.io/api/authorization/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/internal/api"
 )
 
 // ReaderAuth decides who may read findings over the HTTP API: a caller

@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -47,7 +48,7 @@ func TestJudgeAt(t *testing.T) {
 // fleet simulation's 15-45 s outliers).
 func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 	const grace, debounce = 2 * time.Second, 2 * time.Second
-	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: debounce})
+	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: debounce})
 	c := h.dial("n1")
 	expect(t, c, stream.TypeWelcome, "")
 	st := stream.NewState()
@@ -144,7 +145,7 @@ func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 // version is pruned as too old (Divergent).
 func TestHeldBackStateRaisesNoFalseFinding(t *testing.T) {
 	const grace, hold, delay = 4 * time.Second, 40 * time.Second, time.Second
-	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: time.Second})
+	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: time.Second})
 	// The cluster's history: which services have dropped their last
 	// endpoint, from when; the node reads it delay late.
 	type change struct {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -43,7 +44,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 				h := audit.NewHistory(time.Minute)
 				h.Update(states[0], t0)
 				pool := stream.NewPool()
-				a := New(Config{Policy: audit.DefaultPolicy()}, &View{})
+				a := New(Config{Policy: audit.DefaultPolicy()}, &view.View{})
 				observe := func(st *audit.State, n *node, at time.Time) {
 					as := a.assessNode(st, h, n, n.state)
 					n.assessments = as

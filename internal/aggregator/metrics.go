@@ -3,6 +3,7 @@ package aggregator
 import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 
 	"github.com/proxyaudit/proxyaudit/audit"

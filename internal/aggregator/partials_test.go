@@ -17,10 +17,15 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap/zaptest"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
 // fleetStep makes a shard's next partial from the last: nodes join and
@@ -195,7 +200,7 @@ func TestPartialChangesThatDoNotFollow(t *testing.T) {
 		}
 	}
 
-	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Shards: &Shards{Count: 2}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Shards: &Shards{Count: 2}}, view.New(view.Config{Client: fake.NewClientset()}))
 	agg.publishPartial(audit.Partial{Nodes: []audit.NodeStatus{{Node: "a"}}}, []int{0})
 	w := httptest.NewRecorder()
 	agg.InternalHandler().ServeHTTP(w, httptest.NewRequest("GET", "/internal/v1/partial?since=-1", nil))
@@ -216,10 +221,10 @@ func TestLeaderReadsChangesFromAReplica(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
 	holders := []string{"127.0.0.1:9443", b.identity}
 	leader := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, viewExpecting(nodesIn(1, shards, 500)))
+		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, viewExpecting(t, nodesIn(1, shards, 500)))
 	var queries atomic.Value
 	replica := func() *Aggregator {
-		r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, Port: port}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, Port: port}}, view.New(view.Config{Client: fake.NewClientset()}))
 		h := r.InternalHandler()
 		b.handle(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			queries.Store(req.URL.RawQuery)
@@ -453,10 +458,18 @@ func TestHostilePartialAnswersAreBounded(t *testing.T) {
 	}
 }
 
-// viewExpecting is a view (not run) whose cluster lists nodes: the nodes
-// a holder's partial may carry are bounded by them.
-func viewExpecting(nodes []string) *View {
-	v := NewView(ViewConfig{Client: fake.NewClientset()})
-	v.expected = nodes
+// viewExpecting is a view, run until the test ends, whose cluster lists
+// nodes: the nodes a holder's partial may carry are bounded by them.
+func viewExpecting(t *testing.T, nodes []string) *view.View {
+	objs := make([]k8sruntime.Object, len(nodes))
+	for i, n := range nodes {
+		objs[i] = &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}
+	}
+	v := view.New(view.Config{Client: fake.NewClientset(objs...), Debounce: time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	go func() { v.Run(ctx); close(done) }()
+	testkit.Eventually(t, 10*time.Second, "the view lists the nodes", func() bool { return len(v.ExpectedNodes()) == len(nodes) })
 	return v
 }

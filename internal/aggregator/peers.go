@@ -23,15 +23,7 @@ func (a *Aggregator) peerIPs() []string {
 	if a.cfg.Peers == "" || a.view == nil {
 		return nil
 	}
-	objs, err := a.view.sliceIdx.ByIndex(byService, a.cfg.Peers)
-	if err != nil {
-		return nil
-	}
-	eps := make([]*discoveryv1.EndpointSlice, 0, len(objs))
-	for _, o := range objs {
-		eps = append(eps, o.(*discoveryv1.EndpointSlice))
-	}
-	return replicaIPs(eps, "")
+	return replicaIPs(a.view.EndpointSlices(a.cfg.Peers), "")
 }
 
 // PeerAddresses are the replicas' addresses as the peers Service's
@@ -88,10 +80,7 @@ func (a *Aggregator) Farewell(ctx context.Context, client kubernetes.Interface) 
 		}
 	} else if a.view != nil {
 		a.cfg.Log.Warn("cannot read the replicas from the API on the way out: telling the collectors those last seen", zap.Error(err))
-		objs, _ := a.view.sliceIdx.ByIndex(byService, a.cfg.Peers)
-		for _, o := range objs {
-			eps = append(eps, o.(*discoveryv1.EndpointSlice))
-		}
+		eps = a.view.EndpointSlices(a.cfg.Peers)
 	}
 	ips := replicaIPs(eps, self)
 	if len(ips) == 0 {

@@ -19,6 +19,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
@@ -96,7 +97,7 @@ func (r *replicas) start(ln net.Listener, name string) (agg *Aggregator, stop co
 	ctx, cancel := context.WithCancel(context.Background())
 	r.t.Cleanup(cancel)
 	log := zaptest.NewLogger(r.t).Named(name)
-	view := NewView(ViewConfig{Client: r.client, Keep: time.Minute, Log: log, Debounce: 50 * time.Millisecond})
+	view := view.New(view.Config{Client: r.client, Keep: time.Minute, Log: log, Debounce: 50 * time.Millisecond})
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = 2*time.Second, time.Second
 	agg = New(Config{Policy: p, Auth: InsecureNoAuth{}, Self: ln.Addr().String(), Peers: "proxyaudit/agg-headless", Log: log,

@@ -26,6 +26,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
@@ -101,7 +102,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	clk := clocktesting.NewFakeClock(time.Now())
 	replica := New(Config{Self: "127.0.0.2:9443", Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: 2, Port: port,
-		Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
 	replica.partials.publish(audit.Partial{Nodes: []audit.NodeStatus{{Node: "n1", State: audit.NodeInSync}}, Drifted: map[string]time.Time{}}, []int{1}, clk.Now())
 	genuine := &http.Server{Handler: replica.InternalHandler()}
 	go genuine.Serve(tls.NewListener(ln, &tls.Config{Certificates: []tls.Certificate{cert}}))
@@ -137,7 +138,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 		// and under -race beside the end-to-end stage (make test) the
 		// genuine replica's first answer took over 5 s once.
 		Client: NewPeerClient(PeerClientConfig{Roots: func() *x509.CertPool { return roots }, ServerName: name, TokenFile: tokenFile, Timeout: time.Minute})}},
-		NewView(ViewConfig{Client: fake.NewClientset()}))
+		view.New(view.Config{Client: fake.NewClientset()}))
 	ctx := context.Background()
 	if p, _, err := leader.fetchPartial(ctx, "127.0.0.2:9443", ""); err != nil || len(p.Partial.Nodes) != 1 {
 		t.Fatalf("the genuine replica's partial: %+v, %v", p, err)
@@ -190,7 +191,7 @@ func BenchmarkPartialReadOverTheWire(b *testing.B) {
 			r := mrand.New(mrand.NewPCG(1, 2))
 			clk := clocktesting.NewFakeClock(t0)
 			replica := New(Config{Self: "127.0.0.2:9443", Log: zap.NewNop(), Clock: clk, Shards: &Shards{Count: 2, Port: "0",
-				Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+				Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
 			var p audit.Partial
 			for i := range 6250 {
 				p.Nodes = append(p.Nodes, audit.NodeStatus{Node: fmt.Sprintf("ip-10-1-%d-%d.ec2.internal", i/250, i%250), State: audit.NodeInSync, Mode: audit.ModeIPTables})

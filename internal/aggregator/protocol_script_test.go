@@ -23,6 +23,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
@@ -162,7 +163,7 @@ func newProtocolScript(t *testing.T) *protocolScript {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: fakeCluster(), Keep: 8 * time.Second, Log: log, Clock: clk, Debounce: 50 * time.Millisecond})
+	view := view.New(view.Config{Client: fakeCluster(), Keep: 8 * time.Second, Log: log, Clock: clk, Debounce: 50 * time.Millisecond})
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = 2*time.Second, time.Second
 	a := New(Config{Policy: p, Auth: scriptAuth{clk}, Self: "198.18.0.1:9443", Log: log, MaxMessageBytes: 1 << 20, Clock: clk}, view)

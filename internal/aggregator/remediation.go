@@ -199,7 +199,7 @@ type remediationState struct {
 
 // stormNotice pages once when a mass divergence begins and once when it
 // ends, for the fleet, through the notifier that says when the view is
-// stale (freshness.go).
+// stale (health.go).
 func (a *Aggregator) stormNotice(storm bool, v *audit.Verdict) {
 	a.remedy.mu.Lock()
 	was := !a.remedy.stormSince.IsZero()
@@ -267,15 +267,6 @@ func since(fs []audit.TimedFinding) time.Time {
 		}
 	}
 	return t
-}
-
-// Node returns the cluster's Node object from the informer (nil if absent).
-func (v *View) Node(name string) *corev1.Node {
-	n, err := v.nodes.Get(name)
-	if err != nil {
-		return nil
-	}
-	return n
 }
 
 // holding records why every repair is held ("" when none is), for the

@@ -23,6 +23,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/testkit/findings"
@@ -125,7 +126,7 @@ func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
 	holders := []string{"127.0.0.1:9443", a.identity, b.identity, ""}
 	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
 	in := func(k int) []string { return nodesIn(k, shards, 2) }
 	status := func(names []string, st audit.NodeState) []audit.NodeStatus {
 		var out []audit.NodeStatus
@@ -209,7 +210,7 @@ func TestConcludeOverShardsGuardsTheFleet(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
 	holders := []string{"127.0.0.1:9443", peers[0].identity, peers[1].identity}
 	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk, Policy: audit.Policy{MassShare: 0.5, MassMinNodes: 3},
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, NewView(ViewConfig{Client: fake.NewClientset()}))
+		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
 	st := func(k int, s audit.NodeState) []audit.NodeStatus {
 		var out []audit.NodeStatus
 		for _, n := range nodesIn(k, shards, 2) {
@@ -334,7 +335,7 @@ func TestShardAdmission(t *testing.T) {
 	defer cancel()
 	holders := []string{"127.0.0.1:1", "127.0.0.9:9443", ""}
 	var hmu sync.Mutex
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, func(c *Config) {
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
 		c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { hmu.Lock(); defer hmu.Unlock(); return slices.Clone(holders) }}
 	})
 	agg := h.agg
@@ -385,7 +386,7 @@ func TestShardAdmission(t *testing.T) {
 // from it, with a divergent node found on that node only.
 func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
 	const shards = 2
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, func(c *Config) {
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
 		c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { return []string{"127.0.0.1:1", "127.0.0.1:1"} }}
 	})
 	for k := range shards {
@@ -439,7 +440,7 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 	hClient, lClient := fakeCluster(), fakeCluster()
 	hLookups, lLookups := lookups(hClient), lookups(lClient)
 	hNotes, lNotes := &notes{open: map[string]bool{}}, &notes{open: map[string]bool{}}
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, ViewConfig{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
+	h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
 		c.Self = holder
 		c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
 	})
@@ -450,7 +451,7 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 	for k := range shards {
 		h.holdShard(k)
 	}
-	l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, ViewConfig{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
+	l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
 		c.Self = "127.0.0.2:9443"
 		c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
 	})
@@ -500,8 +501,8 @@ func TestFlushIsPassedOnOnce(t *testing.T) {
 			c.Shards = &Shards{Count: 1, Port: port, Holders: func() []string { return []string{other} }}
 		}
 	}
-	ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, believes(a, b))
-	hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), ViewConfig{Debounce: 50 * time.Millisecond}, believes(b, a))
+	ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(a, b))
+	hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(b, a))
 	serve(ha, lnA, &served[0])
 	serve(hb, ln, &served[1])
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -545,7 +546,7 @@ func TestLeaderForgetsNodesThatLeftTheFleet(t *testing.T) {
 	f := &forgets{}
 	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Shards: &Shards{Count: shards},
 		Remediation: &Remediation{Policy: remediate.DefaultPolicy(), Executor: &effect.Executor{Notifier: f, Log: zaptest.NewLogger(t)}}},
-		NewView(ViewConfig{Client: fake.NewClientset()}))
+		view.New(view.Config{Client: fake.NewClientset()}))
 	a, b, c, d := nodesIn(0, shards, 1)[0], nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0], nodesIn(3, shards, 1)[0]
 	verdict := func(names ...string) *audit.Verdict {
 		v := &audit.Verdict{}

@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -108,18 +109,18 @@ func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, wan
 	}
 	log := zaptest.NewLogger(t)
 	var agg *Aggregator
-	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 50 * time.Millisecond, Log: log,
-		Canary: &Canary{Namespace: leaseNS, Lease: lease, Timeout: 6 * time.Second},
-		Barrier: &Barrier{Namespace: leaseNS, Identity: lease, Every: time.Second, Timeout: 6 * time.Second,
+	vw := view.New(view.Config{Client: client, Keep: time.Minute, Debounce: 50 * time.Millisecond, Log: log,
+		Canary: &view.Canary{Namespace: leaseNS, Lease: lease, Timeout: 6 * time.Second},
+		Barrier: &view.Barrier{Namespace: leaseNS, Identity: lease, Every: time.Second, Timeout: 6 * time.Second,
 			Active: func() bool { _, ok := agg.Leader(); return ok }}})
 	heard := &notices{}
 	p := audit.DefaultPolicy()
-	agg = New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, view)
+	agg = New(Config{Policy: p, Self: "127.0.0.1:1", Log: log, Notifier: heard}, vw)
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
 	wg.Add(3)
-	go func() { defer wg.Done(); view.Run(ctx) }()
+	go func() { defer wg.Done(); vw.Run(ctx) }()
 	go func() {
 		defer wg.Done()
 		RunElection(ctx, client, Election{Namespace: leaseNS, Name: lease, Identity: lease,
@@ -131,31 +132,31 @@ func stuckWatch(t *testing.T, c *localcluster.Cluster, leaseNS, lease, only, wan
 		t.Helper()
 		took, err := testkit.Poll(d, cond)
 		if err != nil {
-			since, why := view.Stale()
+			since, why := vw.Stale()
 			t.Fatalf("%s", testkit.Waiting(d, what, fmt.Sprintf("stale since %v: %s; notices %v", since, why, heard.kinds())))
 		}
 		return took
 	}
 	leading := func() bool { _, ok := agg.Leader(); return ok && agg.Verdict() != nil && !agg.Verdict().At.IsZero() }
 	until(30*time.Second, "leading with a fresh view", leading)
-	if since, why := view.Stale(); !since.IsZero() {
+	if since, why := vw.Stale(); !since.IsZero() {
 		t.Fatalf("stale from the start: %s", why)
 	}
 	// The barrier's stamps come back: reports are judged within seconds.
-	until(10*time.Second, "the barrier to cover the last seconds", func() bool { return time.Since(view.Covered()) < 3*time.Second })
+	until(10*time.Second, "the barrier to cover the last seconds", func() bool { return time.Since(vw.Covered()) < 3*time.Second })
 	for _, get := range []func() (metav1.Object, error){
 		func() (metav1.Object, error) {
-			return c.Client.CoreV1().Services(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{})
+			return c.Client.CoreV1().Services(leaseNS).Get(ctx, view.BarrierName, metav1.GetOptions{})
 		},
 		func() (metav1.Object, error) {
-			return c.Client.DiscoveryV1().EndpointSlices(leaseNS).Get(ctx, BarrierName, metav1.GetOptions{})
+			return c.Client.DiscoveryV1().EndpointSlices(leaseNS).Get(ctx, view.BarrierName, metav1.GetOptions{})
 		},
 	} {
 		o, err := get()
 		if err != nil {
 			t.Fatalf("the barrier object: %v", err)
 		}
-		t.Logf("barrier %s stamped %s", o.GetName(), o.GetLabels()[barrierAt])
+		t.Logf("barrier %s stamped %s", o.GetName(), o.GetLabels()["proxyaudit.io/barrier-at"])
 	}
 
 	st.stalled.Store(true)

@@ -10,7 +10,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -39,7 +39,7 @@ func BenchmarkInformerCache(b *testing.B) {
 				before := heap()
 				var opts []informers.SharedInformerOption
 				if trim {
-					opts = append(opts, informers.WithTransform(aggregator.Trim))
+					opts = append(opts, informers.WithTransform(view.Trim))
 				}
 				f := informers.NewSharedInformerFactoryWithOptions(client, 0, opts...)
 				synced := []cache.InformerSynced{

@@ -21,7 +21,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -79,7 +79,7 @@ func (t *Truth) Run(ctx context.Context, minSync time.Duration) {
 	svcs := f.Core().V1().Services()
 	sliceInf := f.Discovery().V1().EndpointSlices().Informer()
 	sliceInf.AddIndexers(cache.Indexers{byService: func(obj any) ([]string, error) {
-		if k := aggregator.ServiceOf(obj); k != "" {
+		if k := view.ServiceOf(obj); k != "" {
 			return []string{k}, nil
 		}
 		return nil, nil
@@ -162,7 +162,7 @@ func (t *Truth) mark(obj any) {
 	if t.dirty.IsZero() {
 		t.dirty = time.Now()
 	}
-	if k := aggregator.ServiceOf(obj); k != "" {
+	if k := view.ServiceOf(obj); k != "" {
 		t.changed[k] = true
 	}
 	t.mu.Unlock()

@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
 	authnv1 "k8s.io/api/authentication/v1"
@@ -525,8 +525,8 @@ func TestE2ELiveSystem(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if k := strings.Count(string(b), aggregator.BarrierName); k > 0 {
-				t.Errorf("%s: kube-proxy's log names %s %d times", n.Name, aggregator.BarrierName, k)
+			if k := strings.Count(string(b), view.BarrierName); k > 0 {
+				t.Errorf("%s: kube-proxy's log names %s %d times", n.Name, view.BarrierName, k)
 			}
 		}
 	})

@@ -1,7 +1,7 @@
 // What the view keeps of the API's objects (Trim) and how it files them
 // by service (ServiceOf).
 
-package aggregator
+package view
 
 import (
 	corev1 "k8s.io/api/core/v1"

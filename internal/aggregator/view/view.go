@@ -1,4 +1,9 @@
-package aggregator
+// Package view is the cluster as the aggregator sees it: one informer per
+// kind reduced to the audit's State and a History of recent versions,
+// whether its watches still deliver (failures, the Lease canary) and how
+// far it trails the API (the barrier). It knows nothing of streams,
+// judging or leadership: the aggregator reads it.
+package view
 
 import (
 	"context"
@@ -74,7 +79,7 @@ type View struct {
 	history  *audit.History
 	gen      uint64 // bumps on every rebuild
 	rebuilt  time.Time
-	// OnRebuild observes each rebuild's duration (metrics).
+	// onRebuild observes each rebuild's duration (ObserveRebuilds).
 	onRebuild func(time.Duration)
 
 	debounce time.Duration
@@ -84,8 +89,8 @@ type View struct {
 	fresh *freshness
 }
 
-// ViewConfig is what a View needs.
-type ViewConfig struct {
+// Config is what a View needs.
+type Config struct {
 	Client kubernetes.Interface
 	// Keep is how long superseded versions stay matchable: more than the
 	// grace period, or a lagging node would look divergent.
@@ -102,8 +107,8 @@ type ViewConfig struct {
 	Barrier *Barrier
 }
 
-// NewView prepares the informers; Run starts them.
-func NewView(cfg ViewConfig) *View {
+// New prepares the informers; Run starts them.
+func New(cfg Config) *View {
 	if cfg.Log == nil {
 		cfg.Log = zap.NewNop()
 	}
@@ -423,6 +428,10 @@ func (v *View) reduceFrom(key string) (audit.Service, bool) {
 	return audit.Service{}, false
 }
 
+// ObserveRebuilds has f hear each rebuild's duration (the aggregator's
+// metrics); call it before Run.
+func (v *View) ObserveRebuilds(f func(time.Duration)) { v.onRebuild = f }
+
 // Covered is the time up to which the published State holds every change
 // the informers delivered: now when nothing is pending, else when the
 // caches were read for it. A node's report from after it may show changes
@@ -454,17 +463,6 @@ func (v *View) ExpectedNodes() []string {
 	return v.expected
 }
 
-// servicesProgrammed counts the services kube-proxy programs (not skipped).
-func servicesProgrammed(st *audit.State) int {
-	n := 0
-	for i := range st.Services {
-		if st.Services[i].Skip == "" {
-			n++
-		}
-	}
-	return n
-}
-
 const byAddress = "address"
 
 // IsNodeAddress says whether ip is an address of a Node of the cluster
@@ -479,4 +477,24 @@ func (v *View) IsNodeAddress(ip string) bool {
 	}
 	objs, _ := v.nodeIdx.ByIndex(byAddress, a.Unmap().String())
 	return len(objs) > 0
+}
+
+// Node returns the cluster's Node object from the informer (nil if absent).
+func (v *View) Node(name string) *corev1.Node {
+	n, err := v.nodes.Get(name)
+	if err != nil {
+		return nil
+	}
+	return n
+}
+
+// EndpointSlices returns the informer's EndpointSlices of the Service
+// namespace/name (the replicas' own, for their addresses).
+func (v *View) EndpointSlices(service string) []*discoveryv1.EndpointSlice {
+	objs, _ := v.sliceIdx.ByIndex(byService, service)
+	out := make([]*discoveryv1.EndpointSlice, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o.(*discoveryv1.EndpointSlice))
+	}
+	return out
 }

@@ -1,4 +1,4 @@
-package aggregator
+package view
 
 import (
 	"context"
@@ -24,12 +24,18 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/synth"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
+// t0 is where the tests' clocks start.
+var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
+
+var spec = synth.Spec{Services: 8, EndpointsPerService: 3}
+
 // An API server that goes away (the open watch ends, lists and watches are
-// refused) makes the view stale after staleAfter, naming the kind and the
-// error; once it is back and the informer relists, the view is fresh.
+// refused) makes the v stale after staleAfter, naming the kind and the
+// error; once it is back and the informer relists, the v is fresh.
 func TestFailingWatchMakesTheViewStale(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}},
 		&corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "kubernetes"}})
@@ -53,70 +59,44 @@ func TestFailingWatchMakesTheViewStale(t *testing.T) {
 		return false, nil, nil
 	})
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
+	v := New(Config{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx); close(done) }()
+	go func() { v.Run(ctx); close(done) }()
 
 	// The informers list and retry in real time; staleness is judged on
-	// the view's clock.
+	// the v's clock.
 	wait := func(what string, cond func() bool) {
 		t.Helper()
-		testkit.Await(t, 30*time.Second, what, cond, func() string { _, why := view.Stale(); return fmt.Sprintf("stale: %q", why) })
+		testkit.Await(t, 30*time.Second, what, cond, func() string { _, why := v.Stale(); return fmt.Sprintf("stale: %q", why) })
 	}
-	wait("informers synced", func() bool { return view.Synced() == nil })
-	if s, why := view.Stale(); !s.IsZero() {
+	wait("informers synced", func() bool { return v.Synced() == nil })
+	if s, why := v.Stale(); !s.IsZero() {
 		t.Fatalf("stale at start: %s", why)
 	}
 	failing.Store(true)
 	(<-watches).Stop()
 	wait("the failure recorded", func() bool {
-		view.fresh.mu.Lock()
-		defer view.fresh.mu.Unlock()
-		_, ok := view.fresh.failing["Services"]
+		v.fresh.mu.Lock()
+		defer v.fresh.mu.Unlock()
+		_, ok := v.fresh.failing["Services"]
 		return ok
 	})
 	clk.Step(staleAfter - time.Second)
-	if s, why := view.Stale(); !s.IsZero() {
+	if s, why := v.Stale(); !s.IsZero() {
 		t.Fatalf("stale %s after the failure, before staleAfter: %s", staleAfter-time.Second, why)
 	}
 	clk.Step(2 * time.Second)
-	s, why := view.Stale()
+	s, why := v.Stale()
 	if s.IsZero() || !strings.Contains(why, "Services watch") || !strings.Contains(why, "connection refused") {
 		t.Fatalf("%s after the failure: stale since %v: %q", staleAfter+time.Second, s, why)
 	}
 	failing.Store(false)
-	wait("a fresh view", func() bool { s, _ := view.Stale(); return s.IsZero() })
+	wait("a fresh v", func() bool { s, _ := v.Stale(); return s.IsZero() })
 }
 
-func TestHoldBackDriftKeepsOnlyCollectorMissing(t *testing.T) {
-	v := audit.Verdict{
-		Findings: []audit.TimedFinding{
-			{Finding: audit.Finding{Node: "a", Kind: audit.StuckProxy}},
-			{Finding: audit.Finding{Node: "a", Kind: audit.StaleEndpoint}},
-			{Finding: audit.Finding{Node: "b", Kind: audit.CollectorMissing}},
-			{Finding: audit.Finding{Node: "c", Kind: audit.NoRules}},
-		},
-		Nodes: []audit.NodeStatus{{Node: "a", State: audit.NodeStuck}, {Node: "b", State: audit.NodeMissing},
-			{Node: "c", State: audit.NodeNoRules}, {Node: "d", State: audit.NodeInSync}},
-	}
-	h := holdBackDrift(v)
-	if len(h.Findings) != 1 || h.Findings[0].Kind != audit.CollectorMissing {
-		t.Errorf("findings held back: %+v", h.Findings)
-	}
-	want := []audit.NodeState{audit.NodeLagging, audit.NodeMissing, audit.NodeLagging, audit.NodeInSync}
-	for i, n := range h.Nodes {
-		if n.State != want[i] {
-			t.Errorf("%s: %s, want %s", n.Node, n.State, want[i])
-		}
-	}
-	if v.Nodes[0].State != audit.NodeStuck {
-		t.Error("holdBackDrift changed its input")
-	}
-}
-
-// The view covers "now" while nothing is pending; a change not yet in the
+// The v covers "now" while nothing is pending; a change not yet in the
 // State holds Covered at the moment the published State's caches were read,
 // so reports from after it wait for the next rebuild instead of being judged
 // against an older cluster than the node may show.
@@ -124,30 +104,30 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
 	const debounce = 600 * time.Millisecond
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: debounce, Log: zaptest.NewLogger(t), Clock: clk})
+	v := New(Config{Client: client, Keep: time.Minute, Debounce: debounce, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx); close(done) }()
-	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
+	go func() { v.Run(ctx); close(done) }()
+	testkit.Eventually(t, 30*time.Second, "the v synced", func() bool { return v.Synced() == nil })
 	// The initial list's events kick one more rebuild: let it pass, until
-	// the view waits for nothing on its clock.
-	testkit.Eventually(t, 30*time.Second, "the view clean", func() bool {
+	// the v waits for nothing on its clock.
+	testkit.Eventually(t, 30*time.Second, "the v clean", func() bool {
 		if clk.HasWaiters() {
 			clk.Step(debounce)
 			return false
 		}
-		view.dirtyMu.Lock()
-		defer view.dirtyMu.Unlock()
-		return view.dirtySince.IsZero() && !view.rebuilding && len(view.kick) == 0
+		v.dirtyMu.Lock()
+		defer v.dirtyMu.Unlock()
+		return v.dirtySince.IsZero() && !v.rebuilding && len(v.kick) == 0
 	})
 	clk.Step(time.Second)
-	if c := view.Covered(); !c.Equal(clk.Now()) {
-		t.Fatalf("a clean view covers %s, not now (%s)", c, clk.Now())
+	if c := v.Covered(); !c.Equal(clk.Now()) {
+		t.Fatalf("a clean v covers %s, not now (%s)", c, clk.Now())
 	}
-	view.dirtyMu.Lock()
-	listed := view.listedAt // when the published State's caches were read
-	view.dirtyMu.Unlock()
+	v.dirtyMu.Lock()
+	listed := v.listedAt // when the published State's caches were read
+	v.dirtyMu.Unlock()
 	before := clk.Now()
 	if _, err := client.CoreV1().Services("default").Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "new"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -155,20 +135,20 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	// Once the informer delivered the change, Covered stops following the
 	// clock: it is the read of the caches before the change.
 	testkit.Eventually(t, 30*time.Second, "the change pending", func() bool {
-		view.dirtyMu.Lock()
-		defer view.dirtyMu.Unlock()
-		return !view.dirtySince.IsZero()
+		v.dirtyMu.Lock()
+		defer v.dirtyMu.Unlock()
+		return !v.dirtySince.IsZero()
 	})
 	clk.Step(debounce / 2)
-	if c := view.Covered(); !c.Equal(listed) || !c.Before(clk.Now()) {
-		t.Fatalf("with a change pending the view claims to cover %s (caches read at %s, change at %s)", c, listed, before)
+	if c := v.Covered(); !c.Equal(listed) || !c.Before(clk.Now()) {
+		t.Fatalf("with a change pending the v claims to cover %s (caches read at %s, change at %s)", c, listed, before)
 	}
 	clk.Step(debounce / 2)
-	// The view's loop sets its debounce timer once it took the kick, which
+	// The v's loop sets its debounce timer once it took the kick, which
 	// under load (-race beside the suites) can come after the steps above:
 	// its timer then waits for a step of its own.
-	testkit.Eventually(t, 30*time.Second, "the view to cover the change", func() bool {
-		if view.Covered().After(before) {
+	testkit.Eventually(t, 30*time.Second, "the v to cover the change", func() bool {
+		if v.Covered().After(before) {
 			return true
 		}
 		if clk.HasWaiters() {
@@ -178,7 +158,7 @@ func TestViewCoveredWaitsForPendingChanges(t *testing.T) {
 	})
 }
 
-// The view reduces only the services that changed; after every kind of
+// The v reduces only the services that changed; after every kind of
 // change its State equals a reduction of everything from scratch.
 func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 	svc := func(name, ip string) *corev1.Service {
@@ -197,11 +177,11 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}},
 		svc("a", "198.19.0.1"), svc("b", "198.19.0.2"), svc("c", "198.19.0.3"),
 		slice("a-1", "a", "198.18.0.1"), slice("b-1", "b", "198.18.0.2"), slice("c-1", "c", "198.18.0.3"), slice("c-2", "c", "198.18.0.4"))
-	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t)})
+	v := New(Config{Client: client, Keep: time.Minute, Debounce: 10 * time.Millisecond, Log: zaptest.NewLogger(t)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx); close(done) }()
+	go func() { v.Run(ctx); close(done) }()
 
 	full := func() *audit.State {
 		sl, _ := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
@@ -214,10 +194,10 @@ func TestViewIncrementalRebuildMatchesFullReduction(t *testing.T) {
 		t.Helper()
 		want := full()
 		var got *audit.State
-		testkit.Await(t, 10*time.Second, step+": the view's state equal to a full reduction", func() bool {
-			view.Read(func(st *audit.State, _ *audit.History, _ uint64) { got = st })
-			return view.Synced() == nil && reflect.DeepEqual(got, want)
-		}, func() string { return fmt.Sprintf("the view's state\n%+v\na full reduction\n%+v", got, want) })
+		testkit.Await(t, 10*time.Second, step+": the v's state equal to a full reduction", func() bool {
+			v.Read(func(st *audit.State, _ *audit.History, _ uint64) { got = st })
+			return v.Synced() == nil && reflect.DeepEqual(got, want)
+		}, func() string { return fmt.Sprintf("the v's state\n%+v\na full reduction\n%+v", got, want) })
 	}
 	converge("start")
 	s := slice("a-1", "a", "198.18.0.1", "198.18.0.9")
@@ -253,12 +233,12 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 	svcs, slices := spec.Objects()
 	client := fake.NewClientset(&svcs[0], &slices[0])
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: client, Keep: time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
+	v := New(Config{Client: client, Keep: time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx); close(done) }()
-	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
+	go func() { v.Run(ctx); close(done) }()
+	testkit.Eventually(t, 30*time.Second, "the v synced", func() bool { return v.Synced() == nil })
 	key := svcs[0].Namespace + "/" + svcs[0].Name
 	sl := slices[0].DeepCopy()
 	var wantBetween []string
@@ -273,17 +253,17 @@ func TestViewKeepsVersionsBetweenRebuilds(t *testing.T) {
 			t.Fatal(err)
 		}
 		testkit.Eventually(t, 30*time.Second, "the change delivered", func() bool {
-			view.dirtyMu.Lock()
-			defer view.dirtyMu.Unlock()
-			return len(view.interim[key]) == i+1
+			v.dirtyMu.Lock()
+			defer v.dirtyMu.Unlock()
+			return len(v.interim[key]) == i+1
 		})
 		clk.Step(100 * time.Millisecond)
 	}
 	since := clk.Now()
 	clk.Step(500 * time.Millisecond)
-	testkit.Eventually(t, 30*time.Second, "the view to cover the changes", func() bool { return view.Covered().After(since) })
+	testkit.Eventually(t, 30*time.Second, "the v to cover the changes", func() bool { return v.Covered().After(since) })
 	var got [][]string
-	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
+	v.Read(func(_ *audit.State, h *audit.History, _ uint64) {
 		for _, v := range h.Versions(key) {
 			if v.Svc == nil {
 				continue // before the service was first seen
@@ -315,19 +295,19 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 	svcs, slices := spec.Objects()
 	client := fake.NewClientset(&svcs[0], &slices[0], &svcs[1], &slices[1])
 	clk := clocktesting.NewFakeClock(t0)
-	view := NewView(ViewConfig{Client: client, Keep: 5 * time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
+	v := New(Config{Client: client, Keep: 5 * time.Minute, Debounce: 500 * time.Millisecond, Log: zaptest.NewLogger(t), Clock: clk})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	defer func() { cancel(); <-done }()
-	go func() { view.Run(ctx); close(done) }()
-	testkit.Eventually(t, 30*time.Second, "the view synced", func() bool { return view.Synced() == nil })
+	go func() { v.Run(ctx); close(done) }()
+	testkit.Eventually(t, 30*time.Second, "the v synced", func() bool { return v.Synced() == nil })
 
 	// The State is held, so no rebuild can publish.
 	held, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	releaseOnce := func() { once.Do(func() { close(release) }) }
-	defer releaseOnce() // before the view is stopped, or a failure hangs
-	go view.Read(func(*audit.State, *audit.History, uint64) { close(held); <-release })
+	defer releaseOnce() // before the v is stopped, or a failure hangs
+	go v.Read(func(*audit.State, *audit.History, uint64) { close(held); <-release })
 	<-held
 	key0, key1 := svcs[0].Namespace+"/"+svcs[0].Name, svcs[1].Namespace+"/"+svcs[1].Name
 	var when []time.Time
@@ -344,9 +324,9 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 		// State: the latest interim version is this change's.)
 		want := len(sl.Endpoints)
 		testkit.Eventually(t, 30*time.Second, fmt.Sprintf("change %d delivered", i), func() bool {
-			view.dirtyMu.Lock()
-			defer view.dirtyMu.Unlock()
-			list := view.interim[key0]
+			v.dirtyMu.Lock()
+			defer v.dirtyMu.Unlock()
+			list := v.interim[key0]
 			if len(list) == 0 || list[len(list)-1].svc == nil {
 				return false
 			}
@@ -361,9 +341,9 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 		if i == 0 {
 			// A rebuild takes this change and waits for the State.
 			testkit.Eventually(t, 30*time.Second, "a rebuild under way", func() bool {
-				view.dirtyMu.Lock()
-				defer view.dirtyMu.Unlock()
-				return view.rebuilding
+				v.dirtyMu.Lock()
+				defer v.dirtyMu.Unlock()
+				return v.rebuilding
 			})
 		}
 	}
@@ -372,9 +352,9 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 		t.Fatal(err)
 	}
 	testkit.Eventually(t, 30*time.Second, "the deletion delivered", func() bool {
-		view.dirtyMu.Lock()
-		defer view.dirtyMu.Unlock()
-		list := view.interim[key1]
+		v.dirtyMu.Lock()
+		defer v.dirtyMu.Unlock()
+		list := v.interim[key1]
 		return len(list) > 0 && list[len(list)-1].svc == nil
 	})
 	deleted := clk.Now()
@@ -382,10 +362,10 @@ func TestHeldBackRebuildDatesEachVersion(t *testing.T) {
 	releaseOnce()
 	testkit.Eventually(t, 30*time.Second, "the held-back changes published", func() bool {
 		clk.Step(100 * time.Millisecond) // the next rebuild's debounce
-		return view.Covered().After(deleted)
+		return v.Covered().After(deleted)
 	})
 
-	view.Read(func(_ *audit.State, h *audit.History, _ uint64) {
+	v.Read(func(_ *audit.State, h *audit.History, _ uint64) {
 		vs := h.Versions(key0)
 		if len(vs) < 3 {
 			t.Fatalf("service 0 kept %d versions, want its first and the three changes", len(vs))

@@ -1,4 +1,4 @@
-package aggregator
+package view
 
 import (
 	"context"
@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 )
 
 // Barrier bounds how far the view's Services and EndpointSlices watches
@@ -233,7 +234,7 @@ func (v *View) barrierStale(now time.Time) (time.Time, []string) {
 	if b.writeErr != nil && now.Sub(b.writeSince) > b.cfg.Timeout {
 		since = b.writeSince
 		why = append(why, fmt.Sprintf("cannot stamp its watch barrier (Service and EndpointSlice %s/%s) since %s: %s; the chart creates them and grants patch; elsewhere create them or grant create and patch, or run with --watch-barrier=false",
-			b.cfg.Namespace, BarrierName, b.writeSince.UTC().Format(time.RFC3339), clip(b.writeErr.Error())))
+			b.cfg.Namespace, BarrierName, b.writeSince.UTC().Format(time.RFC3339), safetext.Clean(b.writeErr.Error(), 80)))
 	}
 	for _, k := range barrierKinds {
 		if u := b.unseen[k]; len(u) > 0 && now.Sub(u[0]) > b.cfg.Timeout {
