@@ -49,6 +49,7 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 	}
 
 	h := start(t, 2*time.Second, InsecureNoAuth{})
+	h.settle = realTime // Prometheus scrapes the aggregator over a real socket
 	var mu sync.Mutex
 	current, stuck := rules(t), rules(t)
 	h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })

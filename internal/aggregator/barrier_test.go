@@ -5,6 +5,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -82,95 +83,97 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 	for _, barrier := range []bool{false, true} {
 		name := map[bool]string{false: "without barrier (control)", true: "with barrier"}[barrier]
 		t.Run(name, func(t *testing.T) {
-			const grace = 2 * time.Second
-			client := fakeCluster()
-			g := &gate{}
-			g.install(client)
-			var b *view.Barrier
-			if barrier {
-				b = &view.Barrier{Namespace: "proxyaudit", Identity: "test", Every: 100 * time.Millisecond, Timeout: 4 * time.Second}
-			}
-			h := startWith(t, grace, InsecureNoAuth{}, client, b)
-			view := h.agg.view
-			var mu sync.Mutex
-			current := rules(t)
-			h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
-			inSync := func() bool {
-				for _, n := range h.verdict().Nodes {
-					if n.Node == "n1" {
-						return n.State == audit.NodeInSync
-					}
+			synctest.Test(t, func(t *testing.T) {
+				const grace = 2 * time.Second
+				client := fakeCluster()
+				g := &gate{}
+				g.install(client)
+				var b *view.Barrier
+				if barrier {
+					b = &view.Barrier{Namespace: "proxyaudit", Identity: "test", Every: 100 * time.Millisecond, Timeout: 4 * time.Second}
 				}
-				return false
-			}
-			h.until(10*time.Second, "n1 in sync", inSync)
-			// n2 and n3 have no collector here: only n1's findings count.
-			n1 := func() string {
-				var out []string
-				for _, f := range h.verdict().Findings {
-					if f.Node == "n1" {
-						out = append(out, string(f.Kind)+" "+f.Service+" "+f.Endpoint)
+				h := startWith(t, grace, InsecureNoAuth{}, client, b)
+				view := h.agg.view
+				var mu sync.Mutex
+				current := rules(t)
+				h.collector(h.ctx, "n1", func() *audit.Observed { mu.Lock(); defer mu.Unlock(); return current })
+				inSync := func() bool {
+					for _, n := range h.verdict().Nodes {
+						if n.Node == "n1" {
+							return n.State == audit.NodeInSync
+						}
 					}
+					return false
 				}
-				return strings.Join(out, ", ")
-			}
+				h.until(10*time.Second, "n1 in sync", inSync)
+				// n2 and n3 have no collector here: only n1's findings count.
+				n1 := func() string {
+					var out []string
+					for _, f := range h.verdict().Findings {
+						if f.Node == "n1" {
+							out = append(out, string(f.Kind)+" "+f.Service+" "+f.Endpoint)
+						}
+					}
+					return strings.Join(out, ", ")
+				}
 
-			g.stalled.Store(true)
-			t.Log("injected: the aggregator's EndpointSlices watch holds still; Services, Nodes and every request flow")
-			sl, err := client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var changed bool
-			for i := range sl.Items {
-				s := &sl.Items[i]
-				if s.Labels["kubernetes.io/service-name"] == synth.ServiceName(0) {
-					s.Endpoints = s.Endpoints[:len(s.Endpoints)-1]
-					if _, err := client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
-						t.Fatal(err)
-					}
-					changed = true
-					break
+				g.stalled.Store(true)
+				t.Log("injected: the aggregator's EndpointSlices watch holds still; Services, Nodes and every request flow")
+				sl, err := client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
+				if err != nil {
+					t.Fatal(err)
 				}
-			}
-			if !changed {
-				t.Fatal("no slice of service 0")
-			}
-			mu.Lock()
-			current = rules(t, 0) // the node follows the API: one endpoint fewer
-			mu.Unlock()
-			t.Log("the node's kube-proxy followed the change; the aggregator has not seen it")
+				var changed bool
+				for i := range sl.Items {
+					s := &sl.Items[i]
+					if s.Labels["kubernetes.io/service-name"] == synth.ServiceName(0) {
+						s.Endpoints = s.Endpoints[:len(s.Endpoints)-1]
+						if _, err := client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
+							t.Fatal(err)
+						}
+						changed = true
+						break
+					}
+				}
+				if !changed {
+					t.Fatal("no slice of service 0")
+				}
+				mu.Lock()
+				current = rules(t, 0) // the node follows the API: one endpoint fewer
+				mu.Unlock()
+				t.Log("the node's kube-proxy followed the change; the aggregator has not seen it")
 
-			if !barrier {
-				h.until(4*grace+5*time.Second, "the false finding the barrier exists to prevent", func() bool {
-					return n1() != ""
+				if !barrier {
+					h.until(4*grace+5*time.Second, "the false finding the barrier exists to prevent", func() bool {
+						return n1() != ""
+					})
+					t.Logf("without the barrier: %s", n1())
+					return
+				}
+				h.advance(4*grace+5*time.Second, func() {
+					if k := n1(); k != "" {
+						t.Fatalf("a healthy node ahead of the view was reported: %s", k)
+					}
 				})
-				t.Logf("without the barrier: %s", n1())
-				return
-			}
-			h.advance(4*grace+5*time.Second, func() {
+				since, why := h.agg.Stale()
+				if since.IsZero() || !strings.Contains(why, "EndpointSlices watch has not delivered") {
+					t.Fatalf("the stuck EndpointSlices watch did not make the view stale: %q", why)
+				}
+				t.Logf("stale: %s", why)
+				if _, cwhy := view.Stale(); strings.Contains(cwhy, "Services watch") {
+					t.Errorf("the Services watch flows but is called stuck: %s", cwhy)
+				}
+
+				g.stalled.Store(false)
+				t.Log("healed: the EndpointSlices watch delivers again")
+				h.until(15*time.Second, "fresh and n1 in sync", func() bool {
+					s, _ := h.agg.Stale()
+					return s.IsZero() && inSync()
+				})
 				if k := n1(); k != "" {
-					t.Fatalf("a healthy node ahead of the view was reported: %s", k)
+					t.Errorf("findings after healing: %s", k)
 				}
 			})
-			since, why := h.agg.Stale()
-			if since.IsZero() || !strings.Contains(why, "EndpointSlices watch has not delivered") {
-				t.Fatalf("the stuck EndpointSlices watch did not make the view stale: %q", why)
-			}
-			t.Logf("stale: %s", why)
-			if _, cwhy := view.Stale(); strings.Contains(cwhy, "Services watch") {
-				t.Errorf("the Services watch flows but is called stuck: %s", cwhy)
-			}
-
-			g.stalled.Store(false)
-			t.Log("healed: the EndpointSlices watch delivers again")
-			h.until(15*time.Second, "fresh and n1 in sync", func() bool {
-				s, _ := h.agg.Stale()
-				return s.IsZero() && inSync()
-			})
-			if k := n1(); k != "" {
-				t.Errorf("findings after healing: %s", k)
-			}
 		})
 	}
 }

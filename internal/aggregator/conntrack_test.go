@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/zap/zaptest"
@@ -16,6 +17,7 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
+	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
@@ -51,76 +53,78 @@ func (f *fakeConntrack) set(flows []audit.ConntrackFlows, err error) {
 // to live endpoints are nothing; once the flows are gone, so is the
 // finding; a table that cannot be read is a warning on the node.
 func TestStaleConntrackThroughTheStream(t *testing.T) {
-	h := start(t, 2*time.Second, InsecureNoAuth{})
-	o := rules(t)
-	var fe audit.ObservedFrontend
-	for _, f := range o.Frontends {
-		if !f.NodePort && len(f.Endpoints) > 0 {
-			fe = f
-			break
-		}
-	}
-	live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
-	dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
-	ct := &fakeConntrack{}
-	ct.set([]audit.ConntrackFlows{live, dead}, nil)
-	for _, name := range []string{"n1", "n2", "n3"} {
-		cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Log: zaptest.NewLogger(t).Named(name),
-			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
-		if name == "n3" {
-			cfg.Conntrack, cfg.ConntrackInterval = ct, time.Second
-		}
-		h.wg.Add(1)
-		go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
-	}
-	stale := func() []audit.TimedFinding {
-		var out []audit.TimedFinding
-		for _, f := range h.verdict().Findings {
-			if f.Kind == audit.StaleConntrack {
-				out = append(out, f)
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, InsecureNoAuth{})
+		o := rules(t)
+		var fe audit.ObservedFrontend
+		for _, f := range o.Frontends {
+			if !f.NodePort && len(f.Endpoints) > 0 {
+				fe = f
+				break
 			}
 		}
-		return out
-	}
-	h.until(time.Minute, "a StaleConntrack finding on n3", func() bool { return len(stale()) == 1 })
-	f := stale()[0]
-	if f.Node != "n3" || f.Endpoint != dead.Dest.String() || f.Flows != 3 || f.Found.IsZero() || f.Protocol != fe.Protocol {
-		t.Errorf("finding: %+v", f)
-	}
-	for _, n := range h.verdict().Nodes {
-		if n.State != audit.NodeInSync {
-			t.Errorf("%s is %s: stale flows must not change a node's state", n.Node, n.State)
-		}
-		if n.Node == "n3" && n.StaleFlows != 3 {
-			t.Errorf("n3 counts %d stale flows", n.StaleFlows)
-		}
-	}
-	// explain shows them under the port whose endpoint they point to.
-	ex, ok := h.agg.Explain("n3", "")
-	shownUnder := ""
-	for _, p := range ex.Ports {
-		for _, s := range p.StaleFlows {
-			if s.Endpoint == dead.Dest.String() && s.Flows == 3 {
-				shownUnder = p.Service
+		live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
+		dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
+		ct := &fakeConntrack{}
+		ct.set([]audit.ConntrackFlows{live, dead}, nil)
+		for _, name := range []string{"n1", "n2", "n3"} {
+			cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
+				Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
+			if name == "n3" {
+				cfg.Conntrack, cfg.ConntrackInterval = ct, time.Second
 			}
+			h.wg.Add(1)
+			go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
 		}
-	}
-	if !ok || shownUnder != f.Service {
-		t.Errorf("explain node n3 shows the stale flows under %q, want %q", shownUnder, f.Service)
-	}
-	// The flows end (their client stopped, or someone deleted them).
-	ct.set([]audit.ConntrackFlows{live}, nil)
-	h.until(time.Minute, "the finding gone with the flows", func() bool { return len(stale()) == 0 })
-	ct.set(nil, errTable)
-	h.until(time.Minute, "a warning that n3's table cannot be read", func() bool {
+		stale := func() []audit.TimedFinding {
+			var out []audit.TimedFinding
+			for _, f := range h.verdict().Findings {
+				if f.Kind == audit.StaleConntrack {
+					out = append(out, f)
+				}
+			}
+			return out
+		}
+		h.until(time.Minute, "a StaleConntrack finding on n3", func() bool { return len(stale()) == 1 })
+		f := stale()[0]
+		if f.Node != "n3" || f.Endpoint != dead.Dest.String() || f.Flows != 3 || f.Found.IsZero() || f.Protocol != fe.Protocol {
+			t.Errorf("finding: %+v", f)
+		}
 		for _, n := range h.verdict().Nodes {
-			for _, w := range n.Warnings {
-				if n.Node == "n3" && w == "conntrack could not be read, stale flows are not audited: "+errTable.Error() {
-					return true
+			if n.State != audit.NodeInSync {
+				t.Errorf("%s is %s: stale flows must not change a node's state", n.Node, n.State)
+			}
+			if n.Node == "n3" && n.StaleFlows != 3 {
+				t.Errorf("n3 counts %d stale flows", n.StaleFlows)
+			}
+		}
+		// explain shows them under the port whose endpoint they point to.
+		ex, ok := h.agg.Explain("n3", "")
+		shownUnder := ""
+		for _, p := range ex.Ports {
+			for _, s := range p.StaleFlows {
+				if s.Endpoint == dead.Dest.String() && s.Flows == 3 {
+					shownUnder = p.Service
 				}
 			}
 		}
-		return false
+		if !ok || shownUnder != f.Service {
+			t.Errorf("explain node n3 shows the stale flows under %q, want %q", shownUnder, f.Service)
+		}
+		// The flows end (their client stopped, or someone deleted them).
+		ct.set([]audit.ConntrackFlows{live}, nil)
+		h.until(time.Minute, "the finding gone with the flows", func() bool { return len(stale()) == 0 })
+		ct.set(nil, errTable)
+		h.until(time.Minute, "a warning that n3's table cannot be read", func() bool {
+			for _, n := range h.verdict().Nodes {
+				for _, w := range n.Warnings {
+					if n.Node == "n3" && w == "conntrack could not be read, stale flows are not audited: "+errTable.Error() {
+						return true
+					}
+				}
+			}
+			return false
+		})
 	})
 }
 
@@ -180,95 +184,97 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 		delete bool
 	}{{"dry-run", remediate.DryRun, true}, {"restart", remediate.Restart, true}, {"deletion off on the node", remediate.Restart, false}} {
 		t.Run(tc.name, func(t *testing.T) {
-			client := fakeCluster()
-			h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
-			o := rules(t)
-			var fe audit.ObservedFrontend
-			for _, f := range o.Frontends {
-				if !f.NodePort && f.IP == synth.VIP(0) {
-					fe = f
+			synctest.Test(t, func(t *testing.T) {
+				client := fakeCluster()
+				h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+				o := rules(t)
+				var fe audit.ObservedFrontend
+				for _, f := range o.Frontends {
+					if !f.NodePort && f.IP == synth.VIP(0) {
+						fe = f
+					}
 				}
-			}
-			live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
-			dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
-			ct := &fakeConntrack{}
-			ct.set([]audit.ConntrackFlows{live, dead}, nil)
-			rec := &kinds{}
-			p := remediate.DefaultPolicy()
-			p.Mode, p.MaxUnhealthy, p.Conntrack.Enabled = tc.mode, remediate.MustBudget("100%"), true
-			// The synthetic services are TCP: opted in (their connection
-			// attempts to a gone pod, SYN_SENT, are what is judged).
-			p.Conntrack.TCPServices = map[string]bool{synth.Namespace + "/" + synth.ServiceName(0): true}
-			ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
-				Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
-			h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
-			for _, name := range []string{"n1", "n2", "n3"} {
-				cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Log: zaptest.NewLogger(t).Named(name),
-					Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
-				if name == "n3" {
-					cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = ct, time.Second, tc.delete
+				live := ConntrackFlowsOf(fe.FrontendKey, fe.Endpoints[0].Addr, 7)
+				dead := ConntrackFlowsOf(fe.FrontendKey, netip.AddrPortFrom(netip.MustParseAddr("198.18.250.250"), fe.Endpoints[0].Addr.Port()), 3)
+				ct := &fakeConntrack{}
+				ct.set([]audit.ConntrackFlows{live, dead}, nil)
+				rec := &kinds{}
+				p := remediate.DefaultPolicy()
+				p.Mode, p.MaxUnhealthy, p.Conntrack.Enabled = tc.mode, remediate.MustBudget("100%"), true
+				// The synthetic services are TCP: opted in (their connection
+				// attempts to a gone pod, SYN_SENT, are what is judged).
+				p.Conntrack.TCPServices = map[string]bool{synth.Namespace + "/" + synth.ServiceName(0): true}
+				ex := &effect.Executor{Client: client, Policy: p, Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t), ProxyNamespace: "kube-system", ProxySelector: "k8s-app=kube-proxy",
+					Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
+				h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
+				for _, name := range []string{"n1", "n2", "n3"} {
+					cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
+						Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
+					if name == "n3" {
+						cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = ct, time.Second, tc.delete
+					}
+					h.wg.Add(1)
+					go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
 				}
-				h.wg.Add(1)
-				go func() { defer h.wg.Done(); collector.Run(h.ctx, cfg) }()
-			}
-			h.until(time.Minute, "a flush decided for n3", func() bool {
-				return rec.count("n3", remediate.FlushConntrack) > 0 || rec.count("n3", remediate.Page) > 0
+				h.until(time.Minute, "a flush decided for n3", func() bool {
+					return rec.count("n3", remediate.FlushConntrack) > 0 || rec.count("n3", remediate.Page) > 0
+				})
+				all, _ := rec.since(0)
+				var flush remediate.Notice
+				for _, x := range all {
+					if x.Node == "n3" && (flush.Kind == "" || x.Kind == remediate.FlushConntrack) {
+						flush = x
+					}
+					if x.Node == "n3" && x.Kind == remediate.Page && tc.delete {
+						t.Errorf("paged after the flush: %s", x.Reason)
+					}
+					if x.Node != "n3" || x.Kind == remediate.RestartProxy {
+						t.Errorf("unexpected action %s on %s: %s", x.Kind, x.Node, x.Reason)
+					}
+				}
+				ct.mu.Lock()
+				asked := append([]conntrack.FlushTarget(nil), ct.asked...)
+				ct.mu.Unlock()
+				switch {
+				case tc.mode == remediate.DryRun:
+					if flush.Kind != remediate.FlushConntrack || !flush.DryRun || len(asked) != 0 || !strings.Contains(flush.Reason, dead.Dest.String()) {
+						t.Fatalf("dry-run: %+v; asked %v", flush, asked)
+					}
+				case !tc.delete:
+					h.until(20*time.Second, "the refusal paged", func() bool {
+						all, _ := rec.since(0)
+						for _, x := range all {
+							if x.Kind == remediate.FlushConntrack && strings.Contains(x.Reason, "FAILED") && strings.Contains(x.Reason, "--conntrack-delete") {
+								return true
+							}
+						}
+						return false
+					})
+				default:
+					if len(asked) != 1 || asked[0].Frontend != fe.FrontendKey || asked[0].Dest != dead.Dest || !asked[0].TCP {
+						t.Fatalf("asked to delete %+v, want only %v → %v", asked, fe.FrontendKey, dead.Dest)
+					}
+					if !strings.Contains(flush.Reason, "deleted 3 entries") || flush.DryRun {
+						t.Fatalf("flush: %+v", flush)
+					}
+					h.until(20*time.Second, "the finding gone with the flows", func() bool {
+						for _, f := range h.verdict().Findings {
+							if f.Kind == audit.StaleConntrack {
+								return false
+							}
+						}
+						return true
+					})
+					if inc := ex.Incident("n3"); len(inc.Flushes) != 1 || inc.Stage != "" {
+						t.Fatalf("recorded %+v", inc)
+					}
+					// Between the flush and the collector's next counts, the
+					// stale pair is still in the verdict: waited out, not paged.
+					if n := rec.count("n3", remediate.Page); n != 0 {
+						t.Errorf("%d page(s) after the flush", n)
+					}
+				}
 			})
-			all, _ := rec.since(0)
-			var flush remediate.Notice
-			for _, x := range all {
-				if x.Node == "n3" && (flush.Kind == "" || x.Kind == remediate.FlushConntrack) {
-					flush = x
-				}
-				if x.Node == "n3" && x.Kind == remediate.Page && tc.delete {
-					t.Errorf("paged after the flush: %s", x.Reason)
-				}
-				if x.Node != "n3" || x.Kind == remediate.RestartProxy {
-					t.Errorf("unexpected action %s on %s: %s", x.Kind, x.Node, x.Reason)
-				}
-			}
-			ct.mu.Lock()
-			asked := append([]conntrack.FlushTarget(nil), ct.asked...)
-			ct.mu.Unlock()
-			switch {
-			case tc.mode == remediate.DryRun:
-				if flush.Kind != remediate.FlushConntrack || !flush.DryRun || len(asked) != 0 || !strings.Contains(flush.Reason, dead.Dest.String()) {
-					t.Fatalf("dry-run: %+v; asked %v", flush, asked)
-				}
-			case !tc.delete:
-				h.until(20*time.Second, "the refusal paged", func() bool {
-					all, _ := rec.since(0)
-					for _, x := range all {
-						if x.Kind == remediate.FlushConntrack && strings.Contains(x.Reason, "FAILED") && strings.Contains(x.Reason, "--conntrack-delete") {
-							return true
-						}
-					}
-					return false
-				})
-			default:
-				if len(asked) != 1 || asked[0].Frontend != fe.FrontendKey || asked[0].Dest != dead.Dest || !asked[0].TCP {
-					t.Fatalf("asked to delete %+v, want only %v → %v", asked, fe.FrontendKey, dead.Dest)
-				}
-				if !strings.Contains(flush.Reason, "deleted 3 entries") || flush.DryRun {
-					t.Fatalf("flush: %+v", flush)
-				}
-				h.until(20*time.Second, "the finding gone with the flows", func() bool {
-					for _, f := range h.verdict().Findings {
-						if f.Kind == audit.StaleConntrack {
-							return false
-						}
-					}
-					return true
-				})
-				if inc := ex.Incident("n3"); len(inc.Flushes) != 1 || inc.Stage != "" {
-					t.Fatalf("recorded %+v", inc)
-				}
-				// Between the flush and the collector's next counts, the
-				// stale pair is still in the verdict: waited out, not paged.
-				if n := rec.count("n3", remediate.Page); n != 0 {
-					t.Errorf("%d page(s) after the flush", n)
-				}
-			}
 		})
 	}
 }
@@ -279,7 +285,8 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 // first, and anything else there ends its stream. Nor may the welcome
 // come before the stream is the node's (a flush right after it would find
 // no stream). The window between registering and welcoming is widened
-// with a hook: a flush is sent in it and given 100 ms to be written.
+// with a hook: a flush is sent in it, and the hook returns once the flush
+// is registered, its send next.
 func TestTheWelcomeComesFirst(t *testing.T) {
 	h := start(t, 2*time.Second, tokens)
 	pair := remediate.StalePair{Service: "kube-system/kube-dns", Port: "dns", Protocol: "UDP",
@@ -292,9 +299,17 @@ func TestTheWelcomeComesFirst(t *testing.T) {
 	}
 	var flushes sync.WaitGroup
 	defer flushes.Wait()
+	registered := func() uint64 { // flush IDs given so far
+		h.agg.flush.mu.Lock()
+		defer h.agg.flush.mu.Unlock()
+		return h.agg.flush.next
+	}
 	hook := func() {
+		before := registered()
 		flushes.Go(func() { flush(2 * time.Second) }) // nobody answers it
-		time.Sleep(100 * time.Millisecond)
+		// Registered, the flush's next step is its send, which waits
+		// for the welcome this stream's registration is writing.
+		testkit.Eventually(t, 5*time.Second, "the flush registered", func() bool { return registered() > before })
 	}
 	h.agg.testHookRegistered.Store(&hook)
 	for i := range 3 {

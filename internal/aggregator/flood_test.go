@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -25,21 +26,23 @@ import (
 // messages of made-up types cannot grow /metrics (2,000 such connections
 // made 2,001 series and a 15 MB /metrics when the type was the label).
 func TestMadeUpTypesMakeNoSeries(t *testing.T) {
-	h := start(t, 2*time.Second, tokens)
-	before := testutil.CollectAndCount(h.agg.cfg.Metrics.StreamMessages)
-	for i := range 50 {
-		c := h.dial("")
-		stream.Write(c, &stream.Message{Type: fmt.Sprintf("made-up-%d", i)})
-		expect(t, c, stream.TypeReject, "must be a hello")
-		c.Close()
-	}
-	// in/unknown and out/reject at most.
-	if after := testutil.CollectAndCount(h.agg.cfg.Metrics.StreamMessages); after > before+2 {
-		t.Errorf("50 made-up message types grew proxyaudit_stream_messages_total from %d to %d series", before, after)
-	}
-	if got := testutil.ToFloat64(h.agg.cfg.Metrics.StreamMessages.WithLabelValues("in", "unknown")); got != 50 {
-		t.Errorf("in/unknown = %v, want 50", got)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, tokens)
+		before := testutil.CollectAndCount(h.agg.cfg.Metrics.StreamMessages)
+		for i := range 50 {
+			c := h.dial("")
+			stream.Write(c, &stream.Message{Type: fmt.Sprintf("made-up-%d", i)})
+			expect(t, c, stream.TypeReject, "must be a hello")
+			c.Close()
+		}
+		// in/unknown and out/reject at most.
+		if after := testutil.CollectAndCount(h.agg.cfg.Metrics.StreamMessages); after > before+2 {
+			t.Errorf("50 made-up message types grew proxyaudit_stream_messages_total from %d to %d series", before, after)
+		}
+		if got := testutil.ToFloat64(h.agg.cfg.Metrics.StreamMessages.WithLabelValues("in", "unknown")); got != 50 {
+			t.Errorf("in/unknown = %v, want 50", got)
+		}
+	})
 }
 
 // TestUnauthenticatedConnectionsAreCapped: connections that say nothing
@@ -47,94 +50,98 @@ func TestMadeUpTypesMakeNoSeries(t *testing.T) {
 // closed unread and counted; a collector is admitted again once the
 // silent ones go.
 func TestUnauthenticatedConnectionsAreCapped(t *testing.T) {
-	h := start(t, 2*time.Second, tokens)
-	limits := func(max, perSource int) {
-		h.agg.unauth.mu.Lock()
-		h.agg.unauth.max, h.agg.unauth.perSource = max, perSource
-		h.agg.unauth.mu.Unlock()
-	}
-	limits(4096, 5)
-	var silent []net.Conn
-	for range 5 {
-		silent = append(silent, h.dial(""))
-	}
-	h.eventually(5*time.Second, "five silent connections admitted", func() bool {
-		h.agg.unauth.mu.Lock()
-		defer h.agg.unauth.mu.Unlock()
-		return h.agg.unauth.n == 5
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, tokens)
+		limits := func(max, perSource int) {
+			h.agg.unauth.mu.Lock()
+			h.agg.unauth.max, h.agg.unauth.perSource = max, perSource
+			h.agg.unauth.mu.Unlock()
+		}
+		limits(4096, 5)
+		var silent []net.Conn
+		for range 5 {
+			silent = append(silent, h.dial(""))
+		}
+		h.eventually(5*time.Second, "five silent connections admitted", func() bool {
+			h.agg.unauth.mu.Lock()
+			defer h.agg.unauth.mu.Unlock()
+			return h.agg.unauth.n == 5
+		})
+		limited := func() float64 {
+			return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonUnauthenticatedLimit)))
+		}
+		// The sixth from the same address is closed before its hello is read.
+		c := h.dial("n1")
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, _, err := stream.Read(c, 1<<20); err == nil || strings.Contains(err.Error(), "timeout") {
+			t.Fatalf("a connection beyond the per-source limit was served: %v", err)
+		}
+		if limited() != 1 {
+			t.Errorf("unauthenticated_limit = %v", limited())
+		}
+		// An authenticated stream does not count against the limit.
+		for _, s := range silent {
+			s.Close()
+		}
+		h.eventually(5*time.Second, "silent connections gone", func() bool {
+			h.agg.unauth.mu.Lock()
+			defer h.agg.unauth.mu.Unlock()
+			return h.agg.unauth.n == 0
+		})
+		ok := h.dial("n1")
+		expect(t, ok, stream.TypeWelcome, "")
+		for range 5 {
+			h.dial("")
+		}
+		h.eventually(5*time.Second, "five more silent connections beside the stream", func() bool {
+			h.agg.unauth.mu.Lock()
+			defer h.agg.unauth.mu.Unlock()
+			return h.agg.unauth.n == 5
+		})
+		// The overall limit holds across sources too.
+		limits(5, 64)
+		c = h.dial("n2")
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, _, err := stream.Read(c, 1<<20); err == nil || strings.Contains(err.Error(), "timeout") {
+			t.Fatalf("a connection beyond the overall limit was served: %v", err)
+		}
+		if limited() != 2 {
+			t.Errorf("unauthenticated_limit = %v", limited())
+		}
 	})
-	limited := func() float64 {
-		return testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonUnauthenticatedLimit)))
-	}
-	// The sixth from the same address is closed before its hello is read.
-	c := h.dial("n1")
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, _, err := stream.Read(c, 1<<20); err == nil || strings.Contains(err.Error(), "timeout") {
-		t.Fatalf("a connection beyond the per-source limit was served: %v", err)
-	}
-	if limited() != 1 {
-		t.Errorf("unauthenticated_limit = %v", limited())
-	}
-	// An authenticated stream does not count against the limit.
-	for _, s := range silent {
-		s.Close()
-	}
-	h.eventually(5*time.Second, "silent connections gone", func() bool {
-		h.agg.unauth.mu.Lock()
-		defer h.agg.unauth.mu.Unlock()
-		return h.agg.unauth.n == 0
-	})
-	ok := h.dial("n1")
-	expect(t, ok, stream.TypeWelcome, "")
-	for range 5 {
-		h.dial("")
-	}
-	h.eventually(5*time.Second, "five more silent connections beside the stream", func() bool {
-		h.agg.unauth.mu.Lock()
-		defer h.agg.unauth.mu.Unlock()
-		return h.agg.unauth.n == 5
-	})
-	// The overall limit holds across sources too.
-	limits(5, 64)
-	c = h.dial("n2")
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, _, err := stream.Read(c, 1<<20); err == nil || strings.Contains(err.Error(), "timeout") {
-		t.Fatalf("a connection beyond the overall limit was served: %v", err)
-	}
-	if limited() != 2 {
-		t.Errorf("unauthenticated_limit = %v", limited())
-	}
 }
 
 // TestNodeFactsAreValidated: a report's mode and families are checked at
 // the stream boundary, and a read error is cleaned before anyone sees it.
 func TestNodeFactsAreValidated(t *testing.T) {
-	h := start(t, 2*time.Second, tokens)
-	c := h.dial("n1")
-	expect(t, c, stream.TypeWelcome, "")
-	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Mode: "iptables", ReadError: "\x1b[2J" + strings.Repeat("x", 4000)}})
-	stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 2, Full: true, Families: make([]int, 100000)}})
-	expect(t, c, stream.TypeReject, "IP families")
-	h.until(5*time.Second, "n1's read error in the verdict", func() bool {
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, tokens)
+		c := h.dial("n1")
+		expect(t, c, stream.TypeWelcome, "")
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Mode: "iptables", ReadError: "\x1b[2J" + strings.Repeat("x", 4000)}})
+		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 2, Full: true, Families: make([]int, 100000)}})
+		expect(t, c, stream.TypeReject, "IP families")
+		h.until(5*time.Second, "n1's read error in the verdict", func() bool {
+			for _, n := range h.verdict().Nodes {
+				if n.Node == "n1" && n.ReadError != "" {
+					return true
+				}
+			}
+			return false
+		})
+		seen := false
 		for _, n := range h.verdict().Nodes {
-			if n.Node == "n1" && n.ReadError != "" {
-				return true
+			if n.Node == "n1" {
+				seen = true
+				if n.ReadError == "" || strings.Contains(n.ReadError, "\x1b") || len(n.ReadError) > maxReadError+4 {
+					t.Errorf("read error kept raw or lost: %d bytes, %q", len(n.ReadError), n.ReadError[:min(20, len(n.ReadError))])
+				}
 			}
 		}
-		return false
+		if !seen {
+			t.Error("n1's read error not recorded")
+		}
 	})
-	seen := false
-	for _, n := range h.verdict().Nodes {
-		if n.Node == "n1" {
-			seen = true
-			if n.ReadError == "" || strings.Contains(n.ReadError, "\x1b") || len(n.ReadError) > maxReadError+4 {
-				t.Errorf("read error kept raw or lost: %d bytes, %q", len(n.ReadError), n.ReadError[:min(20, len(n.ReadError))])
-			}
-		}
-	}
-	if !seen {
-		t.Error("n1's read error not recorded")
-	}
 }
 
 // TestStreamChurnLeaksNothing: streams that come and go every way a
@@ -143,73 +150,75 @@ func TestNodeFactsAreValidated(t *testing.T) {
 // frame — leave no goroutine behind once gone, and grow /metrics by a
 // bounded number of series however many distinct names they made up.
 func TestStreamChurnLeaksNothing(t *testing.T) {
-	h := start(t, 2*time.Second, tokens)
-	series := func() int {
-		mfs, err := h.agg.cfg.Metrics.Registry.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 0
-		for _, mf := range mfs {
-			n += len(mf.GetMetric())
-		}
-		return n
-	}
-	churn := func(from, to int) {
-		for i := from; i < to; i++ {
-			var c net.Conn
-			switch i % 6 {
-			case 0: // a collector that reports, then goes
-				c = h.dial(fmt.Sprintf("n%d", 1+i%3))
-				expect(t, c, stream.TypeWelcome, "")
-				stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true, Mode: "iptables", Families: []int{4}}})
-			case 1: // a node the cluster does not have, with a good token
-				c = h.dial(fmt.Sprintf("ghost-%d", i))
-				expect(t, c, stream.TypeWelcome, "")
-			case 2: // someone else's token
-				c = h.dial("")
-				stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: fmt.Sprintf("n%d", 1+i%3), Token: "t-other"}})
-				expect(t, c, stream.TypeReject, "")
-			case 3: // junk
-				c = h.dial("")
-				c.Write([]byte(strings.Repeat("\xff", 64)))
-			case 4: // silence
-				c = h.dial("")
-			case 5: // half a frame header
-				c = h.dial("")
-				c.Write([]byte{0, 0})
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, tokens)
+		series := func() int {
+			mfs, err := h.agg.cfg.Metrics.Registry.Gather()
+			if err != nil {
+				t.Fatal(err)
 			}
-			c.Close()
+			n := 0
+			for _, mf := range mfs {
+				n += len(mf.GetMetric())
+			}
+			return n
 		}
-	}
-	// One round first: whatever starts once (and stays) has started.
-	churn(0, 6)
-	settle := func() {
-		h.until(20*time.Second, "every churned stream gone and its node forgotten", func() bool {
-			h.agg.mu.Lock()
-			defer h.agg.mu.Unlock()
-			h.agg.unauth.mu.Lock()
-			defer h.agg.unauth.mu.Unlock()
-			for name, n := range h.agg.nodes {
-				if n.conn != nil || strings.HasPrefix(name, "ghost-") {
-					return false
+		churn := func(from, to int) {
+			for i := from; i < to; i++ {
+				var c net.Conn
+				switch i % 6 {
+				case 0: // a collector that reports, then goes
+					c = h.dial(fmt.Sprintf("n%d", 1+i%3))
+					expect(t, c, stream.TypeWelcome, "")
+					stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: &stream.Report{Seq: 1, Full: true, Mode: "iptables", Families: []int{4}}})
+				case 1: // a node the cluster does not have, with a good token
+					c = h.dial(fmt.Sprintf("ghost-%d", i))
+					expect(t, c, stream.TypeWelcome, "")
+				case 2: // someone else's token
+					c = h.dial("")
+					stream.Write(c, &stream.Message{Type: stream.TypeHello, Hello: &stream.Hello{Node: fmt.Sprintf("n%d", 1+i%3), Token: "t-other"}})
+					expect(t, c, stream.TypeReject, "")
+				case 3: // junk
+					c = h.dial("")
+					c.Write([]byte(strings.Repeat("\xff", 64)))
+				case 4: // silence
+					c = h.dial("")
+				case 5: // half a frame header
+					c = h.dial("")
+					c.Write([]byte{0, 0})
 				}
+				c.Close()
 			}
-			return h.agg.unauth.n == 0
-		})
-	}
-	settle()
-	before, baseline := series(), goleak.IgnoreCurrent()
-	churn(6, 606)
-	settle()
-	if err := goleak.Find(baseline); err != nil {
-		t.Errorf("600 churned streams left goroutines behind: %v", err)
-	}
-	if after := series(); after > before+10 {
-		t.Errorf("600 churned streams (100 made-up node names) grew /metrics from %d to %d series", before, after)
-	} else {
-		t.Logf("/metrics: %d series before 600 churned streams, %d after", before, after)
-	}
+		}
+		// One round first: whatever starts once (and stays) has started.
+		churn(0, 6)
+		settle := func() {
+			h.until(20*time.Second, "every churned stream gone and its node forgotten", func() bool {
+				h.agg.mu.Lock()
+				defer h.agg.mu.Unlock()
+				h.agg.unauth.mu.Lock()
+				defer h.agg.unauth.mu.Unlock()
+				for name, n := range h.agg.nodes {
+					if n.conn != nil || strings.HasPrefix(name, "ghost-") {
+						return false
+					}
+				}
+				return h.agg.unauth.n == 0
+			})
+		}
+		settle()
+		before, baseline := series(), goleak.IgnoreCurrent()
+		churn(6, 606)
+		settle()
+		if err := goleak.Find(baseline); err != nil {
+			t.Errorf("600 churned streams left goroutines behind: %v", err)
+		}
+		if after := series(); after > before+10 {
+			t.Errorf("600 churned streams (100 made-up node names) grew /metrics from %d to %d series", before, after)
+		} else {
+			t.Logf("/metrics: %d series before 600 churned streams, %d after", before, after)
+		}
+	})
 }
 
 // TestBehindLeaderLeavesBytesInSockets: while the decode budget is spent

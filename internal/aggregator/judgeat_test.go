@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -47,93 +48,95 @@ func TestJudgeAt(t *testing.T) {
 // again after the change and the node stayed "Lagging" for good (the
 // fleet simulation's 15-45 s outliers).
 func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
-	const grace, debounce = 2 * time.Second, 2 * time.Second
-	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: debounce})
-	c := h.dial("n1")
-	expect(t, c, stream.TypeWelcome, "")
-	st := stream.NewState()
-	seq := uint64(1)
-	if err := stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), seq, true, false)}); err != nil {
-		t.Fatal(err)
-	}
-	n1 := func() audit.NodeStatus {
-		for _, n := range h.verdict().Nodes {
-			if n.Node == "n1" {
-				return n
-			}
-		}
-		return audit.NodeStatus{}
-	}
-	h.until(10*time.Second, "n1 in sync", func() bool { return n1().State == audit.NodeInSync })
-
-	// The change n1's kube-proxy misses, then churn on another service
-	// that keeps the view dirty (its covered time is its last rebuild).
-	// setSlice gives svc's slice its first k endpoints of those it had.
-	orig := map[string][]discoveryv1.Endpoint{}
-	setSlice := func(svc string, k int) {
-		sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
-		if err != nil {
+	synctest.Test(t, func(t *testing.T) {
+		const grace, debounce = 2 * time.Second, 2 * time.Second
+		h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: debounce})
+		c := h.dial("n1")
+		expect(t, c, stream.TypeWelcome, "")
+		st := stream.NewState()
+		seq := uint64(1)
+		if err := stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, stream.FromModel(rules(t)), seq, true, false)}); err != nil {
 			t.Fatal(err)
 		}
-		for i := range sl.Items {
-			s := &sl.Items[i]
-			if s.Labels[discoveryv1.LabelServiceName] != svc {
-				continue
+		n1 := func() audit.NodeStatus {
+			for _, n := range h.verdict().Nodes {
+				if n.Node == "n1" {
+					return n
+				}
 			}
-			if orig[svc] == nil {
-				orig[svc] = s.Endpoints
-			}
-			s.Endpoints = orig[svc][:k]
-			if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
+			return audit.NodeStatus{}
+		}
+		h.until(10*time.Second, "n1 in sync", func() bool { return n1().State == audit.NodeInSync })
+
+		// The change n1's kube-proxy misses, then churn on another service
+		// that keeps the view dirty (its covered time is its last rebuild).
+		// setSlice gives svc's slice its first k endpoints of those it had.
+		orig := map[string][]discoveryv1.Endpoint{}
+		setSlice := func(svc string, k int) {
+			sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
+			if err != nil {
 				t.Fatal(err)
 			}
-			return
+			for i := range sl.Items {
+				s := &sl.Items[i]
+				if s.Labels[discoveryv1.LabelServiceName] != svc {
+					continue
+				}
+				if orig[svc] == nil {
+					orig[svc] = s.Endpoints
+				}
+				s.Endpoints = orig[svc][:k]
+				if _, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).Update(h.ctx, s, metav1.UpdateOptions{}); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			t.Fatalf("no slice of %s", svc)
 		}
-		t.Fatalf("no slice of %s", svc)
-	}
-	setSlice(synth.ServiceName(0), spec.EndpointsPerService-1)
-	changed := h.clk.Now()
-	var rebuilt time.Time
-	i := 0
-	for h.clk.Since(changed) < grace+3*debounce {
-		if i++; i%10 == 0 {
-			setSlice(synth.ServiceName(1), spec.EndpointsPerService-i/10%2)
+		setSlice(synth.ServiceName(0), spec.EndpointsPerService-1)
+		changed := h.clk.Now()
+		var rebuilt time.Time
+		i := 0
+		for h.clk.Since(changed) < grace+3*debounce {
+			if i++; i%10 == 0 {
+				setSlice(synth.ServiceName(1), spec.EndpointsPerService-i/10%2)
+			}
+			if i%5 != 0 {
+				h.clk.Step(step)
+				synctest.Wait()
+				continue
+			}
+			h.clk.Step(step - time.Millisecond)
+			synctest.Wait()
+			// Just after any rebuild this step made, n1 reports its unchanged
+			// rules (4 a second, as many as a stream may send), and only then
+			// is it judged: the report is always newer than the covered time.
+			h.clk.Step(time.Millisecond)
+			seq++
+			same := *st
+			if err := stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, &same, seq, false, false)}); err != nil {
+				t.Fatal(err)
+			}
+			h.eventually(5*time.Second, "the report applied", func() bool {
+				h.agg.mu.Lock()
+				defer h.agg.mu.Unlock()
+				n := h.agg.nodes["n1"]
+				return n != nil && n.lastSeq == seq
+			})
+			if cov := h.agg.view.Covered(); cov.After(rebuilt) {
+				rebuilt = cov
+			}
+			h.agg.Evaluate()
+			if strings.Contains(kindsOf(h.verdict()), "n1:StuckProxy") {
+				t.Logf("n1 StuckProxy %s after the change (grace %s, view debounce %s; every report newer than the view's covered time)",
+					h.clk.Since(changed).Round(step), grace, debounce)
+				return
+			}
 		}
-		if i%5 != 0 {
-			h.clk.Step(step)
-			time.Sleep(yield)
-			continue
-		}
-		h.clk.Step(step - time.Millisecond)
-		time.Sleep(yield)
-		// Just after any rebuild this step made, n1 reports its unchanged
-		// rules (4 a second, as many as a stream may send), and only then
-		// is it judged: the report is always newer than the covered time.
-		h.clk.Step(time.Millisecond)
-		seq++
-		same := *st
-		if err := stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(st, &same, seq, false, false)}); err != nil {
-			t.Fatal(err)
-		}
-		h.eventually(5*time.Second, "the report applied", func() bool {
-			h.agg.mu.Lock()
-			defer h.agg.mu.Unlock()
-			n := h.agg.nodes["n1"]
-			return n != nil && n.lastSeq == seq
-		})
-		if cov := h.agg.view.Covered(); cov.After(rebuilt) {
-			rebuilt = cov
-		}
-		h.agg.Evaluate()
-		if strings.Contains(kindsOf(h.verdict()), "n1:StuckProxy") {
-			t.Logf("n1 StuckProxy %s after the change (grace %s, view debounce %s; every report newer than the view's covered time)",
-				h.clk.Since(changed).Round(step), grace, debounce)
-			return
-		}
-	}
-	stale, why := h.agg.Stale()
-	t.Fatalf("n1 not found stuck within %s of the change (grace %s + the view's debounce): %+v; the view covered up to %s after the change; stale %v %s",
-		grace+3*debounce, grace, n1(), rebuilt.Sub(changed), stale, why)
+		stale, why := h.agg.Stale()
+		t.Fatalf("n1 not found stuck within %s of the change (grace %s + the view's debounce): %+v; the view covered up to %s after the change; stale %v %s",
+			grace+3*debounce, grace, n1(), rebuilt.Sub(changed), stale, why)
+	})
 }
 
 // A healthy node under churn while the leader's State is held for ten
@@ -146,6 +149,7 @@ func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 func TestHeldBackStateRaisesNoFalseFinding(t *testing.T) {
 	const grace, hold, delay = 4 * time.Second, 40 * time.Second, time.Second
 	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: time.Second})
+	h.settle = realTime // the view's State held: see realTime
 	// The cluster's history: which services have dropped their last
 	// endpoint, from when; the node reads it delay late.
 	type change struct {
@@ -225,7 +229,7 @@ func TestHeldBackStateRaisesNoFalseFinding(t *testing.T) {
 	<-held
 	for end := h.clk.Now().Add(hold); h.clk.Now().Before(end); {
 		h.clk.Step(step)
-		time.Sleep(yield)
+		h.settle()
 		tick()
 	}
 	releaseOnce()
@@ -259,7 +263,9 @@ func inSync(h *harness, node string) bool {
 // the command).
 func TestDriftDatedByTheFirstReportShowingIt(t *testing.T) {
 	for _, name := range []string{"in sync", "after a change"} {
-		t.Run(name, func(t *testing.T) { driftDatedByFirstReport(t, name == "after a change") })
+		t.Run(name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { driftDatedByFirstReport(t, name == "after a change") })
+		})
 	}
 }
 
@@ -304,7 +310,7 @@ func driftDatedByFirstReport(t *testing.T, changeBefore bool) {
 			t.Fatalf("n1's drift not found within %s: %s", 4*grace, kindsOf(h.verdict()))
 		}
 		h.clk.Step(step)
-		time.Sleep(yield)
+		synctest.Wait()
 		if i%10 == 0 {
 			send(last) // the node keeps reporting
 		}

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/cockroachdb/datadriven"
@@ -54,8 +55,10 @@ import (
 // second stream of the same node).
 func TestProtocolScripts(t *testing.T) {
 	datadriven.Walk(t, "testdata/protocol", func(t *testing.T, path string) {
-		s := newProtocolScript(t)
-		datadriven.RunTest(t, path, s.run)
+		synctest.Test(t, func(t *testing.T) {
+			s := newProtocolScript(t)
+			datadriven.RunTest(t, path, s.run)
+		})
 	})
 }
 
@@ -176,6 +179,8 @@ func newProtocolScript(t *testing.T) *protocolScript {
 	s := &protocolScript{t: t, ctx: ctx, a: a, clk: clk, streams: map[string]*scriptStream{}, flushes: make(chan string, 4),
 		parked: make(chan struct{}, 4)}
 	a.warmup.onWait = func() { s.parked <- struct{}{} }
+	// In the bubble the informers' polling sleeps are the bubble's time,
+	// not the machine's.
 	testkit.Eventually(t, 10*time.Second, "the view's informers synced", func() bool { return view.Synced() == nil })
 	return s
 }
@@ -214,11 +219,12 @@ func (s *protocolScript) run(t *testing.T, d *datadriven.TestData) string {
 		if st.async == nil {
 			t.Fatalf("%s: nothing async on %s", d.Pos, d.CmdArgs[0].Vals)
 		}
+		synctest.Wait()
 		select {
 		case ok := <-st.async:
 			st.async = nil
 			out = s.answered(st, ok)
-		case <-time.After(10 * time.Second):
+		default:
 			t.Fatalf("%s: the report did not finish", d.Pos)
 		}
 	case "flush":
@@ -401,6 +407,9 @@ func (s *protocolScript) receive(st *scriptStream, m *stream.Message, began time
 	go func() {
 		done <- st.s.receive(s.ctx, frame{m: m, size: 200, release: func() { released.Store(true) }, at: began})
 	}()
+	// The session runs until it answers or parks: nothing in the bubble
+	// moves after that until the script's next step.
+	synctest.Wait()
 	select {
 	case ok := <-done:
 		if !released.Load() {
@@ -410,7 +419,7 @@ func (s *protocolScript) receive(st *scriptStream, m *stream.Message, began time
 	case <-s.parked:
 		st.async = done
 		return append(s.said(st), "(waiting)")
-	case <-time.After(10 * time.Second):
+	default:
 		s.t.Fatalf("the session of %s neither answered nor waited", st.node)
 		return nil
 	}
@@ -520,21 +529,17 @@ func (s *protocolScript) flush(d *datadriven.TestData) []string {
 		}
 		s.flushes <- fmt.Sprintf("flush result: %+v", rs)
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if out := s.said(st); len(out) > 0 {
-			s.flushing++
-			return out
-		}
-		select {
-		case r := <-s.flushes:
-			return []string{r}
-		default:
-		}
-		if time.Now().After(deadline) {
-			s.t.Fatal("the flush was not sent")
-		}
-		time.Sleep(time.Millisecond)
+	synctest.Wait()
+	if out := s.said(st); len(out) > 0 {
+		s.flushing++
+		return out
+	}
+	select {
+	case r := <-s.flushes:
+		return []string{r}
+	default:
+		s.t.Fatal("the flush was not sent")
+		return nil
 	}
 }
 
@@ -544,11 +549,12 @@ func (s *protocolScript) flushResult() []string {
 	if s.flushing == 0 {
 		return nil
 	}
+	synctest.Wait()
 	select {
 	case r := <-s.flushes:
 		s.flushing--
 		return []string{r}
-	case <-time.After(5 * time.Second):
+	default:
 		s.t.Fatal("a flush waiting for its answer got no result")
 		return nil
 	}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -46,61 +47,63 @@ func (e expiring) Authenticate(_ context.Context, h Hello) (time.Time, error) {
 // its stream when the kubelet rotated it: the stream is not cut when the
 // first token expires.
 func TestCollectorRenewsRotatedToken(t *testing.T) {
-	h := startWith(t, 2*time.Second, nil, fakeCluster(), nil)
-	var (
-		mu   sync.Mutex
-		seen []string
-	)
-	h.agg.cfg.Auth = authRecorder(func(ctx context.Context, hello Hello) (time.Time, error) {
+	synctest.Test(t, func(t *testing.T) {
+		h := startWith(t, 2*time.Second, nil, fakeCluster(), nil)
+		var (
+			mu   sync.Mutex
+			seen []string
+		)
+		h.agg.cfg.Auth = authRecorder(func(ctx context.Context, hello Hello) (time.Time, error) {
+			mu.Lock()
+			seen = append(seen, hello.Token)
+			mu.Unlock()
+			return expiring{h.clk}.Authenticate(ctx, hello)
+		})
+		file := filepath.Join(t.TempDir(), "token")
+		write := func(tok string) {
+			// As the kubelet does: a new file renamed over the old.
+			tmp := file + ".new"
+			if err := os.WriteFile(tmp, []byte(tok+"\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Rename(tmp, file); err != nil {
+				t.Fatal(err)
+			}
+		}
+		write("n1/20")
+		ctx, cancel := context.WithCancel(h.ctx)
+		defer cancel()
+		h.wg.Add(1)
+		go func() {
+			defer h.wg.Done()
+			collector.Run(ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: time.Second, TokenFile: file, Clock: h.clk, Dial: h.net.Dial,
+				Log:    zaptest.NewLogger(t).Named("n1"),
+				Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}})
+		}()
+		h.until(10*time.Second, "n1 reporting", func() bool {
+			h.agg.mu.Lock()
+			defer h.agg.mu.Unlock()
+			return h.agg.nodes["n1"] != nil && h.agg.nodes["n1"].complete
+		})
+		write("n1/3600")
+		h.advance(40*time.Second, nil)
+		if got := testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonAuth))); got != 0 {
+			t.Errorf("%v streams rejected for authentication; the rotated token should have renewed the stream", got)
+		}
+		// One hello with the first token, one renewal with the second: a
+		// reconnect would have shown as a second use of it.
 		mu.Lock()
-		seen = append(seen, hello.Token)
-		mu.Unlock()
-		return expiring{h.clk}.Authenticate(ctx, hello)
+		defer mu.Unlock()
+		if want := []string{"n1/20", "n1/3600"}; !slices.Equal(seen, want) {
+			t.Errorf("tokens authenticated: %q, want %q", seen, want)
+		}
+		for _, f := range h.verdict().Findings {
+			if f.Node != "n1" {
+				continue // n2 and n3 have no collector here
+			}
+			t.Errorf("finding while renewing: %+v", f)
+		}
 	})
-	file := filepath.Join(t.TempDir(), "token")
-	write := func(tok string) {
-		// As the kubelet does: a new file renamed over the old.
-		tmp := file + ".new"
-		if err := os.WriteFile(tmp, []byte(tok+"\n"), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, file); err != nil {
-			t.Fatal(err)
-		}
-	}
-	write("n1/20")
-	ctx, cancel := context.WithCancel(h.ctx)
-	defer cancel()
-	h.wg.Add(1)
-	go func() {
-		defer h.wg.Done()
-		collector.Run(ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: time.Second, TokenFile: file, Clock: h.clk,
-			Log:    zaptest.NewLogger(t).Named("n1"),
-			Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}})
-	}()
-	h.until(10*time.Second, "n1 reporting", func() bool {
-		h.agg.mu.Lock()
-		defer h.agg.mu.Unlock()
-		return h.agg.nodes["n1"] != nil && h.agg.nodes["n1"].complete
-	})
-	write("n1/3600")
-	h.advance(40*time.Second, nil)
-	if got := testutil.ToFloat64(h.agg.cfg.Metrics.StreamRejected.WithLabelValues(string(ReasonAuth))); got != 0 {
-		t.Errorf("%v streams rejected for authentication; the rotated token should have renewed the stream", got)
-	}
-	// One hello with the first token, one renewal with the second: a
-	// reconnect would have shown as a second use of it.
-	mu.Lock()
-	defer mu.Unlock()
-	if want := []string{"n1/20", "n1/3600"}; !slices.Equal(seen, want) {
-		t.Errorf("tokens authenticated: %q, want %q", seen, want)
-	}
-	for _, f := range h.verdict().Findings {
-		if f.Node != "n1" {
-			continue // n2 and n3 have no collector here
-		}
-		t.Errorf("finding while renewing: %+v", f)
-	}
 }
 
 type authRecorder func(context.Context, Hello) (time.Time, error)

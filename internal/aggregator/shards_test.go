@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -330,54 +331,56 @@ func TestPeerAuth(t *testing.T) {
 // while nobody holds it, and on giving a shard up closes only that
 // shard's streams (sending them on) and forgets only its nodes.
 func TestShardAdmission(t *testing.T) {
-	const shards = 3
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	holders := []string{"127.0.0.1:1", "127.0.0.9:9443", ""}
-	var hmu sync.Mutex
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
-		c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { hmu.Lock(); defer hmu.Unlock(); return slices.Clone(holders) }}
-	})
-	agg := h.agg
-	shardCtx, give := context.WithCancel(ctx)
-	held := make(chan struct{})
-	go func() { agg.HoldShard(shardCtx, 0); close(held) }()
-	h.eventually(5*time.Second, "shard 0 held", func() bool { agg.mu.Lock(); defer agg.mu.Unlock(); return agg.held[0] })
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 3
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		holders := []string{"127.0.0.1:1", "127.0.0.9:9443", ""}
+		var hmu sync.Mutex
+		h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
+			c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { hmu.Lock(); defer hmu.Unlock(); return slices.Clone(holders) }}
+		})
+		agg := h.agg
+		shardCtx, give := context.WithCancel(ctx)
+		held := make(chan struct{})
+		go func() { agg.HoldShard(shardCtx, 0); close(held) }()
+		h.eventually(5*time.Second, "shard 0 held", func() bool { agg.mu.Lock(); defer agg.mu.Unlock(); return agg.held[0] })
 
-	mine, theirs, free := nodesIn(0, shards, 2), nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0]
-	var conns []net.Conn
-	for _, n := range mine {
-		c := h.dial(n)
-		expect(t, c, stream.TypeWelcome, "")
-		conns = append(conns, c)
-	}
-	c := h.dial(theirs)
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if m, _, err := stream.Read(c, 1<<20); err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != holders[1] {
-		t.Errorf("a node of another replica's shard: %+v, %v; want a redirect to %s", m, err, holders[1])
-	}
-	expect(t, h.dial(free), stream.TypeReject, "no aggregator replica holds this node's shard")
-
-	// The shard is given up (its new holder known): its streams are sent
-	// on, and the replica keeps nothing of its nodes.
-	hmu.Lock()
-	holders[0] = "127.0.0.9:9443"
-	hmu.Unlock()
-	give()
-	<-held
-	for i, c := range conns {
-		c.SetReadDeadline(time.Now().Add(5 * time.Second))
-		m, _, err := stream.Read(c, 1<<20)
-		if err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != "127.0.0.9:9443" {
-			t.Errorf("%s's stream when its shard was given up: %+v, %v; want a redirect to the new holder", mine[i], m, err)
+		mine, theirs, free := nodesIn(0, shards, 2), nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0]
+		var conns []net.Conn
+		for _, n := range mine {
+			c := h.dial(n)
+			expect(t, c, stream.TypeWelcome, "")
+			conns = append(conns, c)
 		}
-	}
-	agg.mu.Lock()
-	left := len(agg.nodes)
-	agg.mu.Unlock()
-	if left != 0 {
-		t.Errorf("%d nodes remembered after their shard was given up", left)
-	}
+		c := h.dial(theirs)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if m, _, err := stream.Read(c, 1<<20); err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != holders[1] {
+			t.Errorf("a node of another replica's shard: %+v, %v; want a redirect to %s", m, err, holders[1])
+		}
+		expect(t, h.dial(free), stream.TypeReject, "no aggregator replica holds this node's shard")
+
+		// The shard is given up (its new holder known): its streams are sent
+		// on, and the replica keeps nothing of its nodes.
+		hmu.Lock()
+		holders[0] = "127.0.0.9:9443"
+		hmu.Unlock()
+		give()
+		<-held
+		for i, c := range conns {
+			c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			m, _, err := stream.Read(c, 1<<20)
+			if err != nil || m.Type != stream.TypeRedirect || m.Redirect.Leader != "127.0.0.9:9443" {
+				t.Errorf("%s's stream when its shard was given up: %+v, %v; want a redirect to the new holder", mine[i], m, err)
+			}
+		}
+		agg.mu.Lock()
+		left := len(agg.nodes)
+		agg.mu.Unlock()
+		if left != 0 {
+			t.Errorf("%d nodes remembered after their shard was given up", left)
+		}
+	})
 }
 
 // A sharded leader holding every shard itself goes the whole way through
@@ -385,29 +388,31 @@ func TestShardAdmission(t *testing.T) {
 // partial published for the others, and the fleet's verdict concluded
 // from it, with a divergent node found on that node only.
 func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
-	const shards = 2
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
-		c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { return []string{"127.0.0.1:1", "127.0.0.1:1"} }}
-	})
-	for k := range shards {
-		h.holdShard(k)
-	}
-	for _, n := range []string{"n1", "n2"} {
-		h.collector(h.ctx, n, func() *audit.Observed { return rules(t) })
-	}
-	h.collector(h.ctx, "n3", func() *audit.Observed { return rules(t, 0) })
-	h.until(20*time.Second, "n3 found, n1 and n2 in sync", func() bool {
-		v := h.verdict()
-		states := map[string]audit.NodeState{}
-		for _, n := range v.Nodes {
-			states[n.Node] = n.State
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 2
+		h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
+			c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { return []string{"127.0.0.1:1", "127.0.0.1:1"} }}
+		})
+		for k := range shards {
+			h.holdShard(k)
 		}
-		return len(v.Findings) > 0 && len(findings.Only(v.Findings, "n3")) == len(v.Findings) && states["n1"] == audit.NodeInSync && states["n2"] == audit.NodeInSync
+		for _, n := range []string{"n1", "n2"} {
+			h.collector(h.ctx, n, func() *audit.Observed { return rules(t) })
+		}
+		h.collector(h.ctx, "n3", func() *audit.Observed { return rules(t, 0) })
+		h.until(20*time.Second, "n3 found, n1 and n2 in sync", func() bool {
+			v := h.verdict()
+			states := map[string]audit.NodeState{}
+			for _, n := range v.Nodes {
+				states[n.Node] = n.State
+			}
+			return len(v.Findings) > 0 && len(findings.Only(v.Findings, "n3")) == len(v.Findings) && states["n1"] == audit.NodeInSync && states["n2"] == audit.NodeInSync
+		})
+		own := h.agg.own.Load()
+		if own == nil || !slices.Equal(own.Shards, []int{0, 1}) || len(own.Partial.Nodes) != 3 || own.Partial.Reporting != 3 || len(own.Partial.Drifted) != 1 {
+			t.Errorf("the replica's partial: %+v", own)
+		}
 	})
-	own := h.agg.own.Load()
-	if own == nil || !slices.Equal(own.Shards, []int{0, 1}) || len(own.Partial.Nodes) != 3 || own.Partial.Reporting != 3 || len(own.Partial.Drifted) != 1 {
-		t.Errorf("the replica's partial: %+v", own)
-	}
 }
 
 // One decider: a replica that judges a drifted node but does not lead
@@ -416,61 +421,63 @@ func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
 // partial read over HTTP and alone acts on it. Budgets are spent in one
 // place, however many replicas judge.
 func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
-	const shards = 2
-	ln, err := net.Listen("tcp", "127.0.0.3:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, port, _ := net.SplitHostPort(ln.Addr().String())
-	holder := "127.0.0.3:9443"
-	lookups := func(c *fake.Clientset) *atomic.Int32 {
-		var n atomic.Int32
-		c.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
-			n.Add(1)
-			return false, nil, nil // no kube-proxy pod: the node is paged
-		})
-		return &n
-	}
-	withRemediation := func(client *fake.Clientset, rec *notes) func(*Config) {
-		return func(c *Config) {
-			ex := &effect.Executor{Client: client, Policy: remediate.DefaultPolicy(), Notifier: rec, Log: zaptest.NewLogger(t)}
-			c.Remediation = &Remediation{Policy: remediate.DefaultPolicy(), Executor: ex}
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 2
+		ln, err := netOf(t).Listen("127.0.0.3:0")
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	hClient, lClient := fakeCluster(), fakeCluster()
-	hLookups, lLookups := lookups(hClient), lookups(lClient)
-	hNotes, lNotes := &notes{open: map[string]bool{}}, &notes{open: map[string]bool{}}
-	h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
-		c.Self = holder
-		c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
+		_, port, _ := net.SplitHostPort(ln.Addr().String())
+		holder := "127.0.0.3:9443"
+		lookups := func(c *fake.Clientset) *atomic.Int32 {
+			var n atomic.Int32
+			c.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+				n.Add(1)
+				return false, nil, nil // no kube-proxy pod: the node is paged
+			})
+			return &n
+		}
+		withRemediation := func(client *fake.Clientset, rec *notes) func(*Config) {
+			return func(c *Config) {
+				ex := &effect.Executor{Client: client, Policy: remediate.DefaultPolicy(), Notifier: rec, Log: zaptest.NewLogger(t)}
+				c.Remediation = &Remediation{Policy: remediate.DefaultPolicy(), Executor: ex}
+			}
+		}
+		hClient, lClient := fakeCluster(), fakeCluster()
+		hLookups, lLookups := lookups(hClient), lookups(lClient)
+		hNotes, lNotes := &notes{open: map[string]bool{}}, &notes{open: map[string]bool{}}
+		h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
+			c.Self = holder
+			c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
+		})
+		h.agg.StoppedLeading() // it holds shards, the other replica leads
+		srv := &http.Server{Handler: h.agg.InternalHandler()}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		for k := range shards {
+			h.holdShard(k)
+		}
+		l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
+			c.Self = "127.0.0.2:9443"
+			c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
+		})
+		h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t, 0) })
+		h.collector(h.ctx, "n2", func() *audit.Observed { return rules(t) })
+		h.until(30*time.Second, "the leader remediating n1", func() bool {
+			l.clk.Step(step)
+			l.agg.Evaluate()
+			return len(findings.Only(l.verdict().Findings, "n1")) > 0 && lLookups.Load() > 0
+		})
+		h.advance(5*time.Second, func() { l.clk.Step(step); l.agg.Evaluate() })
+		if n := hLookups.Load(); n != 0 || h.agg.Verdict() != nil {
+			t.Errorf("the replica that judges n1 but does not lead looked its kube-proxy up %d times (verdict %v): only the leader acts", n, h.agg.Verdict())
+		}
+		hNotes.mu.Lock()
+		defer hNotes.mu.Unlock()
+		if hNotes.noticed != 0 {
+			t.Errorf("the replica that does not lead paged %d times", hNotes.noticed)
+		}
 	})
-	h.agg.StoppedLeading() // it holds shards, the other replica leads
-	srv := &http.Server{Handler: h.agg.InternalHandler()}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	for k := range shards {
-		h.holdShard(k)
-	}
-	l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
-		c.Self = "127.0.0.2:9443"
-		c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
-	})
-	h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t, 0) })
-	h.collector(h.ctx, "n2", func() *audit.Observed { return rules(t) })
-	h.until(30*time.Second, "the leader remediating n1", func() bool {
-		l.clk.Step(step)
-		l.agg.Evaluate()
-		return len(findings.Only(l.verdict().Findings, "n1")) > 0 && lLookups.Load() > 0
-	})
-	h.advance(5*time.Second, func() { l.clk.Step(step); l.agg.Evaluate() })
-	if n := hLookups.Load(); n != 0 || h.agg.Verdict() != nil {
-		t.Errorf("the replica that judges n1 but does not lead looked its kube-proxy up %d times (verdict %v): only the leader acts", n, h.agg.Verdict())
-	}
-	hNotes.mu.Lock()
-	defer hNotes.mu.Unlock()
-	if hNotes.noticed != 0 {
-		t.Errorf("the replica that does not lead paged %d times", hNotes.noticed)
-	}
 }
 
 // Two replicas that each believe the other holds a node (Leases read at
@@ -478,42 +485,44 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 // holds the node, which answers from its own streams only, never passing
 // it back: one request, and an error saying where the stream is not.
 func TestFlushIsPassedOnOnce(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.5:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, port, _ := net.SplitHostPort(ln.Addr().String())
-	lnA, err := net.Listen("tcp", net.JoinHostPort("127.0.0.4", port))
-	if err != nil {
-		t.Skipf("port %s not free on 127.0.0.4: %v", port, err)
-	}
-	a, b := "127.0.0.4:9443", "127.0.0.5:9443"
-	var served [2]atomic.Int32
-	serve := func(h *harness, l net.Listener, n *atomic.Int32) {
-		inner := h.agg.InternalHandler()
-		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { n.Add(1); inner.ServeHTTP(w, r) })}
-		go srv.Serve(l)
-		t.Cleanup(func() { srv.Close() })
-	}
-	believes := func(self, other string) func(*Config) {
-		return func(c *Config) {
-			c.Self = self
-			c.Shards = &Shards{Count: 1, Port: port, Holders: func() []string { return []string{other} }}
+	synctest.Test(t, func(t *testing.T) {
+		ln, err := netOf(t).Listen("127.0.0.5:0")
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(a, b))
-	hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(b, a))
-	serve(ha, lnA, &served[0])
-	serve(hb, ln, &served[1])
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	_, err = ha.agg.Flush(ctx, "n1", []remediate.StalePair{{Service: "synth/svc-00000", Port: "http", Protocol: "UDP", Frontend: "198.19.192.0:80/UDP", Dest: "198.18.0.18:8080", Flows: 1}})
-	if err == nil || !strings.Contains(err.Error(), "replica "+b) || !strings.Contains(err.Error(), "no collector of node n1") {
-		t.Errorf("flush of a node neither replica streams: %v; want the holder's answer that it has no stream", err)
-	}
-	if served[0].Load() != 0 || served[1].Load() != 1 {
-		t.Errorf("requests: %d to the leader, %d to the replica it believes holds the node; want 0 and 1", served[0].Load(), served[1].Load())
-	}
+		_, port, _ := net.SplitHostPort(ln.Addr().String())
+		lnA, err := netOf(t).Listen(net.JoinHostPort("127.0.0.4", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, b := "127.0.0.4:9443", "127.0.0.5:9443"
+		var served [2]atomic.Int32
+		serve := func(h *harness, l net.Listener, n *atomic.Int32) {
+			inner := h.agg.InternalHandler()
+			srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { n.Add(1); inner.ServeHTTP(w, r) })}
+			go srv.Serve(l)
+			t.Cleanup(func() { srv.Close() })
+		}
+		believes := func(self, other string) func(*Config) {
+			return func(c *Config) {
+				c.Self = self
+				c.Shards = &Shards{Count: 1, Port: port, Holders: func() []string { return []string{other} }}
+			}
+		}
+		ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(a, b))
+		hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(b, a))
+		serve(ha, lnA, &served[0])
+		serve(hb, ln, &served[1])
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err = ha.agg.Flush(ctx, "n1", []remediate.StalePair{{Service: "synth/svc-00000", Port: "http", Protocol: "UDP", Frontend: "198.19.192.0:80/UDP", Dest: "198.18.0.18:8080", Flows: 1}})
+		if err == nil || !strings.Contains(err.Error(), "replica "+b) || !strings.Contains(err.Error(), "no collector of node n1") {
+			t.Errorf("flush of a node neither replica streams: %v; want the holder's answer that it has no stream", err)
+		}
+		if served[0].Load() != 0 || served[1].Load() != 1 {
+			t.Errorf("requests: %d to the leader, %d to the replica it believes holds the node; want 0 and 1", served[0].Load(), served[1].Load())
+		}
+	})
 }
 
 // forgets is a notifier that keeps per-node state, recording what it is

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/chromedp/chromedp"
@@ -31,6 +32,7 @@ import (
 func TestStatusPageInChromium(t *testing.T) {
 	client := fakeCluster()
 	h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+	h.settle = realTime // Chromium reaches the status page over a real socket
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "kube-proxy-n3", Labels: map[string]string{"k8s-app": "kube-proxy"},
 		OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "DaemonSet", Name: "kube-proxy", UID: "ds"}}},
 		Spec: corev1.PodSpec{NodeName: "n3"}}
@@ -117,25 +119,26 @@ func TestStatusPageInChromium(t *testing.T) {
 // same reader authentication in front of both, a follower sends both to
 // the leader.
 func TestStatusPageBehindReaderAuth(t *testing.T) {
-	h := start(t, 2*time.Second, InsecureNoAuth{})
-	h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t) })
-	h.until(20*time.Second, "a verdict", func() bool { return len(h.verdict().Nodes) > 0 })
-	h.agg.cfg.Readers = &ReaderAuth{Client: fakeCluster(), Audience: "proxyaudit", Namespace: "pa", Service: "agg", Clock: h.clk}
-	srv := httptest.NewServer(h.agg.Handler("0"))
-	defer srv.Close()
-	get := func(path string) (int, string) {
-		r, err := http.Get(srv.URL + path)
-		if err != nil {
-			t.Fatal(err)
+	synctest.Test(t, func(t *testing.T) {
+		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t) })
+		h.until(20*time.Second, "a verdict", func() bool { return len(h.verdict().Nodes) > 0 })
+		h.agg.cfg.Readers = &ReaderAuth{Client: fakeCluster(), Audience: "proxyaudit", Namespace: "pa", Service: "agg", Clock: h.clk}
+		srvURL, hc := h.net.HTTPServer(t, h.agg.Handler("0"))
+		get := func(path string) (int, string) {
+			r, err := hc.Get(srvURL + path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Body.Close()
+			b, _ := io.ReadAll(r.Body)
+			return r.StatusCode, string(b)
 		}
-		defer r.Body.Close()
-		b, _ := io.ReadAll(r.Body)
-		return r.StatusCode, string(b)
-	}
-	apiCode, apiBody := get("/api/v1/findings")
-	for _, path := range []string{"/ui/", "/ui/nodes/n1", "/ui/incidents", "/ui/static/style.css"} {
-		if code, body := get(path); code != apiCode || body != apiBody || code != http.StatusUnauthorized {
-			t.Errorf("%s without a token: %d %q; the API: %d %q", path, code, body, apiCode, apiBody)
+		apiCode, apiBody := get("/api/v1/findings")
+		for _, path := range []string{"/ui/", "/ui/nodes/n1", "/ui/incidents", "/ui/static/style.css"} {
+			if code, body := get(path); code != apiCode || body != apiBody || code != http.StatusUnauthorized {
+				t.Errorf("%s without a token: %d %q; the API: %d %q", path, code, body, apiCode, apiBody)
+			}
 		}
-	}
+	})
 }

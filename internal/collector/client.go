@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"net"
 	"net/http"
 	"time"
 
@@ -72,6 +73,10 @@ type Config struct {
 	// Lookup resolves the aggregator's host name; nil is
 	// net.DefaultResolver's (tests replace it).
 	Lookup func(ctx context.Context, host string) ([]string, error)
+	// Dial connects to an aggregator's address (host:port) without TLS;
+	// nil is TCP with a 5 s timeout (tests in a synctest bubble replace it
+	// with a network in memory).
+	Dial func(ctx context.Context, addr string) (net.Conn, error)
 	// PeersFile keeps the aggregator addresses the collector last knew
 	// (from DNS, or the replicas the aggregator named) across restarts, on
 	// the node: a collector started while the node's DNS is down (it goes

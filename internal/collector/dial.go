@@ -160,6 +160,8 @@ func (c *client) dial(ctx context.Context, preferred string) (net.Conn, error) {
 				}
 			}
 			conn, err = (&tls.Dialer{NetDialer: &d, Config: c.cfg.TLS}).DialContext(ctx, "tcp", a)
+		} else if c.cfg.Dial != nil {
+			conn, err = c.cfg.Dial(ctx, a)
 		} else {
 			conn, err = d.DialContext(ctx, "tcp", a)
 		}
