@@ -44,8 +44,8 @@ type harness struct {
 	// settle lets the goroutines a step of the clock woke run until they
 	// wait again: synctest.Wait, or realTime outside a bubble.
 	settle func()
-	ctx context.Context
-	wg  *sync.WaitGroup
+	ctx    context.Context
+	wg     *sync.WaitGroup
 	// clk is the time of the view, the aggregator and the harness's
 	// collectors: it moves only when the test steps it (until, advance).
 	clk *clocktesting.FakeClock
