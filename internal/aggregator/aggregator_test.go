@@ -115,7 +115,8 @@ func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fa
 // wait groups and sleeps, but not on a mutex or a socket: the one that
 // holds the view's State on purpose (the view's rebuild then waits on its
 // sync.RWMutex, and synctest.Wait would never return), and those that
-// serve other processes over real sockets (Chromium, Prometheus). There
+// talk to other processes over real sockets (Chromium, Prometheus,
+// Alertmanager). There
 // the goroutines a step woke get a few milliseconds of the machine's time.
 func realTime() { time.Sleep(5 * time.Millisecond) }
 

@@ -301,45 +301,54 @@ func TestBehindLeaderLeavesBytesInSockets(t *testing.T) {
 // a frame holds its share, its body must arrive at the aggregator's pace
 // (bodyDeadline); a trickler is cut and its share given back.
 func TestTricklingFrameGivesBackItsBudget(t *testing.T) {
-	defer func(r int, s time.Duration) { bodyRate, bodySlack = r, s }(bodyRate, bodySlack)
-	bodyRate, bodySlack = 64<<20, 300*time.Millisecond // a 16 MiB frame: 550 ms
-	const budget = 64 << 20
-	a := New(Config{DecodeBudget: budget}, &view.View{})
-	server, client := net.Pipe()
-	defer client.Close()
-	done := make(chan error, 1)
-	go func() {
-		_, _, release, err := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
-		release()
-		done <- err
-	}()
-	if _, err := client.Write(binary.BigEndian.AppendUint32(nil, 16<<20)); err != nil {
-		t.Fatal(err)
-	}
-	go func() { // a byte every 100 ms
-		for range 100 {
-			if _, err := client.Write([]byte("{")); err != nil {
-				return
+	synctest.Test(t, func(t *testing.T) {
+		defer func(r int, s time.Duration) { bodyRate, bodySlack = r, s }(bodyRate, bodySlack)
+		bodyRate, bodySlack = 64<<20, 300*time.Millisecond // a 16 MiB frame: 550 ms
+		const budget = 64 << 20
+		a := New(Config{DecodeBudget: budget}, &view.View{})
+		server, client := net.Pipe()
+		defer client.Close()
+		done := make(chan error, 1)
+		go func() {
+			_, _, release, err := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
+			release()
+			done <- err
+		}()
+		if _, err := client.Write(binary.BigEndian.AppendUint32(nil, 16<<20)); err != nil {
+			t.Fatal(err)
+		}
+		stop := make(chan struct{})
+		var trickler sync.WaitGroup
+		defer func() { close(stop); trickler.Wait() }()
+		trickler.Go(func() { // a byte every 100 ms of the bubble's time
+			for range 100 {
+				if _, err := client.Write([]byte("{")); err != nil {
+					return
+				}
+				select {
+				case <-stop:
+					return
+				case <-time.After(100 * time.Millisecond):
+				}
 			}
-			time.Sleep(100 * time.Millisecond)
+		})
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("a trickled 16 MiB frame was read")
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a peer trickling a 16 MiB frame still held its share of the decode budget after 5 s")
 		}
-	}()
-	select {
-	case err := <-done:
-		if err == nil {
-			t.Fatal("a trickled 16 MiB frame was read")
+		got := make(chan int, 1)
+		go func() { got <- a.budget.Take(budget) }()
+		select {
+		case n := <-got:
+			a.budget.Give(n)
+		case <-time.After(time.Second):
+			t.Fatal("the trickler's share was not given back")
 		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("a peer trickling a 16 MiB frame still held its share of the decode budget after 5 s")
-	}
-	got := make(chan int, 1)
-	go func() { got <- a.budget.Take(budget) }()
-	select {
-	case n := <-got:
-		a.budget.Give(n)
-	case <-time.After(time.Second):
-		t.Fatal("the trickler's share was not given back")
-	}
+	})
 }
 
 // 64 addresses with no credentials, 64 idle connections each (the
@@ -400,60 +409,62 @@ func TestPreHelloGateKeepsRoomForNodes(t *testing.T) {
 // (trust review 4, item 9). Large frames share half the budget at most:
 // the other nodes' deltas keep arriving throughout.
 func TestTricklersLeaveDeltasTheirShare(t *testing.T) {
-	const budget = 64 << 20
-	a := New(Config{DecodeBudget: budget}, &view.View{})
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	defer func() { close(stop); wg.Wait() }()
-	for range 8 {
-		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				server, client := net.Pipe()
-				go func() {
-					_, _, release, _ := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
-					release()
-				}()
-				client.Write(binary.BigEndian.AppendUint32(nil, 16<<20))
-				for i := 0; i < 50; i++ { // a byte every 100 ms, for 5 s
+	synctest.Test(t, func(t *testing.T) {
+		const budget = 64 << 20
+		a := New(Config{DecodeBudget: budget}, &view.View{})
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		defer func() { close(stop); wg.Wait() }()
+		for range 8 {
+			wg.Go(func() {
+				for {
 					select {
 					case <-stop:
-						client.Close()
 						return
-					case <-time.After(100 * time.Millisecond):
+					default:
 					}
-					if _, err := client.Write([]byte("{")); err != nil {
-						break
+					server, client := net.Pipe()
+					go func() {
+						_, _, release, _ := a.read(&conn{Conn: server}, 16<<20, true, nil, nil)
+						release()
+					}()
+					client.Write(binary.BigEndian.AppendUint32(nil, 16<<20))
+					for i := 0; i < 50; i++ { // a byte every 100 ms, for 5 s
+						select {
+						case <-stop:
+							client.Close()
+							return
+						case <-time.After(100 * time.Millisecond):
+						}
+						if _, err := client.Write([]byte("{")); err != nil {
+							break
+						}
 					}
+					client.Close()
 				}
-				client.Close()
-			}
-		})
-	}
-	time.Sleep(300 * time.Millisecond) // the tricklers hold their shares
-	body := []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", 64<<10) + `"]}}`)
-	for i := range 20 {
-		server, client := net.Pipe()
-		done := make(chan error, 1)
-		go func() {
-			_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, nil, nil)
-			release()
-			done <- err
-		}()
-		go client.Write(append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...))
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("delta %d: %v", i, err)
-			}
-		case <-time.After(2 * time.Second):
-			t.Fatalf("delta %d of another node waited behind eight tricklers", i)
+			})
 		}
-		client.Close()
-		time.Sleep(100 * time.Millisecond)
-	}
+		time.Sleep(300 * time.Millisecond) // the tricklers hold their shares (the bubble's time)
+		body := []byte(`{"type":"report","report":{"seq":1,"root":1,"removed":["` + strings.Repeat("x", 64<<10) + `"]}}`)
+		for i := range 20 {
+			server, client := net.Pipe()
+			done := make(chan error, 1)
+			go func() {
+				_, _, release, err := a.read(&conn{Conn: server}, 1<<20, true, nil, nil)
+				release()
+				done <- err
+			}()
+			go client.Write(append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...))
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("delta %d: %v", i, err)
+				}
+			case <-time.After(2 * time.Second):
+				t.Fatalf("delta %d of another node waited behind eight tricklers", i)
+			}
+			client.Close()
+			time.Sleep(100 * time.Millisecond) // the bubble's time
+		}
+	})
 }

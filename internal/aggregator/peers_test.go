@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/zap"
@@ -25,32 +26,25 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 )
 
-// sharedPort returns listeners at one port free on every address: replicas
-// at one port, as pods behind a headless Service are.
+// sharedPort returns listeners at one port on every address of the
+// test's network: replicas at one port, as pods behind a headless Service
+// are.
 func sharedPort(t *testing.T, addrs ...string) []net.Listener {
 	t.Helper()
-next:
-	for range 20 {
-		first, err := net.Listen("tcp", net.JoinHostPort(addrs[0], "0"))
+	first, err := netOf(t).Listen(net.JoinHostPort(addrs[0], "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(first.Addr().String())
+	lns := []net.Listener{first}
+	for _, a := range addrs[1:] {
+		ln, err := netOf(t).Listen(net.JoinHostPort(a, port))
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, port, _ := net.SplitHostPort(first.Addr().String())
-		lns := []net.Listener{first}
-		for _, a := range addrs[1:] {
-			ln, err := net.Listen("tcp", net.JoinHostPort(a, port))
-			if err != nil {
-				for _, l := range lns {
-					l.Close()
-				}
-				continue next
-			}
-			lns = append(lns, ln)
-		}
-		return lns
+		lns = append(lns, ln)
 	}
-	t.Fatal("no port free on every address")
-	return nil
+	return lns
 }
 
 // replicas is a fake API and aggregator replicas over it, with the
@@ -115,7 +109,7 @@ func (r *replicas) start(ln net.Listener, name string) (agg *Aggregator, stop co
 func (r *replicas) collector(port, first string) (logs *observer.ObservedLogs, lookups *atomic.Int32) {
 	lookups = &atomic.Int32{}
 	core, logs := observer.New(zapcore.InfoLevel)
-	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{},
+	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{}, Dial: netOf(r.t).Dial,
 		Log:    zap.New(zapcore.NewTee(core, zaptest.NewLogger(r.t).Named("n1").Core())),
 		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(r.t), nil }},
 		Lookup: func(_ context.Context, host string) ([]string, error) {
@@ -184,21 +178,23 @@ func told(logs *observer.ObservedLogs, want int) bool {
 // EndpointSlice) and reaches it; with only what DNS last said, it would
 // dial the gone replica forever.
 func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
-	lns := sharedPort(t, "127.0.0.1", "127.0.0.2")
-	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
-	r := newReplicas(t, "127.0.0.1")
-	// The node resolved the name once, before its DNS broke.
-	_, stopOld, next, _, logs, lookups := r.leaderAndFollower(lns[0], lns[1], port)
+	synctest.Test(t, func(t *testing.T) {
+		lns := sharedPort(t, "127.0.0.1", "127.0.0.2")
+		_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+		r := newReplicas(t, "127.0.0.1")
+		// The node resolved the name once, before its DNS broke.
+		_, stopOld, next, _, logs, lookups := r.leaderAndFollower(lns[0], lns[1], port)
 
-	// The rollout: a new replica comes up (the slice lists both), the old
-	// one goes, and the new one leads.
-	r.endpoints("127.0.0.1", "127.0.0.2")
-	testkit.Eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool { return told(logs, 2) })
-	stopOld()
-	next.StartedLeading()
-	next.NewLeader(next.cfg.Self)
-	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica without DNS", func() bool { return streaming(next) })
-	t.Logf("n1 reached the new replica %s after the old one stopped (%d lookups, all but the first failed)", took.Round(time.Millisecond), lookups.Load())
+		// The rollout: a new replica comes up (the slice lists both), the old
+		// one goes, and the new one leads.
+		r.endpoints("127.0.0.1", "127.0.0.2")
+		testkit.Eventually(t, 10*time.Second, "n1's collector told of both replicas", func() bool { return told(logs, 2) })
+		stopOld()
+		next.StartedLeading()
+		next.NewLeader(next.cfg.Self)
+		took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica without DNS", func() bool { return streaming(next) })
+		t.Logf("n1 reached the new replica %s after the old one stopped (%d lookups, all but the first failed)", took.Round(time.Millisecond), lookups.Load())
+	})
 }
 
 // TestCollectorsLearnReplicasFromAFollower: the leader goes before it
@@ -209,20 +205,22 @@ func TestCollectorsFollowARolloutWithoutDNS(t *testing.T) {
 // leader in between, still finds the new replica (seen on real nodes:
 // the fleet was lost when only leaders named the replicas).
 func TestCollectorsLearnReplicasFromAFollower(t *testing.T) {
-	lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
-	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
-	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
-	_, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
-	testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+	synctest.Test(t, func(t *testing.T) {
+		lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+		_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+		r := newReplicas(t, "127.0.0.1", "127.0.0.2")
+		_, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
+		testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
 
-	stopLeader()
-	r.endpoints("127.0.0.2", "127.0.0.3") // the new replica, which the gone leader never saw
-	testkit.Eventually(t, 20*time.Second, "n1 told of the new replica by the follower's redirect", func() bool { return toldOf(logs, "127.0.0.3") })
-	stopFollower()
-	next, _ := r.start(lns[2], "new")
-	next.StartedLeading()
-	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica", func() bool { return streaming(next) })
-	t.Logf("n1 reached the new replica %s after it led", took.Round(time.Millisecond))
+		stopLeader()
+		r.endpoints("127.0.0.2", "127.0.0.3") // the new replica, which the gone leader never saw
+		testkit.Eventually(t, 20*time.Second, "n1 told of the new replica by the follower's redirect", func() bool { return toldOf(logs, "127.0.0.3") })
+		stopFollower()
+		next, _ := r.start(lns[2], "new")
+		next.StartedLeading()
+		took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new replica", func() bool { return streaming(next) })
+		t.Logf("n1 reached the new replica %s after it led", took.Round(time.Millisecond))
+	})
 }
 
 // TestCollectorsFollowAQuickRollout: the rolling update terminates the
@@ -234,37 +232,39 @@ func TestCollectorsLearnReplicasFromAFollower(t *testing.T) {
 // (Farewell); the old follower, asked next with its copy behind, does
 // not make the collector forget the successor.
 func TestCollectorsFollowAQuickRollout(t *testing.T) {
-	lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
-	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
-	r := newReplicas(t, "127.0.0.1", "127.0.0.2")
-	leader, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
-	testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
+	synctest.Test(t, func(t *testing.T) {
+		lns := sharedPort(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+		_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+		r := newReplicas(t, "127.0.0.1", "127.0.0.2")
+		leader, stopLeader, _, stopFollower, logs, _ := r.leaderAndFollower(lns[0], lns[1], port)
+		testkit.Eventually(t, 10*time.Second, "n1 told of the two replicas", func() bool { return told(logs, 2) })
 
-	// The API, ahead of every replica's informer: the leader terminating,
-	// the successor with an address, not ready yet.
-	yes, no := true, false
-	ahead := r.slice.DeepCopy()
-	ahead.Endpoints = []discoveryv1.Endpoint{
-		{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &no, Terminating: &yes}},
-		{Addresses: []string{"127.0.0.2"}, Conditions: discoveryv1.EndpointConditions{Ready: &yes}},
-		{Addresses: []string{"127.0.0.3"}, Conditions: discoveryv1.EndpointConditions{Ready: &no}},
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-	defer cancel()
-	leader.Farewell(ctx, fake.NewClientset(ahead))
-	testkit.Eventually(t, 5*time.Second, "n1 told of the successor on the leader's way out", func() bool { return toldOf(logs, "127.0.0.3") })
-	if toldOf(logs, "127.0.0.1") && told(logs, 3) {
-		t.Error("the going leader named itself")
-	}
-	stopLeader()
-	// The old follower stays a moment, redirecting with its copy (.1, .2),
-	// then goes; the successor leads.
-	time.Sleep(2 * time.Second)
-	stopFollower()
-	next, _ := r.start(lns[2], "new")
-	next.StartedLeading()
-	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
-	t.Logf("n1 reached the successor %s after it led", took.Round(time.Millisecond))
+		// The API, ahead of every replica's informer: the leader terminating,
+		// the successor with an address, not ready yet.
+		yes, no := true, false
+		ahead := r.slice.DeepCopy()
+		ahead.Endpoints = []discoveryv1.Endpoint{
+			{Addresses: []string{"127.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: &no, Terminating: &yes}},
+			{Addresses: []string{"127.0.0.2"}, Conditions: discoveryv1.EndpointConditions{Ready: &yes}},
+			{Addresses: []string{"127.0.0.3"}, Conditions: discoveryv1.EndpointConditions{Ready: &no}},
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		leader.Farewell(ctx, fake.NewClientset(ahead))
+		testkit.Eventually(t, 5*time.Second, "n1 told of the successor on the leader's way out", func() bool { return toldOf(logs, "127.0.0.3") })
+		if toldOf(logs, "127.0.0.1") && told(logs, 3) {
+			t.Error("the going leader named itself")
+		}
+		stopLeader()
+		// The old follower stays a moment (2 s of the bubble's time),
+		// redirecting with its copy (.1, .2), then goes; the successor leads.
+		time.Sleep(2 * time.Second)
+		stopFollower()
+		next, _ := r.start(lns[2], "new")
+		next.StartedLeading()
+		took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the successor", func() bool { return streaming(next) })
+		t.Logf("n1 reached the successor %s after it led", took.Round(time.Millisecond))
+	})
 }
 
 // TestCollectorComesBackSoonAfterALeaderlessSpell: the API server
@@ -275,25 +275,27 @@ func TestCollectorsFollowAQuickRollout(t *testing.T) {
 // on), past the new leader's allowance, and every node was
 // CollectorMissing after the soak restarted the API server.
 func TestCollectorComesBackSoonAfterALeaderlessSpell(t *testing.T) {
-	lns := sharedPort(t, "127.0.0.1")
-	_, port, _ := net.SplitHostPort(lns[0].Addr().String())
-	r := newReplicas(t, "127.0.0.1")
-	agg, _ := r.start(lns[0], "agg")
-	agg.StartedLeading()
-	logs, _ := r.collector(port, "127.0.0.1")
-	testkit.Eventually(t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(agg) })
+	synctest.Test(t, func(t *testing.T) {
+		lns := sharedPort(t, "127.0.0.1")
+		_, port, _ := net.SplitHostPort(lns[0].Addr().String())
+		r := newReplicas(t, "127.0.0.1")
+		agg, _ := r.start(lns[0], "agg")
+		agg.StartedLeading()
+		logs, _ := r.collector(port, "127.0.0.1")
+		testkit.Eventually(t, 10*time.Second, "n1 streaming to the leader", func() bool { return streaming(agg) })
 
-	agg.StoppedLeading()
-	agg.NewLeader("")
-	time.Sleep(12 * time.Second)
-	refusals := logs.FilterMessageSnippet("come back later").Len()
-	if refusals < 2 {
-		t.Errorf("%d refusals told when to come back in 12 s without a leader, want one every 2–5 s", refusals)
-	}
-	agg.StartedLeading()
-	took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new leader", func() bool { return streaming(agg) })
-	if took > 6*time.Second {
-		t.Errorf("n1 streamed again %s after a leader was elected, want within the 2–5 s it was told", took)
-	}
-	t.Logf("12 s without a leader: %d refusals; n1 streaming %s after the leader came", refusals, took.Round(time.Millisecond))
+		agg.StoppedLeading()
+		agg.NewLeader("")
+		time.Sleep(12 * time.Second) // the bubble's time
+		refusals := logs.FilterMessageSnippet("come back later").Len()
+		if refusals < 2 {
+			t.Errorf("%d refusals told when to come back in 12 s without a leader, want one every 2–5 s", refusals)
+		}
+		agg.StartedLeading()
+		took := testkit.Eventually(t, 30*time.Second, "n1 streaming to the new leader", func() bool { return streaming(agg) })
+		if took > 6*time.Second {
+			t.Errorf("n1 streamed again %s after a leader was elected, want within the 2–5 s it was told", took)
+		}
+		t.Logf("12 s without a leader: %d refusals; n1 streaming %s after the leader came", refusals, took.Round(time.Millisecond))
+	})
 }

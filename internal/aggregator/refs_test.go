@@ -203,12 +203,12 @@ func TestReportsReadAheadKeepTheirArrival(t *testing.T) {
 			t.Fatalf("n1: %+v", m)
 		}
 		c, sent, recent := open("n2") // waits for n1
-		time.Sleep(200 * time.Millisecond)
+		synctest.Wait()
 		h.clk.Step(time.Second)
 		steady := h.clk.Now()
 		same := *sent
 		stream.Write(c, &stream.Message{Type: stream.TypeReport, Report: stream.Delta(sent, &same, 2, false, true)})
-		time.Sleep(200 * time.Millisecond)
+		synctest.Wait()        // read ahead while the goroutine waits
 		h.clk.Step(warmupWait) // n2 stops waiting for n1 and asks itself
 		for m := next(t, c); m.Type == stream.TypeWant; {
 			stream.Write(c, &stream.Message{Type: stream.TypeContent, Content: stream.Reply(m.Want, recent)})

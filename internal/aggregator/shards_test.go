@@ -36,7 +36,7 @@ import (
 // own (all replicas serve on one port, as pods do), answering as told.
 type peer struct {
 	identity string
-	answer   atomic.Pointer[func(w http.ResponseWriter)]
+	answer   atomic.Pointer[func(w http.ResponseWriter, r *http.Request)]
 	handler  atomic.Pointer[http.Handler] // before answer, when set
 }
 
@@ -58,7 +58,7 @@ func peersOn(t *testing.T, n int) (string, []*peer) {
 				return
 			}
 			if f := p.answer.Load(); f != nil {
-				(*f)(w)
+				(*f)(w, r)
 				return
 			}
 			http.Error(w, "nothing yet", http.StatusServiceUnavailable)
@@ -70,7 +70,15 @@ func peersOn(t *testing.T, n int) (string, []*peer) {
 	return port, out
 }
 
-func (p *peer) serve(f func(w http.ResponseWriter)) { p.handler.Store(nil); p.answer.Store(&f) }
+func (p *peer) serve(f func(w http.ResponseWriter)) {
+	p.answerWith(func(w http.ResponseWriter, _ *http.Request) { f(w) })
+}
+
+// answerWith is serve with the request.
+func (p *peer) answerWith(f func(w http.ResponseWriter, r *http.Request)) {
+	p.handler.Store(nil)
+	p.answer.Store(&f)
+}
 
 // handle serves h as the peer's API: a real replica's.
 func (p *peer) handle(h http.Handler) { p.handler.Store(&h) }
@@ -172,11 +180,14 @@ func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
 				}
 			}
 		}},
-		{"silence", func(w http.ResponseWriter) { time.Sleep(3 * time.Second) }},
+		{"silence", nil}, // answers nothing until the leader gives up
 	}
 	for _, h := range hostile {
 		t.Run(h.name, func(t *testing.T) {
 			a.serve(h.f)
+			if h.f == nil {
+				a.answerWith(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+			}
 			failed := testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed"))
 			clk.Step(time.Second)
 			start := time.Now()
