@@ -41,6 +41,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/buildinfo"
 	"github.com/proxyaudit/proxyaudit/internal/openreports"
@@ -267,15 +268,15 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	}
 
 	clk := clock.RealClock{}
-	var auth aggregator.Authenticator = aggregator.InsecureNoAuth{}
+	var collectors auth.Authenticator = auth.InsecureNoAuth{}
 	if !o.insecure {
 		sas, _ := o.serviceAccounts() // validated
-		tra := &aggregator.TokenReviewAuth{Client: reviews, Audience: o.audience, ServiceAccounts: sas, Clock: clk,
-			Budget: aggregator.NewBudget(o.reviewQPS, o.reviewBurst, 1, 5), BudgetWait: 5 * time.Second}
-		auth = tra
+		tra := &auth.TokenReviewAuth{Client: reviews, Audience: o.audience, ServiceAccounts: sas, Clock: clk,
+			Budget: auth.NewBudget(o.reviewQPS, o.reviewBurst, 1, 5), BudgetWait: 5 * time.Second}
+		collectors = tra
 		if o.collectorDS != "" {
 			dsNS, dsName, _ := strings.Cut(o.collectorDS, "/") // validated
-			tra.Binding = &aggregator.DaemonSetBinding{Client: reviews, Namespace: dsNS, Name: dsName}
+			tra.Binding = &auth.DaemonSetBinding{Client: reviews, Namespace: dsNS, Name: dsName}
 		} else {
 			log.Warn("--collector-daemonset is empty: any pod on a node running as a collector ServiceAccount may report for that node")
 		}
@@ -325,19 +326,19 @@ func (o *options) build(cs clients, log *zap.Logger) (*server, error) {
 	if len(notifiers) > 0 {
 		executor.Notifier = notifiers
 	}
-	var readerAuth *aggregator.ReaderAuth
+	var readerAuth *auth.ReaderAuth
 	if o.readers != "" {
 		rns, rsvc, _ := o.readerService() // validated
-		readerAuth = &aggregator.ReaderAuth{Client: reviews, Audience: o.readerAudience, Namespace: rns, Service: rsvc, Clock: clk,
+		readerAuth = &auth.ReaderAuth{Client: reviews, Audience: o.readerAudience, Namespace: rns, Service: rsvc, Clock: clk,
 			// One source address may spend half the readers' reviews: a pod
 			// flooding tokens leaves the other half to the readers, who
 			// come through the API server's proxy.
-			Budget: aggregator.NewBudget(o.readerReviewQPS, max(1, int(2*o.readerReviewQPS)), o.readerReviewQPS/2, max(1, int(o.readerReviewQPS))),
-			Denied: func(r aggregator.DenyReason) { metrics.HTTPDenied.WithLabelValues(string(r)).Inc() }}
+			Budget: auth.NewBudget(o.readerReviewQPS, max(1, int(2*o.readerReviewQPS)), o.readerReviewQPS/2, max(1, int(o.readerReviewQPS))),
+			Denied: func(r auth.DenyReason) { metrics.HTTPDenied.WithLabelValues(string(r)).Inc() }}
 	} else {
 		log.Warn("--http-readers is empty: anyone who reaches the HTTP port reads the findings (restrict it with a NetworkPolicy)")
 	}
-	acfg := aggregator.Config{Policy: o.policy, Auth: auth, Readers: readerAuth, Insecure: o.insecure, MaxMessageBytes: o.maxMessageBytes,
+	acfg := aggregator.Config{Policy: o.policy, Auth: collectors, Readers: readerAuth, Insecure: o.insecure, MaxMessageBytes: o.maxMessageBytes,
 		Self: o.self, Peers: o.peersService, Log: log.Named("aggregator"), Metrics: metrics, Clock: clk, RecoveryGrace: o.recoveryGrace,
 		Remediation: &aggregator.Remediation{Policy: o.remediation, Executor: executor, ExemptLabel: o.exemptLabel,
 			Pause: &effect.Pause{Client: client, Namespace: o.leNamespace, Name: o.pause, MaxAge: 5 * time.Second, Clock: clk}, Alertmanager: am}}
@@ -400,14 +401,14 @@ func (o *options) shardPeers(cs clients, reviews kubernetes.Interface, clk clock
 		return nil, fmt.Errorf("--shards: %v", err)
 	}
 	sh.TLS = true
-	sh.Client = aggregator.NewPeerClient(aggregator.PeerClientConfig{Roots: roots, ServerName: serverName, TokenFile: o.peerTokenFile, Timeout: time.Minute})
+	sh.Client = auth.NewPeerClient(auth.PeerClientConfig{Roots: roots, ServerName: serverName, TokenFile: o.peerTokenFile, Timeout: time.Minute})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	me, err := cs.client.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authnv1.SelfSubjectReview{}, metav1.CreateOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("--shards: asking the API server who this replica is (SelfSubjectReview), to admit only the other replicas to the internal API: %v", err)
 	}
-	sh.Auth = &aggregator.PeerAuth{Client: reviews, Username: me.Status.UserInfo.Username, Audience: o.peerAudience, Clock: clk}
+	sh.Auth = &auth.PeerAuth{Client: reviews, Username: me.Status.UserInfo.Username, Audience: o.peerAudience, Clock: clk}
 	return sh, nil
 }
 

@@ -13,7 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -84,7 +84,7 @@ func defaultOptions() options {
 		slackWebhookFile: os.Getenv("PROXYAUDIT_SLACK_WEBHOOK_FILE"), clusterName: envOr("PROXYAUDIT_CLUSTER_NAME", "kubernetes"),
 		memoryLimit: envBytes("PROXYAUDIT_MEMORY_LIMIT"),
 		reportsMode: "auto", reportWrites: 20, reportUpdate: time.Minute,
-		internalListen: ":8444", peerTokenFile: "/var/run/secrets/proxyaudit/peers/token", peerAudience: aggregator.DefaultPeerAudience,
+		internalListen: ":8444", peerTokenFile: "/var/run/secrets/proxyaudit/peers/token", peerAudience: auth.DefaultPeerAudience,
 	}
 }
 

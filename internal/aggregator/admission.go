@@ -13,6 +13,7 @@ import (
 	"golang.org/x/time/rate"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -177,15 +178,15 @@ func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *
 // authenticate reviews the stream's token, at its hello or renewed; false
 // when the stream was refused.
 func (s *session) authenticate(ctx context.Context, token string) bool {
-	expires, err := s.a.cfg.Auth.Authenticate(ctx, Hello{Node: s.hello.Node, Token: token, Source: s.source})
+	expires, err := s.a.cfg.Auth.Authenticate(ctx, auth.Hello{Node: s.hello.Node, Token: token, Source: s.source})
 	if err != nil {
-		var busy *BusyError
+		var busy *auth.BusyError
 		switch {
 		case s.n != nil:
 			s.reject(ReasonAuth, "renewing the stream's token: "+err.Error())
 		case errors.As(err, &busy):
 			s.a.rejectWith(s.log, s.c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()}, nil)
-		case errors.Is(err, ErrBusy):
+		case errors.Is(err, auth.ErrBusy):
 			s.reject(ReasonBusy, err.Error())
 		default:
 			s.reject(ReasonAuth, err.Error())

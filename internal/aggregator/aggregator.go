@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -28,10 +29,10 @@ import (
 // Config is what an aggregator needs besides its View.
 type Config struct {
 	Policy audit.Policy
-	Auth   Authenticator
+	Auth   auth.Authenticator
 	// Readers, when set, decides who may read the HTTP API's findings
 	// (/api/); nil serves them to anyone who reaches the port.
-	Readers *ReaderAuth
+	Readers *auth.ReaderAuth
 	// Insecure marks Auth as accepting everyone: every connection is
 	// logged with a warning.
 	Insecure        bool

@@ -13,6 +13,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 
@@ -56,7 +57,7 @@ var t0 = time.Date(2026, 11, 21, 12, 0, 0, 0, time.UTC)
 
 // start runs an aggregator over a fake API holding the synth cluster and
 // nodes n1..n3, leading, with the given authenticator.
-func start(t *testing.T, grace time.Duration, auth Authenticator) *harness {
+func start(t *testing.T, grace time.Duration, auth auth.Authenticator) *harness {
 	return startWith(t, grace, auth, fakeCluster(), nil)
 }
 
@@ -72,12 +73,12 @@ func fakeCluster() *fake.Clientset {
 // startWith is start over the given fake API, with the barrier when not
 // nil. Nothing evaluates on its own: until and advance do, as they step
 // the clock.
-func startWith(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, barrier *view.Barrier) *harness {
+func startWith(t *testing.T, grace time.Duration, auth auth.Authenticator, client *fake.Clientset, barrier *view.Barrier) *harness {
 	return startView(t, grace, auth, client, view.Config{Debounce: 50 * time.Millisecond, Barrier: barrier})
 }
 
 // startView is startWith with the view's debounce and barrier in vc.
-func startView(t *testing.T, grace time.Duration, auth Authenticator, client *fake.Clientset, vc view.Config, opts ...func(*Config)) *harness {
+func startView(t *testing.T, grace time.Duration, auth auth.Authenticator, client *fake.Clientset, vc view.Config, opts ...func(*Config)) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	log := zaptest.NewLogger(t)
 	clk := clocktesting.NewFakeClock(t0)
@@ -232,7 +233,7 @@ func rules(t *testing.T, drop ...int) *audit.Observed {
 }
 
 // tokens: "t-NODE" is valid for NODE only.
-var tokens = AuthFunc(func(_ context.Context, h Hello) error {
+var tokens = auth.AuthFunc(func(_ context.Context, h auth.Hello) error {
 	if h.Token != "t-"+h.Node {
 		return errors.New("unauthenticated: token is bound to another node")
 	}
@@ -339,7 +340,7 @@ func kindsOf(v audit.Verdict) string {
 // node catches up → clear; its collector stops → CollectorMissing.
 func TestAggregatorJudgesCollectors(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		var mu sync.Mutex
 		current := rules(t)
 		stuck := rules(t)
@@ -483,7 +484,7 @@ func TestQuietNodes(t *testing.T) {
 func TestReadNowBringsTheFindingForward(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const grace = 6 * time.Second
-		h := start(t, grace, InsecureNoAuth{})
+		h := start(t, grace, auth.InsecureNoAuth{})
 		old := rules(t)
 		sl, err := h.client.DiscoveryV1().EndpointSlices(synth.Namespace).List(h.ctx, metav1.ListOptions{})
 		if err != nil {
@@ -531,7 +532,7 @@ func TestReadNowBringsTheFindingForward(t *testing.T) {
 // warned of: that half is not audited, which is not "in sync".
 func TestUnauditedFamilyWarned(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		full := rules(t)
 		h.collector(h.ctx, "n1", func() *audit.Observed { return full })
 		h.collector(h.ctx, "n2", func() *audit.Observed {
@@ -559,7 +560,7 @@ func TestUnauditedFamilyWarned(t *testing.T) {
 // and leaves when a read no longer notices it.
 func TestReadWarningsReachTheNodeStatus(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		var mu sync.Mutex
 		warned := rules(t)
 		warned.Warnings = []string{"kube-proxy's iptables rules remain on this node\x1b[2J but kube-proxy does not answer"}

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/chart"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/promtool"
@@ -48,7 +49,7 @@ func TestStuckAlertFiresOnScrapedMetrics(t *testing.T) {
 		t.Fatal("no dashboard ConfigMap")
 	}
 
-	h := start(t, 2*time.Second, InsecureNoAuth{})
+	h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 	h.settle = realTime // Prometheus scrapes the aggregator over a real socket
 	var mu sync.Mutex
 	current, stuck := rules(t), rules(t)

@@ -14,6 +14,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -92,7 +93,7 @@ func TestBarrierHoldsReportsAheadOfTheView(t *testing.T) {
 				if barrier {
 					b = &view.Barrier{Namespace: "proxyaudit", Identity: "test", Every: 100 * time.Millisecond, Timeout: 4 * time.Second}
 				}
-				h := startWith(t, grace, InsecureNoAuth{}, client, b)
+				h := startWith(t, grace, auth.InsecureNoAuth{}, client, b)
 				view := h.agg.view
 				var mu sync.Mutex
 				current := rules(t)

@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
@@ -47,7 +48,7 @@ func (n *notes) Forget(node string) {
 func TestNodeChurnLeavesNothingBehind(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		client := fakeCluster()
-		h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+		h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 		rec := &notes{open: map[string]bool{}}
 		ex := &effect.Executor{Client: client, Policy: remediate.DefaultPolicy(), Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t)}
 		h.agg.cfg.Remediation = &Remediation{Policy: remediate.DefaultPolicy(), Executor: ex}

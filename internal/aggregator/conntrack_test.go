@@ -13,6 +13,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/dataplane/conntrack"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -54,7 +55,7 @@ func (f *fakeConntrack) set(flows []audit.ConntrackFlows, err error) {
 // finding; a table that cannot be read is a warning on the node.
 func TestStaleConntrackThroughTheStream(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		o := rules(t)
 		var fe audit.ObservedFrontend
 		for _, f := range o.Frontends {
@@ -186,7 +187,7 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				client := fakeCluster()
-				h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+				h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 				o := rules(t)
 				var fe audit.ObservedFrontend
 				for _, f := range o.Frontends {

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -50,7 +51,7 @@ func TestJudgeAt(t *testing.T) {
 func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const grace, debounce = 2 * time.Second, 2 * time.Second
-		h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: debounce})
+		h := startView(t, grace, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: debounce})
 		c := h.dial("n1")
 		expect(t, c, stream.TypeWelcome, "")
 		st := stream.NewState()
@@ -148,7 +149,7 @@ func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 // version is pruned as too old (Divergent).
 func TestHeldBackStateRaisesNoFalseFinding(t *testing.T) {
 	const grace, hold, delay = 4 * time.Second, 40 * time.Second, time.Second
-	h := startView(t, grace, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: time.Second})
+	h := startView(t, grace, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: time.Second})
 	h.settle = realTime // the view's State held: see realTime
 	// The cluster's history: which services have dropped their last
 	// endpoint, from when; the node reads it delay late.
@@ -271,7 +272,7 @@ func TestDriftDatedByTheFirstReportShowingIt(t *testing.T) {
 
 func driftDatedByFirstReport(t *testing.T, changeBefore bool) {
 	const grace = 2 * time.Second
-	h := startWith(t, grace, InsecureNoAuth{}, fakeCluster(), nil)
+	h := startWith(t, grace, auth.InsecureNoAuth{}, fakeCluster(), nil)
 	c := h.dial("n1")
 	expect(t, c, stream.TypeWelcome, "")
 	st, seq := stream.NewState(), uint64(0)

@@ -81,20 +81,6 @@ const (
 	ReasonUnauthenticatedLimit RejectReason = "unauthenticated_limit"
 )
 
-// DenyReason is why the HTTP API refused a reader: the value of
-// proxyaudit_http_denied_total's reason label.
-type DenyReason string
-
-// Reasons a reader is refused.
-const (
-	DenyNoToken         DenyReason = "no_token"
-	DenyUnauthenticated DenyReason = "unauthenticated"
-	DenyForbidden       DenyReason = "forbidden"
-	DenyReviewFailed    DenyReason = "review_failed"
-	// DenyBusy: the readers' review budget is spent (429).
-	DenyBusy DenyReason = "busy"
-)
-
 // NewMetrics registers the aggregator's metrics (and the Go and process
 // collectors) in a fresh registry.
 func NewMetrics() *Metrics {

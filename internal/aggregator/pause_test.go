@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
@@ -25,7 +26,7 @@ import (
 func TestPauseHoldsRepairsAndSaysSo(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		client := fakeCluster()
-		h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+		h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 		ctx := context.Background()
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "kube-proxy-n3", Labels: map[string]string{"k8s-app": "kube-proxy"},
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "DaemonSet", Name: "kube-proxy", UID: "ds"}}},

@@ -28,7 +28,7 @@ func (a *Aggregator) peerIPs() []string {
 
 // PeerAddresses are the replicas' addresses as the peers Service's
 // endpoints list them (Config.Peers): the sources the internal API's
-// reviews favour (PeerAuth.Replicas).
+// reviews favour (auth.PeerAuth.Replicas).
 func (a *Aggregator) PeerAddresses() []string { return a.peerIPs() }
 
 // replicaIPs returns the addresses of the endpoints in eps that are not

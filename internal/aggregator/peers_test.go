@@ -20,6 +20,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
@@ -94,7 +95,7 @@ func (r *replicas) start(ln net.Listener, name string) (agg *Aggregator, stop co
 	view := view.New(view.Config{Client: r.client, Keep: time.Minute, Log: log, Debounce: 50 * time.Millisecond})
 	p := audit.DefaultPolicy()
 	p.Grace, p.DefaultInterval = 2*time.Second, time.Second
-	agg = New(Config{Policy: p, Auth: InsecureNoAuth{}, Self: ln.Addr().String(), Peers: "proxyaudit/agg-headless", Log: log,
+	agg = New(Config{Policy: p, Auth: auth.InsecureNoAuth{}, Self: ln.Addr().String(), Peers: "proxyaudit/agg-headless", Log: log,
 		MaxMessageBytes: 1 << 20}, view)
 	r.wg.Add(3)
 	go func() { defer r.wg.Done(); view.Run(ctx) }()

@@ -26,6 +26,8 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth/authtest"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/testkit"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -81,7 +83,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 	roots, cert := testkit.ServingPair(t, name)
 	_, impostorCert := testkit.ServingPair(t, name) // the right name, another CA
 	exp := time.Now().Add(time.Hour)
-	token := jwt(DefaultPeerAudience, "", exp)
+	token := authtest.JWT(auth.DefaultPeerAudience, "", exp)
 	tokenFile := filepath.Join(t.TempDir(), "token")
 	os.WriteFile(tokenFile, []byte(token+"\n"), 0o600)
 	client := fake.NewClientset()
@@ -102,7 +104,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	clk := clocktesting.NewFakeClock(time.Now())
 	replica := New(Config{Self: "127.0.0.2:9443", Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: 2, Port: port,
-		Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
+		Auth: &auth.PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
 	replica.partials.publish(audit.Partial{Nodes: []audit.NodeStatus{{Node: "n1", State: audit.NodeInSync}}, Drifted: map[string]time.Time{}}, []int{1}, clk.Now())
 	genuine := &http.Server{Handler: replica.InternalHandler()}
 	go genuine.Serve(tls.NewListener(ln, &tls.Config{Certificates: []tls.Certificate{cert}}))
@@ -137,7 +139,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 		// A generous timeout: what is tested is whom the leader believes,
 		// and under -race beside the end-to-end stage (make test) the
 		// genuine replica's first answer took over 5 s once.
-		Client: NewPeerClient(PeerClientConfig{Roots: func() *x509.CertPool { return roots }, ServerName: name, TokenFile: tokenFile, Timeout: time.Minute})}},
+		Client: auth.NewPeerClient(auth.PeerClientConfig{Roots: func() *x509.CertPool { return roots }, ServerName: name, TokenFile: tokenFile, Timeout: time.Minute})}},
 		view.New(view.Config{Client: fake.NewClientset()}))
 	ctx := context.Background()
 	if p, _, err := leader.fetchPartial(ctx, "127.0.0.2:9443", ""); err != nil || len(p.Partial.Nodes) != 1 {
@@ -169,7 +171,7 @@ func TestPeersTrustOnlyTheReplicas(t *testing.T) {
 
 // BenchmarkPartialReadOverTheWire is the leader's read of one holder's
 // partial as it is made (6,250 nodes under BenchmarkPartialRead's churn):
-// the holder's internal handler behind PeerAuth, an HTTP GET on a kept
+// the holder's internal handler behind auth.PeerAuth, an HTTP GET on a kept
 // connection, the bounded decode and the mirror's apply; over plain HTTP
 // (as before trust review 4) and over TLS with the peers token (now), side
 // by side: the ratio is what TLS costs a read.
@@ -177,7 +179,7 @@ func BenchmarkPartialReadOverTheWire(b *testing.B) {
 	const name = "proxyaudit-aggregator-headless.proxyaudit.svc"
 	const me = "system:serviceaccount:proxyaudit:proxyaudit-aggregator"
 	roots, cert := testkit.ServingPair(b, name)
-	token := jwt(DefaultPeerAudience, "", time.Now().Add(time.Hour))
+	token := authtest.JWT(auth.DefaultPeerAudience, "", time.Now().Add(time.Hour))
 	tokenFile := filepath.Join(b.TempDir(), "token")
 	os.WriteFile(tokenFile, []byte(token+"\n"), 0o600)
 	client := fake.NewClientset()
@@ -191,7 +193,7 @@ func BenchmarkPartialReadOverTheWire(b *testing.B) {
 			r := mrand.New(mrand.NewPCG(1, 2))
 			clk := clocktesting.NewFakeClock(t0)
 			replica := New(Config{Self: "127.0.0.2:9443", Log: zap.NewNop(), Clock: clk, Shards: &Shards{Count: 2, Port: "0",
-				Auth: &PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
+				Auth: &auth.PeerAuth{Client: client, Username: me, Clock: clk}}}, view.New(view.Config{Client: fake.NewClientset()}))
 			var p audit.Partial
 			for i := range 6250 {
 				p.Nodes = append(p.Nodes, audit.NodeStatus{Node: fmt.Sprintf("ip-10-1-%d-%d.ec2.internal", i/250, i%250), State: audit.NodeInSync, Mode: audit.ModeIPTables})
@@ -200,11 +202,12 @@ func BenchmarkPartialReadOverTheWire(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			hc := &http.Client{Transport: &peerToken{base: http.DefaultTransport.(*http.Transport).Clone(), file: tokenFile}}
+			// The replicas' client carries the token either way; its TLS
+			// settings count only for https.
+			hc := auth.NewPeerClient(auth.PeerClientConfig{Roots: func() *x509.CertPool { return roots }, ServerName: name, TokenFile: tokenFile, Timeout: 5 * time.Second})
 			scheme := "http"
 			if kind == "tls" {
 				ln = tls.NewListener(ln, &tls.Config{Certificates: []tls.Certificate{cert}})
-				hc = NewPeerClient(PeerClientConfig{Roots: func() *x509.CertPool { return roots }, ServerName: name, TokenFile: tokenFile, Timeout: 5 * time.Second})
 				scheme = "https"
 			}
 			srv := &http.Server{Handler: replica.InternalHandler()}

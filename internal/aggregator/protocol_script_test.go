@@ -24,6 +24,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
@@ -142,11 +143,11 @@ func (w *scriptWire) take(t *testing.T) []*stream.Message {
 // the aggregator has no budget for.
 type scriptAuth struct{ clk *clocktesting.FakeClock }
 
-func (sa scriptAuth) Authenticate(_ context.Context, h Hello) (time.Time, error) {
+func (sa scriptAuth) Authenticate(_ context.Context, h auth.Hello) (time.Time, error) {
 	token, until, _ := strings.Cut(h.Token, "@")
 	switch {
 	case token == "busy":
-		return time.Time{}, &BusyError{RetryAfter: 3 * time.Second} // the review budget is spent
+		return time.Time{}, &auth.BusyError{RetryAfter: 3 * time.Second} // the review budget is spent
 	case token != "t-"+h.Node:
 		return time.Time{}, errors.New("unauthenticated: token is bound to another node")
 	case until != "":

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 )
@@ -45,7 +46,7 @@ func next(t *testing.T, c net.Conn) *stream.Message {
 // disagrees with its collector (no resync).
 func TestTopsOverRealCollectors(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		var mu sync.Mutex
 		nodes := []string{"n1", "n2", "n3"}
 		shows := map[string]*audit.Observed{}
@@ -122,7 +123,7 @@ func TestTopsOverRealCollectors(t *testing.T) {
 func TestReportJudgedAsOfItsArrival(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const grace = time.Second
-		h := start(t, grace, InsecureNoAuth{})
+		h := start(t, grace, auth.InsecureNoAuth{})
 		c := h.helloRefs("n1")
 		sent := stream.NewState()
 		v1 := stream.FromModel(rules(t))
@@ -186,7 +187,7 @@ func TestReportJudgedAsOfItsArrival(t *testing.T) {
 // late, and a healthy node looked 14 s behind (5,000 nodes, a takeover).
 func TestReportsReadAheadKeepTheirArrival(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		v := stream.FromModel(rules(t))
 		open := func(node string) (net.Conn, *stream.State, []stream.Sent) {
 			c := h.helloRefs(node)

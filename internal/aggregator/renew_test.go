@@ -18,6 +18,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/collector"
 	"github.com/proxyaudit/proxyaudit/internal/collector/collectortest"
 )
@@ -27,18 +28,18 @@ import (
 // expiry or naming another node is refused, as a TokenReview would.
 type expiring struct{ clk *clocktesting.FakeClock }
 
-func (e expiring) Authenticate(_ context.Context, h Hello) (time.Time, error) {
+func (e expiring) Authenticate(_ context.Context, h auth.Hello) (time.Time, error) {
 	node, secs, ok := strings.Cut(h.Token, "/")
 	n, err := strconv.Atoi(secs)
 	if !ok || err != nil {
-		return time.Time{}, fmt.Errorf("%w: malformed token", ErrUnauthenticated)
+		return time.Time{}, fmt.Errorf("%w: malformed token", auth.ErrUnauthenticated)
 	}
 	if node != h.Node {
-		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", ErrUnauthenticated, node, h.Node)
+		return time.Time{}, fmt.Errorf("%w: token is bound to node %q, not %q", auth.ErrUnauthenticated, node, h.Node)
 	}
 	until := t0.Add(time.Duration(n) * time.Second)
 	if !e.clk.Now().Before(until) {
-		return time.Time{}, fmt.Errorf("%w: token expired", ErrUnauthenticated)
+		return time.Time{}, fmt.Errorf("%w: token expired", auth.ErrUnauthenticated)
 	}
 	return until, nil
 }
@@ -53,7 +54,7 @@ func TestCollectorRenewsRotatedToken(t *testing.T) {
 			mu   sync.Mutex
 			seen []string
 		)
-		h.agg.cfg.Auth = authRecorder(func(ctx context.Context, hello Hello) (time.Time, error) {
+		h.agg.cfg.Auth = authRecorder(func(ctx context.Context, hello auth.Hello) (time.Time, error) {
 			mu.Lock()
 			seen = append(seen, hello.Token)
 			mu.Unlock()
@@ -106,6 +107,8 @@ func TestCollectorRenewsRotatedToken(t *testing.T) {
 	})
 }
 
-type authRecorder func(context.Context, Hello) (time.Time, error)
+type authRecorder func(context.Context, auth.Hello) (time.Time, error)
 
-func (f authRecorder) Authenticate(ctx context.Context, h Hello) (time.Time, error) { return f(ctx, h) }
+func (f authRecorder) Authenticate(ctx context.Context, h auth.Hello) (time.Time, error) {
+	return f(ctx, h)
+}

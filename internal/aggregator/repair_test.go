@@ -12,6 +12,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
@@ -39,7 +40,7 @@ func TestSlowRepairHoldsNoFinding(t *testing.T) {
 			}
 			return false, nil, nil // the fake's own answer: no kube-proxy pod
 		})
-		h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+		h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 		defer close(release)
 		rec := &notes{open: map[string]bool{}}
 		ex := &effect.Executor{Client: client, Policy: remediate.DefaultPolicy(), Notifier: rec, Clock: h.clk, Log: zaptest.NewLogger(t)}

@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 )
 
@@ -33,11 +34,11 @@ type Shards struct {
 	Port string
 	TLS  bool
 	// Client makes this replica's requests to the others, carrying its
-	// peers token (NewPeerClient); nil: http.DefaultClient.
+	// peers token (auth.NewPeerClient); nil: http.DefaultClient.
 	Client *http.Client
 	// Auth, when set, admits the internal API's callers: the other
 	// replicas. Nil: anyone who reaches the port (--insecure-no-auth).
-	Auth *PeerAuth
+	Auth *auth.PeerAuth
 }
 
 // PartialResponse is GET /internal/v1/partial[?epoch=E&since=V]: a

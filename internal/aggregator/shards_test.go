@@ -24,6 +24,8 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth/authtest"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator/view"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
@@ -268,7 +270,7 @@ func TestPeerAuth(t *testing.T) {
 	var mu sync.Mutex
 	reviews := 0
 	exp := t0.Add(time.Hour)
-	replicaToken, readerToken := jwt(DefaultPeerAudience, "", exp)+"replica", jwt(DefaultPeerAudience, "", exp)+"reader"
+	replicaToken, readerToken := authtest.JWT(auth.DefaultPeerAudience, "", exp)+"replica", authtest.JWT(auth.DefaultPeerAudience, "", exp)+"reader"
 	client.PrependReactor("create", "tokenreviews", func(action k8stesting.Action) (bool, runtime.Object, error) {
 		mu.Lock()
 		reviews++
@@ -286,7 +288,7 @@ func TestPeerAuth(t *testing.T) {
 		return true, tr, nil
 	})
 	clk := clocktesting.NewFakeClock(t0)
-	pa := &PeerAuth{Client: client, Username: me, Clock: clk, Replicas: func() []string { return []string{"198.18.0.2:9443"} }}
+	pa := &auth.PeerAuth{Client: client, Username: me, Clock: clk, Replicas: func() []string { return []string{"198.18.0.2:9443"} }}
 	h := pa.Wrap(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("partial")) }))
 	get := func(token, from string) int {
 		r := httptest.NewRequest(http.MethodGet, "/internal/v1/partial", nil)
@@ -302,8 +304,8 @@ func TestPeerAuth(t *testing.T) {
 	for _, c := range []struct {
 		token string
 		want  int
-	}{{"", http.StatusUnauthorized}, {"not-a-jwt", http.StatusUnauthorized}, {jwt("proxyaudit", "", exp), http.StatusUnauthorized},
-		{replicaToken, http.StatusOK}, {replicaToken, http.StatusOK}, {readerToken, http.StatusForbidden}, {jwt(DefaultPeerAudience, "", exp) + "forged", http.StatusForbidden}} {
+	}{{"", http.StatusUnauthorized}, {"not-a-jwt", http.StatusUnauthorized}, {authtest.JWT("proxyaudit", "", exp), http.StatusUnauthorized},
+		{replicaToken, http.StatusOK}, {replicaToken, http.StatusOK}, {readerToken, http.StatusForbidden}, {authtest.JWT(auth.DefaultPeerAudience, "", exp) + "forged", http.StatusForbidden}} {
 		if got := get(c.token, replica); got != c.want {
 			t.Errorf("token %q: %d, want %d", c.token, got, c.want)
 		}
@@ -321,11 +323,11 @@ func TestPeerAuth(t *testing.T) {
 	}
 	// A flood of forged JWTs from one pod: a small share reviewed, the
 	// replica's new token admitted throughout.
-	fresh := jwt(DefaultPeerAudience, "", clk.Now().Add(time.Hour)) + "replica"
+	fresh := authtest.JWT(auth.DefaultPeerAudience, "", clk.Now().Add(time.Hour)) + "replica"
 	replicaToken = fresh
 	before, busy := reviews, 0
 	for i := range 200 {
-		if get(jwt(DefaultPeerAudience, "", clk.Now().Add(time.Hour))+fmt.Sprint(i), pod) == http.StatusTooManyRequests {
+		if get(authtest.JWT(auth.DefaultPeerAudience, "", clk.Now().Add(time.Hour))+fmt.Sprint(i), pod) == http.StatusTooManyRequests {
 			busy++
 		}
 		if i%20 == 0 && get(fresh, replica) != http.StatusOK {
@@ -348,7 +350,7 @@ func TestShardAdmission(t *testing.T) {
 		defer cancel()
 		holders := []string{"127.0.0.1:1", "127.0.0.9:9443", ""}
 		var hmu sync.Mutex
-		h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
+		h := startView(t, 2*time.Second, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
 			c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { hmu.Lock(); defer hmu.Unlock(); return slices.Clone(holders) }}
 		})
 		agg := h.agg
@@ -401,7 +403,7 @@ func TestShardAdmission(t *testing.T) {
 func TestShardedLeaderJudgesThroughItsPartial(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const shards = 2
-		h := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
+		h := startView(t, 2*time.Second, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, func(c *Config) {
 			c.Shards = &Shards{Count: shards, Port: "1", Holders: func() []string { return []string{"127.0.0.1:1", "127.0.0.1:1"} }}
 		})
 		for k := range shards {
@@ -457,7 +459,7 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 		hClient, lClient := fakeCluster(), fakeCluster()
 		hLookups, lLookups := lookups(hClient), lookups(lClient)
 		hNotes, lNotes := &notes{open: map[string]bool{}}, &notes{open: map[string]bool{}}
-		h := startView(t, 2*time.Second, InsecureNoAuth{}, hClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
+		h := startView(t, 2*time.Second, auth.InsecureNoAuth{}, hClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(hClient, hNotes), func(c *Config) {
 			c.Self = holder
 			c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
 		})
@@ -468,7 +470,7 @@ func TestOnlyTheLeaderActsOnAShardsDrift(t *testing.T) {
 		for k := range shards {
 			h.holdShard(k)
 		}
-		l := startView(t, 2*time.Second, InsecureNoAuth{}, lClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
+		l := startView(t, 2*time.Second, auth.InsecureNoAuth{}, lClient, view.Config{Debounce: 50 * time.Millisecond}, withRemediation(lClient, lNotes), func(c *Config) {
 			c.Self = "127.0.0.2:9443"
 			c.Shards = &Shards{Count: shards, Port: port, Holders: func() []string { return []string{holder, holder} }}
 		})
@@ -520,8 +522,8 @@ func TestFlushIsPassedOnOnce(t *testing.T) {
 				c.Shards = &Shards{Count: 1, Port: port, Holders: func() []string { return []string{other} }}
 			}
 		}
-		ha := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(a, b))
-		hb := startView(t, 2*time.Second, InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(b, a))
+		ha := startView(t, 2*time.Second, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(a, b))
+		hb := startView(t, 2*time.Second, auth.InsecureNoAuth{}, fakeCluster(), view.Config{Debounce: 50 * time.Millisecond}, believes(b, a))
 		serve(ha, lnA, &served[0])
 		serve(hb, ln, &served[1])
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/remediate"
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
@@ -57,7 +58,7 @@ func (k *kinds) since(i int) ([]remediate.Notice, int) {
 func TestStormIsOnePageAndMarksNoNode(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		client := fakeCluster()
-		h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+		h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 		rec := &kinds{}
 		// Out of dry-run, so that conditions and incidents would be written.
 		p := remediate.DefaultPolicy()

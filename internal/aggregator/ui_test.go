@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/browser"
 	"github.com/proxyaudit/proxyaudit/internal/synth"
 	"github.com/proxyaudit/proxyaudit/remediate"
@@ -31,7 +32,7 @@ import (
 // text; the incidents page shows the dry-run restart.
 func TestStatusPageInChromium(t *testing.T) {
 	client := fakeCluster()
-	h := startWith(t, 2*time.Second, InsecureNoAuth{}, client, nil)
+	h := startWith(t, 2*time.Second, auth.InsecureNoAuth{}, client, nil)
 	h.settle = realTime // Chromium reaches the status page over a real socket
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "kube-proxy-n3", Labels: map[string]string{"k8s-app": "kube-proxy"},
 		OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "DaemonSet", Name: "kube-proxy", UID: "ds"}}},
@@ -120,10 +121,10 @@ func TestStatusPageInChromium(t *testing.T) {
 // the leader.
 func TestStatusPageBehindReaderAuth(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		h := start(t, 2*time.Second, InsecureNoAuth{})
+		h := start(t, 2*time.Second, auth.InsecureNoAuth{})
 		h.collector(h.ctx, "n1", func() *audit.Observed { return rules(t) })
 		h.until(20*time.Second, "a verdict", func() bool { return len(h.verdict().Nodes) > 0 })
-		h.agg.cfg.Readers = &ReaderAuth{Client: fakeCluster(), Audience: "proxyaudit", Namespace: "pa", Service: "agg", Clock: h.clk}
+		h.agg.cfg.Readers = &auth.ReaderAuth{Client: fakeCluster(), Audience: "proxyaudit", Namespace: "pa", Service: "agg", Clock: h.clk}
 		srvURL, hc := h.net.HTTPServer(t, h.agg.Handler("0"))
 		get := func(path string) (int, string) {
 			r, err := hc.Get(srvURL + path)

@@ -28,7 +28,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/fleetsim"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
@@ -177,7 +177,7 @@ func setupTLSReplicas(ctx context.Context, t *testing.T, c *localcluster.Cluster
 		t.Fatal(err)
 	}
 	tr, err := c.Client.CoreV1().ServiceAccounts(fleetNS).CreateToken(ctx, aggregatorName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences: []string{aggregator.DefaultPeerAudience}, ExpirationSeconds: ptr(int64(3 * 3600))}}, metav1.CreateOptions{})
+		Audiences: []string{auth.DefaultPeerAudience}, ExpirationSeconds: ptr(int64(3 * 3600))}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

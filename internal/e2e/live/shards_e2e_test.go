@@ -18,6 +18,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/aggregator"
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/api"
 	"github.com/proxyaudit/proxyaudit/internal/localcluster"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
@@ -262,7 +263,7 @@ func (l *live) peerToken(ctx context.Context, account string) string {
 	l.t.Helper()
 	exp := int64(3600)
 	tr, err := l.c.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, account, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		ExpirationSeconds: &exp, Audiences: []string{aggregator.DefaultPeerAudience}}}, metav1.CreateOptions{})
+		ExpirationSeconds: &exp, Audiences: []string{auth.DefaultPeerAudience}}}, metav1.CreateOptions{})
 	if err != nil {
 		l.t.Fatal(err)
 	}

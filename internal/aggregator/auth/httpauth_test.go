@@ -1,4 +1,4 @@
-package aggregator
+package auth
 
 import (
 	"encoding/base64"

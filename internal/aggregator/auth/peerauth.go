@@ -1,4 +1,4 @@
-package aggregator
+package auth
 
 import (
 	"context"
@@ -19,6 +19,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/clock"
+
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 )
 
 // The replicas' internal API (partials, explain and flush forwarded to a
@@ -141,11 +143,11 @@ func (pa *PeerAuth) decide(ctx context.Context, token, source string) (int, erro
 	expires := now.Add(readerCacheFor)
 	switch {
 	case !tr.Status.Authenticated:
-		err = fmt.Errorf("token not valid: %s", clip(tr.Status.Error))
+		err = fmt.Errorf("token not valid: %s", safetext.Clean(tr.Status.Error, 80))
 	case !slices.Contains(tr.Status.Audiences, pa.Audience):
 		err = fmt.Errorf("the token is not for audience %s", pa.Audience)
 	case tr.Status.User.Username != pa.Username:
-		err = fmt.Errorf("%s is not an aggregator replica (%s): the internal API is theirs alone", clip(tr.Status.User.Username), pa.Username)
+		err = fmt.Errorf("%s is not an aggregator replica (%s): the internal API is theirs alone", safetext.Clean(tr.Status.User.Username, 80), pa.Username)
 	default:
 		expires = now.Add(peerCacheMax)
 		if exp := tokenExpiry(token); !exp.IsZero() && exp.Before(expires) {

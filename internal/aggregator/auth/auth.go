@@ -1,4 +1,10 @@
-package aggregator
+// Package auth decides who may talk to the aggregator: collectors (their
+// tokens reviewed by the API server, bound to their node and, optionally,
+// to the collector DaemonSet's pods), readers of the HTTP API, and the other
+// replicas on the internal API; and the review budgets that keep a flood
+// of junk tokens from the API server and from the collectors' admissions.
+// It knows nothing of streams or judging: the aggregator asks it.
+package auth
 
 import (
 	"context"

@@ -1,8 +1,9 @@
-package aggregator
+package auth
 
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -177,4 +178,27 @@ func sourceOf(remote string) string {
 		return h
 	}
 	return remote
+}
+
+// DenyReason is why the HTTP API refused a reader: the value of
+// proxyaudit_http_denied_total's reason label.
+type DenyReason string
+
+// Reasons a reader is refused.
+const (
+	DenyNoToken         DenyReason = "no_token"
+	DenyUnauthenticated DenyReason = "unauthenticated"
+	DenyForbidden       DenyReason = "forbidden"
+	DenyReviewFailed    DenyReason = "review_failed"
+	// DenyBusy: the readers' review budget is spent (429).
+	DenyBusy DenyReason = "busy"
+)
+
+// writeError answers a refused reader as the HTTP API answers errors.
+func writeError(w http.ResponseWriter, code int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(map[string]string{"error": msg})
 }
