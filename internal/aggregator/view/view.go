@@ -14,6 +14,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -79,8 +80,9 @@ type View struct {
 	history  *audit.History
 	gen      uint64 // bumps on every rebuild
 	rebuilt  time.Time
-	// onRebuild observes each rebuild's duration (ObserveRebuilds).
-	onRebuild func(time.Duration)
+	// onRebuild observes each rebuild's duration (ObserveRebuilds; set
+	// while the view may already run).
+	onRebuild atomic.Pointer[func(time.Duration)]
 
 	debounce time.Duration
 
@@ -392,8 +394,8 @@ func (v *View) rebuild() {
 	v.rebuilding, v.listedAt, v.built = false, start, true
 	v.barrierPublished(stamps)
 	v.dirtyMu.Unlock()
-	if v.onRebuild != nil {
-		v.onRebuild(v.clock.Since(start))
+	if f := v.onRebuild.Load(); f != nil {
+		(*f)(v.clock.Since(start))
 	}
 }
 
@@ -428,9 +430,9 @@ func (v *View) reduceFrom(key string) (audit.Service, bool) {
 	return audit.Service{}, false
 }
 
-// ObserveRebuilds has f hear each rebuild's duration (the aggregator's
-// metrics); call it before Run.
-func (v *View) ObserveRebuilds(f func(time.Duration)) { v.onRebuild = f }
+// ObserveRebuilds has f hear each rebuild's duration from now on (the
+// aggregator's metrics).
+func (v *View) ObserveRebuilds(f func(time.Duration)) { v.onRebuild.Store(&f) }
 
 // Covered is the time up to which the published State holds every change
 // the informers delivered: now when nothing is pending, else when the
