@@ -466,37 +466,3 @@ func (v *View) ExpectedNodes() []string {
 }
 
 const byAddress = "address"
-
-// IsNodeAddress says whether ip is an address of a Node of the cluster
-// (collectors run on the host's network: their streams come from one).
-func (v *View) IsNodeAddress(ip string) bool {
-	if v == nil || v.nodeIdx == nil {
-		return false
-	}
-	a, err := netip.ParseAddr(ip)
-	if err != nil {
-		return false
-	}
-	objs, _ := v.nodeIdx.ByIndex(byAddress, a.Unmap().String())
-	return len(objs) > 0
-}
-
-// Node returns the cluster's Node object from the informer (nil if absent).
-func (v *View) Node(name string) *corev1.Node {
-	n, err := v.nodes.Get(name)
-	if err != nil {
-		return nil
-	}
-	return n
-}
-
-// EndpointSlices returns the informer's EndpointSlices of the Service
-// namespace/name (the replicas' own, for their addresses).
-func (v *View) EndpointSlices(service string) []*discoveryv1.EndpointSlice {
-	objs, _ := v.sliceIdx.ByIndex(byService, service)
-	out := make([]*discoveryv1.EndpointSlice, 0, len(objs))
-	for _, o := range objs {
-		out = append(out, o.(*discoveryv1.EndpointSlice))
-	}
-	return out
-}
