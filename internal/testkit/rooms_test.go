@@ -105,3 +105,67 @@ func TestTheCollectorReadsThroughTheDataplane(t *testing.T) {
 		}
 	}
 }
+
+// The aggregator's unit tests wait on nobody's real time: a test steps
+// its clock and waits until the goroutines it woke wait again
+// (synctest.Wait), so a time.Sleep may only be the bubble's time (inside
+// the function a synctest.Test runs: a collector waiting its retry-after,
+// 12 s without a leader), or realTime, the harness's settle for the few
+// tests that cannot run in a bubble (each says why). End-to-end files
+// (*_e2e_test.go) talk to genuine processes and are left out (issue #59).
+func TestAggregatorTestsSleepOnlyInBubbles(t *testing.T) {
+	root := repoRoot(t)
+	fset := token.NewFileSet()
+	dir := filepath.Join(root, "internal/aggregator")
+	err := filepath.WalkDir(dir, func(p string, e os.DirEntry, err error) error {
+		if err != nil || e.IsDir() || !strings.HasSuffix(p, "_test.go") || strings.HasSuffix(p, "_e2e_test.go") {
+			return err
+		}
+		f, err := parser.ParseFile(fset, p, nil, 0)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		for _, d := range f.Decls {
+			fd, ok := d.(*ast.FuncDecl)
+			if !ok || fd.Body == nil || fd.Name.Name == "realTime" {
+				continue
+			}
+			var bubbles []ast.Node // the functions synctest.Test runs
+			ast.Inspect(fd.Body, func(n ast.Node) bool {
+				if c, ok := n.(*ast.CallExpr); ok && isCall(c, "synctest", "Test") && len(c.Args) == 2 {
+					bubbles = append(bubbles, c.Args[1])
+				}
+				return true
+			})
+			ast.Inspect(fd.Body, func(n ast.Node) bool {
+				c, ok := n.(*ast.CallExpr)
+				if !ok || !isCall(c, "time", "Sleep") {
+					return true
+				}
+				for _, b := range bubbles {
+					if c.Pos() >= b.Pos() && c.End() <= b.End() {
+						return true
+					}
+				}
+				t.Errorf("%s:%d: %s sleeps outside a synctest bubble: wait with synctest.Wait in one (or, if it cannot run in one, use the harness's realTime and say why)",
+					rel, fset.Position(c.Pos()).Line, fd.Name.Name)
+				return true
+			})
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// isCall says whether c calls pkg.name.
+func isCall(c *ast.CallExpr, pkg, name string) bool {
+	s, ok := c.Fun.(*ast.SelectorExpr)
+	if !ok || s.Sel.Name != name {
+		return false
+	}
+	id, ok := s.X.(*ast.Ident)
+	return ok && id.Name == pkg
+}
