@@ -398,16 +398,16 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 		// The HTTP API serves the verdict.
 		srvURL, hc := h.net.HTTPServer(t, h.agg.Handler("0"))
 		var fr api.FindingsResponse
-		getJSONWith(t, hc, srvURL+"/api/v1/findings?node=n3", &fr)
+		getJSON(t, hc, srvURL+"/api/v1/findings?node=n3", &fr)
 		if len(fr.Findings) != 2 || fr.Findings[1].Since.IsZero() || fr.Summary.NodesDrifted != 1 {
 			t.Fatalf("findings API: %+v", fr)
 		}
 		var nr api.NodeResponse
-		getJSONWith(t, hc, srvURL+"/api/v1/nodes/n3", &nr)
+		getJSON(t, hc, srvURL+"/api/v1/nodes/n3", &nr)
 		if nr.State != audit.NodeStuck || nr.Lagging != 1 || len(nr.Findings) != 2 {
 			t.Fatalf("node API: %+v", nr)
 		}
-		getJSONWith(t, hc, srvURL+"/api/v1/nodes/n4", &nr)
+		getJSON(t, hc, srvURL+"/api/v1/nodes/n4", &nr)
 		for _, f := range nr.Findings {
 			if f.Node != "n4" {
 				t.Fatalf("n4's findings name node %s: %+v", f.Node, nr.Findings)
@@ -431,13 +431,9 @@ func TestAggregatorJudgesCollectors(t *testing.T) {
 	})
 }
 
-func getJSON(t *testing.T, url string, v any) {
-	t.Helper()
-	getJSONWith(t, http.DefaultClient, url, v)
-}
-
-// getJSONWith is getJSON through hc (the harness's network's client).
-func getJSONWith(t *testing.T, hc *http.Client, url string, v any) {
+// getJSON GETs url through hc (the harness's network's client) and
+// decodes its JSON into v.
+func getJSON(t *testing.T, hc *http.Client, url string, v any) {
 	t.Helper()
 	r, err := hc.Get(url)
 	if err != nil {

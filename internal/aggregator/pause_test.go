@@ -71,7 +71,7 @@ func TestPauseHoldsRepairsAndSaysSo(t *testing.T) {
 		}
 		srvURL, hc := h.net.HTTPServer(t, h.agg.Handler("0"))
 		var fr api.FindingsResponse
-		getJSONWith(t, hc, srvURL+"/api/v1/findings", &fr)
+		getJSON(t, hc, srvURL+"/api/v1/findings", &fr)
 		if !strings.Contains(fr.RemediationHold, "paused by alice@example.com") {
 			t.Errorf("the API's remediationHold: %q", fr.RemediationHold)
 		}
