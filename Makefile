@@ -7,6 +7,9 @@ TIMEOUT  ?= 45m
 # The oldest Kubernetes the chart supports (Chart.yaml's kubeVersion): its API server and
 # kube-proxy are built for the live suite (localcluster.OldestKubernetes says the same).
 OLDEST_K8S = v1.33.5
+# Modules the chart's end-to-end tests read CRDs from (the monitoring and OpenReports APIs): downloaded
+# by cluster-binaries, since lane 1 has no network (internal/chart's TestCRDModulesFetchedBeforeTheLanes).
+CHART_CRD_MODULES = github.com/prometheus-operator/prometheus-operator@v0.85.0 github.com/openreports/reports-api@v0.2.1
 # Under CI=true a machine that cannot run the end-to-end tests fails instead of skipping them.
 E2E_REQUIRE := $(if $(filter true 1,$(CI)),1,0)
 
@@ -315,8 +318,10 @@ demo-binaries:
 ## the release's tools (an OCI registry, krew, cyclonedx-gomod), built here so that no test builds one beside
 ## a timing-sensitive suite (cosign, minutes of both cores cold, is built by make test beside its suites), and
 ## the IPVS VM's image (apt-get download), the oldest supported release's API server and kube-proxy (the live
-## suite installs the chart on them): lanes 1 and 2 (deploy/lane.sh) have no network to fetch anything
+## suite installs the chart on them), the modules whose CRDs the chart's tests apply: lanes 1 and 2
+## (deploy/lane.sh) have no network to fetch anything
 cluster-binaries: demo-binaries
+	@deploy/quiet.sh chart-crd-modules "downloading the modules whose CRDs the chart's tests apply" -- env GOFLAGS=-mod=mod $(GO) mod download $(CHART_CRD_MODULES)
 	@deploy/k8s-tools/tool-at.sh $(OLDEST_K8S) kube-apiserver >/dev/null
 	@deploy/k8s-tools/tool-at.sh $(OLDEST_K8S) kube-proxy >/dev/null
 	@deploy/k8s-tools/alertmanager.sh >/dev/null
