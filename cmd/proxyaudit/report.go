@@ -250,22 +250,53 @@ func (a *access) getter() (func(string) ([]byte, error), func(), error) {
 	}
 	return func(path string) ([]byte, error) {
 		p, query, _ := strings.Cut(path, "?")
-		req := client.CoreV1().RESTClient().Get().Namespace(ns).Resource("services").
-			Name("http:" + *a.service + ":" + *a.port).SubResource("proxy").Suffix(p)
-		if v, err := neturl.ParseQuery(query); err == nil {
-			for k := range v {
-				req = req.Param(k, v.Get(k))
+		for attempt := 1; ; attempt++ {
+			req := client.CoreV1().RESTClient().Get().Namespace(ns).Resource("services").
+				Name("http:" + *a.service + ":" + *a.port).SubResource("proxy").Suffix(p)
+			if v, err := neturl.ParseQuery(query); err == nil {
+				for k := range v {
+					req = req.Param(k, v.Get(k))
+				}
 			}
-		}
-		if token != "" {
-			req = req.SetHeader(api.TokenHeader, token)
-		}
-		b, err := req.DoRaw(ctx)
-		if err != nil {
+			if token != "" {
+				req = req.SetHeader(api.TokenHeader, token)
+			}
+			b, err := req.DoRaw(ctx)
+			if err == nil {
+				return b, nil
+			}
+			if attempt < unavailableTries && aggregatorUnavailable(err, b) {
+				// A replica that has not seen the leader yet (just
+				// started), or a leader whose first verdict is not ready:
+				// the Service may pick another replica, or this one will
+				// know in a moment.
+				select {
+				case <-ctx.Done():
+				case <-time.After(unavailableWait):
+					continue
+				}
+			}
 			return nil, proxyError(err, b, ns, *a.service, *a.port, noToken)
 		}
-		return b, nil
 	}, cancel, nil
+}
+
+// unavailableTries and unavailableWait bound how long a request through
+// the service proxy waits out aggregators that answer 503 (no leader
+// known yet, or no verdict yet): about the leader election's retry period
+// twice over.
+const (
+	unavailableTries = 5
+	unavailableWait  = time.Second
+)
+
+// aggregatorUnavailable says whether the aggregator itself (not the API
+// server) answered 503 with its reason.
+func aggregatorUnavailable(err error, body []byte) bool {
+	var agg struct {
+		Error string `json:"error"`
+	}
+	return apierrors.IsServiceUnavailable(err) && json.Unmarshal(body, &agg) == nil && agg.Error != ""
 }
 
 // proxyError says who refused a request through the service proxy: client-go

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -225,6 +226,15 @@ func TestReportShowsAReaderToken(t *testing.T) {
 	fr.Findings = nil
 	const proxy = "/api/v1/namespaces/proxyaudit/services/http:proxyaudit-aggregator:http/proxy"
 	var mayMint bool
+	var unavailable atomic.Int32 // how many requests a replica answers 503 first
+	notYet := func() bool {
+		for n := unavailable.Load(); n > 0; n = unavailable.Load() {
+			if unavailable.CompareAndSwap(n, n-1) {
+				return true
+			}
+		}
+		return false
+	}
 	agg := http.StripPrefix(proxy, aggregatorAPI(fr, nr))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch {
@@ -238,6 +248,10 @@ func TestReportShowsAReaderToken(t *testing.T) {
 			w.Header().Set("Content-Type", "application/json")
 			json.NewEncoder(w).Encode(map[string]any{"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
 				"status": map[string]any{"token": "reader-token", "expirationTimestamp": time.Now().Add(time.Hour).Format(time.RFC3339)}})
+		case strings.HasPrefix(r.URL.Path, proxy+"/") && notYet():
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			w.Write([]byte(`{"error": "no aggregator leads yet; retry in a few seconds"}`))
 		case strings.HasPrefix(r.URL.Path, proxy+"/"):
 			if r.Header.Get(api.TokenHeader) != "reader-token" {
 				w.Header().Set("Content-Type", "application/json")
@@ -257,9 +271,26 @@ func TestReportShowsAReaderToken(t *testing.T) {
 
 	mayMint = true
 	var out, errb bytes.Buffer
+	// The replica the Service picks first has not seen the leader yet (it
+	// just started): the CLI waits it out.
+	unavailable.Store(2)
 	if code := run([]string{"report", "--kubeconfig", kubeconfig}, &out, &errb); code != exitClean {
 		t.Fatalf("with a reader token: exit %d\n%s%s", code, out.String(), errb.String())
 	}
+	if n := unavailable.Load(); n != 0 {
+		t.Errorf("%d answers of 503 left: the CLI did not retry", n)
+	}
+	// No leader for longer: it gives up after its tries, with the reason.
+	unavailable.Store(100)
+	out.Reset()
+	errb.Reset()
+	if code := run([]string{"report", "--kubeconfig", kubeconfig}, &out, &errb); code == exitClean || !strings.Contains(errb.String(), "no aggregator leads yet") {
+		t.Errorf("with no leader: exit %d, %q", code, errb.String())
+	}
+	if left := unavailable.Load(); left != 100-unavailableTries {
+		t.Errorf("with no leader: %d tries, want %d", 100-left, unavailableTries)
+	}
+	unavailable.Store(0)
 	mayMint = false
 	out.Reset()
 	errb.Reset()
