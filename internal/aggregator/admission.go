@@ -214,18 +214,13 @@ func (a *Aggregator) register(s *session) bool {
 		s.reject(ReasonProtocol, "this aggregator stopped leading (or gave up the node's shard); reconnect to find the leader")
 		return false
 	}
-	n := a.nodes[s.hello.Node]
-	if n == nil {
-		n = &node{name: s.hello.Node}
-		a.nodes[s.hello.Node] = n
-	}
-	if n.conn != nil {
-		s.log.Info("a new stream replaces the node's previous one")
-		n.conn.Close()
-	}
-	n.conn, n.state, n.complete, n.lastSeq, n.before, n.collectorVersion = c, stream.NewPooledState(a.pool), false, 0, nil, clip(s.hello.Version)
+	n, replaced := a.fleet.register(s.hello.Node, clip(s.hello.Version), c, a.pool)
 	s.n = n
 	a.mu.Unlock()
+	if replaced != nil {
+		s.log.Info("a new stream replaces the node's previous one")
+		replaced.Close()
+	}
 	if hook := a.testHookRegistered.Load(); hook != nil {
 		(*hook)()
 	}

@@ -81,8 +81,9 @@ type Config struct {
 //
 // Its state is split by owner, each part with its own lock:
 //
-//   - mu, the fleet's: the nodes and their streams' copies, the judge and
-//     the last verdict (streams, Evaluate, the API's reads);
+//   - mu, the fleet's (see fleet): the nodes and their streams' copies,
+//     the judge, the last verdict, the shards held (streams, Evaluate,
+//     the API's reads);
 //   - lead (leadership): whether this replica leads, who does, the term;
 //   - health (viewHealth): whether the view of the API is stale, and the
 //     recovery after it (Evaluate writes, the API reads);
@@ -100,19 +101,19 @@ type Aggregator struct {
 	cfg  Config
 	view *view.View
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// fleet: the nodes this replica judges, their judge and the last
+	// verdict (a.mu).
+	fleet  fleet
 	lead   leadership
 	health viewHealth
 	remedy remediationState
-	judge  *audit.Judge
-	nodes  map[string]*node
 	// pool shares identical frontends among the nodes' copies: a fleet
 	// mostly programs the same rules.
-	pool    *stream.Pool
-	warmup  warmup
-	budget  *decodeBudget
-	unauth  pendingGate
-	verdict *audit.Verdict
+	pool   *stream.Pool
+	warmup warmup
+	budget *decodeBudget
+	unauth pendingGate
 	// Evaluate's goroutine only: what nodes share at the current cluster
 	// generation, what each service's expectations depend on, and the
 	// newest baseline per mode and zone (see baseline).
@@ -134,12 +135,10 @@ type Aggregator struct {
 	// longer announces the informer's list (which may still hold this
 	// replica and miss its successor).
 	leaving atomic.Bool
-	// held are the shards this replica holds (a.mu; sharded only); own
-	// its last judgement of their nodes, for the leader itself; partials
-	// the same as the other replicas' leader reads it (in changes);
-	// gathered the holders' partials as the leader last read them
-	// (Evaluate's goroutine only).
-	held          map[int]bool
+	// own is this replica's last judgement of its shards' nodes, for the
+	// leader itself; partials the same as the other replicas' leader
+	// reads it (in changes); gathered the holders' partials as the leader
+	// last read them (Evaluate's goroutine only).
 	own           atomic.Pointer[PartialResponse]
 	partials      *partialLog
 	gathered      map[string]gathered
@@ -267,7 +266,7 @@ func New(cfg Config, view *view.View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.ObserveRebuilds(func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) })
-	return &Aggregator{cfg: cfg, view: view, nodes: map[string]*node{}, held: map[int]bool{}, partials: newPartialLog(rand.Text()), judge: audit.NewJudge(cfg.Policy), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy), partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }
@@ -288,16 +287,15 @@ func (a *Aggregator) Lead(ctx context.Context, term int64) {
 	a.lead.leading, a.lead.leader = true, a.cfg.Self
 	a.lead.ctx, a.lead.term = ctx, term
 	a.lead.mu.Unlock()
-	a.verdict = nil
 	a.cfg.Metrics.Leader.Set(1)
 	if a.sharded() {
+		a.fleet.verdict = nil
 		// The streams and nodes are the shards' (HoldShard): leading
 		// the fleet only concludes over them and acts.
 		a.cfg.Log.Info("leading the fleet: concluding over the shards' partial verdicts", zap.String("self", a.cfg.Self))
 		return
 	}
-	a.judge = audit.NewJudge(a.cfg.Policy)
-	a.nodes = map[string]*node{}
+	a.fleet.begin()
 	a.warmup.reset()
 	a.cfg.Log.Info("leading: accepting collector streams", zap.String("self", a.cfg.Self))
 }
@@ -320,7 +318,7 @@ func (a *Aggregator) StoppedLeading() {
 	a.cfg.Metrics.ViewStale.Set(0)
 	if a.sharded() {
 		// Its shards' streams stay: only the fleet's decisions move.
-		a.verdict = nil
+		a.fleet.verdict = nil
 		a.mu.Unlock()
 		a.repair.Lock()
 		a.repair.next = nil
@@ -328,14 +326,7 @@ func (a *Aggregator) StoppedLeading() {
 		a.cfg.Log.Info("no longer leading the fleet", zap.String("leader", leader))
 		return
 	}
-	var open []*conn
-	for _, n := range a.nodes {
-		if n.conn != nil {
-			open = append(open, n.conn)
-		}
-	}
-	a.nodes = map[string]*node{}
-	a.verdict = nil
+	open := a.fleet.end()
 	a.mu.Unlock()
 	a.repair.Lock()
 	a.repair.next = nil // judged while leading: not for a later term
@@ -354,7 +345,7 @@ func (a *Aggregator) StoppedLeading() {
 func (a *Aggregator) Verdict() *audit.Verdict {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.verdict
+	return a.fleet.verdict
 }
 
 func clip(s string) string { return safetext.Clean(s, 80) }

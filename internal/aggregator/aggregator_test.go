@@ -287,7 +287,7 @@ func TestStreamRejects(t *testing.T) {
 
 	h.agg.mu.Lock()
 	defer h.agg.mu.Unlock()
-	if n := h.agg.nodes["n2"]; n != nil {
+	if n := h.agg.fleet.nodes["n2"]; n != nil {
 		t.Errorf("a refused stream created node n2")
 	}
 }

@@ -62,7 +62,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy),
 		Cost: a.collectorCost(n, r.Reads)}
 	if r.ReadError != "" {
-		a.judge.Heard(n.name, hb)
+		a.fleet.judge.Heard(n.name, hb)
 		a.mu.Unlock()
 		return true, "", "", nil
 	}
@@ -118,7 +118,7 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 	}
 	n.noRules = r.NoRules
 	n.heard, n.fresh = now, true
-	a.judge.Heard(n.name, hb)
+	a.fleet.judge.Heard(n.name, hb)
 	return true, "", "", nil
 }
 

@@ -102,7 +102,7 @@ func TestNodeChurnLeavesNothingBehind(t *testing.T) {
 			h.until(30*time.Second, "the deleted nodes forgotten", func() bool {
 				h.agg.mu.Lock()
 				defer h.agg.mu.Unlock()
-				return len(h.agg.nodes) == 0
+				return len(h.agg.fleet.nodes) == 0
 			})
 		}
 		if peak < size/3 {

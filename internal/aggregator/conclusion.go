@@ -23,7 +23,7 @@ type conclusion interface {
 	// forget: node left the fleet and was pruned.
 	forget(node string)
 	// fleet is the fleet's verdict, when this replica concludes it (v
-	// itself, when it is the fleet's: a.verdict may point to it, so it
+	// itself, when it is the fleet's: a.fleet.verdict may point to it, so it
 	// is never written again).
 	fleet(now time.Time, prev, v *audit.Verdict, recovering bool) (*audit.Verdict, bool)
 }
@@ -40,12 +40,12 @@ func (a *Aggregator) conclusion() conclusion {
 type aloneConclusion struct{ a *Aggregator }
 
 func (c aloneConclusion) judgeLocked(now time.Time, names []string) (audit.Verdict, audit.Partial) {
-	return c.a.judge.Evaluate(now, names), audit.Partial{}
+	return c.a.fleet.judge.Evaluate(now, names), audit.Partial{}
 }
 
 func (c aloneConclusion) publishLocked(now time.Time, prev, v *audit.Verdict, _ audit.Partial, _ bool) {
 	c.a.markFound(prev, v, now)
-	c.a.verdict = v
+	c.a.fleet.verdict = v
 	c.a.mu.Unlock()
 }
 
@@ -67,11 +67,11 @@ type shardedConclusion struct{ a *Aggregator }
 func (c shardedConclusion) judgeLocked(now time.Time, names []string) (audit.Verdict, audit.Partial) {
 	var mine []string // names is the view's own: not filtered in place
 	for _, n := range names {
-		if c.a.held[c.a.shardOf(n)] {
+		if c.a.fleet.held[c.a.shardOf(n)] {
 			mine = append(mine, n)
 		}
 	}
-	part := c.a.judge.JudgeNodes(now, mine)
+	part := c.a.fleet.judge.JudgeNodes(now, mine)
 	return audit.Verdict{At: now, Nodes: part.Nodes, Findings: append(slices.Clone(part.Missing), part.Drift...)}, part
 }
 

@@ -25,7 +25,7 @@ func (a *Aggregator) judgeConntrack(h *audit.History, errs map[string]string) []
 	var out []audit.TimedFinding
 	var todo []one
 	a.mu.Lock()
-	for _, n := range a.nodes {
+	for _, n := range a.fleet.nodes {
 		if n.conntrackErr != "" {
 			errs[n.name] = n.conntrackErr
 		}

@@ -216,7 +216,7 @@ func TestStreamChurnLeaksNothing(t *testing.T) {
 				defer h.agg.mu.Unlock()
 				h.agg.unauth.mu.Lock()
 				defer h.agg.unauth.mu.Unlock()
-				for name, n := range h.agg.nodes {
+				for name, n := range h.agg.fleet.nodes {
 					if n.conn != nil || strings.HasPrefix(name, "ghost-") {
 						return false
 					}

@@ -46,7 +46,7 @@ func (a *Aggregator) Flush(ctx context.Context, node string, pairs []remediate.S
 func (a *Aggregator) flushVia(ctx context.Context, node string, pairs []remediate.StalePair, onHolder bool) ([]remediate.FlushResult, error) {
 	a.mu.Lock()
 	var c *conn
-	if n := a.nodes[node]; n != nil {
+	if n := a.fleet.nodes[node]; n != nil {
 		c = n.conn
 	}
 	a.mu.Unlock()

@@ -157,18 +157,18 @@ func writeError(w http.ResponseWriter, code int, msg string) {
 // complete snapshot on this replica.
 func (a *Aggregator) Explain(node, service string) (api.ExplainResponse, bool) {
 	a.mu.Lock()
-	n := a.nodes[node]
+	n := a.fleet.nodes[node]
 	if n == nil || !n.complete {
 		a.mu.Unlock()
 		return api.ExplainResponse{}, false
 	}
 	rules := *n.state // a copy: its buckets are immutable
-	resp := api.ExplainResponse{Node: node, Mode: rules.Mode, States: map[string]audit.ServiceState{}, Collector: a.judge.Cost(node)}
+	resp := api.ExplainResponse{Node: node, Mode: rules.Mode, States: map[string]audit.ServiceState{}, Collector: a.fleet.judge.Cost(node)}
 	for _, as := range n.assessments {
 		resp.States[as.Service] = as.State
 	}
 	var stale []audit.TimedFinding
-	if v := a.verdict; v != nil {
+	if v := a.fleet.verdict; v != nil {
 		for _, f := range v.Findings {
 			if f.Node == node && f.Kind == audit.StaleConntrack {
 				stale = append(stale, f)

@@ -121,7 +121,7 @@ func TestReportsOutrunningTheViewAreJudged(t *testing.T) {
 			h.eventually(5*time.Second, "the report applied", func() bool {
 				h.agg.mu.Lock()
 				defer h.agg.mu.Unlock()
-				n := h.agg.nodes["n1"]
+				n := h.agg.fleet.nodes["n1"]
 				return n != nil && n.lastSeq == seq
 			})
 			if cov := h.agg.view.Covered(); cov.After(rebuilt) {
@@ -287,7 +287,7 @@ func driftDatedByFirstReport(t *testing.T, changeBefore bool) {
 		h.eventually(5*time.Second, "the report applied", func() bool {
 			h.agg.mu.Lock()
 			defer h.agg.mu.Unlock()
-			n := h.agg.nodes["n1"]
+			n := h.agg.fleet.nodes["n1"]
 			return n != nil && n.lastSeq == seq
 		})
 		return h.clk.Now()

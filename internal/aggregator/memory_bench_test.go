@@ -48,7 +48,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 				observe := func(st *audit.State, n *node, at time.Time) {
 					as := a.assessNode(st, h, n, n.state)
 					n.assessments = as
-					a.judge.Observe(n.name, at, at, servicesProgrammed(st), false, as, h)
+					a.fleet.judge.Observe(n.name, at, at, servicesProgrammed(st), false, as, h)
 				}
 				show := func(n *node, r *stream.Report) {
 					n.state = stream.NewPooledState(pool)
@@ -79,7 +79,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 				}
 				all := MemAfterGC().HeapAlloc
 				for _, n := range ns[1:] {
-					a.judge.Forget(n.name)
+					a.fleet.judge.Forget(n.name)
 				}
 				clear(ns[1:]) // the backing array must not keep them
 				ns = ns[:1]

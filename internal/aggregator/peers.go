@@ -91,7 +91,7 @@ func (a *Aggregator) Farewell(ctx context.Context, client kubernetes.Interface) 
 	a.peersMsg.Store(m)
 	a.mu.Lock()
 	var conns []*conn
-	for _, n := range a.nodes {
+	for _, n := range a.fleet.nodes {
 		if n.conn != nil {
 			conns = append(conns, n.conn)
 		}
@@ -130,9 +130,9 @@ func (a *Aggregator) announcePeers() {
 	m := &stream.Message{Type: stream.TypePeers, Peers: &stream.Peers{IPs: ips}}
 	a.peersMsg.Store(m)
 	a.mu.Lock()
-	leading := a.lead.isLeading() || len(a.held) > 0
+	leading := a.lead.isLeading() || len(a.fleet.held) > 0
 	var conns []*conn
-	for _, n := range a.nodes {
+	for _, n := range a.fleet.nodes {
 		if n.conn != nil {
 			conns = append(conns, n.conn)
 		}

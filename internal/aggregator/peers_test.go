@@ -158,7 +158,7 @@ func (r *replicas) leaderAndFollower(ln, follow net.Listener, port string) (lead
 func streaming(a *Aggregator) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	n := a.nodes["n1"]
+	n := a.fleet.nodes["n1"]
 	return n != nil && n.conn != nil
 }
 

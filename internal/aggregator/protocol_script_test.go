@@ -269,7 +269,7 @@ func (s *protocolScript) run(t *testing.T, d *datadriven.TestData) string {
 		out := s.node(d.CmdArgs[0].Key)
 		if d.HasArg("collector") {
 			s.a.mu.Lock()
-			c := s.a.judge.Cost(d.CmdArgs[0].Key)
+			c := s.a.fleet.judge.Cost(d.CmdArgs[0].Key)
 			s.a.mu.Unlock()
 			if c == nil {
 				return out + " collector=none"
@@ -566,7 +566,7 @@ func (s *protocolScript) node(name string) string {
 	a := s.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	n := a.nodes[name]
+	n := a.fleet.nodes[name]
 	if n == nil {
 		return "unknown"
 	}

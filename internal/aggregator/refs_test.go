@@ -64,7 +64,7 @@ func TestTopsOverRealCollectors(t *testing.T) {
 			want := stream.FromModel(shows[n])
 			h.agg.mu.Lock()
 			defer h.agg.mu.Unlock()
-			nd := h.agg.nodes[n]
+			nd := h.agg.fleet.nodes[n]
 			return nd != nil && nd.complete && nd.state.Root() == want.Root() && nd.state.Len() == want.Len()
 		}
 		for _, n := range nodes {
@@ -89,12 +89,12 @@ func TestTopsOverRealCollectors(t *testing.T) {
 		// A new stream (a leader change, a lost connection) starts with a
 		// full snapshot, by top: one hash when another copy holds that state.
 		h.agg.mu.Lock()
-		old := h.agg.nodes["n1"].conn
+		old := h.agg.fleet.nodes["n1"].conn
 		old.Close()
 		h.agg.mu.Unlock()
 		h.until(30*time.Second, "n1 streaming again with its copy whole", func() bool {
 			h.agg.mu.Lock()
-			nd := h.agg.nodes["n1"]
+			nd := h.agg.fleet.nodes["n1"]
 			again := nd.conn != nil && nd.conn != old
 			h.agg.mu.Unlock()
 			return again && has("n1")
@@ -107,7 +107,7 @@ func TestTopsOverRealCollectors(t *testing.T) {
 		}
 		h.agg.mu.Lock()
 		defer h.agg.mu.Unlock()
-		if !h.agg.nodes["n1"].state.Same(h.agg.nodes["n2"].state) || !h.agg.nodes["n2"].state.Same(h.agg.nodes["n3"].state) {
+		if !h.agg.fleet.nodes["n1"].state.Same(h.agg.fleet.nodes["n2"].state) || !h.agg.fleet.nodes["n2"].state.Same(h.agg.fleet.nodes["n3"].state) {
 			t.Error("nodes showing the same rules do not share their buckets")
 		}
 	})
@@ -163,7 +163,7 @@ func TestReportJudgedAsOfItsArrival(t *testing.T) {
 		h.eventually(5*time.Second, "the waiting report applied", func() bool {
 			h.agg.mu.Lock()
 			defer h.agg.mu.Unlock()
-			return h.agg.nodes["n1"].lastSeq == 2
+			return h.agg.fleet.nodes["n1"].lastSeq == 2
 		})
 		h.advance(200*time.Millisecond, nil)
 		for _, f := range h.verdict().Findings {
@@ -172,7 +172,7 @@ func TestReportJudgedAsOfItsArrival(t *testing.T) {
 			}
 		}
 		h.agg.mu.Lock()
-		heard := h.agg.nodes["n1"].heard
+		heard := h.agg.fleet.nodes["n1"].heard
 		h.agg.mu.Unlock()
 		if !heard.Equal(arrived) {
 			t.Errorf("n1's report dated %s after it arrived", heard.Sub(arrived))
@@ -221,10 +221,10 @@ func TestReportsReadAheadKeepTheirArrival(t *testing.T) {
 		h.eventually(5*time.Second, "n2's steady report applied", func() bool {
 			h.agg.mu.Lock()
 			defer h.agg.mu.Unlock()
-			return h.agg.nodes["n2"].lastSeq == 2
+			return h.agg.fleet.nodes["n2"].lastSeq == 2
 		})
 		h.agg.mu.Lock()
-		heard := h.agg.nodes["n2"].heard
+		heard := h.agg.fleet.nodes["n2"].heard
 		h.agg.mu.Unlock()
 		if !heard.Equal(steady) {
 			t.Errorf("n2's report that arrived while its stream waited is dated %s after it arrived", heard.Sub(steady))

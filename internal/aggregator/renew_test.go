@@ -84,7 +84,7 @@ func TestCollectorRenewsRotatedToken(t *testing.T) {
 		h.until(10*time.Second, "n1 reporting", func() bool {
 			h.agg.mu.Lock()
 			defer h.agg.mu.Unlock()
-			return h.agg.nodes["n1"] != nil && h.agg.nodes["n1"].complete
+			return h.agg.fleet.nodes["n1"] != nil && h.agg.fleet.nodes["n1"].complete
 		})
 		write("n1/3600")
 		h.advance(40*time.Second, nil)

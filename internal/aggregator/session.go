@@ -56,7 +56,7 @@ func (s *session) send(m *stream.Message) bool {
 // alive says a message of the stream began to arrive at at.
 func (s *session) alive(at time.Time) {
 	s.a.mu.Lock()
-	s.a.judge.Alive(s.n.name, at)
+	s.a.fleet.judge.Alive(s.n.name, at)
 	s.a.mu.Unlock()
 }
 

@@ -78,7 +78,7 @@ func (a *Aggregator) ownsLocked(node string) bool {
 	if !a.sharded() {
 		return a.lead.isLeading()
 	}
-	return a.held[a.shardOf(node)]
+	return a.fleet.held[a.shardOf(node)]
 }
 
 // holderOf is who takes node's stream ("" while nobody does).
@@ -104,25 +104,25 @@ func (a *Aggregator) shardHolder(k int) string {
 // forgotten: the rest of the replica's fleet is not touched.
 func (a *Aggregator) HoldShard(ctx context.Context, k int) {
 	a.mu.Lock()
-	a.held[k] = true
-	n := len(a.held)
+	a.fleet.held[k] = true
+	n := len(a.fleet.held)
 	a.mu.Unlock()
 	a.cfg.Metrics.ShardsHeld.Set(float64(n))
 	a.cfg.Log.Info("holding a shard: taking its collectors' streams", zap.Int("shard", k), zap.Int("held", n))
 	<-ctx.Done()
 	a.mu.Lock()
-	delete(a.held, k)
-	n = len(a.held)
+	delete(a.fleet.held, k)
+	n = len(a.fleet.held)
 	var open []*conn
-	for name, nd := range a.nodes {
+	for name, nd := range a.fleet.nodes {
 		if a.shardOf(name) != k {
 			continue
 		}
 		if nd.conn != nil {
 			open = append(open, nd.conn)
 		}
-		delete(a.nodes, name)
-		a.judge.Forget(name)
+		delete(a.fleet.nodes, name)
+		a.fleet.judge.Forget(name)
 	}
 	a.mu.Unlock()
 	a.cfg.Metrics.ShardsHeld.Set(float64(n))
@@ -143,7 +143,7 @@ func (a *Aggregator) Judging() bool {
 	return a.judgingLocked()
 }
 
-func (a *Aggregator) judgingLocked() bool { return a.lead.isLeading() || len(a.held) > 0 }
+func (a *Aggregator) judgingLocked() bool { return a.lead.isLeading() || len(a.fleet.held) > 0 }
 
 // concludeFleet is the leader's part with shards: every holder's partial
 // (its own included) concluded as one verdict, the guard over the whole
@@ -165,7 +165,7 @@ func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recoverin
 	a.markFound(prev, &v, now)
 	a.mu.Lock()
 	if a.lead.isLeading() {
-		a.verdict = &v
+		a.fleet.verdict = &v
 	}
 	a.mu.Unlock()
 	a.forgetDeparted(&v, unheard)
@@ -199,8 +199,8 @@ func (a *Aggregator) forgetDeparted(v *audit.Verdict, unheard []int) {
 
 // heldShards lists the shards this replica holds. a.mu held.
 func (a *Aggregator) heldShardsLocked() []int {
-	ks := make([]int, 0, len(a.held))
-	for k := range a.held {
+	ks := make([]int, 0, len(a.fleet.held))
+	for k := range a.fleet.held {
 		ks = append(ks, k)
 	}
 	slices.Sort(ks)

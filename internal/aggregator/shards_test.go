@@ -357,7 +357,7 @@ func TestShardAdmission(t *testing.T) {
 		shardCtx, give := context.WithCancel(ctx)
 		held := make(chan struct{})
 		go func() { agg.HoldShard(shardCtx, 0); close(held) }()
-		h.eventually(5*time.Second, "shard 0 held", func() bool { agg.mu.Lock(); defer agg.mu.Unlock(); return agg.held[0] })
+		h.eventually(5*time.Second, "shard 0 held", func() bool { agg.mu.Lock(); defer agg.mu.Unlock(); return agg.fleet.held[0] })
 
 		mine, theirs, free := nodesIn(0, shards, 2), nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0]
 		var conns []net.Conn
@@ -388,7 +388,7 @@ func TestShardAdmission(t *testing.T) {
 			}
 		}
 		agg.mu.Lock()
-		left := len(agg.nodes)
+		left := len(agg.fleet.nodes)
 		agg.mu.Unlock()
 		if left != 0 {
 			t.Errorf("%d nodes remembered after their shard was given up", left)
