@@ -266,7 +266,7 @@ func New(cfg Config, view *view.View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.ObserveRebuilds(func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) })
-	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy), partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy, shardCount(cfg.Shards)), partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }

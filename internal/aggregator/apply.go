@@ -86,40 +86,12 @@ func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, in
 	if err != nil {
 		return false, ReasonInvalid, "invalid report: " + err.Error(), nil
 	}
-	prev, wasComplete := *n.state, n.complete
-	*n.state = next
-	if !match {
-		n.complete = false
-		return false, "", "root digest differs from the aggregator's copy", nil
-	}
-	n.complete = true
-	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
-		// The rules the last report showed, if no judgement reached it
-		// yet: queued, and judged each as of its own time before this
-		// report (judgeAt), so that a drift is dated when the node first
-		// showed it (a flush reported at once, then kube-proxy's next
-		// sync rewriting part of the table: three reports within the
-		// view's second of delay, and the flush dated by the third).
-		// Every such report is kept, not only the earliest: a change
-		// reported just before the flush, still unjudged when the
-		// flush's report came, made the flush's report the one dropped,
-		// and the flush was dated a second late (seen on a loaded CI
-		// machine in TestE2EFlushSeenAtOnce).
-		n.before = slices.DeleteFunc(n.before, func(b shown) bool { return !b.at.After(n.judged) })
-		if wasComplete && n.fresh && n.heard.After(n.judged) {
-			n.before = keepShown(n.before, shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules})
-		}
-		n.version++
-		n.shownSince = now
-	}
-	if r.NoRules && !n.noRules {
+	why, emptied := a.fleet.applied(n, r, next, match, now, hb)
+	if emptied {
 		a.cfg.Log.Info("node has no kube-proxy rules (flushed, or kube-proxy not running)", zap.String("node", n.name))
 		a.cfg.Metrics.NoRulesSeen.WithLabelValues(n.name).Inc()
 	}
-	n.noRules = r.NoRules
-	n.heard, n.fresh = now, true
-	a.fleet.judge.Heard(n.name, hb)
-	return true, "", "", nil
+	return why == "", "", why, nil
 }
 
 func kubeProxySignal(k *stream.KubeProxy) *audit.KubeProxySignal {

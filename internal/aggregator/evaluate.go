@@ -30,24 +30,16 @@ func (a *Aggregator) Evaluate() {
 		return
 	}
 	now := a.cfg.Clock.Now()
-	v, part := con.judgeLocked(now, names)
-	addConntrack(&v, c.stale, c.ctErrs)
-	gone := a.fleet.prune(&v)
-	audit.WarnKnownBad(&v, c.nodeInfo)
-	a.fleet.warnUnaudited(&v, c.families)
 	recovering := now.Before(a.Recovering())
-	if recovering {
-		v = holdBackDrift(v)
-	}
-	asks := a.fleet.readNowDue(now, &v, recovering)
+	d := a.fleet.tick(now, names, c, recovering)
 	prev := a.fleet.verdict
-	con.publishLocked(now, prev, &v, part, recovering) // releases a.mu
-	a.askReadNow(asks)
-	for _, name := range gone {
+	con.publishLocked(now, prev, &d.v, d.part, recovering) // releases a.mu
+	a.askReadNow(d.asks)
+	for _, name := range d.gone {
 		a.cfg.Metrics.NoRulesSeen.DeleteLabelValues(name)
 		con.forget(name)
 	}
-	fv, ok := con.fleet(now, prev, &v, recovering)
+	fv, ok := con.fleet(now, prev, &d.v, recovering)
 	if !ok {
 		// A shard holder only: the leader concludes.
 		a.cfg.Metrics.Reconcile.WithLabelValues("evaluate").Observe(a.cfg.Clock.Since(start).Seconds())

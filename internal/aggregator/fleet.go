@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -23,12 +24,56 @@ type fleet struct {
 	nodes   map[string]*node
 	judge   *audit.Judge
 	verdict *audit.Verdict
-	// held are the shards this replica holds (sharded only).
-	held map[int]bool
+	// shards is how many shards the fleet's nodes are spread over (0: not
+	// sharded); held are those this replica holds.
+	shards int
+	held   map[int]bool
 }
 
-func newFleet(p audit.Policy) fleet {
-	return fleet{policy: p, nodes: map[string]*node{}, judge: audit.NewJudge(p), held: map[int]bool{}}
+func newFleet(p audit.Policy, shards int) fleet {
+	return fleet{policy: p, shards: shards, nodes: map[string]*node{}, judge: audit.NewJudge(p), held: map[int]bool{}}
+}
+
+// decision is what one evaluation decides over the fleet.
+type decision struct {
+	// v is this replica's verdict: the fleet's when it is not sharded,
+	// else its shards' (part, which the leader concludes over).
+	v    audit.Verdict
+	part audit.Partial
+	// gone are the nodes pruned (the judge forgot them and their stream
+	// is closed), to be forgotten by the repairs too; asks the streams to
+	// ask to read now.
+	gone []string
+	asks []*conn
+}
+
+// tick judges the fleet as of now: names are the nodes the cluster
+// expects, c what the evaluation's judgement of the reports left, and
+// recovering says the view came back from an outage within the recovery
+// grace (drift is held back, and nobody is asked to read now).
+func (f *fleet) tick(now time.Time, names []string, c cycle, recovering bool) decision {
+	var d decision
+	if f.shards == 0 {
+		d.v = f.judge.Evaluate(now, names)
+	} else {
+		var mine []string // names is the view's own: not filtered in place
+		for _, n := range names {
+			if f.held[shard.Of(n, f.shards)] {
+				mine = append(mine, n)
+			}
+		}
+		d.part = f.judge.JudgeNodes(now, mine)
+		d.v = audit.Verdict{At: now, Nodes: d.part.Nodes, Findings: append(slices.Clone(d.part.Missing), d.part.Drift...)}
+	}
+	addConntrack(&d.v, c.stale, c.ctErrs)
+	d.gone = f.prune(&d.v)
+	audit.WarnKnownBad(&d.v, c.nodeInfo)
+	f.warnUnaudited(&d.v, c.families)
+	if recovering {
+		d.v = holdBackDrift(d.v)
+	}
+	d.asks = f.readNowDue(now, &d.v, recovering)
+	return d
 }
 
 // begin starts a term of leading alone: an empty fleet and a new judge
@@ -234,4 +279,44 @@ func (f *fleet) warnUnaudited(v *audit.Verdict, families []int) {
 			}
 		}
 	}
+}
+
+// applied records that report r, arriving at now, brought node n's copy
+// of the rules to next (match: its root digest is the collector's): when
+// the rules shown began, the rules earlier reports showed that no
+// judgement reached yet, and the judge's heartbeat hb. It returns why the
+// copy is not the collector's ("" when it is), and whether the node has
+// just begun to show no rules.
+func (f *fleet) applied(n *node, r *stream.Report, next stream.State, match bool, now time.Time, hb audit.Heartbeat) (why string, emptied bool) {
+	prev, wasComplete := *n.state, n.complete
+	*n.state = next
+	if !match {
+		n.complete = false
+		return "root digest differs from the aggregator's copy", false
+	}
+	n.complete = true
+	if r.Full || len(r.Frontends) > 0 || len(r.Refs) > 0 || len(r.Removed) > 0 || r.Top != "" || r.Buckets != "" || r.NoRules != n.noRules {
+		// The rules the last report showed, if no judgement reached it
+		// yet: queued, and judged each as of its own time before this
+		// report (judgeAt), so that a drift is dated when the node first
+		// showed it (a flush reported at once, then kube-proxy's next
+		// sync rewriting part of the table: three reports within the
+		// view's second of delay, and the flush dated by the third).
+		// Every such report is kept, not only the earliest: a change
+		// reported just before the flush, still unjudged when the
+		// flush's report came, made the flush's report the one dropped,
+		// and the flush was dated a second late (seen on a loaded CI
+		// machine in TestE2EFlushSeenAtOnce).
+		n.before = slices.DeleteFunc(n.before, func(b shown) bool { return !b.at.After(n.judged) })
+		if wasComplete && n.fresh && n.heard.After(n.judged) {
+			n.before = keepShown(n.before, shown{state: prev, at: n.heard, since: n.shownSince, version: n.version, noRules: n.noRules})
+		}
+		n.version++
+		n.shownSince = now
+	}
+	emptied = r.NoRules && !n.noRules
+	n.noRules = r.NoRules
+	n.heard, n.fresh = now, true
+	f.judge.Heard(n.name, hb)
+	return "", emptied
 }

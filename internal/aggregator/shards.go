@@ -70,6 +70,14 @@ const partialStale = 10 * time.Second
 
 func (a *Aggregator) sharded() bool { return a.cfg.Shards != nil }
 
+// shardCount is the fleet's number of shards: 0 when not sharded.
+func shardCount(s *Shards) int {
+	if s == nil {
+		return 0
+	}
+	return max(s.Count, 1)
+}
+
 func (a *Aggregator) shardOf(node string) int { return shard.Of(node, a.cfg.Shards.Count) }
 
 // ownsLocked says whether this replica takes node's stream and judges
