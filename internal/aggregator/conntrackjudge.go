@@ -4,8 +4,6 @@
 package aggregator
 
 import (
-	"slices"
-
 	"github.com/proxyaudit/proxyaudit/audit"
 )
 
@@ -47,44 +45,4 @@ func (a *Aggregator) judgeConntrack(h *audit.History, errs map[string]string) []
 		a.mu.Unlock()
 	}
 	return out
-}
-
-// addConntrack puts the StaleConntrack findings of nodes whose collector
-// is heard (a silent one's counts are old) into the verdict, counts each
-// node's stale flows, and warns of tables that could not be read. They
-// change no node's state: a node's rules may be right while the kernel
-// remembers old decisions, and restarting kube-proxy is not the repair.
-func addConntrack(v *audit.Verdict, stale []audit.TimedFinding, errs map[string]string) {
-	idx := map[string]int{}
-	for i, n := range v.Nodes {
-		if n.State != audit.NodeMissing && n.State != audit.NodePending {
-			idx[n.Node] = i
-		}
-	}
-	added := false
-	for _, f := range stale {
-		i, ok := idx[f.Node]
-		if !ok {
-			continue
-		}
-		if !added {
-			// The judge's slices are shared with its later verdicts.
-			v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
-			added = true
-		}
-		v.Findings = append(v.Findings, f)
-		v.Nodes[i].StaleFlows += f.Flows
-	}
-	for node, err := range errs {
-		if i, ok := idx[node]; ok {
-			if !added {
-				v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
-				added = true
-			}
-			v.Nodes[i].Warnings = append(slices.Clone(v.Nodes[i].Warnings), "conntrack could not be read, stale flows are not audited: "+err)
-		}
-	}
-	if added {
-		audit.SortTimed(v.Findings)
-	}
 }

@@ -68,17 +68,6 @@ func (a *Aggregator) finish(start time.Time, c cycle, prev, v *audit.Verdict, re
 	}
 }
 
-// cycle is what an evaluation's judgement of the reports leaves for its
-// conclusion.
-type cycle struct {
-	nodeInfo         map[string]audit.NodeInfo
-	families         []int // the IP families the cluster has services in
-	stale            []audit.TimedFinding
-	ctErrs           map[string]string
-	jobs             int
-	held, assessedAt time.Duration // for a slow cycle's log
-}
-
 // judgeReports judges, under the view's read lock, every report the
 // cluster state now covers (see View.Covered; a later cycle takes the
 // rest), and every node's conntrack counts.
@@ -161,29 +150,6 @@ func (a *Aggregator) handOff(v *audit.Verdict) {
 // slowEvaluation is how long an evaluation cycle (every second) may take
 // before it is logged: findings are published only at its end.
 const slowEvaluation = 2 * time.Second
-
-// holdBackDrift keeps only CollectorMissing findings and shows drifted
-// nodes as Lagging: right after an API outage every kube-proxy is catching
-// up, and one still behind when the recovery grace ends is reported then,
-// with its drift dated from when it began.
-func holdBackDrift(v audit.Verdict) audit.Verdict {
-	var kept []audit.TimedFinding
-	for _, f := range v.Findings {
-		if f.Kind == audit.CollectorMissing {
-			kept = append(kept, f)
-		}
-	}
-	v.Findings = kept
-	nodes := make([]audit.NodeStatus, len(v.Nodes))
-	for i, n := range v.Nodes {
-		if n.State == audit.NodeStuck || n.State == audit.NodeDivergent || n.State == audit.NodeNoRules {
-			n.State = audit.NodeLagging
-		}
-		nodes[i] = n
-	}
-	v.Nodes = nodes
-	return v
-}
 
 // findingKey names a finding across verdicts.
 func findingKey(f audit.TimedFinding) string {

@@ -320,3 +320,77 @@ func (f *fleet) applied(n *node, r *stream.Report, next stream.State, match bool
 	f.judge.Heard(n.name, hb)
 	return "", emptied
 }
+
+// cycle is what an evaluation's judgement of the reports leaves for its
+// conclusion.
+type cycle struct {
+	nodeInfo         map[string]audit.NodeInfo
+	families         []int // the IP families the cluster has services in
+	stale            []audit.TimedFinding
+	ctErrs           map[string]string
+	jobs             int
+	held, assessedAt time.Duration // for a slow cycle's log
+}
+
+// holdBackDrift keeps only CollectorMissing findings and shows drifted
+// nodes as Lagging: right after an API outage every kube-proxy is catching
+// up, and one still behind when the recovery grace ends is reported then,
+// with its drift dated from when it began.
+func holdBackDrift(v audit.Verdict) audit.Verdict {
+	var kept []audit.TimedFinding
+	for _, f := range v.Findings {
+		if f.Kind == audit.CollectorMissing {
+			kept = append(kept, f)
+		}
+	}
+	v.Findings = kept
+	nodes := make([]audit.NodeStatus, len(v.Nodes))
+	for i, n := range v.Nodes {
+		if n.State == audit.NodeStuck || n.State == audit.NodeDivergent || n.State == audit.NodeNoRules {
+			n.State = audit.NodeLagging
+		}
+		nodes[i] = n
+	}
+	v.Nodes = nodes
+	return v
+}
+
+// addConntrack puts the StaleConntrack findings of nodes whose collector
+// is heard (a silent one's counts are old) into the verdict, counts each
+// node's stale flows, and warns of tables that could not be read. They
+// change no node's state: a node's rules may be right while the kernel
+// remembers old decisions, and restarting kube-proxy is not the repair.
+func addConntrack(v *audit.Verdict, stale []audit.TimedFinding, errs map[string]string) {
+	idx := map[string]int{}
+	for i, n := range v.Nodes {
+		if n.State != audit.NodeMissing && n.State != audit.NodePending {
+			idx[n.Node] = i
+		}
+	}
+	added := false
+	for _, f := range stale {
+		i, ok := idx[f.Node]
+		if !ok {
+			continue
+		}
+		if !added {
+			// The judge's slices are shared with its later verdicts.
+			v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
+			added = true
+		}
+		v.Findings = append(v.Findings, f)
+		v.Nodes[i].StaleFlows += f.Flows
+	}
+	for node, err := range errs {
+		if i, ok := idx[node]; ok {
+			if !added {
+				v.Nodes, v.Findings = slices.Clone(v.Nodes), slices.Clone(v.Findings)
+				added = true
+			}
+			v.Nodes[i].Warnings = append(slices.Clone(v.Nodes[i].Warnings), "conntrack could not be read, stale flows are not audited: "+err)
+		}
+	}
+	if added {
+		audit.SortTimed(v.Findings)
+	}
+}

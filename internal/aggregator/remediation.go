@@ -75,7 +75,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 		fs := byNode[st.Node]
 		n := a.remediationNode(ctx, r, node, st, fs, storm)
 		fleet.Nodes = append(fleet.Nodes, n)
-		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: since(fs)}
+		notices[st.Node] = remediate.Notice{Evidence: evidence(fs), Since: earliest(fs)}
 		kinds[st.Node] = string(st.State)
 	}
 	if r.Pause != nil {
@@ -259,7 +259,8 @@ func evidence(fs []audit.TimedFinding) []string {
 	return out
 }
 
-func since(fs []audit.TimedFinding) time.Time {
+// earliest is when the first of fs began.
+func earliest(fs []audit.TimedFinding) time.Time {
 	var t time.Time
 	for _, f := range fs {
 		if t.IsZero() || f.Since.Before(t) {
