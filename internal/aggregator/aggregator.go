@@ -113,15 +113,8 @@ type Aggregator struct {
 	warmup warmup
 	budget *decodeBudget
 	unauth pendingGate
-	// Evaluate's goroutine only: what nodes share at the current cluster
-	// generation, what each service's expectations depend on, and the
-	// newest baseline per mode and zone (see baseline).
-	shared *generation
-	deps   audit.Dependents
-	donors map[string]*baseline
-	// isolated turns peers' baselines and shared service assessments
-	// off: the comparison benchmarks' "before".
-	isolated bool
+	// assessor assesses the nodes' rules (Evaluate's goroutine only).
+	assessor assessor
 	// journal records the remediation actions for the status page.
 	journal *journal
 	// flush pairs collectors' answers to flush requests with the waiting
@@ -186,7 +179,7 @@ func New(cfg Config, view *view.View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.ObserveRebuilds(func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) })
-	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy, shardCount(cfg.Shards)), partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy, shardCount(cfg.Shards)), assessor: assessor{metrics: cfg.Metrics, clock: cfg.Clock}, partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }

@@ -4,31 +4,27 @@ import (
 	"slices"
 	"strings"
 
+	"k8s.io/utils/clock"
+
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
-// baseline is a node's last assessment and what it was made from, so the
-// next one reassesses only the services that changed since: those whose
-// kept versions the History touched, and those owning a frontend the
-// node's rules changed. At the anchors a full assessment costs ~0.2-0.4 s;
-// under 100 changes a second a node's report changes a few hundred.
-//
-// A baseline serves other nodes too (a peer's): a node with none of its
-// own (a new stream, every stream after a leader change) starts from the
-// newest baseline of its mode and zone, reassessing besides the services
-// whose expectations differ between the two nodes (audit.Dependents).
-type baseline struct {
-	rules      stream.State
-	touchSeq   uint64
-	node, zone string
-	// services are the assessments of services not in sync or draining,
-	// sorted by service: the node's assessment itself, shared (a map of
-	// them per node was a third of the leader's heap at 5,000 nodes).
-	services []audit.ServiceAssessment
-	// unowned are the keys of the rules' frontends no kept version of any
-	// service had.
-	unowned []string
+// assessor assesses nodes' rules against the cluster state, sharing what
+// it can between nodes and between cycles. Evaluate's goroutine alone
+// uses it.
+type assessor struct {
+	metrics *Metrics
+	clock   clock.PassiveClock
+	// shared is what nodes share at the current cluster generation, deps
+	// what each service's expectations depend on, donors the newest
+	// baseline per mode and zone (see baseline).
+	shared *generation
+	deps   audit.Dependents
+	donors map[string]*baseline
+	// isolated turns peers' baselines and shared service assessments
+	// off: the comparison benchmarks' "before".
+	isolated bool
 }
 
 // generation holds what Evaluate shares between nodes at one cluster
@@ -60,7 +56,7 @@ type serviceAssessed struct {
 // startGeneration resets what Evaluate shares between nodes when the
 // cluster State changed, and brings the services' node dependence up to
 // the History.
-func (a *Aggregator) startGeneration(st *audit.State, h *audit.History, gen uint64) {
+func (a *assessor) startGeneration(st *audit.State, h *audit.History, gen uint64) {
 	if a.shared != nil && a.shared.gen == gen {
 		return
 	}
@@ -82,7 +78,7 @@ func (a *Aggregator) startGeneration(st *audit.State, h *audit.History, gen uint
 // baseline when it has one, else from a peer's, else in full (IPVS nodes,
 // nodes without rules, the first node of its mode). startGeneration must
 // have run for st.
-func (a *Aggregator) assessNode(st *audit.State, h *audit.History, n *node, rules *stream.State) []audit.ServiceAssessment {
+func (a *assessor) assessNode(st *audit.State, h *audit.History, n *node, rules *stream.State) []audit.ServiceAssessment {
 	zone := st.Nodes[n.name].Zone
 	peerKey := rules.Mode + "|" + famKey(rules.Families) + "|" + zone
 	as := a.assess(n.name, zone, rules, func() ([]audit.ServiceAssessment, string) {
@@ -136,7 +132,7 @@ func famBits(fams []int) uint8 {
 // incremental reassesses from baseline b (the node's own, or a peer's)
 // only the services that changed since, or whose expectations differ
 // between b's node and this one; ok is false when b cannot serve.
-func (a *Aggregator) incremental(st *audit.State, h *audit.History, node, zone string, b *baseline, rules *stream.State) ([]audit.ServiceAssessment, bool) {
+func (a *assessor) incremental(st *audit.State, h *audit.History, node, zone string, b *baseline, rules *stream.State) ([]audit.ServiceAssessment, bool) {
 	if b == nil || !incrementable(rules) || b.rules.Mode != rules.Mode || b.rules.NoRules || !slices.Equal(b.rules.Families, rules.Families) {
 		return nil, false
 	}
@@ -221,7 +217,7 @@ func (a *Aggregator) incremental(st *audit.State, h *audit.History, node, zone s
 // it (the same mode, families, and audit.Dependents key): after a leader
 // change, or under churn, thousands of nodes reassess the same services,
 // and most show one of a few versions of each.
-func (a *Aggregator) assessService(st *audit.State, h *audit.History, node, zone string, rules *stream.State, svc string) audit.ServiceAssessment {
+func (a *assessor) assessService(st *audit.State, h *audit.History, node, zone string, rules *stream.State, svc string) audit.ServiceAssessment {
 	g := a.shared
 	keys, ok := g.keys[svc]
 	if !ok {
@@ -234,7 +230,7 @@ func (a *Aggregator) assessService(st *audit.State, h *audit.History, node, zone
 	mk := serviceMemoKey{svc: svc, node: a.deps.Key(svc, node, zone), mode: rules.Mode, families: famBits(rules.Families), shown: shown.Hash()}
 	for _, m := range g.services[mk] {
 		if m.shown.Same(shown) && !a.isolated {
-			a.cfg.Metrics.ServiceAssessments.WithLabelValues("shared").Inc()
+			a.metrics.ServiceAssessments.WithLabelValues("shared").Inc()
 			return m.x
 		}
 	}
@@ -248,7 +244,7 @@ func (a *Aggregator) assessService(st *audit.State, h *audit.History, node, zone
 		}
 	}
 	x := audit.AssessService(st, h, node, obs, svc, g.current[svc])
-	a.cfg.Metrics.ServiceAssessments.WithLabelValues("computed").Inc()
+	a.metrics.ServiceAssessments.WithLabelValues("computed").Inc()
 	g.services[mk] = append(g.services[mk], serviceAssessed{shown: shown, x: x})
 	return x
 }
@@ -264,22 +260,22 @@ type assessed struct {
 // and node class at a cluster generation: a fleet mostly shows a handful
 // of versions of the same rules. compute says how it assessed (computed in
 // full, incremental, from a peer's baseline).
-func (a *Aggregator) assess(node, zone string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
+func (a *assessor) assess(node, zone string, rules *stream.State, compute func() ([]audit.ServiceAssessment, string)) []audit.ServiceAssessment {
 	g := a.shared
 	key := [2]uint64{a.deps.Class(node, zone), rules.Root()}
 	for _, m := range g.nodes[key] {
 		if m.rules.Same(rules) {
-			a.cfg.Metrics.Assessments.WithLabelValues("shared").Inc()
+			a.metrics.Assessments.WithLabelValues("shared").Inc()
 			// Shared as they are: they name the node they were made for,
 			// and the judge names the node it reports on (155 KB per
 			// lagging node at the anchors were mostly these copies).
 			return m.as
 		}
 	}
-	t := a.cfg.Clock.Now()
+	t := a.clock.Now()
 	as, how := compute()
-	a.cfg.Metrics.Reconcile.WithLabelValues("assess").Observe(a.cfg.Clock.Since(t).Seconds())
-	a.cfg.Metrics.Assessments.WithLabelValues(how).Inc()
+	a.metrics.Reconcile.WithLabelValues("assess").Observe(a.clock.Since(t).Seconds())
+	a.metrics.Assessments.WithLabelValues(how).Inc()
 	g.nodes[key] = append(g.nodes[key], assessed{rules: rules, as: as})
 	return as
 }

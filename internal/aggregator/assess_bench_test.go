@@ -52,7 +52,7 @@ func BenchmarkEvaluateCycle(b *testing.B) {
 					name := fmt.Sprintf("node-%d", n)
 					rules := shows[n%len(shows)]
 					if shared {
-						a.assessNode(cur, h, &node{name: name}, rules)
+						a.assessor.assessNode(cur, h, &node{name: name}, rules)
 					} else {
 						audit.Assess(cur, h, name, rules.Observed())
 					}
@@ -90,7 +90,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 	a := New(Config{}, &view.View{})
 	a.newGeneration(states[0], h)
 	n := &node{name: "node-1"}
-	a.assessNode(states[0], h, n, rules[0])
+	a.assessor.assessNode(states[0], h, n, rules[0])
 	base := *n.base
 	h.Update(states[1], now)
 	a.newGeneration(states[1], h)
@@ -102,7 +102,7 @@ func BenchmarkAssessNodeIncremental(b *testing.B) {
 			cp := base
 			n.base = &cp
 			b.StartTimer()
-			if as := a.assessNode(states[1], h, n, rules[1]); len(as) != 0 {
+			if as := a.assessor.assessNode(states[1], h, n, rules[1]); len(as) != 0 {
 				b.Fatalf("%d services out of sync", len(as))
 			}
 		}
@@ -195,7 +195,7 @@ func BenchmarkTakeoverCycle(b *testing.B) {
 		var a *Aggregator
 		fresh := func() {
 			a = New(Config{}, &view.View{})
-			a.isolated = isolated
+			a.assessor.isolated = isolated
 			ns = make([]*node, nodes)
 			for i := range ns {
 				ns[i] = &node{name: fmt.Sprintf("node-%d", i)}
@@ -204,7 +204,7 @@ func BenchmarkTakeoverCycle(b *testing.B) {
 		cycle := func(st *audit.State, rules []*stream.State) {
 			a.newGeneration(st, h)
 			for i, n := range ns {
-				a.assessNode(st, h, n, rules[i])
+				a.assessor.assessNode(st, h, n, rules[i])
 			}
 		}
 		b.Run("first/"+name, func(b *testing.B) {

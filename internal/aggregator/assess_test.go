@@ -68,7 +68,7 @@ func TestIncrementalAssessmentEqualsFull(t *testing.T) {
 			t.Fatal(err)
 		}
 		a.newGeneration(st, h)
-		got := a.assessNode(st, h, n, rules)
+		got := a.assessor.assessNode(st, h, n, rules)
 		want := audit.Assess(st, h, n.name, rules.Observed())
 		if !reflect.DeepEqual(norm(got), norm(want)) {
 			t.Fatalf("step %d (node case %d): incremental assessment\n%s\ndiffers from the full one\n%s", step, how, describeAs(got), describeAs(want))
@@ -129,8 +129,8 @@ func testutilValue(a *Aggregator, how string) float64 {
 
 // newGeneration starts a generation whatever the last one was.
 func (a *Aggregator) newGeneration(st *audit.State, h *audit.History) {
-	a.shared = nil
-	a.startGeneration(st, h, 0)
+	a.assessor.shared = nil
+	a.assessor.startGeneration(st, h, 0)
 }
 
 // TestSharedAssessmentsEqualFull drives eight nodes in two zones through 200
@@ -213,11 +213,11 @@ func TestSharedAssessmentsEqualFull(t *testing.T) {
 		past = append(past, st)
 		a.newGeneration(st, h)
 		if rng.IntN(10) == 0 {
-			a.donors = nil // as a new leader starts: peers only
+			a.assessor.donors = nil // as a new leader starts: peers only
 			for _, n := range ns {
 				n.base = nil
 			}
-			a.donors = map[string]*baseline{}
+			a.assessor.donors = map[string]*baseline{}
 		}
 		for _, n := range ns {
 			obs, how := randomShow(rng, st, past, func(st *audit.State) *audit.Observed { return synth.RulesFor(st, n.name) },
@@ -226,7 +226,7 @@ func TestSharedAssessmentsEqualFull(t *testing.T) {
 			if _, err := rules.Apply(stream.Delta(stream.NewState(), stream.FromModel(obs), 1, true, false)); err != nil {
 				t.Fatal(err)
 			}
-			got := a.assessNode(st, h, n, rules)
+			got := a.assessor.assessNode(st, h, n, rules)
 			want := audit.Assess(st, h, n.name, rules.Observed())
 			if !reflect.DeepEqual(anyNode(got), anyNode(want)) {
 				t.Fatalf("step %d, %s (case %d): assessment\n%s\ndiffers from the full one\n%s", step, n.name, how, describeAs(got), describeAs(want))
@@ -280,13 +280,13 @@ func TestUnchangedRulesBecomeUnowned(t *testing.T) {
 	}{{st0, 0}, {st1, time.Second}, {st1, 20 * time.Second}} {
 		h.Update(step.st, t0.Add(step.at))
 		a.newGeneration(step.st, h)
-		got := a.assessNode(step.st, h, stuck, rules)
+		got := a.assessor.assessNode(step.st, h, stuck, rules)
 		want := audit.Assess(step.st, h, stuck.name, rules.Observed())
 		if !reflect.DeepEqual(norm(got), norm(want)) {
 			t.Fatalf("step %d: assessment\n%s\ndiffers from the full one\n%s", i, describeAs(got), describeAs(want))
 		}
 	}
-	last := a.assessNode(st1, h, &node{name: "new"}, rules) // from the stuck node's baseline
+	last := a.assessor.assessNode(st1, h, &node{name: "new"}, rules) // from the stuck node's baseline
 	if len(last) == 0 || last[0].Service != "" || last[0].State != audit.Divergent {
 		t.Fatalf("the deleted service's frontend, forgotten by the History, is not reported as no service's: %s", describeAs(last))
 	}

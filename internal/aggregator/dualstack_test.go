@@ -82,7 +82,7 @@ func TestDualStackCapturesThroughTheStream(t *testing.T) {
 					h.Update(st, at)
 					at = at.Add(10 * time.Second)
 					a.newGeneration(st, h)
-					got := a.assessNode(st, h, n, rules)
+					got := a.assessor.assessNode(st, h, n, rules)
 					want := audit.Assess(st, h, name, rules.Observed())
 					if !reflect.DeepEqual(norm(got), norm(want)) {
 						t.Fatalf("%s: the leader's assessment\n%s\ndiffers from the full one\n%s", dir, describeAs(got), describeAs(want))

@@ -81,12 +81,12 @@ func (a *Aggregator) judgeReports(start time.Time) cycle {
 		jobs := a.fleet.due(covered, gen)
 		a.mu.Unlock()
 		c.jobs = len(jobs)
-		a.startGeneration(st, h, gen)
+		a.assessor.startGeneration(st, h, gen)
 		services := servicesProgrammed(st)
 		for _, j := range jobs {
 			as := j.n.assessments
 			if !j.reuse {
-				as = a.assessNode(st, h, j.n, &j.snap)
+				as = a.assessor.assessNode(st, h, j.n, &j.snap)
 			}
 			a.mu.Lock()
 			j.n.assessments = as

@@ -46,7 +46,7 @@ func BenchmarkNodeMemory(b *testing.B) {
 				pool := stream.NewPool()
 				a := New(Config{Policy: audit.DefaultPolicy()}, &view.View{})
 				observe := func(st *audit.State, n *node, at time.Time) {
-					as := a.assessNode(st, h, n, n.state)
+					as := a.assessor.assessNode(st, h, n, n.state)
 					n.assessments = as
 					a.fleet.judge.Observe(n.name, at, at, servicesProgrammed(st), false, as, h)
 				}
