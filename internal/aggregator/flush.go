@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/internal/safetext"
@@ -15,21 +14,6 @@ import (
 // flushWait bounds how long a flush waits for the collector's answer: a
 // dump and the deletes of a big table take seconds.
 const flushWait = 40 * time.Second
-
-// flushes pairs the collectors' answers with the requests waiting for
-// them.
-type flushes struct {
-	mu      sync.Mutex
-	next    uint64
-	waiting map[uint64]flushWaiter
-}
-
-// flushWaiter is a flush sent on stream c, waiting on ch for its answer
-// (nil: the stream ended first).
-type flushWaiter struct {
-	c  *conn
-	ch chan *stream.Flushed
-}
 
 // Flush asks the node's collector, over its stream, to delete the
 // conntrack entries of pairs, and returns what became of each (the
@@ -64,20 +48,9 @@ func (a *Aggregator) flushVia(ctx context.Context, node string, pairs []remediat
 	if err := req.Check(); err != nil {
 		return nil, err
 	}
-	ch := make(chan *stream.Flushed, 1)
-	a.flush.mu.Lock()
-	a.flush.next++
-	req.ID = a.flush.next
-	if a.flush.waiting == nil {
-		a.flush.waiting = map[uint64]flushWaiter{}
-	}
-	a.flush.waiting[req.ID] = flushWaiter{c: c, ch: ch}
-	a.flush.mu.Unlock()
-	defer func() {
-		a.flush.mu.Lock()
-		delete(a.flush.waiting, req.ID)
-		a.flush.mu.Unlock()
-	}()
+	id, ch, done := a.flush.wait(c)
+	defer done()
+	req.ID = id
 	// The timer starts before the send: whoever hears the flush (a test
 	// stepping a fake clock) cannot step past a timer not yet made.
 	timer := a.cfg.Clock.NewTimer(flushWait)
@@ -107,42 +80,4 @@ func (a *Aggregator) flushVia(ctx context.Context, node string, pairs []remediat
 		return out, errors.New("the collector: " + safetext.Clean(got.Error, 300))
 	}
 	return out, nil
-}
-
-// flushed hands a collector's answer, read on stream c, to the flush
-// waiting for it; an answer nobody waits for on that stream (another
-// node's flush included: a collector speaks for its own node only) or
-// that does not match what was asked is an error the stream ends on.
-func (a *Aggregator) flushed(c *conn, f *stream.Flushed) error {
-	if len(f.Results) > stream.MaxFlushPairs {
-		return fmt.Errorf("a flush answer of %d results", len(f.Results))
-	}
-	for _, r := range f.Results {
-		if r.Deleted < 0 {
-			return fmt.Errorf("a flush answer with %d entries deleted", r.Deleted)
-		}
-	}
-	a.flush.mu.Lock()
-	w, ok := a.flush.waiting[f.ID]
-	if ok && w.c == c {
-		delete(a.flush.waiting, f.ID)
-	}
-	a.flush.mu.Unlock()
-	if !ok || w.c != c {
-		return fmt.Errorf("an answer to flush %d, which nobody asked this stream for", f.ID)
-	}
-	w.ch <- f
-	return nil
-}
-
-// flushesEnd releases the flushes waiting on stream c, which has ended.
-func (a *Aggregator) flushesEnd(c *conn) {
-	a.flush.mu.Lock()
-	defer a.flush.mu.Unlock()
-	for id, w := range a.flush.waiting {
-		if w.c == c {
-			delete(a.flush.waiting, id)
-			w.ch <- nil
-		}
-	}
 }

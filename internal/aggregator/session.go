@@ -68,7 +68,7 @@ func (s *session) close() {
 		s.n.conn = nil
 	}
 	a.mu.Unlock()
-	a.flushesEnd(s.c)
+	a.flush.end(s.c)
 	a.warmup.done(s.c, false)
 }
 
@@ -93,7 +93,7 @@ func (s *session) receive(ctx context.Context, f frame) bool {
 		return s.content(ctx, m.Content, f.release)
 	case m.Type == stream.TypeFlushed && m.Flushed != nil:
 		f.release()
-		if err := s.a.flushed(s.c, m.Flushed); err != nil {
+		if err := s.a.flush.answer(s.c, m.Flushed); err != nil {
 			s.reject(ReasonProtocol, err.Error())
 			return false
 		}
