@@ -12,7 +12,7 @@ import (
 type flushes struct {
 	mu      sync.Mutex
 	next    uint64
-	waiting map[uint64]flushWaiter
+	pending map[uint64]flushWaiter
 }
 
 // flushWaiter is a flush sent on stream c, waiting on ch for its answer
@@ -31,13 +31,13 @@ func (fs *flushes) wait(c *conn) (id uint64, answer <-chan *stream.Flushed, done
 	defer fs.mu.Unlock()
 	fs.next++
 	id = fs.next
-	if fs.waiting == nil {
-		fs.waiting = map[uint64]flushWaiter{}
+	if fs.pending == nil {
+		fs.pending = map[uint64]flushWaiter{}
 	}
-	fs.waiting[id] = flushWaiter{c: c, ch: ch}
+	fs.pending[id] = flushWaiter{c: c, ch: ch}
 	return id, ch, func() {
 		fs.mu.Lock()
-		delete(fs.waiting, id)
+		delete(fs.pending, id)
 		fs.mu.Unlock()
 	}
 }
@@ -56,9 +56,9 @@ func (fs *flushes) answer(c *conn, f *stream.Flushed) error {
 		}
 	}
 	fs.mu.Lock()
-	w, ok := fs.waiting[f.ID]
+	w, ok := fs.pending[f.ID]
 	if ok && w.c == c {
-		delete(fs.waiting, f.ID)
+		delete(fs.pending, f.ID)
 	}
 	fs.mu.Unlock()
 	if !ok || w.c != c {
@@ -72,9 +72,9 @@ func (fs *flushes) answer(c *conn, f *stream.Flushed) error {
 func (fs *flushes) end(c *conn) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
-	for id, w := range fs.waiting {
+	for id, w := range fs.pending {
 		if w.c == c {
-			delete(fs.waiting, id)
+			delete(fs.pending, id)
 			w.ch <- nil
 		}
 	}

@@ -22,22 +22,22 @@ type pendingGate struct {
 // enter admits a connection from source unless a limit is reached; the
 // returned func leaves (call it once).
 func (g *pendingGate) enter(source string) (func(), bool) {
-	node := g.isNode != nil && g.isNode(source)
+	fromNode := g.isNode != nil && g.isNode(source)
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.n >= g.max || g.bySource[source] >= g.perSource || (!node && g.others >= max(1, g.max/4)) {
+	if g.n >= g.max || g.bySource[source] >= g.perSource || (!fromNode && g.others >= max(1, g.max/4)) {
 		return nil, false
 	}
 	g.n++
 	g.bySource[source]++
-	if !node {
+	if !fromNode {
 		g.others++
 	}
 	return sync.OnceFunc(func() {
 		g.mu.Lock()
 		defer g.mu.Unlock()
 		g.n--
-		if !node {
+		if !fromNode {
 			g.others--
 		}
 		if g.bySource[source]--; g.bySource[source] <= 0 {
