@@ -135,10 +135,9 @@ type Aggregator struct {
 	partials      *partialLog
 	gathered      map[string]gathered
 	unheardLogged time.Time
-	// concluded are the nodes of the leader's fleet verdicts: those of
-	// the last one, and those of shards unheard since (Evaluate's
-	// goroutine only).
-	concluded map[string]bool
+	// concluder makes the fleet's verdict of the shards' partial
+	// verdicts (the leader, sharded; Evaluate's goroutine only).
+	concluder concluder
 	// testHookRegistered, when set, runs once a stream is registered and
 	// before its welcome is written (tests widen that window with it).
 	testHookRegistered atomic.Pointer[func()]
@@ -179,7 +178,7 @@ func New(cfg Config, view *view.View) *Aggregator {
 		cfg.RecoveryGrace = 60 * time.Second
 	}
 	view.ObserveRebuilds(func(d time.Duration) { cfg.Metrics.Reconcile.WithLabelValues("cluster_state").Observe(d.Seconds()) })
-	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy, shardCount(cfg.Shards)), assessor: assessor{metrics: cfg.Metrics, clock: cfg.Clock}, partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
+	return &Aggregator{cfg: cfg, view: view, fleet: newFleet(cfg.Policy, shardCount(cfg.Shards)), assessor: assessor{metrics: cfg.Metrics, clock: cfg.Clock}, concluder: concluder{policy: cfg.Policy, shards: shardCount(cfg.Shards)}, partials: newPartialLog(rand.Text()), pool: stream.NewPool(), journal: &journal{now: cfg.Clock.Now},
 		budget: newDecodeBudget(cfg.DecodeBudget), unauth: pendingGate{max: cfg.MaxUnauthenticated, perSource: cfg.MaxUnauthenticatedPerSource, bySource: map[string]int{},
 			isNode: view.IsNodeAddress}}
 }

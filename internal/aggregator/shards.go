@@ -159,11 +159,7 @@ func (a *Aggregator) judgingLocked() bool { return a.lead.isLeading() || len(a.f
 // recovering is the leader's own view's recovery: drift is held back.
 func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recovering bool) audit.Verdict {
 	parts, unheard := a.gatherPartials(a.leadContext(), now)
-	v := audit.Conclude(a.cfg.Policy, parts...)
-	v.At = now
-	if recovering {
-		v = holdBackDrift(v)
-	}
+	v, departed := a.concluder.conclude(now, parts, unheard, recovering)
 	a.cfg.Metrics.ShardsUnheard.Set(float64(len(unheard)))
 	if len(unheard) > 0 && (a.unheardLogged.IsZero() || now.Sub(a.unheardLogged) > time.Minute) {
 		a.unheardLogged = now
@@ -176,33 +172,15 @@ func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recoverin
 		a.fleet.verdict = &v
 	}
 	a.mu.Unlock()
-	a.forgetDeparted(&v, unheard)
-	return v
-}
-
-// forgetDeparted tells the leader's executor of the nodes that left the
-// fleet: in none of its verdicts since, their shard heard. A holder
-// forgets the nodes it judged, but the leader remediated them, whoever
-// held them: its per-node memory must not grow with node churn. A node of
-// a shard not heard is kept until its shard is.
-func (a *Aggregator) forgetDeparted(v *audit.Verdict, unheard []int) {
-	next := make(map[string]bool, len(v.Nodes))
-	for _, n := range v.Nodes {
-		next[n.Node] = true
-	}
-	for n := range a.concluded {
-		if next[n] {
-			continue
-		}
-		if slices.Contains(unheard, a.shardOf(n)) {
-			next[n] = true
-			continue
-		}
-		if r := a.cfg.Remediation; r != nil {
+	// A holder forgets the nodes it judged, but the leader remediated
+	// them, whoever held them: its per-node memory must not grow with
+	// node churn.
+	if r := a.cfg.Remediation; r != nil {
+		for _, n := range departed {
 			r.Executor.Forget(n)
 		}
 	}
-	a.concluded = next
+	return v
 }
 
 // heldShards lists the shards this replica holds. a.mu held.

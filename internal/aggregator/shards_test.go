@@ -538,59 +538,37 @@ func TestFlushIsPassedOnOnce(t *testing.T) {
 	})
 }
 
-// forgets is a notifier that keeps per-node state, recording what it is
-// told to forget.
-type forgets struct {
-	mu    sync.Mutex
-	nodes []string
-}
-
-func (f *forgets) Notify(remediate.Notice) {}
-func (f *forgets) Forget(node string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.nodes = append(f.nodes, node)
-}
-func (f *forgets) take() []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	out := f.nodes
-	f.nodes = nil
-	slices.Sort(out)
-	return out
-}
-
 // Sharded, the leader remediates nodes other replicas judge: it forgets
 // a node when the node leaves the fleet's verdict, whoever held it, and
 // not while the node's shard is unheard (its absence there says nothing).
 func TestLeaderForgetsNodesThatLeftTheFleet(t *testing.T) {
 	const shards = 4
-	f := &forgets{}
-	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Shards: &Shards{Count: shards},
-		Remediation: &Remediation{Policy: remediate.DefaultPolicy(), Executor: &effect.Executor{Notifier: f, Log: zaptest.NewLogger(t)}}},
-		view.New(view.Config{Client: fake.NewClientset()}))
-	a, b, c, d := nodesIn(0, shards, 1)[0], nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0], nodesIn(3, shards, 1)[0]
-	verdict := func(names ...string) *audit.Verdict {
-		v := &audit.Verdict{}
+	c := concluder{policy: audit.DefaultPolicy(), shards: shards}
+	a, b, cn, d := nodesIn(0, shards, 1)[0], nodesIn(1, shards, 1)[0], nodesIn(2, shards, 1)[0], nodesIn(3, shards, 1)[0]
+	part := func(names ...string) audit.Partial {
+		p := audit.Partial{At: t0}
 		for _, n := range names {
-			v.Nodes = append(v.Nodes, audit.NodeStatus{Node: n, State: audit.NodeInSync})
+			p.Nodes = append(p.Nodes, audit.NodeStatus{Node: n, State: audit.NodeInSync})
 		}
-		return v
+		return p
 	}
-	agg.forgetDeparted(verdict(a, b, c, d), nil)
-	if got := f.take(); len(got) != 0 {
+	conclude := func(unheard []int, parts ...audit.Partial) []string {
+		v, departed := c.conclude(t0, parts, unheard, false)
+		if len(v.Nodes) == 0 {
+			t.Fatal("an empty verdict")
+		}
+		return departed
+	}
+	if got := conclude(nil, part(a, b), part(cn, d)); len(got) != 0 {
 		t.Fatalf("forgot %v of a fleet that lost nobody", got)
 	}
-	agg.forgetDeparted(verdict(a, b), []int{2}) // c's shard unheard, d gone
-	if got := f.take(); !slices.Equal(got, []string{d}) {
-		t.Errorf("forgot %v, want [%s] (%s's shard is unheard)", got, d, c)
+	if got := conclude([]int{2}, part(a, b)); !slices.Equal(got, []string{d}) { // c's shard unheard, d gone
+		t.Errorf("forgot %v, want [%s] (%s's shard is unheard)", got, d, cn)
 	}
-	agg.forgetDeparted(verdict(a, b), nil) // c's shard heard: c is gone
-	if got := f.take(); !slices.Equal(got, []string{c}) {
-		t.Errorf("forgot %v once its shard was heard, want [%s]", got, c)
+	if got := conclude(nil, part(a, b)); !slices.Equal(got, []string{cn}) { // c's shard heard: c is gone
+		t.Errorf("forgot %v once its shard was heard, want [%s]", got, cn)
 	}
-	agg.forgetDeparted(verdict(a, b), nil)
-	if got := f.take(); len(got) != 0 {
+	if got := conclude(nil, part(a, b)); len(got) != 0 {
 		t.Errorf("forgot %v twice", got)
 	}
 }
