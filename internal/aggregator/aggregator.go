@@ -260,4 +260,31 @@ func (a *Aggregator) Verdict() *audit.Verdict {
 	return a.fleet.verdict
 }
 
+// SetTerm sets the term of the current leadership once it is known.
+func (a *Aggregator) SetTerm(ctx context.Context, term int64) { a.lead.setTerm(ctx, term) }
+
+// Term says whether this replica leads now and in which term: the
+// executor asks before every action and stamps every record write with
+// it, so a replica that lost the Lease cannot act on, or overwrite, what
+// the new leader decided.
+func (a *Aggregator) Term() (int64, bool) { return a.lead.current() }
+
+// NewLeader records who leads (this replica or another).
+func (a *Aggregator) NewLeader(identity string) {
+	if a.lead.setLeader(identity) {
+		a.cfg.Log.Info("leader changed", zap.String("leader", identity))
+	}
+}
+
+// Leader returns the current leader's identity ("" when unknown) and
+// whether it is this replica.
+func (a *Aggregator) Leader() (string, bool) { return a.lead.now() }
+
+// Recovering says until when node drift is held back after the view came
+// back from stale (zero or past: not recovering).
+func (a *Aggregator) Recovering() time.Time { return a.health.until() }
+
+// Stale says since when and why the leader's view is stale (zero: fresh).
+func (a *Aggregator) Stale() (time.Time, string) { return a.health.stale() }
+
 func clip(s string) string { return safetext.Clean(s, 80) }

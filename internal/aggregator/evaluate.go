@@ -8,6 +8,7 @@ import (
 
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
+	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 // Evaluate assesses every node that reported since the last call and
@@ -63,7 +64,7 @@ func (a *Aggregator) finish(start time.Time, c cycle, prev, v *audit.Verdict, re
 	if !recovering {
 		a.handOff(v)
 		if a.cfg.Reports != nil {
-			a.cfg.Reports.Offer(a.leadContext(), v)
+			a.cfg.Reports.Offer(a.lead.context(), v)
 		}
 	}
 }
@@ -227,4 +228,31 @@ func servicesProgrammed(st *audit.State) int {
 		}
 	}
 	return n
+}
+
+// blind checks the view's freshness. A stale view is not judged from:
+// kube-proxies whose watches work would look drifted against it (false
+// findings) and repairs would act on them. The last verdict stays, marked
+// stale, and one notice goes out when it starts and one when it ends.
+func (a *Aggregator) blind() bool {
+	since, why := a.view.Stale()
+	stale, changed := a.health.observe(since, why, a.cfg.Clock.Now(), a.cfg.RecoveryGrace)
+	a.cfg.Metrics.ViewStale.Set(map[bool]float64{true: 1}[stale])
+	if !changed {
+		return stale
+	}
+	n := remediate.Notice{Action: remediate.Action{Kind: remediate.ViewFresh, Node: remediate.SelfNode,
+		Reason: "the aggregator's watches deliver again; judging resumes (a drift shows after the grace period)"}}
+	if stale {
+		staleSince, staleWhy := a.health.stale()
+		a.cfg.Log.Error("view of the API is stale: findings are unknown, nothing is judged or repaired", zap.Time("since", staleSince), zap.String("why", staleWhy))
+		n = remediate.Notice{Action: remediate.Action{Kind: remediate.ViewStale, Node: remediate.SelfNode, Reason: staleWhy}, Since: staleSince}
+	} else {
+		a.cfg.Log.Info("view of the API is fresh again: judging resumes; node drift held back while kube-proxies reconnect",
+			zap.Duration("recovery_grace", a.cfg.RecoveryGrace))
+	}
+	if a.cfg.Notifier != nil {
+		a.cfg.Notifier.Notify(n)
+	}
+	return stale
 }

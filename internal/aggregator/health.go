@@ -3,14 +3,10 @@ package aggregator
 import (
 	"sync"
 	"time"
-
-	"go.uber.org/zap"
-
-	"github.com/proxyaudit/proxyaudit/remediate"
 )
 
 // viewHealth is whether the leader's view of the API is stale, and the
-// recovery after it. Evaluate's goroutine writes it (blind); the API and
+// recovery after it. Evaluate's goroutine writes it (observe); the API and
 // Evaluate read it.
 type viewHealth struct {
 	mu sync.Mutex
@@ -23,69 +19,50 @@ type viewHealth struct {
 	recovering time.Time
 }
 
-// Recovering says until when node drift is held back after the view came
-// back from stale (zero or past: not recovering).
-func (a *Aggregator) Recovering() time.Time {
-	a.health.mu.Lock()
-	defer a.health.mu.Unlock()
-	return a.health.recovering
-}
-
-// blind checks the view's freshness. A stale view is not judged from:
-// kube-proxies whose watches work would look drifted against it (false
-// findings) and repairs would act on them. The last verdict stays, marked
-// stale, and one notice goes out when it starts and one when it ends.
-func (a *Aggregator) blind() bool {
-	since, why := a.view.Stale()
-	now := a.cfg.Clock.Now()
-	a.health.mu.Lock()
-	was := !a.health.staleSince.IsZero()
-	switch {
-	case !since.IsZero():
-		if !was || since.Before(a.health.staleSince) {
-			a.health.staleSince = since
-		}
-		a.health.staleWhy, a.health.freshSince = why, time.Time{}
-	case was:
-		// A watch that flaps (lists work, watches fail) must not page on
-		// every relist: fresh again only after freshAfter without a fault.
-		if a.health.freshSince.IsZero() {
-			a.health.freshSince = now
-		}
-		if now.Sub(a.health.freshSince) >= freshAfter {
-			a.health.staleSince, a.health.staleWhy = time.Time{}, ""
-			a.health.recovering = now.Add(a.cfg.RecoveryGrace)
-		}
-	}
-	stale := !a.health.staleSince.IsZero()
-	staleSince, staleWhy := a.health.staleSince, a.health.staleWhy
-	a.health.mu.Unlock()
-	a.cfg.Metrics.ViewStale.Set(map[bool]float64{true: 1}[stale])
-	if stale == was {
-		return stale
-	}
-	n := remediate.Notice{Action: remediate.Action{Kind: remediate.ViewFresh, Node: remediate.SelfNode,
-		Reason: "the aggregator's watches deliver again; judging resumes (a drift shows after the grace period)"}}
-	if stale {
-		a.cfg.Log.Error("view of the API is stale: findings are unknown, nothing is judged or repaired", zap.Time("since", staleSince), zap.String("why", staleWhy))
-		n = remediate.Notice{Action: remediate.Action{Kind: remediate.ViewStale, Node: remediate.SelfNode, Reason: staleWhy}, Since: staleSince}
-	} else {
-		a.cfg.Log.Info("view of the API is fresh again: judging resumes; node drift held back while kube-proxies reconnect",
-			zap.Duration("recovery_grace", a.cfg.RecoveryGrace))
-	}
-	if a.cfg.Notifier != nil {
-		a.cfg.Notifier.Notify(n)
-	}
-	return stale
-}
-
 // freshAfter is how long a stale view must look fresh before judging
 // resumes.
 const freshAfter = 5 * time.Second
 
-// Stale says since when and why the leader's view is stale (zero: fresh).
-func (a *Aggregator) Stale() (time.Time, string) {
-	a.health.mu.Lock()
-	defer a.health.mu.Unlock()
-	return a.health.staleSince, a.health.staleWhy
+// observe takes what the view says of its freshness now (since: stale
+// since when, zero when fresh; why) and says whether the view counts as
+// stale, and whether that changed. A view that comes back is fresh only
+// after freshAfter without a fault (a watch that flaps, lists working and
+// watches failing, must not page on every relist), and node drift is then
+// held back for grace.
+func (h *viewHealth) observe(since time.Time, why string, now time.Time, grace time.Duration) (stale, changed bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	was := !h.staleSince.IsZero()
+	switch {
+	case !since.IsZero():
+		if !was || since.Before(h.staleSince) {
+			h.staleSince = since
+		}
+		h.staleWhy, h.freshSince = why, time.Time{}
+	case was:
+		if h.freshSince.IsZero() {
+			h.freshSince = now
+		}
+		if now.Sub(h.freshSince) >= freshAfter {
+			h.staleSince, h.staleWhy = time.Time{}, ""
+			h.recovering = now.Add(grace)
+		}
+	}
+	stale = !h.staleSince.IsZero()
+	return stale, stale != was
+}
+
+// stale says since when and why the view is stale (zero: fresh).
+func (h *viewHealth) stale() (time.Time, string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.staleSince, h.staleWhy
+}
+
+// until says until when node drift is held back (zero or past:
+// not recovering).
+func (h *viewHealth) until() time.Time {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.recovering
 }

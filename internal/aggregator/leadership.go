@@ -4,8 +4,6 @@ import (
 	"context"
 	"sync"
 
-	"go.uber.org/zap"
-
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
 
@@ -36,31 +34,26 @@ func (l *leadership) isLeading() bool {
 	return leading
 }
 
-// SetTerm sets the term of the current leadership once it is known.
-func (a *Aggregator) SetTerm(ctx context.Context, term int64) {
-	a.lead.mu.Lock()
-	defer a.lead.mu.Unlock()
-	if a.lead.ctx == ctx {
-		a.lead.term = term
+// setTerm sets the term of the leadership ctx is the context of, if it
+// is still the current one.
+func (l *leadership) setTerm(ctx context.Context, term int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ctx == ctx {
+		l.term = term
 	}
 }
 
-// Term says whether this replica leads now and in which term: the
-// executor asks before every action and stamps every record write with
-// it, so a replica that lost the Lease cannot act on, or overwrite, what
-// the new leader decided.
-func (a *Aggregator) Term() (int64, bool) {
-	l := &a.lead
+// current says whether this replica leads now, and in which term.
+func (l *leadership) current() (int64, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	ok := l.leading && l.ctx != nil && l.ctx.Err() == nil && (l.term >= 0 || l.term == effect.Unfenced)
 	return l.term, ok
 }
 
-// leadContext is the current leadership's context (ended when not
-// leading).
-func (a *Aggregator) leadContext() context.Context {
-	l := &a.lead
+// context is the current leadership's context (ended when not leading).
+func (l *leadership) context() context.Context {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if !l.leading || l.ctx == nil {
@@ -71,16 +64,12 @@ func (a *Aggregator) leadContext() context.Context {
 	return l.ctx
 }
 
-// NewLeader records who leads (this replica or another).
-func (a *Aggregator) NewLeader(identity string) {
-	a.lead.mu.Lock()
-	defer a.lead.mu.Unlock()
-	if identity != a.lead.leader {
-		a.cfg.Log.Info("leader changed", zap.String("leader", identity))
-	}
-	a.lead.leader = identity
+// setLeader records who leads (this replica or another), and says whether
+// that changed.
+func (l *leadership) setLeader(identity string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	changed := identity != l.leader
+	l.leader = identity
+	return changed
 }
-
-// Leader returns the current leader's identity ("" when unknown) and
-// whether it is this replica.
-func (a *Aggregator) Leader() (string, bool) { return a.lead.now() }

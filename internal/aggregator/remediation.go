@@ -38,7 +38,7 @@ func (a *Aggregator) remediate(v *audit.Verdict) {
 	}
 	// Every call ends when the leadership does: a replica that lost the
 	// Lease stops mid-round (the executor also asks before each action).
-	ctx, cancel := context.WithTimeout(a.leadContext(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(a.lead.context(), 30*time.Second)
 	defer cancel()
 	if r.Executor.Flusher == nil {
 		r.Executor.Flusher = a // flushes go to the nodes' collectors, over their streams

@@ -158,7 +158,7 @@ func (a *Aggregator) judgingLocked() bool { return a.lead.isLeading() || len(a.f
 // fleet, each finding dated by when the fleet's verdicts first held it.
 // recovering is the leader's own view's recovery: drift is held back.
 func (a *Aggregator) concludeFleet(now time.Time, prev *audit.Verdict, recovering bool) audit.Verdict {
-	parts, unheard := a.gatherPartials(a.leadContext(), now)
+	parts, unheard := a.gatherPartials(a.lead.context(), now)
 	v, departed := a.concluder.conclude(now, parts, unheard, recovering)
 	a.cfg.Metrics.ShardsUnheard.Set(float64(len(unheard)))
 	if len(unheard) > 0 && (a.unheardLogged.IsZero() || now.Sub(a.unheardLogged) > time.Minute) {
