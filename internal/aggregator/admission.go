@@ -2,7 +2,6 @@ package aggregator
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"net"
@@ -12,7 +11,6 @@ import (
 	"golang.org/x/time/rate"
 	"k8s.io/apimachinery/pkg/util/validation"
 
-	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -30,7 +28,7 @@ func noLeaderRetry(node string) time.Duration {
 // leads.
 func (a *Aggregator) redirect(c *conn, leader string) {
 	if leader != "" && leader != a.cfg.Self {
-		a.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}, Peers: a.knownPeers()}))
+		a.cfg.Metrics.sent(c.send(&stream.Message{Type: stream.TypeRedirect, Redirect: &stream.Redirect{Leader: leader}, Peers: a.knownPeers()}))
 		a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeRedirect).Inc()
 	}
 }
@@ -52,7 +50,7 @@ func (a *Aggregator) rejectWith(log *zap.Logger, c *conn, reason RejectReason, r
 	}
 	a.cfg.Metrics.StreamRejected.WithLabelValues(string(reason)).Inc()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeReject).Inc()
-	a.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r, Peers: peers}))
+	a.cfg.Metrics.sent(c.send(&stream.Message{Type: stream.TypeReject, Reject: r, Peers: peers}))
 }
 
 // checkHello says what is wrong with a stream's first message, if
@@ -130,28 +128,6 @@ func (a *Aggregator) open(ctx context.Context, c *conn, m *stream.Message, log *
 	return s
 }
 
-// authenticate reviews the stream's token, at its hello or renewed; false
-// when the stream was refused.
-func (s *session) authenticate(ctx context.Context, token string) bool {
-	expires, err := s.a.cfg.Auth.Authenticate(ctx, auth.Hello{Node: s.hello.Node, Token: token, Source: s.source})
-	if err != nil {
-		var busy *auth.BusyError
-		switch {
-		case s.n != nil:
-			s.reject(ReasonAuth, "renewing the stream's token: "+err.Error())
-		case errors.As(err, &busy):
-			s.a.rejectWith(s.log, s.c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()}, nil)
-		case errors.Is(err, auth.ErrBusy):
-			s.reject(ReasonBusy, err.Error())
-		default:
-			s.reject(ReasonAuth, err.Error())
-		}
-		return false
-	}
-	s.expires = expires
-	return true
-}
-
 // register makes s its node's stream, replacing the one before, and
 // welcomes it; false when this aggregator stopped leading meanwhile.
 func (a *Aggregator) register(s *session) bool {
@@ -179,7 +155,7 @@ func (a *Aggregator) register(s *session) bool {
 	if hook := a.testHookRegistered.Load(); hook != nil {
 		(*hook)()
 	}
-	a.sent(c.writeLocked(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
+	a.cfg.Metrics.sent(c.writeLocked(&stream.Message{Type: stream.TypeWelcome, Welcome: &stream.Welcome{Refs: true, Tops: true}}))
 	c.wmu.Unlock()
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypeWelcome).Inc()
 	return true

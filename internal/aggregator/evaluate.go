@@ -109,7 +109,7 @@ func (a *Aggregator) judgeReports(start time.Time) cycle {
 func (a *Aggregator) askReadNow(asks []*conn) {
 	for _, c := range asks {
 		go func() {
-			a.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
+			a.cfg.Metrics.sent(c.send(&stream.Message{Type: stream.TypeReadNow, ReadNow: &stream.ReadNow{Reason: "a change is crossing the grace period"}}))
 		}()
 		a.cfg.Metrics.ReadNow.Inc()
 	}

@@ -4,11 +4,14 @@ import (
 	"context"
 	"time"
 
+	"go.uber.org/zap"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/utils/ptr"
+
+	"github.com/proxyaudit/proxyaudit/remediate/effect"
 )
 
 // Election is how replicas agree on a leader: a Lease, renewed by the
@@ -76,4 +79,73 @@ func leaseTerm(ctx context.Context, client kubernetes.Interface, e Election) int
 		case <-time.After(time.Second):
 		}
 	}
+}
+
+// StartedLeading makes this replica judge and accept streams, from a
+// clean memory (collectors resend full snapshots on connecting), without
+// an election: it leads until the process ends, unfenced (it is the only
+// replica).
+func (a *Aggregator) StartedLeading() { a.Lead(context.Background(), effect.Unfenced) }
+
+// Lead makes this replica judge and accept streams until ctx ends (the
+// elector cancels it when the lease is lost). Its remediation acts only
+// while ctx lives and with term (-1: not known yet, no action).
+func (a *Aggregator) Lead(ctx context.Context, term int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.lead.mu.Lock()
+	a.lead.leading, a.lead.leader = true, a.cfg.Self
+	a.lead.ctx, a.lead.term = ctx, term
+	a.lead.mu.Unlock()
+	a.cfg.Metrics.Leader.Set(1)
+	if a.sharded() {
+		a.fleet.verdict = nil
+		// The streams and nodes are the shards' (HoldShard): leading
+		// the fleet only concludes over them and acts.
+		a.cfg.Log.Info("leading the fleet: concluding over the shards' partial verdicts", zap.String("self", a.cfg.Self))
+		return
+	}
+	a.fleet.begin()
+	a.warmup.reset()
+	a.cfg.Log.Info("leading: accepting collector streams", zap.String("self", a.cfg.Self))
+}
+
+// StoppedLeading ends every stream (sending collectors to the new leader
+// when it is known) and forgets the nodes.
+func (a *Aggregator) StoppedLeading() {
+	a.mu.Lock()
+	a.lead.mu.Lock()
+	was, leader := a.lead.leading, a.lead.leader
+	a.lead.leading = false
+	a.lead.mu.Unlock()
+	if !was {
+		a.mu.Unlock()
+		return
+	}
+	a.cfg.Metrics.Leader.Set(0)
+	// Only the leader judges its view; a follower's stale flag would keep
+	// ProxyAuditViewStale firing for a replica that no longer decides.
+	a.cfg.Metrics.ViewStale.Set(0)
+	if a.sharded() {
+		// Its shards' streams stay: only the fleet's decisions move.
+		a.fleet.verdict = nil
+		a.mu.Unlock()
+		a.repair.Lock()
+		a.repair.next = nil
+		a.repair.Unlock()
+		a.cfg.Log.Info("no longer leading the fleet", zap.String("leader", leader))
+		return
+	}
+	open := a.fleet.end()
+	a.mu.Unlock()
+	a.repair.Lock()
+	a.repair.next = nil // judged while leading: not for a later term
+	a.repair.Unlock()
+	// Writes happen outside the lock: a stuck collector must not hold up
+	// the rest (each write has its own deadline).
+	for _, c := range open {
+		a.redirect(c, leader)
+		c.Close()
+	}
+	a.cfg.Log.Info("no longer leading: streams handed over", zap.String("leader", leader), zap.Int("streams", len(open)))
 }

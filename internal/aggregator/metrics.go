@@ -196,3 +196,9 @@ func (m *Metrics) setVerdict(v *audit.Verdict) {
 		m.Nodes.WithLabelValues(string(s)).Set(states[s])
 	}
 }
+
+// sent counts the bytes a write to a stream sent (a failed write counts
+// what it got out).
+func (m *Metrics) sent(n int, _ error) {
+	m.StreamBytes.WithLabelValues("out").Add(float64(n))
+}

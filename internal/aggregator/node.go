@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -112,3 +113,6 @@ type baseline struct {
 	// service had.
 	unowned []string
 }
+
+// clip cleans s for a log line or a message, at most 80 bytes.
+func clip(s string) string { return safetext.Clean(s, 80) }

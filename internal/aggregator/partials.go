@@ -311,3 +311,42 @@ func (b *bounded[T]) UnmarshalJSON(data []byte) error {
 	_, err = dec.Token()
 	return err
 }
+
+// PartialResponse is GET /internal/v1/partial[?epoch=E&since=V]: a
+// replica's judgement of the nodes of the shards it holds, version
+// Version of its run Epoch. With Since 0 Partial holds every node; else
+// only the changes after version Since (partials.go): Partial.Nodes the
+// nodes new or sent whole again, States the nodes whose state changed,
+// Gone the nodes that left. Partial's findings are always whole.
+type PartialResponse struct {
+	Replica string        `json:"replica"`
+	Shards  []int         `json:"shards"`
+	Epoch   string        `json:"epoch,omitempty"`
+	Version uint64        `json:"version,omitempty"`
+	Since   uint64        `json:"since,omitempty"`
+	Partial audit.Partial `json:"partial"`
+	States  []NodeLight   `json:"states,omitempty"`
+	Gone    []string      `json:"gone,omitempty"`
+}
+
+// gathered is one holder's partial as the leader last read it: another
+// replica's kept from its answers (mirror), or this replica's own.
+type gathered struct {
+	mirror *partialMirror
+	own    *PartialResponse
+	at     time.Time
+}
+
+func (g gathered) shards() []int {
+	if g.own != nil {
+		return g.own.Shards
+	}
+	return g.mirror.shards
+}
+
+func (g gathered) whole() audit.Partial {
+	if g.own != nil {
+		return g.own.Partial
+	}
+	return g.mirror.whole()
+}

@@ -151,7 +151,7 @@ func (a *Aggregator) announcePeers() {
 // sendPeers sends the newest peers message to the collector on c (two
 // sends racing, a new stream's and a change's, end on the newer).
 func (a *Aggregator) sendPeers(c *conn) {
-	a.sent(c.sendNewest(a.peersMsg.Load))
+	a.cfg.Metrics.sent(c.sendNewest(a.peersMsg.Load))
 	a.cfg.Metrics.StreamMessages.WithLabelValues("out", stream.TypePeers).Inc()
 }
 

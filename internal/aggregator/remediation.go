@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"sort"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/remediate/effect"
@@ -16,19 +15,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/audit"
 	"github.com/proxyaudit/proxyaudit/remediate"
 )
-
-// Remediation wires the planner and the executor into the aggregator.
-type Remediation struct {
-	Policy   remediate.Policy
-	Executor *effect.Executor
-	// ExemptLabel: nodes carrying this label key are never touched.
-	ExemptLabel string
-	// Pause reads the fleet-wide pause request; nil: none.
-	Pause *effect.Pause
-	// Alertmanager keeps incidents alerts there and says which are
-	// silenced; nil: none.
-	Alertmanager *effect.Alertmanager
-}
 
 // remediate plans and executes one round over a verdict (leader only).
 func (a *Aggregator) remediate(v *audit.Verdict) {
@@ -185,16 +171,6 @@ func (a *Aggregator) alertmanager(ctx context.Context, am *effect.Alertmanager, 
 			n.Silenced = hold
 		}
 	}
-}
-
-// remediationState is what the remediation rounds decided for the fleet:
-// since when most nodes drift at once (MassDivergence, paged once for the
-// fleet; zero: no storm) and why every repair is held (a pause, outside
-// the windows; "" when none is), shown by the API.
-type remediationState struct {
-	mu         sync.Mutex
-	stormSince time.Time
-	hold       string
 }
 
 // stormNotice pages once when a mass divergence begins and once when it

@@ -2,6 +2,7 @@ package aggregator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/time/rate"
 
+	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
@@ -192,4 +194,35 @@ func (s *session) want(r arrived, after []arrived, missing *stream.MissingError)
 	s.w.ask(r.report.Seq, missing)
 	s.a.countNamed(r.report, missing)
 	return s.send(&stream.Message{Type: stream.TypeWant, Want: &s.w.want})
+}
+
+// frame is one message read off a stream, with when it began to arrive.
+type frame struct {
+	m       *stream.Message
+	size    int
+	release func() // gives back its decode budget
+	err     error
+	at      time.Time
+}
+
+// authenticate reviews the stream's token, at its hello or renewed; false
+// when the stream was refused.
+func (s *session) authenticate(ctx context.Context, token string) bool {
+	expires, err := s.a.cfg.Auth.Authenticate(ctx, auth.Hello{Node: s.hello.Node, Token: token, Source: s.source})
+	if err != nil {
+		var busy *auth.BusyError
+		switch {
+		case s.n != nil:
+			s.reject(ReasonAuth, "renewing the stream's token: "+err.Error())
+		case errors.As(err, &busy):
+			s.a.rejectWith(s.log, s.c, ReasonBusy, &stream.Reject{Reason: err.Error(), RetryAfterSeconds: busy.RetryAfter.Seconds()}, nil)
+		case errors.Is(err, auth.ErrBusy):
+			s.reject(ReasonBusy, err.Error())
+		default:
+			s.reject(ReasonAuth, err.Error())
+		}
+		return false
+	}
+	s.expires = expires
+	return true
 }

@@ -2,7 +2,6 @@ package aggregator
 
 import (
 	"context"
-	"net/http"
 	"slices"
 	"sync"
 	"time"
@@ -10,53 +9,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/proxyaudit/proxyaudit/audit"
-	"github.com/proxyaudit/proxyaudit/internal/aggregator/auth"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 )
-
-// Shards makes a replica one of several that share the fleet (issue #41):
-// a node's stream is taken, and the node judged, by the replica holding
-// its shard (HoldShard, run by the shard coordinator), and the leader
-// (the fleet Lease) only concludes: it reads every holder's partial
-// verdict, applies the mass-divergence guard over all of them, and alone
-// remediates, pages, writes reports and serves the findings.
-type Shards struct {
-	// Count is the number of shards, fixed for the fleet's life (every
-	// replica must agree: a node's shard is shard.Of(node, Count)).
-	Count int
-	// Holders says who holds each shard as last read, "" for a free one
-	// (the coordinator's Holders).
-	Holders func() []string
-	// Port is the port every replica serves its internal API on
-	// (InternalHandler): the leader reads the partials there. TLS: over
-	// TLS (Client verifies the replicas' certificate), else plain HTTP
-	// (--insecure-no-auth, tests).
-	Port string
-	TLS  bool
-	// Client makes this replica's requests to the others, carrying its
-	// peers token (auth.NewPeerClient); nil: http.DefaultClient.
-	Client *http.Client
-	// Auth, when set, admits the internal API's callers: the other
-	// replicas. Nil: anyone who reaches the port (--insecure-no-auth).
-	Auth *auth.PeerAuth
-}
-
-// PartialResponse is GET /internal/v1/partial[?epoch=E&since=V]: a
-// replica's judgement of the nodes of the shards it holds, version
-// Version of its run Epoch. With Since 0 Partial holds every node; else
-// only the changes after version Since (partials.go): Partial.Nodes the
-// nodes new or sent whole again, States the nodes whose state changed,
-// Gone the nodes that left. Partial's findings are always whole.
-type PartialResponse struct {
-	Replica string        `json:"replica"`
-	Shards  []int         `json:"shards"`
-	Epoch   string        `json:"epoch,omitempty"`
-	Version uint64        `json:"version,omitempty"`
-	Since   uint64        `json:"since,omitempty"`
-	Partial audit.Partial `json:"partial"`
-	States  []NodeLight   `json:"states,omitempty"`
-	Gone    []string      `json:"gone,omitempty"`
-}
 
 // maxPartialBytes bounds a partial read from a peer: at ~1 KB per node
 // status, 64 MiB is ten times the nodes a replica is sized for.
@@ -69,14 +23,6 @@ const maxPartialBytes = 64 << 20
 const partialStale = 10 * time.Second
 
 func (a *Aggregator) sharded() bool { return a.cfg.Shards != nil }
-
-// shardCount is the fleet's number of shards: 0 when not sharded.
-func shardCount(s *Shards) int {
-	if s == nil {
-		return 0
-	}
-	return max(s.Count, 1)
-}
 
 func (a *Aggregator) shardOf(node string) int { return shard.Of(node, a.cfg.Shards.Count) }
 
@@ -216,28 +162,6 @@ func partialOf(p audit.Partial, v *audit.Verdict, recovering bool) audit.Partial
 		p.Drift, p.Drifted = nil, map[string]time.Time{}
 	}
 	return p
-}
-
-// gathered is one holder's partial as the leader last read it: another
-// replica's kept from its answers (mirror), or this replica's own.
-type gathered struct {
-	mirror *partialMirror
-	own    *PartialResponse
-	at     time.Time
-}
-
-func (g gathered) shards() []int {
-	if g.own != nil {
-		return g.own.Shards
-	}
-	return g.mirror.shards
-}
-
-func (g gathered) whole() audit.Partial {
-	if g.own != nil {
-		return g.own.Partial
-	}
-	return g.mirror.whole()
 }
 
 // gatherPartials reads every holder's partial (this replica's own from

@@ -14,10 +14,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
-func (a *Aggregator) sent(n int, _ error) {
-	a.cfg.Metrics.StreamBytes.WithLabelValues("out").Add(float64(n))
-}
-
 // Serve accepts collector streams on ln until ctx ends, then closes them
 // and returns once every stream's goroutine has finished.
 func (a *Aggregator) Serve(ctx context.Context, ln net.Listener) error {
@@ -187,15 +183,6 @@ const (
 	smallMessage  = 4 << 10
 	maxHelloBytes = 64 << 10
 )
-
-// frame is one message read off a stream, with when it began to arrive.
-type frame struct {
-	m       *stream.Message
-	size    int
-	release func() // gives back its decode budget
-	err     error
-	at      time.Time
-}
 
 // handle runs one collector's stream: the transport around its session.
 // It reads the hello, lets admission open a session for it, then reads
