@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -215,121 +216,123 @@ func TestPartialChangesThatDoNotFollow(t *testing.T) {
 // full again; a peer that sends changes the leader cannot follow is a
 // failed read, its last good partial standing.
 func TestLeaderReadsChangesFromAReplica(t *testing.T) {
-	const shards = 2
-	port, peers := peersOn(t, 1)
-	b := peers[0]
-	clk := clocktesting.NewFakeClock(t0)
-	holders := []string{"127.0.0.1:9443", b.identity}
-	leader := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, viewExpecting(t, nodesIn(1, shards, 500)))
-	var queries atomic.Value
-	replica := func() *Aggregator {
-		r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, Port: port}}, view.New(view.Config{Client: fake.NewClientset()}))
-		h := r.InternalHandler()
-		b.handle(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-			queries.Store(req.URL.RawQuery)
-			h.ServeHTTP(w, req)
-		}))
-		return r
-	}
-	holder := replica()
-	in1 := nodesIn(1, shards, 500)
-	part := func(stuck string) audit.Partial {
-		p := audit.Partial{At: clk.Now(), Drifted: map[string]time.Time{}}
-		for _, n := range in1 {
-			st := audit.NodeStatus{Node: n, State: audit.NodeInSync, LastReport: clk.Now(), Services: 1000, InSync: 1000,
-				KubeProxy: &audit.KubeProxySignal{LastSync: clk.Now(), Version: "v1.34.2"}, Collector: &audit.CollectorCost{Reader: "netlink", Reads: map[string]uint64{"change": 7}}}
-			if n == stuck {
-				st.State = audit.NodeStuck
-				p.Drift = append(p.Drift, audit.TimedFinding{Since: clk.Now(), Finding: audit.Finding{Node: n, Kind: audit.StuckProxy}})
-				p.Drifted[n] = clk.Now()
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 2
+		port, client, peers := peersOn(t, 1)
+		b := peers[0]
+		clk := clocktesting.NewFakeClock(t0)
+		holders := []string{"127.0.0.1:9443", b.identity}
+		leader := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
+			Shards: &Shards{Count: shards, Port: port, Client: client, Holders: func() []string { return holders }}}, viewExpecting(t, nodesIn(1, shards, 500)))
+		var queries atomic.Value
+		replica := func() *Aggregator {
+			r := New(Config{Self: b.identity, Log: zaptest.NewLogger(t), Clock: clk, Shards: &Shards{Count: shards, Port: port, Client: client}}, view.New(view.Config{Client: fake.NewClientset()}))
+			h := r.InternalHandler()
+			b.handle(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+				queries.Store(req.URL.RawQuery)
+				h.ServeHTTP(w, req)
+			}))
+			return r
+		}
+		holder := replica()
+		in1 := nodesIn(1, shards, 500)
+		part := func(stuck string) audit.Partial {
+			p := audit.Partial{At: clk.Now(), Drifted: map[string]time.Time{}}
+			for _, n := range in1 {
+				st := audit.NodeStatus{Node: n, State: audit.NodeInSync, LastReport: clk.Now(), Services: 1000, InSync: 1000,
+					KubeProxy: &audit.KubeProxySignal{LastSync: clk.Now(), Version: "v1.34.2"}, Collector: &audit.CollectorCost{Reader: "netlink", Reads: map[string]uint64{"change": 7}}}
+				if n == stuck {
+					st.State = audit.NodeStuck
+					p.Drift = append(p.Drift, audit.TimedFinding{Since: clk.Now(), Finding: audit.Finding{Node: n, Kind: audit.StuckProxy}})
+					p.Drifted[n] = clk.Now()
+				}
+				p.Nodes = append(p.Nodes, st)
 			}
-			p.Nodes = append(p.Nodes, st)
+			return p
 		}
-		return p
-	}
-	leader.publishPartial(audit.Partial{}, []int{0})
-	bytes := func(kind string) float64 {
-		return testutil.ToFloat64(leader.cfg.Metrics.PartialReadBytes.WithLabelValues(kind))
-	}
-	gather := func() map[string]audit.NodeStatus {
-		t.Helper()
-		parts, unheard := leader.gatherPartials(context.Background(), clk.Now())
-		if len(unheard) != 0 {
-			t.Fatalf("shards %v unheard", unheard)
+		leader.publishPartial(audit.Partial{}, []int{0})
+		bytes := func(kind string) float64 {
+			return testutil.ToFloat64(leader.cfg.Metrics.PartialReadBytes.WithLabelValues(kind))
 		}
-		out := map[string]audit.NodeStatus{}
-		for _, p := range parts {
-			for _, st := range p.Nodes {
-				out[st.Node] = st
+		gather := func() map[string]audit.NodeStatus {
+			t.Helper()
+			parts, unheard := leader.gatherPartials(context.Background(), clk.Now())
+			if len(unheard) != 0 {
+				t.Fatalf("shards %v unheard", unheard)
 			}
+			out := map[string]audit.NodeStatus{}
+			for _, p := range parts {
+				for _, st := range p.Nodes {
+					out[st.Node] = st
+				}
+			}
+			return out
 		}
-		return out
-	}
 
-	holder.publishPartial(part(""), []int{1})
-	if got := gather(); len(got) != len(in1) {
-		t.Fatalf("first read: %d nodes, want %d", len(got), len(in1))
-	}
-	full := bytes("full")
-	stuck := in1[17]
-	clk.Step(time.Second)
-	holder.publishPartial(part(stuck), []int{1})
-	got := gather()
-	if got[stuck].State != audit.NodeStuck || len(got) != len(in1) {
-		t.Fatalf("after a change: %s is %s among %d nodes, want Stuck among %d", stuck, got[stuck].State, len(got), len(in1))
-	}
-	if q, _ := queries.Load().(string); !strings.Contains(q, "since=1") {
-		t.Errorf("the second read asked %q, want the changes since version 1", q)
-	}
-	if c := bytes("changes"); c == 0 || c*5 > full {
-		t.Errorf("a second's changes (one node stuck, every node's last report moved) read %.0f bytes, all %d nodes %.0f: want under a fifth (a tenth of the nodes sent whole each second)", c, len(in1), full)
-	}
-	parts, _ := leader.gatherPartials(context.Background(), clk.Now())
-	if v := audit.Conclude(audit.DefaultPolicy(), parts...); len(v.Findings) != 1 || v.Findings[0].Node != stuck {
-		t.Errorf("concluded from changes: %+v, want %s's StuckProxy", v.Findings, stuck)
-	}
+		holder.publishPartial(part(""), []int{1})
+		if got := gather(); len(got) != len(in1) {
+			t.Fatalf("first read: %d nodes, want %d", len(got), len(in1))
+		}
+		full := bytes("full")
+		stuck := in1[17]
+		clk.Step(time.Second)
+		holder.publishPartial(part(stuck), []int{1})
+		got := gather()
+		if got[stuck].State != audit.NodeStuck || len(got) != len(in1) {
+			t.Fatalf("after a change: %s is %s among %d nodes, want Stuck among %d", stuck, got[stuck].State, len(got), len(in1))
+		}
+		if q, _ := queries.Load().(string); !strings.Contains(q, "since=1") {
+			t.Errorf("the second read asked %q, want the changes since version 1", q)
+		}
+		if c := bytes("changes"); c == 0 || c*5 > full {
+			t.Errorf("a second's changes (one node stuck, every node's last report moved) read %.0f bytes, all %d nodes %.0f: want under a fifth (a tenth of the nodes sent whole each second)", c, len(in1), full)
+		}
+		parts, _ := leader.gatherPartials(context.Background(), clk.Now())
+		if v := audit.Conclude(audit.DefaultPolicy(), parts...); len(v.Findings) != 1 || v.Findings[0].Node != stuck {
+			t.Errorf("concluded from changes: %+v, want %s's StuckProxy", v.Findings, stuck)
+		}
 
-	gone := in1[3]
-	in1 = slices.DeleteFunc(in1, func(n string) bool { return n == gone })
-	clk.Step(time.Second)
-	holder.publishPartial(part(stuck), []int{1})
-	if got := gather(); len(got) != len(in1) {
-		t.Errorf("after %s left the leader holds %d nodes, want %d", gone, len(got), len(in1))
-	} else if _, ok := got[gone]; ok {
-		t.Errorf("%s left and the leader still holds it", gone)
-	}
+		gone := in1[3]
+		in1 = slices.DeleteFunc(in1, func(n string) bool { return n == gone })
+		clk.Step(time.Second)
+		holder.publishPartial(part(stuck), []int{1})
+		if got := gather(); len(got) != len(in1) {
+			t.Errorf("after %s left the leader holds %d nodes, want %d", gone, len(got), len(in1))
+		} else if _, ok := got[gone]; ok {
+			t.Errorf("%s left and the leader still holds it", gone)
+		}
 
-	// The replica restarts: a new run, whose versions start again.
-	holder = replica()
-	clk.Step(time.Second)
-	holder.publishPartial(part(""), []int{1})
-	before := bytes("full")
-	if got := gather(); len(got) != len(in1) || got[stuck].State != audit.NodeInSync {
-		t.Errorf("after the replica restarted: %d nodes, %s %s; want %d, InSync", len(got), stuck, got[stuck].State, len(in1))
-	}
-	if bytes("full") == before {
-		t.Error("a restarted replica's partial was not read in full")
-	}
+		// The replica restarts: a new run, whose versions start again.
+		holder = replica()
+		clk.Step(time.Second)
+		holder.publishPartial(part(""), []int{1})
+		before := bytes("full")
+		if got := gather(); len(got) != len(in1) || got[stuck].State != audit.NodeInSync {
+			t.Errorf("after the replica restarted: %d nodes, %s %s; want %d, InSync", len(got), stuck, got[stuck].State, len(in1))
+		}
+		if bytes("full") == before {
+			t.Error("a restarted replica's partial was not read in full")
+		}
 
-	// A peer that answers changes after a version the leader does not
-	// hold: a failed read, the last good partial stands, the next read
-	// asks for everything.
-	b.serve(func(w http.ResponseWriter) {
-		json.NewEncoder(w).Encode(PartialResponse{Replica: b.identity, Shards: []int{1}, Epoch: "forged", Version: 99, Since: 98,
-			States: []NodeLight{{Node: in1[0], State: audit.NodeStuck}}})
+		// A peer that answers changes after a version the leader does not
+		// hold: a failed read, the last good partial stands, the next read
+		// asks for everything.
+		b.serve(func(w http.ResponseWriter) {
+			json.NewEncoder(w).Encode(PartialResponse{Replica: b.identity, Shards: []int{1}, Epoch: "forged", Version: 99, Since: 98,
+				States: []NodeLight{{Node: in1[0], State: audit.NodeStuck}}})
+		})
+		failed := testutil.ToFloat64(leader.cfg.Metrics.PartialReads.WithLabelValues("failed"))
+		clk.Step(time.Second)
+		if got := gather(); got[in1[0]].State != audit.NodeInSync || len(got) != len(in1) {
+			t.Errorf("changes the leader cannot follow were taken: %s %s", in1[0], got[in1[0]].State)
+		}
+		if testutil.ToFloat64(leader.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
+			t.Error("changes the leader cannot follow were not a failed read")
+		}
+		if q := leader.gathered[b.identity].mirror.query(); q != "" {
+			t.Errorf("after changes it could not follow the leader asks %q next, want everything", q)
+		}
 	})
-	failed := testutil.ToFloat64(leader.cfg.Metrics.PartialReads.WithLabelValues("failed"))
-	clk.Step(time.Second)
-	if got := gather(); got[in1[0]].State != audit.NodeInSync || len(got) != len(in1) {
-		t.Errorf("changes the leader cannot follow were taken: %s %s", in1[0], got[in1[0]].State)
-	}
-	if testutil.ToFloat64(leader.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
-		t.Error("changes the leader cannot follow were not a failed read")
-	}
-	if q := leader.gathered[b.identity].mirror.query(); q != "" {
-		t.Errorf("after changes it could not follow the leader asks %q next, want everything", q)
-	}
 }
 
 // churn is one second of a steady shard under churn: no node joins or

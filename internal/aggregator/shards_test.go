@@ -42,13 +42,14 @@ type peer struct {
 	handler  atomic.Pointer[http.Handler] // before answer, when set
 }
 
-// peersOn starts n peers on 127.0.0.2.. sharing one port, and returns it.
-func peersOn(t *testing.T, n int) (string, []*peer) {
+// peersOn starts n peers on 127.0.0.2.. of the test's network sharing
+// one port, and returns it and a client on that network (for Shards).
+func peersOn(t *testing.T, n int) (string, *http.Client, []*peer) {
 	var port string
 	var out []*peer
 	for i := range n {
 		host := fmt.Sprintf("127.0.0.%d", i+2)
-		ln, err := net.Listen("tcp", net.JoinHostPort(host, map[bool]string{true: "0", false: port}[port == ""]))
+		ln, err := netOf(t).Listen(net.JoinHostPort(host, map[bool]string{true: "0", false: port}[port == ""]))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -69,7 +70,7 @@ func peersOn(t *testing.T, n int) (string, []*peer) {
 		t.Cleanup(func() { srv.Close() })
 		out = append(out, p)
 	}
-	return port, out
+	return port, netOf(t).HTTPClient(), out
 }
 
 func (p *peer) serve(f func(w http.ResponseWriter)) {
@@ -131,87 +132,91 @@ func names(parts []audit.Partial) []string {
 // as someone else, or not at all. A shard nobody answers for is counted
 // unheard; a holder's last good partial stands for 10 s, no longer.
 func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
-	const shards = 4
-	port, peers := peersOn(t, 2)
-	a, b := peers[0], peers[1]
-	clk := clocktesting.NewFakeClock(t0)
-	holders := []string{"127.0.0.1:9443", a.identity, b.identity, ""}
-	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
-	in := func(k int) []string { return nodesIn(k, shards, 2) }
-	status := func(names []string, st audit.NodeState) []audit.NodeStatus {
-		var out []audit.NodeStatus
-		for _, n := range names {
-			out = append(out, audit.NodeStatus{Node: n, State: st})
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 4
+		port, client, peers := peersOn(t, 2)
+		a, b := peers[0], peers[1]
+		clk := clocktesting.NewFakeClock(t0)
+		holders := []string{"127.0.0.1:9443", a.identity, b.identity, ""}
+		agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk,
+			Shards: &Shards{Count: shards, Port: port, Client: client, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
+		in := func(k int) []string { return nodesIn(k, shards, 2) }
+		status := func(names []string, st audit.NodeState) []audit.NodeStatus {
+			var out []audit.NodeStatus
+			for _, n := range names {
+				out = append(out, audit.NodeStatus{Node: n, State: st})
+			}
+			return out
 		}
-		return out
-	}
-	agg.publishPartial(audit.Partial{Nodes: status(in(0), audit.NodeInSync), Reporting: 2}, []int{0})
-	// a holds shard 1, and still shows shard 2's nodes it handed to b.
-	a.serve(partialAnswer(a.identity, []int{1, 2}, append(status(in(1), audit.NodeInSync), status(in(2), audit.NodeStuck)...)...))
-	b.serve(partialAnswer(b.identity, []int{2}, status(in(2), audit.NodeInSync)...))
+		agg.publishPartial(audit.Partial{Nodes: status(in(0), audit.NodeInSync), Reporting: 2}, []int{0})
+		// a holds shard 1, and still shows shard 2's nodes it handed to b.
+		a.serve(partialAnswer(a.identity, []int{1, 2}, append(status(in(1), audit.NodeInSync), status(in(2), audit.NodeStuck)...)...))
+		b.serve(partialAnswer(b.identity, []int{2}, status(in(2), audit.NodeInSync)...))
 
-	parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
-	want := slices.Sorted(slices.Values(slices.Concat(in(0), in(1), in(2))))
-	if got := names(parts); !slices.Equal(got, want) {
-		t.Errorf("nodes gathered %v, want %v (each shard once, from its holder)", got, want)
-	}
-	if !slices.Equal(unheard, []int{3}) {
-		t.Errorf("unheard %v, want [3] (nobody holds it)", unheard)
-	}
-	v := audit.Conclude(audit.DefaultPolicy(), parts...)
-	for _, n := range v.Nodes {
-		if n.State != audit.NodeInSync {
-			t.Errorf("%s %s: a shard's former holder's view was taken over its holder's", n.Node, n.State)
+		parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
+		want := slices.Sorted(slices.Values(slices.Concat(in(0), in(1), in(2))))
+		if got := names(parts); !slices.Equal(got, want) {
+			t.Errorf("nodes gathered %v, want %v (each shard once, from its holder)", got, want)
 		}
-	}
+		if !slices.Equal(unheard, []int{3}) {
+			t.Errorf("unheard %v, want [3] (nobody holds it)", unheard)
+		}
+		v := audit.Conclude(audit.DefaultPolicy(), parts...)
+		for _, n := range v.Nodes {
+			if n.State != audit.NodeInSync {
+				t.Errorf("%s %s: a shard's former holder's view was taken over its holder's", n.Node, n.State)
+			}
+		}
 
-	hostile := []struct {
-		name string
-		f    func(w http.ResponseWriter)
-	}{
-		{"garbage", func(w http.ResponseWriter) { w.Write([]byte("{\"replica\": [1,2")) }},
-		{"another replica's name", partialAnswer("10.0.0.9:9443", []int{1}, status(in(1), audit.NodeStuck)...)},
-		{"an error", func(w http.ResponseWriter) { http.Error(w, "no", http.StatusForbidden) }},
-		{"more than 64 MiB", func(w http.ResponseWriter) {
-			w.Write([]byte(`{"replica":"` + a.identity + `","partial":{"nodes":[`))
-			chunk := []byte(strings.Repeat(`{"node":"x"},`, 1<<12))
-			for written := 0; written <= maxPartialBytes; written += len(chunk) {
-				if _, err := w.Write(chunk); err != nil {
-					return
+		hostile := []struct {
+			name string
+			f    func(w http.ResponseWriter)
+		}{
+			{"garbage", func(w http.ResponseWriter) { w.Write([]byte("{\"replica\": [1,2")) }},
+			{"another replica's name", partialAnswer("10.0.0.9:9443", []int{1}, status(in(1), audit.NodeStuck)...)},
+			{"an error", func(w http.ResponseWriter) { http.Error(w, "no", http.StatusForbidden) }},
+			{"more than 64 MiB", func(w http.ResponseWriter) {
+				w.Write([]byte(`{"replica":"` + a.identity + `","partial":{"nodes":[`))
+				chunk := []byte(strings.Repeat(`{"node":"x"},`, 1<<12))
+				for written := 0; written <= maxPartialBytes; written += len(chunk) {
+					if _, err := w.Write(chunk); err != nil {
+						return
+					}
 				}
-			}
-		}},
-		{"silence", nil}, // answers nothing until the leader gives up
-	}
-	for _, h := range hostile {
-		t.Run(h.name, func(t *testing.T) {
-			a.serve(h.f)
-			if h.f == nil {
-				a.answerWith(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
-			}
-			failed := testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed"))
-			clk.Step(time.Second)
-			start := time.Now()
-			parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
-			if took := time.Since(start); took > 2500*time.Millisecond && !raceEnabled {
-				t.Errorf("a peer's %s held the leader %s (bound: 2 s)", h.name, took)
-			}
-			if testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
-				t.Errorf("a peer's %s was not counted as a failed read", h.name)
-			}
-			// Its last good partial stands (within 10 s).
-			if got := names(parts); !slices.Equal(got, want) || !slices.Equal(unheard, []int{3}) {
-				t.Errorf("after a peer's %s: nodes %v, unheard %v; want %v and [3] (its last good partial)", h.name, got, unheard, want)
-			}
-		})
-	}
-	a.serve(func(w http.ResponseWriter) { http.Error(w, "gone", http.StatusServiceUnavailable) })
-	clk.Step(partialStale + time.Second)
-	parts, unheard = agg.gatherPartials(context.Background(), clk.Now())
-	if got := names(parts); slices.ContainsFunc(got, func(n string) bool { return slices.Contains(in(1), n) }) || !slices.Equal(unheard, []int{1, 3}) {
-		t.Errorf("a holder silent for over 10 s: nodes %v, unheard %v; want its shard 1 unheard", got, unheard)
-	}
+			}},
+			{"silence", nil}, // answers nothing until the leader gives up
+		}
+		// One after another in the bubble (no subtests in a bubble).
+		for _, h := range hostile {
+			func() {
+				a.serve(h.f)
+				if h.f == nil {
+					a.answerWith(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+				}
+				failed := testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed"))
+				clk.Step(time.Second)
+				start := time.Now()
+				parts, unheard := agg.gatherPartials(context.Background(), clk.Now())
+				// The bubble's time: exactly what the leader waited.
+				if took := time.Since(start); took > 2*time.Second {
+					t.Errorf("a peer's %s held the leader %s (bound: 2 s)", h.name, took)
+				}
+				if testutil.ToFloat64(agg.cfg.Metrics.PartialReads.WithLabelValues("failed")) != failed+1 {
+					t.Errorf("a peer's %s was not counted as a failed read", h.name)
+				}
+				// Its last good partial stands (within 10 s).
+				if got := names(parts); !slices.Equal(got, want) || !slices.Equal(unheard, []int{3}) {
+					t.Errorf("after a peer's %s: nodes %v, unheard %v; want %v and [3] (its last good partial)", h.name, got, unheard, want)
+				}
+			}()
+		}
+		a.serve(func(w http.ResponseWriter) { http.Error(w, "gone", http.StatusServiceUnavailable) })
+		clk.Step(partialStale + time.Second)
+		parts, unheard = agg.gatherPartials(context.Background(), clk.Now())
+		if got := names(parts); slices.ContainsFunc(got, func(n string) bool { return slices.Contains(in(1), n) }) || !slices.Equal(unheard, []int{1, 3}) {
+			t.Errorf("a holder silent for over 10 s: nodes %v, unheard %v; want its shard 1 unheard", got, unheard)
+		}
+	})
 }
 
 // The mass-divergence guard sees the fleet, not a shard: every node of
@@ -219,42 +224,44 @@ func TestGatherTakesEachShardOnceFromItsHolder(t *testing.T) {
 // reported node by node; the same drift over most shards is one
 // MassDivergence and no node finding.
 func TestConcludeOverShardsGuardsTheFleet(t *testing.T) {
-	const shards = 3
-	port, peers := peersOn(t, 2)
-	clk := clocktesting.NewFakeClock(t0)
-	holders := []string{"127.0.0.1:9443", peers[0].identity, peers[1].identity}
-	agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk, Policy: audit.Policy{MassShare: 0.5, MassMinNodes: 3},
-		Shards: &Shards{Count: shards, Port: port, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
-	st := func(k int, s audit.NodeState) []audit.NodeStatus {
-		var out []audit.NodeStatus
-		for _, n := range nodesIn(k, shards, 2) {
-			out = append(out, audit.NodeStatus{Node: n, State: s})
+	synctest.Test(t, func(t *testing.T) {
+		const shards = 3
+		port, client, peers := peersOn(t, 2)
+		clk := clocktesting.NewFakeClock(t0)
+		holders := []string{"127.0.0.1:9443", peers[0].identity, peers[1].identity}
+		agg := New(Config{Self: "127.0.0.1:9443", Log: zaptest.NewLogger(t), Clock: clk, Policy: audit.Policy{MassShare: 0.5, MassMinNodes: 3},
+			Shards: &Shards{Count: shards, Port: port, Client: client, Holders: func() []string { return holders }}}, view.New(view.Config{Client: fake.NewClientset()}))
+		st := func(k int, s audit.NodeState) []audit.NodeStatus {
+			var out []audit.NodeStatus
+			for _, n := range nodesIn(k, shards, 2) {
+				out = append(out, audit.NodeStatus{Node: n, State: s})
+			}
+			return out
 		}
-		return out
-	}
-	own := func(s audit.NodeState) {
-		rec := httptest.NewRecorder()
-		partialAnswer(agg.cfg.Self, []int{0}, st(0, s)...)(rec)
-		var p PartialResponse
-		json.Unmarshal(rec.Body.Bytes(), &p)
-		agg.publishPartial(p.Partial, []int{0})
-	}
-	own(audit.NodeInSync)
-	peers[0].serve(partialAnswer(peers[0].identity, []int{1}, st(1, audit.NodeStuck)...))
-	peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeInSync)...))
-	parts, _ := agg.gatherPartials(context.Background(), clk.Now())
-	v := audit.Conclude(agg.cfg.Policy, parts...)
-	if kinds := kindsOf(v); strings.Contains(kinds, string(audit.MassDivergence)) || strings.Count(kinds, string(audit.StaleEndpoint)) != 2 {
-		t.Errorf("one shard's 2 of 6 nodes drifted: %s; want their 2 findings", kinds)
-	}
-	own(audit.NodeStuck)
-	peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeStuck)...))
-	clk.Step(time.Second)
-	parts, _ = agg.gatherPartials(context.Background(), clk.Now())
-	v = audit.Conclude(agg.cfg.Policy, parts...)
-	if kinds := kindsOf(v); kinds != ":"+string(audit.MassDivergence) {
-		t.Errorf("every shard's nodes drifted: %s; want one MassDivergence", kinds)
-	}
+		own := func(s audit.NodeState) {
+			rec := httptest.NewRecorder()
+			partialAnswer(agg.cfg.Self, []int{0}, st(0, s)...)(rec)
+			var p PartialResponse
+			json.Unmarshal(rec.Body.Bytes(), &p)
+			agg.publishPartial(p.Partial, []int{0})
+		}
+		own(audit.NodeInSync)
+		peers[0].serve(partialAnswer(peers[0].identity, []int{1}, st(1, audit.NodeStuck)...))
+		peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeInSync)...))
+		parts, _ := agg.gatherPartials(context.Background(), clk.Now())
+		v := audit.Conclude(agg.cfg.Policy, parts...)
+		if kinds := kindsOf(v); strings.Contains(kinds, string(audit.MassDivergence)) || strings.Count(kinds, string(audit.StaleEndpoint)) != 2 {
+			t.Errorf("one shard's 2 of 6 nodes drifted: %s; want their 2 findings", kinds)
+		}
+		own(audit.NodeStuck)
+		peers[1].serve(partialAnswer(peers[1].identity, []int{2}, st(2, audit.NodeStuck)...))
+		clk.Step(time.Second)
+		parts, _ = agg.gatherPartials(context.Background(), clk.Now())
+		v = audit.Conclude(agg.cfg.Policy, parts...)
+		if kinds := kindsOf(v); kinds != ":"+string(audit.MassDivergence) {
+			t.Errorf("every shard's nodes drifted: %s; want one MassDivergence", kinds)
+		}
+	})
 }
 
 // The internal API admits the aggregator's own ServiceAccount, with a

@@ -1,5 +1,0 @@
-//go:build !race
-
-package aggregator
-
-const raceEnabled = false
