@@ -125,6 +125,13 @@ func realTime() { time.Sleep(5 * time.Millisecond) }
 // the servers it starts reach each other there.
 var nets sync.Map // *testing.T → *testkit.MemNet
 
+// noCPU is the collectors' CPU meter in these tests: their reads cost
+// nothing. The process's CPU is every goroutine's, the aggregator's and
+// the race detector's too, and the spacing it sets (a read that "cost" a
+// second under load was followed by the next 20 s later) is the
+// collector's own tests' (TestClientReadBudget), not these.
+func noCPU() time.Duration { return 0 }
+
 // netOf is t's network.
 func netOf(t *testing.T) *testkit.MemNet {
 	if mn, ok := nets.Load(t); ok {
@@ -300,7 +307,7 @@ func (h *harness) collectorEvery(ctx context.Context, node string, interval time
 	h.wg.Add(1)
 	go func() {
 		defer h.wg.Done()
-		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, TokenFile: "", Clock: h.clk, Dial: h.net.Dial,
+		collector.Run(ctx, collector.Config{Node: node, Aggregator: h.addr, Interval: interval, CPUTime: noCPU, TokenFile: "", Clock: h.clk, Dial: h.net.Dial,
 			Version: "v0.1.0-test\x1b[2J",
 			Log:     zaptest.NewLogger(h.t).Named(node),
 			Reader:  &collectortest.Reader{Rules: func() (*audit.Observed, error) { return read(), nil }}})
@@ -497,15 +504,10 @@ func TestReadNowBringsTheFindingForward(t *testing.T) {
 		// Its first report comes when it is already further behind than a
 		// healthy kube-proxy ever is (readNowMinLag), but within grace.
 		h.advance(readNowMinLag+500*time.Millisecond, nil)
-		// The collector spaces reads by its last read's CPU over its budget
-		// (5 %); it measures its process's CPU, which here is the aggregator's
-		// too: under load one read "cost" a second, the next read came 20 s
-		// later and the test flaked. A whole core's budget leaves the spacing
-		// at its floor, which is what this test is not about.
 		h.wg.Add(1)
 		go func() {
 			defer h.wg.Done()
-			collector.Run(h.ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: 30 * time.Second, Clock: h.clk, ReadBudget: 1, Dial: h.net.Dial,
+			collector.Run(h.ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: 30 * time.Second, CPUTime: noCPU, Clock: h.clk, Dial: h.net.Dial,
 				Log:    zaptest.NewLogger(t).Named("n1"),
 				Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return old, nil }}})
 		}()

@@ -69,7 +69,7 @@ func TestStaleConntrackThroughTheStream(t *testing.T) {
 		ct := &fakeConntrack{}
 		ct.set([]audit.ConntrackFlows{live, dead}, nil)
 		for _, name := range []string{"n1", "n2", "n3"} {
-			cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
+			cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, CPUTime: noCPU, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
 				Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
 			if name == "n3" {
 				cfg.Conntrack, cfg.ConntrackInterval = ct, time.Second
@@ -209,7 +209,7 @@ func TestStaleConntrackFlushedThroughTheStream(t *testing.T) {
 					Incidents: &effect.Incidents{Client: client, Namespace: "proxyaudit", Name: "proxyaudit-incidents"}}
 				h.agg.cfg.Remediation = &Remediation{Policy: p, Executor: ex}
 				for _, name := range []string{"n1", "n2", "n3"} {
-					cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
+					cfg := collector.Config{Node: name, Aggregator: h.addr, Interval: time.Second, CPUTime: noCPU, Clock: h.clk, Dial: h.net.Dial, Log: zaptest.NewLogger(t).Named(name),
 						Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}}
 					if name == "n3" {
 						cfg.Conntrack, cfg.ConntrackInterval, cfg.ConntrackDelete = ct, time.Second, tc.delete

@@ -110,7 +110,7 @@ func (r *replicas) start(ln net.Listener, name string) (agg *Aggregator, stop co
 func (r *replicas) collector(port, first string) (logs *observer.ObservedLogs, lookups *atomic.Int32) {
 	lookups = &atomic.Int32{}
 	core, logs := observer.New(zapcore.InfoLevel)
-	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, Clock: clock.RealClock{}, Dial: netOf(r.t).Dial,
+	cfg := collector.Config{Node: "n1", Aggregator: "agg-headless.proxyaudit.svc:" + port, Interval: time.Second, CPUTime: noCPU, Clock: clock.RealClock{}, Dial: netOf(r.t).Dial,
 		Log:    zap.New(zapcore.NewTee(core, zaptest.NewLogger(r.t).Named("n1").Core())),
 		Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(r.t), nil }},
 		Lookup: func(_ context.Context, host string) ([]string, error) {

@@ -77,7 +77,7 @@ func TestCollectorRenewsRotatedToken(t *testing.T) {
 		h.wg.Add(1)
 		go func() {
 			defer h.wg.Done()
-			collector.Run(ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: time.Second, TokenFile: file, Clock: h.clk, Dial: h.net.Dial,
+			collector.Run(ctx, collector.Config{Node: "n1", Aggregator: h.addr, Interval: time.Second, CPUTime: noCPU, TokenFile: file, Clock: h.clk, Dial: h.net.Dial,
 				Log:    zaptest.NewLogger(t).Named("n1"),
 				Reader: &collectortest.Reader{Rules: func() (*audit.Observed, error) { return rules(t), nil }}})
 		}()

@@ -60,6 +60,11 @@ type Config struct {
 	// DefaultReadBurstWindow).
 	ReadBudget float64
 	ReadBurst  time.Duration
+	// CPUTime is what the read budget measures a read's cost by: nil is
+	// the CPU this process and the children it waited for used. Tests
+	// in a synctest bubble give their own: the process's CPU is every
+	// goroutine's, the aggregator's too when both run in one test.
+	CPUTime func() time.Duration
 	// Conntrack reads the node's conntrack table; nil: not read.
 	// ConntrackInterval is the least time between two reads (a report
 	// reads it when that much has passed since the last): a hung

@@ -3,8 +3,5 @@ package collector
 // MinReadGap is minReadGap, for the tests of package collector_test.
 const MinReadGap = minReadGap
 
-// ReadWait and CPUTime, for the tests of package collector_test.
-var (
-	ReadWait = readWait
-	CPUTime  = cpuTime
-)
+// ReadWait, for the tests of package collector_test.
+var ReadWait = readWait

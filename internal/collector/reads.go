@@ -328,7 +328,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 		kpSync = c.kp.LastSync
 	}
 	c.readAt = c.cfg.Clock.Now()
-	before := cpuTime()
+	before := c.cpu()
 	start := time.Now()
 	var obs *audit.Observed
 	var changes *audit.Changes
@@ -345,7 +345,7 @@ func (c *client) read(ctx context.Context, why stream.ReadReason) error {
 	}
 	c.cost.Reads[why]++
 	c.cost.LastSeconds = time.Since(start).Seconds()
-	spent := cpuTime() - before
+	spent := c.cpu() - before
 	c.cost.LastCPUSeconds = spent.Seconds()
 	c.credit.spend(c.cfg.Clock.Now(), spent)
 	if b, ok := c.reader.(interface{ BytesRead() int64 }); ok {
@@ -458,6 +458,14 @@ func clipText(s string) string {
 		return s[:500]
 	}
 	return s
+}
+
+// cpu is what the read budget measures reads by (Config.CPUTime).
+func (c *client) cpu() time.Duration {
+	if c.cfg.CPUTime != nil {
+		return c.cfg.CPUTime()
+	}
+	return cpuTime()
 }
 
 // cpuTime is the CPU this process and the children it waited for used.
