@@ -18,7 +18,7 @@ import (
 // and the shards held. Its methods decide and change only the fleet:
 // none takes a lock, writes to a stream or calls out. The Aggregator
 // calls them holding a.mu, and carries out what they return (streams to
-// close or to ask, nodes to forget) once it let go.
+// close or to ask, nodes to forget) once it lets go.
 type fleet struct {
 	policy  audit.Policy
 	nodes   map[string]*node
