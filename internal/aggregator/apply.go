@@ -2,7 +2,6 @@ package aggregator
 
 import (
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
@@ -26,39 +25,10 @@ const maxReadError = 512
 // began to arrive (see arrived).
 func (a *Aggregator) apply(n *node, c *conn, r *stream.Report, now time.Time, interval time.Duration, resumed bool) (ok bool, reason RejectReason, why string, missing *stream.MissingError) {
 	a.mu.Lock()
-	if n.conn != c || !a.ownsLocked(n.name) {
+	if reason, why := a.fleet.received(n, c, a.ownsLocked(n.name), r, resumed); reason != "" {
 		a.mu.Unlock()
-		return true, ReasonProtocol, "stream superseded", nil
+		return reason != ReasonReplay, reason, why, nil
 	}
-	if r.Seq <= n.lastSeq && !(resumed && r.Seq == n.lastSeq) {
-		a.mu.Unlock()
-		return false, ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq), nil
-	}
-	if r.Reads != nil {
-		if err := r.Reads.Validate(); err != nil {
-			a.mu.Unlock()
-			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
-		}
-	}
-	if err := r.CheckFacts(); err != nil {
-		a.mu.Unlock()
-		return true, ReasonInvalid, "invalid report: " + err.Error(), nil
-	}
-	if ct := r.Conntrack; ct != nil {
-		// Kept as soon as it is valid: it does not depend on the rules.
-		if ct.Error != "" {
-			n.conntrack, n.conntrackErr = nil, safetext.Clean(ct.Error, maxReadError)
-		} else if m, err := ct.Model(); err != nil {
-			a.mu.Unlock()
-			return true, ReasonInvalid, "invalid report: " + err.Error(), nil
-		} else {
-			n.conntrack, n.conntrackErr = m, ""
-		}
-	}
-	// A read error is shown to people (explain, report, Slack): clean
-	// and short.
-	r.ReadError = safetext.Clean(r.ReadError, maxReadError)
-	n.lastSeq = r.Seq
 	hb := audit.Heartbeat{At: now, Interval: interval, Mode: audit.Mode(r.Mode), ReadError: r.ReadError, KubeProxy: kubeProxySignal(r.KubeProxy),
 		Cost: a.collectorCost(n, r.Reads)}
 	if r.ReadError != "" {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/proxyaudit/proxyaudit/audit"
+	"github.com/proxyaudit/proxyaudit/internal/safetext"
 	"github.com/proxyaudit/proxyaudit/internal/shard"
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
@@ -279,6 +280,41 @@ func (f *fleet) warnUnaudited(v *audit.Verdict, families []int) {
 			}
 		}
 	}
+}
+
+// received checks report r, which came on stream c, against node n's
+// record (owns: this replica takes n's stream), and keeps what it carries
+// besides the rules: its sequence, its conntrack counts, its read error
+// (cleaned: people read it in explain, the report and Slack). It returns
+// why the stream must end ("" when it goes on).
+func (f *fleet) received(n *node, c *conn, owns bool, r *stream.Report, resumed bool) (RejectReason, string) {
+	switch {
+	case n.conn != c || !owns:
+		return ReasonProtocol, "stream superseded"
+	case r.Seq <= n.lastSeq && !(resumed && r.Seq == n.lastSeq):
+		return ReasonReplay, fmt.Sprintf("report seq %d not after %d: replayed or reordered", r.Seq, n.lastSeq)
+	}
+	if r.Reads != nil {
+		if err := r.Reads.Validate(); err != nil {
+			return ReasonInvalid, "invalid report: " + err.Error()
+		}
+	}
+	if err := r.CheckFacts(); err != nil {
+		return ReasonInvalid, "invalid report: " + err.Error()
+	}
+	if ct := r.Conntrack; ct != nil {
+		// Kept as soon as it is valid: it does not depend on the rules.
+		if ct.Error != "" {
+			n.conntrack, n.conntrackErr = nil, safetext.Clean(ct.Error, maxReadError)
+		} else if m, err := ct.Model(); err != nil {
+			return ReasonInvalid, "invalid report: " + err.Error()
+		} else {
+			n.conntrack, n.conntrackErr = m, ""
+		}
+	}
+	r.ReadError = safetext.Clean(r.ReadError, maxReadError)
+	n.lastSeq = r.Seq
+	return "", ""
 }
 
 // applied records that report r, arriving at now, brought node n's copy

@@ -170,3 +170,46 @@ func TestRegisterStartsTheNodeAfresh(t *testing.T) {
 		t.Errorf("the node kept its old stream's state: %+v", n)
 	}
 }
+
+// TestReceivedChecksAReportAgainstTheNodesRecord: a report is refused when
+// its stream was superseded or is no longer this replica's, when it does
+// not come after the last (but for the one a want resumes), or when what
+// it says besides the rules is invalid, and then nothing of it is kept;
+// else its sequence, conntrack counts and cleaned read error are.
+func TestReceivedChecksAReportAgainstTheNodesRecord(t *testing.T) {
+	f := newFleet(audit.DefaultPolicy(), 0)
+	c := &conn{}
+	n, _ := f.register("n1", "v1", c, stream.NewPool())
+	steps := []struct {
+		what    string
+		c       *conn
+		owns    bool
+		r       stream.Report
+		resumed bool
+		want    RejectReason
+	}{
+		{"the first report", c, true, stream.Report{Seq: 1, ReadError: "\x1b[2Jcannot read"}, false, ""},
+		{"a replay", c, true, stream.Report{Seq: 1}, false, ReasonReplay},
+		{"the report a want resumes", c, true, stream.Report{Seq: 1}, true, ""},
+		{"an older one", c, true, stream.Report{Seq: 0}, true, ReasonReplay},
+		{"another stream's", &conn{}, true, stream.Report{Seq: 2}, false, ReasonProtocol},
+		{"a shard given up", c, false, stream.Report{Seq: 2}, false, ReasonProtocol},
+		{"bad conntrack counts", c, true, stream.Report{Seq: 2, Conntrack: &stream.Conntrack{Entries: -1}}, false, ReasonInvalid},
+		{"good ones", c, true, stream.Report{Seq: 3, Conntrack: &stream.Conntrack{Entries: 7}}, false, ""},
+	}
+	for _, s := range steps {
+		r, seq := s.r, n.lastSeq
+		if got, why := f.received(n, s.c, s.owns, &r, s.resumed); got != s.want {
+			t.Fatalf("%s: %q (%s), want %q", s.what, got, why, s.want)
+		}
+		if s.want != "" && n.lastSeq != seq {
+			t.Errorf("%s: refused, and yet its sequence %d was kept", s.what, n.lastSeq)
+		}
+		if s.what == "the first report" && (strings.Contains(r.ReadError, "\x1b") || !strings.Contains(r.ReadError, "cannot read")) {
+			t.Errorf("the read error kept raw: %q", r.ReadError)
+		}
+	}
+	if n.lastSeq != 3 || n.conntrack == nil || n.conntrack.Entries != 7 {
+		t.Errorf("kept seq %d, conntrack %+v; want 3 and 7 entries (the refused reports left nothing)", n.lastSeq, n.conntrack)
+	}
+}
