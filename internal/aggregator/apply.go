@@ -12,9 +12,6 @@ import (
 	"github.com/proxyaudit/proxyaudit/internal/stream"
 )
 
-// maxReadError bounds the read error a node's report may carry.
-const maxReadError = 512
-
 // apply records one report. It returns whether the copy matches the
 // collector's root; a reason when the stream must end. The report is
 // validated and applied to a copy outside the lock (a full snapshot at the

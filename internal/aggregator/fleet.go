@@ -282,6 +282,9 @@ func (f *fleet) warnUnaudited(v *audit.Verdict, families []int) {
 	}
 }
 
+// maxReadError bounds the read error a node's report may carry.
+const maxReadError = 512
+
 // received checks report r, which came on stream c, against node n's
 // record (owns: this replica takes n's stream), and keeps what it carries
 // besides the rules: its sequence, its conntrack counts, its read error
